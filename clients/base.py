@@ -1,0 +1,187 @@
+"""The base of every client: data, model, randomness and replies from a real Message.
+
+A client object lives for one message: the ClientApp builds it from the
+incoming :class:`~flwr.app.Message` and the node's :class:`~flwr.app.Context`,
+calls :meth:`FederatedClient.train` (or ``evaluate``/``describe``) and returns
+the reply. Everything it needs arrives in the message (hyperparameters under
+the keys of :mod:`fl_app.keys`) or lives in the context (``node_config`` for
+the data, ``state`` for what must persist across rounds); the data set of a
+simulated client is loaded once per process and reused (see
+:func:`fl_app.data.federated.federated_data`).
+
+Privacy noise is drawn from OS entropy when the message asks for it or when the
+client does not run in a simulation (a real device ignores any seed the server
+sends, so the server can never reproduce a device's noise).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from torch import nn
+
+from fl_app import keys
+from fl_app.data.federated import ClientDataset, DataSpec, federated_data
+from fl_app.data.local import load_local_dataset
+from fl_app.models import ModelSpec
+from fl_app.privacy.rng import RandomSource, make_generator
+from fl_app.training import evaluate, load_arrays, train_local
+
+
+class FederatedClient:
+    """Common machinery of all clients; subclasses implement :meth:`train`.
+
+    Parameters
+    ----------
+    message : Message
+        The incoming message (train, evaluate or query).
+    context : Context
+        The node's context (``node_config``, persistent ``state``).
+
+    """
+
+    def __init__(self, message: Message, context: Context) -> None:
+        self.message = message
+        self.context = context
+        content = message.content
+        self.config: ConfigRecord = (
+            content.config_records[keys.CONFIG] if keys.CONFIG in content.config_records else ConfigRecord()
+        )
+        threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+        if threads > 0 and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+
+    # ------------------------------------------------------------------ identity
+
+    @property
+    def in_simulation(self) -> bool:
+        """True for a simulated node (it has a ``partition-id``)."""
+        return keys.NODE_PARTITION_ID in self.context.node_config
+
+    @property
+    def client_id(self) -> int:
+        """Stable id: the partition id in simulation, the node id on a device."""
+        if self.in_simulation:
+            return int(self.context.node_config[keys.NODE_PARTITION_ID])
+        return int(self.context.node_id)
+
+    @property
+    def server_round(self) -> int:
+        """The round this message belongs to (0 outside rounds)."""
+        return int(self.config.get(keys.SERVER_ROUND, 0))
+
+    # ------------------------------------------------------------------ data and model
+
+    def local_data(self) -> ClientDataset:
+        """Return the labelled training data of this client.
+
+        Simulation: the partition ``partition-id`` of the split described by the
+        message's data spec (cached per process). Device: the file or folder in
+        ``node_config["data-path"]``.
+        """
+        if self.in_simulation:
+            spec = DataSpec.from_json(str(self.config[keys.DATA_SPEC]))
+            return federated_data(spec).client(self.client_id)
+        if keys.NODE_DATA_PATH not in self.context.node_config:
+            raise ValueError("this SuperNode has no data: start it with --node-config 'data-path=\"<file>\"'")
+        return load_local_dataset(str(self.context.node_config[keys.NODE_DATA_PATH]))
+
+    def model_spec(self) -> ModelSpec:
+        """The architecture the server asked for."""
+        return ModelSpec.from_json(str(self.config[keys.MODEL_SPEC]))
+
+    def incoming_arrays(self) -> ArrayRecord:
+        """The ArrayRecord the server sent."""
+        return self.message.content.array_records[keys.ARRAYS]
+
+    def global_model(self) -> nn.Module:
+        """Build the model and load the server's arrays into it."""
+        model = self.model_spec().build()
+        load_arrays(model, self.incoming_arrays())
+        return model
+
+    def train_locally(self, model: nn.Module, x: np.ndarray, y: np.ndarray, **extra: Any) -> float:
+        """Local SGD with the train config's hyperparameters; returns the mean loss.
+
+        ``extra`` goes to :func:`fl_app.training.train_local` (e.g. ``proximal_mu``).
+        """
+        return train_local(
+            model,
+            x,
+            y,
+            epochs=int(self.config[keys.LOCAL_EPOCHS]),
+            batch_size=int(self.config[keys.BATCH_SIZE]),
+            lr=float(self.config[keys.LR]),
+            momentum=float(self.config.get(keys.MOMENTUM, 0.0)),
+            rng=self.generator("data-order"),
+            **extra,
+        )
+
+    # ------------------------------------------------------------------ randomness
+
+    def generator(self, purpose: str) -> np.random.Generator:
+        """Non-privacy randomness (data order), derived from the run seed."""
+        return make_generator(
+            seed=int(self.config.get(keys.SEED, 0)),
+            secure=False,
+            purpose=purpose,
+            client=self.client_id,
+            server_round=self.server_round,
+        )
+
+    @property
+    def noise_source(self) -> RandomSource:
+        """Where privacy noise comes from: OS entropy unless a seeded simulation."""
+        secure = bool(self.config.get(keys.SECURE_RNG, False)) or not self.in_simulation
+        if secure or keys.NOISE_SEED not in self.config:
+            return RandomSource(seed=None, secure=True)
+        return RandomSource(seed=int(self.config[keys.NOISE_SEED]), secure=False)
+
+    def noise_generator(self, purpose: str) -> np.random.Generator:
+        """Privacy-noise randomness for ``purpose`` in this round."""
+        return self.noise_source.generator(purpose, client=self.client_id, server_round=self.server_round)
+
+    # ------------------------------------------------------------------ replies
+
+    def reply(
+        self,
+        *,
+        arrays: ArrayRecord | None = None,
+        metrics: dict[str, Any] | None = None,
+        configs: dict[str, ConfigRecord] | None = None,
+    ) -> Message:
+        """Reply with (optionally) arrays, metrics and extra config records."""
+        content = RecordDict()
+        if arrays is not None:
+            content[keys.ARRAYS] = arrays
+        content[keys.METRICS] = MetricRecord(metrics or {})
+        for name, record in (configs or {}).items():
+            content[name] = record
+        return Message(content=content, reply_to=self.message)
+
+    # ------------------------------------------------------------------ entry points
+
+    def train(self) -> Message:
+        """Local training for one round; subclasses implement it."""
+        raise NotImplementedError(f"{type(self).__name__} does not train")
+
+    def evaluate(self) -> Message:
+        """Evaluate the received global model on this client's local data."""
+        data = self.local_data()
+        loss, accuracy = evaluate(self.global_model(), data.x, data.y)
+        return self.reply(
+            metrics={keys.NUM_EXAMPLES: len(data), keys.EVAL_LOSS: loss, keys.EVAL_ACCURACY: accuracy}
+        )
+
+    def describe(self) -> Message:
+        """Answer the server's roster query: partition id and data set size.
+
+        Data set sizes are treated as public (NbAFL's m and KD-DP's grouping
+        need them, and FedAvg weights by them).
+        """
+        partition = self.client_id if self.in_simulation else -1
+        return self.reply(metrics={keys.PARTITION_ID: partition, keys.NUM_EXAMPLES: len(self.local_data())})

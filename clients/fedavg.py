@@ -1,0 +1,29 @@
+"""FedAvg client: local SGD on the received model, upload the trained model.
+
+McMahan et al., AISTATS 2017, Algorithm 1 (ClientUpdate): ``E`` local epochs
+(``local-epochs``) of mini-batch SGD with batch size ``B`` and learning rate
+``eta``, then the model and the number of local examples go back.
+"""
+
+from __future__ import annotations
+
+from flwr.app import Message
+
+from clients import register_client
+from clients.base import FederatedClient
+from fl_app import keys
+from fl_app.training import model_to_arrays
+
+
+@register_client("fedavg")
+class FedAvgClient(FederatedClient):
+    """Trains the global model on local data and returns it."""
+
+    def train(self) -> Message:
+        """One round of local training."""
+        data = self.local_data()
+        model = self.global_model()
+        loss = self.train_locally(model, data.x, data.y)
+        return self.reply(
+            arrays=model_to_arrays(model), metrics={keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss}
+        )

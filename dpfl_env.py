@@ -1,0 +1,30 @@
+"""Flower and Ray environment switches for every process of a dpfl environment.
+
+This module is deliberately tiny and imports nothing heavy: the installed
+``dpfl_flower_env.pth`` imports it at the start of every Python interpreter of
+the environment (so the ``flwr`` CLI and the background SuperLink it starts see
+the switches), and ``fl_app`` imports it again for processes started elsewhere.
+
+``FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION`` stops each ``flwr run`` from
+``uv sync``-ing the project (which would pull a 5 GB CUDA build of torch) and
+``FLWR_TELEMETRY_ENABLED`` turns telemetry off. Values are set with
+``setdefault``: a value the user exported wins.
+"""
+
+from __future__ import annotations
+
+import os
+
+FLOWER_ENVIRONMENT: dict[str, str] = {
+    "FLWR_TELEMETRY_ENABLED": "0",
+    "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+    "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0",
+}
+
+
+def apply_flower_environment() -> None:
+    """Set Flower's and Ray's environment switches unless the user set them."""
+    for key, value in FLOWER_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)

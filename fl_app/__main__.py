@@ -1,0 +1,180 @@
+"""``python -m fl_app [key=value ...]`` and ``python -m fl_app -m key=a,b ...``.
+
+Single runs and Hydra multiruns (jobs run in sequence) of the Flower app as a
+local Ray simulation. Before Hydra creates any directory, every job of the
+command is composed and validated; a bad value prints one line naming the key,
+the value and what is allowed, and the command exits with status 2. In a
+multirun, a job that fails is reported and the others still run; the command
+then exits with status 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
+from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
+
+from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config
+from fl_app.validation import validate_config
+
+# Hydra flags that take a value in the next argument.
+_FLAGS_WITH_VALUE = {
+    "--config-path",
+    "-cp",
+    "--config-name",
+    "-cn",
+    "--config-dir",
+    "-cd",
+    "--cfg",
+    "-c",
+    "--package",
+    "-p",
+    "--info",
+    "-i",
+    "--experimental-rerun",
+}
+_INFORMATIONAL = {
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--cfg",
+    "-c",
+    "--info",
+    "-i",
+    "--version",
+    "--shell-completion",
+    "-sc",
+    "--resolve",
+}
+_HYDRA_FILES = {".hydra", "main.log", "__main__.log"}
+
+_failed_jobs: list[str] = []
+
+
+def split_command_line(argv: list[str]) -> tuple[list[str], bool, bool]:
+    """Return (overrides, multirun?, informational?) from ``python -m fl_app`` arguments."""
+    overrides: list[str] = []
+    multirun = informational = False
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        if arg in ("-m", "--multirun"):
+            multirun = True
+        elif arg in _INFORMATIONAL:
+            informational = True
+            skip = arg in _FLAGS_WITH_VALUE
+        elif arg in _FLAGS_WITH_VALUE:
+            skip = True
+        elif arg.startswith("-"):
+            informational = informational or arg.split("=")[0] in _INFORMATIONAL
+        else:
+            overrides.append(arg)
+    return overrides, multirun, informational
+
+
+def expand_jobs(overrides: list[str], *, multirun: bool) -> list[list[str]]:
+    """The override list of every job the command will run (sweeps expanded)."""
+    if not multirun:
+        return [overrides]
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+
+
+def preflight(argv: list[str]) -> list[str]:
+    """Compose and validate every job; return one error line per bad job."""
+    overrides, multirun, informational = split_command_line(argv)
+    if informational:
+        return []
+    try:
+        jobs = expand_jobs(overrides, multirun=multirun)
+    except (HydraException, OmegaConfBaseException, ValueError) as error:
+        return [_one_line(error)]
+    errors: list[str] = []
+    for job in jobs:
+        try:
+            validate_config(compose_config(job))
+        except (HydraException, OmegaConfBaseException, ValueError) as error:
+            prefix = f"[{' '.join(job)}] " if multirun and len(jobs) > 1 else ""
+            errors.append(prefix + _one_line(error))
+    return errors
+
+
+def _one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return text.replace(
+        "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.", ""
+    ).strip()
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
+def _job(_: DictConfig) -> None:
+    """One Hydra job: compose (the same function as ``flwr run``), validate, simulate."""
+    from fl_app.simulation import run_in_simulation
+
+    hydra_cfg = HydraConfig.get()
+    overrides = list(hydra_cfg.overrides.task)
+    output_dir = Path(hydra_cfg.runtime.output_dir)
+    cfg = compose_config(overrides)
+    if cfg.output_dir is not None:
+        output_dir = Path(cfg.output_dir).expanduser().resolve()
+    try:
+        validate_config(cfg)
+    except ValueError as error:
+        _discard_if_empty(Path(hydra_cfg.runtime.output_dir))
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        run_in_simulation(cfg, overrides, output_dir)
+    except Exception as error:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "error.txt").write_text(traceback.format_exc())
+        line = (
+            f"job failed ({' '.join(overrides) or 'defaults'}): {_one_line(error)} "
+            f"[traceback in {output_dir / 'error.txt'}]"
+        )
+        print(f"error: {line}", file=sys.stderr)
+        _failed_jobs.append(line)
+        if hydra_cfg.mode is None or str(hydra_cfg.mode) != "RunMode.MULTIRUN":
+            sys.exit(1)
+
+
+def _discard_if_empty(directory: Path) -> None:
+    """Remove a job directory that holds nothing but Hydra's own files."""
+    if directory.is_dir() and {p.name for p in directory.iterdir()} <= _HYDRA_FILES:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def main() -> int:
+    """Entry point: preflight, then Hydra."""
+    # Flower's logger has its own console handler; Hydra also puts one on the
+    # root logger. Without this every Flower line would print twice.
+    logging.getLogger("flwr").propagate = False
+    errors = preflight(sys.argv[1:])
+    if errors:
+        for line in errors:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    _job()
+    if _failed_jobs:
+        print(f"{len(_failed_jobs)} job(s) failed:", file=sys.stderr)
+        for line in _failed_jobs:
+            print(f"  {line}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""One way to compose a run's configuration from ``conf/``.
+
+``python -m fl_app key=value ...`` and ``flwr run . --run-config
+'overrides="key=value ..."'`` both end in :func:`compose_config`, so the two
+entry points see the identical, resolved configuration.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.initialize import get_gh_backup, restore_gh_from_backup
+from omegaconf import DictConfig, OmegaConf
+
+CONF_DIR: Path = Path(__file__).resolve().parent.parent / "conf"
+CONFIG_NAME = "config"
+
+RUN_CONFIG_OVERRIDES = "overrides"
+RUN_CONFIG_OUTPUT_DIR = "output-dir"
+
+
+def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
+    """Compose and resolve the run configuration from ``conf/`` and overrides.
+
+    Parameters
+    ----------
+    overrides : Sequence[str]
+        Hydra override strings such as ``"strategy=nbafl"`` or
+        ``"privacy.epsilon=4"``. Keys of the ``hydra`` namespace are ignored:
+        they steer Hydra's launcher, not the run.
+
+    Returns
+    -------
+    DictConfig
+        The resolved configuration, read-only, without the ``hydra`` node.
+
+    """
+    run_overrides = [item for item in overrides if not _is_hydra_override(item)]
+    # Inside a `python -m fl_app` job Hydra is already initialised: set its
+    # state aside, compose afresh from conf/, and put it back.
+    backup = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name=CONFIG_NAME, overrides=run_overrides)
+    finally:
+        restore_gh_from_backup(backup)
+    return freeze(cfg)
+
+
+def freeze(cfg: DictConfig) -> DictConfig:
+    """Return a resolved, read-only copy of ``cfg`` without the ``hydra`` node."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)
+    container.pop("hydra", None)
+    frozen = OmegaConf.create(container)
+    OmegaConf.set_readonly(frozen, True)
+    OmegaConf.set_struct(frozen, True)
+    return frozen
+
+
+def to_plain(cfg: DictConfig) -> dict[str, Any]:
+    """Return ``cfg`` as plain, JSON-ready Python containers."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)
+    return {str(key): value for key, value in container.items()}
+
+
+def overrides_to_run_config(overrides: Sequence[str], output_dir: str = "") -> dict[str, str]:
+    """Encode Hydra overrides as the app's Flower run config (``[tool.flwr.app.config]``)."""
+    return {
+        RUN_CONFIG_OVERRIDES: shlex.join(list(overrides)),
+        RUN_CONFIG_OUTPUT_DIR: output_dir,
+    }
+
+
+def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
+    """Decode the Hydra overrides carried by a Flower run config."""
+    return shlex.split(str(run_config.get(RUN_CONFIG_OVERRIDES, "") or ""))
+
+
+def _is_hydra_override(item: str) -> bool:
+    key = item.lstrip("+~").split("=", 1)[0]
+    return key == "hydra" or key.startswith("hydra.") or key.startswith("hydra/")

@@ -1,0 +1,1 @@
+"""Data sets as local arrays, their public/private split and client partitions."""

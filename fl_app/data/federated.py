@@ -1,0 +1,150 @@
+"""The federated view of a data set: test split, public split, client partitions.
+
+A :class:`DataSpec` is everything needed to rebuild the identical split in any
+process; it travels to simulated clients inside the train message (a JSON
+string), so the ClientApp needs neither Hydra nor a shared disk. Each process
+builds the :class:`FederatedData` for a spec once and keeps it
+(:func:`federated_data`), so a Ray worker loads the data set and computes the
+partitions once and then serves every round and every virtual client from memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fl_app.data.partition import partition_rows, split_public
+from fl_app.data.sources import ArrayDataset, load_dataset
+
+
+@dataclass(frozen=True)
+class ClientDataset:
+    """One client's labelled examples."""
+
+    x: np.ndarray
+    y: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A reproducible description of the federated split.
+
+    Attributes
+    ----------
+    dataset : dict
+        The ``dataset`` config group.
+    partition : dict
+        The ``partition`` config group.
+    num_clients : int
+        Number of client partitions.
+    seed : int
+        Seed of the public split, the partitioner and generated data.
+
+    """
+
+    dataset: dict[str, Any]
+    partition: dict[str, Any]
+    num_clients: int
+    seed: int
+    _key: str = field(default="", compare=False, repr=False)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> DataSpec:
+        """Build the spec from a composed run configuration."""
+        return cls(
+            dataset=dict(cfg["dataset"]),
+            partition=dict(cfg["partition"]),
+            num_clients=int(cfg["num_clients"]),
+            seed=int(cfg["seed"]),
+        )
+
+    def to_json(self) -> str:
+        """Serialise for a ConfigRecord (canonical: equal specs give equal strings)."""
+        return json.dumps(
+            {
+                "dataset": self.dataset,
+                "partition": self.partition,
+                "num_clients": self.num_clients,
+                "seed": self.seed,
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> DataSpec:
+        """Inverse of :meth:`to_json`."""
+        raw = json.loads(text)
+        return cls(raw["dataset"], raw["partition"], int(raw["num_clients"]), int(raw["seed"]))
+
+
+@dataclass(frozen=True)
+class FederatedData:
+    """A data set split into test, public (unlabeled) and per-client parts."""
+
+    arrays: ArrayDataset
+    public_rows: np.ndarray
+    client_rows: tuple[np.ndarray, ...]
+
+    @property
+    def num_classes(self) -> int:
+        """Number of classes."""
+        return self.arrays.num_classes
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one example."""
+        return self.arrays.input_shape
+
+    def client(self, partition_id: int) -> ClientDataset:
+        """Return the labelled examples of client ``partition_id``."""
+        rows = self.client_rows[partition_id]
+        return ClientDataset(self.arrays.x_train[rows], self.arrays.y_train[rows])
+
+    def client_sizes(self) -> list[int]:
+        """Number of examples of every client."""
+        return [len(rows) for rows in self.client_rows]
+
+    def public_x(self) -> np.ndarray:
+        """Images of the public split (its labels are never exposed here)."""
+        return self.arrays.x_train[self.public_rows]
+
+    def test(self) -> ClientDataset:
+        """The server's test split."""
+        return ClientDataset(self.arrays.x_test, self.arrays.y_test)
+
+
+def build_federated_data(spec: DataSpec) -> FederatedData:
+    """Load the data set and split it as ``spec`` says (no caching)."""
+    arrays = load_dataset(spec.dataset, seed=spec.seed)
+    public_rows, private_rows = split_public(
+        len(arrays.y_train),
+        public_fraction=float(spec.dataset.get("public_fraction", 0.0)),
+        seed=spec.seed,
+    )
+    positions = partition_rows(
+        arrays.y_train[private_rows],
+        scheme=str(spec.partition["name"]),
+        num_partitions=spec.num_clients,
+        seed=spec.seed,
+        options=spec.partition,
+    )
+    client_rows = tuple(private_rows[p] for p in positions)
+    return FederatedData(arrays, public_rows, client_rows)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached(spec_json: str) -> FederatedData:
+    return build_federated_data(DataSpec.from_json(spec_json))
+
+
+def federated_data(spec: DataSpec) -> FederatedData:
+    """Return the (per-process cached) federated data of ``spec``."""
+    return _cached(spec.to_json())

@@ -1,0 +1,107 @@
+"""Public/private split and client partitions of a local array data set.
+
+Partitions come from flwr-datasets' partitioners applied to a tiny in-memory
+``datasets.Dataset`` of labels and row indices (no hub download): the
+partitioner decides which rows each client gets, the arrays stay in numpy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from datasets import Dataset
+from flwr_datasets.partitioner import (
+    DirichletPartitioner,
+    ExponentialPartitioner,
+    IidPartitioner,
+    LinearPartitioner,
+    Partitioner,
+)
+
+
+def _iid(num_partitions: int, seed: int, options: Mapping[str, Any]) -> Partitioner:
+    del seed, options  # rows are already in a seeded random order
+    return IidPartitioner(num_partitions=num_partitions)
+
+
+def _dirichlet(num_partitions: int, seed: int, options: Mapping[str, Any]) -> Partitioner:
+    return DirichletPartitioner(
+        num_partitions=num_partitions,
+        partition_by="label",
+        alpha=float(options["alpha"]),
+        min_partition_size=int(options.get("min_partition_size", 2)),
+        self_balancing=bool(options.get("self_balancing", False)),
+        seed=seed,
+    )
+
+
+def _linear(num_partitions: int, seed: int, options: Mapping[str, Any]) -> Partitioner:
+    del seed, options
+    return LinearPartitioner(num_partitions=num_partitions)
+
+
+def _exponential(num_partitions: int, seed: int, options: Mapping[str, Any]) -> Partitioner:
+    del seed, options
+    return ExponentialPartitioner(num_partitions=num_partitions)
+
+
+PARTITIONERS: dict[str, Callable[[int, int, Mapping[str, Any]], Partitioner]] = {
+    "iid": _iid,
+    "dirichlet": _dirichlet,
+    "linear": _linear,
+    "exponential": _exponential,
+}
+
+
+def split_public(num_examples: int, *, public_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Split row indices into a public part and a private (client) part.
+
+    Returns
+    -------
+    tuple[np.ndarray, np.ndarray]
+        ``(public_indices, private_indices)``; both in a seeded random order.
+
+    """
+    if not 0.0 <= public_fraction < 1.0:
+        raise ValueError(f"public_fraction must be in [0, 1), got {public_fraction}")
+    order = np.random.default_rng([seed, 0x5EED]).permutation(num_examples)
+    num_public = round(public_fraction * num_examples)
+    return np.sort(order[:num_public]), order[num_public:]
+
+
+def partition_rows(
+    labels: np.ndarray, *, scheme: str, num_partitions: int, seed: int, options: Mapping[str, Any]
+) -> list[np.ndarray]:
+    """Assign the rows of ``labels`` to ``num_partitions`` clients.
+
+    Parameters
+    ----------
+    labels : np.ndarray
+        Labels of the rows to partition (their order is the row order).
+    scheme : str
+        A key of :data:`PARTITIONERS`.
+    num_partitions : int
+        Number of clients.
+    seed : int
+        Seed for partitioners that draw proportions.
+    options : Mapping[str, Any]
+        The ``partition`` config group (e.g. ``alpha``).
+
+    Returns
+    -------
+    list[np.ndarray]
+        For each client, positions into ``labels`` (sorted).
+
+    """
+    if scheme not in PARTITIONERS:
+        raise ValueError(f"partition.name={scheme!r} is unknown; allowed: {', '.join(PARTITIONERS)}")
+    partitioner = PARTITIONERS[scheme](num_partitions, seed, options)
+    partitioner.dataset = Dataset.from_dict(
+        {"label": labels.astype(np.int64), "row": np.arange(len(labels), dtype=np.int64)}
+    )
+    return [
+        np.sort(np.asarray(partitioner.load_partition(i)["row"], dtype=np.int64))
+        for i in range(num_partitions)
+    ]

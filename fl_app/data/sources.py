@@ -1,0 +1,314 @@
+"""Data sets as local numpy arrays, found on disk (or downloaded) without a hub.
+
+Supported names: ``fashion_mnist`` (default), ``mnist``, ``digits``
+(scikit-learn's bundled 8x8 set) and ``synthetic`` (seeded, generated).
+
+The two IDX data sets are searched in this order:
+
+1. ``dataset.data_dir`` when it is set (it must then hold the files);
+2. the Debian package path (``/usr/share/datasets/fashion-mnist/`` for
+   Fashion-MNIST, from ``apt-get install dataset-fashion-mnist``);
+3. the dpfl cache, ``$DPFL_DATA_HOME/<name>`` (default ``~/.cache/dpfl/<name>``);
+4. a download into that cache when ``dataset.download`` is true and the
+   machine is online (the decompressed files are checked against known SHA-256
+   sums).
+
+Otherwise :class:`DataNotFoundError` says, in one line, where it looked and how
+to get the files.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+IDX_FILES: tuple[str, ...] = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+
+# SHA-256 of the *decompressed* IDX files (mirrors recompress the .gz files).
+IDX_SHA256: dict[str, dict[str, str]] = {
+    "fashion_mnist": {
+        "train-images-idx3-ubyte": "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
+        "train-labels-idx1-ubyte": "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
+        "t10k-images-idx3-ubyte": "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
+        "t10k-labels-idx1-ubyte": "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
+    },
+    "mnist": {
+        "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
+        "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
+        "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+        "t10k-labels-idx1-ubyte": "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+    },
+}
+
+DOWNLOAD_MIRRORS: dict[str, tuple[str, ...]] = {
+    "fashion_mnist": (
+        "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+        "https://github.com/zalandoresearch/fashion-mnist/raw/master/data/fashion/",
+    ),
+    "mnist": (
+        "https://ossci-datasets.s3.amazonaws.com/mnist/",
+        "https://storage.googleapis.com/cvdf-datasets/mnist/",
+    ),
+}
+
+DEBIAN_PATHS: dict[str, tuple[Path, ...]] = {
+    "fashion_mnist": (Path("/usr/share/datasets/fashion-mnist"),),
+    "mnist": (),
+}
+
+HOW_TO_GET: dict[str, str] = {
+    "fashion_mnist": (
+        "install Debian's package (apt-get install dataset-fashion-mnist), run "
+        "`python -m fl_app.data.fetch fashion_mnist` on a machine that is online, or set "
+        "dataset.data_dir=<folder with the four IDX files>"
+    ),
+    "mnist": (
+        "run `python -m fl_app.data.fetch mnist` on a machine that is online, or set "
+        "dataset.data_dir=<folder with train-images-idx3-ubyte[.gz] and the three other "
+        "IDX files>"
+    ),
+}
+
+IDX_DATASETS: tuple[str, ...] = ("fashion_mnist", "mnist")
+DATASET_NAMES: tuple[str, ...] = ("fashion_mnist", "mnist", "digits", "synthetic")
+DOWNLOAD_TIMEOUT_S = 20.0
+
+
+class DataNotFoundError(FileNotFoundError):
+    """The files of a data set are nowhere to be found; the message says how to get them."""
+
+
+@dataclass(frozen=True)
+class ArrayDataset:
+    """A labelled data set held as numpy arrays.
+
+    Images are ``uint8`` (scaled by 1/255 for training) or ``float32`` with
+    shape ``(n, channels, height, width)``; labels are ``int64``.
+    """
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    num_classes: int
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """Shape of one example, ``(channels, height, width)``."""
+        return tuple(int(d) for d in self.x_train.shape[1:])
+
+
+def data_home() -> Path:
+    """Return the dpfl cache folder for downloaded data sets."""
+    return Path(os.environ.get("DPFL_DATA_HOME", Path.home() / ".cache" / "dpfl"))
+
+
+def read_idx(path: Path) -> np.ndarray:
+    """Read one IDX file (gzip-compressed or not) into a numpy array."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as handle:
+        raw = handle.read()
+    if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
+        raise ValueError(f"{path} is not an unsigned-byte IDX file")
+    ndim = raw[3]
+    dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    offset = 4 + 4 * ndim
+    expected = int(np.prod(dims))
+    if len(raw) - offset != expected:
+        raise ValueError(f"{path} holds {len(raw) - offset} bytes of data, expected {expected}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=offset).reshape(dims)
+
+
+def find_idx_files(folder: Path) -> dict[str, Path] | None:
+    """Return the four IDX files in ``folder`` (``.gz`` or plain), or ``None``."""
+    found: dict[str, Path] = {}
+    for stem in IDX_FILES:
+        for candidate in (folder / stem, folder / f"{stem}.gz"):
+            if candidate.is_file():
+                found[stem] = candidate
+                break
+        else:
+            return None
+    return found
+
+
+def resolve_idx_folder(
+    name: str,
+    *,
+    data_dir: str | None,
+    download: bool,
+    search_paths: Sequence[Path] | None = None,
+    cache_dir: Path | None = None,
+) -> Path:
+    """Find the folder holding ``name``'s IDX files, downloading them if allowed.
+
+    Parameters
+    ----------
+    name : str
+        ``"fashion_mnist"`` or ``"mnist"``.
+    data_dir : str or None
+        The user's ``dataset.data_dir``; when set, only this folder is used.
+    download : bool
+        Whether to try the official mirrors when nothing is found on disk.
+    search_paths : Sequence[Path], optional
+        System folders to search (default: the Debian package paths).
+    cache_dir : Path, optional
+        Download cache (default: ``data_home() / name``).
+
+    Raises
+    ------
+    DataNotFoundError
+        With a one-line message naming ``dataset.data_dir``, where it looked and
+        how to get the files.
+
+    """
+    if name not in IDX_DATASETS:
+        raise ValueError(f"{name!r} is not an IDX data set; expected one of {IDX_DATASETS}")
+    if data_dir is not None:
+        folder = Path(data_dir).expanduser()
+        if find_idx_files(folder) is None:
+            raise DataNotFoundError(
+                f"dataset.data_dir={data_dir!r}: no {name} IDX files there (expected "
+                f"{', '.join(f + '[.gz]' for f in IDX_FILES)}); {HOW_TO_GET[name]}"
+            )
+        return folder
+    system = list(DEBIAN_PATHS[name] if search_paths is None else search_paths)
+    cache = cache_dir if cache_dir is not None else data_home() / name
+    looked = [*system, cache]
+    for folder in looked:
+        if find_idx_files(folder) is not None:
+            return folder
+    reason = "download disabled (dataset.download=false)"
+    if download:
+        try:
+            download_idx(name, cache)
+            return cache
+        except (OSError, ValueError, urllib.error.URLError) as error:
+            reason = f"download failed: {error}"
+    raise DataNotFoundError(
+        f"dataset.data_dir=null: {name} IDX files not found in "
+        f"{', '.join(str(p) for p in looked)} and {reason}; {HOW_TO_GET[name]}"
+    )
+
+
+def download_idx(name: str, target: Path, *, timeout: float = DOWNLOAD_TIMEOUT_S) -> None:
+    """Download ``name``'s four IDX files into ``target``, verifying their checksums."""
+    errors: list[str] = []
+    for mirror in DOWNLOAD_MIRRORS[name]:
+        try:
+            with tempfile.TemporaryDirectory(prefix=f"dpfl-{name}-") as tmp:
+                for stem in IDX_FILES:
+                    gz_path = Path(tmp) / f"{stem}.gz"
+                    with urllib.request.urlopen(f"{mirror}{stem}.gz", timeout=timeout) as resp:
+                        gz_path.write_bytes(resp.read())
+                    digest = hashlib.sha256(gzip.decompress(gz_path.read_bytes())).hexdigest()
+                    if digest != IDX_SHA256[name][stem]:
+                        raise ValueError(f"checksum mismatch for {stem} from {mirror}")
+                target.mkdir(parents=True, exist_ok=True)
+                for stem in IDX_FILES:
+                    shutil.move(str(Path(tmp) / f"{stem}.gz"), target / f"{stem}.gz")
+            return
+        except (OSError, ValueError, urllib.error.URLError) as error:
+            errors.append(f"{mirror}: {getattr(error, 'reason', error)}")
+    raise OSError("; ".join(errors))
+
+
+def load_idx_dataset(name: str, folder: Path) -> ArrayDataset:
+    """Load an MNIST-format data set from the IDX files in ``folder``."""
+    files = find_idx_files(folder)
+    if files is None:
+        raise DataNotFoundError(f"no {name} IDX files in {folder}")
+    x_train = read_idx(files["train-images-idx3-ubyte"])[:, None]
+    y_train = read_idx(files["train-labels-idx1-ubyte"]).astype(np.int64)
+    x_test = read_idx(files["t10k-images-idx3-ubyte"])[:, None]
+    y_test = read_idx(files["t10k-labels-idx1-ubyte"]).astype(np.int64)
+    if len(x_train) != len(y_train) or len(x_test) != len(y_test):
+        raise ValueError(f"{folder}: image and label counts differ")
+    return ArrayDataset(name, x_train, y_train, x_test, y_test, num_classes=10)
+
+
+def load_digits_dataset(*, test_fraction: float, seed: int) -> ArrayDataset:
+    """Load scikit-learn's bundled 8x8 digits, split into train and test."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = np.clip(bunch.images * 16.0, 0, 255).astype(np.uint8)[:, None]
+    labels = bunch.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    num_test = round(test_fraction * len(labels))
+    test, train = order[:num_test], order[num_test:]
+    return ArrayDataset("digits", images[train], labels[train], images[test], labels[test], 10)
+
+
+def make_synthetic_dataset(
+    *,
+    num_train: int,
+    num_test: int,
+    image_size: int,
+    num_classes: int,
+    class_sep: float,
+    seed: int,
+) -> ArrayDataset:
+    """Generate a seeded classification task of Gaussian clusters shaped like images."""
+    rng = np.random.default_rng(seed)
+    num_features = image_size * image_size
+    # Scale so that half the distance between two centres is ~class_sep noise std.
+    centres = rng.normal(size=(num_classes, num_features)).astype(np.float32)
+    centres *= class_sep * np.sqrt(2.0 / num_features)
+
+    def sample(count: int) -> tuple[np.ndarray, np.ndarray]:
+        labels = rng.integers(0, num_classes, size=count).astype(np.int64)
+        points = centres[labels] + rng.normal(size=(count, num_features)).astype(np.float32)
+        return points.reshape(count, 1, image_size, image_size), labels
+
+    x_train, y_train = sample(num_train)
+    x_test, y_test = sample(num_test)
+    return ArrayDataset("synthetic", x_train, y_train, x_test, y_test, num_classes)
+
+
+def load_dataset(options: Mapping[str, Any], *, seed: int) -> ArrayDataset:
+    """Load the data set described by the ``dataset`` config group.
+
+    Parameters
+    ----------
+    options : Mapping[str, Any]
+        The ``dataset`` group: ``name`` plus that data set's own keys.
+    seed : int
+        Seed for the digits train/test split and the synthetic generator.
+
+    """
+    name = options["name"]
+    if name in IDX_DATASETS:
+        folder = resolve_idx_folder(
+            name, data_dir=options.get("data_dir"), download=bool(options.get("download", True))
+        )
+        return load_idx_dataset(name, folder)
+    if name == "digits":
+        return load_digits_dataset(test_fraction=float(options["test_fraction"]), seed=seed)
+    if name == "synthetic":
+        return make_synthetic_dataset(
+            num_train=int(options["num_train"]),
+            num_test=int(options["num_test"]),
+            image_size=int(options["image_size"]),
+            num_classes=int(options["num_classes"]),
+            class_sep=float(options["class_sep"]),
+            seed=seed,
+        )
+    raise ValueError(f"dataset.name={name!r} is unknown; allowed: {', '.join(DATASET_NAMES)}")

@@ -1,0 +1,149 @@
+"""One accountant: compose recorded privacy events into a per-client epsilon.
+
+Strategies say *what happened* by recording :class:`~fl_app.privacy.events.PrivacyEvent`
+objects; this class says *what it costs*. It keeps, for every client, how many
+times each mechanism touched that client's data (events without a participant
+list count for every client), and composes a client's history with
+:func:`~fl_app.privacy.composition.compose_epsilon`. The epsilon it reports for
+a run is the worst client's: the guarantee every client gets.
+
+The unit of privacy (what a neighbouring pair is: one record, one client's data
+set, one report) is stated by the strategy and carried in :attr:`unit`; the
+accountant's arithmetic does not depend on it because every mechanism
+descriptor is normalised by the sensitivity for that unit.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from fl_app.privacy.composition import METHODS, EpsilonReport, basic_epsilon, compose_epsilon
+from fl_app.privacy.events import Mechanism, PrivacyEvent
+
+_STATE_VERSION = 1
+
+
+class PrivacyAccountant:
+    """Per-client composition of recorded privacy events.
+
+    Parameters
+    ----------
+    population : Sequence[int]
+        Ids of all clients whose data the run may touch.
+    unit : str
+        What a neighbouring pair is (e.g. ``"one client's entire data set"``).
+    method : str
+        ``"rdp"`` or ``"pld"`` (see :mod:`fl_app.privacy.composition`).
+
+    """
+
+    def __init__(self, *, population: Sequence[int], unit: str, method: str = "rdp") -> None:
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+        if not population:
+            raise ValueError("population must not be empty")
+        self.population: tuple[int, ...] = tuple(int(c) for c in population)
+        self._members = frozenset(self.population)
+        if len(self._members) != len(self.population):
+            raise ValueError("population ids must be unique")
+        self.unit = unit
+        self.method = method
+        self.events: list[PrivacyEvent] = []
+        self._common: Counter[Mechanism] = Counter()
+        self._personal: dict[int, Counter[Mechanism]] = {}
+        self._rounds: dict[int, set[int]] = {}
+
+    # ----------------------------------------------------------------- recording
+
+    def record(self, event: PrivacyEvent) -> None:
+        """Add one event (validated against the population)."""
+        if event.participants is None:
+            self._common[event.mechanism] += event.count
+        else:
+            unknown = set(event.participants) - self._members
+            if unknown:
+                raise ValueError(f"event names clients outside the population: {sorted(unknown)[:5]}")
+            if len(set(event.participants)) != len(event.participants):
+                raise ValueError("event lists a participant twice")
+            for client in event.participants:
+                self._personal.setdefault(client, Counter())[event.mechanism] += event.count
+                self._rounds.setdefault(client, set()).add(event.server_round)
+        self.events.append(event)
+
+    def record_all(self, events: Iterable[PrivacyEvent]) -> None:
+        """Record several events in order."""
+        for event in events:
+            self.record(event)
+
+    # ----------------------------------------------------------------- queries
+
+    def history(self, client: int) -> dict[Mechanism, int]:
+        """How many times each mechanism touched ``client``'s data."""
+        merged = Counter(self._common)
+        merged.update(self._personal.get(int(client), Counter()))
+        return dict(merged)
+
+    def rounds_participated(self, client: int) -> int:
+        """Number of distinct rounds in which ``client`` was named in an event."""
+        return len(self._rounds.get(int(client), ()))
+
+    def epsilon(self, *, delta: float, client: int | None = None) -> EpsilonReport:
+        """Epsilon of one client, or of the worst client when ``client`` is None."""
+        if client is not None:
+            if int(client) not in self._members:
+                raise ValueError(f"client {client} is not in the population")
+            return _compose(_key(self.history(client)), delta, self.method)
+        reports = [_compose(key, delta, self.method) for key in self._distinct_histories()]
+        return max(reports, key=lambda report: report.epsilon)
+
+    def epsilon_by_client(self, *, delta: float) -> dict[int, float]:
+        """Epsilon of every client of the population."""
+        return {
+            client: _compose(_key(self.history(client)), delta, self.method).epsilon
+            for client in self.population
+        }
+
+    def basic_epsilon(self, client: int | None = None) -> float | None:
+        """Basic-composition epsilon (worst client by default), or None if not all pure."""
+        keys = [_key(self.history(client))] if client is not None else self._distinct_histories()
+        values = [basic_epsilon(dict(key)) for key in keys]
+        return None if any(v is None for v in values) else max(v for v in values if v is not None)
+
+    def _distinct_histories(self) -> list[tuple[tuple[Mechanism, int], ...]]:
+        keys = {_key(self.history(client)) for client in self._personal}
+        if len(self._personal) < len(self.population):
+            keys.add(_key(dict(self._common)))
+        return sorted(keys, key=repr)
+
+    # ----------------------------------------------------------------- state
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-ready state: configuration plus the event ledger."""
+        return {
+            "version": _STATE_VERSION,
+            "population": list(self.population),
+            "unit": self.unit,
+            "method": self.method,
+            "events": [event.to_dict() for event in self.events],
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> PrivacyAccountant:
+        """Rebuild an accountant by replaying a saved ledger."""
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError(f"unsupported accountant state version {state.get('version')!r}")
+        accountant = cls(population=state["population"], unit=state["unit"], method=state["method"])
+        accountant.record_all(PrivacyEvent.from_dict(e) for e in state["events"])
+        return accountant
+
+
+def _key(history: dict[Mechanism, int]) -> tuple[tuple[Mechanism, int], ...]:
+    return tuple(sorted(((m, c) for m, c in history.items() if c), key=repr))
+
+
+@functools.lru_cache(maxsize=8192)
+def _compose(key: tuple[tuple[Mechanism, int], ...], delta: float, method: str) -> EpsilonReport:
+    return compose_epsilon(dict(key), delta=delta, method=method)

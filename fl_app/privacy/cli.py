@@ -1,0 +1,207 @@
+"""Budget calculator: ``python -m fl_app.privacy <command> [--options]``.
+
+Prints one JSON object on stdout. Every number comes from the same functions
+the strategies call (:mod:`fl_app.privacy.calibration`,
+:mod:`fl_app.privacy.composition`). Bad arguments print one line on stderr and
+exit with status 2.
+
+Commands
+--------
+rr       --epsilon E --k K --classes C                 -> beta (PrivateKT Lemma 1)
+bnn      --epsilon E --delta D --rounds T [--bits B]   -> gamma (DPFL-BNN Theorem 1)
+         --gamma G --delta D --rounds T [--bits B]     -> epsilon
+nbafl    --epsilon E --delta D --clip C --m M --l L --t T --n N [--k K]
+                                                       -> sigma_up, sigma_down
+laplace  --epsilon E [--sensitivity S]                 -> scale
+         --tau TAU --prob P [--sensitivity S]          -> epsilon
+compose  --mechanism {rr,binary_rr,laplace,gaussian} (its parameter) --count N --delta D
+                                                       -> epsilon_rdp [, epsilon_basic, epsilon_pld]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from fl_app.privacy import calibration
+from fl_app.privacy.composition import compose_epsilon
+from fl_app.privacy.events import (
+    BinaryRandomizedResponse,
+    Gaussian,
+    Laplace,
+    Mechanism,
+    RandomizedResponse,
+    SampledGaussian,
+)
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """ArgumentParser whose errors are a single line and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="python -m fl_app.privacy",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+
+    rr = commands.add_parser("rr", help="PrivateKT keep probability beta")
+    rr.add_argument("--epsilon", type=float, required=True, help="per-report epsilon (K labels)")
+    rr.add_argument("--k", type=int, required=True, help="labels per report (KT samples)")
+    rr.add_argument("--classes", type=int, required=True, help="number of classes C")
+
+    bnn = commands.add_parser("bnn", help="DPFL-BNN gamma <-> epsilon")
+    target = bnn.add_mutually_exclusive_group(required=True)
+    target.add_argument("--epsilon", type=float)
+    target.add_argument("--gamma", type=float)
+    bnn.add_argument("--delta", type=float, required=True)
+    bnn.add_argument("--rounds", type=int, required=True)
+    bnn.add_argument(
+        "--bits",
+        type=int,
+        default=1,
+        help="RR_gamma uses per round: 1 = the document's per-coordinate "
+        "accounting, d = a client's whole d-bit upload",
+    )
+
+    nbafl = commands.add_parser("nbafl", help="NbAFL uplink/downlink noise")
+    nbafl.add_argument("--epsilon", type=float, required=True)
+    nbafl.add_argument("--delta", type=float, required=True)
+    nbafl.add_argument("--clip", type=float, required=True, help="clipping threshold C")
+    nbafl.add_argument("--m", type=int, required=True, help="smallest local data set size")
+    nbafl.add_argument("--l", type=int, required=True, help="most uploads of any client (L)")
+    nbafl.add_argument("--t", type=int, required=True, help="aggregation rounds T")
+    nbafl.add_argument("--n", type=int, required=True, help="clients N")
+    nbafl.add_argument("--k", type=int, default=None, help="clients per round (K-random scheduling)")
+    nbafl.add_argument("--calibration", choices=("classic", "analytic"), default="classic")
+
+    laplace = commands.add_parser("laplace", help="Laplace scale or tail epsilon")
+    laplace.add_argument("--epsilon", type=float)
+    laplace.add_argument("--tau", type=float)
+    laplace.add_argument("--prob", type=float)
+    laplace.add_argument(
+        "--sensitivity", type=float, default=2.0, help="L1 sensitivity (2 for probability vectors)"
+    )
+
+    compose = commands.add_parser("compose", help="compose a mechanism N times")
+    compose.add_argument("--mechanism", required=True, choices=("rr", "binary_rr", "laplace", "gaussian"))
+    compose.add_argument("--epsilon", type=float, help="rr / laplace: per-use epsilon")
+    compose.add_argument("--classes", type=int, help="rr: number of classes")
+    compose.add_argument("--gamma", type=float, help="binary_rr: keep probability 1/2 + gamma")
+    compose.add_argument("--sigma", type=float, help="gaussian: noise multiplier (std / L2 sensitivity)")
+    compose.add_argument(
+        "--sampling-rate", type=float, default=1.0, help="gaussian: Poisson sampling rate (1 = no sampling)"
+    )
+    compose.add_argument("--count", type=int, required=True)
+    compose.add_argument("--delta", type=float, required=True)
+    compose.add_argument(
+        "--accountant",
+        choices=("rdp", "pld"),
+        default="pld",
+        help="pld also reports epsilon_pld (rdp is always reported)",
+    )
+    return parser
+
+
+def _require(args: argparse.Namespace, *names: str) -> None:
+    missing = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is None]
+    if missing:
+        raise ValueError(f"{args.command} needs {', '.join(missing)}")
+
+
+def _mechanism(args: argparse.Namespace) -> Mechanism:
+    if args.mechanism == "rr":
+        _require(args, "epsilon", "classes")
+        return RandomizedResponse(args.epsilon, args.classes)
+    if args.mechanism == "binary_rr":
+        _require(args, "gamma")
+        return BinaryRandomizedResponse(args.gamma)
+    if args.mechanism == "laplace":
+        _require(args, "epsilon")
+        return Laplace(args.epsilon)
+    _require(args, "sigma")
+    if args.sampling_rate < 1:
+        return SampledGaussian(args.sigma, args.sampling_rate)
+    return Gaussian(args.sigma)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Execute one calculator command and return its JSON-ready answer."""
+    if args.command == "rr":
+        beta = calibration.privatekt_keep_probability(
+            epsilon=args.epsilon, k=args.k, num_classes=args.classes
+        )
+        return {"beta": beta, "epsilon_per_label": args.epsilon / args.k}
+    if args.command == "bnn":
+        if args.epsilon is not None:
+            gamma = calibration.bnn_gamma(
+                epsilon=args.epsilon, delta=args.delta, rounds=args.rounds, bits_per_round=args.bits
+            )
+            return {"gamma": gamma, "uses": args.rounds * args.bits}
+        epsilon = calibration.binary_rr_epsilon(
+            gamma=args.gamma, delta=args.delta, rounds=args.rounds, bits_per_round=args.bits
+        )
+        return {"epsilon": epsilon, "uses": args.rounds * args.bits}
+    if args.command == "nbafl":
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", calibration.ClassicGaussianRangeWarning)
+            sigma_up = calibration.nbafl_uplink_sigma(
+                epsilon=args.epsilon,
+                delta=args.delta,
+                clip=args.clip,
+                min_dataset_size=args.m,
+                exposures=args.l,
+                calibration=args.calibration,
+            )
+        sigma_down = calibration.nbafl_downlink_sigma(
+            epsilon=args.epsilon,
+            delta=args.delta,
+            clip=args.clip,
+            min_dataset_size=args.m,
+            exposures=args.l,
+            num_rounds=args.t,
+            num_clients=args.n if args.k is None else args.k,
+        )
+        answer: dict[str, Any] = {"sigma_up": sigma_up, "sigma_down": sigma_down}
+        if caught:
+            answer["warning"] = str(caught[0].message)
+        return answer
+    if args.command == "laplace":
+        if args.epsilon is not None:
+            return {"scale": calibration.laplace_scale(sensitivity=args.sensitivity, epsilon=args.epsilon)}
+        _require(args, "tau", "prob")
+        return {
+            "epsilon": calibration.laplace_epsilon_for_tail(
+                tau=args.tau, probability=args.prob, sensitivity=args.sensitivity
+            )
+        }
+    report = compose_epsilon({_mechanism(args): args.count}, delta=args.delta, method=args.accountant)
+    answer = {"epsilon_rdp": report.rdp, "rdp_order": report.rdp_order, "delta": args.delta}
+    if report.basic is not None:
+        answer["epsilon_basic"] = report.basic
+    if report.pld is not None:
+        answer["epsilon_pld"] = report.pld
+    answer["epsilon"] = report.epsilon
+    return answer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        answer = run(args)
+    except (ValueError, TypeError) as error:
+        print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(answer))
+    return 0

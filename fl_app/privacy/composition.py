@@ -1,0 +1,250 @@
+"""How to account: compose a history of mechanism uses into one (epsilon, delta).
+
+One function, :func:`compose_epsilon`, turns ``{mechanism: number of uses}``
+into an epsilon at a given delta. The accountant, the calibrations and the
+budget calculator all call it, so every epsilon the project prints comes from
+this code path.
+
+Backends (Google's dp-accounting 0.6.0):
+
+* **RDP** (default): each mechanism's Renyi-DP curve over :data:`RDP_ORDERS`,
+  summed over the history and converted to (epsilon, delta) with
+  dp-accounting's conversion (Canonne, Kamath, Steinke 2020). Randomized
+  response is evaluated under ``REPLACE_ONE`` (the LDP relation: any input may
+  be replaced by any other); Gaussian and Laplace descriptors are already
+  normalised by their sensitivity and are evaluated under ``ADD_OR_REMOVE_ONE``,
+  which for a sensitivity-1 mechanism is the plain two-Gaussian (two-Laplace)
+  comparison. Poisson-sampled Gaussians use the add-or-remove amplification
+  analysis (Mironov, Talwar, Zhang 2019).
+* **PLD** (``method="pld"``): privacy-loss distributions with pessimistic
+  discretisation (a sound upper bound), composed object by object.
+  dp-accounting 0.6.0's ``PLDAccountant`` ignores ``count`` for randomized
+  response (it composes the event once), so this module never uses that class:
+  it builds each mechanism's PLD and calls ``self_compose(count)`` itself.
+  Histories with more than :data:`PLD_MAX_COMPOSITIONS` uses fall back to RDP
+  (reported in :attr:`EpsilonReport.method`).
+* **Basic composition** for pure-epsilon mechanisms (randomized response,
+  Laplace): ``sum(count * epsilon)``, a valid (epsilon, 0) bound.
+
+The reported epsilon is the smallest of the sound bounds computed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import dp_accounting as dpa
+import numpy as np
+from absl import logging as absl_logging
+from dp_accounting.pld import privacy_loss_distribution as pld_lib
+from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
+
+from fl_app.privacy.events import (
+    BinaryRandomizedResponse,
+    Gaussian,
+    Laplace,
+    Mechanism,
+    RandomizedResponse,
+    SampledGaussian,
+)
+
+# dp-accounting logs a harmless convergence warning for some fractional orders
+# of the sampled Gaussian (those orders become +inf and are ignored).
+absl_logging.set_verbosity(absl_logging.ERROR)
+logging.getLogger("absl").setLevel(logging.ERROR)
+
+#: Renyi orders: dp-accounting's defaults, plus orders close to 1 (needed after
+#: very many compositions, e.g. DPFL-BNN's d bits x T rounds) and large orders
+#: (few compositions of near-pure mechanisms). Never ``inf``: dp-accounting's
+#: conversion then returns 0. Orders <= 1.01 are useless to its conversion.
+RDP_ORDERS: tuple[float, ...] = tuple(
+    sorted(
+        set(rdp_lib.DEFAULT_RDP_ORDERS) | {1.011, 1.02, 1.03, 1.05, 1.075, 2048.0, 4096.0, 8192.0, 16384.0}
+    )
+)
+PLD_VALUE_DISCRETIZATION = 1e-3
+PLD_MAX_COMPOSITIONS = 1_000_000
+METHODS: tuple[str, ...] = ("rdp", "pld")
+
+History = Mapping[Mechanism, int]
+
+
+@dataclass(frozen=True)
+class EpsilonReport:
+    """The epsilon of a history at one delta, with every bound that was computed.
+
+    Attributes
+    ----------
+    epsilon : float
+        The smallest sound bound below (the one to report).
+    delta : float
+        The delta it holds at.
+    method : str
+        Which bound gave ``epsilon`` (``"rdp"``, ``"pld"`` or ``"basic"``).
+    rdp : float or None
+        RDP-converted epsilon (always computed).
+    rdp_order : float or None
+        The Renyi order that gave ``rdp``.
+    pld : float or None
+        PLD epsilon (only with ``method="pld"`` and a feasible history).
+    basic : float or None
+        Sum of pure epsilons (only when every mechanism is pure).
+
+    """
+
+    epsilon: float
+    delta: float
+    method: str
+    rdp: float | None
+    rdp_order: float | None
+    pld: float | None
+    basic: float | None
+
+
+def to_dp_event(mechanism: Mechanism) -> dpa.DpEvent:
+    """Translate a mechanism descriptor into a dp-accounting event."""
+    if isinstance(mechanism, Gaussian):
+        return dpa.GaussianDpEvent(mechanism.noise_multiplier)
+    if isinstance(mechanism, SampledGaussian):
+        return dpa.PoissonSampledDpEvent(
+            mechanism.sampling_rate, dpa.GaussianDpEvent(mechanism.noise_multiplier)
+        )
+    if isinstance(mechanism, Laplace):
+        return dpa.LaplaceDpEvent(1.0 / mechanism.epsilon)
+    if isinstance(mechanism, RandomizedResponse):
+        return dpa.RandomizedResponseDpEvent(1.0 - mechanism.keep_probability, mechanism.num_classes)
+    if isinstance(mechanism, BinaryRandomizedResponse):
+        return dpa.RandomizedResponseDpEvent(1.0 - 2.0 * mechanism.gamma, 2)
+    raise TypeError(f"unknown mechanism {mechanism!r}")
+
+
+def _relation(mechanism: Mechanism) -> dpa.NeighboringRelation:
+    if isinstance(mechanism, RandomizedResponse | BinaryRandomizedResponse):
+        return dpa.NeighboringRelation.REPLACE_ONE
+    return dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
+
+
+def _is_lossless(mechanism: Mechanism) -> bool:
+    """Mechanisms whose output does not depend on the input (epsilon 0)."""
+    return isinstance(mechanism, BinaryRandomizedResponse) and mechanism.gamma == 0.0
+
+
+@functools.lru_cache(maxsize=4096)
+def rdp_curve(mechanism: Mechanism) -> np.ndarray:
+    """RDP of one use of ``mechanism`` at each of :data:`RDP_ORDERS`."""
+    accountant = rdp_lib.RdpAccountant(orders=list(RDP_ORDERS), neighboring_relation=_relation(mechanism))
+    accountant.compose(to_dp_event(mechanism), 1)
+    curve = np.asarray(accountant.rdp, dtype=np.float64)
+    curve.setflags(write=False)
+    return curve
+
+
+def _validate(history: History, delta: float) -> None:
+    if not 0.0 < delta < 1.0:
+        raise ValueError(f"delta must be in (0, 1), got {delta!r}")
+    for mechanism, count in history.items():
+        if int(count) != count or count < 0:
+            raise ValueError(f"count of {mechanism!r} must be an integer >= 0, got {count!r}")
+
+
+def rdp_epsilon(history: History, *, delta: float) -> tuple[float, float]:
+    """RDP-based epsilon of ``history`` at ``delta``, and the optimal order."""
+    _validate(history, delta)
+    total = np.zeros(len(RDP_ORDERS))
+    for mechanism, count in history.items():
+        if count and not _is_lossless(mechanism):
+            total = total + int(count) * rdp_curve(mechanism)
+    if not total.any():
+        return 0.0, float(RDP_ORDERS[0])
+    epsilon, order = rdp_lib.compute_epsilon(list(RDP_ORDERS), list(total), delta)
+    return float(epsilon), float(order)
+
+
+@functools.lru_cache(maxsize=256)
+def _pld_once(mechanism: Mechanism) -> pld_lib.PrivacyLossDistribution:
+    vdi = PLD_VALUE_DISCRETIZATION
+    if isinstance(mechanism, Gaussian):
+        return pld_lib.from_gaussian_mechanism(mechanism.noise_multiplier, value_discretization_interval=vdi)
+    if isinstance(mechanism, SampledGaussian):
+        return pld_lib.from_gaussian_mechanism(
+            mechanism.noise_multiplier,
+            sampling_prob=mechanism.sampling_rate,
+            value_discretization_interval=vdi,
+        )
+    if isinstance(mechanism, Laplace):
+        return pld_lib.from_laplace_mechanism(1.0 / mechanism.epsilon, value_discretization_interval=vdi)
+    if isinstance(mechanism, RandomizedResponse | BinaryRandomizedResponse):
+        event = to_dp_event(mechanism)
+        return pld_lib.from_randomized_response(
+            event.noise_parameter, event.num_buckets, value_discretization_interval=vdi
+        )
+    raise TypeError(f"unknown mechanism {mechanism!r}")
+
+
+def pld_epsilon(history: History, *, delta: float) -> float:
+    """PLD-based epsilon of ``history`` at ``delta`` (pessimistic, hence an upper bound)."""
+    _validate(history, delta)
+    composed: pld_lib.PrivacyLossDistribution | None = None
+    for mechanism, count in history.items():
+        if not count or _is_lossless(mechanism):
+            continue
+        part = _pld_once(mechanism).self_compose(int(count))
+        composed = part if composed is None else composed.compose(part)
+    if composed is None:
+        return 0.0
+    return float(composed.get_epsilon_for_delta(delta))
+
+
+def basic_epsilon(history: History) -> float | None:
+    """Sum of pure epsilons, or ``None`` when some mechanism is not pure."""
+    total = 0.0
+    for mechanism, count in history.items():
+        if not count:
+            continue
+        pure = mechanism.pure_epsilon
+        if pure is None:
+            return None
+        total += int(count) * pure
+    return total
+
+
+def compose_epsilon(history: History, *, delta: float, method: str = "rdp") -> EpsilonReport:
+    """Compose a history of mechanism uses into an epsilon at ``delta``.
+
+    Parameters
+    ----------
+    history : Mapping[Mechanism, int]
+        How many times each mechanism was applied (to one client's data).
+    delta : float
+        Target delta in (0, 1).
+    method : str
+        ``"rdp"`` or ``"pld"``; RDP is always computed too, and basic
+        composition whenever every mechanism is pure.
+
+    Returns
+    -------
+    EpsilonReport
+        The smallest sound epsilon and all bounds computed.
+
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    rdp, order = rdp_epsilon(history, delta=delta)
+    pld = None
+    if method == "pld" and sum(int(c) for c in history.values()) <= PLD_MAX_COMPOSITIONS:
+        pld = pld_epsilon(history, delta=delta)
+    basic = basic_epsilon(history)
+    candidates = {"rdp": rdp}
+    if pld is not None:
+        candidates["pld"] = pld
+    if basic is not None:
+        candidates["basic"] = basic
+    best = min(candidates, key=lambda key: candidates[key])
+    epsilon = candidates[best]
+    if math.isnan(epsilon):
+        raise ArithmeticError(f"accounting produced a non-number epsilon for {dict(history)!r}")
+    return EpsilonReport(epsilon, delta, best, rdp, order, pld, basic)

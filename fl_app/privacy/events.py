@@ -1,0 +1,206 @@
+"""What happened: immutable privacy events, one per mechanism use per round.
+
+A strategy records a :class:`PrivacyEvent` whenever a mechanism touches
+clients' data: which mechanism (with its parameters), how many times each
+participant applied it that round, and who took part. How those events add up
+to an epsilon is the accountant's business (:mod:`fl_app.privacy.accountant`).
+
+Every mechanism descriptor is parameterised *relative to its sensitivity*
+(noise multiplier = noise std / L2 sensitivity; Laplace epsilon = L1
+sensitivity / scale; randomized response by its per-report epsilon), so the
+same descriptor is correct for whatever neighbouring relation the sensitivity
+was computed for. The strategy states that relation as the privacy ``unit``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Gaussian:
+    """Gaussian noise with std = ``noise_multiplier`` x L2 sensitivity."""
+
+    noise_multiplier: float
+    kind: ClassVar[str] = "gaussian"
+
+    def __post_init__(self) -> None:
+        _check_positive("noise_multiplier", self.noise_multiplier)
+
+    @property
+    def pure_epsilon(self) -> float | None:
+        """The Gaussian mechanism has no pure-epsilon guarantee."""
+        return None
+
+
+@dataclass(frozen=True)
+class SampledGaussian:
+    """The Gaussian mechanism applied after Poisson sampling with rate ``sampling_rate``.
+
+    Amplification by sampling holds for add-or-remove-one neighbours whose
+    participation is an independent coin with probability ``sampling_rate``.
+    """
+
+    noise_multiplier: float
+    sampling_rate: float
+    kind: ClassVar[str] = "sampled_gaussian"
+
+    def __post_init__(self) -> None:
+        _check_positive("noise_multiplier", self.noise_multiplier)
+        if not 0 < self.sampling_rate <= 1:
+            raise ValueError(f"sampling_rate must be in (0, 1], got {self.sampling_rate!r}")
+
+    @property
+    def pure_epsilon(self) -> float | None:
+        """No pure-epsilon guarantee."""
+        return None
+
+
+@dataclass(frozen=True)
+class Laplace:
+    """Laplace noise with scale = L1 sensitivity / ``epsilon``: ``epsilon``-DP per use."""
+
+    epsilon: float
+    kind: ClassVar[str] = "laplace"
+
+    def __post_init__(self) -> None:
+        _check_positive("epsilon", self.epsilon)
+
+    @property
+    def pure_epsilon(self) -> float | None:
+        """Per-use pure epsilon."""
+        return self.epsilon
+
+
+@dataclass(frozen=True)
+class RandomizedResponse:
+    """k-ary randomized response on one label, ``epsilon``-LDP per report.
+
+    Keeps the label with probability ``beta = (e^eps - 1) / (e^eps - 1 + C)``,
+    otherwise reports a uniformly random class out of ``num_classes``.
+    """
+
+    epsilon: float
+    num_classes: int
+    kind: ClassVar[str] = "randomized_response"
+
+    def __post_init__(self) -> None:
+        _check_positive("epsilon", self.epsilon)
+        if int(self.num_classes) != self.num_classes or self.num_classes < 2:
+            raise ValueError(f"num_classes must be an integer >= 2, got {self.num_classes!r}")
+
+    @property
+    def keep_probability(self) -> float:
+        """``beta``: probability that the true label is kept before randomisation."""
+        expm1 = math.expm1(self.epsilon)
+        return expm1 / (expm1 + self.num_classes)
+
+    @property
+    def pure_epsilon(self) -> float | None:
+        """Per-report pure epsilon."""
+        return self.epsilon
+
+
+@dataclass(frozen=True)
+class BinaryRandomizedResponse:
+    """RR_gamma on one bit: keep with probability 1/2 + gamma (DPFL-BNN Definition 3)."""
+
+    gamma: float
+    kind: ClassVar[str] = "binary_randomized_response"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gamma < 0.5:
+            raise ValueError(f"gamma must be in [0, 0.5), got {self.gamma!r}")
+
+    @property
+    def pure_epsilon(self) -> float | None:
+        """Per-bit pure epsilon, ``ln((1/2 + gamma) / (1/2 - gamma))``."""
+        return math.log((0.5 + self.gamma) / (0.5 - self.gamma))
+
+
+Mechanism = Gaussian | SampledGaussian | Laplace | RandomizedResponse | BinaryRandomizedResponse
+
+MECHANISM_KINDS: dict[str, type[Mechanism]] = {
+    cls.kind: cls
+    for cls in (Gaussian, SampledGaussian, Laplace, RandomizedResponse, BinaryRandomizedResponse)
+}
+
+
+def mechanism_to_dict(mechanism: Mechanism) -> dict[str, Any]:
+    """Serialise a mechanism descriptor (``kind`` plus its parameters)."""
+    return {"kind": mechanism.kind, **asdict(mechanism)}
+
+
+def mechanism_from_dict(data: dict[str, Any]) -> Mechanism:
+    """Inverse of :func:`mechanism_to_dict`."""
+    params = dict(data)
+    kind = params.pop("kind")
+    if kind not in MECHANISM_KINDS:
+        raise ValueError(f"unknown mechanism kind {kind!r}; known: {sorted(MECHANISM_KINDS)}")
+    return MECHANISM_KINDS[kind](**params)
+
+
+@dataclass(frozen=True)
+class PrivacyEvent:
+    """One use of a mechanism in one round.
+
+    Attributes
+    ----------
+    server_round : int
+        The round (>= 1; 0 for work done before the first round).
+    mechanism : Mechanism
+        The mechanism and its parameters.
+    count : int
+        How many times each participant applied it this round (e.g. K labels,
+        d bits).
+    participants : tuple[int, ...] or None
+        Client ids whose data the mechanism touched; ``None`` means every client
+        of the population (e.g. a Poisson-sampled central release, where each
+        client's possible participation is what the mechanism accounts for).
+    label : str
+        What the release was (e.g. ``"uplink"``, ``"evaluation"``).
+
+    """
+
+    server_round: int
+    mechanism: Mechanism
+    count: int = 1
+    participants: tuple[int, ...] | None = None
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        if int(self.count) != self.count or self.count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {self.count!r}")
+        if self.server_round < 0:
+            raise ValueError(f"server_round must be >= 0, got {self.server_round!r}")
+        if self.participants is not None:
+            object.__setattr__(self, "participants", tuple(int(c) for c in self.participants))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Serialise (JSON-ready)."""
+        return {
+            "server_round": self.server_round,
+            "mechanism": mechanism_to_dict(self.mechanism),
+            "count": self.count,
+            "participants": None if self.participants is None else list(self.participants),
+            "label": self.label,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PrivacyEvent:
+        """Inverse of :meth:`to_dict`."""
+        participants = data.get("participants")
+        return cls(
+            server_round=int(data["server_round"]),
+            mechanism=mechanism_from_dict(data["mechanism"]),
+            count=int(data["count"]),
+            participants=None if participants is None else tuple(participants),
+            label=str(data.get("label", "")),
+        )

@@ -1,0 +1,237 @@
+"""Noise mechanisms: pure functions of their inputs and an explicit generator.
+
+Every function validates its arguments, draws only from the ``rng`` it is
+given (never from global ``np.random`` or ``random``) and leaves its inputs
+unchanged. What each output guarantees, and under which neighbouring relation,
+is stated per function; the accountant (:mod:`fl_app.privacy.accountant`) is
+told the same facts through :mod:`fl_app.privacy.events`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def _require_generator(rng: np.random.Generator) -> None:
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
+
+
+def _require_finite_positive(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------
+# k-ary randomized response on class labels (PrivateKT, Eq. 2 and Eq. 3)
+# --------------------------------------------------------------------------------------
+
+
+def randomized_response_labels(
+    *, labels: np.ndarray, keep_probability: float, num_classes: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Perturb class labels by k-ary randomized response (PrivateKT Eq. 2).
+
+    Each label is kept with probability ``beta`` (``keep_probability``) and
+    otherwise replaced by a class drawn uniformly from all ``num_classes``
+    classes (which may be the true one). With
+    ``beta = (e^eps - 1) / (e^eps - 1 + C)`` one label is ``eps``-LDP under
+    replacement of the input (Lemma 1 with K = 1).
+
+    Parameters
+    ----------
+    labels : np.ndarray
+        Integer labels in ``[0, num_classes)``, any shape.
+    keep_probability : float
+        ``beta`` in ``[0, 1]``.
+    num_classes : int
+        ``C >= 2``.
+    rng : np.random.Generator
+        Source of randomness.
+
+    Returns
+    -------
+    np.ndarray
+        Perturbed labels, same shape, dtype ``int64``.
+
+    """
+    _require_generator(rng)
+    if not isinstance(num_classes, int | np.integer) or num_classes < 2:
+        raise ValueError(f"num_classes must be an integer >= 2, got {num_classes!r}")
+    if not 0.0 <= keep_probability <= 1.0:
+        raise ValueError(f"keep_probability must be in [0, 1], got {keep_probability!r}")
+    labels = np.asarray(labels)
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise ValueError(f"labels must lie in [0, {num_classes}), got range [{labels.min()}, {labels.max()}]")
+    keep = rng.random(labels.shape) < keep_probability
+    random_classes = rng.integers(0, num_classes, size=labels.shape)
+    return np.where(keep, labels, random_classes).astype(np.int64)
+
+
+def debias_label_average(
+    *, perturbed_labels: np.ndarray, keep_probability: float, num_classes: int
+) -> np.ndarray:
+    """Unbiased estimate of the clients' average one-hot prediction (PrivateKT Eq. 3).
+
+    ``y_hat = (mean_c onehot(y_hat_c) - (1 - beta) / C) / beta``. Its
+    expectation over the randomized response equals the average of the clients'
+    true one-hot predictions; entries may be negative or above 1.
+
+    Parameters
+    ----------
+    perturbed_labels : np.ndarray
+        Shape ``(num_clients, K)``: each client's perturbed label for each of the
+        K knowledge-transfer samples.
+    keep_probability : float
+        ``beta`` in ``(0, 1]`` used by the clients.
+    num_classes : int
+        ``C``.
+
+    Returns
+    -------
+    np.ndarray
+        Shape ``(K, C)``, the debiased average prediction per sample.
+
+    """
+    if not 0.0 < keep_probability <= 1.0:
+        raise ValueError(f"keep_probability must be in (0, 1] to debias, got {keep_probability!r}")
+    perturbed = np.asarray(perturbed_labels)
+    if perturbed.ndim != 2 or perturbed.shape[0] == 0:
+        raise ValueError(f"perturbed_labels must have shape (clients >= 1, K), got {perturbed.shape}")
+    one_hot = np.eye(num_classes)[perturbed]  # (clients, K, C)
+    mean = one_hot.mean(axis=0)
+    return (mean - (1.0 - keep_probability) / num_classes) / keep_probability
+
+
+# --------------------------------------------------------------------------------------
+# Binary randomized response RR_gamma (DPFL-BNN, Definition 3)
+# --------------------------------------------------------------------------------------
+
+
+def binary_randomized_response(*, signs: np.ndarray, gamma: float, rng: np.random.Generator) -> np.ndarray:
+    """Apply RR_gamma to every coordinate of a +-1 vector independently.
+
+    Each coordinate keeps its value with probability ``1/2 + gamma`` and is
+    flipped with probability ``1/2 - gamma`` (DPFL-BNN Definition 3). One
+    coordinate is then ``ln((1/2 + gamma) / (1/2 - gamma))``-LDP; a vector of d
+    coordinates that may all change costs d times that (basic composition).
+
+    Parameters
+    ----------
+    signs : np.ndarray
+        Values in ``{-1, +1}`` (any numeric dtype).
+    gamma : float
+        In ``[0, 1/2)``; 0 outputs pure coin flips.
+    rng : np.random.Generator
+        Source of randomness.
+
+    Returns
+    -------
+    np.ndarray
+        The perturbed signs, same shape and dtype.
+
+    """
+    _require_generator(rng)
+    if not 0.0 <= gamma < 0.5:
+        raise ValueError(f"gamma must be in [0, 0.5), got {gamma!r}")
+    signs = np.asarray(signs)
+    if signs.size and not np.all(np.abs(signs) == 1):
+        raise ValueError("signs must contain only -1 and +1")
+    flip = rng.random(signs.shape) < (0.5 - gamma)
+    return np.where(flip, -signs, signs).astype(signs.dtype, copy=False)
+
+
+# --------------------------------------------------------------------------------------
+# Laplace and Gaussian mechanisms
+# --------------------------------------------------------------------------------------
+
+
+def laplace_mechanism(
+    *, values: np.ndarray, sensitivity: float, epsilon: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Add i.i.d. Laplace(sensitivity / epsilon) noise to every entry.
+
+    ``epsilon``-DP for inputs whose L1 distance is at most ``sensitivity``. For
+    probability vectors (softmax outputs) that bound is 2, not 1: two
+    distributions can differ by 2 in L1 (e.g. ``(1, 0)`` and ``(0, 1)``).
+
+    Parameters
+    ----------
+    values : np.ndarray
+        The query answer (any shape).
+    sensitivity : float
+        L1 sensitivity, ``> 0``.
+    epsilon : float
+        Privacy parameter, ``> 0``.
+    rng : np.random.Generator
+        Source of randomness.
+
+    """
+    _require_generator(rng)
+    _require_finite_positive("sensitivity", sensitivity)
+    _require_finite_positive("epsilon", epsilon)
+    values = np.asarray(values, dtype=np.float64)
+    return values + rng.laplace(0.0, sensitivity / epsilon, size=values.shape)
+
+
+def gaussian_mechanism(*, values: np.ndarray, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """Add i.i.d. N(0, sigma^2) noise to every entry.
+
+    The guarantee depends on ``sigma / L2-sensitivity`` (the noise multiplier);
+    see :mod:`fl_app.privacy.calibration` for the calibrations.
+
+    Parameters
+    ----------
+    values : np.ndarray
+        The query answer (any shape).
+    sigma : float
+        Noise standard deviation, ``>= 0`` (0 returns a float copy).
+    rng : np.random.Generator
+        Source of randomness.
+
+    """
+    _require_generator(rng)
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
+    values = np.asarray(values)
+    out_dtype = values.dtype if np.issubdtype(values.dtype, np.floating) else np.float64
+    noise = rng.normal(0.0, sigma, size=values.shape) if sigma > 0 else 0.0
+    return (values + noise).astype(out_dtype, copy=False)
+
+
+# --------------------------------------------------------------------------------------
+# L2 clipping of a whole model (all arrays together)
+# --------------------------------------------------------------------------------------
+
+
+def global_l2_norm(arrays: Sequence[np.ndarray]) -> float:
+    """L2 norm of the concatenation of all ``arrays``."""
+    return float(math.sqrt(sum(float(np.sum(np.square(a, dtype=np.float64))) for a in arrays)))
+
+
+def clip_l2(*, arrays: Sequence[np.ndarray], max_norm: float) -> tuple[list[np.ndarray], float]:
+    """Scale all arrays together so their joint L2 norm is at most ``max_norm``.
+
+    ``w <- w * min(1, C / ||w||)`` over the concatenation of every array, so any
+    two clipped models are at most ``2C`` apart in L2.
+
+    Parameters
+    ----------
+    arrays : Sequence[np.ndarray]
+        The model (or model update) as a list of arrays.
+    max_norm : float
+        ``C > 0``.
+
+    Returns
+    -------
+    tuple[list[np.ndarray], float]
+        The clipped arrays (new objects) and the norm before clipping.
+
+    """
+    _require_finite_positive("max_norm", max_norm)
+    norm = global_l2_norm(arrays)
+    scale = min(1.0, max_norm / norm) if norm > 0 else 1.0
+    return [np.asarray(a) * scale for a in arrays], norm

@@ -1,0 +1,60 @@
+"""Name -> class registries with automatic discovery of a package's modules.
+
+Adding an algorithm is one file in ``strategies/`` (decorated with
+``@register_strategy("name")``), one in ``clients/`` (``@register_client("name")``)
+and one ``conf/strategy/name.yaml``. The app files look classes up by the
+configured name; they hold no per-algorithm branches.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from types import ModuleType
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """Classes registered by name, discovered by importing every module of a package."""
+
+    def __init__(self, kind: str, package: str) -> None:
+        self.kind = kind
+        self.package = package
+        self._entries: dict[str, T] = {}
+        self._discovered = False
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Class decorator: register the decorated class under ``name``."""
+
+        def decorator(entry: T) -> T:
+            if name in self._entries and self._entries[name] is not entry:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self._entries[name] = entry
+            return entry
+
+        return decorator
+
+    def discover(self) -> None:
+        """Import every module of the package once, so their decorators run."""
+        if self._discovered:
+            return
+        package: ModuleType = importlib.import_module(self.package)
+        for module in pkgutil.iter_modules(package.__path__):
+            if not module.name.startswith("_"):
+                importlib.import_module(f"{self.package}.{module.name}")
+        self._discovered = True
+
+    def get(self, name: str) -> T:
+        """Return the entry registered as ``name``."""
+        self.discover()
+        if name not in self._entries:
+            raise KeyError(f"{self.kind} {name!r} is unknown; allowed: {', '.join(self.names())}")
+        return self._entries[name]
+
+    def names(self) -> list[str]:
+        """All registered names, sorted."""
+        self.discover()
+        return sorted(self._entries)

@@ -1,0 +1,203 @@
+"""The results contract: what every run writes into its output directory.
+
+``results.json`` (read by other tools; keep these names)::
+
+    {
+      "schema": 1, "status": "completed",
+      "strategy": str, "dataset": str, "partition": str,
+      "config": {...resolved configuration...},
+      "initial": {"accuracy": float, "loss": float},
+      "rounds": [{"round": int, "accuracy": float|null, "loss": float|null,
+                  "epsilon": float|null, "upload_bytes": int, "download_bytes": int,
+                  "clients": int, "failures": int, "wall_s": float, "round_s": float, ...}],
+      "final": {"accuracy": float, "loss": float, "epsilon": float|null,
+                "delta": float, "wall_s": float, "rounds": int, ...},
+      "privacy": {"unit": str, "mechanism": str, "accountant": str, ...}
+    }
+
+* ``epsilon`` is the cumulative epsilon of the worst client at ``privacy.delta``
+  after that round. ``null`` means *no finite guarantee* (epsilon = infinity):
+  a non-private run, or a mechanism configured without noise. The file is
+  strict JSON (no ``Infinity``/``NaN`` tokens).
+* ``accuracy``/``loss``: the global model on the server's test split;
+  ``null`` in rounds skipped by ``evaluation.every``.
+* ``upload_bytes``/``download_bytes``: serialised size of that round's train
+  messages, summed over clients (``*_array_bytes``: raw array data only).
+* ``wall_s``: seconds since the run started; ``round_s``: this round's duration.
+
+Also written: ``metrics.csv`` (one row per round, updated as the run goes),
+``accuracy_loss.png``, ``epsilon.png``, ``final_model.npz`` (arrays plus the
+model spec), ``config.yaml``, ``privacy_ledger.json`` (the accountant's events)
+and ``run.log``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from flwr.app import ArrayRecord
+from omegaconf import DictConfig, OmegaConf
+
+from fl_app.models import ModelSpec
+
+SCHEMA_VERSION = 1
+RESULTS_FILE = "results.json"
+METRICS_FILE = "metrics.csv"
+MODEL_FILE = "final_model.npz"
+
+
+def json_safe(value: Any) -> Any:
+    """Convert numpy scalars/arrays and non-finite floats (to ``None``) for strict JSON."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, np.ndarray):
+        return [json_safe(v) for v in value.tolist()]
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write strict JSON atomically (temporary file, then rename)."""
+    text = json.dumps(json_safe(data), indent=2, allow_nan=False)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(handle, "w") as stream:
+        stream.write(text + "\n")
+    os.chmod(temporary, 0o644)
+    os.replace(temporary, path)
+
+
+def save_model(path: Path, arrays: ArrayRecord, spec: ModelSpec) -> None:
+    """Save the final global model: its arrays and the spec to rebuild it."""
+    payload = {name: array.numpy() for name, array in arrays.items()}
+    np.savez(path, __model_spec__=np.array(spec.to_json()), **payload)
+
+
+def load_model_arrays(path: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
+    """Read a file written by :func:`save_model`."""
+    with np.load(path) as archive:
+        spec = ModelSpec.from_json(str(archive["__model_spec__"]))
+        arrays = {name: archive[name] for name in archive.files if name != "__model_spec__"}
+    return spec, arrays
+
+
+class RunRecorder:
+    """Collects per-round records and writes the run's files."""
+
+    def __init__(self, output_dir: Path, cfg: DictConfig) -> None:
+        self.output_dir = output_dir
+        self.cfg = cfg
+        self.rounds: list[dict[str, Any]] = []
+        self.initial: dict[str, Any] = {}
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+
+    def add_round(self, record: dict[str, Any]) -> None:
+        """Append one round and refresh ``metrics.csv``."""
+        self.rounds.append(json_safe(record))
+        columns: list[str] = []
+        for row in self.rounds:
+            columns += [key for key in row if key not in columns]
+        temporary = self.output_dir / f".{METRICS_FILE}.tmp"
+        with temporary.open("w", newline="") as stream:
+            writer = csv.DictWriter(stream, fieldnames=columns)
+            writer.writeheader()
+            for row in self.rounds:
+                writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+        os.replace(temporary, self.output_dir / METRICS_FILE)
+
+    def finalize(
+        self,
+        *,
+        strategy: str,
+        privacy: dict[str, Any],
+        final_extras: dict[str, Any],
+        arrays: ArrayRecord | None,
+        model_spec: ModelSpec,
+        ledger: dict[str, Any] | None,
+        wall_s: float,
+    ) -> dict[str, Any]:
+        """Write results.json, the plots, the model and the privacy ledger; return the results."""
+        evaluated = [r for r in self.rounds if r.get("accuracy") is not None]
+        last = self.rounds[-1] if self.rounds else {}
+        final = {
+            "accuracy": evaluated[-1]["accuracy"] if evaluated else None,
+            "loss": evaluated[-1]["loss"] if evaluated else None,
+            "epsilon": last.get("epsilon"),
+            "delta": float(self.cfg.privacy.delta),
+            "wall_s": wall_s,
+            "rounds": len(self.rounds),
+            **final_extras,
+        }
+        results = {
+            "schema": SCHEMA_VERSION,
+            "status": "completed",
+            "strategy": strategy,
+            "dataset": str(self.cfg.dataset.name),
+            "partition": describe_partition(self.cfg),
+            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "initial": self.initial,
+            "rounds": self.rounds,
+            "final": final,
+            "privacy": privacy,
+        }
+        if arrays is not None:
+            save_model(self.output_dir / MODEL_FILE, arrays, model_spec)
+        if ledger is not None:
+            write_json(self.output_dir / "privacy_ledger.json", ledger)
+        self.plot()
+        write_json(self.output_dir / RESULTS_FILE, results)
+        return results
+
+    def plot(self) -> None:
+        """accuracy_loss.png and epsilon.png from the rounds so far."""
+        evaluated = [r for r in self.rounds if r.get("accuracy") is not None]
+        figure, left = plt.subplots(figsize=(6, 4))
+        rounds = [r["round"] for r in evaluated]
+        left.plot(rounds, [r["accuracy"] for r in evaluated], "o-", color="tab:blue", ms=3)
+        left.set_xlabel("round")
+        left.set_ylabel("test accuracy", color="tab:blue")
+        right = left.twinx()
+        right.plot(rounds, [r["loss"] for r in evaluated], "s--", color="tab:red", ms=3)
+        right.set_ylabel("test loss", color="tab:red")
+        left.set_title(f"{self.cfg.strategy.name} on {self.cfg.dataset.name}")
+        figure.tight_layout()
+        figure.savefig(self.output_dir / "accuracy_loss.png", dpi=110)
+        plt.close(figure)
+
+        figure, axis = plt.subplots(figsize=(6, 4))
+        private = [r for r in self.rounds if r.get("epsilon") is not None]
+        if private:
+            axis.plot([r["round"] for r in private], [r["epsilon"] for r in private], "o-", ms=3)
+        else:
+            axis.text(0.5, 0.5, "no finite epsilon (not private)", ha="center", transform=axis.transAxes)
+        axis.set_xlabel("round")
+        axis.set_ylabel(f"cumulative epsilon (delta={float(self.cfg.privacy.delta):g})")
+        axis.set_title(f"{self.cfg.strategy.name}: privacy spent")
+        figure.tight_layout()
+        figure.savefig(self.output_dir / "epsilon.png", dpi=110)
+        plt.close(figure)
+
+
+def describe_partition(cfg: DictConfig) -> str:
+    """Short text such as ``dirichlet(alpha=0.5)`` or ``iid``."""
+    options = {
+        k: v for k, v in cfg.partition.items() if k not in ("name", "min_partition_size", "self_balancing")
+    }
+    inner = ", ".join(f"{k}={v}" for k, v in options.items())
+    return f"{cfg.partition.name}({inner})" if inner else str(cfg.partition.name)

@@ -1,0 +1,88 @@
+"""What a strategy is given: the composed configuration and the run's shared resources."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from fl_app.data.federated import DataSpec, FederatedData
+from fl_app.models import ModelSpec
+from fl_app.privacy.rng import RandomSource
+from fl_app.roster import ClientInfo
+
+
+def resolve_clients_per_round(clients_per_round: int | float, num_clients: int) -> int:
+    """Turn ``clients_per_round`` (a count, or a fraction in (0, 1]) into a count."""
+    if isinstance(clients_per_round, float):
+        return max(1, round(clients_per_round * num_clients))
+    return int(clients_per_round)
+
+
+@dataclass
+class RunContext:
+    """Everything a strategy needs besides its own hyperparameters.
+
+    Attributes
+    ----------
+    cfg : DictConfig
+        The resolved, read-only run configuration.
+    roster : list[ClientInfo]
+        The federation's clients, ordered by ``client_id``.
+    data : FederatedData
+        The server's view of the data: the test split and the unlabeled public
+        split (client partitions are only read by simulated clients).
+    data_spec : DataSpec
+        The reproducible description of the split (sent to simulated clients).
+    model_spec : ModelSpec
+        The global model's architecture.
+    randomness : RandomSource
+        Non-privacy randomness (client sampling, initialisation), from ``seed``.
+    noise : RandomSource
+        Privacy-noise randomness: seeded, or OS entropy with ``privacy.secure_rng``.
+    output_dir : Path
+        Where this run writes its files.
+
+    """
+
+    cfg: DictConfig
+    roster: list[ClientInfo]
+    data: FederatedData
+    data_spec: DataSpec
+    model_spec: ModelSpec
+    randomness: RandomSource
+    noise: RandomSource
+    output_dir: Path
+
+    @property
+    def num_clients(self) -> int:
+        """N."""
+        return len(self.roster)
+
+    @property
+    def client_ids(self) -> list[int]:
+        """Ids of all clients, in roster order."""
+        return [info.client_id for info in self.roster]
+
+    @property
+    def clients_per_round(self) -> int:
+        """Clients sampled per round (the configured count or fraction)."""
+        return resolve_clients_per_round(self.cfg.clients_per_round, self.num_clients)
+
+    @property
+    def delta(self) -> float:
+        """The run's target delta."""
+        return float(self.cfg.privacy.delta)
+
+    def info(self, client_id: int) -> ClientInfo:
+        """The roster entry of ``client_id``."""
+        for entry in self.roster:
+            if entry.client_id == client_id:
+                return entry
+        raise KeyError(f"client {client_id} is not in the roster")
+
+
+def output_path(path: str | Path) -> Path:
+    """Absolute form of an output path."""
+    return Path(path).expanduser().resolve()

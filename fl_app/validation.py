@@ -1,0 +1,181 @@
+"""Check a composed configuration before anything starts.
+
+Every problem becomes one :class:`ConfigError` whose message is a single line
+naming the key, the value and what is allowed; the entry points print it and
+exit with status 2 before Ray starts or an output directory is written.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from omegaconf import DictConfig
+
+from fl_app.data.sources import DATASET_NAMES, IDX_DATASETS, DataNotFoundError, resolve_idx_folder
+from fl_app.models import MODELS
+from fl_app.privacy.composition import METHODS
+
+BUDGET_SCOPES = ("total", "per_round")
+
+
+class ConfigError(ValueError):
+    """A configuration value is not allowed (message: ``key=value: what is allowed``)."""
+
+    def __init__(self, key: str, value: Any, allowed: str) -> None:
+        self.key, self.value, self.allowed = key, value, allowed
+        super().__init__(f"{key}={value!r}: {allowed}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def require_int(key: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """An integer (not a bool or float) within bounds."""
+    bounds = _bounds_text(minimum, maximum)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, value, f"must be an integer{bounds}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ConfigError(key, value, f"must be an integer{bounds}")
+    return value
+
+
+def require_positive(key: str, value: Any) -> float:
+    """A finite number > 0."""
+    if not _is_number(value) or value <= 0:
+        raise ConfigError(key, value, "must be a number > 0")
+    return float(value)
+
+
+def require_range(
+    key: str, value: Any, low: float, high: float, *, low_open: bool = False, high_open: bool = False
+) -> float:
+    """A finite number in an interval."""
+    text = f"must be a number in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if not _is_number(value):
+        raise ConfigError(key, value, text)
+    if (value < low or (low_open and value == low)) or (value > high or (high_open and value == high)):
+        raise ConfigError(key, value, text)
+    return float(value)
+
+
+def require_choice(key: str, value: Any, allowed: Iterable[str]) -> str:
+    """One of a fixed set of names."""
+    options = list(allowed)
+    if value not in options:
+        raise ConfigError(key, value, f"must be one of {', '.join(options)}")
+    return str(value)
+
+
+def require_bool(key: str, value: Any) -> bool:
+    """True or false."""
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "must be true or false")
+    return value
+
+
+def _bounds_text(minimum: int | None, maximum: int | None) -> str:
+    if minimum is not None and maximum is not None:
+        return f" in [{minimum}, {maximum}]"
+    if minimum is not None:
+        return f" >= {minimum}"
+    if maximum is not None:
+        return f" <= {maximum}"
+    return ""
+
+
+def validate_common(cfg: DictConfig) -> None:
+    """Check the keys every run has (not the strategy's own ones)."""
+    num_clients = require_int("num_clients", cfg.num_clients, minimum=1)
+    per_round = cfg.clients_per_round
+    if isinstance(per_round, float) and not isinstance(per_round, bool):
+        require_range("clients_per_round", per_round, 0.0, 1.0, low_open=True)
+    else:
+        require_int("clients_per_round", per_round, minimum=1, maximum=num_clients)
+    require_int("num_rounds", cfg.num_rounds, minimum=1)
+    require_int("local_epochs", cfg.local_epochs, minimum=1)
+    require_int("batch_size", cfg.batch_size, minimum=1)
+    require_positive("lr", cfg.lr)
+    require_range("momentum", cfg.momentum, 0.0, 1.0, high_open=True)
+    require_int("seed", cfg.seed, minimum=0)
+    if cfg.model != "auto":
+        require_choice("model", cfg.model, ["auto", *sorted(MODELS)])
+
+    privacy = cfg.privacy
+    require_positive("privacy.epsilon", privacy.epsilon)
+    require_range("privacy.delta", privacy.delta, 0.0, 1.0, low_open=True, high_open=True)
+    require_choice("privacy.accountant", privacy.accountant, METHODS)
+    secure = require_bool("privacy.secure_rng", privacy.secure_rng)
+    if privacy.noise_seed is not None:
+        require_int("privacy.noise_seed", privacy.noise_seed, minimum=0)
+        if secure:
+            raise ConfigError(
+                "privacy.noise_seed",
+                privacy.noise_seed,
+                "must be null when privacy.secure_rng=true (OS entropy refuses a seed)",
+            )
+    require_choice("privacy.budget_scope", privacy.budget_scope, BUDGET_SCOPES)
+
+    evaluation = cfg.evaluation
+    require_int("evaluation.every", evaluation.every, minimum=1)
+    if evaluation.test_subset is not None:
+        require_int("evaluation.test_subset", evaluation.test_subset, minimum=1)
+    require_range("evaluation.federated_fraction", evaluation.federated_fraction, 0.0, 1.0)
+
+    simulation = cfg.simulation
+    require_positive("simulation.client_cpus", simulation.client_cpus)
+    if simulation.num_cpus is not None:
+        require_int("simulation.num_cpus", simulation.num_cpus, minimum=1)
+    require_positive("simulation.timeout", simulation.timeout)
+
+    validate_data_options(cfg)
+
+
+def validate_data_options(cfg: DictConfig) -> None:
+    """Check the dataset and partition groups (without loading the data)."""
+    dataset = cfg.dataset
+    name = require_choice("dataset.name", dataset.name, DATASET_NAMES)
+    require_range("dataset.public_fraction", dataset.get("public_fraction", 0.0), 0.0, 1.0, high_open=True)
+    if name == "digits":
+        require_range("dataset.test_fraction", dataset.test_fraction, 0.0, 1.0, low_open=True, high_open=True)
+    if name == "synthetic":
+        for key in ("num_train", "num_test", "image_size", "num_classes"):
+            require_int(f"dataset.{key}", dataset[key], minimum=2)
+        require_positive("dataset.class_sep", dataset.class_sep)
+    if name in IDX_DATASETS and dataset.data_dir is not None and not isinstance(dataset.data_dir, str):
+        raise ConfigError("dataset.data_dir", dataset.data_dir, "must be a folder path or null")
+    partition = cfg.partition
+    from fl_app.data.partition import PARTITIONERS
+
+    require_choice("partition.name", partition.name, PARTITIONERS)
+    if partition.name == "dirichlet":
+        require_positive("partition.alpha", partition.alpha)
+        require_int("partition.min_partition_size", partition.min_partition_size, minimum=0)
+        require_bool("partition.self_balancing", partition.self_balancing)
+
+
+def locate_data(cfg: DictConfig) -> None:
+    """Make sure the data set's files exist (raises a ConfigError naming dataset.data_dir)."""
+    if cfg.dataset.name in IDX_DATASETS:
+        try:
+            resolve_idx_folder(
+                cfg.dataset.name,
+                data_dir=cfg.dataset.data_dir,
+                download=bool(cfg.dataset.get("download", True)),
+            )
+        except DataNotFoundError as error:
+            key, _, rest = str(error).partition(": ")
+            raise ConfigError(key.split("=")[0], cfg.dataset.data_dir, rest) from error
+
+
+def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
+    """Check everything: common keys, the strategy's own keys, and (optionally) the data files."""
+    from strategies import STRATEGIES
+
+    require_choice("strategy.name", cfg.strategy.name, STRATEGIES.names())
+    validate_common(cfg)
+    STRATEGIES.get(cfg.strategy.name).validate_config(cfg)
+    if check_data:
+        locate_data(cfg)

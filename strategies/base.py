@@ -1,0 +1,311 @@
+"""The base of every strategy: Flower's hooks plus the plumbing all algorithms share.
+
+A strategy implements Flower's hooks (``configure_train``, ``aggregate_train``,
+``configure_evaluate``, ``aggregate_evaluate``, ``summary``) and leaves the round
+loop to :meth:`flwr.serverapp.strategy.Strategy.start`. This base adds what
+every algorithm of the project needs:
+
+* seeded client sampling over the roster (reproducible, unlike Flower's global
+  ``random.sample``);
+* the train ``ConfigRecord`` every client reads (:meth:`base_config`, keys in
+  :mod:`fl_app.keys`);
+* failure handling: replies with errors are logged and left out, the round goes
+  on (:meth:`split_replies`); privacy events name every *selected* client, so
+  a failure never makes the accounting optimistic;
+* reporting hooks for the results file (:meth:`round_extras`,
+  :meth:`privacy_summary`, :meth:`final_extras`) and the accountant
+  (:attr:`accountant`), read once per round by the platform.
+
+Subclasses override :meth:`aggregate_train` (and whatever else differs) and set
+the class attributes naming their privacy unit and mechanism.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fl_app import keys
+from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.composition import EpsilonReport
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext
+from fl_app.training import evaluate, load_arrays, model_to_arrays, torch_seed
+
+
+class FederatedStrategy(Strategy):
+    """Shared plumbing; see the module docstring.
+
+    Class attributes
+    ----------------
+    client_name : str
+        Registry name of the client class (``algorithm`` in the train config).
+    privacy_unit : str
+        What a neighbouring pair is for the reported epsilon ("none" if not private).
+    mechanism_name : str
+        Human-readable mechanism ("none" if not private).
+    """
+
+    client_name: ClassVar[str] = ""
+    privacy_unit: ClassVar[str] = "none"
+    mechanism_name: ClassVar[str] = "none"
+
+    def __init__(self, run: RunContext) -> None:
+        self.run = run
+        self.cfg: DictConfig = run.cfg
+        self.accountant: PrivacyAccountant | None = None
+        self._selected: dict[int, list[ClientInfo]] = {}
+        self._failed: dict[int, list[int]] = {}
+        self._evaluation_clients: dict[int, list[ClientInfo]] = {}
+
+    # ------------------------------------------------------------------ configuration
+
+    @classmethod
+    def validate_config(cls, cfg: DictConfig) -> None:
+        """Check this strategy's own keys; raise :class:`fl_app.validation.ConfigError`."""
+
+    def initial_arrays(self) -> ArrayRecord:
+        """The initial global model (seeded initialisation)."""
+        seed = torch_seed(self.run.randomness.generator("model-init"))
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = self.run.model_spec.build()
+        return model_to_arrays(model)
+
+    def base_config(self, server_round: int) -> ConfigRecord:
+        """The train ConfigRecord every client reads."""
+        cfg = self.cfg
+        record = ConfigRecord(
+            {
+                keys.ALGORITHM: self.client_name,
+                keys.SERVER_ROUND: server_round,
+                keys.DATA_SPEC: self.run.data_spec.to_json(),
+                keys.MODEL_SPEC: self.run.model_spec.to_json(),
+                keys.LOCAL_EPOCHS: int(cfg.local_epochs),
+                keys.BATCH_SIZE: int(cfg.batch_size),
+                keys.LR: float(cfg.lr),
+                keys.MOMENTUM: float(cfg.momentum),
+                keys.SEED: int(cfg.seed),
+                keys.SECURE_RNG: bool(self.run.noise.secure),
+            }
+        )
+        if not self.run.noise.secure and self.run.noise.seed is not None:
+            record[keys.NOISE_SEED] = int(self.run.noise.seed)
+        return record
+
+    def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
+        """The full train config: base keys, what ``Strategy.start`` passed, and extras."""
+        record = self.base_config(server_round)
+        for key, value in config.items():
+            record[key] = value
+        for key, value in self.extra_train_config(server_round).items():
+            record[key] = value
+        return record
+
+    def extra_train_config(self, server_round: int) -> dict[str, Any]:
+        """Algorithm-specific hyperparameters for the clients (override)."""
+        return {}
+
+    # ------------------------------------------------------------------ sampling
+
+    def select_clients(self, server_round: int) -> list[ClientInfo]:
+        """Uniformly sample ``clients_per_round`` clients without replacement (seeded)."""
+        rng = self.run.randomness.generator("client-sampling", server_round=server_round)
+        count = self.run.clients_per_round
+        chosen = rng.choice(len(self.run.roster), size=count, replace=False)
+        return [self.run.roster[i] for i in sorted(chosen)]
+
+    def selected(self, server_round: int) -> list[ClientInfo]:
+        """The clients sent a train message in ``server_round``."""
+        return self._selected.get(server_round, [])
+
+    # ------------------------------------------------------------------ Flower hooks
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Sample clients and send each the global arrays and the train config."""
+        clients = self.select_clients(server_round)
+        self._selected[server_round] = clients
+        content = RecordDict(
+            {
+                keys.ARRAYS: self.arrays_for_clients(server_round, arrays),
+                keys.CONFIG: self.train_config(server_round, config),
+            }
+        )
+        return [
+            Message(content=content, dst_node_id=c.node_id, message_type=MessageType.TRAIN) for c in clients
+        ]
+
+    def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """What the clients receive (override, e.g. to add downlink noise)."""
+        return arrays
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Aggregate the round (subclasses implement)."""
+        raise NotImplementedError
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Federated evaluation on ``evaluation.federated_fraction`` of the clients (0: none)."""
+        fraction = float(self.cfg.evaluation.federated_fraction)
+        if fraction <= 0:
+            return []
+        rng = self.run.randomness.generator("evaluate-sampling", server_round=server_round)
+        count = max(1, round(fraction * self.run.num_clients))
+        chosen = sorted(rng.choice(self.run.num_clients, size=count, replace=False))
+        clients = [self.run.roster[i] for i in chosen]
+        self._evaluation_clients[server_round] = clients
+        record = self.base_config(server_round)
+        for key, value in config.items():
+            record[key] = value
+        content = RecordDict({keys.ARRAYS: self.arrays_for_evaluation(arrays), keys.CONFIG: record})
+        return [
+            Message(content=content, dst_node_id=c.node_id, message_type=MessageType.EVALUATE)
+            for c in clients
+        ]
+
+    def arrays_for_evaluation(self, arrays: ArrayRecord) -> ArrayRecord:
+        """What clients evaluate (override when the global arrays need transforming)."""
+        return arrays
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Example-weighted mean of the clients' evaluation metrics."""
+        valid, _ = self.split_replies(server_round, replies, stage="evaluate")
+        if not valid:
+            return None
+        weights = np.array(
+            [float(m.content.metric_records[keys.METRICS][keys.NUM_EXAMPLES]) for _, m in valid]
+        )
+        result = MetricRecord()
+        for name in (keys.EVAL_LOSS, keys.EVAL_ACCURACY):
+            values = np.array([float(m.content.metric_records[keys.METRICS][name]) for _, m in valid])
+            result[f"federated-{name}"] = float(np.average(values, weights=weights))
+        return result
+
+    def summary(self) -> None:
+        """Log the strategy's configuration."""
+        log(
+            INFO,
+            "\t├──> %s: %d of %d clients per round",
+            type(self).__name__,
+            self.run.clients_per_round,
+            self.run.num_clients,
+        )
+        for key, value in self.cfg.strategy.items():
+            log(INFO, "\t│\t├── strategy.%s = %s", key, value)
+        log(INFO, "\t└──> privacy: unit=%s, mechanism=%s", self.privacy_unit, self.mechanism_name)
+
+    # ------------------------------------------------------------------ replies
+
+    def split_replies(
+        self, server_round: int, replies: Iterable[Message], *, stage: str = "train"
+    ) -> tuple[list[tuple[ClientInfo, Message]], list[ClientInfo]]:
+        """Separate good replies from failures (logged), mapped to roster entries."""
+        by_node = {info.node_id: info for info in self.run.roster}
+        valid: list[tuple[ClientInfo, Message]] = []
+        failed: list[ClientInfo] = []
+        for reply in replies:
+            info = by_node.get(int(reply.metadata.src_node_id))
+            if info is None:
+                log(WARNING, "%s: reply from unknown node %s ignored", stage, reply.metadata.src_node_id)
+                continue
+            if reply.has_error():
+                failed.append(info)
+                reason = reply.error.reason.strip().splitlines()[-1] if reply.error.reason else "?"
+                log(
+                    WARNING,
+                    "%s round %d: client %d failed: %s",
+                    stage,
+                    server_round,
+                    info.client_id,
+                    reason[:300],
+                )
+            else:
+                valid.append((info, reply))
+        if stage == "train":
+            expected = {c.client_id for c in self.selected(server_round)}
+            answered = {info.client_id for info, _ in valid} | {info.client_id for info in failed}
+            failed += [self.run.info(c) for c in sorted(expected - answered)]
+            self._failed[server_round] = sorted(info.client_id for info in failed)
+            if expected - answered:
+                log(
+                    WARNING,
+                    "train round %d: %d clients did not reply in time",
+                    server_round,
+                    len(expected - answered),
+                )
+        return valid, failed
+
+    # ------------------------------------------------------------------ reporting
+
+    def evaluate_global(self, arrays: ArrayRecord, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """Loss and accuracy of the global model on ``(x, y)`` (override for e.g. BNNs)."""
+        model = self.run.model_spec.build()
+        load_arrays(model, arrays)
+        return evaluate(model, x, y)
+
+    def epsilon(self) -> EpsilonReport | None:
+        """Cumulative epsilon of the worst client at ``privacy.delta`` (None: not private)."""
+        if self.accountant is None:
+            return None
+        return self.accountant.epsilon(delta=self.run.delta)
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """Per-round fields for the results file beyond the platform's (override)."""
+        return {}
+
+    def round_failures(self, server_round: int) -> list[int]:
+        """Ids of the clients that failed in ``server_round``."""
+        return self._failed.get(server_round, [])
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """The results file's ``privacy`` object (override to add details)."""
+        accountant = "none"
+        if self.accountant is not None:
+            accountant = (
+                f"{self.accountant.method} (dp-accounting 0.6.0): per-client composition of the "
+                "recorded events (each names the clients whose data it touched, or all clients); "
+                "min with basic composition for pure-epsilon mechanisms; the worst client is reported"
+            )
+        return {"unit": self.privacy_unit, "mechanism": self.mechanism_name, "accountant": accountant}
+
+    def final_extras(self) -> dict[str, Any]:
+        """Extra fields for the results file's ``final`` object (override)."""
+        return {}
+
+
+def mean_arrays(records: list[ArrayRecord], weights: list[float] | None = None) -> ArrayRecord:
+    """(Weighted) mean of ArrayRecords with identical keys and shapes."""
+    if not records:
+        raise ValueError("nothing to average")
+    factors = (
+        np.full(len(records), 1.0 / len(records))
+        if weights is None
+        else (np.asarray(weights, dtype=np.float64) / float(np.sum(weights)))
+    )
+    out: dict[str, Array] = {}
+    for key in records[0]:
+        stacked = sum(f * r[key].numpy().astype(np.float64) for f, r in zip(factors, records, strict=True))
+        out[key] = Array(np.asarray(stacked, dtype=records[0][key].numpy().dtype))
+    return ArrayRecord(out)

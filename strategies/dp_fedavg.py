@@ -1,0 +1,200 @@
+"""DP-FedAvg: central differential privacy with fixed clipping (the DP baseline).
+
+McMahan, Ramage, Talwar, Zhang, "Learning Differentially Private Recurrent
+Language Models", ICLR 2018 (Algorithm 1, the fixed-denominator estimator), and
+Geyer, Klein, Nabi 2017. Each round:
+
+1. every client joins independently with probability ``q = clients_per_round / N``
+   (``strategy.sampling=poisson``) or exactly ``clients_per_round`` clients are
+   drawn (``fixed``);
+2. each selected client trains locally and returns its model; the server clips
+   each update ``Delta_k = w_k - w_t`` to L2 norm ``C`` (``strategy.clip``):
+   ``Delta_k <- Delta_k min(1, C / ||Delta_k||)``;
+3. the server releases ``w_{t+1} = w_t + (sum_k Delta_k + N(0, z^2 C^2 I)) / W``
+   with the fixed denominator ``W = qN`` (Poisson) or ``W = clients_per_round``
+   (fixed). Every client has weight 1 (uniform weighting: weighting by example
+   counts would let one client's weight exceed the clipping bound).
+
+Privacy: unit = one client's entire data set (add or remove one client; a failed
+or absent client contributes a zero update, so the sensitivity of the sum stays
+C). Central DP: the server sees clipped, un-noised updates and is trusted.
+Poisson sampling: one ``SampledGaussian(z, q)`` event per round covering every
+client (amplification by sampling, Mironov, Talwar, Zhang 2019). Fixed-size
+sampling: one ``Gaussian(z)`` event per round for the selected clients (no
+amplification is credited). Unless ``strategy.noise_multiplier`` is set, ``z``
+is calibrated with the same accountant so that the worst client's epsilon after
+``num_rounds`` is at most ``privacy.epsilon``.
+
+Why not Flower's ``DifferentialPrivacyServerSideFixedClipping`` wrapper: its
+noise comes from the global ``np.random`` (not seeded, not secure), it averages
+with the inner strategy's example weights unless every weight is equal, it
+skips the whole round's aggregation when a single client fails, and its
+accountant credits no sampling amplification. The clipping and noising
+themselves are the same operations, taken from :mod:`fl_app.privacy`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fl_app import keys
+from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
+from fl_app.privacy.events import Gaussian, PrivacyEvent, SampledGaussian
+from fl_app.privacy.mechanisms import clip_l2, gaussian_mechanism
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext
+from fl_app.validation import require_choice, require_positive
+from strategies import register_strategy
+from strategies.base import FederatedStrategy
+
+SAMPLINGS = ("poisson", "fixed")
+
+
+@register_strategy("dp_fedavg")
+class DPFedAvgStrategy(FederatedStrategy):
+    """Central-DP FedAvg with server-side fixed clipping and seeded Gaussian noise."""
+
+    client_name = "dp_fedavg"
+    privacy_unit = "one client's entire data set (add or remove one client), central DP"
+    mechanism_name = "Gaussian noise on the sum of clipped model updates"
+
+    def __init__(self, run: RunContext) -> None:
+        super().__init__(run)
+        settings = self.cfg.strategy
+        self.clip = float(settings.clip)
+        self.sampling = str(settings.sampling)
+        self.rate = run.clients_per_round / run.num_clients
+        rounds = int(self.cfg.num_rounds)
+        if settings.noise_multiplier is not None:
+            self.noise_multiplier = float(settings.noise_multiplier)
+        else:
+            self.noise_multiplier = dp_fedavg_noise_multiplier(
+                epsilon=float(self.cfg.privacy.epsilon),
+                delta=run.delta,
+                sampling_rate=self.rate if self.sampling == "poisson" else 1.0,
+                rounds=rounds,
+                method=str(self.cfg.privacy.accountant),
+            )
+        self.denominator = (
+            self.rate * run.num_clients if self.sampling == "poisson" else float(run.clients_per_round)
+        )
+        self.accountant = PrivacyAccountant(
+            population=run.client_ids, unit=self.privacy_unit, method=str(self.cfg.privacy.accountant)
+        )
+        self._global: ArrayRecord | None = None
+        self._norms: dict[int, list[float]] = {}
+        log(
+            INFO,
+            "DP-FedAvg: noise multiplier z=%.4f, clip C=%g, sampling=%s (q=%.4f)",
+            self.noise_multiplier,
+            self.clip,
+            self.sampling,
+            self.rate,
+        )
+
+    @classmethod
+    def validate_config(cls, cfg: DictConfig) -> None:
+        """``strategy.clip`` > 0, ``noise_multiplier`` null or > 0, known sampling."""
+        require_positive("strategy.clip", cfg.strategy.clip)
+        if cfg.strategy.noise_multiplier is not None:
+            require_positive("strategy.noise_multiplier", cfg.strategy.noise_multiplier)
+        require_choice("strategy.sampling", cfg.strategy.sampling, SAMPLINGS)
+
+    def select_clients(self, server_round: int) -> list[ClientInfo]:
+        """Poisson sampling (each client w.p. q) or fixed-size sampling."""
+        if self.sampling == "fixed":
+            return super().select_clients(server_round)
+        rng = self.run.randomness.generator("client-sampling", server_round=server_round)
+        joins = rng.random(self.run.num_clients) < self.rate
+        return [info for info, joined in zip(self.run.roster, joins, strict=True) if joined]
+
+    def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Remember the global model the updates are relative to."""
+        self._global = arrays
+        return arrays
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Clip each update, add noise to the sum, divide by the fixed denominator."""
+        valid, _ = self.split_replies(server_round, replies)
+        if self._global is None:
+            raise RuntimeError("aggregate_train before configure_train")
+        names = list(self._global.keys())
+        reference = [self._global[name].numpy().astype(np.float64) for name in names]
+        total = [np.zeros_like(r) for r in reference]
+        norms = []
+        for _, reply in valid:
+            received = reply.content.array_records[keys.ARRAYS]
+            update = [
+                received[n].numpy().astype(np.float64) - r for n, r in zip(names, reference, strict=True)
+            ]
+            clipped, norm = clip_l2(arrays=update, max_norm=self.clip)
+            norms.append(norm)
+            total = [t + c for t, c in zip(total, clipped, strict=True)]
+        rng = self.run.noise.generator("central-noise", server_round=server_round)
+        sigma = self.noise_multiplier * self.clip
+        noised = [gaussian_mechanism(values=t, sigma=sigma, rng=rng) for t in total]
+        new = {
+            n: Array((r + s / self.denominator).astype(self._global[n].numpy().dtype))
+            for n, r, s in zip(names, reference, noised, strict=True)
+        }
+        self._record_release(server_round)
+        self._norms[server_round] = norms
+        metrics = MetricRecord(
+            {
+                keys.TRAIN_LOSS: float(
+                    np.mean(
+                        [float(m.content.metric_records[keys.METRICS][keys.TRAIN_LOSS]) for _, m in valid]
+                    )
+                )
+            }
+            if valid
+            else {}
+        )
+        return ArrayRecord(new), metrics
+
+    def _record_release(self, server_round: int) -> None:
+        assert self.accountant is not None
+        if self.sampling == "poisson":
+            event = PrivacyEvent(
+                server_round,
+                SampledGaussian(self.noise_multiplier, self.rate),
+                participants=None,
+                label="central release",
+            )
+        else:
+            event = PrivacyEvent(
+                server_round,
+                Gaussian(self.noise_multiplier),
+                label="central release",
+                participants=tuple(c.client_id for c in self.selected(server_round)),
+            )
+        self.accountant.record(event)
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """Update norms before clipping (a tuning aid for ``strategy.clip``)."""
+        norms = self._norms.get(server_round, [])
+        return {
+            "update_norm_median": float(np.median(norms)) if norms else None,
+            "clipped_fraction": float(np.mean(np.array(norms) > self.clip)) if norms else None,
+        }
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """Unit, mechanism, accountant and the calibrated noise."""
+        return {
+            **super().privacy_summary(),
+            "noise_multiplier": self.noise_multiplier,
+            "clip": self.clip,
+            "sampling": self.sampling,
+            "sampling_rate": self.rate,
+            "denominator": self.denominator,
+        }
