@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, RecordDict
-from flwr.supercore.telemetry import EventType
 from flwr.simulation.run_simulation import _run_simulation
+from flwr.supercore.telemetry import EventType
 from omegaconf import DictConfig
 
 from fl_app.config import overrides_to_run_config

@@ -1,0 +1,178 @@
+"""Shared fixtures: real Flower Messages and Contexts, run contexts, short simulations."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
+from flwr.supercore.task_identity import TaskIdentity
+
+import fl_app  # noqa: F401  (process set-up first)
+from fl_app import keys
+from fl_app.config import compose_config
+from fl_app.data.federated import DataSpec, federated_data
+from fl_app.models import ModelSpec, resolve_model_name
+from fl_app.privacy.rng import RandomSource
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext
+
+#: Small, fast settings for simulations in tests (digits data, few clients).
+FAST = [
+    "dataset=digits",
+    "num_clients=6",
+    "clients_per_round=3",
+    "num_rounds=2",
+    "lr=0.2",
+    "batch_size=16",
+    "local_epochs=1",
+    "simulation.client_cpus=1",
+]
+
+
+@pytest.fixture(autouse=True)
+def task_identity() -> Iterator[None]:
+    """Give this process a Flower task identity (as the simulation does) so Messages can be built."""
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 77, 0, 1
+    yield
+    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def make_context(
+    partition_id: int | None = 0,
+    num_partitions: int = 6,
+    node_id: int = 1001,
+    node_config: dict[str, Any] | None = None,
+) -> Context:
+    """A node Context as the simulation builds it (or a device's, with ``partition_id=None``)."""
+    config: dict[str, Any] = dict(node_config or {})
+    if partition_id is not None:
+        config.update({keys.NODE_PARTITION_ID: partition_id, keys.NODE_NUM_PARTITIONS: num_partitions})
+    return Context(run_id=77, node_id=node_id, node_config=config, state=RecordDict(), run_config={})
+
+
+def make_message(
+    config: dict[str, Any],
+    arrays: ArrayRecord | None = None,
+    *,
+    message_type: str = MessageType.TRAIN,
+    node_id: int = 1001,
+) -> Message:
+    """A server-to-client instruction Message carrying ``arrays`` and ``config``."""
+    content = RecordDict({keys.CONFIG: ConfigRecord(config)})
+    if arrays is not None:
+        content[keys.ARRAYS] = arrays
+    return Message(content=content, dst_node_id=node_id, message_type=message_type)
+
+
+def reply_to(
+    message: Message,
+    *,
+    arrays: ArrayRecord | None = None,
+    metrics: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Message:
+    """A client's reply to ``message`` (as the ClientApp would return it)."""
+    content = RecordDict()
+    if arrays is not None:
+        content[keys.ARRAYS] = arrays
+    content[keys.METRICS] = MetricRecord(metrics or {})
+    for name, record in (extra or {}).items():
+        content[name] = record
+    return Message(content=content, reply_to=message)
+
+
+def error_reply(message: Message, reason: str = "client crashed") -> Message:
+    """A failed client's reply."""
+    return Message(Error(code=0, reason=reason), reply_to=message)
+
+
+def build_run_context(overrides: Sequence[str], tmp_path: Path) -> RunContext:
+    """A RunContext for strategy tests: composed config, real data, a synthetic roster.
+
+    Node ids are ``1000 + partition id`` and sizes are the real partition sizes.
+    """
+    cfg = compose_config(list(overrides))
+    spec = DataSpec.from_config(cfg)
+    data = federated_data(spec)
+    roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
+    model_spec = ModelSpec(
+        resolve_model_name(str(cfg.model), data.input_shape), data.input_shape, data.num_classes
+    )
+    noise_seed = cfg.privacy.noise_seed if cfg.privacy.noise_seed is not None else cfg.seed
+    return RunContext(
+        cfg=cfg,
+        roster=roster,
+        data=data,
+        data_spec=spec,
+        model_spec=model_spec,
+        randomness=RandomSource(seed=int(cfg.seed)),
+        noise=RandomSource(seed=int(noise_seed)),
+        output_dir=tmp_path,
+    )
+
+
+def client_for(message: Message, context: Context) -> Any:
+    """The client object the ClientApp would build for ``message``."""
+    from fl_app.client_app import client_for as lookup
+
+    return lookup(message, context)
+
+
+@pytest.fixture
+def simulate(tmp_path: Path) -> Callable[..., dict[str, Any]]:
+    """Run a real (Ray-backed) simulation in-process; return its results.json."""
+    from fl_app.simulation import run_in_simulation
+    from fl_app.validation import validate_config
+
+    def run(overrides: Sequence[str], name: str = "run") -> dict[str, Any]:
+        cfg = compose_config(list(overrides))
+        validate_config(cfg)
+        output = tmp_path / name
+        run_in_simulation(cfg, list(overrides), output)
+        return json.loads((output / "results.json").read_text())
+
+    return run
+
+
+def spec_config(overrides: Sequence[str]) -> dict[str, Any]:
+    """The base train-config keys a strategy would send (for client tests)."""
+    cfg = compose_config(list(overrides))
+    spec = DataSpec.from_config(cfg)
+    data = federated_data(spec)
+    model_spec = ModelSpec(
+        resolve_model_name(str(cfg.model), data.input_shape), data.input_shape, data.num_classes
+    )
+    return {
+        keys.SERVER_ROUND: 1,
+        keys.DATA_SPEC: spec.to_json(),
+        keys.MODEL_SPEC: model_spec.to_json(),
+        keys.LOCAL_EPOCHS: 1,
+        keys.BATCH_SIZE: 16,
+        keys.LR: 0.1,
+        keys.MOMENTUM: 0.0,
+        keys.SEED: int(cfg.seed),
+        keys.SECURE_RNG: False,
+        keys.NOISE_SEED: int(cfg.seed),
+    }
+
+
+def numpy_close(a: ArrayRecord, b: ArrayRecord, **kwargs: Any) -> bool:
+    """Whether two ArrayRecords hold the same keys and (nearly) the same values."""
+    return list(a.keys()) == list(b.keys()) and all(
+        np.allclose(a[k].numpy(), b[k].numpy(), **kwargs) for k in a
+    )

@@ -1,0 +1,130 @@
+"""FedAvg and DP-FedAvg: strategies on constructed replies, clients on real messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import (
+    build_run_context,
+    client_for,
+    error_reply,
+    make_context,
+    make_message,
+    reply_to,
+    spec_config,
+)
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from fl_app import keys
+from fl_app.privacy.calibration import gaussian_epsilon
+from strategies.dp_fedavg import DPFedAvgStrategy
+from strategies.fedavg import FedAvgStrategy
+
+DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=4"]
+
+
+def _arrays(value: float, shape: tuple[int, ...] = (3, 2)) -> ArrayRecord:
+    return ArrayRecord(
+        {"w": Array(np.full(shape, value, dtype=np.float32)), "b": Array(np.full(2, value, dtype=np.float32))}
+    )
+
+
+def test_fedavg_weights_by_examples_and_skips_failures(tmp_path):
+    strategy = FedAvgStrategy(build_run_context(DIGITS, tmp_path))
+    messages = list(strategy.configure_train(1, _arrays(0.0), ConfigRecord(), grid=None))
+    assert len(messages) == 3
+    replies = [
+        reply_to(messages[0], arrays=_arrays(1.0), metrics={keys.NUM_EXAMPLES: 10, keys.TRAIN_LOSS: 1.0}),
+        reply_to(messages[1], arrays=_arrays(4.0), metrics={keys.NUM_EXAMPLES: 30, keys.TRAIN_LOSS: 2.0}),
+        error_reply(messages[2]),
+    ]
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert np.allclose(arrays["w"].numpy(), (10 * 1.0 + 30 * 4.0) / 40)
+    assert metrics[keys.TRAIN_LOSS] == pytest.approx(1.75)
+    assert strategy.round_failures(1) == [strategy.selected(1)[2].client_id]
+
+
+def test_client_sampling_is_seeded_and_uniform(tmp_path):
+    first = FedAvgStrategy(build_run_context(DIGITS, tmp_path))
+    second = FedAvgStrategy(build_run_context(DIGITS, tmp_path))
+    assert [c.client_id for c in first.select_clients(3)] == [c.client_id for c in second.select_clients(3)]
+    counts = np.zeros(6)
+    for server_round in range(1, 601):
+        for client in first.select_clients(server_round):
+            counts[client.client_id] += 1
+    assert np.allclose(counts / 600, 0.5, atol=0.07)
+
+
+def test_train_config_carries_hyperparameters(tmp_path):
+    strategy = FedAvgStrategy(build_run_context([*DIGITS, "lr=0.3", "local_epochs=2"], tmp_path))
+    message = next(iter(strategy.configure_train(2, _arrays(0.0), ConfigRecord(), grid=None)))
+    config = message.content.config_records[keys.CONFIG]
+    assert config[keys.ALGORITHM] == "fedavg"
+    assert config[keys.LR] == pytest.approx(0.3)
+    assert config[keys.LOCAL_EPOCHS] == 2
+    assert config[keys.SERVER_ROUND] == 2
+
+
+def test_fedavg_client_trains_on_its_partition():
+    config = {**spec_config(DIGITS), keys.ALGORITHM: "fedavg"}
+    from fl_app.models import ModelSpec
+    from fl_app.training import model_to_arrays
+
+    model = ModelSpec.from_json(config[keys.MODEL_SPEC]).build()
+    start = model_to_arrays(model)
+    message = make_message(config, start)
+    reply = client_for(message, make_context(partition_id=2)).train()
+    metrics = reply.content.metric_records[keys.METRICS]
+    from fl_app.data.federated import DataSpec, federated_data
+
+    partition = federated_data(DataSpec.from_json(config[keys.DATA_SPEC])).client(2)
+    assert metrics[keys.NUM_EXAMPLES] == len(partition)
+    trained = reply.content.array_records[keys.ARRAYS]
+    assert list(trained.keys()) == list(start.keys())
+    assert not np.allclose(trained[next(iter(trained))].numpy(), start[next(iter(start))].numpy())
+
+
+def test_dp_fedavg_clips_noises_and_accounts(tmp_path):
+    run = build_run_context(
+        [
+            *DIGITS,
+            "strategy=dp_fedavg",
+            "strategy.noise_multiplier=1e-9",
+            "strategy.clip=0.5",
+            "strategy.sampling=fixed",
+        ],
+        tmp_path,
+    )
+    strategy = DPFedAvgStrategy(run)
+    global_arrays = _arrays(0.0)
+    messages = list(strategy.configure_train(1, global_arrays, ConfigRecord(), grid=None))
+    # Two clients move far (norm 100), one fails: the failed one counts as a zero update.
+    replies = [
+        reply_to(m, arrays=_arrays(10.0 * (i + 1)), metrics={keys.NUM_EXAMPLES: 5, keys.TRAIN_LOSS: 1.0})
+        for i, m in enumerate(messages[:2])
+    ] + [error_reply(messages[2])]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    update = np.concatenate([arrays[k].numpy().ravel() for k in arrays])
+    # Each clipped update has norm 0.5 and points along the all-ones direction.
+    assert np.linalg.norm(update) == pytest.approx(2 * 0.5 / 3, rel=1e-4)
+    # Fixed sampling: the 3 selected clients (failure included) were charged one Gaussian release.
+    report = strategy.accountant.epsilon(delta=1e-5)
+    selected = [c.client_id for c in strategy.selected(1)]
+    for client in run.client_ids:
+        expected_rounds = 1 if client in selected else 0
+        assert strategy.accountant.rounds_participated(client) == expected_rounds
+    assert report.epsilon > 0
+
+
+def test_dp_fedavg_calibration_meets_budget(tmp_path):
+    run = build_run_context([*DIGITS, "strategy=dp_fedavg", "privacy.epsilon=2"], tmp_path)
+    strategy = DPFedAvgStrategy(run)
+    spent = gaussian_epsilon(
+        noise_multiplier=strategy.noise_multiplier, sampling_rate=0.5, rounds=4, delta=1e-5
+    )
+    assert spent <= 2.0
+    assert spent > 1.99
+    for server_round in range(1, 5):
+        strategy.configure_train(server_round, _arrays(0.0), ConfigRecord(), grid=None)
+        strategy.aggregate_train(server_round, [])
+    assert strategy.epsilon().epsilon == pytest.approx(spent, rel=1e-9)
