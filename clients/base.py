@@ -26,10 +26,29 @@ from torch import nn
 
 from fl_app import keys
 from fl_app.data.federated import ClientDataset, DataSpec, federated_data
-from fl_app.data.local import load_local_dataset
+from fl_app.data.local import check_local_dataset, load_local_dataset
 from fl_app.models import ModelSpec
 from fl_app.privacy.rng import RandomSource, make_generator
 from fl_app.training import evaluate, load_arrays, train_local
+
+
+#: Fault injection for failure-handling tests: ``DPFL_INJECT_FAILURES="3,5@2"``
+#: makes client 3 raise in every round and client 5 in round 2 (train and
+#: evaluate messages). Unset in normal use.
+INJECT_FAILURES_ENV = "DPFL_INJECT_FAILURES"
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by a client named in ``DPFL_INJECT_FAILURES``."""
+
+
+def injected_failure(client_id: int, server_round: int) -> bool:
+    """Whether ``DPFL_INJECT_FAILURES`` asks this client to fail in this round."""
+    for item in filter(None, os.environ.get(INJECT_FAILURES_ENV, "").replace(" ", "").split(",")):
+        client, _, round_text = item.partition("@")
+        if int(client) == client_id and (not round_text or int(round_text) == server_round):
+            return True
+    return False
 
 
 class FederatedClient:
@@ -54,6 +73,9 @@ class FederatedClient:
         threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         if threads > 0 and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        if self.server_round > 0 and injected_failure(self.client_id, self.server_round):
+            raise InjectedFailure(f"client {self.client_id} fails in round {self.server_round} "
+                                  f"({INJECT_FAILURES_ENV})")
 
     # ------------------------------------------------------------------ identity
 
@@ -81,14 +103,20 @@ class FederatedClient:
 
         Simulation: the partition ``partition-id`` of the split described by the
         message's data spec (cached per process). Device: the file or folder in
-        ``node_config["data-path"]``.
+        ``node_config["data-path"]``, checked against the server's model when
+        the message names one.
         """
         if self.in_simulation:
             spec = DataSpec.from_json(str(self.config[keys.DATA_SPEC]))
             return federated_data(spec).client(self.client_id)
         if keys.NODE_DATA_PATH not in self.context.node_config:
             raise ValueError("this SuperNode has no data: start it with --node-config 'data-path=\"<file>\"'")
-        return load_local_dataset(str(self.context.node_config[keys.NODE_DATA_PATH]))
+        path = str(self.context.node_config[keys.NODE_DATA_PATH])
+        data = load_local_dataset(path)
+        if keys.MODEL_SPEC in self.config:
+            model = self.model_spec()
+            check_local_dataset(data, path, input_shape=model.input_shape, num_classes=model.num_classes)
+        return data
 
     def model_spec(self) -> ModelSpec:
         """The architecture the server asked for."""

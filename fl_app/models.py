@@ -121,3 +121,102 @@ class MLP(nn.Module):
 
 register_model("cnn")(SmallCNN)
 register_model("mlp")(MLP)
+
+
+# --------------------------------------------------------------------------------------
+# DPFL-BNN (Liu, Zhang, Song, Letaief 2023, Section II-D and IV-A1): binary CNN
+# --------------------------------------------------------------------------------------
+
+
+class SignSTE(torch.autograd.Function):
+    """``Sign(w)`` (Eq. 6, ties to +1) with the straight-through gradient of Hubara et al. 2016.
+
+    Backward passes the incoming gradient where ``|w| <= 1`` and zeroes it
+    elsewhere (the hard-tanh estimator); with the latent weights clipped to
+    [-1, 1] (Section II-D) it is the plain identity.
+    """
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, weight: torch.Tensor) -> torch.Tensor:
+        """Return +1 where ``weight >= 0`` and -1 elsewhere."""
+        ctx.save_for_backward(weight)
+        return torch.where(weight >= 0, 1.0, -1.0).to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        """Straight-through: ``grad * 1{|w| <= 1}``."""
+        (weight,) = ctx.saved_tensors
+        return grad * (weight.abs() <= 1).to(grad.dtype)
+
+
+def binarize(weight: torch.Tensor) -> torch.Tensor:
+    """``Sign`` of the latent weights with the straight-through gradient (:class:`SignSTE`)."""
+    return SignSTE.apply(weight)
+
+
+class BinaryConv2d(nn.Module):
+    """Convolution with binary weights ``Sign(W)`` (no bias), output scaled by ``gain / sqrt(fan_in)``.
+
+    ``weight`` holds the latent full-precision weights (initialised uniformly in
+    [-1, 1]); the forward pass uses only their signs. The scale is a fixed
+    constant of the architecture (not learned, never uploaded): it keeps the
+    pre-activations of a +-1 filter in tanh's working range without batch norm,
+    whose parameters would have to leave the client in full precision.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int = 3, gain: float = 2.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kernel_size, kernel_size))
+        nn.init.uniform_(self.weight, -1.0, 1.0)
+        self.padding = kernel_size // 2
+        self.scale = gain * float(in_channels * kernel_size * kernel_size) ** -0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Convolve with the binarized weights ('same' padding)."""
+        return nn.functional.conv2d(x, binarize(self.weight), padding=self.padding) * self.scale
+
+
+class BinaryLinear(nn.Module):
+    """Fully connected layer with binary weights ``Sign(W)`` (no bias), scaled by ``gain / sqrt(fan_in)``."""
+
+    def __init__(self, in_features: int, out_features: int, gain: float = 2.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        nn.init.uniform_(self.weight, -1.0, 1.0)
+        self.scale = gain * float(in_features) ** -0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Multiply by the binarized weights."""
+        return nn.functional.linear(x, binarize(self.weight)) * self.scale
+
+
+class BinaryCNN(nn.Module):
+    """The DPFL-BNN CNN: every parameter is a binary weight (Section IV-A1).
+
+    Two 3x3 convolutions with 16 filters, each followed by tanh and 2x2 max
+    pooling; a fully connected layer from the flattened features (16 x 7 x 7 =
+    784 for 28x28 images, the document's "784 units") to 100 tanh units; a
+    fully connected output layer (softmax in the loss). No biases and no batch
+    norm, so nothing but +-1 weights describes the model. Any input of at least
+    4x4 pixels works (8x8 digits: 64 flattened features).
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        channels, height, width = input_shape
+        if height < 4 or width < 4:
+            raise ValueError(f"bnn_cnn needs inputs of at least 4x4 pixels, got {input_shape}")
+        self.conv1 = BinaryConv2d(channels, 16, 3)
+        self.conv2 = BinaryConv2d(16, 16, 3)
+        self.fc1 = BinaryLinear(16 * (height // 4) * (width // 4), 100)
+        self.fc2 = BinaryLinear(100, num_classes, gain=4.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return class logits."""
+        x = nn.functional.max_pool2d(torch.tanh(self.conv1(x)), 2)
+        x = nn.functional.max_pool2d(torch.tanh(self.conv2(x)), 2)
+        x = torch.tanh(self.fc1(torch.flatten(x, 1)))
+        return self.fc2(x)
+
+
+register_model("bnn_cnn")(BinaryCNN)

@@ -6,6 +6,13 @@ asks every node once (a ``query`` message) for its partition id (simulation) and
 the size of its data set; clients are then ordered by partition id (by node id
 on devices) and sampled by that order. The sizes serve NbAFL (m, the smallest
 local data set) and KD-DP (grouping by size).
+
+Under the deployment engine (``flwr run . <connection>``) every SuperNode is one
+client: ``num_clients`` must equal the number of connected SuperNodes. The
+server waits up to ``simulation.timeout`` seconds for missing ones and stops
+at once when there are more. A device reports no partition id
+(:attr:`ClientInfo.device`), which is how the server knows it runs on real
+devices (see :func:`on_devices`).
 """
 
 from __future__ import annotations
@@ -40,12 +47,21 @@ class ClientInfo:
         Flower node id to address messages to.
     num_examples : int
         Size of the client's local training set.
+    device : bool
+        True for a real device (a SuperNode without a ``partition-id``: it
+        loads its own data from ``node_config["data-path"]``).
 
     """
 
     client_id: int
     node_id: int
     num_examples: int
+    device: bool = False
+
+
+def on_devices(roster: list[ClientInfo]) -> bool:
+    """Whether the federation has real devices (not simulated nodes)."""
+    return any(info.device for info in roster)
 
 
 def discover_roster(grid: Grid, *, expected: int, config: ConfigRecord, timeout: float) -> list[ClientInfo]:
@@ -69,17 +85,29 @@ def discover_roster(grid: Grid, *, expected: int, config: ConfigRecord, timeout:
 
     """
     deadline = time.monotonic() + timeout
+    reported = -1
     while len(nodes := sorted(grid.get_node_ids())) < expected:
         if time.monotonic() > deadline:
             raise RosterError(
-                f"num_clients={expected}: only {len(nodes)} SuperNodes connected within {timeout:.0f} s"
+                f"num_clients={expected}, but only {len(nodes)} SuperNodes connected within "
+                f"{timeout:.0f} s (simulation.timeout); start the missing SuperNodes or set "
+                f"num_clients={len(nodes)}"
             )
-        log(INFO, "Waiting for SuperNodes: %d of %d connected", len(nodes), expected)
+        if len(nodes) != reported:
+            log(
+                INFO,
+                "Waiting for SuperNodes: %d of %d (num_clients) connected; giving up in %.0f s",
+                len(nodes),
+                expected,
+                deadline - time.monotonic(),
+            )
+            reported = len(nodes)
         time.sleep(ROSTER_POLL_S)
     if len(nodes) > expected:
         raise RosterError(
             f"num_clients={expected}, but the federation has {len(nodes)} SuperNodes; set "
-            f"num_clients={len(nodes)} or resize the federation (num-supernodes)"
+            f"num_clients={len(nodes)}, or stop SuperNodes (deployment) or set num-supernodes "
+            f"(simulation) to {expected}"
         )
     queries = [
         Message(
@@ -103,15 +131,21 @@ def discover_roster(grid: Grid, *, expected: int, config: ConfigRecord, timeout:
         partition = int(metrics[keys.PARTITION_ID])
         node = int(reply.metadata.src_node_id)
         roster.append(
-            ClientInfo(partition if partition >= 0 else node, node, int(metrics[keys.NUM_EXAMPLES]))
+            ClientInfo(
+                partition if partition >= 0 else node,
+                node,
+                int(metrics[keys.NUM_EXAMPLES]),
+                device=partition < 0,
+            )
         )
     roster.sort(key=lambda info: info.client_id)
     if len({info.client_id for info in roster}) != len(roster):
         raise RosterError("two clients reported the same partition id")
     log(
         INFO,
-        "Roster: %d clients, local data sizes %d..%d",
+        "Roster: %d %s, local data sizes %d..%d",
         len(roster),
+        "devices" if on_devices(roster) else "simulated clients",
         min(i.num_examples for i in roster),
         max(i.num_examples for i in roster),
     )

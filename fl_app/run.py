@@ -11,7 +11,7 @@ import datetime as dt
 import logging
 import math
 import time
-from logging import ERROR, INFO
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +20,40 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_app import keys
-from fl_app.config import RUN_CONFIG_OUTPUT_DIR, compose_config, overrides_from_run_config
+from fl_app.config import RUN_CONFIG_OUTPUT_DIR, compose_config, freeze, overrides_from_run_config
 from fl_app.data.federated import DataSpec, federated_data
 from fl_app.metering import MeteredGrid
-from fl_app.models import ModelSpec, resolve_model_name
+from fl_app.models import ModelSpec
 from fl_app.privacy.rng import RandomSource
+from fl_app.registry import Registry
 from fl_app.results import RunRecorder
-from fl_app.roster import discover_roster
+from fl_app.roster import discover_roster, on_devices
 from fl_app.run_context import RunContext, output_path
-from fl_app.validation import validate_config
+from fl_app.validation import require_choice, validate_config
 from strategies import STRATEGIES
 from strategies.base import FederatedStrategy
 
 LOG_FILE = "run.log"
+
+#: Evaluation stages: classes in ``strategies/`` decorated ``@register_evaluation_stage(name)`` that
+#: wrap the built strategy when ``evaluation.stage`` names them (absent or null: no stage). A stage
+#: has a classmethod ``validate_config(cfg)`` and is built as ``Stage(strategy)``.
+EVALUATION_STAGES: Registry[Any] = Registry("evaluation stage", "strategies")
+register_evaluation_stage = EVALUATION_STAGES.register
+
+
+def evaluation_stage(cfg: DictConfig) -> Any | None:
+    """The (validated) evaluation stage class ``evaluation.stage`` names, or None."""
+    name = cfg.evaluation.get("stage")
+    if name is None:
+        return None
+    stage = EVALUATION_STAGES.get(require_choice("evaluation.stage", name, EVALUATION_STAGES.names()))
+    stage.validate_config(cfg)
+    return stage
 
 
 def run_federation(grid: Grid, context: Context) -> None:
@@ -45,6 +62,7 @@ def run_federation(grid: Grid, context: Context) -> None:
     try:
         cfg = compose_config(overrides)
         validate_config(cfg)
+        evaluation_stage(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         # One line, no traceback, nothing written. (Under `flwr run` a raised
         # exception would print a traceback and SystemExit is swallowed.)
@@ -69,6 +87,23 @@ def noise_source(cfg: DictConfig) -> RandomSource:
     return RandomSource(seed=int(seed), secure=False)
 
 
+def with_secure_noise(cfg: DictConfig) -> DictConfig:
+    """``cfg`` with ``privacy.secure_rng=true`` and ``privacy.noise_seed=null``.
+
+    Used when the roster shows real devices: they draw their noise from OS
+    entropy whatever the server says, and the server's own noise (e.g.
+    DP-FedAvg's) must not come from a seed anyone reading the configuration
+    knows. The results then record the setting that was in force.
+    """
+    if cfg.privacy.noise_seed is not None:
+        log(WARNING, "privacy.noise_seed=%s ignored: real devices use OS entropy", cfg.privacy.noise_seed)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)
+    container["privacy"]["secure_rng"] = True
+    container["privacy"]["noise_seed"] = None
+    return freeze(OmegaConf.create(container))
+
+
 def execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     """Run one federated training as configured and write its results into ``output_dir``."""
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -76,9 +111,14 @@ def execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     flower_logger = logging.getLogger("flwr")
     flower_logger.addHandler(handler)
+    # Flower's logger has its own console handler. In Flower's simulation process
+    # something also configures the root logger (seen under `flwr run`: every line
+    # again as "INFO:flwr:..."), so keep Flower's records off the root while we run.
+    propagate, flower_logger.propagate = flower_logger.propagate, False
     try:
         return _execute(grid, cfg, output_dir)
     finally:
+        flower_logger.propagate = propagate
         flower_logger.removeHandler(handler)
         handler.close()
 
@@ -95,8 +135,9 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     )
     data_spec = DataSpec.from_config(cfg)
     data = federated_data(data_spec)
+    strategy_class = STRATEGIES.get(str(cfg.strategy.name))
     model_spec = ModelSpec(
-        resolve_model_name(str(cfg.model), data.input_shape), data.input_shape, data.num_classes
+        strategy_class.resolve_model(cfg, data.input_shape), data.input_shape, data.num_classes
     )
     metered = MeteredGrid(grid)
     roster = discover_roster(
@@ -106,6 +147,9 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         config=ConfigRecord({keys.DATA_SPEC: data_spec.to_json(), keys.SEED: int(cfg.seed)}),
     )
     setup_traffic = metered.take()
+    if on_devices(roster) and not cfg.privacy.secure_rng:
+        log(INFO, "dpfl: the clients are real devices: noise from OS entropy (privacy.secure_rng=true)")
+        cfg = with_secure_noise(cfg)
     run = RunContext(
         cfg=cfg,
         roster=roster,
@@ -116,7 +160,10 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         noise=noise_source(cfg),
         output_dir=output_dir,
     )
-    strategy = STRATEGIES.get(str(cfg.strategy.name))(run)
+    strategy = strategy_class(run)
+    stage = evaluation_stage(cfg)
+    if stage is not None:
+        strategy = stage(strategy)
     recorder = RunRecorder(output_dir, cfg)
     test = data.test()
     x_test, y_test = test.x, test.y

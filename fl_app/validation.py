@@ -170,8 +170,25 @@ def locate_data(cfg: DictConfig) -> None:
             raise ConfigError(key.split("=")[0], cfg.dataset.data_dir, rest) from error
 
 
+def check_partitions(cfg: DictConfig) -> None:
+    """Build the split (cached per process) and make sure every client gets data."""
+    from fl_app.data.federated import DataSpec, federated_data
+
+    try:
+        data = federated_data(DataSpec.from_config(cfg))
+    except ValueError as error:
+        raise ConfigError("num_clients", cfg.num_clients,
+                          f"the {cfg.partition.name} partition of {cfg.dataset.name} failed: "
+                          f"{' '.join(str(error).split())}") from error
+    sizes = data.client_sizes()
+    if min(sizes) < 1:
+        raise ConfigError("num_clients", cfg.num_clients,
+                          f"too many clients for {cfg.dataset.name}: {sizes.count(0)} of them get no "
+                          "examples; use fewer clients or another partition")
+
+
 def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
-    """Check everything: common keys, the strategy's own keys, and (optionally) the data files."""
+    """Check everything: common keys, the strategy's own keys, and (optionally) the data and its split."""
     from strategies import STRATEGIES
 
     require_choice("strategy.name", cfg.strategy.name, STRATEGIES.names())
@@ -179,3 +196,4 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
     STRATEGIES.get(cfg.strategy.name).validate_config(cfg)
     if check_data:
         locate_data(cfg)
+        check_partitions(cfg)

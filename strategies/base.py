@@ -43,6 +43,7 @@ from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fl_app import keys
+from fl_app.models import resolve_model_name
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.roster import ClientInfo
@@ -80,6 +81,11 @@ class FederatedStrategy(Strategy):
     @classmethod
     def validate_config(cls, cfg: DictConfig) -> None:
         """Check this strategy's own keys; raise :class:`fl_app.validation.ConfigError`."""
+
+    @classmethod
+    def resolve_model(cls, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:
+        """The model to train: ``model`` unless ``auto`` (override to pick the algorithm's own)."""
+        return resolve_model_name(str(cfg.model), input_shape)
 
     def initial_arrays(self) -> ArrayRecord:
         """The initial global model (seeded initialisation)."""

@@ -25,10 +25,11 @@ import fl_app  # noqa: F401  (process set-up first)
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
-from fl_app.models import ModelSpec, resolve_model_name
+from fl_app.models import ModelSpec
 from fl_app.privacy.rng import RandomSource
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
+from strategies import STRATEGIES
 
 #: Small, fast settings for simulations in tests (digits data, few clients).
 FAST = [
@@ -111,7 +112,9 @@ def build_run_context(overrides: Sequence[str], tmp_path: Path) -> RunContext:
     data = federated_data(spec)
     roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
     model_spec = ModelSpec(
-        resolve_model_name(str(cfg.model), data.input_shape), data.input_shape, data.num_classes
+        STRATEGIES.get(str(cfg.strategy.name)).resolve_model(cfg, data.input_shape),
+        data.input_shape,
+        data.num_classes,
     )
     noise_seed = cfg.privacy.noise_seed if cfg.privacy.noise_seed is not None else cfg.seed
     return RunContext(
@@ -135,7 +138,10 @@ def client_for(message: Message, context: Context) -> Any:
 
 @pytest.fixture
 def simulate(tmp_path: Path) -> Callable[..., dict[str, Any]]:
-    """Run a real (Ray-backed) simulation in-process; return its results.json."""
+    """Run a real (Ray-backed) simulation in-process; return its results.json.
+
+    The returned dict also has ``_output_dir``: the run's output directory.
+    """
     from fl_app.simulation import run_in_simulation
     from fl_app.validation import validate_config
 
@@ -144,7 +150,9 @@ def simulate(tmp_path: Path) -> Callable[..., dict[str, Any]]:
         validate_config(cfg)
         output = tmp_path / name
         run_in_simulation(cfg, list(overrides), output)
-        return json.loads((output / "results.json").read_text())
+        results = json.loads((output / "results.json").read_text())
+        results["_output_dir"] = str(output)
+        return results
 
     return run
 
@@ -155,7 +163,9 @@ def spec_config(overrides: Sequence[str]) -> dict[str, Any]:
     spec = DataSpec.from_config(cfg)
     data = federated_data(spec)
     model_spec = ModelSpec(
-        resolve_model_name(str(cfg.model), data.input_shape), data.input_shape, data.num_classes
+        STRATEGIES.get(str(cfg.strategy.name)).resolve_model(cfg, data.input_shape),
+        data.input_shape,
+        data.num_classes,
     )
     return {
         keys.SERVER_ROUND: 1,

@@ -18,7 +18,6 @@ from typing import Any
 
 import numpy as np
 
-from fl_app.data.partition import partition_rows, split_public
 from fl_app.data.sources import ArrayDataset, load_dataset
 
 
@@ -123,6 +122,10 @@ class FederatedData:
 
 def build_federated_data(spec: DataSpec) -> FederatedData:
     """Load the data set and split it as ``spec`` says (no caching)."""
+    # Imported here: the partitioners pull in flwr-datasets, datasets and pandas
+    # (about 2 s of CPU), which a device's ClientApp process never needs.
+    from fl_app.data.partition import partition_rows, split_public
+
     arrays = load_dataset(spec.dataset, seed=spec.seed)
     public_rows, private_rows = split_public(
         len(arrays.y_train),

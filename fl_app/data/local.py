@@ -39,6 +39,28 @@ def load_local_dataset(path: str) -> ClientDataset:
     return ClientDataset(np.ascontiguousarray(x), np.asarray(y, dtype=np.int64))
 
 
+def check_local_dataset(
+    data: ClientDataset, path: str, *, input_shape: tuple[int, ...], num_classes: int
+) -> None:
+    """Raise a one-line ``ValueError`` when a device's data does not fit the server's model.
+
+    The server's model is built for its own ``dataset`` (e.g. 8x8 images for
+    ``digits``); a device file made from another data set would otherwise fail
+    deep inside training.
+    """
+    shape = tuple(int(d) for d in data.x.shape[1:])
+    if shape != tuple(input_shape):
+        raise ValueError(
+            f"data-path={path!r}: examples of shape {shape}, but the server's model takes "
+            f"{tuple(input_shape)}; make the device files from the server's dataset"
+        )
+    if len(data) and (int(data.y.min()) < 0 or int(data.y.max()) >= num_classes):
+        raise ValueError(
+            f"data-path={path!r}: labels {int(data.y.min())}..{int(data.y.max())}, but the server's "
+            f"model has {num_classes} classes (0..{num_classes - 1})"
+        )
+
+
 def _first_existing(folder: Path, stem: str) -> Path:
     for candidate in (folder / stem, folder / f"{stem}.gz"):
         if candidate.is_file():

@@ -15,6 +15,14 @@ The two IDX data sets are searched in this order:
 
 Otherwise :class:`DataNotFoundError` says, in one line, where it looked and how
 to get the files.
+
+``svhn`` (Netzer et al. 2011, the cropped-digits ``train_32x32.mat`` and
+``test_32x32.mat``; 3x32x32 colour images, label 10 mapped to digit 0) is read
+with scipy from ``dataset.data_dir`` or the dpfl cache ``$DPFL_DATA_HOME/svhn``;
+when neither has it and ``dataset.download`` is true, torchvision downloads it
+into the cache (checking its MD5 sums). That needs a machine that is online:
+offline, :class:`DataNotFoundError` names ``dataset.data_dir`` and says how to
+get the files.
 """
 
 from __future__ import annotations
@@ -86,7 +94,15 @@ HOW_TO_GET: dict[str, str] = {
 }
 
 IDX_DATASETS: tuple[str, ...] = ("fashion_mnist", "mnist")
-DATASET_NAMES: tuple[str, ...] = ("fashion_mnist", "mnist", "digits", "synthetic")
+DATASET_NAMES: tuple[str, ...] = ("fashion_mnist", "mnist", "digits", "synthetic", "svhn")
+
+# SVHN (cropped digits): torchvision's file names; ``extra_32x32.mat`` is not used.
+SVHN_FILES: dict[str, str] = {"train": "train_32x32.mat", "test": "test_32x32.mat"}
+SVHN_HOW_TO_GET = (
+    "put train_32x32.mat and test_32x32.mat (http://ufldl.stanford.edu/housenumbers/) into a folder "
+    "and set dataset.data_dir=<that folder>, or run once with dataset.download=true on a machine that "
+    "is online (torchvision downloads them into the dpfl cache)"
+)
 DOWNLOAD_TIMEOUT_S = 20.0
 
 
@@ -283,6 +299,62 @@ def make_synthetic_dataset(
     return ArrayDataset("synthetic", x_train, y_train, x_test, y_test, num_classes)
 
 
+def resolve_svhn_folder(*, data_dir: str | None, download: bool, cache_dir: Path | None = None) -> Path:
+    """Find the folder with SVHN's two ``.mat`` files, downloading them with torchvision if allowed.
+
+    Raises
+    ------
+    DataNotFoundError
+        With a one-line message naming ``dataset.data_dir`` and how to get the files.
+
+    """
+    if data_dir is not None:
+        folder = Path(data_dir).expanduser()
+        if all((folder / name).is_file() for name in SVHN_FILES.values()):
+            return folder
+        raise DataNotFoundError(
+            f"dataset.data_dir={data_dir!r}: no SVHN files there (expected "
+            f"{', '.join(SVHN_FILES.values())}); {SVHN_HOW_TO_GET}"
+        )
+    cache = cache_dir if cache_dir is not None else data_home() / "svhn"
+    if all((cache / name).is_file() for name in SVHN_FILES.values()):
+        return cache
+    reason = "download disabled (dataset.download=false)"
+    if download:
+        try:
+            download_svhn(cache)
+            return cache
+        except (OSError, RuntimeError, ValueError) as error:
+            reason = f"download failed: {' '.join(str(error).split())[:200]}"
+    raise DataNotFoundError(
+        f"dataset.data_dir=null: SVHN files not found in {cache} and {reason}; {SVHN_HOW_TO_GET}"
+    )
+
+
+def download_svhn(target: Path) -> None:
+    """Download SVHN's train and test ``.mat`` files into ``target`` with torchvision (MD5-checked)."""
+    from torchvision.datasets import SVHN
+
+    target.mkdir(parents=True, exist_ok=True)
+    for split in SVHN_FILES:
+        SVHN(root=str(target), split=split, download=True)
+
+
+def load_svhn_dataset(folder: Path) -> ArrayDataset:
+    """Load SVHN from ``folder``: images ``(n, 3, 32, 32)`` ``uint8``, labels 0-9 (10 means 0)."""
+    from scipy.io import loadmat
+
+    parts: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for split, name in SVHN_FILES.items():
+        raw = loadmat(folder / name)
+        images = np.ascontiguousarray(np.transpose(raw["X"], (3, 2, 0, 1)), dtype=np.uint8)
+        labels = np.asarray(raw["y"], dtype=np.int64).reshape(-1) % 10
+        if len(images) != len(labels):
+            raise ValueError(f"{folder / name}: {len(images)} images but {len(labels)} labels")
+        parts[split] = (images, labels)
+    return ArrayDataset("svhn", *parts["train"], *parts["test"], num_classes=10)
+
+
 def load_dataset(options: Mapping[str, Any], *, seed: int) -> ArrayDataset:
     """Load the data set described by the ``dataset`` config group.
 
@@ -302,6 +374,11 @@ def load_dataset(options: Mapping[str, Any], *, seed: int) -> ArrayDataset:
         return load_idx_dataset(name, folder)
     if name == "digits":
         return load_digits_dataset(test_fraction=float(options["test_fraction"]), seed=seed)
+    if name == "svhn":
+        folder = resolve_svhn_folder(
+            data_dir=options.get("data_dir"), download=bool(options.get("download", True))
+        )
+        return load_svhn_dataset(folder)
     if name == "synthetic":
         return make_synthetic_dataset(
             num_train=int(options["num_train"]),

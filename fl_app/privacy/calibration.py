@@ -112,9 +112,117 @@ def privatekt_keep_probability(*, epsilon: float, k: int, num_classes: int) -> f
     return expm1 / (expm1 + num_classes)
 
 
+PRIVATEKT_BUDGET_SCOPES: tuple[str, ...] = ("total", "per_round")
+
+
+def privatekt_epsilon_per_label(
+    *,
+    epsilon: float,
+    k: int,
+    num_classes: int,
+    budget_scope: str,
+    max_participations: int | None = None,
+    delta: float | None = None,
+    method: str = "rdp",
+) -> float:
+    """Per-label randomized-response epsilon of PrivateKT for a budget scope.
+
+    ``per_round`` (the document's reading): ``epsilon / K`` per label (Lemma 1,
+    Eq. 6; ``RandomizedResponse(epsilon / K, C).keep_probability`` equals
+    :func:`privatekt_keep_probability`), so one report of K labels is
+    ``epsilon``-LDP. Reports of different rounds still compose: nothing
+    shuffles them (the document's model-shuffling argument does not apply).
+
+    ``total``: the largest per-label epsilon for which ``K * max_participations``
+    reports, composed by :func:`~fl_app.privacy.composition.compose_epsilon`
+    (the accountant's own code path, at ``delta`` with ``method``), stay within
+    ``epsilon``: the worst client's cumulative epsilon over the run.
+
+    Parameters
+    ----------
+    epsilon : float
+        Per-round (``per_round``) or cumulative per-client (``total``) budget.
+    k : int
+        Labels per report (K knowledge-transfer samples).
+    num_classes : int
+        ``C >= 2``.
+    budget_scope : str
+        ``"per_round"`` or ``"total"``.
+    max_participations : int, optional
+        Rounds the most-selected client takes part in (``total`` only).
+    delta : float, optional
+        Target delta of the cumulative guarantee (``total`` only).
+    method : str
+        Accountant method, ``"rdp"`` or ``"pld"`` (``total`` only).
+
+    """
+    _positive("epsilon", epsilon)
+    _positive_int("k", k)
+    _positive_int("num_classes", num_classes)
+    if num_classes < 2:
+        raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+    if budget_scope == "per_round":
+        return epsilon / k
+    if budget_scope != "total":
+        raise ValueError(f"budget_scope must be one of {PRIVATEKT_BUDGET_SCOPES}, got {budget_scope!r}")
+    if max_participations is None or delta is None:
+        raise ValueError("budget_scope='total' needs max_participations and delta")
+    _positive_int("max_participations", max_participations)
+    _probability("delta", delta)
+    return randomized_response_epsilon_per_label(
+        total_epsilon=epsilon,
+        delta=delta,
+        labels=k * max_participations,
+        num_classes=num_classes,
+        method=method,
+    )
+
+
+# --------------------------------------------------------------------------------------
+# Local DP on a client's clipped model update (FedAvg+LDP baseline)
+# --------------------------------------------------------------------------------------
+
+
+def local_update_sensitivity(*, clip: float) -> float:
+    """L2 sensitivity ``2C`` of one client's update clipped to norm ``C``.
+
+    Local DP protects the client's whole data set against the server: any two
+    data sets of one client may give any two clipped updates, which are at most
+    ``2C`` apart in L2 (replacement relation; not ``C``, which is the
+    add-or-remove sensitivity of a *sum* over clients).
+    """
+    _positive("clip", clip)
+    return 2.0 * clip
+
+
+def local_gaussian_noise_multiplier(
+    *, epsilon: float, delta: float, participations: int, method: str = "rdp"
+) -> float:
+    """Smallest ``z = sigma / (2C)`` whose ``participations`` uploads meet ``(epsilon, delta)``.
+
+    Each upload is one ``Gaussian(z)`` release of the client's clipped update
+    (no amplification by sampling: the client knows it was selected, and the
+    server sees its upload). The search runs on the accountant's own
+    composition, so the reported epsilon never exceeds the target.
+    """
+    _positive_int("participations", participations)
+    return dp_fedavg_noise_multiplier(
+        epsilon=epsilon, delta=delta, sampling_rate=1.0, rounds=participations, method=method
+    )
+
+
+def local_gaussian_sigma(*, clip: float, noise_multiplier: float) -> float:
+    """Per-coordinate noise std ``z * 2C`` for a client's update clipped to ``C``."""
+    _positive("noise_multiplier", noise_multiplier)
+    return noise_multiplier * local_update_sensitivity(clip=clip)
+
+
 # --------------------------------------------------------------------------------------
 # NbAFL (Wei et al., IEEE TIFS 2020)
 # --------------------------------------------------------------------------------------
+
+NBAFL_CALIBRATIONS: tuple[str, ...] = ("classic", "analytic", "accountant")
+NBAFL_AMPLIFICATIONS: tuple[str, ...] = ("two_sided", "document")
 
 
 def nbafl_sensitivity(*, clip: float, min_dataset_size: int) -> float:
@@ -122,6 +230,12 @@ def nbafl_sensitivity(*, clip: float, min_dataset_size: int) -> float:
     _positive("clip", clip)
     _positive_int("min_dataset_size", min_dataset_size)
     return 2.0 * clip / min_dataset_size
+
+
+def nbafl_client_sensitivity(*, clip: float) -> float:
+    """L2 distance of any two parameter vectors clipped to norm ``C``: ``2C`` (client-level unit)."""
+    _positive("clip", clip)
+    return 2.0 * clip
 
 
 def nbafl_uplink_sigma(
@@ -132,6 +246,7 @@ def nbafl_uplink_sigma(
     min_dataset_size: int,
     exposures: int,
     calibration: str = "classic",
+    method: str = "rdp",
 ) -> float:
     """Uplink noise ``sigma_U = c L Delta s_U / epsilon`` with ``Delta s_U = 2C/m``.
 
@@ -139,9 +254,14 @@ def nbafl_uplink_sigma(
     ``calibration="classic"`` this is the document's formula (proven only for
     ``epsilon / L < 1``; outside it a :class:`ClassicGaussianRangeWarning` is
     issued); ``"analytic"`` uses the exact analytic Gaussian for
-    ``(epsilon / L, delta)`` per exposure instead.
+    ``(epsilon / L, delta)`` per exposure instead. Both split the budget by
+    basic composition, which strictly gives ``(epsilon, L delta)`` after ``L``
+    uploads. ``"accountant"`` returns the smallest sigma whose ``L``-fold
+    composition, computed by :func:`~fl_app.privacy.composition.compose_epsilon`
+    with ``method``, meets ``(epsilon, delta)`` itself.
     """
     _positive_int("exposures", exposures)
+    _positive("epsilon", epsilon)
     sensitivity = nbafl_sensitivity(clip=clip, min_dataset_size=min_dataset_size)
     per_exposure = epsilon / exposures
     if calibration == "classic":
@@ -150,7 +270,84 @@ def nbafl_uplink_sigma(
         )
     if calibration == "analytic":
         return analytic_gaussian_sigma(sensitivity=sensitivity, epsilon=per_exposure, delta=delta)
-    raise ValueError(f"calibration must be 'classic' or 'analytic', got {calibration!r}")
+    if calibration == "accountant":
+        multiplier = dp_fedavg_noise_multiplier(
+            epsilon=epsilon, delta=delta, sampling_rate=1.0, rounds=exposures, method=method
+        )
+        return multiplier * sensitivity
+    raise ValueError(f"calibration must be one of {NBAFL_CALIBRATIONS}, got {calibration!r}")
+
+
+def nbafl_round_epsilon(
+    *, epsilon: float, num_rounds: int, num_clients: int, clients_per_round: int, amplification: str
+) -> float:
+    """Per-broadcast budget ``epsilon_K`` of the K scheduled clients' aggregate (K-random scheduling).
+
+    The broadcast budget per round is ``epsilon / T``. A client is in a round's
+    sample with probability ``q = K/N``, so a mechanism that is
+    ``epsilon_K``-DP on the sample is ``epsilon / T``-DP on the population when
+
+    * ``"two_sided"`` (default): ``epsilon / T = ln(1 + q (e^{epsilon_K} - 1))``,
+      the standard amplification-by-subsampling bound, which holds in both
+      directions of the neighbouring relation; so
+      ``epsilon_K = ln(1 + (e^{epsilon/T} - 1) / q)``;
+    * ``"document"``: ``epsilon / T = -ln(1 - q + q e^{-epsilon_K})``, the form
+      behind the document's ``b`` (``epsilon_K = b epsilon / T`` with
+      ``b = -(T/epsilon) ln(1 - N/K + (N/K) e^{-epsilon/T})``). It bounds only
+      one direction of the likelihood ratio and is smaller than the two-sided
+      bound, i.e. it allows less noise than a proven guarantee needs. Returns
+      ``inf`` when ``e^{-epsilon/T} <= 1 - q`` (any ``epsilon_K`` passes it).
+
+    With ``K = N`` both give ``epsilon / T``.
+    """
+    _positive("epsilon", epsilon)
+    _positive_int("num_rounds", num_rounds)
+    _positive_int("num_clients", num_clients)
+    _positive_int("clients_per_round", clients_per_round)
+    if clients_per_round > num_clients:
+        raise ValueError(f"clients_per_round={clients_per_round} exceeds num_clients={num_clients}")
+    per_round = epsilon / num_rounds
+    if clients_per_round == num_clients:
+        return per_round
+    q = clients_per_round / num_clients
+    if amplification == "two_sided":
+        # ln(1 + (e^y - 1)/q) = y - ln q + ln(q + (1 - q)(1 - e^{-y})), stable for every y > 0.
+        return per_round - math.log(q) + math.log(q - (1.0 - q) * math.expm1(-per_round))
+    if amplification == "document":
+        inner = math.expm1(-per_round) / q  # in (-1/q, 0)
+        return math.inf if inner <= -1.0 else -math.log1p(inner)
+    raise ValueError(f"amplification must be one of {NBAFL_AMPLIFICATIONS}, got {amplification!r}")
+
+
+def nbafl_downlink_threshold(
+    *, epsilon: float, exposures: int, num_clients: int, clients_per_round: int, amplification: str
+) -> float:
+    """Number of rounds above which NbAFL adds downlink noise: ``L sqrt(N)``, or ``epsilon / gamma``.
+
+    ``T`` rounds need no downlink noise while the uplink noise, averaged over the
+    K uploads, already gives each broadcast its budget: ``T <= L sqrt(N)`` with
+    every client in every round (Theorem 1), ``T <= epsilon / gamma`` under
+    K-random scheduling, with ``gamma = ln(1 + q (e^{epsilon/(L sqrt K)} - 1))``
+    (``"two_sided"``) or the document's
+    ``gamma = -ln(1 - K/N + (K/N) e^{-epsilon/(L sqrt K)})`` (``"document"``).
+    """
+    _positive("epsilon", epsilon)
+    _positive_int("exposures", exposures)
+    _positive_int("num_clients", num_clients)
+    _positive_int("clients_per_round", clients_per_round)
+    if clients_per_round > num_clients:
+        raise ValueError(f"clients_per_round={clients_per_round} exceeds num_clients={num_clients}")
+    if clients_per_round == num_clients:
+        return exposures * math.sqrt(num_clients)
+    q = clients_per_round / num_clients
+    x = epsilon / (exposures * math.sqrt(clients_per_round))
+    if amplification == "two_sided":
+        gamma = x + math.log(q) + math.log1p((1.0 - q) * math.exp(-x) / q)  # ln(1 - q + q e^x)
+    elif amplification == "document":
+        gamma = -math.log1p(q * math.expm1(-x))
+    else:
+        raise ValueError(f"amplification must be one of {NBAFL_AMPLIFICATIONS}, got {amplification!r}")
+    return epsilon / gamma
 
 
 def nbafl_downlink_sigma(
@@ -162,11 +359,21 @@ def nbafl_downlink_sigma(
     exposures: int,
     num_rounds: int,
     num_clients: int,
+    clients_per_round: int | None = None,
+    amplification: str = "two_sided",
 ) -> float:
     """Downlink noise ``sigma_D = 2cC sqrt(T^2 - L^2 N) / (m N epsilon)`` if ``T > L sqrt(N)``, else 0.
 
-    NbAFL's Theorem for the broadcast aggregate (uniform weights ``p_i = 1/N``):
+    NbAFL's Theorem 1 for the broadcast aggregate (uniform weights ``p_i = 1/N``):
     the uplink noise already protects the aggregate when ``T <= L sqrt(N)``.
+
+    With K-random scheduling (``clients_per_round = K < N``) the document's
+    theorem for K clients gives
+    ``sigma_D = 2cC sqrt(T^2/b^2 - L^2 K) / (m K epsilon)`` if ``T > epsilon / gamma``,
+    else 0, where ``T / b = epsilon / epsilon_K`` (:func:`nbafl_round_epsilon`)
+    and ``epsilon / gamma`` is :func:`nbafl_downlink_threshold`; ``amplification``
+    chooses the document's one-sided ``b, gamma`` or the two-sided bound. With
+    ``K = N`` (or ``None``) this is Theorem 1 exactly (integer test ``T^2 > L^2 N``).
     """
     _positive("epsilon", epsilon)
     _positive("clip", clip)
@@ -175,10 +382,34 @@ def nbafl_downlink_sigma(
     _positive_int("num_rounds", num_rounds)
     _positive_int("num_clients", num_clients)
     c = classic_gaussian_constant(delta=delta)
-    excess = num_rounds**2 - exposures**2 * num_clients
-    if excess <= 0:
+    k = num_clients if clients_per_round is None else clients_per_round
+    _positive_int("clients_per_round", k)
+    if k > num_clients:
+        raise ValueError(f"clients_per_round={k} exceeds num_clients={num_clients}")
+    if k == num_clients:
+        excess = num_rounds**2 - exposures**2 * num_clients
+        if excess <= 0:
+            return 0.0
+        return 2.0 * c * clip * math.sqrt(excess) / (min_dataset_size * num_clients * epsilon)
+    threshold = nbafl_downlink_threshold(
+        epsilon=epsilon,
+        exposures=exposures,
+        num_clients=num_clients,
+        clients_per_round=k,
+        amplification=amplification,
+    )
+    if num_rounds <= threshold:
         return 0.0
-    return 2.0 * c * clip * math.sqrt(excess) / (min_dataset_size * num_clients * epsilon)
+    round_epsilon = nbafl_round_epsilon(
+        epsilon=epsilon,
+        num_rounds=num_rounds,
+        num_clients=num_clients,
+        clients_per_round=k,
+        amplification=amplification,
+    )
+    effective_rounds = epsilon / round_epsilon  # T / b
+    excess = max(effective_rounds**2 - exposures**2 * k, 0.0)
+    return 2.0 * c * clip * math.sqrt(excess) / (min_dataset_size * k * epsilon)
 
 
 # --------------------------------------------------------------------------------------
@@ -275,6 +506,25 @@ def laplace_epsilon_for_tail(*, tau: float, probability: float, sensitivity: flo
     return sensitivity * math.log(1.0 / (1.0 - probability)) / tau
 
 
+#: L1 sensitivity of a probability vector (e.g. one softmax output) when its input is replaced:
+#: ``||p - q||_1 <= ||p||_1 + ||q||_1 = 2``, attained by ``(1, 0, ...)`` and ``(0, 1, ...)``.
+#: The MindSpore document states 1.
+PROBABILITY_VECTOR_L1_SENSITIVITY = 2.0
+
+
+def laplace_epsilon_for_scale(*, scale: float, sensitivity: float) -> float:
+    """Epsilon that Laplace noise of scale ``b`` gives a query of L1 ``sensitivity``: ``sensitivity / b``.
+
+    Used to report the guarantee noise actually delivers when it was calibrated
+    with another sensitivity: noise calibrated as ``Laplace(1 / epsilon)`` (the
+    document's sensitivity 1) on probability vectors (true sensitivity 2) gives
+    ``2 * epsilon``, not ``epsilon``.
+    """
+    _positive("scale", scale)
+    _positive("sensitivity", sensitivity)
+    return sensitivity / scale
+
+
 # --------------------------------------------------------------------------------------
 # DP-FedAvg and searches against the accountant
 # --------------------------------------------------------------------------------------
@@ -353,21 +603,83 @@ def _largest_meeting(
     low: float,
     high: float,
     floor: float = 0.0,
-    iterations: int = 60,
+    tolerance: float = 1e-9,
 ) -> float:
     """Largest x in [low, high] with ``function(x) <= target``, for increasing ``function``.
 
-    Returns the lower end of the final bracket (the safe side).
+    Bisects until the bracket is narrower than ``tolerance * max(1, high)`` and
+    returns its lower end (the safe side).
     """
     low_x = max(low, floor)
     if function(low_x) > target:
         raise ValueError(f"even the smallest parameter {low_x} exceeds the target {target}")
     if function(high) <= target:
         return high
-    for _ in range(iterations):
+    while high - low_x > tolerance * max(1.0, high):
         middle = 0.5 * (low_x + high)
         if function(middle) <= target:
             low_x = middle
         else:
             high = middle
     return low_x
+
+
+# --------------------------------------------------------------------------------------
+# DP-SGD (Abadi et al. 2016; KD-DP's teacher and general clients)
+# --------------------------------------------------------------------------------------
+
+_DP_SGD_CACHE: dict[tuple[float, float, float, int, float], float] = {}
+
+
+def dp_sgd_epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, delta: float) -> float:
+    """RDP epsilon of ``steps`` DP-SGD steps (``SampledGaussian(z, q)``; ``Gaussian(z)`` when ``q = 1``)."""
+    _positive("noise_multiplier", noise_multiplier)
+    _positive_int("steps", steps)
+    _probability("delta", delta)
+    if not 0 < sampling_rate <= 1:
+        raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
+    mechanism = (
+        Gaussian(noise_multiplier) if sampling_rate == 1 else SampledGaussian(noise_multiplier, sampling_rate)
+    )
+    return compose_epsilon({mechanism: int(steps)}, delta=delta, method="rdp").epsilon
+
+
+def dp_sgd_noise_multiplier(
+    *, epsilon: float, delta: float, sampling_rate: float, steps: int, tolerance: float = 1e-3
+) -> float:
+    """Smallest noise multiplier (to relative ``tolerance``) whose ``steps`` DP-SGD steps meet the target.
+
+    Searches ``z`` against the accountant's own RDP composition
+    (:func:`dp_sgd_epsilon`) and returns the upper end of the final bracket, so
+    ``dp_sgd_epsilon(z) <= epsilon`` always holds. RDP is enough for any
+    ``privacy.accountant``: the accountant reports the smallest of the bounds it
+    computes, RDP among them. Results are cached per argument tuple.
+    """
+    _positive("epsilon", epsilon)
+    _probability("delta", delta)
+    _positive_int("steps", steps)
+    if not 0 < sampling_rate <= 1:
+        raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance must be in (0, 1), got {tolerance!r}")
+    key = (float(epsilon), float(delta), float(sampling_rate), int(steps), float(tolerance))
+    if key in _DP_SGD_CACHE:
+        return _DP_SGD_CACHE[key]
+
+    def eps_of(z: float) -> float:
+        return dp_sgd_epsilon(noise_multiplier=z, sampling_rate=sampling_rate, steps=int(steps), delta=delta)
+
+    high = 1.0
+    while eps_of(high) > epsilon:
+        high *= 2.0
+        if high > 1e6:
+            raise ValueError(f"no noise multiplier <= 1e6 reaches epsilon={epsilon}")
+    low = high / 2.0 if high > 1.0 else 0.0  # eps_of(low) > epsilon was seen (or low = 0)
+    while high - low > tolerance * high:
+        middle = 0.5 * (low + high)
+        if eps_of(middle) > epsilon:
+            low = middle
+        else:
+            high = middle
+    _DP_SGD_CACHE[key] = high
+    return high

@@ -11,7 +11,9 @@ rr       --epsilon E --k K --classes C                 -> beta (PrivateKT Lemma 
 bnn      --epsilon E --delta D --rounds T [--bits B]   -> gamma (DPFL-BNN Theorem 1)
          --gamma G --delta D --rounds T [--bits B]     -> epsilon
 nbafl    --epsilon E --delta D --clip C --m M --l L --t T --n N [--k K]
-                                                       -> sigma_up, sigma_down
+         [--calibration {classic,analytic,accountant}] [--amplification {two_sided,document}]
+                                                       -> sigma_up, sigma_down, epsilon_record,
+                                                          epsilon_client (accountant, L uploads)
 laplace  --epsilon E [--sensitivity S]                 -> scale
          --tau TAU --prob P [--sensitivity S]          -> epsilon
 compose  --mechanism {rr,binary_rr,laplace,gaussian} (its parameter) --count N --delta D
@@ -82,7 +84,14 @@ def _parser() -> argparse.ArgumentParser:
     nbafl.add_argument("--t", type=int, required=True, help="aggregation rounds T")
     nbafl.add_argument("--n", type=int, required=True, help="clients N")
     nbafl.add_argument("--k", type=int, default=None, help="clients per round (K-random scheduling)")
-    nbafl.add_argument("--calibration", choices=("classic", "analytic"), default="classic")
+    nbafl.add_argument("--calibration", choices=calibration.NBAFL_CALIBRATIONS, default="classic")
+    nbafl.add_argument(
+        "--amplification",
+        choices=calibration.NBAFL_AMPLIFICATIONS,
+        default="two_sided",
+        help="K < N downlink: two-sided subsampling bound, or the document's one-sided b and gamma",
+    )
+    nbafl.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
 
     laplace = commands.add_parser("laplace", help="Laplace scale or tail epsilon")
     laplace.add_argument("--epsilon", type=float)
@@ -161,6 +170,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 min_dataset_size=args.m,
                 exposures=args.l,
                 calibration=args.calibration,
+                method=args.accountant,
             )
         sigma_down = calibration.nbafl_downlink_sigma(
             epsilon=args.epsilon,
@@ -169,9 +179,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             min_dataset_size=args.m,
             exposures=args.l,
             num_rounds=args.t,
-            num_clients=args.n if args.k is None else args.k,
+            num_clients=args.n,
+            clients_per_round=args.k,
+            amplification=args.amplification,
         )
-        answer: dict[str, Any] = {"sigma_up": sigma_up, "sigma_down": sigma_down}
+        record = sigma_up / calibration.nbafl_sensitivity(clip=args.clip, min_dataset_size=args.m)
+        client = sigma_up / calibration.nbafl_client_sensitivity(clip=args.clip)
+        answer: dict[str, Any] = {
+            "sigma_up": sigma_up,
+            "sigma_down": sigma_down,
+            "epsilon_record": compose_epsilon(
+                {Gaussian(record): args.l}, delta=args.delta, method=args.accountant
+            ).epsilon,
+            "epsilon_client": compose_epsilon({Gaussian(client): args.l}, delta=args.delta).epsilon,
+        }
         if caught:
             answer["warning"] = str(caught[0].message)
         return answer

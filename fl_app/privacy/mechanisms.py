@@ -177,6 +177,37 @@ def laplace_mechanism(
     return values + rng.laplace(0.0, sensitivity / epsilon, size=values.shape)
 
 
+def probability_rows(*, values: np.ndarray) -> np.ndarray:
+    """Rows as exact probability vectors in float64 (non-negative, summing to 1).
+
+    The L1 sensitivity 2 of a probability vector holds only for vectors on the
+    simplex; a float32 softmax may sum to ``1 +- 1e-7``. Negative entries are
+    set to 0 and each row is divided by its sum, so any two rows of the result
+    are at most 2 apart in L1 (up to float64 rounding).
+
+    Parameters
+    ----------
+    values : np.ndarray
+        Shape ``(n, k)``, finite, each row with a positive sum (e.g. softmax outputs).
+
+    Returns
+    -------
+    np.ndarray
+        Shape ``(n, k)``, dtype ``float64``.
+
+    """
+    rows = np.asarray(values, dtype=np.float64)
+    if rows.ndim != 2:
+        raise ValueError(f"values must have shape (n, k), got {rows.shape}")
+    if not np.all(np.isfinite(rows)):
+        raise ValueError("values must be finite")
+    rows = np.clip(rows, 0.0, None)
+    sums = rows.sum(axis=1, keepdims=True)
+    if rows.shape[0] and not np.all(sums > 0):
+        raise ValueError("every row needs a positive sum to be a probability vector")
+    return rows / sums if rows.shape[0] else rows
+
+
 def gaussian_mechanism(*, values: np.ndarray, sigma: float, rng: np.random.Generator) -> np.ndarray:
     """Add i.i.d. N(0, sigma^2) noise to every entry.
 

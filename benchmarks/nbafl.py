@@ -1,0 +1,262 @@
+"""Regenerate the NbAFL benchmark figures and tables from the runs' ``results.json`` files.
+
+Wei et al., "Federated Learning with Differential Privacy: Algorithms and
+Performance Analysis", IEEE TIFS 15, 2020: the three findings of the
+convergence bound (larger epsilon -> lower loss; more clients N -> better
+convergence at fixed epsilon; a best number of rounds T at fixed epsilon) and
+the best K under K-random scheduling (Remark 5). The runs are Hydra multiruns
+(commands in ``docs/benchmarks/nbafl.md``), one sweep directory each under
+``--root``::
+
+    {mnist,fashion_mnist}_eps      strategy=nbafl, privacy.epsilon=5,...,100
+    {mnist,fashion_mnist}_fedavg   the non-private baseline on the same partition
+    mnist_n                        N sweep, m fixed (dataset.public_fraction)
+    mnist_n_total                  N sweep, the whole data set split over N
+    mnist_t                        T sweep (num_rounds) at fixed epsilon
+    mnist_k                        K sweep (strategy.k) at fixed epsilon
+    mnist_calibration              strategy.calibration=accountant at small epsilon
+
+Usage::
+
+    python benchmarks/nbafl.py --root /tmp/bench_nbafl --out docs/benchmarks/figures
+
+Writes ``nbafl_*.png`` and ``nbafl_tables.md`` into ``--out``; missing sweeps
+are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+Run = dict[str, Any]
+
+
+def load_sweep(root: Path, name: str) -> list[Run]:
+    """All completed runs (``results.json``) below ``root / name``."""
+    folder = root / name
+    if not folder.is_dir():
+        return []
+    runs = []
+    for path in sorted(folder.rglob("results.json")):
+        run = json.loads(path.read_text())
+        if run.get("status") == "completed":
+            run["_path"] = str(path.parent)
+            runs.append(run)
+    return runs
+
+
+def epsilon_of(run: Run) -> float:
+    """The configured (document) epsilon."""
+    return float(run["config"]["privacy"]["epsilon"])
+
+
+def k_of(run: Run) -> int:
+    """Clients per round actually scheduled."""
+    return int(run["privacy"].get("K", run["rounds"][0]["clients"]))
+
+
+def series(run: Run, key: str) -> tuple[list[int], list[float]]:
+    """Round numbers and values of ``key`` (round 0 = the initial model)."""
+    rounds = [0] + [r["round"] for r in run["rounds"] if r.get(key) is not None]
+    values = [run["initial"][key]] + [r[key] for r in run["rounds"] if r.get(key) is not None]
+    return rounds, values
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "inf"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def plot_curves(
+    groups: Sequence[tuple[str, list[Run]]],
+    *,
+    label: Callable[[Run], str],
+    order: Callable[[Run], float],
+    baseline: list[Run],
+    title: str,
+    path: Path,
+) -> None:
+    """Test loss and accuracy per round, one line per run; the baseline dashed."""
+    figure, axes = plt.subplots(len(groups), 2, figsize=(11, 3.8 * len(groups)), squeeze=False)
+    for row, (name, runs) in enumerate(groups):
+        for run in sorted(runs, key=order):
+            for column, key in enumerate(("loss", "accuracy")):
+                axes[row][column].plot(*series(run, key), marker=".", label=label(run))
+        for run in baseline:
+            for column, key in enumerate(("loss", "accuracy")):
+                axes[row][column].plot(*series(run, key), "k--", label="FedAvg (non-private)")
+        for column, key in enumerate(("test loss", "test accuracy")):
+            axis = axes[row][column]
+            axis.set_xlabel("round")
+            axis.set_ylabel(key)
+            axis.set_title(f"{name}: {key}")
+            axis.grid(alpha=0.3)
+        axes[row][0].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def plot_final(runs: list[Run], *, x: Callable[[Run], float], xlabel: str, title: str, path: Path) -> None:
+    """Final test loss and accuracy against a swept parameter."""
+    runs = sorted(runs, key=x)
+    xs = [x(r) for r in runs]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    axes[0].plot(xs, [r["final"]["loss"] for r in runs], "o-")
+    axes[1].plot(xs, [r["final"]["accuracy"] for r in runs], "o-")
+    for axis, name in zip(axes, ("final test loss", "final test accuracy"), strict=True):
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel(name)
+        axis.grid(alpha=0.3)
+    best = min(runs, key=lambda r: r["final"]["loss"])
+    axes[0].axvline(x(best), color="tab:red", alpha=0.4, label=f"lowest loss at {xlabel} = {x(best):g}")
+    axes[0].legend(fontsize=8)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def table(runs: list[Run], *, title: str, baseline: list[Run] | None = None) -> str:
+    """A markdown table of the runs' settings, epsilons and final metrics."""
+    lines = [
+        f"### {title}",
+        "",
+        "| strategy | N | K | T | L | m | epsilon (document) | epsilon (accountant, record) "
+        "| epsilon (client level) | sigma_U | sigma_D | final loss | final accuracy | wall s | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in [*(baseline or []), *runs]:
+        privacy, final, config = run["privacy"], run["final"], run["config"]
+        private = run["strategy"] == "nbafl"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    run["strategy"],
+                    str(config["num_clients"]),
+                    str(k_of(run)) if private else str(run["rounds"][0]["clients"]),
+                    str(config["num_rounds"]),
+                    _fmt(privacy.get("L")) if private else "-",
+                    _fmt(privacy.get("m")) if private else "-",
+                    _fmt(epsilon_of(run)) if private else "-",
+                    _fmt(final["epsilon"]),
+                    _fmt(final.get("epsilon_client_level")) if private else "inf",
+                    _fmt(privacy.get("sigma_up")) if private else "-",
+                    _fmt(privacy.get("sigma_down")) if private else "-",
+                    _fmt(final["loss"]),
+                    _fmt(final["accuracy"]),
+                    f"{final['wall_s']:.0f}",
+                    Path(run["_path"]).name,
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Build every figure and table whose sweep exists under ``--root``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=Path("/tmp/bench_nbafl"))
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/figures"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tables: list[str] = ["# NbAFL benchmark tables (generated by benchmarks/nbafl.py)\n"]
+    written: list[str] = []
+
+    def eps_label(run: Run) -> str:
+        return f"epsilon = {epsilon_of(run):g} (accountant {run['final']['epsilon']:.3g})"
+
+    for dataset in ("mnist", "fashion_mnist"):
+        runs, baseline = load_sweep(args.root, f"{dataset}_eps"), load_sweep(args.root, f"{dataset}_fedavg")
+        if not runs:
+            continue
+        path = args.out / f"nbafl_{dataset}_epsilon.png"
+        plot_curves(
+            [(dataset, runs)],
+            label=eps_label,
+            order=epsilon_of,
+            baseline=baseline,
+            title=f"NbAFL on {dataset}, N = K = 50, T = 25, delta = 0.01: finding 1 (larger epsilon)",
+            path=path,
+        )
+        written.append(path.name)
+        tables.append(
+            table(sorted(runs, key=epsilon_of), title=f"{dataset}: epsilon sweep", baseline=baseline)
+        )
+
+    groups = [
+        (label, runs)
+        for label, runs in (
+            ("m = 960 fixed (more clients, more data)", load_sweep(args.root, "mnist_n")),
+            ("48000 examples split over N (m = 48000/N)", load_sweep(args.root, "mnist_n_total")),
+        )
+        if runs
+    ]
+    if groups:
+        path = args.out / "nbafl_mnist_clients.png"
+        plot_curves(
+            groups,
+            label=lambda r: f"N = {r['config']['num_clients']} (m = {r['privacy']['m']})",
+            order=lambda r: r["config"]["num_clients"],
+            baseline=[],
+            title="NbAFL on MNIST, epsilon = 60, K = N, T = 25: finding 2 (more clients N)",
+            path=path,
+        )
+        written.append(path.name)
+        for label, runs in groups:
+            ordered = sorted(runs, key=lambda r: r["config"]["num_clients"])
+            tables.append(table(ordered, title=f"N sweep, {label}"))
+
+    for name, key, xlabel, title, x in (
+        (
+            "mnist_t",
+            "rounds",
+            "T (num_rounds)",
+            "NbAFL on MNIST, N = K = 50: finding 3 (a best number of rounds T at fixed epsilon)",
+            lambda r: float(r["config"]["num_rounds"]),
+        ),
+        (
+            "mnist_k",
+            "k",
+            "K (clients per round)",
+            "NbAFL on MNIST, N = 50, T = 25, K-random scheduling: a best K at fixed epsilon",
+            lambda r: float(k_of(r)),
+        ),
+    ):
+        runs = load_sweep(args.root, name)
+        if not runs:
+            continue
+        epsilons = sorted({epsilon_of(r) for r in runs})
+        for epsilon in epsilons:
+            subset = [r for r in runs if epsilon_of(r) == epsilon]
+            path = args.out / f"nbafl_{name}_{key}_eps{epsilon:g}.png"
+            plot_final(subset, x=x, xlabel=xlabel, title=f"{title}, epsilon = {epsilon:g}", path=path)
+            written.append(path.name)
+            tables.append(table(sorted(subset, key=x), title=f"{name}: epsilon = {epsilon:g}"))
+
+    runs = load_sweep(args.root, "mnist_calibration")
+    if runs:
+        tables.append(table(sorted(runs, key=epsilon_of), title="MNIST: strategy.calibration=accountant"))
+
+    (args.out / "nbafl_tables.md").write_text("\n".join(tables))
+    print("wrote", ", ".join([*written, "nbafl_tables.md"]), "to", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,198 @@
+"""Regenerate the PrivateKT benchmark figures and tables from the runs' ``results.json`` files.
+
+Qi, Wu et al., "Differentially private knowledge transfer for federated
+learning", Nature Communications 2023 (Algorithm 1, Eq. 2-6, Lemma 1): the
+authors' demo in the per-round reading of epsilon, and the equal-budget
+comparison with FedAvg+LDP and non-private FedAvg. The runs (commands in
+``docs/benchmarks/privatekt.md``) live below ``--root``::
+
+    mnist_per_round/            strategy=privatekt, +experiment=privatekt_demo (scaled), MNIST
+    fmnist_per_round/           the same on Fashion-MNIST
+    compare/privatekt/<i>/      total epsilon 1, 2, 4, 8 (Hydra multirun)
+    compare/fedavg_ldp/<i>/     total epsilon 1, 2, 4, 8 (Hydra multirun)
+    compare/fedavg/             non-private FedAvg
+
+Usage::
+
+    python benchmarks/privatekt.py --root /tmp/bench_privatekt --out docs/benchmarks/figures
+
+Writes ``privatekt_curves.png``, ``privatekt_equal_budget.png`` and
+``privatekt_tables.md`` into ``--out``; missing runs are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+Run = dict[str, Any]
+PER_ROUND = {"MNIST": "mnist_per_round", "Fashion-MNIST": "fmnist_per_round"}
+METHODS = {"privatekt": "PrivateKT", "fedavg_ldp": "FedAvg+LDP", "fedavg": "FedAvg (non-private)"}
+
+
+def load_runs(folder: Path) -> list[Run]:
+    """All completed runs (``results.json``) at or below ``folder``, sorted by epsilon."""
+    if not folder.is_dir():
+        return []
+    runs = []
+    for path in sorted(folder.rglob("results.json")):
+        run = json.loads(path.read_text())
+        if run.get("status") == "completed":
+            run["_path"] = str(path.parent)
+            runs.append(run)
+    return sorted(runs, key=lambda run: float(run["config"]["privacy"]["epsilon"]))
+
+
+def evaluated(run: Run) -> list[dict[str, Any]]:
+    """The rounds with an accuracy."""
+    return [r for r in run["rounds"] if r.get("accuracy") is not None]
+
+
+def best_accuracy(run: Run) -> float:
+    """Highest evaluated accuracy of the run."""
+    return max(r["accuracy"] for r in evaluated(run))
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    """Number for a table cell ('-' when missing)."""
+    return "-" if value is None else f"{value:.{digits}g}" if abs(value) >= 100 else f"{value:.{digits}f}"
+
+
+def per_round_section(root: Path) -> tuple[list[str], dict[str, Run]]:
+    """Table of the per-round (paper-reading) runs."""
+    runs = {name: found[0] for name, folder in PER_ROUND.items() if (found := load_runs(root / folder))}
+    lines = [
+        "| data set | rounds | clients/round | local epochs | eps per round | final acc. | best acc. "
+        "| cumulative eps (accountant) | basic composition | wall time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, run in runs.items():
+        cfg, final, privacy = run["config"], run["final"], run["privacy"]
+        local = cfg["strategy"]["local_epochs"] or cfg["local_epochs"]
+        lines.append(
+            f"| {name} | {final['rounds']} | {cfg['clients_per_round']} | {local} | "
+            f"{fmt(privacy['epsilon_per_round'], 4)} | {final['accuracy']:.4f} | {best_accuracy(run):.4f} | "
+            f"{fmt(privacy['epsilon_cumulative'], 4)} | {fmt(privacy['epsilon_basic_composition'], 4)} | "
+            f"{final['wall_s'] / 60:.0f} min |"
+        )
+    return lines, runs
+
+
+def comparison_section(root: Path) -> tuple[list[str], dict[str, list[Run]]]:
+    """Equal-budget table: final accuracy per total epsilon and the share of the gap PrivateKT closes."""
+    runs = {method: load_runs(root / "compare" / method) for method in METHODS}
+    fedavg = runs["fedavg"][0]["final"]["accuracy"] if runs["fedavg"] else None
+    by_eps = {
+        method: {float(r["config"]["privacy"]["epsilon"]): r for r in runs[method]}
+        for method in ("privatekt", "fedavg_ldp")
+    }
+    lines = [
+        "| total eps | PrivateKT acc. | PrivateKT eps spent | eps per label | FedAvg+LDP acc. "
+        "| FedAvg+LDP eps spent | noise multiplier | FedAvg acc. | gap closed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for epsilon in sorted(set(by_eps["privatekt"]) | set(by_eps["fedavg_ldp"])):
+        kt, ldp = by_eps["privatekt"].get(epsilon), by_eps["fedavg_ldp"].get(epsilon)
+        closed = None
+        if kt and ldp and fedavg is not None and fedavg > ldp["final"]["accuracy"]:
+            gap = fedavg - ldp["final"]["accuracy"]
+            closed = (kt["final"]["accuracy"] - ldp["final"]["accuracy"]) / gap
+        cells = [
+            f"{epsilon:g}",
+            fmt(kt and kt["final"]["accuracy"], 4),
+            fmt(kt and kt["final"]["epsilon"], 4),
+            fmt(kt and kt["privacy"]["epsilon_per_label"], 4),
+            fmt(ldp and ldp["final"]["accuracy"], 4),
+            fmt(ldp and ldp["final"]["epsilon"], 4),
+            fmt(ldp and ldp["privacy"]["noise_multiplier"], 4),
+            fmt(fedavg, 4),
+            "-" if closed is None else f"{100 * closed:.0f}%",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines, runs
+
+
+def plot_curves(runs: dict[str, Run], out: Path) -> None:
+    """Accuracy per round of the per-round runs, with the cumulative epsilon."""
+    if not runs:
+        return
+    figure, axes = plt.subplots(1, len(runs), figsize=(5.5 * len(runs), 4), squeeze=False)
+    for axis, (name, run) in zip(axes[0], runs.items(), strict=True):
+        rounds = evaluated(run)
+        axis.plot([r["round"] for r in rounds], [r["accuracy"] for r in rounds], "o-", ms=3, color="tab:blue")
+        axis.set_xlabel("round")
+        axis.set_ylabel("test accuracy", color="tab:blue")
+        axis.set_ylim(0, 1)
+        twin = axis.twinx()
+        twin.plot(
+            [r["round"] for r in run["rounds"]], [r["epsilon"] for r in run["rounds"]], "--", color="tab:red"
+        )
+        twin.set_ylabel("cumulative epsilon, worst client", color="tab:red")
+        per_round = run["privacy"]["epsilon_per_round"]
+        axis.set_title(f"PrivateKT on {name}, eps {per_round:.3g} per round")
+    figure.tight_layout()
+    figure.savefig(out / "privatekt_curves.png", dpi=110)
+    plt.close(figure)
+
+
+def plot_comparison(runs: dict[str, list[Run]], out: Path) -> None:
+    """Final accuracy against the total per-client epsilon."""
+    if not any(runs.values()):
+        return
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for method, label in METHODS.items():
+        if method == "fedavg":
+            if runs[method]:
+                axis.axhline(runs[method][0]["final"]["accuracy"], color="k", ls=":", label=label)
+            continue
+        points = [(float(r["config"]["privacy"]["epsilon"]), r["final"]["accuracy"]) for r in runs[method]]
+        if points:
+            axis.plot(*zip(*points, strict=True), "o-", label=label)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("total epsilon per client (delta 1e-5)")
+    axis.set_ylabel("final test accuracy")
+    axis.set_ylim(0, 1)
+    axis.legend()
+    axis.set_title("Equal total budget, MNIST")
+    figure.tight_layout()
+    figure.savefig(out / "privatekt_equal_budget.png", dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Read the runs below ``--root``, write figures and tables into ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--root", type=Path, default=Path("/tmp/bench_privatekt"))
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/figures"))
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    per_round_lines, per_round_runs = per_round_section(args.root)
+    comparison_lines, comparison_runs = comparison_section(args.root)
+    plot_curves(per_round_runs, args.out)
+    plot_comparison(comparison_runs, args.out)
+    text = [
+        "<!-- generated by benchmarks/privatekt.py; do not edit -->",
+        "",
+        "### Per-round budget (the paper's reading)",
+        "",
+        *per_round_lines,
+        "",
+        "### Equal total budget per client",
+        "",
+        *comparison_lines,
+        "",
+    ]
+    (args.out / "privatekt_tables.md").write_text("\n".join(text))
+    print("\n".join(text))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

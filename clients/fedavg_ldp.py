@@ -1,0 +1,53 @@
+"""FedAvg+LDP client: local SGD, clip the update, add Gaussian noise on the device, upload.
+
+The baseline of PrivateKT (Qi, Wu et al., Nature Communications 2023): FedAvg
+(McMahan et al., AISTATS 2017, ClientUpdate) whose upload is protected by
+local DP. The update ``Delta = w - w_t`` is clipped to L2 norm C and gets
+``N(0, (z 2C)^2)`` noise per coordinate (2C: L2 sensitivity of a clipped
+update when the client's whole data set may change), drawn from
+:meth:`noise_generator` (OS entropy on real devices). The reply holds the
+noisy update only: no loss, no example count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, RecordDict
+
+from clients import register_client
+from clients.base import FederatedClient
+from fl_app import keys
+from fl_app.privacy.calibration import local_gaussian_sigma
+from fl_app.privacy.mechanisms import clip_l2, gaussian_mechanism
+from fl_app.training import model_to_arrays
+
+
+@register_client("fedavg_ldp")
+class FedAvgLDPClient(FederatedClient):
+    """Uploads a clipped, locally noised model update."""
+
+    def train(self) -> Message:
+        """One round: train, clip, noise, reply with the noisy update only."""
+        clip = float(self.config[keys.LDP_CLIP])
+        sigma = local_gaussian_sigma(
+            clip=clip, noise_multiplier=float(self.config[keys.LDP_NOISE_MULTIPLIER])
+        )
+        received = self.incoming_arrays()
+        names = list(received.keys())
+        data = self.local_data()
+        model = self.global_model()
+        self.train_locally(model, data.x, data.y)
+        trained = model_to_arrays(model)
+        for name in names:
+            if not np.issubdtype(received[name].numpy().dtype, np.floating):
+                raise ValueError(f"FedAvg+LDP: model array {name!r} is not floating point")
+        update = [
+            trained[n].numpy().astype(np.float64) - received[n].numpy().astype(np.float64) for n in names
+        ]
+        clipped, _ = clip_l2(arrays=update, max_norm=clip)
+        rng = self.noise_generator("ldp-update-noise")
+        noised = [gaussian_mechanism(values=c, sigma=sigma, rng=rng) for c in clipped]
+        arrays = ArrayRecord(
+            {n: Array(v.astype(received[n].numpy().dtype)) for n, v in zip(names, noised, strict=True)}
+        )
+        return Message(content=RecordDict({keys.ARRAYS: arrays}), reply_to=self.message)

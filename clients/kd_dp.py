@@ -1,0 +1,194 @@
+"""KD-DP clients: local DP-SGD for large-data (teacher) and general clients; the special pseudo-client.
+
+Tan, Xu, Wang, Luo, "Differential Privacy Federated Learning Method Based on
+Knowledge Distillation", Computer Science (计算机科学) 51(6A), 2024. The design
+and every choice are documented in :mod:`strategies.kd_dp`; in short:
+
+* :class:`KDDPTeacherClient` (``kd_dp_teacher``): a large-data client in the
+  teacher stage. It trains the received teacher model with DP-SGD
+  (:func:`fl_app.privacy.dp_sgd.dp_sgd_train`) at the noise multiplier,
+  sampling rate, clip norm and step count the server sends, and returns the
+  model. Record-level DP holds *before* the model leaves the device.
+* :class:`KDDPGeneralClient` (``kd_dp_general``): a general client in the
+  student stage; the same local DP-SGD at the general clients' calibration.
+* :class:`SpecialPseudoClient`: the "special client", run by the server
+  (the public split lives there). It labels the public images with the DP
+  teacher (post-processing), perturbs every pseudo-label once by k-ary
+  randomized response at ``epsilon_special`` (label-DP) and then trains like a
+  client on those fixed noisy labels in every student round.
+
+A DP-SGD client replies with its model, its (public) number of examples and
+an echo of the mechanism parameters it applied, nothing else: no training
+loss or accuracy, which would be un-noised functions of its data. Batch
+sampling and noise come from :meth:`FederatedClient.noise_generator` (OS
+entropy on devices), because amplification by sampling needs the sampling to
+be secret.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import numpy as np
+from flwr.app import Message
+from torch import nn
+
+from clients import register_client
+from clients.base import FederatedClient
+from fl_app import keys
+from fl_app.privacy.dp_sgd import dp_sgd_train
+from fl_app.privacy.events import RandomizedResponse
+from fl_app.privacy.mechanisms import randomized_response_labels
+from fl_app.training import model_to_arrays, predict_proba, train_local
+
+TEACHER_STAGE = "teacher"
+STUDENT_STAGE = "student"
+
+
+class KDDPClient(FederatedClient):
+    """Local DP-SGD on the client's own data with the server's mechanism parameters."""
+
+    stage: ClassVar[str] = ""
+
+    def train(self) -> Message:
+        """Run the round's DP-SGD steps and return the model (and public numbers only)."""
+        stage = str(self.config.get(keys.KDDP_STAGE, ""))
+        if stage != self.stage:
+            raise ValueError(f"{type(self).__name__} runs in the {self.stage!r} stage, got {stage!r}")
+        noise_multiplier = float(self.config[keys.KDDP_NOISE_MULTIPLIER])
+        sampling_rate = float(self.config[keys.KDDP_SAMPLING_RATE])
+        steps = int(self.config[keys.KDDP_STEPS])
+        clip = float(self.config[keys.KDDP_CLIP])
+        data = self.local_data()
+        model = self.global_model()
+        dp_sgd_train(
+            model,
+            data.x,
+            data.y,
+            noise_multiplier=noise_multiplier,
+            clip=clip,
+            sampling_rate=sampling_rate,
+            steps=steps,
+            lr=float(self.config[keys.LR]),
+            momentum=float(self.config.get(keys.MOMENTUM, 0.0)),
+            rng=self.noise_generator(f"kd-dp-{self.stage}-dp-sgd"),
+        )
+        return self.reply(
+            arrays=model_to_arrays(model),
+            metrics={
+                keys.NUM_EXAMPLES: len(data),
+                keys.KDDP_NOISE_MULTIPLIER: noise_multiplier,
+                keys.KDDP_SAMPLING_RATE: sampling_rate,
+                keys.KDDP_STEPS: steps,
+                keys.KDDP_CLIP: clip,
+            },
+        )
+
+
+@register_client("kd_dp_teacher")
+class KDDPTeacherClient(KDDPClient):
+    """A large-data client: trains the teacher with local DP-SGD (teacher stage only)."""
+
+    stage = TEACHER_STAGE
+
+
+@register_client("kd_dp_general")
+class KDDPGeneralClient(KDDPClient):
+    """A general client: trains the student with local DP-SGD (student stage only)."""
+
+    stage = STUDENT_STAGE
+
+
+def pseudo_labels(teacher: nn.Module, x: np.ndarray) -> np.ndarray:
+    """The teacher's predicted class for every row of ``x`` (a post-processing of the teacher)."""
+    return np.asarray(np.argmax(predict_proba(teacher, x), axis=1), dtype=np.int64)
+
+
+class SpecialPseudoClient:
+    """The public split with label-DP pseudo-labels, trained on the server as one more client.
+
+    Parameters
+    ----------
+    x : np.ndarray
+        The public images (public data: no privacy needed for them).
+    labels : np.ndarray
+        The labels it trains on: randomized-response outputs (or the teacher's
+        labels themselves when ``epsilon`` is ``None``).
+    epsilon : float or None
+        Per-label randomized-response epsilon that produced ``labels``.
+    num_classes : int
+        ``C``.
+    agreement : float
+        Share of ``labels`` equal to the teacher's label (a function of the DP
+        teacher and of the randomized-response noise only).
+
+    """
+
+    def __init__(
+        self, x: np.ndarray, labels: np.ndarray, *, epsilon: float | None, num_classes: int, agreement: float
+    ) -> None:
+        if len(x) != len(labels) or len(labels) == 0:
+            raise ValueError(f"need as many labels as images (>= 1), got {len(labels)} and {len(x)}")
+        self.x = x
+        self.labels = np.asarray(labels, dtype=np.int64)
+        self.epsilon = epsilon
+        self.num_classes = num_classes
+        self.agreement = agreement
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @classmethod
+    def from_teacher(
+        cls,
+        teacher: nn.Module,
+        public_x: np.ndarray,
+        *,
+        epsilon: float | None,
+        num_classes: int,
+        rng: np.random.Generator,
+    ) -> SpecialPseudoClient:
+        """Label ``public_x`` with ``teacher`` and perturb each label once at ``epsilon`` (label-DP).
+
+        The true labels of the public split are never read: only the images
+        and the teacher go in. Randomized response keeps a label with
+        probability ``beta = (e^eps - 1) / (e^eps - 1 + C)`` and otherwise
+        draws a class uniformly (:func:`~fl_app.privacy.mechanisms.randomized_response_labels`),
+        so each pseudo-label is ``eps``-label-DP under replacement.
+        """
+        teacher_labels = pseudo_labels(teacher, public_x)
+        if epsilon is None:
+            labels = teacher_labels
+        else:
+            mechanism = RandomizedResponse(float(epsilon), int(num_classes))
+            labels = randomized_response_labels(
+                labels=teacher_labels,
+                keep_probability=mechanism.keep_probability,
+                num_classes=int(num_classes),
+                rng=rng,
+            )
+        agreement = float(np.mean(labels == teacher_labels)) if len(labels) else math.nan
+        return cls(public_x, labels, epsilon=epsilon, num_classes=num_classes, agreement=agreement)
+
+    def train(
+        self,
+        model: nn.Module,
+        *,
+        epochs: int,
+        batch_size: int,
+        lr: float,
+        momentum: float,
+        rng: np.random.Generator,
+    ) -> float:
+        """Local SGD on the fixed noisy labels (post-processing of the label release); mean loss."""
+        return train_local(
+            model,
+            self.x,
+            self.labels,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            momentum=momentum,
+            rng=rng,
+        )

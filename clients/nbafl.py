@@ -1,0 +1,50 @@
+"""NbAFL client: local training, whole-model clipping, Gaussian noise before the upload.
+
+Wei et al., "Federated Learning with Differential Privacy: Algorithms and
+Performance Analysis", IEEE TIFS 15, 2020 (arXiv 1911.00222), Algorithm 1, client
+side: train the received global model ``w^(t-1)`` on the local data (optionally
+with the FedProx term ``mu/2 ||w - w^(t-1)||^2`` of the document's local
+objective), clip the whole parameter vector ``w_i <- w_i / max(1, ||w_i|| / C)``
+(all arrays together), add ``n ~ N(0, sigma_U^2 I)`` with
+``sigma_U = c L Delta s_U / epsilon`` (computed by the server,
+:mod:`strategies.nbafl`) and upload ``w_i + n``.
+
+Only the noised parameters and the (public) data set size leave the client: no
+training loss or norm, which would be un-noised functions of the local data.
+The noise comes from :meth:`~clients.base.FederatedClient.noise_generator`
+(OS entropy on real devices or with ``privacy.secure_rng=true``).
+"""
+
+from __future__ import annotations
+
+from flwr.app import Message
+
+from clients import register_client
+from clients.base import FederatedClient
+from fl_app import keys
+from fl_app.privacy.mechanisms import clip_l2, gaussian_mechanism
+from fl_app.training import model_to_arrays, numpy_to_arrays
+
+
+@register_client("nbafl")
+class NbAFLClient(FederatedClient):
+    """Trains, clips the model to norm C, adds N(0, sigma_U^2) per coordinate, uploads."""
+
+    def train(self) -> Message:
+        """One round: local (proximal) SGD, clip, noise, upload."""
+        clip = float(self.config[keys.NBAFL_CLIP])
+        sigma = float(self.config[keys.NBAFL_SIGMA_UP])
+        mu = float(self.config.get(keys.NBAFL_MU, 0.0))
+        data = self.local_data()
+        model = self.global_model()
+        if mu > 0:
+            reference = [p.detach().clone() for p in model.parameters()]
+            self.train_locally(model, data.x, data.y, proximal_mu=mu, reference=reference)
+        else:
+            self.train_locally(model, data.x, data.y)
+        trained = model_to_arrays(model)
+        names = list(trained.keys())
+        clipped, _ = clip_l2(arrays=[trained[name].numpy() for name in names], max_norm=clip)
+        rng = self.noise_generator("nbafl-uplink")
+        noised = [gaussian_mechanism(values=array, sigma=sigma, rng=rng) for array in clipped]
+        return self.reply(arrays=numpy_to_arrays(names, noised), metrics={keys.NUM_EXAMPLES: len(data)})

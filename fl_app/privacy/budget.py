@@ -1,0 +1,205 @@
+"""Budget arithmetic across stages and disjoint client groups (KD-DP's split).
+
+Three rules, each stated for one privacy unit (what a neighbouring pair is):
+
+* **sequential composition** (basic): mechanisms applied to the *same* data
+  with guarantees ``(eps_i, delta_i)`` are together ``(sum eps_i, sum delta_i)``
+  (Dwork & Roth 2014, Theorem 3.16) -- :func:`sequential_epsilon`;
+* **parallel composition**: mechanisms applied to *disjoint* data sets give
+  every individual the guarantee of the one mechanism that touched their data,
+  so the guarantee for everyone is the maximum (McSherry 2009) --
+  :func:`parallel_epsilon`;
+* **post-processing**: a function of a DP output that does not touch the data
+  again costs nothing. Adding a charge that post-processing makes
+  unnecessary keeps an upper bound an upper bound (:func:`charged_report`).
+
+:func:`split_kd_dp_budget` divides a total budget the way KD-DP does and
+:func:`grouped_epsilon` evaluates it on an accountant. Every function is
+keyword-only and validates its arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.composition import EpsilonReport
+
+
+def _non_negative(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def sequential_epsilon(*, epsilons: Sequence[float]) -> float:
+    """Basic sequential composition on the same data: the sum of the epsilons."""
+    for i, value in enumerate(epsilons):
+        _non_negative(f"epsilons[{i}]", value)
+    return float(sum(epsilons))
+
+
+def parallel_epsilon(*, epsilons: Sequence[float]) -> float:
+    """Parallel composition over disjoint data: the largest epsilon (0 for none)."""
+    for i, value in enumerate(epsilons):
+        _non_negative(f"epsilons[{i}]", value)
+    return float(max(epsilons, default=0.0))
+
+
+@dataclass(frozen=True)
+class KDDPBudget:
+    """KD-DP's budget split, every value for one record of a federated client.
+
+    Attributes
+    ----------
+    total : float
+        ``privacy.epsilon``: the guarantee promised to every client.
+    teacher : float
+        The teacher stage's budget (large-data clients): ``total - special``.
+    special : float or None
+        The special pseudo-client's label-DP budget (``None``: no label noise).
+    general : float
+        The general clients' DP-SGD budget.
+
+    """
+
+    total: float
+    teacher: float
+    special: float | None
+    general: float
+
+    @property
+    def large_client_total(self) -> float:
+        """What a large-data client is charged: ``teacher + special`` (sequential)."""
+        return sequential_epsilon(epsilons=[self.teacher, self.special or 0.0])
+
+    @property
+    def overall(self) -> float:
+        """Parallel composition of the two disjoint groups: ``max(large, general)``."""
+        return parallel_epsilon(epsilons=[self.large_client_total, self.general])
+
+
+def split_kd_dp_budget(
+    *, total: float, epsilon_special: float | None, epsilon_general: float | None
+) -> KDDPBudget:
+    """Split ``total`` into the teacher's, the special client's and the general clients' budgets.
+
+    The training-stage budgets are fixed (``epsilon_special``,
+    ``epsilon_general``; ``None`` for the latter means ``total``), and the
+    teacher gets what the large-data clients have left:
+    ``teacher = total - epsilon_special`` (``total`` when ``epsilon_special`` is
+    ``None``). Raises ``ValueError`` when a budget is not positive or the split
+    exceeds the total.
+    """
+    if not (isinstance(total, int | float) and math.isfinite(total) and total > 0):
+        raise ValueError(f"total must be a finite number > 0, got {total!r}")
+    if epsilon_special is not None:
+        if not (isinstance(epsilon_special, int | float) and math.isfinite(epsilon_special)):
+            raise ValueError(f"epsilon_special must be a finite number or None, got {epsilon_special!r}")
+        if not 0 < epsilon_special < total:
+            raise ValueError(
+                f"epsilon_special must be in (0, total={total}) so that the teacher keeps a positive "
+                f"budget, got {epsilon_special!r}"
+            )
+    general = total if epsilon_general is None else epsilon_general
+    if not (isinstance(general, int | float) and math.isfinite(general) and 0 < general <= total):
+        raise ValueError(f"epsilon_general must be in (0, total={total}], got {epsilon_general!r}")
+    teacher = total if epsilon_special is None else total - epsilon_special
+    return KDDPBudget(
+        total=float(total),
+        teacher=float(teacher),
+        special=None if epsilon_special is None else float(epsilon_special),
+        general=float(general),
+    )
+
+
+def charged_report(report: EpsilonReport, *, extra_epsilon: float) -> EpsilonReport:
+    """``report`` with a pure-epsilon charge added by basic sequential composition.
+
+    The delta is unchanged (the charge is pure); ``method`` becomes
+    ``"<method>+basic"`` when the charge is positive.
+    """
+    _non_negative("extra_epsilon", extra_epsilon)
+    if extra_epsilon == 0:
+        return report
+    return replace(
+        report,
+        epsilon=sequential_epsilon(epsilons=[report.epsilon, extra_epsilon]),
+        method=f"{report.method}+basic",
+    )
+
+
+@dataclass(frozen=True)
+class GroupedEpsilon:
+    """Per-group worst-client epsilons (with charges) and their parallel composition.
+
+    Attributes
+    ----------
+    groups : dict[str, EpsilonReport]
+        The worst client's charged report in every group.
+    overall : EpsilonReport
+        The largest of them (parallel composition).
+    worst_group : str
+        The group that gave ``overall``.
+
+    """
+
+    groups: dict[str, EpsilonReport]
+    overall: EpsilonReport
+    worst_group: str
+
+
+def _zero_report(delta: float) -> EpsilonReport:
+    return EpsilonReport(0.0, delta, "none", 0.0, None, None, 0.0)
+
+
+def grouped_epsilon(
+    *,
+    accountant: PrivacyAccountant,
+    groups: Mapping[str, Sequence[int]],
+    delta: float,
+    charges: Mapping[str, float] | None = None,
+) -> GroupedEpsilon:
+    """Worst client of each disjoint group, plus that group's charge; the overall maximum.
+
+    Parameters
+    ----------
+    accountant : PrivacyAccountant
+        Holds every group's events (one unit for all of them).
+    groups : Mapping[str, Sequence[int]]
+        Disjoint client-id sets, each within the accountant's population.
+    delta : float
+        The delta every report is computed at.
+    charges : Mapping[str, float], optional
+        Pure epsilon added to every client of a group (sequential composition).
+
+    Raises
+    ------
+    ValueError
+        When groups overlap (parallel composition would not apply) or a charge
+        names an unknown group.
+
+    """
+    charges = dict(charges or {})
+    unknown = set(charges) - set(groups)
+    if unknown:
+        raise ValueError(f"charges name unknown groups: {sorted(unknown)}")
+    if not groups:
+        raise ValueError("groups must not be empty")
+    seen: set[int] = set()
+    for name, members in groups.items():
+        overlap = seen & set(members)
+        if overlap:
+            raise ValueError(f"group {name!r} overlaps another group in {sorted(overlap)[:5]}")
+        seen |= set(members)
+    reports: dict[str, EpsilonReport] = {}
+    for name, members in groups.items():
+        worst = max(
+            (accountant.epsilon(delta=delta, client=c) for c in members),
+            key=lambda report: report.epsilon,
+            default=_zero_report(delta),
+        )
+        reports[name] = charged_report(worst, extra_epsilon=float(charges.get(name, 0.0)))
+    worst_group = max(reports, key=lambda name: reports[name].epsilon)
+    return GroupedEpsilon(groups=reports, overall=reports[worst_group], worst_group=worst_group)

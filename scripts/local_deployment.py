@@ -1,0 +1,569 @@
+"""Start and stop a local dpfl deployment: one SuperLink and N SuperNodes on this machine.
+
+Usage::
+
+    python scripts/local_deployment.py start [--secure] [--supernodes N] [--port P] [--dir DIR]
+                                             [--connection NAME] [key=value ...]
+    python scripts/local_deployment.py status [--dir DIR]
+    python scripts/local_deployment.py stop [--dir DIR]
+
+``start`` does what docs/deploy.md does by hand: it writes one data file per
+SuperNode (``scripts/make_device_data.py`` with the given Hydra overrides,
+default ``dataset=digits partition=iid num_clients=N``), starts a SuperLink on
+127.0.0.1:P (default 9092) and N SuperNodes, each in its own process group,
+working directory and ``FLWR_HOME`` below DIR (default
+``~/.cache/dpfl/local-deployment``), and adds the connection NAME (default
+``dpfl-local``) to the Flower configuration of this user (``$FLWR_HOME/config.toml``,
+default ``~/.flwr/config.toml``). With ``--secure`` it also makes a CA, a
+server certificate and SuperNode keys (``scripts/make_certs.sh``), starts the
+SuperLink with TLS and SuperNode authentication and registers every
+SuperNode's public key before the SuperNode starts. Then::
+
+    flwr run . dpfl-local --stream --run-config 'overrides="dataset=digits partition=iid num_clients=3"'
+
+``stop`` ends every process ``start`` started (and their children), by process
+id. The module is also what ``tests/test_deploy.py`` uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCRIPTS_DIR = Path(__file__).resolve().parent
+DEFAULT_DIR = Path.home() / ".cache" / "dpfl" / "local-deployment"
+DEFAULT_PORT = 9092
+DEFAULT_CONNECTION = "dpfl-local"
+STATE_FILE = "state.json"
+STARTUP_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 15.0
+#: The line a SuperNode logs once the SuperLink accepted it.
+SUPERNODE_READY = "SuperNode ID:"
+
+
+class DeploymentError(RuntimeError):
+    """A process of the deployment did not start; the message quotes its log."""
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def executable(name: str) -> str:
+    """Path of a console script of this Python environment (e.g. ``flower-superlink``)."""
+    local = Path(sys.executable).parent / name
+    if local.is_file():
+        return str(local)
+    found = shutil.which(name)
+    if found is None:
+        raise DeploymentError(f"{name} not found: install dpfl (pip install -e .) in this environment")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def _start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (None when it does not exist): guards against pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        tree.setdefault(parent, []).append(int(entry.name))
+    return tree
+
+
+def descendants(pid: int) -> list[int]:
+    """All living descendants of ``pid`` (also those that started their own session)."""
+    tree, found, stack = _children(), [], [pid]
+    while stack:
+        for child in tree.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+@dataclass
+class Process:
+    """One process the deployment started (the leader of its own process group)."""
+
+    name: str
+    pid: int
+    start_time: int | None
+    log: str
+
+    def alive(self) -> bool:
+        """Whether the process still runs (and is still the one started)."""
+        current = _start_time(self.pid)
+        if current is None or current != self.start_time:
+            return False
+        state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z"
+
+    def log_tail(self, lines: int = 25) -> str:
+        """The last lines of the process's log."""
+        try:
+            text = Path(self.log).read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def spawn(name: str, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], log: Path) -> Process:
+    """Start ``argv`` in a new session (its own process group), output into ``log``."""
+    cwd.mkdir(parents=True, exist_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as out:
+        child = subprocess.Popen(
+            list(argv),
+            cwd=cwd,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return Process(name, child.pid, _start_time(child.pid), str(log))
+
+
+def stop_processes(processes: Sequence[Process], timeout: float = STOP_TIMEOUT_S) -> list[str]:
+    """SIGTERM each process's group and descendants, SIGKILL what is left; return what needed a kill.
+
+    Only processes this deployment started (checked by pid and start time) and
+    their descendants are signalled.
+    """
+    targets: dict[int, int | None] = {}
+    for process in processes:
+        if not process.alive():
+            continue
+        targets[process.pid] = process.start_time
+        for pid in descendants(process.pid):
+            targets.setdefault(pid, _start_time(pid))
+    for process in processes:
+        if process.pid in targets:
+            _signal_group(process.pid, signal.SIGTERM)
+    for pid, started in targets.items():
+        if _start_time(pid) == started:
+            _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_running(pid, s) for pid, s in targets.items()):
+        time.sleep(0.2)
+        _reap(targets)
+    killed = []
+    for pid, started in targets.items():
+        if _running(pid, started):
+            killed.append(str(pid))
+            _signal(pid, signal.SIGKILL)
+    _reap(targets)
+    return killed
+
+
+def _running(pid: int, started: int | None) -> bool:
+    if _start_time(pid) != started:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _reap(targets: Mapping[int, int | None]) -> None:
+    for pid in targets:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def wait_for_port(host: str, port: int, process: Process, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    """Wait until ``host:port`` accepts connections (raise if ``process`` dies first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process.alive():
+            raise DeploymentError(f"{process.name} exited:\n{process.log_tail()}")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1.0)
+            if probe.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.3)
+    raise DeploymentError(f"{process.name} did not listen on {host}:{port} in {timeout:.0f} s")
+
+
+def wait_for_log(process: Process, text: str, timeout: float = STARTUP_TIMEOUT_S) -> None:
+    """Wait until ``text`` appears in the process's log (raise if it dies first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if text in Path(process.log).read_text(errors="replace"):
+                return
+        except OSError:
+            pass
+        if not process.alive():
+            raise DeploymentError(f"{process.name} exited:\n{process.log_tail()}")
+        time.sleep(0.3)
+    raise DeploymentError(
+        f"{process.name}: no {text!r} in its log within {timeout:.0f} s:\n{process.log_tail()}"
+    )
+
+
+# ---------------------------------------------------------------------------- the flwr CLI
+
+
+def flwr_home(env: Mapping[str, str] | None = None) -> Path:
+    """The Flower home the ``flwr`` CLI uses (``$FLWR_HOME``, default ``~/.flwr``)."""
+    value = (env if env is not None else os.environ).get("FLWR_HOME")
+    return Path(value) if value else Path.home() / ".flwr"
+
+
+def write_connection(home: Path, name: str, address: str, *, root_certificates: Path | None) -> Path:
+    """Add (or replace) the SuperLink connection ``name`` in ``home/config.toml``."""
+    import tomli_w
+    from flwr.cli.constant import DEFAULT_FLOWER_CONFIG_TOML
+
+    path = home / "config.toml"
+    text = path.read_text() if path.is_file() else DEFAULT_FLOWER_CONFIG_TOML
+    config: dict[str, Any] = tomllib.loads(text)
+    connection: dict[str, Any] = {"address": address}
+    if root_certificates is None:
+        connection["insecure"] = True
+    else:
+        connection["root-certificates"] = str(root_certificates.resolve())
+    config.setdefault("superlink", {})[name] = connection
+    home.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(config))
+    return path
+
+
+def flwr(args: Sequence[str], *, env: Mapping[str, str], timeout: float = 120.0) -> str:
+    """Run one ``flwr`` CLI command from a neutral directory; return its stdout (raise on failure)."""
+    result = subprocess.run(
+        [executable("flwr"), *args],
+        cwd=Path(env.get("FLWR_HOME", str(Path.home()))).expanduser(),
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise DeploymentError(
+            f"flwr {' '.join(args)} failed ({result.returncode}):\n{result.stdout}{result.stderr}"
+        )
+    return result.stdout
+
+
+def json_output(text: str) -> dict[str, Any]:
+    """The JSON object in a ``flwr ... --format json`` output (ignoring lines printed before it)."""
+    return json.loads(text[text.index("{") :])
+
+
+# ---------------------------------------------------------------------------- the deployment
+
+
+@dataclass
+class LocalDeployment:
+    """A SuperLink and SuperNodes on this machine, described by ``directory/state.json``."""
+
+    directory: Path
+    secure: bool
+    port: int
+    connection: str
+    host: str = "127.0.0.1"
+    processes: list[Process] = field(default_factory=list)
+    node_ids: list[int] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        """The SuperLink's address (Fleet, Control and Runtime API)."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def certificates(self) -> Path:
+        """Where the CA, server certificate and SuperNode keys are."""
+        return self.directory / "certificates"
+
+    def save(self) -> None:
+        """Write ``state.json``."""
+        state = asdict(self)
+        state["directory"] = str(self.directory)
+        (self.directory / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> LocalDeployment | None:
+        """The deployment recorded in ``directory`` (None when there is none)."""
+        path = directory / STATE_FILE
+        if not path.is_file():
+            return None
+        state = json.loads(path.read_text())
+        state["directory"] = Path(state["directory"])
+        state["processes"] = [Process(**p) for p in state["processes"]]
+        return cls(**state)
+
+    def running(self) -> list[Process]:
+        """The processes still alive."""
+        return [p for p in self.processes if p.alive()]
+
+    def stop(self) -> list[str]:
+        """Stop every process (children included); return the ids that needed SIGKILL."""
+        killed = stop_processes(self.processes)
+        self.save()
+        return killed
+
+
+def make_certificates(directory: Path, num_supernodes: int) -> None:
+    """Run ``scripts/make_certs.sh`` (CA, server certificate for 127.0.0.1/localhost, node keys)."""
+    result = subprocess.run(
+        ["bash", str(SCRIPTS_DIR / "make_certs.sh"), str(directory), str(num_supernodes)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise DeploymentError(f"make_certs.sh failed:\n{result.stdout}{result.stderr}")
+
+
+def start(
+    directory: Path,
+    *,
+    data_files: Sequence[Path],
+    secure: bool,
+    port: int,
+    connection: str = DEFAULT_CONNECTION,
+    cli_env: Mapping[str, str] | None = None,
+    supernode_ports: Sequence[int] | None = None,
+    supernode_env: Mapping[str, str] | None = None,
+) -> LocalDeployment:
+    """Start a SuperLink and one SuperNode per data file; stop everything again on failure.
+
+    Parameters
+    ----------
+    directory : Path
+        Working directories, Flower homes, logs, certificates and ``state.json``.
+    data_files : Sequence[Path]
+        One ``.npz`` file (or IDX folder) per SuperNode (``data-path`` of its node config).
+    secure : bool
+        TLS and SuperNode authentication (else ``--insecure``).
+    port : int
+        The SuperLink's port on 127.0.0.1.
+    connection : str
+        Name of the connection written into the ``flwr`` CLI's configuration.
+    cli_env : Mapping[str, str], optional
+        Environment of the ``flwr`` CLI (its ``FLWR_HOME`` gets the connection).
+    supernode_ports : Sequence[int], optional
+        Runtime API ports of the SuperNodes (default: free ports).
+    supernode_env : Mapping[str, str], optional
+        Extra environment variables of the SuperNodes (and so of their ClientApps).
+
+    """
+    directory = directory.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    cli_env = dict(os.environ if cli_env is None else cli_env)
+    deployment = LocalDeployment(directory, secure, port, connection)
+    certificates = deployment.certificates
+    if secure and not (certificates / "ca.key").is_file():
+        make_certificates(certificates, len(data_files))
+    write_connection(
+        flwr_home(cli_env),
+        connection,
+        deployment.address,
+        root_certificates=certificates / "ca.crt" if secure else None,
+    )
+    try:
+        superlink_args = [executable("flower-superlink"), "--host", deployment.host, "--port", str(port)]
+        if secure:
+            superlink_args += [
+                "--ssl-ca-certfile",
+                str(certificates / "ca.crt"),
+                "--ssl-certfile",
+                str(certificates / "server.pem"),
+                "--ssl-keyfile",
+                str(certificates / "server.key"),
+                "--enable-supernode-auth",
+            ]
+        else:
+            superlink_args.append("--insecure")
+        superlink = spawn(
+            "superlink",
+            superlink_args,
+            cwd=directory / "superlink",
+            env={**os.environ, "FLWR_HOME": str(directory / "superlink" / "flwr-home")},
+            log=directory / "logs" / "superlink.log",
+        )
+        deployment.processes.append(superlink)
+        deployment.save()
+        wait_for_port(deployment.host, port, superlink)
+        if secure:
+            for index in range(len(data_files)):
+                output = flwr(
+                    [
+                        "supernode",
+                        "register",
+                        str(certificates / f"supernode-{index}.pub"),
+                        connection,
+                        "--format",
+                        "json",
+                    ],
+                    env=cli_env,
+                )
+                deployment.node_ids.append(int(json_output(output)["node-id"]))
+        ports = list(supernode_ports) if supernode_ports else [free_port() for _ in data_files]
+        for index, data in enumerate(data_files):
+            node_dir = directory / f"supernode-{index}"
+            args = [
+                executable("flower-supernode"),
+                "--superlink",
+                deployment.address,
+                "--port",
+                str(ports[index]),
+                "--node-config",
+                f'data-path="{Path(data).resolve()}"',
+            ]
+            if secure:
+                args += [
+                    "--root-certificates",
+                    str(certificates / "ca.crt"),
+                    "--auth-supernode-private-key",
+                    str(certificates / f"supernode-{index}"),
+                ]
+            else:
+                args.append("--insecure")
+            node = spawn(
+                f"supernode-{index}",
+                args,
+                cwd=node_dir,
+                env={**os.environ, **(supernode_env or {}), "FLWR_HOME": str(node_dir / "flwr-home")},
+                log=directory / "logs" / f"supernode-{index}.log",
+            )
+            deployment.processes.append(node)
+            deployment.save()
+        for node in deployment.processes[1:]:
+            wait_for_log(node, SUPERNODE_READY)
+    except BaseException:
+        deployment.stop()
+        raise
+    deployment.save()
+    return deployment
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    begin = commands.add_parser("start", help="start a SuperLink and SuperNodes")
+    begin.add_argument("--secure", action="store_true", help="TLS and SuperNode authentication")
+    begin.add_argument("--supernodes", type=int, default=3, help="number of SuperNodes (default 3)")
+    begin.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"SuperLink port (default {DEFAULT_PORT})"
+    )
+    begin.add_argument("--connection", default=DEFAULT_CONNECTION, help="name of the flwr connection")
+    begin.add_argument("overrides", nargs="*", help="Hydra overrides for the device data files")
+    for command in ("status", "stop"):
+        commands.add_parser(command, help=f"{command} the deployment")
+    for sub in commands.choices.values():
+        sub.add_argument(
+            "--dir", type=Path, default=DEFAULT_DIR, help=f"state folder (default {DEFAULT_DIR})"
+        )
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """Command line entry point."""
+    args = _parser().parse_args(argv)
+    directory: Path = args.dir.expanduser().resolve()
+    existing = LocalDeployment.load(directory)
+    if args.command == "stop":
+        if existing is None:
+            print(f"no deployment recorded in {directory}")
+            return 0
+        killed = existing.stop()
+        print(
+            f"stopped {len(existing.processes)} processes"
+            + (f" (killed {', '.join(killed)})" if killed else "")
+        )
+        return 0
+    if args.command == "status":
+        if existing is None:
+            print(f"no deployment recorded in {directory}")
+            return 1
+        for process in existing.processes:
+            print(f"{process.name:12} pid {process.pid:>7}  {'running' if process.alive() else 'stopped'}")
+        mode = "TLS" if existing.secure else "insecure"
+        print(f"connection {existing.connection!r}: {existing.address} ({mode})")
+        return 0 if existing.running() else 1
+    if existing is not None and existing.running():
+        print(f"error: a deployment is running ({directory}); stop it first", file=sys.stderr)
+        return 2
+    if args.supernodes < 1:
+        print("error: --supernodes must be >= 1", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(SCRIPTS_DIR))
+    from make_device_data import write_device_files
+
+    overrides = ["dataset=digits", "partition=iid", f"num_clients={args.supernodes}", *args.overrides]
+    data_files = write_device_files(directory / "devices", overrides)
+    if len(data_files) != args.supernodes:
+        print(f"error: the overrides make {len(data_files)} clients, not {args.supernodes}", file=sys.stderr)
+        return 2
+    try:
+        deployment = start(
+            directory, data_files=data_files, secure=args.secure, port=args.port, connection=args.connection
+        )
+    except DeploymentError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    mode = "TLS + SuperNode authentication" if args.secure else "insecure"
+    here = Path(__file__).resolve()
+    script = here.relative_to(Path.cwd()) if here.is_relative_to(Path.cwd()) else here
+    where = "" if directory == DEFAULT_DIR.resolve() else f" --dir {directory}"
+    print(f"SuperLink on {deployment.address} ({mode})")
+    print(
+        f"{args.supernodes} SuperNodes with data from {directory / 'devices'}; logs in {directory / 'logs'}"
+    )
+    print(f"flwr connection {args.connection!r} written to {flwr_home() / 'config.toml'}")
+    run_overrides = " ".join([*overrides, f"clients_per_round={args.supernodes}"])
+    print(f"run:  flwr run . {args.connection} --stream --run-config 'overrides=\"{run_overrides}\"'")
+    print(f"stop: python {script} stop{where}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up dpfl on a fresh machine: a virtual environment in .venv, the pinned
+# dependencies (CPU torch), the project itself (editable), and the default data
+# set where it can be fetched. Idempotent: re-running only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+# torch first and alone: with the exact pin pip takes the CPU wheel; a looser
+# request would let pip pick a newer, CUDA-linked build.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+.venv/bin/python -m fl_app.data.fetch fashion_mnist

@@ -1,0 +1,176 @@
+"""FedAvg with local DP on the uploaded model update: the baseline of PrivateKT.
+
+Qi, Wu et al., "Differentially private knowledge transfer for federated
+learning", Nature Communications 2023, compare PrivateKT with federated
+learning whose uploaded model is protected by local DP. Here: FedAvg
+(McMahan et al., AISTATS 2017, Algorithm 1) where every selected client
+
+1. trains the global model w_t locally and forms its update ``Delta = w - w_t``;
+2. clips it to L2 norm C (``strategy.clip``): ``Delta <- Delta min(1, C / ||Delta||)``;
+3. adds Gaussian noise ``N(0, (2 C z)^2 I)`` on the device (the L2 sensitivity of
+   a clipped update under replacement of the client's whole data set is 2C);
+4. uploads the noisy update only (no loss, no example count).
+
+The server sets ``w_{t+1} = w_t + mean_k(noisy Delta_k)`` over the replies it
+got (uniform weights; post-processing of LDP outputs).
+
+Privacy: local DP, unit = one client's entire data set (as PrivateKT). Every
+upload is one ``Gaussian(z)`` release of that client's data; the accountant
+composes them per client. ``privacy.budget_scope=total`` (default) calibrates z
+so that the most-selected client's uploads over the run (seeded schedule,
+fixed at start-up) meet ``(privacy.epsilon, privacy.delta)``; ``per_round``
+so that one upload does. No amplification by sampling is credited (the client
+knows it was selected and the server sees who uploaded what).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fl_app import keys
+from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.calibration import local_gaussian_noise_multiplier, local_gaussian_sigma
+from fl_app.privacy.events import Gaussian, PrivacyEvent
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext
+from fl_app.validation import ConfigError, require_positive
+from strategies import register_strategy
+from strategies.base import FederatedStrategy
+from strategies.privatekt import max_participations, seeded_schedule
+
+
+@register_strategy("fedavg_ldp")
+class FedAvgLDPStrategy(FederatedStrategy):
+    """FedAvg of client-side clipped and Gaussian-noised model updates."""
+
+    client_name = "fedavg_ldp"
+    privacy_unit = (
+        "one client's entire local data set (local DP: any two data sets of one client; "
+        "each upload is protected against the server)"
+    )
+    mechanism_name = "Gaussian noise on each client's clipped model update, added on the client"
+
+    def __init__(self, run: RunContext) -> None:
+        super().__init__(run)
+        settings = self.cfg.strategy
+        self.clip = float(settings.clip)
+        self.schedule = seeded_schedule(self, int(self.cfg.num_rounds))
+        self.max_participations = max_participations(self.schedule)
+        self.budget_scope = str(self.cfg.privacy.budget_scope)
+        self.method = str(self.cfg.privacy.accountant)
+        if settings.noise_multiplier is not None:
+            self.noise_multiplier = float(settings.noise_multiplier)
+        else:
+            self.noise_multiplier = local_gaussian_noise_multiplier(
+                epsilon=float(self.cfg.privacy.epsilon),
+                delta=run.delta,
+                participations=max(self.max_participations, 1) if self.budget_scope == "total" else 1,
+                method=self.method,
+            )
+        self.sigma = local_gaussian_sigma(clip=self.clip, noise_multiplier=self.noise_multiplier)
+        self.accountant = PrivacyAccountant(
+            population=run.client_ids, unit=self.privacy_unit, method=self.method
+        )
+        self._global: ArrayRecord | None = None
+        self._reports: dict[int, int] = {}
+        log(
+            INFO,
+            "FedAvg+LDP: clip C=%g, noise multiplier z=%.4f (std %.4g per coordinate), %s budget, "
+            "most-selected client takes part in %d rounds",
+            self.clip,
+            self.noise_multiplier,
+            self.sigma,
+            self.budget_scope,
+            self.max_participations,
+        )
+
+    @classmethod
+    def validate_config(cls, cfg: DictConfig) -> None:
+        """``clip`` > 0, ``noise_multiplier`` null or > 0, no federated evaluation."""
+        require_positive("strategy.clip", cfg.strategy.clip)
+        if cfg.strategy.noise_multiplier is not None:
+            require_positive("strategy.noise_multiplier", cfg.strategy.noise_multiplier)
+        if float(cfg.evaluation.federated_fraction) > 0:
+            raise ConfigError(
+                "evaluation.federated_fraction",
+                cfg.evaluation.federated_fraction,
+                "must be 0 with FedAvg+LDP: federated evaluation would upload each client's local loss and "
+                "accuracy without noise, outside the reported epsilon",
+            )
+
+    def extra_train_config(self, server_round: int) -> dict[str, Any]:
+        """Clipping bound and noise multiplier for the clients."""
+        return {keys.LDP_CLIP: self.clip, keys.LDP_NOISE_MULTIPLIER: self.noise_multiplier}
+
+    def select_clients(self, server_round: int) -> list[ClientInfo]:
+        """The seeded schedule fixed at start-up (the calibration counted exactly these rounds)."""
+        if server_round not in self.schedule:
+            raise RuntimeError(
+                f"round {server_round} is beyond num_rounds={len(self.schedule)}, which the privacy "
+                "calibration assumed"
+            )
+        return self.schedule[server_round]
+
+    def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """Remember the global model the updates are relative to."""
+        self._global = arrays
+        return arrays
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """``w_{t+1} = w_t + mean of the noisy updates``; one Gaussian event for every selected client."""
+        valid, _ = self.split_replies(server_round, replies)
+        if self._global is None:
+            raise RuntimeError("aggregate_train before configure_train")
+        assert self.accountant is not None
+        self.accountant.record(
+            PrivacyEvent(
+                server_round,
+                Gaussian(self.noise_multiplier),
+                participants=tuple(c.client_id for c in self.selected(server_round)),
+                label="noisy model update",
+            )
+        )
+        names = list(self._global.keys())
+        updates = []
+        for info, reply in valid:
+            received = reply.content.array_records.get(keys.ARRAYS)
+            if received is None or list(received.keys()) != names:
+                log(WARNING, "FedAvg+LDP: client %d sent no matching update; ignored", info.client_id)
+                continue
+            updates.append([received[n].numpy().astype(np.float64) for n in names])
+        self._reports[server_round] = len(updates)
+        if not updates:
+            return None, MetricRecord({"reports": 0})
+        new = {}
+        for position, name in enumerate(names):
+            reference = self._global[name].numpy()
+            mean = np.mean([update[position] for update in updates], axis=0)
+            new[name] = Array((reference.astype(np.float64) + mean).astype(reference.dtype))
+        return ArrayRecord(new), MetricRecord({"reports": len(updates)})
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """Number of valid uploads aggregated in the round."""
+        assert self.accountant is not None
+        return {"reports": self._reports.get(server_round, 0)}
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """Unit, mechanism, calibration and schedule."""
+        return {
+            **super().privacy_summary(),
+            "budget_scope": self.budget_scope,
+            "epsilon_target": float(self.cfg.privacy.epsilon),
+            "noise_multiplier": self.noise_multiplier,
+            "clip": self.clip,
+            "noise_std": self.sigma,
+            "sensitivity": "2 * clip (L2, replacement of a client's data set)",
+            "planned_max_participations": self.max_participations,
+        }

@@ -1,0 +1,397 @@
+"""NbAFL: noising before model aggregation, with K-random scheduling (the server side).
+
+Wei, Li, Ding, Ma, Yang, Farokhi, Jin, Quek, Poor, "Federated Learning with
+Differential Privacy: Algorithms and Performance Analysis", IEEE TIFS 15, 2020
+(arXiv 1911.00222): Algorithm 1, the uplink sensitivity ``Delta s_U = 2C/m``
+and noise ``sigma_U = c L Delta s_U / epsilon``, Lemma 1 (downlink sensitivity
+``2C p_i / m``, minimised by uniform ``p_i``), Theorem 1 (downlink noise
+``sigma_D = 2cC sqrt(T^2 - L^2 N) / (m N epsilon)`` if ``T > L sqrt(N)``) and the
+K-random scheduling theorem (``sigma_D = 2cC sqrt(T^2/b^2 - L^2 K) / (m K epsilon)``
+if ``T > epsilon / gamma``). Each round:
+
+1. ``K`` clients (``strategy.k``; null: ``clients_per_round``) are drawn uniformly
+   without replacement. The whole schedule is drawn from the run seed when the
+   strategy is built, so ``L`` (the most uploads of any client) is known before
+   round 1; with ``K = N`` every client uploads every round and ``L = T``;
+2. each scheduled client trains, clips its whole parameter vector to L2 norm
+   ``C`` and adds ``N(0, sigma_U^2)`` to every coordinate (:mod:`clients.nbafl`);
+3. the server averages the uploads with ``p_i = 1/K`` and adds ``N(0, sigma_D^2)``
+   (zero unless ``T`` exceeds the threshold) before the broadcast; the noised
+   aggregate is the new global model.
+
+Privacy accounting (see ``docs/nbafl.md``). The reported epsilon comes from the
+accountant: one ``Gaussian(sigma_U / Delta s_U)`` event per round for every
+scheduled client (failures included), composed over the uploads each client
+actually made. Its unit is one record, under the document's modelling
+assumption that the local model is an average of per-record terms of norm at
+most ``C`` (Delta s_U = 2C/m); multi-epoch SGD does not satisfy it. A second
+accountant composes ``Gaussian(sigma_U / 2C)``: the client-level epsilon of the
+same noise. The broadcast is post-processing of the noised uploads, so the
+downlink noise does not change either epsilon; it is added as the document
+prescribes. The document's own claim (``epsilon`` via ``epsilon / L`` per upload)
+is reported beside them: it splits the budget by basic composition, which gives
+``(epsilon, L delta)``, and the classic Gaussian bound behind ``c`` is proven
+only for ``epsilon / L < 1``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import Counter
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any
+
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fl_app import keys
+from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.calibration import (
+    CLASSIC_GAUSSIAN_MAX_EPSILON,
+    NBAFL_AMPLIFICATIONS,
+    NBAFL_CALIBRATIONS,
+    ClassicGaussianRangeWarning,
+    classic_gaussian_constant,
+    nbafl_client_sensitivity,
+    nbafl_downlink_sigma,
+    nbafl_downlink_threshold,
+    nbafl_sensitivity,
+    nbafl_uplink_sigma,
+)
+from fl_app.privacy.events import Gaussian, PrivacyEvent
+from fl_app.privacy.mechanisms import gaussian_mechanism
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext
+from fl_app.validation import ConfigError, require_choice, require_int, require_positive, require_range
+from strategies import register_strategy
+from strategies.base import FederatedStrategy, mean_arrays
+
+RECORD_UNIT = (
+    "one record of a client's local data set (replace one record; sensitivity Delta s_U = 2C/m), "
+    "valid only under the document's assumption that a client's uploaded model is an average of "
+    "per-record terms of norm <= C (multi-epoch SGD does not satisfy it); local noise, so the "
+    "guarantee holds against any observer of the uploads, the server included"
+)
+CLIENT_UNIT = "one client's entire data set (any two clipped parameter vectors: sensitivity 2C)"
+#: The client-level accountant always uses RDP: its noise multipliers are tiny
+#: (sigma_U / 2C ~ 1/m), for which a PLD would be enormous.
+CLIENT_LEVEL_METHOD = "rdp"
+
+
+def _optional_nonnegative(key: str, value: Any) -> None:
+    """``null`` or a finite number >= 0."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise ConfigError(key, value, "must be null or a number >= 0")
+
+
+@register_strategy("nbafl")
+class NbAFLStrategy(FederatedStrategy):
+    """Uniform averaging of locally noised models, downlink noise, K-random scheduling."""
+
+    client_name = "nbafl"
+    privacy_unit = RECORD_UNIT
+    mechanism_name = (
+        "Gaussian noise N(0, sigma_U^2) on each scheduled client's clipped parameter vector (uplink), "
+        "Gaussian noise N(0, sigma_D^2) on the uniform average (downlink, if T exceeds the threshold)"
+    )
+
+    def __init__(self, run: RunContext) -> None:
+        super().__init__(run)
+        settings = self.cfg.strategy
+        self.clip = float(settings.clip)
+        self.mu = float(settings.mu)
+        self.calibration = str(settings.calibration)
+        self.amplification = str(settings.amplification)
+        self.num_rounds = int(self.cfg.num_rounds)
+        self.epsilon_target = float(self.cfg.privacy.epsilon)
+        self.k = int(settings.k) if settings.k is not None else run.clients_per_round
+        if not 1 <= self.k <= run.num_clients:
+            raise ValueError(f"K={self.k} clients per round is not in [1, N={run.num_clients}]")
+        self.schedule = self._draw_schedule()
+        uploads = Counter(c.client_id for clients in self.schedule.values() for c in clients)
+        self.exposures = max(uploads.values())
+        self.min_dataset_size = min(info.num_examples for info in run.roster)
+        if self.min_dataset_size < 1:
+            raise ValueError("NbAFL needs every client to hold at least one example (m = 0 in the roster)")
+        self.sensitivity = nbafl_sensitivity(clip=self.clip, min_dataset_size=self.min_dataset_size)
+        self.per_exposure_epsilon = self.epsilon_target / self.exposures
+        self.classic_bound_holds = self.per_exposure_epsilon < CLASSIC_GAUSSIAN_MAX_EPSILON
+        self.range_warning: str | None = None
+        if settings.sigma_up is not None:
+            self.sigma_up = float(settings.sigma_up)
+            self.sigma_up_source = "strategy.sigma_up (set by hand)"
+        else:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", ClassicGaussianRangeWarning)
+                self.sigma_up = nbafl_uplink_sigma(
+                    epsilon=self.epsilon_target,
+                    delta=run.delta,
+                    clip=self.clip,
+                    min_dataset_size=self.min_dataset_size,
+                    exposures=self.exposures,
+                    calibration=self.calibration,
+                    method=str(self.cfg.privacy.accountant),
+                )
+            self.sigma_up_source = f"calibration={self.calibration}"
+            if caught:
+                self.range_warning = (
+                    f"epsilon/L = {self.epsilon_target:g}/{self.exposures} = {self.per_exposure_epsilon:.4g} "
+                    ">= 1 per upload: the classic Gaussian bound (sigma = c Delta s / epsilon, Dwork & Roth "
+                    "Theorem A.1) is not proven here, so the document's (epsilon, delta) claim is not a "
+                    "guarantee; the accountant's epsilon is. strategy.calibration=analytic (exact Gaussian "
+                    "per upload) or accountant (L-fold composition meets epsilon) calibrate soundly"
+                )
+        self.downlink_threshold = nbafl_downlink_threshold(
+            epsilon=self.epsilon_target,
+            exposures=self.exposures,
+            num_clients=run.num_clients,
+            clients_per_round=self.k,
+            amplification=self.amplification,
+        )
+        if settings.sigma_down is not None:
+            self.sigma_down = float(settings.sigma_down)
+            self.sigma_down_source = "strategy.sigma_down (set by hand)"
+        else:
+            self.sigma_down = nbafl_downlink_sigma(
+                epsilon=self.epsilon_target,
+                delta=run.delta,
+                clip=self.clip,
+                min_dataset_size=self.min_dataset_size,
+                exposures=self.exposures,
+                num_rounds=self.num_rounds,
+                num_clients=run.num_clients,
+                clients_per_round=self.k,
+                amplification=self.amplification,
+            )
+            self.sigma_down_source = f"the document's theorem (amplification={self.amplification})"
+        self.client_accountant: PrivacyAccountant | None = None
+        if self.sigma_up > 0:
+            self.accountant = PrivacyAccountant(
+                population=run.client_ids, unit=RECORD_UNIT, method=str(self.cfg.privacy.accountant)
+            )
+            self.client_accountant = PrivacyAccountant(
+                population=run.client_ids, unit=CLIENT_UNIT, method=CLIENT_LEVEL_METHOD
+            )
+        self._uploads: dict[int, int] = {}
+        self._sigma_down_used: dict[int, float] = {}
+        self._log_setup()
+
+    # ------------------------------------------------------------------ configuration
+
+    @classmethod
+    def validate_config(cls, cfg: DictConfig) -> None:
+        """C > 0, 1 <= K <= N, mu >= 0, known calibration/amplification, epsilon > 0, delta in (0, 1)."""
+        settings = cfg.strategy
+        require_positive("strategy.clip", settings.clip)
+        if settings.k is not None:
+            require_int("strategy.k", settings.k, minimum=1, maximum=int(cfg.num_clients))
+        mu = settings.mu
+        if isinstance(mu, bool) or not isinstance(mu, int | float) or not math.isfinite(mu) or mu < 0:
+            raise ConfigError("strategy.mu", mu, "must be a number >= 0")
+        require_choice("strategy.calibration", settings.calibration, NBAFL_CALIBRATIONS)
+        require_choice("strategy.amplification", settings.amplification, NBAFL_AMPLIFICATIONS)
+        _optional_nonnegative("strategy.sigma_up", settings.sigma_up)
+        _optional_nonnegative("strategy.sigma_down", settings.sigma_down)
+        require_positive("privacy.epsilon", cfg.privacy.epsilon)
+        require_range("privacy.delta", cfg.privacy.delta, 0.0, 1.0, low_open=True, high_open=True)
+
+    def extra_train_config(self, server_round: int) -> dict[str, Any]:
+        """C, sigma_U and mu for the clients."""
+        return {keys.NBAFL_CLIP: self.clip, keys.NBAFL_SIGMA_UP: self.sigma_up, keys.NBAFL_MU: self.mu}
+
+    # ------------------------------------------------------------------ K-random scheduling
+
+    def _draw_schedule(self) -> dict[int, list[ClientInfo]]:
+        """K clients per round for all T rounds, uniform without replacement (seeded as the base's)."""
+        schedule: dict[int, list[ClientInfo]] = {}
+        for server_round in range(1, self.num_rounds + 1):
+            rng = self.run.randomness.generator("client-sampling", server_round=server_round)
+            chosen = rng.choice(self.run.num_clients, size=self.k, replace=False)
+            schedule[server_round] = [self.run.roster[i] for i in sorted(chosen)]
+        return schedule
+
+    def select_clients(self, server_round: int) -> list[ClientInfo]:
+        """The precomputed K-random schedule."""
+        if server_round not in self.schedule:
+            raise RuntimeError(f"round {server_round} is outside the schedule of T={self.num_rounds} rounds")
+        return list(self.schedule[server_round])
+
+    def uploads_per_client(self) -> dict[int, int]:
+        """How many times the schedule asks each client to upload (L is the maximum)."""
+        counts = Counter(c.client_id for clients in self.schedule.values() for c in clients)
+        return {client: counts.get(client, 0) for client in self.run.client_ids}
+
+    # ------------------------------------------------------------------ aggregation
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Uniform average of the noised uploads plus the downlink noise."""
+        valid, _ = self.split_replies(server_round, replies)
+        self._record_uploads(server_round)
+        self._uploads[server_round] = len(valid)
+        if not valid:
+            return None, None
+        if len(valid) < self.k and self.sigma_down > 0:
+            log(
+                WARNING,
+                "NbAFL round %d: %d of %d uploads; sigma_D is the one computed for K=%d",
+                server_round,
+                len(valid),
+                self.k,
+                self.k,
+            )
+        average = mean_arrays([m.content.array_records[keys.ARRAYS] for _, m in valid])
+        self._sigma_down_used[server_round] = self.sigma_down
+        if self.sigma_down > 0:
+            rng = self.run.noise.generator("nbafl-downlink", server_round=server_round)
+            average = ArrayRecord(
+                {
+                    name: Array(gaussian_mechanism(values=array.numpy(), sigma=self.sigma_down, rng=rng))
+                    for name, array in average.items()
+                }
+            )
+        return average, MetricRecord({"uploads": len(valid)})
+
+    def _record_uploads(self, server_round: int) -> None:
+        """One Gaussian event per scheduled client (failures included), record- and client-level."""
+        if self.accountant is None or self.client_accountant is None:
+            return
+        participants = tuple(c.client_id for c in self.selected(server_round))
+        if not participants:
+            return
+        self.accountant.record(
+            PrivacyEvent(
+                server_round,
+                Gaussian(self.sigma_up / self.sensitivity),
+                participants=participants,
+                label="uplink (record level)",
+            )
+        )
+        self.client_accountant.record(
+            PrivacyEvent(
+                server_round,
+                Gaussian(self.sigma_up / nbafl_client_sensitivity(clip=self.clip)),
+                participants=participants,
+                label="uplink (client level)",
+            )
+        )
+
+    # ------------------------------------------------------------------ reporting
+
+    def client_level_epsilon(self) -> float | None:
+        """Cumulative client-level epsilon of the worst client (None: no noise, no guarantee)."""
+        if self.client_accountant is None:
+            return None
+        return self.client_accountant.epsilon(delta=self.run.delta).epsilon
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """Uploads aggregated, downlink sigma used, client-level epsilon so far."""
+        return {
+            "uploads": self._uploads.get(server_round, 0),
+            "sigma_down": self._sigma_down_used.get(server_round, 0.0),
+            "epsilon_client_level": self.client_level_epsilon(),
+        }
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """Unit, mechanism, accountant, the calibration, the document's claim and both epsilons."""
+        uploads = self.uploads_per_client()
+        record = self.epsilon()
+        return {
+            **super().privacy_summary(),
+            "client_level": {
+                "unit": CLIENT_UNIT,
+                "accountant": f"{CLIENT_LEVEL_METHOD}, Gaussian(sigma_U / 2C) per upload",
+                "noise_multiplier": self.sigma_up / nbafl_client_sensitivity(clip=self.clip),
+                "epsilon": self.client_level_epsilon(),
+            },
+            "epsilon_record_level": None if record is None else record.epsilon,
+            "document_claim": {
+                "epsilon": self.epsilon_target,
+                "delta": self.run.delta,
+                "per_upload_epsilon": self.per_exposure_epsilon,
+                "classic_bound_holds": self.classic_bound_holds,
+                "holds_as": self._claim_status(),
+                "warning": self.range_warning,
+            },
+            "calibration": self.calibration,
+            "sigma_up": self.sigma_up,
+            "sigma_up_source": self.sigma_up_source,
+            "noise_multiplier": self.sigma_up / self.sensitivity,
+            "sigma_down": self.sigma_down,
+            "sigma_down_source": self.sigma_down_source,
+            "downlink_threshold_rounds": self.downlink_threshold,
+            "amplification": self.amplification,
+            "clip": self.clip,
+            "sensitivity": self.sensitivity,
+            "c": classic_gaussian_constant(delta=self.run.delta),
+            "m": self.min_dataset_size,
+            "N": self.run.num_clients,
+            "K": self.k,
+            "T": self.num_rounds,
+            "L": self.exposures,
+            "uploads_min": min(uploads.values()),
+            "uploads_max": max(uploads.values()),
+            "weights": "uniform p_i = 1/K over the received uploads",
+        }
+
+    def _claim_status(self) -> str:
+        """What the document's (epsilon, delta) claim amounts to for this run's calibration."""
+        if self.cfg.strategy.sigma_up is not None:
+            return "sigma_U set by hand: the document's calibration does not apply; the accountant's does"
+        if self.calibration == "accountant":
+            return "(epsilon, delta) by the accountant's composition of the L uploads"
+        if self.calibration == "classic" and not self.classic_bound_holds:
+            return "not proven (epsilon/L >= 1, see warning); the accountant's epsilon is a guarantee"
+        return (
+            f"(epsilon, L delta) = ({self.epsilon_target:g}, {self.exposures * self.run.delta:g}) "
+            "by basic composition of L uploads at (epsilon/L, delta)"
+        )
+
+    def final_extras(self) -> dict[str, Any]:
+        """Client-level epsilon and the document's claim beside the accountant's final epsilon."""
+        return {
+            "epsilon_client_level": self.client_level_epsilon(),
+            "epsilon_document_claim": self.epsilon_target,
+            "L": self.exposures,
+            "K": self.k,
+        }
+
+    def summary(self) -> None:
+        """Log the strategy's configuration (K instead of clients_per_round)."""
+        log(INFO, "\t├──> NbAFLStrategy: K=%d of N=%d clients per round", self.k, self.run.num_clients)
+        for key, value in self.cfg.strategy.items():
+            log(INFO, "\t│\t├── strategy.%s = %s", key, value)
+        log(INFO, "\t└──> privacy: unit=%s, mechanism=%s", self.privacy_unit, self.mechanism_name)
+
+    def _log_setup(self) -> None:
+        log(
+            INFO,
+            "NbAFL: N=%d, K=%d, T=%d, L=%d, m=%d, C=%g; sigma_U=%.5g (%s, noise multiplier %.4g), "
+            "sigma_D=%.5g (threshold T > %.4g)",
+            self.run.num_clients,
+            self.k,
+            self.num_rounds,
+            self.exposures,
+            self.min_dataset_size,
+            self.clip,
+            self.sigma_up,
+            self.sigma_up_source,
+            self.sigma_up / self.sensitivity,
+            self.sigma_down,
+            self.downlink_threshold,
+        )
+        if self.range_warning:
+            log(WARNING, "NbAFL: %s", self.range_warning)
+        if self.sigma_up <= 0:
+            log(WARNING, "NbAFL: sigma_U = 0: uploads are not noised, epsilon is reported as null (infinite)")
+        if float(self.cfg.evaluation.federated_fraction) > 0:
+            log(
+                WARNING,
+                "NbAFL: federated evaluation sends un-noised local metrics; they are outside the guarantee",
+            )

@@ -1,0 +1,520 @@
+"""PrivateKT: private knowledge transfer with active sampling, a knowledge buffer and self-training.
+
+Qi, Wu et al., "Differentially private knowledge transfer for federated
+learning", Nature Communications 2023: Algorithm 1, Eq. 2-6 and Lemma 1; the
+authors' public Keras code (taoqi98/PrivateKT) for the details the text leaves
+open. Each round t:
+
+1. the server sends Theta_t and the K knowledge-transfer (KT) samples of the
+   round (``strategy.k``): rows of the unlabeled public split (its labels are
+   never read), as indices in a simulation or, with ``strategy.send_kt_data``,
+   as the samples themselves (what real devices need);
+2. every selected client trains Theta_t on its data, predicts a label for each
+   KT sample and perturbs each label by k-ary randomized response (Eq. 2) with
+   keep probability beta; its reply is those K labels and nothing else
+   (:mod:`clients.privatekt`);
+3. the server debiases the average of the one-hot reports (Eq. 3), turns it
+   into targets (``strategy.knowledge``: ``argmax`` as the authors' code,
+   ``soft``: the estimate clipped to the simplex), pushes them into the FIFO
+   knowledge buffer of B rounds (``strategy.buffer_size``), fine-tunes Theta_t
+   on the buffer (``strategy.server_steps`` full-batch SGD steps), self-trains
+   on M public samples drawn with weight ``exp(-entropy)`` (Eq. 5,
+   ``strategy.self_train``), giving Theta_{t+1}. The self-training targets are
+   the model's own predicted distributions (``strategy.self_train_targets=soft``,
+   the authors' code) or their argmax (``hard``);
+4. the next round's K KT samples are drawn with weight ``exp(entropy)`` under
+   Theta_{t+1} (Eq. 4); round 1 draws them uniformly (Algorithm 1, line 3).
+
+No parameter averaging: the global model changes only on the server.
+
+Privacy (local DP, unit: one client's entire data set; any two data sets of a
+client may change all K predictions). One report of K labels, each perturbed
+with ``RandomizedResponse(eps_label, C)``, is ``K eps_label``-LDP (Lemma 1 is
+basic composition over the K labels). Reports of different rounds compose:
+the document's claim that model shuffling stops budgets from accumulating does
+not apply here (nothing shuffles the reports; the server knows who sent what).
+``privacy.budget_scope=per_round`` sets ``eps_label = epsilon / K`` (the
+document's per-round reading, beta of Lemma 1); ``total`` (default) calibrates
+``eps_label`` so that the most-selected client's K x (rounds it takes part in)
+reports compose to at most ``privacy.epsilon`` in the accountant. Client
+selection is seeded, so the schedule of every round is fixed at start-up and
+the maximum participation is known exactly. One event per round names every
+selected client (failures included).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.serverapp import Grid
+from flwr.supercore import log
+from omegaconf import DictConfig
+from torch import nn
+from torch.nn import functional as F  # noqa: N812 - the conventional name
+
+from clients.privatekt import decode_labels
+from fl_app import keys
+from fl_app.data.federated import DataSpec, federated_data
+from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.calibration import privatekt_epsilon_per_label
+from fl_app.privacy.composition import compose_epsilon
+from fl_app.privacy.events import PrivacyEvent, RandomizedResponse
+from fl_app.privacy.mechanisms import debias_label_average
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext
+from fl_app.training import load_arrays, model_to_arrays, predict_proba, to_tensor
+from fl_app.validation import ConfigError, require_bool, require_choice, require_int
+from strategies import register_strategy
+from strategies.base import FederatedStrategy
+
+KNOWLEDGE_MODES = ("argmax", "soft")
+SELF_TRAIN_TARGETS = ("soft", "hard")
+#: Self-training size when ``strategy.self_train`` is null: the authors' code's ratio of the public split.
+SELF_TRAIN_RATIO = 0.1
+#: Labels travel as uint8 class indices.
+MAX_CLASSES = 256
+
+
+# ------------------------------------------------------------------------------ building blocks
+
+
+def prediction_entropy(probabilities: np.ndarray) -> np.ndarray:
+    """Uncertainty ``u_i = -sum_j p_ij log p_ij`` of each row (Eq. 4 and Eq. 5)."""
+    p = np.asarray(probabilities, dtype=np.float64)
+    return -np.sum(p * np.log(np.clip(p, 1e-12, None)), axis=1)
+
+
+def sampling_weights(uncertainty: np.ndarray, *, sign: float) -> np.ndarray:
+    """``w_i = exp(sign u_i) / sum_j exp(sign u_j)``: Eq. 4 with ``sign=+1``, Eq. 5 with ``-1``."""
+    if sign not in (1.0, -1.0):
+        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
+    scores = sign * np.asarray(uncertainty, dtype=np.float64)
+    weights = np.exp(scores - scores.max())
+    return weights / weights.sum()
+
+
+def draw_weighted(weights: np.ndarray, size: int, *, rng: np.random.Generator) -> np.ndarray:
+    """Draw ``size`` distinct row indices with probabilities ``weights`` (as the authors' code)."""
+    weights = np.asarray(weights, dtype=np.float64)
+    if not 0 <= size <= len(weights):
+        raise ValueError(f"cannot draw {size} distinct rows out of {len(weights)}")
+    return np.sort(rng.choice(len(weights), size=size, replace=False, p=weights))
+
+
+def knowledge_targets(estimate: np.ndarray, *, mode: str, rng: np.random.Generator) -> np.ndarray:
+    """Training targets from the Eq. 3 estimate (shape ``(K, C)``).
+
+    ``argmax``: one-hot of the largest entry (the authors' code; ties broken
+    at random with ``rng``). ``soft``: negative entries set to 0, then
+    normalised (uniform when nothing is left).
+    """
+    estimate = np.asarray(estimate, dtype=np.float64)
+    num_classes = estimate.shape[1]
+    if mode == "argmax":
+        targets = np.zeros_like(estimate)
+        for row, values in enumerate(estimate):
+            best = np.flatnonzero(values == values.max())
+            targets[row, rng.choice(best)] = 1.0
+        return targets
+    if mode == "soft":
+        clipped = np.clip(estimate, 0.0, None)
+        totals = clipped.sum(axis=1, keepdims=True)
+        uniform = np.full_like(clipped, 1.0 / num_classes)
+        return np.where(totals > 0, clipped / np.where(totals > 0, totals, 1.0), uniform)
+    raise ValueError(f"mode must be one of {KNOWLEDGE_MODES}, got {mode!r}")
+
+
+class KnowledgeBuffer:
+    """FIFO of the aggregated knowledge of the last B rounds (Algorithm 1, line 16).
+
+    Parameters
+    ----------
+    size : int
+        B, the number of rounds kept.
+
+    """
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self.size = size
+        self._entries: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=size)
+
+    def __len__(self) -> int:
+        """Number of rounds stored."""
+        return len(self._entries)
+
+    def push(self, indices: np.ndarray, targets: np.ndarray) -> None:
+        """Store one round's KT rows and their targets; the oldest round leaves when full."""
+        indices = np.asarray(indices, dtype=np.int64)
+        targets = np.asarray(targets, dtype=np.float64)
+        if targets.ndim != 2 or len(indices) != len(targets):
+            raise ValueError(f"{len(indices)} indices for targets of shape {targets.shape}")
+        self._entries.append((indices.copy(), targets.copy()))
+
+    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
+        """All stored rows and targets, oldest first."""
+        if not self._entries:
+            raise ValueError("the knowledge buffer is empty")
+        return (
+            np.concatenate([indices for indices, _ in self._entries]),
+            np.concatenate([targets for _, targets in self._entries]),
+        )
+
+
+def fit_targets(
+    model: nn.Module,
+    x: np.ndarray,
+    targets: np.ndarray,
+    *,
+    steps: int,
+    batch_size: int | None,
+    lr: float,
+    rng: np.random.Generator,
+) -> float:
+    """``steps`` SGD steps of soft-target cross-entropy on ``(x, targets)``; returns the mean loss.
+
+    ``batch_size=None`` uses the whole set in every step (the authors'
+    ``train_on_batch`` on the buffer); otherwise mini-batches follow seeded
+    permutations (one epoch = ``ceil(n / batch_size)`` steps).
+    """
+    if steps <= 0 or len(x) == 0:
+        return math.nan
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    inputs = to_tensor(x)
+    soft = torch.from_numpy(np.asarray(targets, dtype=np.float32))
+    size = len(x) if batch_size is None else min(batch_size, len(x))
+    order = rng.permutation(len(x))
+    position, total = 0, 0.0
+    for _ in range(steps):
+        if position + size > len(order):
+            order, position = rng.permutation(len(x)), 0
+        index = torch.from_numpy(order[position : position + size])
+        position += size
+        optimizer.zero_grad(set_to_none=True)
+        loss = -(soft[index] * F.log_softmax(model(inputs[index]), dim=1)).sum(dim=1).mean()
+        loss.backward()
+        optimizer.step()
+        total += float(loss.detach())
+    return total / steps
+
+
+def seeded_schedule(strategy: FederatedStrategy, num_rounds: int) -> dict[int, list[ClientInfo]]:
+    """The clients the base class's seeded sampling selects in each round 1..T (fixed at start-up)."""
+    return {t: FederatedStrategy.select_clients(strategy, t) for t in range(1, num_rounds + 1)}
+
+
+def max_participations(schedule: dict[int, list[ClientInfo]]) -> int:
+    """Rounds the most-selected client of ``schedule`` takes part in."""
+    counts = Counter(info.client_id for clients in schedule.values() for info in clients)
+    return max(counts.values()) if counts else 0
+
+
+def public_split_size(cfg: DictConfig) -> int | None:
+    """Rows of the public split of ``cfg`` (None when the data cannot be loaded here)."""
+    try:
+        return len(federated_data(DataSpec.from_config(cfg)).public_rows)
+    except (OSError, ValueError):  # missing files: locate_data reports them
+        return None
+
+
+def simulated_roster(roster: list[ClientInfo]) -> bool:
+    """True when every node reported a partition id (simulated nodes; devices report none).
+
+    Uses ``ClientInfo.device`` where the roster has it; otherwise a device is
+    recognised by its client id being its node id (what the roster assigns
+    when no partition id is reported).
+    """
+    return not any(getattr(info, "device", info.client_id == info.node_id) for info in roster)
+
+
+# ------------------------------------------------------------------------------ strategy
+
+
+@register_strategy("privatekt")
+class PrivateKTStrategy(FederatedStrategy):
+    """PrivateKT's server: KT sampling, Eq. 3 aggregation, buffer fine-tuning, self-training."""
+
+    client_name = "privatekt"
+    privacy_unit = (
+        "one client's entire local data set (local DP: any two data sets of one client; "
+        "each report of K labels is protected against the server)"
+    )
+    mechanism_name = "k-ary randomized response on each of the K predicted labels (Eq. 2)"
+
+    def __init__(self, run: RunContext) -> None:
+        super().__init__(run)
+        settings = self.cfg.strategy
+        self.k = int(settings.k)
+        self.num_classes = int(run.model_spec.num_classes)
+        self.public_x = run.data.public_x()
+        self.num_public = len(self.public_x)
+        if self.k > self.num_public:
+            raise ConfigError("strategy.k", self.k, f"must be <= the public split size {self.num_public}")
+        self.self_train = (
+            round(SELF_TRAIN_RATIO * self.num_public)
+            if settings.self_train is None
+            else int(settings.self_train)
+        )
+        if self.self_train > self.num_public:
+            raise ConfigError(
+                "strategy.self_train", self.self_train, f"must be <= the public split size {self.num_public}"
+            )
+        if self.num_classes > MAX_CLASSES:
+            raise ConfigError(
+                "dataset", self.num_classes, f"PrivateKT sends labels as uint8: <= {MAX_CLASSES}"
+            )
+        self.buffer = KnowledgeBuffer(int(settings.buffer_size))
+        self.server_steps = int(settings.server_steps)
+        self.knowledge = str(settings.knowledge)
+        self.self_train_targets = str(settings.self_train_targets)
+        self.local_epochs = int(
+            self.cfg.local_epochs if settings.local_epochs is None else settings.local_epochs
+        )
+        self.send_kt_data = (
+            not simulated_roster(run.roster) if settings.send_kt_data is None else bool(settings.send_kt_data)
+        )
+
+        self.schedule = seeded_schedule(self, int(self.cfg.num_rounds))
+        self.max_participations = max_participations(self.schedule)
+        self.budget_scope = str(self.cfg.privacy.budget_scope)
+        self.method = str(self.cfg.privacy.accountant)
+        self.epsilon_per_label = privatekt_epsilon_per_label(
+            epsilon=float(self.cfg.privacy.epsilon),
+            k=self.k,
+            num_classes=self.num_classes,
+            budget_scope=self.budget_scope,
+            max_participations=max(self.max_participations, 1),
+            delta=run.delta,
+            method=self.method,
+        )
+        self.mechanism = RandomizedResponse(self.epsilon_per_label, self.num_classes)
+        self.beta = self.mechanism.keep_probability
+        self.epsilon_per_round = compose_epsilon(
+            {self.mechanism: self.k}, delta=run.delta, method=self.method
+        ).epsilon
+        self.accountant = PrivacyAccountant(
+            population=run.client_ids, unit=self.privacy_unit, method=self.method
+        )
+
+        self._global: ArrayRecord | None = None
+        self._kt: dict[int, np.ndarray] = {}
+        self._stats: dict[int, dict[str, Any]] = {}
+        log(
+            INFO,
+            "PrivateKT: K=%d, B=%d, M=%d, C=%d, %s budget: epsilon per label %.4g (beta %.4g), "
+            "per round %.4g; most-selected client takes part in %d rounds; KT data sent as %s",
+            self.k,
+            self.buffer.size,
+            self.self_train,
+            self.num_classes,
+            self.budget_scope,
+            self.epsilon_per_label,
+            self.beta,
+            self.epsilon_per_round,
+            self.max_participations,
+            "samples" if self.send_kt_data else "indices",
+        )
+
+    # ------------------------------------------------------------------ configuration
+
+    @classmethod
+    def validate_config(cls, cfg: DictConfig) -> None:
+        """K, B, M, server steps, local epochs, knowledge mode, public split, no federated evaluation."""
+        settings = cfg.strategy
+        k = require_int("strategy.k", settings.k, minimum=1)
+        require_int("strategy.buffer_size", settings.buffer_size, minimum=1)
+        self_train = settings.self_train
+        if self_train is not None:
+            require_int("strategy.self_train", self_train, minimum=0)
+        require_int("strategy.server_steps", settings.server_steps, minimum=0)
+        if settings.local_epochs is not None:
+            require_int("strategy.local_epochs", settings.local_epochs, minimum=1)
+        require_choice("strategy.knowledge", settings.knowledge, KNOWLEDGE_MODES)
+        require_choice("strategy.self_train_targets", settings.self_train_targets, SELF_TRAIN_TARGETS)
+        if settings.send_kt_data is not None:
+            require_bool("strategy.send_kt_data", settings.send_kt_data)
+        if float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
+            raise ConfigError(
+                "dataset.public_fraction",
+                cfg.dataset.get("public_fraction"),
+                "PrivateKT needs an unlabeled public split: must be > 0",
+            )
+        if float(cfg.evaluation.federated_fraction) > 0:
+            raise ConfigError(
+                "evaluation.federated_fraction",
+                cfg.evaluation.federated_fraction,
+                "must be 0 with PrivateKT: federated evaluation would upload each client's local loss and "
+                "accuracy without randomized response, outside the reported epsilon",
+            )
+        public = public_split_size(cfg)
+        if public is not None:
+            if k > public:
+                raise ConfigError("strategy.k", k, f"must be <= the public split size {public}")
+            if self_train is not None and self_train > public:
+                raise ConfigError(
+                    "strategy.self_train", self_train, f"must be <= the public split size {public}"
+                )
+
+    def extra_train_config(self, server_round: int) -> dict[str, Any]:
+        """Per-label epsilon, local epochs, and the KT indices unless the samples travel."""
+        extra: dict[str, Any] = {
+            keys.KT_LABEL_EPSILON: float(self.epsilon_per_label),
+            keys.LOCAL_EPOCHS: self.local_epochs,
+        }
+        if not self.send_kt_data:
+            extra[keys.KT_INDICES] = [int(i) for i in self._kt[server_round]]
+        return extra
+
+    # ------------------------------------------------------------------ rounds
+
+    def select_clients(self, server_round: int) -> list[ClientInfo]:
+        """The seeded schedule fixed at start-up (the calibration counted exactly these rounds)."""
+        if server_round not in self.schedule:
+            raise RuntimeError(
+                f"round {server_round} is beyond num_rounds={len(self.schedule)}, which the privacy "
+                "calibration assumed"
+            )
+        return self.schedule[server_round]
+
+    def draw_kt_samples(self, server_round: int, arrays: ArrayRecord) -> np.ndarray:
+        """K distinct public rows: uniform in round 1, else weighted by ``exp(entropy)`` (Eq. 4)."""
+        rng = self.run.randomness.generator("privatekt-kt-sampling", server_round=server_round)
+        if server_round <= 1:
+            return np.sort(rng.choice(self.num_public, size=self.k, replace=False))
+        model = self.run.model_spec.build()
+        load_arrays(model, arrays)
+        uncertainty = prediction_entropy(predict_proba(model, self.public_x))
+        return draw_weighted(sampling_weights(uncertainty, sign=1.0), self.k, rng=rng)
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Draw the round's KT samples, then send Theta_t, the config and the KT data."""
+        self._global = arrays
+        self._kt[server_round] = self.draw_kt_samples(server_round, arrays)
+        messages = list(super().configure_train(server_round, arrays, config, grid))
+        if self.send_kt_data and messages:
+            samples = np.ascontiguousarray(self.public_x[self._kt[server_round]])
+            record = ArrayRecord({keys.KT_SAMPLES_ARRAY: Array(samples)})
+            for message in messages:
+                message.content[keys.KT_SAMPLES] = record
+        return messages
+
+    def parse_report(self, info: ClientInfo, reply: Message) -> np.ndarray | None:
+        """The K labels of a reply, or None (logged) when the reply is malformed."""
+        try:
+            array = reply.content.array_records[keys.KT_LABELS][keys.KT_LABELS_ARRAY]
+            return decode_labels(array, k=self.k, num_classes=self.num_classes)
+        except (KeyError, ValueError) as error:
+            log(WARNING, "PrivateKT: client %d sent a malformed report (%s); ignored", info.client_id, error)
+            return None
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Eq. 3, the knowledge buffer, fine-tuning and self-training (Algorithm 1, lines 16-18)."""
+        valid, _ = self.split_replies(server_round, replies)
+        if self._global is None:
+            raise RuntimeError("aggregate_train before configure_train")
+        assert self.accountant is not None
+        self.accountant.record(
+            PrivacyEvent(
+                server_round,
+                self.mechanism,
+                count=self.k,
+                participants=tuple(c.client_id for c in self.selected(server_round)),
+                label="perturbed KT labels",
+            )
+        )
+        reports = [labels for info, reply in valid if (labels := self.parse_report(info, reply)) is not None]
+        stats: dict[str, Any] = {"reports": len(reports), "kt_indices": self._kt[server_round].tolist()}
+        self._stats[server_round] = stats
+        if not reports:
+            log(WARNING, "PrivateKT round %d: no valid reports; the global model is kept", server_round)
+            stats["buffer_rounds"] = len(self.buffer)
+            return None, MetricRecord({"reports": 0})
+        estimate = debias_label_average(
+            perturbed_labels=np.stack(reports), keep_probability=self.beta, num_classes=self.num_classes
+        )
+        rng = self.run.randomness.generator("privatekt-server", server_round=server_round)
+        self.buffer.push(self._kt[server_round], knowledge_targets(estimate, mode=self.knowledge, rng=rng))
+
+        model = self.run.model_spec.build()
+        load_arrays(model, self._global)
+        lr = float(self.cfg.lr)
+        rows, targets = self.buffer.fetch()
+        finetune_loss = fit_targets(
+            model, self.public_x[rows], targets, steps=self.server_steps, batch_size=None, lr=lr, rng=rng
+        )
+        self_train_loss = math.nan
+        if self.self_train > 0:
+            probabilities = predict_proba(model, self.public_x)
+            weights = sampling_weights(prediction_entropy(probabilities), sign=-1.0)
+            chosen = draw_weighted(weights, self.self_train, rng=rng)
+            pseudo = probabilities[chosen]
+            if self.self_train_targets == "hard":
+                pseudo = np.eye(self.num_classes)[pseudo.argmax(axis=1)]
+            batch = int(self.cfg.batch_size)
+            self_train_loss = fit_targets(
+                model,
+                self.public_x[chosen],
+                pseudo,
+                steps=math.ceil(self.self_train / batch),
+                batch_size=batch,
+                lr=lr,
+                rng=rng,
+            )
+        stats.update(
+            buffer_rounds=len(self.buffer),
+            finetune_loss=finetune_loss,
+            self_train_loss=self_train_loss,
+        )
+        return model_to_arrays(model), MetricRecord({"reports": len(reports)})
+
+    # ------------------------------------------------------------------ reporting
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """Per-round and cumulative epsilon (accountant and basic composition) plus buffer statistics."""
+        assert self.accountant is not None
+        participated = max((self.accountant.rounds_participated(c) for c in self.run.client_ids), default=0)
+        return {
+            "epsilon_per_round": self.epsilon_per_round,
+            "epsilon_per_label": self.epsilon_per_label,
+            "epsilon_basic": self.accountant.basic_epsilon(),
+            "max_participation": participated,
+            **self._stats.get(server_round, {}),
+        }
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """Budget scope, per-label / per-round / cumulative epsilon, beta and the schedule."""
+        assert self.accountant is not None
+        cumulative = self.accountant.epsilon(delta=self.run.delta)
+        return {
+            **super().privacy_summary(),
+            "budget_scope": self.budget_scope,
+            "epsilon_target": float(self.cfg.privacy.epsilon),
+            "epsilon_per_label": self.epsilon_per_label,
+            "epsilon_per_round": self.epsilon_per_round,
+            "epsilon_cumulative": cumulative.epsilon,
+            "epsilon_cumulative_method": cumulative.method,
+            "epsilon_basic_composition": self.accountant.basic_epsilon(),
+            "beta": self.beta,
+            "k": self.k,
+            "num_classes": self.num_classes,
+            "planned_max_participations": self.max_participations,
+            "kt_data_sent_as": "samples" if self.send_kt_data else "indices",
+            "note": (
+                "budgets accumulate over rounds: the document's model-shuffling argument does not apply "
+                "(nothing shuffles the reports); epsilon_per_round is one report of K labels, "
+                "epsilon_cumulative the worst client over the run"
+            ),
+        }

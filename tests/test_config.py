@@ -1,0 +1,166 @@
+"""Configuration: every option composes, both entry points compose the same config, bad input fails early."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from fl_app.__main__ import expand_jobs, preflight, split_command_line
+from fl_app.config import (
+    CONF_DIR,
+    compose_config,
+    overrides_from_run_config,
+    overrides_to_run_config,
+)
+from fl_app.validation import ConfigError, validate_config
+from strategies import STRATEGIES
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["strategy", "dataset", "partition", "privacy", "evaluation",
+                                   "simulation"])
+def test_every_option_of_every_group_composes_and_validates(group):
+    for option in options(group):
+        overrides = [f"{group}={option}"]
+        if group == "dataset" and option == "mnist":
+            overrides.append("dataset.data_dir=/nonexistent")
+        cfg = compose_config(overrides)
+        validate_config(cfg, check_data=False)
+
+
+def test_every_experiment_preset_composes_and_validates():
+    for option in options("experiment"):
+        cfg = compose_config([f"+experiment={option}"])
+        validate_config(cfg, check_data=False)
+
+
+def test_every_registered_strategy_has_a_config_and_a_client():
+    from clients import CLIENTS
+
+    assert set(STRATEGIES.names()) <= set(options("strategy"))
+    for name in STRATEGIES.names():
+        cfg = compose_config([f"strategy={name}"])
+        assert cfg.strategy.name == name
+        assert STRATEGIES.get(name).client_name in CLIENTS.names()
+
+
+def test_flwr_run_config_round_trip_equals_direct_composition():
+    overrides = ["strategy=dp_fedavg", "privacy.epsilon=4", "dataset=digits", "partition=iid",
+                 "num_clients=20", "hydra.run.dir=/tmp/ignored", "lr=0.1"]
+    run_config = overrides_to_run_config(overrides, "/tmp/out")
+    assert overrides_from_run_config(run_config) == overrides
+    assert compose_config(overrides_from_run_config(run_config)) == compose_config(overrides)
+
+
+def test_hydra_main_and_compose_config_give_the_same_job_config():
+    """What `python -m fl_app` hands its job equals what `flwr run` composes from the run config."""
+    overrides = ["strategy=fedavg", "dataset=digits", "num_rounds=7", "privacy.delta=1e-6"]
+    process = subprocess.run([sys.executable, "-m", "fl_app", *overrides, "--cfg", "job", "--resolve"],
+                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert process.returncode == 0, process.stderr
+    from_hydra = OmegaConf.create(yaml.safe_load(process.stdout))
+    run_config = overrides_to_run_config(overrides, "")
+    assert from_hydra == compose_config(overrides_from_run_config(run_config))
+
+
+def test_multirun_expansion():
+    overrides, multirun, informational = split_command_line(
+        ["-m", "privacy.epsilon=1,2", "strategy=fedavg,dp_fedavg", "--config-name", "config"])
+    assert multirun
+    assert not informational
+    assert overrides == ["privacy.epsilon=1,2", "strategy=fedavg,dp_fedavg"]
+    jobs = expand_jobs(overrides, multirun=True)
+    assert len(jobs) == 4
+    assert ["privacy.epsilon=2", "strategy=dp_fedavg"] in jobs
+
+
+BAD_VALUES = [
+    ("privacy.epsilon=-1", "privacy.epsilon"),
+    ("privacy.epsilon=0", "privacy.epsilon"),
+    ("privacy.delta=1.5", "privacy.delta"),
+    ("privacy.delta=0", "privacy.delta"),
+    ("partition.alpha=0", "partition.alpha"),
+    ("clients_per_round=200", "clients_per_round"),
+    ("clients_per_round=0", "clients_per_round"),
+    ("num_clients=10.5", "num_clients"),
+    ("num_rounds=abc", "num_rounds"),
+    ("local_epochs=0", "local_epochs"),
+    ("lr=-0.1", "lr"),
+    ("strategy.name=nope", "strategy.name"),
+    ("dataset.name=cifar", "dataset.name"),
+    ("model=resnet", "model"),
+    ("privacy.accountant=gdp", "privacy.accountant"),
+    ("dataset.public_fraction=1.0", "dataset.public_fraction"),
+    ("evaluation.every=0", "evaluation.every"),
+    ("simulation.client_cpus=0", "simulation.client_cpus"),
+    ("privacy.secure_rng=true", None),  # fine on its own
+]
+
+
+@pytest.mark.parametrize(("override", "key"), BAD_VALUES)
+def test_bad_values_are_named_in_one_line(override, key):
+    errors = preflight([override])
+    if key is None:
+        assert errors == []
+        return
+    assert len(errors) == 1
+    line = errors[0]
+    assert "\n" not in line
+    assert line.startswith(key)
+    assert override.split("=", 1)[1] in line
+
+
+def test_secure_rng_refuses_a_noise_seed():
+    errors = preflight(["privacy.secure_rng=true", "privacy.noise_seed=3"])
+    assert errors and errors[0].startswith("privacy.noise_seed=3")
+
+
+def test_unknown_group_option_and_unknown_key_are_one_line():
+    for override, needle in (("strategy=nope", "strategy"), ("nonsense_key=3", "nonsense_key"),
+                             ("partition=zipf", "partition")):
+        errors = preflight([override])
+        assert len(errors) == 1 and needle in errors[0] and "\n" not in errors[0]
+
+
+def test_missing_data_dir_is_reported_with_the_key():
+    errors = preflight(["dataset=mnist", "dataset.data_dir=/nonexistent/mnist", "dataset.download=false"])
+    assert len(errors) == 1
+    assert errors[0].startswith("dataset.data_dir='/nonexistent/mnist'")
+    assert "IDX" in errors[0]
+
+
+def test_multirun_reports_each_bad_job():
+    errors = preflight(["-m", "privacy.epsilon=1,-2,0", "strategy=dp_fedavg"])
+    assert len(errors) == 2
+    assert all("privacy.epsilon" in e for e in errors)
+
+
+def test_config_error_names_key_value_and_allowed():
+    error = ConfigError("privacy.delta", 2.0, "must be a number in (0.0, 1.0)")
+    assert str(error) == "privacy.delta=2.0: must be a number in (0.0, 1.0)"
+
+
+@pytest.mark.parametrize("override", ["privacy.epsilon=-1", "clients_per_round=1000", "strategy=nope",
+                                      "dataset=mnist dataset.data_dir=/nope dataset.download=false"])
+def test_cli_exits_2_with_one_line_and_writes_nothing(override, tmp_path):
+    run_dir = tmp_path / "run"
+    process = subprocess.run(
+        [sys.executable, "-m", "fl_app", *override.split(), f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert process.returncode == 2, process.stderr
+    lines = process.stderr.strip().splitlines()
+    assert len(lines) == 1, process.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in process.stderr
+    assert not run_dir.exists()
+    assert not (tmp_path / "outputs").exists()

@@ -1,0 +1,162 @@
+"""Data: IDX files, where they are found, the public split and the partitions."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fl_app.data import sources
+from fl_app.data.federated import DataSpec, build_federated_data, federated_data
+from fl_app.data.local import load_local_dataset
+from fl_app.data.partition import partition_rows, split_public
+from fl_app.data.sources import DataNotFoundError, read_idx, resolve_idx_folder
+
+
+def write_idx(path: Path, array: np.ndarray, *, compress: bool) -> None:
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    payload = header + array.astype(np.uint8).tobytes()
+    path.write_bytes(gzip.compress(payload) if compress else payload)
+
+
+def write_fake_mnist(folder: Path, *, compress: bool, train: int = 50, test: int = 20) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    suffix = ".gz" if compress else ""
+    for split, count in (("train", train), ("t10k", test)):
+        write_idx(folder / f"{split}-images-idx3-ubyte{suffix}",
+                  rng.integers(0, 256, size=(count, 28, 28)), compress=compress)
+        write_idx(folder / f"{split}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, size=count),
+                  compress=compress)
+
+
+@pytest.mark.parametrize("compress", [True, False])
+def test_read_idx_round_trip(tmp_path, compress):
+    array = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
+    path = tmp_path / ("x.idx.gz" if compress else "x.idx")
+    write_idx(path, array, compress=compress)
+    assert np.array_equal(read_idx(path), array)
+
+
+def test_read_idx_rejects_truncated_files(tmp_path):
+    path = tmp_path / "bad"
+    write_idx(path, np.zeros((4, 4)), compress=False)
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(ValueError, match="expected"):
+        read_idx(path)
+
+
+def test_resolution_order_data_dir_then_system_then_cache(tmp_path):
+    system, cache, mine = tmp_path / "system", tmp_path / "cache", tmp_path / "mine"
+    write_fake_mnist(system, compress=True)
+    write_fake_mnist(cache, compress=False)
+    write_fake_mnist(mine, compress=False)
+    found = resolve_idx_folder("mnist", data_dir=str(mine), download=False, search_paths=[system],
+                               cache_dir=cache)
+    assert found == mine
+    assert resolve_idx_folder("mnist", data_dir=None, download=False, search_paths=[system],
+                              cache_dir=cache) == system
+    assert resolve_idx_folder("mnist", data_dir=None, download=False, search_paths=[tmp_path / "no"],
+                              cache_dir=cache) == cache
+
+
+def test_missing_files_give_one_line_with_the_remedy(tmp_path):
+    with pytest.raises(DataNotFoundError) as error:
+        resolve_idx_folder("fashion_mnist", data_dir=None, download=False, search_paths=[tmp_path / "a"],
+                           cache_dir=tmp_path / "b")
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("dataset.data_dir=null")
+    assert "apt-get install dataset-fashion-mnist" in message
+    with pytest.raises(DataNotFoundError, match=r"dataset.data_dir='/nope'"):
+        resolve_idx_folder("mnist", data_dir="/nope", download=True)
+
+
+def test_download_failure_is_reported_offline(tmp_path, monkeypatch):
+    monkeypatch.setattr(sources, "DOWNLOAD_MIRRORS", {"mnist": ("http://127.0.0.1:9/",)})
+    with pytest.raises(DataNotFoundError, match="download failed"):
+        resolve_idx_folder("mnist", data_dir=None, download=True, search_paths=[],
+                           cache_dir=tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_load_idx_dataset_shapes(tmp_path):
+    write_fake_mnist(tmp_path, compress=True)
+    data = sources.load_idx_dataset("mnist", tmp_path)
+    assert data.x_train.shape == (50, 1, 28, 28)
+    assert data.x_train.dtype == np.uint8
+    assert data.y_test.dtype == np.int64
+    assert data.input_shape == (1, 28, 28)
+
+
+def test_digits_and_synthetic():
+    digits = sources.load_dataset({"name": "digits", "test_fraction": 0.25}, seed=1)
+    assert digits.x_train.shape[1:] == (1, 8, 8)
+    assert len(digits.y_train) + len(digits.y_test) == 1797
+    synthetic = sources.load_dataset({"name": "synthetic", "num_train": 300, "num_test": 50,
+                                      "image_size": 8, "num_classes": 4, "class_sep": 2.0}, seed=1)
+    again = sources.load_dataset({"name": "synthetic", "num_train": 300, "num_test": 50,
+                                  "image_size": 8, "num_classes": 4, "class_sep": 2.0}, seed=1)
+    assert np.array_equal(synthetic.x_train, again.x_train)
+    assert set(np.unique(synthetic.y_train)) == {0, 1, 2, 3}
+
+
+def test_public_split_and_partitions_cover_disjoint_rows():
+    spec = DataSpec(dataset={"name": "digits", "test_fraction": 0.25, "public_fraction": 0.2},
+                    partition={"name": "dirichlet", "alpha": 0.5, "min_partition_size": 2,
+                               "self_balancing": False}, num_clients=7, seed=3)
+    data = build_federated_data(spec)
+    rows = np.concatenate(data.client_rows)
+    assert len(np.unique(rows)) == len(rows)
+    assert not set(rows) & set(data.public_rows)
+    assert len(rows) + len(data.public_rows) == len(data.arrays.y_train)
+    assert len(data.public_rows) == round(0.2 * len(data.arrays.y_train))
+    assert min(data.client_sizes()) >= 2
+    again = build_federated_data(spec)
+    assert all(np.array_equal(a, b) for a, b in zip(data.client_rows, again.client_rows, strict=True))
+
+
+def test_dirichlet_skews_labels_and_iid_does_not():
+    labels = np.repeat(np.arange(10), 300)
+    skewed = partition_rows(labels, scheme="dirichlet", num_partitions=10, seed=0,
+                            options={"alpha": 0.1, "min_partition_size": 1})
+    even = partition_rows(np.random.default_rng(0).permutation(labels), scheme="iid", num_partitions=10,
+                          seed=0, options={})
+
+    def dominant_share(parts: list[np.ndarray], source: np.ndarray) -> float:
+        return float(np.mean([np.bincount(source[p], minlength=10).max() / len(p) for p in parts]))
+
+    assert dominant_share(skewed, labels) > 0.5
+    assert dominant_share(even, np.random.default_rng(0).permutation(labels)) < 0.2
+
+
+def test_size_skewed_partitioners():
+    labels = np.zeros(1000, dtype=np.int64)
+    sizes = [len(p) for p in partition_rows(labels, scheme="exponential", num_partitions=5, seed=0,
+                                            options={})]
+    assert sizes == sorted(sizes)
+    assert sizes[-1] > 5 * sizes[0]
+
+
+def test_federated_data_is_cached_per_process():
+    spec = DataSpec(dataset={"name": "digits", "test_fraction": 0.25, "public_fraction": 0.1},
+                    partition={"name": "iid"}, num_clients=4, seed=0)
+    assert federated_data(spec) is federated_data(DataSpec.from_json(spec.to_json()))
+
+
+def test_split_public_validates():
+    with pytest.raises(ValueError):
+        split_public(10, public_fraction=1.0, seed=0)
+
+
+def test_local_device_data_npz_and_idx(tmp_path):
+    x = np.random.default_rng(0).integers(0, 255, size=(12, 28, 28)).astype(np.uint8)
+    np.savez(tmp_path / "device.npz", x=x, y=np.arange(12) % 10)
+    data = load_local_dataset(str(tmp_path / "device.npz"))
+    assert data.x.shape == (12, 1, 28, 28) and len(data) == 12
+    write_fake_mnist(tmp_path / "idx", compress=True)
+    assert len(load_local_dataset(str(tmp_path / "idx"))) == 50
+    with pytest.raises(FileNotFoundError, match="data-path"):
+        load_local_dataset(str(tmp_path / "missing.npz"))

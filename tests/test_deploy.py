@@ -1,0 +1,559 @@
+"""Deployment: the same ClientApp on "devices" behind a real SuperLink (``pytest -k deploy``).
+
+The integration tests start a real SuperLink and three SuperNodes on 127.0.0.1
+(free ports, a private ``FLWR_HOME`` per process in ``tmp_path``, each
+SuperNode with its own ``.npz`` data file), once insecure and once with TLS and
+SuperNode authentication, submit two rounds of every registered algorithm with
+``flwr run`` (all at once: a SuperNode runs one ClientApp process per message,
+so the runs share the three SuperNodes), and check each run's
+``results.json``. Every process is started in its own process group by
+``scripts/local_deployment.py`` and stopped (children included) when the
+module's tests of a mode are done, also on failure.
+
+The SuperNodes run with a guard (``sitecustomize`` on their ``PYTHONPATH``)
+that makes ``fl_app.data.sources.load_dataset`` and ``fl_app.config.compose_config``
+raise in every ClientApp: on a real device neither the server's data set nor
+Hydra is there, so an algorithm that needs them on a device fails here too.
+
+The other tests are quick unit tests of the platform's device path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import make_context, make_message, spec_config
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from fl_app import keys
+from fl_app.config import compose_config
+from fl_app.data.federated import DataSpec, federated_data
+from fl_app.roster import ClientInfo, RosterError, discover_roster, on_devices
+from fl_app.run import noise_source, with_secure_noise
+from fl_app.simulation import backend_config
+from strategies import STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+
+#: The data every deployment test uses: digits, split IID over three devices.
+DATA = ["dataset=digits", "partition=iid", "num_clients=3"]
+#: Small settings for two rounds with all three devices.
+COMMON = [
+    *DATA,
+    "clients_per_round=3",
+    "num_rounds=2",
+    "lr=0.2",
+    "batch_size=16",
+    "local_epochs=1",
+    "simulation.timeout=1800",  # a safety limit: on a loaded machine the runs queue at the SuperNodes
+]
+#: What an algorithm needs beyond COMMON to run two rounds on three clients.
+ALGORITHM_SETTINGS: dict[str, list[str]] = {
+    "dpfl_bnn": ["model=bnn_cnn"],
+    "kd_dp": ["strategy.teacher_rounds=1"],
+}
+MODES = ["insecure", "secure"]
+RUN_DEADLINE_S = 1800.0
+STATUS_POLL_S = 30.0  # `flwr ls` costs a second of CPU; results.json is checked every second
+
+GUARD = '''"""dpfl deployment test: a device has neither the server's data set nor Hydra."""
+import importlib.abc
+import importlib.machinery
+import sys
+
+GUARDED = {"fl_app.data.sources": ("load_dataset",), "fl_app.config": ("compose_config",)}
+
+
+def _refuse(name):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{name} called on a device (no shared disk, no Hydra on devices)")
+
+    return refuse
+
+
+class _Guard(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in GUARDED:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            for attr in GUARDED[fullname]:
+                setattr(module, attr, _refuse(f"{fullname}.{attr}"))
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Guard())
+'''
+
+
+def _load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+local_deployment = _load_script("local_deployment")
+make_device_data = _load_script("make_device_data")
+
+
+# ------------------------------------------------------------------------------ integration
+
+
+@dataclass
+class Submission:
+    """One ``flwr run`` submitted to a deployment."""
+
+    name: str
+    run_id: int
+    output_dir: Path
+    overrides: list[str]
+
+
+@dataclass
+class Federation:
+    """A running local deployment and the ``flwr`` CLI environment that reaches it."""
+
+    mode: str
+    root: Path
+    deployment: Any
+    cli_env: dict[str, str]
+    submissions: dict[str, Submission] = field(default_factory=dict)
+
+    def flwr(self, *args: str) -> str:
+        return local_deployment.flwr(list(args), env=self.cli_env)
+
+    def submit(self, name: str, overrides: list[str]) -> Submission:
+        output_dir = self.root / "results" / name
+        run_config = f"overrides={json.dumps(shlex.join(overrides))} output-dir={json.dumps(str(output_dir))}"
+        answer = local_deployment.json_output(
+            self.flwr(
+                "run", str(ROOT), self.deployment.connection, "--run-config", run_config, "--format", "json"
+            )
+        )
+        assert answer["success"], answer
+        return Submission(name, int(answer["run-id"]), output_dir, overrides)
+
+    def status(self, run_id: int) -> str:
+        answer = local_deployment.json_output(
+            self.flwr("ls", self.deployment.connection, "--run-id", str(run_id), "--format", "json")
+        )
+        return str(answer["runs"][0]["status"])
+
+    def log(self, run_id: int) -> str:
+        return self.flwr("log", str(run_id), self.deployment.connection, "--show")
+
+    def wait(self, submission: Submission) -> tuple[str, dict[str, Any] | None]:
+        """Wait until the run finished; return its status and results.json (None if absent)."""
+        results = submission.output_dir / "results.json"
+        deadline = time.monotonic() + RUN_DEADLINE_S
+        next_poll = 0.0
+        while time.monotonic() < deadline:
+            if results.is_file():
+                return "finished:completed", json.loads(results.read_text())
+            if time.monotonic() >= next_poll:
+                status = self.status(submission.run_id)
+                if status.startswith("finished"):
+                    return status, json.loads(results.read_text()) if results.is_file() else None
+                next_poll = time.monotonic() + STATUS_POLL_S
+            time.sleep(1.0)
+        with_log = self.log(submission.run_id)
+        self.flwr("stop", str(submission.run_id), self.deployment.connection)
+        pytest.fail(f"{submission.name}: not finished in {RUN_DEADLINE_S:.0f} s\n{with_log[-4000:]}")
+
+    def processes_alive(self) -> list[str]:
+        return [p.name for p in self.deployment.running()]
+
+
+def algorithm_overrides(name: str) -> list[str]:
+    """The overrides of the deployment run of algorithm ``name``."""
+    return [*COMMON, f"strategy={name}", *ALGORITHM_SETTINGS.get(name, [])]
+
+
+@pytest.fixture(scope="module")
+def device_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """One data file per device, made with scripts/make_device_data.py."""
+    return make_device_data.write_device_files(tmp_path_factory.mktemp("devices"), DATA)
+
+
+@pytest.fixture(scope="module", params=MODES)
+def federation(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, device_files: list[Path]
+) -> Iterator[Federation]:
+    """A SuperLink and three SuperNodes (insecure, or TLS + SuperNode authentication)."""
+    mode = request.param
+    root = tmp_path_factory.mktemp(f"deploy-{mode}")
+    guard = root / "device-guard"
+    guard.mkdir()
+    (guard / "sitecustomize.py").write_text(GUARD)
+    python_path = os.pathsep.join(filter(None, [str(guard), os.environ.get("PYTHONPATH", "")]))
+    cli_env = {**os.environ, "FLWR_HOME": str(root / "cli-home")}
+    deployment = local_deployment.start(
+        root / "federation",
+        data_files=device_files,
+        secure=mode == "secure",
+        port=local_deployment.free_port(),
+        connection=f"dpfl-test-{mode}",
+        cli_env=cli_env,
+        supernode_env={"PYTHONPATH": python_path},
+    )
+    federation = Federation(mode, root, deployment, cli_env)
+    try:
+        yield federation
+    finally:
+        deployment.stop()
+        left = federation.processes_alive()
+        assert not left, f"still running after stop: {left}"
+
+
+@pytest.fixture(scope="module")
+def submitted(federation: Federation) -> dict[str, Submission]:
+    """Every registered algorithm (and, insecure, two mismatched num_clients) submitted at once."""
+    jobs = {name: algorithm_overrides(name) for name in STRATEGIES.names()}
+    if federation.mode == "insecure":
+        jobs["too-few-clients"] = [*algorithm_overrides("fedavg"), "num_clients=2", "clients_per_round=2"]
+        jobs["too-many-clients"] = [
+            *algorithm_overrides("fedavg"),
+            "num_clients=4",
+            "simulation.timeout=4",
+        ]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = {name: pool.submit(federation.submit, name, overrides) for name, overrides in jobs.items()}
+        federation.submissions = {name: future.result() for name, future in futures.items()}
+    return federation.submissions
+
+
+@pytest.mark.deploy
+@pytest.mark.parametrize("algorithm", STRATEGIES.names())
+def test_deploy_two_rounds_of_each_algorithm(
+    federation: Federation, submitted: dict[str, Submission], algorithm: str
+) -> None:
+    submission = submitted[algorithm]
+    status, results = federation.wait(submission)
+    if results is None:
+        run_log = federation.log(submission.run_id)[-4000:]
+        pytest.fail(f"{algorithm} ({federation.mode}): {status}, no results.json\n{run_log}")
+    context = f"{algorithm} ({federation.mode}), run {submission.run_id}"
+    assert results["status"] == "completed", context
+    assert [r["round"] for r in results["rounds"]] == [1, 2], context
+    assert results["final"]["rounds"] == 2, context
+    # Every selected device answered: a client error (e.g. a device reaching for the
+    # server's data set) is a failure here, not a silently smaller round.
+    assert all(r["failures"] == 0 and r["clients"] >= 1 for r in results["rounds"]), (
+        context,
+        results["rounds"],
+    )
+    assert math.isfinite(results["final"]["accuracy"]), context
+    # The server saw devices and switched its own noise to OS entropy.
+    assert results["config"]["privacy"]["secure_rng"] is True, context
+    assert results["config"]["privacy"]["noise_seed"] is None, context
+    if results["privacy"]["unit"] != "none":
+        epsilon = results["final"]["epsilon"]
+        assert epsilon is not None, (context, results["final"])
+        assert math.isfinite(epsilon), (context, results["final"])
+        assert epsilon > 0, (context, results["final"])
+        assert all(r["epsilon"] is not None for r in results["rounds"]), context
+    run_log = (submission.output_dir / "run.log").read_text()
+    assert "Roster: 3 devices" in run_log, context
+
+
+@pytest.mark.deploy
+def test_deploy_num_clients_must_match_the_supernodes(
+    federation: Federation, submitted: dict[str, Submission]
+) -> None:
+    if federation.mode != "insecure":
+        pytest.skip("checked once, on the insecure federation")
+    expected = {
+        "too-few-clients": "num_clients=2, but the federation has 3 SuperNodes",
+        "too-many-clients": "num_clients=4, but only 3 SuperNodes connected within 4 s",
+    }
+    for name, message in expected.items():
+        submission = submitted[name]
+        status, results = federation.wait(submission)
+        assert results is None, name
+        assert status == "finished:failed", name
+        assert message in federation.log(submission.run_id), name
+
+
+@pytest.mark.deploy
+def test_deploy_refuses_unregistered_and_plaintext_supernodes(
+    federation: Federation, device_files: list[Path], submitted: dict[str, Submission]
+) -> None:
+    if federation.mode != "secure":
+        pytest.skip("SuperNode authentication and TLS exist only on the secure federation")
+    deployment = federation.deployment
+    intruder_key = federation.root / "intruder"
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", str(intruder_key)], check=True
+    )
+    common = [
+        local_deployment.executable("flower-supernode"),
+        "--superlink",
+        deployment.address,
+        "--max-retries",
+        "1",
+        "--node-config",
+        f'data-path="{device_files[0]}"',
+    ]
+    attempts = {
+        "unregistered": [
+            "--root-certificates",
+            str(deployment.certificates / "ca.crt"),
+            "--auth-supernode-private-key",
+            str(intruder_key),
+        ],
+        "plaintext": ["--insecure"],
+    }
+    intruders = []
+    try:
+        for name, extra in attempts.items():
+            home = federation.root / name
+            intruders.append(
+                local_deployment.spawn(
+                    name,
+                    [*common, *extra, "--port", str(local_deployment.free_port())],
+                    cwd=home,
+                    env={**os.environ, "FLWR_HOME": str(home / "flwr-home")},
+                    log=home / "supernode.log",
+                )
+            )
+        deadline = time.monotonic() + 120
+        while any(p.alive() for p in intruders) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for intruder in intruders:
+            assert not intruder.alive(), f"{intruder.name} SuperNode still running"
+            assert "Failed to initialize the connection to the SuperLink" in intruder.log_tail(60), (
+                intruder.name
+            )
+    finally:
+        local_deployment.stop_processes(intruders)
+    nodes = local_deployment.json_output(
+        federation.flwr("supernode", "list", deployment.connection, "--format", "json")
+    )
+    online = sorted(int(n["node-id"]) for n in nodes["nodes"] if n["status"] == "online")
+    assert online == sorted(deployment.node_ids)
+
+
+# ------------------------------------------------------------------------------ unit tests
+
+
+def test_device_guard_refuses_the_servers_data_set(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(GUARD)
+    probe = (
+        "from fl_app.data.sources import load_dataset; "
+        "load_dataset({'name': 'digits', 'test_fraction': 0.2}, seed=0)"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    guarded = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=False
+    )
+    assert guarded.returncode != 0
+    assert "called on a device" in guarded.stderr
+
+
+def _device_file(tmp_path: Path, rows: int = 12, shape: tuple[int, ...] = (8, 8)) -> Path:
+    rng = np.random.default_rng(0)
+    path = tmp_path / "device.npz"
+    np.savez(
+        path, x=rng.integers(0, 17, size=(rows, *shape), dtype=np.uint8), y=rng.integers(0, 10, size=rows)
+    )
+    return path
+
+
+def test_device_client_draws_noise_from_os_entropy(tmp_path: Path) -> None:
+    from clients.base import FederatedClient
+
+    config = spec_config(DATA)  # the server asks for seeded noise (secure-rng false, noise-seed 42)
+    assert config[keys.SECURE_RNG] is False
+    assert keys.NOISE_SEED in config
+    device = make_context(partition_id=None, node_config={keys.NODE_DATA_PATH: str(_device_file(tmp_path))})
+    simulated = make_context(partition_id=0, num_partitions=3)
+
+    def draws(context: Any) -> list[np.ndarray]:
+        return [
+            FederatedClient(make_message(config), context).noise_generator("uplink-noise").normal(size=4)
+            for _ in range(2)
+        ]
+
+    first, second = draws(device)
+    assert FederatedClient(make_message(config), device).noise_source.secure
+    assert not np.allclose(first, second)  # fresh OS entropy every time, whatever the seed says
+    first, second = draws(simulated)
+    assert not FederatedClient(make_message(config), simulated).noise_source.secure
+    assert np.array_equal(first, second)  # the simulation stays reproducible
+
+
+def test_device_client_reads_its_own_data_file(tmp_path: Path) -> None:
+    from clients.base import FederatedClient
+
+    path = _device_file(tmp_path, rows=17)
+    context = make_context(partition_id=None, node_config={keys.NODE_DATA_PATH: str(path)})
+    query = make_message({keys.DATA_SPEC: "not used on a device", keys.SEED: 1})
+    reply = FederatedClient(query, context).describe()
+    metrics = reply.content.metric_records[keys.METRICS]
+    assert metrics[keys.PARTITION_ID] == -1
+    assert metrics[keys.NUM_EXAMPLES] == 17
+    data = FederatedClient(make_message(spec_config(DATA)), context).local_data()
+    assert data.x.shape == (17, 1, 8, 8)
+    assert data.y.dtype == np.int64
+
+
+def test_device_client_without_data_path_says_how_to_start_it() -> None:
+    from clients.base import FederatedClient
+
+    client = FederatedClient(make_message(spec_config(DATA)), make_context(partition_id=None))
+    with pytest.raises(ValueError, match="--node-config 'data-path="):
+        client.local_data()
+
+
+def test_device_data_must_fit_the_servers_model(tmp_path: Path) -> None:
+    from clients.base import FederatedClient
+
+    path = _device_file(tmp_path, shape=(28, 28))
+    client = FederatedClient(
+        make_message(spec_config(DATA)),  # the server's model takes digits' 8x8 images
+        make_context(partition_id=None, node_config={keys.NODE_DATA_PATH: str(path)}),
+    )
+    with pytest.raises(ValueError, match=r"shape \(1, 28, 28\), but the server's model takes \(1, 8, 8\)"):
+        client.local_data()
+
+
+class _Grid:
+    """The part of Flower's Grid the roster uses, answered by fake nodes."""
+
+    def __init__(self, answers: dict[int, tuple[int, int]]) -> None:
+        self.answers = answers  # node id -> (partition id, num examples)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.answers)
+
+    def send_and_receive(self, messages: list[Message], timeout: float) -> list[Message]:
+        replies = []
+        for message in messages:
+            partition, size = self.answers[message.metadata.dst_node_id]
+            content = RecordDict(
+                {keys.METRICS: MetricRecord({keys.PARTITION_ID: partition, keys.NUM_EXAMPLES: size})}
+            )
+            replies.append(Message(content=content, reply_to=message))  # from dst_node_id
+        return replies
+
+
+def test_roster_marks_devices_and_orders_them_by_node_id() -> None:
+    grid = _Grid({907: (-1, 30), 15: (-1, 40), 311: (-1, 50)})
+    roster = discover_roster(grid, expected=3, config=ConfigRecord({}), timeout=5)  # type: ignore[arg-type]
+    assert [(c.client_id, c.node_id, c.num_examples) for c in roster] == [
+        (15, 15, 40),
+        (311, 311, 50),
+        (907, 907, 30),
+    ]
+    assert on_devices(roster)
+    simulated = discover_roster(
+        _Grid({907: (1, 30), 15: (0, 40)}),
+        expected=2,
+        config=ConfigRecord({}),
+        timeout=5,  # type: ignore[arg-type]
+    )
+    assert [c.client_id for c in simulated] == [0, 1]
+    assert not on_devices(simulated)
+    assert not on_devices([ClientInfo(0, 1000, 5)])
+
+
+def test_roster_rejects_a_federation_of_another_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    grid = _Grid({1: (-1, 5), 2: (-1, 5), 3: (-1, 5)})
+    with pytest.raises(RosterError, match="num_clients=2, but the federation has 3 SuperNodes"):
+        discover_roster(grid, expected=2, config=ConfigRecord({}), timeout=5)  # type: ignore[arg-type]
+    monkeypatch.setattr("fl_app.roster.ROSTER_POLL_S", 0.05)
+    started = time.monotonic()
+    with pytest.raises(RosterError, match="num_clients=4, but only 3 SuperNodes connected within 0 s"):
+        discover_roster(grid, expected=4, config=ConfigRecord({}), timeout=0.3)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5
+
+
+def test_server_noise_is_secure_once_devices_are_seen() -> None:
+    cfg = compose_config([*DATA, "strategy=dp_fedavg", "privacy.noise_seed=7"])
+    assert not noise_source(cfg).secure
+    forced = with_secure_noise(cfg)
+    assert forced.privacy.secure_rng is True
+    assert forced.privacy.noise_seed is None
+    assert noise_source(forced).secure
+    assert forced.strategy == cfg.strategy
+    assert forced.num_clients == cfg.num_clients
+
+
+def test_device_files_hold_exactly_the_simulation_partitions(tmp_path: Path) -> None:
+    paths = make_device_data.write_device_files(tmp_path, DATA)
+    data = federated_data(DataSpec.from_config(compose_config(DATA)))
+    assert [p.name for p in paths] == ["device0.npz", "device1.npz", "device2.npz"]
+    for index, path in enumerate(paths):
+        with np.load(path) as archive:
+            assert np.array_equal(archive["x"], data.client(index).x)
+            assert np.array_equal(archive["y"], data.client(index).y)
+
+
+def test_make_device_data_rejects_bad_overrides(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert make_device_data.main([str(tmp_path / "out"), "num_clients=0"]) == 2
+    assert "num_clients=0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_make_certs_makes_a_ca_a_loopback_server_certificate_and_node_keys(tmp_path: Path) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    out = tmp_path / "certs"
+    subprocess.run(["bash", str(SCRIPTS / "make_certs.sh"), str(out), "2", "DNS:server.lan"], check=True)
+    server = x509.load_pem_x509_certificate((out / "server.pem").read_bytes())
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert {"localhost", "server.lan"} <= set(names.get_values_for_type(x509.DNSName))
+    assert "127.0.0.1" in {str(ip) for ip in names.get_values_for_type(x509.IPAddress)}
+    ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
+    assert server.issuer == ca.subject
+    server.verify_directly_issued_by(ca)
+    for index in range(2):
+        private = load_ssh_private_key((out / f"supernode-{index}").read_bytes(), None)
+        public = load_ssh_public_key((out / f"supernode-{index}.pub").read_bytes())
+        assert isinstance(private, ec.EllipticCurvePrivateKey)
+        assert isinstance(public, ec.EllipticCurvePublicKey)
+        assert private.curve.name == "secp384r1"
+    again = subprocess.run(
+        ["bash", str(SCRIPTS / "make_certs.sh"), str(out)], capture_output=True, check=False
+    )
+    assert again.returncode == 2  # never overwrites a CA
+
+
+def test_simulation_joins_an_existing_ray_cluster() -> None:
+    joined = backend_config(
+        compose_config(["simulation.ray_address=127.0.0.1:6379", "simulation.num_cpus=2"])
+    )
+    assert joined["init_args"]["address"] == "127.0.0.1:6379"
+    assert "num_cpus" not in joined["init_args"]  # the cluster decides its resources
+    private = backend_config(compose_config(["simulation.num_cpus=2"]))
+    assert "address" not in private["init_args"]
+    assert private["init_args"]["num_cpus"] == 2

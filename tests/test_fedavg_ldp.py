@@ -1,0 +1,124 @@
+"""FedAvg+LDP: client-side clipping and Gaussian noise, per-client calibration and accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import (
+    build_run_context,
+    client_for,
+    error_reply,
+    make_context,
+    make_message,
+    reply_to,
+    spec_config,
+)
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from fl_app import keys
+from fl_app.config import compose_config
+from fl_app.models import ModelSpec
+from fl_app.privacy.calibration import (
+    gaussian_epsilon,
+    local_gaussian_noise_multiplier,
+    local_gaussian_sigma,
+    local_update_sensitivity,
+)
+from fl_app.training import model_to_arrays
+from fl_app.validation import ConfigError
+from strategies.fedavg_ldp import FedAvgLDPStrategy
+
+DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=5", "strategy=fedavg_ldp"]
+
+
+def _flat(arrays: ArrayRecord) -> np.ndarray:
+    return np.concatenate([arrays[k].numpy().ravel().astype(np.float64) for k in arrays])
+
+
+def _client_reply(noise_multiplier: float, clip: float):
+    config = {
+        **spec_config(DIGITS),
+        keys.ALGORITHM: "fedavg_ldp",
+        keys.LDP_CLIP: clip,
+        keys.LDP_NOISE_MULTIPLIER: noise_multiplier,
+    }
+    start = model_to_arrays(ModelSpec.from_json(config[keys.MODEL_SPEC]).build())
+    reply = client_for(make_message(config, start), make_context(partition_id=1)).train()
+    return start, reply
+
+
+def test_sensitivity_and_sigma():
+    assert local_update_sensitivity(clip=0.5) == 1.0
+    assert local_gaussian_sigma(clip=0.5, noise_multiplier=3.0) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="clip"):
+        local_update_sensitivity(clip=0.0)
+
+
+def test_client_clips_and_uploads_only_the_update():
+    start, reply = _client_reply(noise_multiplier=1e-9, clip=0.05)
+    content = reply.content
+    assert list(content.keys()) == [keys.ARRAYS]  # no loss, no example count
+    update = content.array_records[keys.ARRAYS]
+    assert list(update.keys()) == list(start.keys())
+    assert np.linalg.norm(_flat(update)) == pytest.approx(0.05, rel=1e-3)  # local SGD moves far more
+
+
+def test_client_noise_has_the_calibrated_std():
+    clip, z = 0.01, 2.0
+    _, reply = _client_reply(noise_multiplier=z, clip=clip)
+    values = _flat(reply.content.array_records[keys.ARRAYS])
+    assert values.std() == pytest.approx(z * 2 * clip, rel=0.02)  # signal norm 0.01 is negligible
+
+
+def test_total_budget_calibration_and_accounting(tmp_path):
+    strategy = FedAvgLDPStrategy(build_run_context([*DIGITS, "privacy.epsilon=3"], tmp_path))
+    z = strategy.noise_multiplier
+    rounds = strategy.max_participations
+    assert z == pytest.approx(
+        local_gaussian_noise_multiplier(epsilon=3.0, delta=1e-5, participations=rounds), rel=1e-12
+    )
+    assert gaussian_epsilon(noise_multiplier=z, sampling_rate=1.0, rounds=rounds, delta=1e-5) <= 3.0
+    arrays = ArrayRecord({"w": Array(np.zeros(4, dtype=np.float32))})
+    for t in range(1, 6):
+        messages = list(strategy.configure_train(t, arrays, ConfigRecord(), grid=None))
+        config = messages[0].content.config_records[keys.CONFIG]
+        assert config[keys.LDP_NOISE_MULTIPLIER] == pytest.approx(z)
+        replies = [
+            reply_to(m, arrays=ArrayRecord({"w": Array(np.full(4, float(i), dtype=np.float32))}))
+            for i, m in enumerate(messages[:2])
+        ] + [error_reply(messages[2])]
+        new, metrics = strategy.aggregate_train(t, replies)
+        assert metrics["reports"] == 2
+        assert np.allclose(new["w"].numpy(), arrays["w"].numpy() + 0.5)  # w + mean(0, 1)
+        arrays = new
+    counts = np.zeros(6, dtype=int)
+    for t in range(1, 6):
+        for info in strategy.selected(t):
+            counts[info.client_id] += 1
+    assert counts.max() == rounds
+    assert all(strategy.accountant.rounds_participated(c) == counts[c] for c in range(6))
+    spent = strategy.epsilon().epsilon
+    assert 2.95 < spent <= 3.0
+
+
+def test_per_round_scope_calibrates_one_upload(tmp_path):
+    strategy = FedAvgLDPStrategy(
+        build_run_context([*DIGITS, "privacy.epsilon=3", "privacy.budget_scope=per_round"], tmp_path)
+    )
+    assert strategy.noise_multiplier == pytest.approx(
+        local_gaussian_noise_multiplier(epsilon=3.0, delta=1e-5, participations=1), rel=1e-12
+    )
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("strategy.clip=0", "strategy.clip"),
+        ("strategy.noise_multiplier=-1", "strategy.noise_multiplier"),
+        ("evaluation.federated_fraction=0.5", "evaluation.federated_fraction"),
+    ],
+)
+def test_validation(override, key):
+    with pytest.raises(ConfigError) as error:
+        FedAvgLDPStrategy.validate_config(compose_config([*DIGITS, override]))
+    assert error.value.key == key

@@ -1,0 +1,122 @@
+"""The budget calculator (one JSON object per command, same code path) and the generators."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from fl_app.privacy import calibration as cal
+from fl_app.privacy.cli import main
+from fl_app.privacy.composition import compose_epsilon
+from fl_app.privacy.events import BinaryRandomizedResponse, RandomizedResponse, SampledGaussian
+from fl_app.privacy.rng import RandomSource, make_generator
+
+
+def calc(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_rr_command(capsys):
+    answer = calc(capsys, "rr", "--epsilon", "5", "--k", "2", "--classes", "10")
+    assert answer["beta"] == cal.privatekt_keep_probability(epsilon=5, k=2, num_classes=10)
+
+
+def test_bnn_command_both_directions(capsys):
+    gamma = calc(capsys, "bnn", "--epsilon", "2", "--delta", "1e-5", "--rounds", "100")["gamma"]
+    assert gamma == cal.bnn_gamma(epsilon=2, delta=1e-5, rounds=100)
+    back = calc(capsys, "bnn", "--gamma", str(gamma), "--delta", "1e-5", "--rounds", "100")["epsilon"]
+    assert back == pytest.approx(2.0, rel=1e-6)
+    per_upload = calc(capsys, "bnn", "--gamma", "0.1", "--delta", "1e-5", "--rounds", "10",
+                      "--bits", "1000")["epsilon"]
+    assert per_upload == compose_epsilon({BinaryRandomizedResponse(0.1): 10_000}, delta=1e-5).epsilon
+
+
+def test_nbafl_command(capsys):
+    answer = calc(capsys, "nbafl", "--epsilon", "0.5", "--delta", "0.01", "--clip", "1", "--m", "100",
+                  "--l", "1", "--t", "7", "--n", "50")
+    assert answer["sigma_up"] == cal.nbafl_uplink_sigma(epsilon=0.5, delta=0.01, clip=1.0,
+                                                        min_dataset_size=100, exposures=1)
+    assert answer["sigma_down"] == 0.0  # T = 7 <= L sqrt(N) = 7.07
+    assert "warning" not in answer
+    loose = calc(capsys, "nbafl", "--epsilon", "50", "--delta", "0.01", "--clip", "1", "--m", "100",
+                 "--l", "10", "--t", "100", "--n", "50")
+    assert "epsilon < 1" in loose["warning"]
+
+
+def test_laplace_command(capsys):
+    assert calc(capsys, "laplace", "--epsilon", "4", "--sensitivity", "2")["scale"] == 0.5
+    document = calc(capsys, "laplace", "--tau", "1e-5", "--prob", "0.9", "--sensitivity", "1")
+    assert document["epsilon"] == pytest.approx(math.log(10) / 1e-5)
+    assert document["epsilon"] == pytest.approx(2.3026e5, rel=1e-4)
+    correct = calc(capsys, "laplace", "--tau", "1e-5", "--prob", "0.9")
+    assert correct["epsilon"] == pytest.approx(2 * document["epsilon"])
+
+
+def test_compose_command_matches_library(capsys):
+    rr = calc(capsys, "compose", "--mechanism", "rr", "--epsilon", "2.5", "--classes", "10",
+              "--count", "100", "--delta", "1e-5")
+    library = compose_epsilon({RandomizedResponse(2.5, 10): 100}, delta=1e-5, method="pld")
+    assert rr["epsilon_rdp"] == library.rdp
+    assert rr["epsilon_pld"] == library.pld
+    assert rr["epsilon_basic"] == 250.0
+    gauss = calc(capsys, "compose", "--mechanism", "gaussian", "--sigma", "1", "--sampling-rate", "0.1",
+                 "--count", "30", "--delta", "1e-5", "--accountant", "rdp")
+    assert gauss["epsilon_rdp"] == compose_epsilon({SampledGaussian(1.0, 0.1): 30}, delta=1e-5).rdp
+    assert "epsilon_basic" not in gauss
+    for mechanism, extra in (("binary_rr", ["--gamma", "0.2"]), ("laplace", ["--epsilon", "0.5"])):
+        answer = calc(capsys, "compose", "--mechanism", mechanism, *extra, "--count", "10",
+                      "--delta", "1e-5")
+        assert answer["epsilon"] <= answer["epsilon_basic"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["rr", "--epsilon", "5"],
+        ["rr", "--epsilon", "-1", "--k", "2", "--classes", "10"],
+        ["bnn", "--epsilon", "1", "--gamma", "0.1", "--delta", "1e-5", "--rounds", "3"],
+        ["compose", "--mechanism", "rr", "--epsilon", "1", "--count", "3", "--delta", "1e-5"],
+        ["laplace", "--tau", "1e-5"],
+        ["nope"],
+    ],
+)
+def test_bad_arguments_give_one_line_and_status_2(argv):
+    process = subprocess.run([sys.executable, "-m", "fl_app.privacy", *argv], capture_output=True,
+                             text=True, timeout=120)
+    assert process.returncode == 2
+    assert process.stdout == ""
+    assert len(process.stderr.strip().splitlines()) == 1
+    assert "error" in process.stderr
+    assert "Traceback" not in process.stderr
+
+
+def test_seeded_generators_are_reproducible_and_separate():
+    a = make_generator(seed=7, secure=False, purpose="noise", client=3, server_round=2).random(5)
+    b = make_generator(seed=7, secure=False, purpose="noise", client=3, server_round=2).random(5)
+    assert np.array_equal(a, b)
+    others = [
+        make_generator(seed=7, secure=False, purpose="noise", client=4, server_round=2).random(5),
+        make_generator(seed=7, secure=False, purpose="noise", client=3, server_round=3).random(5),
+        make_generator(seed=7, secure=False, purpose="sampling", client=3, server_round=2).random(5),
+        make_generator(seed=8, secure=False, purpose="noise", client=3, server_round=2).random(5),
+    ]
+    assert all(not np.array_equal(a, other) for other in others)
+
+
+def test_secure_generators_refuse_seeds_and_differ():
+    with pytest.raises(ValueError, match="refuses a fixed seed"):
+        make_generator(seed=1, secure=True, purpose="noise")
+    with pytest.raises(ValueError, match="refuses a fixed seed"):
+        RandomSource(seed=1, secure=True)
+    source = RandomSource(seed=None, secure=True)
+    first = source.generator("noise", client=1, server_round=1).random(4)
+    second = source.generator("noise", client=1, server_round=1).random(4)
+    assert not np.array_equal(first, second)
+    with pytest.raises(ValueError, match="seed is required"):
+        RandomSource(seed=None, secure=False)

@@ -1,0 +1,335 @@
+"""PrivateKT: Lemma 1, Eq. 3, buffer, Eq. 4/5 sampling, the client's reply, accounting, a real simulation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import (
+    FAST,
+    build_run_context,
+    client_for,
+    error_reply,
+    make_context,
+    reply_to,
+)
+from flwr.app import Array, ArrayRecord, ConfigRecord
+
+from clients.privatekt import decode_labels, encode_labels
+from fl_app import keys
+from fl_app.config import compose_config
+from fl_app.metering import array_payload_bytes
+from fl_app.privacy.calibration import privatekt_epsilon_per_label, privatekt_keep_probability
+from fl_app.privacy.composition import compose_epsilon
+from fl_app.privacy.events import RandomizedResponse
+from fl_app.privacy.mechanisms import debias_label_average, randomized_response_labels
+from fl_app.validation import ConfigError
+from strategies import privatekt as pkt
+from strategies.privatekt import PrivateKTStrategy
+
+DIGITS = [
+    "dataset=digits",
+    "num_clients=6",
+    "clients_per_round=3",
+    "num_rounds=4",
+    "strategy=privatekt",
+    "strategy.self_train=20",
+]
+
+
+def _strategy(tmp_path, *extra: str) -> PrivateKTStrategy:
+    return PrivateKTStrategy(build_run_context([*DIGITS, *extra], tmp_path))
+
+
+def _labels_reply(message, labels, *, raw=True):
+    array = encode_labels(np.asarray(labels)) if raw else Array(np.asarray(labels, dtype=np.float32))
+    return reply_to(message, extra={keys.KT_LABELS: ArrayRecord({keys.KT_LABELS_ARRAY: array})})
+
+
+def _round(strategy, server_round, arrays, *, fail_last=False):
+    messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None))
+    replies = [_labels_reply(m, [1] * strategy.k) for m in messages]
+    if fail_last:
+        replies[-1] = error_reply(messages[-1])
+    return messages, strategy.aggregate_train(server_round, replies)
+
+
+# ----------------------------------------------------------------------------- Lemma 1 and Eq. 3
+
+
+@pytest.mark.parametrize(("epsilon", "k", "classes"), [(5.0, 2, 10), (1.0, 1, 2), (8.0, 4, 100)])
+def test_beta_matches_lemma1(epsilon, k, classes):
+    lemma1 = (math.exp(epsilon / k) - 1) / (math.exp(epsilon / k) - 1 + classes)
+    per_label = privatekt_epsilon_per_label(
+        epsilon=epsilon, k=k, num_classes=classes, budget_scope="per_round"
+    )
+    assert RandomizedResponse(per_label, classes).keep_probability == pytest.approx(lemma1, rel=1e-12)
+    assert privatekt_keep_probability(epsilon=epsilon, k=k, num_classes=classes) == pytest.approx(lemma1)
+    # One report of K labels costs epsilon (basic composition over the K labels).
+    report = compose_epsilon({RandomizedResponse(per_label, classes): k}, delta=1e-5)
+    assert report.basic == pytest.approx(epsilon)
+    assert report.epsilon <= epsilon + 1e-12
+
+
+def test_strategy_uses_lemma1_beta_in_per_round_mode(tmp_path):
+    strategy = _strategy(tmp_path, "privacy.budget_scope=per_round", "privacy.epsilon=5", "strategy.k=2")
+    assert strategy.beta == pytest.approx((math.exp(2.5) - 1) / (math.exp(2.5) - 1 + 10))
+    assert strategy.epsilon_per_round == pytest.approx(5.0, rel=1e-4)
+
+
+def test_eq3_estimator_is_unbiased():
+    rng = np.random.default_rng(3)
+    classes, beta, trials = 4, 0.3, 20_000
+    truth = np.array([[0, 1], [0, 3], [2, 3], [0, 0], [1, 3]])  # 5 clients x K=2 predictions
+    expected = np.eye(classes)[truth].mean(axis=0)  # (K, C): the clients' average one-hot prediction
+    estimates = np.empty((trials, *expected.shape))
+    naive = np.empty_like(estimates)
+    for trial in range(trials):
+        perturbed = randomized_response_labels(
+            labels=truth, keep_probability=beta, num_classes=classes, rng=rng
+        )
+        estimates[trial] = debias_label_average(
+            perturbed_labels=perturbed, keep_probability=beta, num_classes=classes
+        )
+        naive[trial] = np.eye(classes)[perturbed].mean(axis=0)
+    standard_error = estimates.std(axis=0) / math.sqrt(trials)
+    assert np.all(np.abs(estimates.mean(axis=0) - expected) < 4 * standard_error + 1e-9)
+    # Without Eq. 3 the plain average is biased towards uniform (the test can fail).
+    assert np.max(np.abs(naive.mean(axis=0) - expected)) > 0.2
+
+
+# ----------------------------------------------------------------------------- buffer and sampling
+
+
+def test_buffer_is_fifo_of_size_b():
+    buffer = pkt.KnowledgeBuffer(3)
+    for round_id in range(5):
+        buffer.push(np.array([10 * round_id, 10 * round_id + 1]), np.full((2, 4), round_id, dtype=float))
+        assert len(buffer) == min(round_id + 1, 3)
+    rows, targets = buffer.fetch()
+    assert rows.tolist() == [20, 21, 30, 31, 40, 41]
+    assert targets[:, 0].tolist() == [2, 2, 3, 3, 4, 4]
+    with pytest.raises(ValueError, match="size"):
+        pkt.KnowledgeBuffer(0)
+
+
+def _confident_and_uncertain(n: int = 200, classes: int = 10) -> np.ndarray:
+    probabilities = np.full((n, classes), 1.0 / classes)  # rows >= n/2: maximal entropy
+    probabilities[: n // 2] = 0.001
+    probabilities[: n // 2, 0] = 1 - 0.001 * (classes - 1)  # rows < n/2: confident
+    return probabilities
+
+
+def test_importance_sampling_draws_high_entropy_samples_more_often():
+    probabilities = _confident_and_uncertain()
+    uncertainty = pkt.prediction_entropy(probabilities)
+    rng = np.random.default_rng(0)
+    counts = {1.0: np.zeros(200), -1.0: np.zeros(200)}
+    for sign in counts:
+        weights = pkt.sampling_weights(uncertainty, sign=sign)
+        for _ in range(2000):
+            counts[sign][pkt.draw_weighted(weights, 2, rng=rng)] += 1
+    gap = math.exp(uncertainty[150] - uncertainty[0])
+    high, low = counts[1.0][100:].sum(), counts[1.0][:100].sum()
+    assert high / low == pytest.approx(gap, rel=0.15)  # Eq. 4: weight exp(+u)
+    assert counts[-1.0][:100].sum() / counts[-1.0][100:].sum() == pytest.approx(gap, rel=0.15)  # Eq. 5
+
+
+def test_strategy_draws_kt_samples_by_eq4(tmp_path, monkeypatch):
+    strategy = _strategy(tmp_path, "strategy.k=3")
+    probabilities = _confident_and_uncertain(strategy.num_public)
+    monkeypatch.setattr(pkt, "predict_proba", lambda model, x: probabilities[: len(x)])
+    arrays = strategy.initial_arrays()
+    uncertain = np.zeros(strategy.num_public, dtype=bool)
+    uncertain[strategy.num_public // 2 :] = True
+    hits = [uncertain[strategy.draw_kt_samples(t, arrays)].mean() for t in range(2, 200)]
+    assert np.mean(hits) > 0.8  # uniform drawing would give 0.5
+    first = strategy.draw_kt_samples(1, arrays)  # round 1: uniform (Algorithm 1, line 3)
+    assert len(set(first.tolist())) == 3
+
+
+def test_knowledge_targets():
+    rng = np.random.default_rng(0)
+    estimate = np.array([[0.1, 0.7, 0.2], [-0.2, 0.5, 0.7]])
+    assert pkt.knowledge_targets(estimate, mode="argmax", rng=rng).tolist() == [[0, 1, 0], [0, 0, 1]]
+    soft = pkt.knowledge_targets(estimate, mode="soft", rng=rng)
+    assert np.allclose(soft.sum(axis=1), 1)
+    assert soft.min() >= 0
+    assert soft[1].tolist() == pytest.approx([0, 0.5 / 1.2, 0.7 / 1.2])
+
+
+# ----------------------------------------------------------------------------- client
+
+
+def test_client_reply_holds_only_k_perturbed_labels(tmp_path):
+    strategy = _strategy(tmp_path, "strategy.k=5", "privacy.epsilon=100", "privacy.budget_scope=per_round")
+    message = next(iter(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None)))
+    config = message.content.config_records[keys.CONFIG]
+    assert keys.KT_SAMPLES not in message.content.array_records  # simulation: indices only
+    assert list(config[keys.KT_INDICES]) == strategy._kt[1].tolist()
+    client = client_for(message, make_context(partition_id=strategy.selected(1)[0].client_id))
+    reply = client.train()
+    content = reply.content
+    assert list(content.keys()) == [keys.KT_LABELS]
+    assert not content.metric_records
+    assert not content.config_records
+    record = content.array_records[keys.KT_LABELS]
+    assert list(record.keys()) == [keys.KT_LABELS_ARRAY]
+    array = record[keys.KT_LABELS_ARRAY]
+    assert array.dtype == "uint8"
+    assert tuple(array.shape) == (5,)
+    assert array_payload_bytes(reply) == 5  # K bytes, nothing else
+    labels = decode_labels(array, k=5, num_classes=10)
+    # epsilon 20 per label: the labels are the model's predictions (the client did not send them blindly).
+    from fl_app.data.federated import federated_data
+    from fl_app.training import predict_proba
+
+    model = client.global_model()
+    data = federated_data(strategy.run.data_spec)
+    client.train_locally(model, *(lambda d: (d.x, d.y))(client.local_data()))
+    predicted = predict_proba(model, data.public_x()[strategy._kt[1]]).argmax(axis=1)
+    assert labels.tolist() == predicted.tolist()
+
+
+def test_device_receiving_only_indices_fails_clearly(tmp_path):
+    strategy = _strategy(tmp_path, "strategy.send_kt_data=false")
+    message = next(iter(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None)))
+    device = make_context(partition_id=None, node_config={keys.NODE_DATA_PATH: str(tmp_path / "none.npz")})
+    with pytest.raises(ValueError, match="send_kt_data=true"):
+        client_for(message, device).train()
+
+
+def test_send_kt_data_works_end_to_end_on_a_device(tmp_path):
+    strategy = _strategy(tmp_path, "strategy.send_kt_data=true", "num_rounds=2")
+    arrays = strategy.initial_arrays()
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid=None))
+    content = messages[0].content
+    assert keys.KT_INDICES not in content.config_records[keys.CONFIG]
+    sent = content.array_records[keys.KT_SAMPLES][keys.KT_SAMPLES_ARRAY].numpy()
+    assert sent.dtype == np.uint8
+    assert np.array_equal(sent, strategy.public_x[strategy._kt[1]])
+    replies = []
+    for index, message in enumerate(messages):
+        part = strategy.run.data.client(strategy.selected(1)[index].client_id)
+        path = tmp_path / f"device{index}.npz"
+        np.savez(path, x=part.x, y=part.y)
+        device = make_context(
+            partition_id=None, node_id=5000 + index, node_config={keys.NODE_DATA_PATH: str(path)}
+        )
+        replies.append(client_for(message, device).train())
+    new, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["reports"] == 3
+    assert not all(np.allclose(new[k].numpy(), arrays[k].numpy()) for k in arrays)
+    assert len(strategy.buffer) == 1
+
+
+# ----------------------------------------------------------------------------- server and accounting
+
+
+def test_total_budget_is_met_by_the_worst_client(tmp_path):
+    strategy = _strategy(tmp_path, "privacy.epsilon=2", "num_rounds=6")
+    counts = np.zeros(6, dtype=int)
+    arrays = strategy.initial_arrays()
+    for t in range(1, 7):
+        _, (new, _) = _round(strategy, t, arrays, fail_last=(t == 3))
+        arrays = new if new is not None else arrays
+        for info in strategy.selected(t):
+            counts[info.client_id] += 1
+    assert strategy.max_participations == counts.max()
+    for client in range(6):
+        assert strategy.accountant.rounds_participated(client) == counts[client]  # failures are charged
+    spent = strategy.epsilon().epsilon
+    assert spent <= 2.0 + 1e-9
+    assert spent > 1.95  # calibrated to the budget, not far below it
+    extras = strategy.round_extras(6)
+    assert extras["max_participation"] == counts.max()
+    assert extras["epsilon_basic"] == pytest.approx(2 * counts.max() * strategy.epsilon_per_label)
+    summary = strategy.privacy_summary()
+    assert summary["epsilon_cumulative"] == pytest.approx(spent)
+    assert summary["budget_scope"] == "total"
+
+
+def test_per_round_budget_accumulates(tmp_path):
+    strategy = _strategy(tmp_path, "privacy.epsilon=3", "privacy.budget_scope=per_round", "num_rounds=3")
+    arrays = strategy.initial_arrays()
+    for t in range(1, 4):
+        _, (new, _) = _round(strategy, t, arrays)
+        arrays = new
+    rounds = max(strategy.accountant.rounds_participated(c) for c in range(6))
+    assert strategy.accountant.basic_epsilon() == pytest.approx(3.0 * rounds)
+    assert strategy.epsilon().epsilon > 3.0 if rounds > 1 else True
+    assert strategy.round_extras(3)["epsilon_per_round"] == pytest.approx(3.0, rel=1e-4)
+
+
+def test_aggregation_fine_tunes_and_rejects_malformed_reports(tmp_path):
+    strategy = _strategy(tmp_path)
+    arrays = strategy.initial_arrays()
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid=None))
+    replies = [
+        _labels_reply(messages[0], [3, 4]),
+        _labels_reply(messages[1], [3, 4, 5]),  # wrong length
+        _labels_reply(messages[2], [3, 4], raw=False),  # floats, not raw class indices
+    ]
+    new, metrics = strategy.aggregate_train(1, replies)
+    assert metrics["reports"] == 1
+    assert not all(np.allclose(new[k].numpy(), arrays[k].numpy()) for k in arrays)
+    rows, targets = strategy.buffer.fetch()
+    assert rows.tolist() == strategy._kt[1].tolist()
+    assert targets.argmax(axis=1).tolist() == [3, 4]
+    messages = list(strategy.configure_train(2, new, ConfigRecord(), grid=None))
+    assert strategy.aggregate_train(2, [error_reply(m) for m in messages])[0] is None
+    assert strategy.accountant.rounds_participated(strategy.selected(2)[0].client_id) >= 1
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("strategy.k=0", "strategy.k"),
+        ("strategy.k=100000", "strategy.k"),
+        ("strategy.buffer_size=0", "strategy.buffer_size"),
+        ("strategy.self_train=-1", "strategy.self_train"),
+        ("strategy.self_train=100000", "strategy.self_train"),
+        ("strategy.server_steps=-1", "strategy.server_steps"),
+        ("strategy.knowledge=vote", "strategy.knowledge"),
+        ("strategy.self_train_targets=argmax", "strategy.self_train_targets"),
+        ("dataset.public_fraction=0.0", "dataset.public_fraction"),
+        ("evaluation.federated_fraction=0.5", "evaluation.federated_fraction"),
+    ],
+)
+def test_validation(override, key):
+    with pytest.raises(ConfigError) as error:
+        PrivateKTStrategy.validate_config(compose_config([*DIGITS, override]))
+    assert error.value.key == key
+    PrivateKTStrategy.validate_config(compose_config(DIGITS))
+
+
+def test_demo_preset_composes():
+    cfg = compose_config(["+experiment=privatekt_demo"])
+    assert cfg.strategy.name == "privatekt"
+    assert (cfg.strategy.k, cfg.strategy.buffer_size, cfg.strategy.self_train) == (2, 25, 1200)
+    assert (cfg.num_clients, cfg.clients_per_round, cfg.local_epochs, cfg.lr) == (80, 40, 5, 0.05)
+    assert cfg.privacy.epsilon == 5
+    assert cfg.privacy.budget_scope == "per_round"
+    assert cfg.dataset.name == "mnist"
+    assert cfg.partition.alpha == 0.5
+
+
+# ----------------------------------------------------------------------------- real simulation
+
+
+@pytest.mark.simulation
+def test_privatekt_simulation(simulate):
+    results = simulate([*FAST, "strategy=privatekt", "strategy.self_train=40", "privacy.epsilon=4"])
+    rounds = results["rounds"]
+    assert results["status"] == "completed"
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all(r["reports"] == 3 and r["failures"] == 0 for r in rounds)
+    epsilons = [r["epsilon"] for r in rounds]
+    assert epsilons == sorted(epsilons)
+    assert 0 < epsilons[-1] <= 4.0
+    assert all(r["upload_array_bytes"] == 3 * 2 for r in rounds)  # 3 clients x K=2 one-byte labels
+    privacy = results["privacy"]
+    assert privacy["epsilon_cumulative"] == pytest.approx(results["final"]["epsilon"])
+    assert privacy["kt_data_sent_as"] == "indices"
+    assert results["final"]["accuracy"] is not None

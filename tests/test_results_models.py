@@ -1,0 +1,94 @@
+"""Results files (strict JSON, CSV, plots, weights), models and the registries."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fl_app.config import compose_config
+from fl_app.models import MODELS, ModelSpec, build_model, resolve_model_name
+from fl_app.registry import Registry
+from fl_app.results import RunRecorder, json_safe, load_model_arrays
+from fl_app.training import evaluate, load_arrays, model_to_arrays, predict_proba, train_local
+
+
+def test_json_safe_makes_strict_json():
+    data = {"a": float("inf"), "b": [np.float32(1.5), float("nan")], "c": np.int64(3),
+            "d": np.arange(2)}
+    text = json.dumps(json_safe(data), allow_nan=False)
+    assert json.loads(text) == {"a": None, "b": [1.5, None], "c": 3, "d": [0, 1]}
+
+
+def test_recorder_writes_the_contract(tmp_path):
+    cfg = compose_config(["dataset=digits", "strategy=fedavg"])
+    recorder = RunRecorder(tmp_path, cfg)
+    recorder.initial = {"accuracy": 0.1, "loss": 2.3}
+    for r in (1, 2):
+        recorder.add_round({"round": r, "accuracy": 0.5 + r / 10, "loss": 1.0 / r, "epsilon": None,
+                            "upload_bytes": 100 * r, "download_bytes": 200, "clients": 3, "failures": 0,
+                            "wall_s": float(r), "round_s": 1.0, "extra": math.inf})
+    spec = ModelSpec("mlp", (1, 8, 8), 10)
+    model = spec.build()
+    results = recorder.finalize(strategy="fedavg", privacy={"unit": "none", "mechanism": "none",
+                                                            "accountant": "none"},
+                                final_extras={}, arrays=model_to_arrays(model), model_spec=spec,
+                                ledger=None, wall_s=3.0)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk == json.loads(json.dumps(results))
+    assert on_disk["final"] == {"accuracy": 0.7, "loss": 0.5, "epsilon": None, "delta": 1e-5,
+                                "wall_s": 3.0, "rounds": 2}
+    assert on_disk["rounds"][1]["extra"] is None
+    assert "Infinity" not in (tmp_path / "results.json").read_text()
+    header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert header[:4] == ["round", "accuracy", "loss", "epsilon"]
+    for name in ("accuracy_loss.png", "epsilon.png", "config.yaml", "final_model.npz"):
+        assert (tmp_path / name).stat().st_size > 0
+    loaded_spec, arrays = load_model_arrays(tmp_path / "final_model.npz")
+    assert loaded_spec == spec
+    assert set(arrays) == set(model.state_dict())
+
+
+def test_models_build_and_auto_resolution():
+    assert resolve_model_name("auto", (1, 28, 28)) == "cnn"
+    assert resolve_model_name("auto", (1, 8, 8)) == "mlp"
+    for name, shape in (("cnn", (1, 28, 28)), ("mlp", (1, 8, 8))):
+        model = build_model(name, shape, 10)
+        assert model(torch.zeros(2, *shape)).shape == (2, 10)
+    with pytest.raises(ValueError, match="unknown"):
+        build_model("resnet", (1, 28, 28), 10)
+    assert {"cnn", "mlp"} <= set(MODELS)
+
+
+def test_training_lowers_the_loss_and_round_trips_arrays():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 1, 8, 8)).astype(np.float32)
+    y = (x.reshape(256, -1)[:, 0] > 0).astype(np.int64)
+    torch.manual_seed(0)
+    model = build_model("mlp", (1, 8, 8), 2)
+    before, _ = evaluate(model, x, y)
+    train_local(model, x, y, epochs=15, batch_size=32, lr=0.1, rng=np.random.default_rng(1))
+    after, accuracy = evaluate(model, x, y)
+    assert after < before
+    assert accuracy > 0.9
+    copy = build_model("mlp", (1, 8, 8), 2)
+    load_arrays(copy, model_to_arrays(model))
+    assert np.allclose(predict_proba(copy, x), predict_proba(model, x))
+    assert np.allclose(predict_proba(model, x).sum(axis=1), 1.0, atol=1e-5)
+
+
+def test_registry_discovers_and_names_the_options():
+    registry: Registry[type] = Registry("thing", "strategies")
+    registry.register("a")(int)
+    assert registry.get("a") is int
+    with pytest.raises(ValueError, match="twice"):
+        registry.register("a")(float)
+
+    from strategies import STRATEGIES
+
+    assert {"fedavg", "dp_fedavg"} <= set(STRATEGIES.names())
+    with pytest.raises(KeyError, match="unknown; allowed"):
+        STRATEGIES.get("nope")
