@@ -31,14 +31,13 @@ from fl_app.models import ModelSpec
 from fl_app.privacy.rng import RandomSource, make_generator
 from fl_app.training import evaluate, load_arrays, train_local
 
-
 #: Fault injection for failure-handling tests: ``DPFL_INJECT_FAILURES="3,5@2"``
 #: makes client 3 raise in every round and client 5 in round 2 (train and
 #: evaluate messages). Unset in normal use.
 INJECT_FAILURES_ENV = "DPFL_INJECT_FAILURES"
 
 
-class InjectedFailure(RuntimeError):
+class InjectedFailureError(RuntimeError):
     """Raised by a client named in ``DPFL_INJECT_FAILURES``."""
 
 
@@ -74,7 +73,7 @@ class FederatedClient:
         if threads > 0 and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         if self.server_round > 0 and injected_failure(self.client_id, self.server_round):
-            raise InjectedFailure(f"client {self.client_id} fails in round {self.server_round} "
+            raise InjectedFailureError(f"client {self.client_id} fails in round {self.server_round} "
                                   f"({INJECT_FAILURES_ENV})")
 
     # ------------------------------------------------------------------ identity

@@ -22,7 +22,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config
+from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config, sweep_params
 from fl_app.validation import validate_config
 
 # Hydra flags that take a value in the next argument.
@@ -89,8 +89,12 @@ def expand_jobs(overrides: list[str], *, multirun: bool) -> list[list[str]]:
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    return [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    # Like Hydra's BasicSweeper: the preset's hydra.sweeper.params first, the command line wins.
+    parser = OverridesParser.create()
+    parsed = parser.parse_overrides(overrides)
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override() and o.input_line]
+    preset = parser.parse_overrides(sweep_params(fixed))
+    return [job for batch in BasicSweeper.split_arguments(preset + parsed, None) for job in batch]
 
 
 def preflight(argv: list[str]) -> list[str]:

@@ -53,6 +53,24 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     return freeze(cfg)
 
 
+def sweep_params(overrides: Sequence[str] = ()) -> list[str]:
+    """The ``hydra.sweeper.params`` of the composed config as override strings (``key=a,b``).
+
+    Experiment presets declare their sweep axes there; ``python -m fl_app -m`` sweeps them (values
+    given on the command line for the same key win).
+    """
+    run_overrides = [item for item in overrides if not _is_hydra_override(item)]
+    backup = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = compose(config_name=CONFIG_NAME, overrides=run_overrides, return_hydra_config=True)
+    finally:
+        restore_gh_from_backup(backup)
+    params = cfg.hydra.sweeper.get("params") or {}
+    return [f"{key}={value}" for key, value in params.items()]
+
+
 def freeze(cfg: DictConfig) -> DictConfig:
     """Return a resolved, read-only copy of ``cfg`` without the ``hydra`` node."""
     container = OmegaConf.to_container(cfg, resolve=True)

@@ -16,7 +16,10 @@
     }
 
 * ``epsilon`` is the cumulative epsilon of the worst client at ``privacy.delta``
-  after that round. ``null`` means *no finite guarantee* (epsilon = infinity):
+  after that round: the smallest of the sound bounds the accountant computed,
+  which are also given (``epsilon_rdp``, ``epsilon_pld`` with
+  ``privacy.accountant=pld``, ``epsilon_basic`` for pure-epsilon mechanisms;
+  ``epsilon_method`` names the one used). ``null`` means *no finite guarantee* (epsilon = infinity):
   a non-private run, or a mechanism configured without noise. The file is
   strict JSON (no ``Infinity``/``NaN`` tokens).
 * ``accuracy``/``loss``: the global model on the server's test split;

@@ -29,7 +29,10 @@ choice, listed with its reason in ``docs/kd_dp.md``):
 * **Rounds**: rounds ``1..teacher_rounds`` are the teacher stage, rounds
   ``teacher_rounds+1..num_rounds`` the student stage. The platform's round loop
   (``Strategy.start``) runs both; ``rounds[].accuracy`` is the teacher's in the
-  first stage and the student's in the second.
+  first stage and the student's in the second. ``teacher_rounds: 0`` is the
+  ablation without knowledge distillation: no grouping, no teacher, no special
+  client, every client a general client (federated local DP-SGD at
+  ``epsilon_general``), the "traditional" record-level baseline in the same unit.
 * **Teacher stage** (large-data clients only): every round, every large-data
   client (or ``teacher_clients_per_round`` of them, seeded) trains the teacher
   with local DP-SGD (:mod:`fl_app.privacy.dp_sgd`: Poisson sampling at rate
@@ -224,12 +227,15 @@ class KDDPStrategy(FederatedStrategy):
             epsilon_special=None if settings.epsilon_special is None else float(settings.epsilon_special),
             epsilon_general=None if settings.epsilon_general is None else float(settings.epsilon_general),
         )
+        self.teacher_rounds = int(settings.teacher_rounds)
         try:
-            large, general = group_by_size(
-                run.roster,
-                threshold=None if settings.large_threshold is None else int(settings.large_threshold),
-                fraction=None if settings.large_fraction is None else float(settings.large_fraction),
-            )
+            large, general = [], list(run.client_ids)
+            if self.teacher_rounds > 0:
+                large, general = group_by_size(
+                    run.roster,
+                    threshold=None if settings.large_threshold is None else int(settings.large_threshold),
+                    fraction=None if settings.large_fraction is None else float(settings.large_fraction),
+                )
         except ValueError as error:
             key = (
                 "strategy.large_threshold"
@@ -241,7 +247,6 @@ class KDDPStrategy(FederatedStrategy):
             )
             sizes = sorted(c.num_examples for c in run.roster)
             raise ConfigError(key, value, f"{error} (client sizes {sizes[0]}..{sizes[-1]})") from error
-        self.teacher_rounds = int(settings.teacher_rounds)
         self.num_rounds = int(cfg.num_rounds)
         self.clip = float(settings.clip)
         self.student_init = str(settings.student_init)
@@ -309,11 +314,18 @@ class KDDPStrategy(FederatedStrategy):
         else:
             require_range("strategy.large_fraction", fraction, 0.0, 1.0, low_open=True, high_open=True)
         rounds = int(cfg.num_rounds)
-        if rounds < 2:
+        teacher_rounds = require_int("strategy.teacher_rounds", settings.teacher_rounds, minimum=0)
+        if teacher_rounds > 0 and rounds < 2:
             raise ConfigError(
                 "num_rounds", rounds, "kd_dp needs >= 2 rounds (teacher stage, then student stage)"
             )
-        require_int("strategy.teacher_rounds", settings.teacher_rounds, minimum=1, maximum=rounds - 1)
+        require_int("strategy.teacher_rounds", teacher_rounds, minimum=0, maximum=rounds - 1)
+        if teacher_rounds == 0 and settings.epsilon_special is not None:
+            raise ConfigError(
+                "strategy.epsilon_special",
+                settings.epsilon_special,
+                "must be null with strategy.teacher_rounds=0 (no teacher, no pseudo-labels to protect)",
+            )
         if settings.teacher_clients_per_round is not None:
             require_int("strategy.teacher_clients_per_round", settings.teacher_clients_per_round, minimum=1)
         total = float(cfg.privacy.epsilon)
@@ -348,7 +360,7 @@ class KDDPStrategy(FederatedStrategy):
                 cfg.privacy.budget_scope,
                 "kd_dp accounts the whole run: must be total",
             )
-        if float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
+        if teacher_rounds > 0 and float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
             raise ConfigError(
                 "dataset.public_fraction",
                 cfg.dataset.get("public_fraction", 0.0),
@@ -362,6 +374,8 @@ class KDDPStrategy(FederatedStrategy):
             )
 
     def _plan(self, name: str, ids: list[int], epsilon: float) -> GroupPlan:
+        if not ids:  # teacher_rounds=0: no large-data group
+            return GroupPlan(name, ids, epsilon, 1.0, 0)
         smallest = min(self.run.info(c).num_examples for c in ids)
         if smallest < 1:
             raise ConfigError(
@@ -399,7 +413,7 @@ class KDDPStrategy(FederatedStrategy):
     ) -> Iterable[Message]:
         """Teacher stage: large-data clients. Student stage: pseudo-labels (once), then general clients."""
         stage = self.stage(server_round)
-        if stage == STUDENT_STAGE and self.special is None:
+        if stage == STUDENT_STAGE and self.special is None and self.teacher_rounds > 0:
             self._release_pseudo_labels(server_round, arrays)
         clients = self.select_clients(server_round)
         self._selected[server_round] = clients
@@ -423,7 +437,7 @@ class KDDPStrategy(FederatedStrategy):
 
     def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """The student's first round starts from the run's initial model when ``student_init: fresh``."""
-        if server_round == self.teacher_rounds + 1 and self.student_init == "fresh":
+        if server_round == self.teacher_rounds + 1 > 1 and self.student_init == "fresh":
             return self.initial_arrays()  # the run's seeded initial model: independent of any data
         return arrays
 
@@ -485,8 +499,7 @@ class KDDPStrategy(FederatedStrategy):
             weights.append(float(info.num_examples))
         self._rejected[server_round] = rejected
         metrics: dict[str, float] = {"kd-dp-accepted": float(len(records))}
-        if stage == STUDENT_STAGE:
-            assert self.special is not None
+        if stage == STUDENT_STAGE and self.special is not None:
             model = self.run.model_spec.build()
             load_arrays(model, start)
             loss = self.special.train(
@@ -570,7 +583,8 @@ class KDDPStrategy(FederatedStrategy):
         """The large-data clients' worst DP-SGD epsilon alone (the post-processing bound)."""
         assert self.accountant is not None
         return max(
-            self.accountant.epsilon(delta=self.run.delta, client=c).epsilon for c in self.plans[LARGE].ids
+            (self.accountant.epsilon(delta=self.run.delta, client=c).epsilon for c in self.plans[LARGE].ids),
+            default=0.0,
         )
 
     def epsilon(self) -> EpsilonReport | None:
@@ -626,7 +640,9 @@ class KDDPStrategy(FederatedStrategy):
                 LARGE: {"ids": self.plans[LARGE].ids, "sizes": self._sizes(self.plans[LARGE].ids)},
                 GENERAL: {"ids": self.plans[GENERAL].ids, "sizes": self._sizes(self.plans[GENERAL].ids)},
                 "rule": (
-                    f"num_examples >= {self.cfg.strategy.large_threshold}"
+                    "none: teacher_rounds=0, every client is a general client (federated DP-SGD)"
+                    if self.teacher_rounds == 0
+                    else f"num_examples >= {self.cfg.strategy.large_threshold}"
                     if self.cfg.strategy.large_threshold is not None
                     else f"largest ceil({self.cfg.strategy.large_fraction} * N) clients"
                 ),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import csv
 import json
-import os
 import re
 import subprocess
 import sys
@@ -45,6 +45,16 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
     assert log.count("dpfl round 1/2") == 2
     assert log.count("[ROUND 1/2]") == 2
     assert ray_processes_of(process.pid) == []
+    # ... and the report summarises the two jobs with the numbers of their files.
+    from fl_app.report import main as report
+
+    assert report([str(sweep)]) == 0
+    table = {row["algorithm"]: row for row in csv.DictReader((sweep / "report.csv").open())}
+    for result in loaded:
+        row = table[result["strategy"]]
+        assert float(row["accuracy_mean"]) == pytest.approx(result["final"]["accuracy"])
+        if result["final"]["epsilon"] is not None:
+            assert float(row["epsilon"]) == pytest.approx(result["final"]["epsilon"])
 
 
 def test_failing_client_does_not_end_the_run(simulate, monkeypatch):

@@ -242,6 +242,7 @@ def test_grouping_by_threshold_and_fraction():
         (["evaluation.federated_fraction=0.5"], "evaluation.federated_fraction"),
         (["dataset.public_fraction=0.0"], "dataset.public_fraction"),
         (["privacy.budget_scope=per_round"], "privacy.budget_scope"),
+        (["strategy.teacher_rounds=0"], "strategy.epsilon_special"),
     ],
 )
 def test_validation_refuses_bad_splits_naming_the_key(overrides, key):
@@ -427,6 +428,22 @@ def test_full_schedule_stays_within_the_total(tmp_path):
     report = strategy.epsilon()
     assert 3.9 < report.epsilon <= 4.0
     assert strategy.grouped().groups[GENERAL].epsilon <= 4.0
+
+
+def test_without_a_teacher_every_client_is_general(tmp_path):
+    run = build_run_context([*KD, "strategy.teacher_rounds=0", "strategy.epsilon_special=null"], tmp_path)
+    strategy = KDDPStrategy(run)
+    assert strategy.plans[LARGE].ids == []
+    assert strategy.plans[GENERAL].ids == run.client_ids
+    arrays = model_to_arrays(run.model_spec.build())
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid=None))
+    assert strategy.special is None
+    assert all(m.content.config_records[keys.CONFIG][keys.ALGORITHM] == "kd_dp_general" for m in messages)
+    replies = [reply_to(m, arrays=arrays, metrics={keys.NUM_EXAMPLES: 5, **_echo(m)}) for m in messages]
+    new, metrics = strategy.aggregate_train(1, replies)
+    assert new is not None
+    assert "kd-dp-special-train-loss" not in metrics
+    assert strategy.epsilon().epsilon == pytest.approx(strategy.grouped().groups[GENERAL].epsilon)
 
 
 # ----------------------------------------------------------------------------- clients

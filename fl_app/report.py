@@ -1,0 +1,281 @@
+"""``python -m fl_app.report <dir> [--out DIR]``: one table and one set of plots for many runs.
+
+Reads every ``results.json`` below ``<dir>`` (a multirun directory, or a tree of them), groups the runs
+that differ only in their seed, and writes into ``<dir>`` (or ``--out``):
+
+* ``report.csv`` and ``report.md``: one row per group: algorithm, data set, partition, target and
+  reported cumulative epsilon (with its unit), delta, final accuracy as mean +- standard deviation over
+  seeds, upload bytes per client per round, wall time, number of seeds;
+* ``accuracy_vs_epsilon.png`` (final accuracy against the reported cumulative epsilon, one line per
+  algorithm and data set; non-private runs as dashed reference lines), ``accuracy_vs_round.png`` (mean
+  over seeds) and ``accuracy_vs_upload.png`` (accuracy against cumulative upload bytes per client).
+
+A directory without results is refused (exit status 2). A results file that cannot be read or lacks
+the contract's fields is reported on stderr and in ``report.md``, never skipped silently; the report is
+still written for the others and the command exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+REQUIRED_FIELDS = ("strategy", "dataset", "config", "rounds", "final", "privacy")
+IGNORED_KEYS = {"seed", "output_dir", "privacy.noise_seed", "simulation.ray_address", "simulation.timeout"}
+COLUMNS = ("algorithm", "dataset", "partition", "clients", "rounds", "epsilon_target", "epsilon",
+           "epsilon_unit", "delta", "accuracy_mean", "accuracy_std", "seeds",
+           "upload_bytes_per_client_round", "wall_s", "runs")
+
+
+@dataclass
+class Run:
+    """One run's results.json, with where it came from."""
+
+    path: Path
+    results: dict[str, Any]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run's resolved configuration."""
+        return self.results["config"]
+
+    def group_key(self) -> str:
+        """Everything that defines the experiment except the seed (and run-local paths)."""
+        flat = {k: v for k, v in flatten(self.config).items() if k not in IGNORED_KEYS}
+        return json.dumps(flat, sort_keys=True, default=str)
+
+    def upload_per_client_round(self) -> float | None:
+        """Mean over rounds of the round's upload bytes divided by its number of clients."""
+        values = [r["upload_bytes"] / r["clients"] for r in self.results["rounds"]
+                  if r.get("clients") and r.get("upload_bytes") is not None]
+        return float(np.mean(values)) if values else None
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def load_runs(root: Path) -> tuple[list[Run], list[str]]:
+    """All readable runs below ``root`` and one problem line per unreadable file."""
+    runs: list[Run] = []
+    problems: list[str] = []
+    for path in sorted(root.rglob("results.json")):
+        try:
+            results = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            problems.append(f"{path}: unreadable ({' '.join(str(error).split())})")
+            continue
+        missing = [f for f in REQUIRED_FIELDS if f not in results] if isinstance(results, dict) else ["all"]
+        if missing:
+            problems.append(f"{path}: missing fields {', '.join(missing)}")
+            continue
+        if not results["rounds"] or "accuracy" not in results["final"]:
+            problems.append(f"{path}: no rounds or no final accuracy")
+            continue
+        runs.append(Run(path, results))
+    return runs, problems
+
+
+def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
+    """One row per group of runs that differ only in their seed."""
+    groups: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        groups[run.group_key()].append(run)
+    rows = []
+    for members in groups.values():
+        first = members[0].results
+        accuracies = [float(m.results["final"]["accuracy"]) for m in members
+                      if m.results["final"]["accuracy"] is not None]
+        epsilons = [m.results["final"]["epsilon"] for m in members]
+        finite = [float(e) for e in epsilons if e is not None]
+        uploads = [u for u in (m.upload_per_client_round() for m in members) if u is not None]
+        private = bool(finite) and len(finite) == len(epsilons)
+        rows.append({
+            "algorithm": first["strategy"],
+            "dataset": first["dataset"],
+            "partition": first.get("partition", ""),
+            "clients": first["config"].get("num_clients"),
+            "rounds": len(first["rounds"]),
+            "epsilon_target": first["config"].get("privacy", {}).get("epsilon") if private else None,
+            "epsilon": max(finite) if private else None,
+            "epsilon_unit": first["privacy"].get("unit", ""),
+            "delta": first["final"].get("delta"),
+            "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
+            "accuracy_std": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else 0.0,
+            "seeds": len({m.config.get("seed") for m in members}),
+            "upload_bytes_per_client_round": float(np.mean(uploads)) if uploads else None,
+            "wall_s": float(np.mean([m.results["final"].get("wall_s") or 0.0 for m in members])),
+            "runs": [str(m.path.parent) for m in members],
+        })
+    rows.sort(key=lambda r: (r["dataset"], r["algorithm"], r["epsilon"] is None,
+                             r["epsilon"] if r["epsilon"] is not None else math.inf))
+    return rows
+
+
+def _fmt(value: Any, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def write_tables(rows: Sequence[dict[str, Any]], problems: Sequence[str], out: Path) -> None:
+    """``report.csv`` and ``report.md``."""
+    with (out / "report.csv").open("w", newline="") as stream:
+        writer = csv.DictWriter(stream, fieldnames=COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (";".join(row[k]) if k == "runs" else row[k]) for k in COLUMNS})
+    lines = [
+        "| algorithm | data set | partition | N | T | target epsilon | epsilon (cumulative) | unit | delta "
+        "| final accuracy (mean ± std) | seeds | upload B/client/round | wall time (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        accuracy = ("-" if row["accuracy_mean"] is None
+                    else f"{row['accuracy_mean']:.4f} ± {row['accuracy_std']:.4f}")
+        epsilon = "∞ (not private)" if row["epsilon"] is None else _fmt(row["epsilon"])
+        upload = "-" if row["upload_bytes_per_client_round"] is None else \
+            f"{row['upload_bytes_per_client_round']:,.0f}"
+        lines.append(
+            f"| {row['algorithm']} | {row['dataset']} | {row['partition']} | {row['clients']} | "
+            f"{row['rounds']} | {_fmt(row['epsilon_target'])} | {epsilon} | {row['epsilon_unit'] or '-'} | "
+            f"{_fmt(row['delta'])} | {accuracy} | {row['seeds']} | {upload} | {row['wall_s']:.0f} |")
+    if problems:
+        lines += ["", "Results files that could not be used:", ""] + [f"- {p}" for p in problems]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _label(row: dict[str, Any]) -> str:
+    return f"{row['algorithm']} ({row['dataset']})"
+
+
+def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
+    """Final accuracy against reported cumulative epsilon, one line per algorithm and data set."""
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    lines: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row["accuracy_mean"] is not None:
+            lines[_label(row)].append(row)
+    colours = iter(plt.cm.tab10.colors * 3)
+    for label, members in sorted(lines.items()):
+        colour = next(colours)
+        private = sorted((r for r in members if r["epsilon"] is not None), key=lambda r: r["epsilon"])
+        if private:
+            axis.errorbar([r["epsilon"] for r in private], [r["accuracy_mean"] for r in private],
+                          yerr=[r["accuracy_std"] for r in private], marker="o", ms=4, capsize=3,
+                          label=label, color=colour)
+        for row in members:
+            if row["epsilon"] is None:
+                axis.axhline(row["accuracy_mean"], ls="--", color=colour, label=f"{label}, not private")
+    axis.set_xscale("log")
+    axis.set_xlabel("reported cumulative epsilon (worst client; log scale)")
+    axis.set_ylabel("final test accuracy")
+    axis.legend(fontsize=7)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(out / "accuracy_vs_epsilon.png", dpi=120)
+    plt.close(figure)
+
+
+def _mean_curves(row: dict[str, Any], runs_by_dir: dict[str, Run], x_of: str
+                 ) -> tuple[np.ndarray, np.ndarray] | None:
+    curves = []
+    for directory in row["runs"]:
+        rounds = runs_by_dir[directory].results["rounds"]
+        if x_of == "round":
+            xs = [r["round"] for r in rounds]
+        else:
+            per_client = np.cumsum([(r["upload_bytes"] / r["clients"]) if r.get("clients") else 0.0
+                                    for r in rounds])
+            xs = list(per_client)
+        points = [(x, r["accuracy"]) for x, r in zip(xs, rounds, strict=True)
+                  if r.get("accuracy") is not None]
+        if points:
+            curves.append(points)
+    if not curves:
+        return None
+    length = min(len(c) for c in curves)
+    xs = np.mean([[p[0] for p in c[:length]] for c in curves], axis=0)
+    ys = np.mean([[p[1] for p in c[:length]] for c in curves], axis=0)
+    return xs, ys
+
+
+def plot_curves(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) -> None:
+    """accuracy_vs_round.png and accuracy_vs_upload.png (means over seeds)."""
+    runs_by_dir = {str(run.path.parent): run for run in runs}
+    for x_of, name, xlabel, log in (
+        ("round", "accuracy_vs_round.png", "round", False),
+        ("upload", "accuracy_vs_upload.png", "cumulative upload bytes per client (log scale)", True),
+    ):
+        figure, axis = plt.subplots(figsize=(7, 4.5))
+        for row in rows:
+            curve = _mean_curves(row, runs_by_dir, x_of)
+            if curve is None:
+                continue
+            epsilon = "not private" if row["epsilon"] is None else f"eps {row['epsilon']:.3g}"
+            axis.plot(*curve, marker=".", ms=3, label=f"{_label(row)}, {epsilon}")
+        if log:
+            axis.set_xscale("log")
+        axis.set_xlabel(xlabel)
+        axis.set_ylabel("test accuracy")
+        if len(rows) <= 24:
+            axis.legend(fontsize=6)
+        axis.grid(alpha=0.3)
+        figure.tight_layout()
+        figure.savefig(out / name, dpi=120)
+        plt.close(figure)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m fl_app.report", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("directory", type=Path, help="a multirun or output directory")
+    parser.add_argument("--out", type=Path, default=None, help="where to write (default: the directory)")
+    args = parser.parse_args(argv)
+    if not args.directory.is_dir():
+        print(f"error: {args.directory} is not a directory", file=sys.stderr)
+        return 2
+    runs, problems = load_runs(args.directory)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if not runs:
+        print(f"error: no usable results.json below {args.directory}; run `python -m fl_app -m ...` "
+              "first (each job writes one)", file=sys.stderr)
+        return 2
+    out = args.out or args.directory
+    out.mkdir(parents=True, exist_ok=True)
+    rows = summarise(runs)
+    write_tables(rows, problems, out)
+    plot_accuracy_vs_epsilon(rows, out)
+    plot_curves(rows, runs, out)
+    print(f"{len(runs)} runs in {len(rows)} groups -> {out / 'report.md'}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

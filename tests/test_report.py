@@ -1,0 +1,73 @@
+"""The comparison report: grouping over seeds, numbers equal to the files, broken files reported."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fl_app.report import main
+
+
+def fake_results(directory: Path, *, strategy: str, epsilon: float | None, seed: int, accuracy: float,
+                 upload: int = 1000, clients: int = 4) -> None:
+    directory.mkdir(parents=True)
+    rounds = [{"round": r, "accuracy": accuracy * r / 3, "loss": 1.0, "epsilon": epsilon,
+               "upload_bytes": upload * clients, "download_bytes": 10, "clients": clients,
+               "failures": 0, "wall_s": float(r), "round_s": 1.0} for r in (1, 2, 3)]
+    results = {
+        "schema": 1, "status": "completed", "strategy": strategy, "dataset": "digits",
+        "partition": "iid",
+        "config": {"strategy": {"name": strategy}, "seed": seed, "num_clients": 8,
+                   "privacy": {"epsilon": 4.0, "delta": 1e-5}},
+        "initial": {"accuracy": 0.1, "loss": 2.3}, "rounds": rounds,
+        "final": {"accuracy": accuracy, "loss": 1.0, "epsilon": epsilon, "delta": 1e-5, "wall_s": 12.0,
+                  "rounds": 3},
+        "privacy": {"unit": "one client" if epsilon else "none", "mechanism": "x", "accountant": "y"},
+    }
+    (directory / "results.json").write_text(json.dumps(results))
+
+
+def test_report_groups_seeds_and_matches_the_files(tmp_path):
+    for seed, accuracy in ((1, 0.80), (2, 0.84), (3, 0.82)):
+        fake_results(tmp_path / f"dp{seed}", strategy="dp_fedavg", epsilon=3.5 + seed / 100, seed=seed,
+                     accuracy=accuracy)
+    fake_results(tmp_path / "fa", strategy="fedavg", epsilon=None, seed=1, accuracy=0.9, upload=2000)
+    assert main([str(tmp_path)]) == 0
+    rows = {r["algorithm"]: r for r in csv.DictReader((tmp_path / "report.csv").open())}
+    dp = rows["dp_fedavg"]
+    assert int(dp["seeds"]) == 3
+    assert float(dp["accuracy_mean"]) == pytest.approx(np.mean([0.80, 0.84, 0.82]))
+    assert float(dp["accuracy_std"]) == pytest.approx(np.std([0.80, 0.84, 0.82], ddof=1))
+    assert float(dp["epsilon"]) == pytest.approx(3.53)  # the worst seed's epsilon
+    assert float(dp["upload_bytes_per_client_round"]) == 1000
+    assert rows["fedavg"]["epsilon"] == ""
+    markdown = (tmp_path / "report.md").read_text()
+    assert "0.8200 ± 0.0200" in markdown
+    assert "∞ (not private)" in markdown
+    for name in ("accuracy_vs_epsilon.png", "accuracy_vs_round.png", "accuracy_vs_upload.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_broken_results_are_reported_not_skipped(tmp_path, capsys):
+    fake_results(tmp_path / "ok", strategy="fedavg", epsilon=None, seed=1, accuracy=0.5)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "results.json").write_text("{not json")
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "results.json").write_text(json.dumps({"strategy": "x"}))
+    out = tmp_path / "report"
+    assert main([str(tmp_path), "--out", str(out)]) == 1
+    errors = capsys.readouterr().err
+    assert "bad/results.json: unreadable" in errors
+    assert "partial/results.json: missing fields" in errors
+    assert "could not be used" in (out / "report.md").read_text()
+    assert (out / "report.csv").exists()
+
+
+def test_empty_directory_is_refused(tmp_path, capsys):
+    assert main([str(tmp_path)]) == 2
+    assert "no usable results.json" in capsys.readouterr().err
+    assert not (tmp_path / "report.md").exists()
