@@ -10,11 +10,18 @@ the one on clear results (``NOT_ENCRYPT``). This script reads the
 * ``laplace_eval_silhouette.png``: silhouette per round for every mode, one
   panel per training strategy, with the training loss on a second axis;
 * ``laplace_eval_calinski_harabasz.png``: the same for the Calinski-Harabasz index;
-* ``laplace_eval_table.md``: per run, the per-report epsilon, the Pearson and
-  Spearman correlations of its score curves with the clear run's, the
-  correlation of its silhouette with the training loss, and the largest
-  difference of its training loss from the clear run's (training must not
-  depend on the evaluation).
+* ``laplace_eval_table.md``: the runs (size, failures, accuracy, wall time);
+  per run, the per-report epsilon, the Pearson and Spearman correlations of its
+  score curves with the clear run's, the correlation of its silhouette with the
+  training loss, and the largest difference of its training loss from the
+  clear run's (training must not depend on the evaluation); per strategy, the
+  smallest epsilon down to which every protected curve follows the clear one
+  (Pearson r >= ``FOLLOWS``).
+
+The same text replaces the block between ``<!-- BEGIN GENERATED -->`` and
+``<!-- END GENERATED -->`` of the benchmark page (``--page``, default
+``<out>/../laplace_eval.md``) when the page has those markers, so that every
+number on the page comes from the runs' ``results.json``.
 
 Usage::
 
@@ -45,6 +52,7 @@ from scipy import stats
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "figures"
 CLEAR = "NOT_ENCRYPT"
+BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 #: Pearson correlation with the clear curve from which a protected curve is said to follow its trend.
 FOLLOWS = 0.9
 
@@ -100,16 +108,17 @@ def _paired(results: dict[str, Any], reference: dict[str, Any], key: str) -> tup
     return _aligned(results, key, reference, key)
 
 
-def _epsilon_order(results: dict[str, Any]) -> float:
+def _epsilon_order(results: dict[str, Any]) -> tuple[int, float]:
+    """Sort key: the clear run first, then from the largest per-report epsilon to the smallest."""
     eps = results["privacy"]["evaluation"]["epsilon_per_report"]
-    return math.inf if eps is None else -float(eps)
+    return (0, 0.0) if eps is None else (1, -float(eps))
 
 
 def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per run: epsilon, scores and correlations with the clear run of the same strategy."""
     rows = []
     for strategy in sorted({r["strategy"] for r in runs}):
-        group = sorted((r for r in runs if r["strategy"] == strategy), key=_epsilon_order, reverse=True)
+        group = sorted((r for r in runs if r["strategy"] == strategy), key=_epsilon_order)
         clear = next((r for r in group if r["privacy"]["evaluation"]["privacy_eval_type"] == CLEAR), None)
         for results in group:
             evaluation = results["privacy"]["evaluation"]
@@ -135,6 +144,10 @@ def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if clear is not None:
                 a, b = _paired(results, clear, "silhouette")
                 row["pearson_silhouette"], row["spearman_silhouette"] = _correlations(a, b)
+                # Round-to-round changes: two curves that merely both rise with training correlate
+                # highly; their changes correlate only if the protected one also tracks the clear
+                # one's ups and downs.
+                row["pearson_silhouette_changes"] = _correlations(np.diff(a), np.diff(b))[0]
                 a, b = _paired(results, clear, "calinski_harabasz")
                 row["pearson_calinski_harabasz"], row["spearman_calinski_harabasz"] = _correlations(a, b)
                 a, b = _paired(results, clear, "train_loss")
@@ -157,9 +170,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     """The benchmark table as Markdown."""
     header = (
         "| strategy | mode | scale b | eps per report | eps cumulative | silhouette first / last / mean "
-        "| Pearson r (Spearman) silhouette vs clear | Pearson r (Spearman) CH vs clear "
+        "| Pearson r (Spearman) silhouette vs clear | r of round-to-round changes vs clear "
+        "| Pearson r (Spearman) CH vs clear "
         "| r(silhouette, train loss) | max train-loss diff vs clear | follows the clear trend |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     lines = []
     for row in rows:
@@ -176,6 +190,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {_fmt(row['silhouette_first'])} / {_fmt(row['silhouette_last'])} "
             f"/ {_fmt(row['silhouette_mean'])} "
             f"| {_fmt(pearson)} ({_fmt(row.get('spearman_silhouette', math.nan))}) "
+            f"| {_fmt(row.get('pearson_silhouette_changes', math.nan))} "
             f"| {_fmt(row.get('pearson_calinski_harabasz', math.nan))} "
             f"({_fmt(row.get('spearman_calinski_harabasz', math.nan))}) "
             f"| {_fmt(row['r_silhouette_train_loss'])} | {_fmt(row.get('max_train_loss_diff', math.nan), 2)} "
@@ -185,44 +200,150 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def plot(runs: list[dict[str, Any]], key: str, ylabel: str, path: Path, *, log: bool = False) -> None:
-    """One panel per strategy: ``key`` per round for every mode, training loss on the right axis."""
+    """Per strategy: ``key`` per round for every mode, with the training loss (top); z-scored (bottom).
+
+    The bottom row standardizes each curve (mean 0, std 1) so that its trend can be compared with the
+    clear curve's whatever the noise does to its level and range.
+    """
     strategies = sorted({r["strategy"] for r in runs})
-    figure, axes = plt.subplots(1, len(strategies), figsize=(6.5 * len(strategies), 4.6), squeeze=False)
-    for axis, strategy in zip(axes[0], strategies, strict=True):
-        group = sorted((r for r in runs if r["strategy"] == strategy), key=_epsilon_order, reverse=True)
-        colors = plt.cm.viridis(np.linspace(0.0, 0.85, max(len(group) - 1, 1)))
-        protected = iter(colors)
+    figure, axes = plt.subplots(2, len(strategies), figsize=(6.5 * len(strategies), 8.4), squeeze=False)
+    for column, strategy in enumerate(strategies):
+        top, bottom = axes[0][column], axes[1][column]
+        group = sorted((r for r in runs if r["strategy"] == strategy), key=_epsilon_order)
+        noised = sum(r["privacy"]["evaluation"]["privacy_eval_type"] != CLEAR for r in group)
+        protected = iter(plt.cm.viridis(np.linspace(0.85, 0.0, max(noised, 1))))
         loss_run = None
         for results in group:
             rounds, values = series(results, key)
             clear = results["privacy"]["evaluation"]["privacy_eval_type"] == CLEAR
-            if clear:
-                loss_run = results
-            axis.plot(
-                rounds,
-                values,
-                "o-" if clear else "s--",
-                color="black" if clear else next(protected),
-                ms=3,
-                lw=2 if clear else 1.2,
-                label=mode_label(results),
-            )
+            loss_run = results if clear else loss_run
+            style = {
+                "color": "black" if clear else next(protected),
+                "ms": 3,
+                "lw": 2 if clear else 1.2,
+                "label": mode_label(results),
+            }
+            top.plot(rounds, values, "o-" if clear else "s--", **style)
+            if len(values) > 1 and np.std(values) > 0:
+                bottom.plot(
+                    rounds, (values - values.mean()) / values.std(), "o-" if clear else "s--", **style
+                )
         if log:
-            axis.set_yscale("log")
-        axis.set_xlabel("round")
-        axis.set_ylabel(ylabel)
-        axis.set_title(f"{strategy}: {ylabel} per round")
+            top.set_yscale("log")
+        top.set_ylabel(ylabel)
+        top.set_title(f"{strategy}: {ylabel} per round")
+        bottom.set_ylabel(f"{ylabel}, standardized per curve")
+        bottom.set_title(f"{strategy}: trends only (each curve z-scored)")
+        for axis, where in ((top, "center right"), (bottom, "lower right")):
+            axis.set_xlabel("round")
+            axis.legend(fontsize=7, loc=where)
         if loss_run is not None:
-            right = axis.twinx()
+            right = top.twinx()
             rounds, values = series(loss_run, "train_loss")
-            right.plot(rounds, values, ":", color="tab:red", lw=1.5, label="training loss")
+            right.plot(rounds, values, ":", color="tab:red", lw=1.5, label="training loss (clear run)")
             right.set_ylabel("training loss (clients' mean)", color="tab:red")
             right.legend(loc="upper center", fontsize=7)
-        axis.legend(fontsize=7, loc="best")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _seconds(value: Any) -> str:
+    return "-" if value is None else f"{float(value):.0f} s"
+
+
+def runs_table(runs: list[dict[str, Any]]) -> str:
+    """The runs as Markdown: size, failures, final accuracy and wall time, from ``results.json``."""
+    lines = [
+        "| run | strategy | mode | rounds | clients evaluated per round | vectors per round (mean) "
+        "| failed train / evaluation replies | final accuracy | training epsilon | wall time |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for results in sorted(runs, key=lambda r: (r["strategy"], _epsilon_order(r))):
+        rounds = results["rounds"]
+        _, reports = series(results, "cluster_eval_reports")
+        _, clients = series(results, "cluster_eval_clients")
+        train_failures = sum(int(r.get("failures") or 0) for r in rounds)
+        eval_failures = sum(int(r.get("cluster_eval_failures") or 0) for r in rounds)
+        final = results["final"]
+        lines.append(
+            f"| {results['name']} | {results['strategy']} | {mode_label(results)} | {len(rounds)} "
+            f"| {_fmt(float(np.max(clients)) if len(clients) else math.nan)} "
+            f"| {_fmt(float(np.mean(reports)) if len(reports) else math.nan, 4)} "
+            f"| {train_failures} / {eval_failures} | {_fmt(final.get('accuracy'))} "
+            f"| {_fmt(final.get('epsilon'))} | {_seconds(final.get('wall_s'))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def follows_down_to(rows: list[dict[str, Any]]) -> str:
+    """Per strategy: the smallest epsilon down to which every protected curve follows the clear one."""
+    lines = []
+    for strategy in sorted({row["strategy"] for row in rows}):
+        protected = [
+            row
+            for row in rows
+            if row["strategy"] == strategy
+            and row["epsilon_per_report"] is not None
+            and not math.isnan(row.get("pearson_silhouette", math.nan))
+        ]
+        if not protected:
+            lines.append(f"* {strategy}: no clear run or no protected run to compare")
+            continue
+        protected.sort(key=lambda row: -row["epsilon_per_report"])
+        lowest = None
+        for row in protected:
+            if row["pearson_silhouette"] < FOLLOWS:
+                break
+            lowest = row
+        failing = [row for row in protected if row["pearson_silhouette"] < FOLLOWS]
+        verdict = (
+            f"follows the clear silhouette trend (Pearson r >= {FOLLOWS:g}) at every tested epsilon "
+            f"down to {_fmt(lowest['epsilon_per_report'], 6)} (r = {_fmt(lowest['pearson_silhouette'])})"
+            if lowest is not None
+            else f"does not follow the clear trend (Pearson r >= {FOLLOWS:g}) at any tested epsilon"
+        )
+        if lowest is not None:
+            tracked = [row for row in protected if row["epsilon_per_report"] >= lowest["epsilon_per_report"]]
+            verdict += "; round-to-round changes r = " + ", ".join(
+                f"{_fmt(row['pearson_silhouette_changes'])} (epsilon {_fmt(row['epsilon_per_report'], 6)})"
+                for row in tracked
+            )
+        if failing:
+            verdict += "; not at " + ", ".join(
+                f"epsilon {_fmt(row['epsilon_per_report'], 6)} (r = {_fmt(row['pearson_silhouette'])})"
+                for row in failing
+            )
+        lines.append(f"* {strategy}: {verdict}")
+    return "\n".join(lines) + "\n"
+
+
+def generated(runs: list[dict[str, Any]]) -> str:
+    """The whole generated block: runs, scores and correlations, verdicts."""
+    rows = table(runs)
+    return (
+        "Runs (from `results.json`):\n\n"
+        + runs_table(runs)
+        + "\nScores and correlations with the clear run of the same strategy (Pearson r over the rounds; "
+        "Spearman in parentheses; CH = Calinski-Harabasz):\n\n"
+        + markdown(rows)
+        + "\nVerdict (silhouette, Pearson r against the clear curve):\n\n"
+        + follows_down_to(rows)
+    )
+
+
+def update_page(page: Path, text: str) -> bool:
+    """Replace the generated block of ``page`` (between the markers); False if it has none."""
+    if not page.exists():
+        return False
+    content = page.read_text()
+    if BEGIN not in content or END not in content:
+        return False
+    head, rest = content.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    page.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
+    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,6 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("runs", type=Path, help="folder whose subfolders hold results.json files")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the figures and the table go")
+    parser.add_argument(
+        "--page",
+        type=Path,
+        default=None,
+        help="page whose generated block is rewritten (default: <out>/../laplace_eval.md)",
+    )
     args = parser.parse_args(argv)
     runs = load_runs(args.runs)
     if not runs:
@@ -244,8 +371,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out / "laplace_eval_calinski_harabasz.png",
         log=True,
     )
-    text = markdown(table(runs))
+    text = generated(runs)
     (args.out / "laplace_eval_table.md").write_text(text)
+    page = args.page if args.page is not None else args.out.parent / "laplace_eval.md"
+    if update_page(page, text):
+        print(f"updated the generated block of {page}", file=sys.stderr)
     print(text)
     return 0
 

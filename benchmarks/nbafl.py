@@ -12,13 +12,16 @@ the best K under K-random scheduling (Remark 5). The runs are Hydra multiruns
     {mnist,fashion_mnist}_fedavg   the non-private baseline on the same partition
     mnist_n                        N sweep, m fixed (dataset.public_fraction)
     mnist_n_total                  N sweep, the whole data set split over N
-    mnist_t                        T sweep (num_rounds) at fixed epsilon
-    mnist_k                        K sweep (strategy.k) at fixed epsilon
+    mnist_t, mnist_t_accountant    T sweep (num_rounds) at a fixed document / accountant epsilon
+    mnist_k, mnist_k_accountant    K sweep (strategy.k) at a fixed document / accountant epsilon
     mnist_calibration              strategy.calibration=accountant at small epsilon
 
 Usage::
 
-    python benchmarks/nbafl.py --root /tmp/bench_nbafl --out docs/benchmarks/figures
+    python -P benchmarks/nbafl.py --root /tmp/bench_nbafl --out docs/benchmarks/figures
+
+(``-P`` keeps ``benchmarks/`` off ``sys.path``: ``benchmarks/platform.py`` would
+shadow the standard library's ``platform`` module.)
 
 Writes ``nbafl_*.png`` and ``nbafl_tables.md`` into ``--out``; missing sweeps
 are skipped.
@@ -110,19 +113,35 @@ def plot_curves(
     plt.close(figure)
 
 
-def plot_final(runs: list[Run], *, x: Callable[[Run], float], xlabel: str, title: str, path: Path) -> None:
-    """Final test loss and accuracy against a swept parameter."""
-    runs = sorted(runs, key=x)
-    xs = [x(r) for r in runs]
-    figure, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    axes[0].plot(xs, [r["final"]["loss"] for r in runs], "o-")
-    axes[1].plot(xs, [r["final"]["accuracy"] for r in runs], "o-")
-    for axis, name in zip(axes, ("final test loss", "final test accuracy"), strict=True):
+def plot_final(
+    curves: Sequence[tuple[str, list[Run]]],
+    *,
+    x: Callable[[Run], float],
+    xlabel: str,
+    title: str,
+    path: Path,
+) -> None:
+    """Final test loss, accuracy and the accountant's epsilon against a swept parameter, one line per sweep.
+
+    The lowest final loss of each line is circled.
+    """
+    figure, axes = plt.subplots(1, 3, figsize=(15, 3.9))
+    for label, runs in curves:
+        runs = sorted(runs, key=x)
+        xs = [x(r) for r in runs]
+        losses = [r["final"]["loss"] for r in runs]
+        (line,) = axes[0].plot(xs, losses, "o-", label=label)
+        best = min(range(len(runs)), key=lambda i: losses[i])
+        axes[0].plot(xs[best], losses[best], "o", markersize=14, fillstyle="none", color=line.get_color())
+        axes[1].plot(xs, [r["final"]["accuracy"] for r in runs], "o-", color=line.get_color(), label=label)
+        axes[2].plot(xs, [r["final"]["epsilon"] for r in runs], "o-", color=line.get_color(), label=label)
+    for axis, name in zip(
+        axes, ("final test loss", "final test accuracy", "accountant epsilon (record level)"), strict=True
+    ):
         axis.set_xlabel(xlabel)
         axis.set_ylabel(name)
         axis.grid(alpha=0.3)
-    best = min(runs, key=lambda r: r["final"]["loss"])
-    axes[0].axvline(x(best), color="tab:red", alpha=0.4, label=f"lowest loss at {xlabel} = {x(best):g}")
+    axes[2].set_yscale("log")
     axes[0].legend(fontsize=8)
     figure.suptitle(title)
     figure.tight_layout()
@@ -222,32 +241,37 @@ def main(argv: Sequence[str] | None = None) -> int:
             ordered = sorted(runs, key=lambda r: r["config"]["num_clients"])
             tables.append(table(ordered, title=f"N sweep, {label}"))
 
-    for name, key, xlabel, title, x in (
+    for name, xlabel, title, x in (
         (
-            "mnist_t",
             "rounds",
             "T (num_rounds)",
             "NbAFL on MNIST, N = K = 50: finding 3 (a best number of rounds T at fixed epsilon)",
             lambda r: float(r["config"]["num_rounds"]),
         ),
         (
-            "mnist_k",
             "k",
             "K (clients per round)",
             "NbAFL on MNIST, N = 50, T = 25, K-random scheduling: a best K at fixed epsilon",
             lambda r: float(k_of(r)),
         ),
     ):
-        runs = load_sweep(args.root, name)
-        if not runs:
-            continue
-        epsilons = sorted({epsilon_of(r) for r in runs})
-        for epsilon in epsilons:
-            subset = [r for r in runs if epsilon_of(r) == epsilon]
-            path = args.out / f"nbafl_{name}_{key}_eps{epsilon:g}.png"
-            plot_final(subset, x=x, xlabel=xlabel, title=f"{title}, epsilon = {epsilon:g}", path=path)
+        sweep = "mnist_t" if name == "rounds" else "mnist_k"
+        curves: list[tuple[str, list[Run]]] = []
+        for folder, kind in ((sweep, "classic"), (f"{sweep}_accountant", "accountant")):
+            runs = load_sweep(args.root, folder)
+            for epsilon in sorted({epsilon_of(r) for r in runs}):
+                subset = sorted((r for r in runs if epsilon_of(r) == epsilon), key=x)
+                label = (
+                    f"document epsilon = {epsilon:g} (classic calibration)"
+                    if kind == "classic"
+                    else f"accountant epsilon = {epsilon:g} (calibration=accountant)"
+                )
+                curves.append((label, subset))
+                tables.append(table(subset, title=f"{folder}: {label}"))
+        if curves:
+            path = args.out / f"nbafl_mnist_{name}.png"
+            plot_final(curves, x=x, xlabel=xlabel, title=title, path=path)
             written.append(path.name)
-            tables.append(table(sorted(subset, key=x), title=f"{name}: epsilon = {epsilon:g}"))
 
     runs = load_sweep(args.root, "mnist_calibration")
     if runs:

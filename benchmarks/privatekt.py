@@ -6,15 +6,20 @@ authors' demo in the per-round reading of epsilon, and the equal-budget
 comparison with FedAvg+LDP and non-private FedAvg. The runs (commands in
 ``docs/benchmarks/privatekt.md``) live below ``--root``::
 
-    mnist_per_round/            strategy=privatekt, +experiment=privatekt_demo (scaled), MNIST
+    mnist_per_round/            strategy=privatekt, +experiment=privatekt_demo (30 rounds), MNIST
+    mnist_per_round_100/        the same, 100 rounds
     fmnist_per_round/           the same on Fashion-MNIST
     compare/privatekt/<i>/      total epsilon 1, 2, 4, 8 (Hydra multirun)
     compare/fedavg_ldp/<i>/     total epsilon 1, 2, 4, 8 (Hydra multirun)
     compare/fedavg/             non-private FedAvg
+    probe_mlp_<targets>_<dropout>/  MNIST per-round probes of the self-training targets
 
 Usage::
 
-    python benchmarks/privatekt.py --root /tmp/bench_privatekt --out docs/benchmarks/figures
+    python -P benchmarks/privatekt.py --root /tmp/bench_privatekt --out docs/benchmarks/figures
+
+(``-P``: without it the script's folder comes first on ``sys.path`` and
+``benchmarks/platform.py`` shadows the standard library's ``platform``.)
 
 Writes ``privatekt_curves.png``, ``privatekt_equal_budget.png`` and
 ``privatekt_tables.md`` into ``--out``; missing runs are skipped.
@@ -28,13 +33,21 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from fl_app.data.federated import DataSpec, federated_data
+
 Run = dict[str, Any]
-PER_ROUND = {"MNIST": "mnist_per_round", "Fashion-MNIST": "fmnist_per_round"}
+PER_ROUND = {
+    "MNIST": "mnist_per_round",
+    "Fashion-MNIST": "fmnist_per_round",
+    "MNIST (100 rounds)": "mnist_per_round_100",
+}
 METHODS = {"privatekt": "PrivateKT", "fedavg_ldp": "FedAvg+LDP", "fedavg": "FedAvg (non-private)"}
+PROBES = ("probe_mlp_soft_0.0", "probe_mlp_hard_0.0", "probe_mlp_soft_0.2")
 
 
 def load_runs(folder: Path) -> list[Run]:
@@ -55,9 +68,70 @@ def evaluated(run: Run) -> list[dict[str, Any]]:
     return [r for r in run["rounds"] if r.get("accuracy") is not None]
 
 
+def knowledge_accuracy(run: Run, rounds: slice = slice(None)) -> float | None:
+    """Share of aggregated KT labels (``rounds[].kt_labels``) equal to the true public labels.
+
+    Evaluation only: the algorithm never reads the public labels; this loads
+    them here, from the run's own data spec, to measure how good the
+    transferred knowledge was.
+    """
+    data = federated_data(DataSpec.from_config(run["config"]))
+    truth = data.arrays.y_train[data.public_rows]
+    hits = [
+        truth[np.asarray(r["kt_indices"])] == np.asarray(r["kt_labels"])
+        for r in run["rounds"][rounds]
+        if r.get("kt_labels")
+    ]
+    return float(np.mean(np.concatenate(hits))) if hits else None
+
+
+def rolling_knowledge_accuracy(run: Run, window: int = 10) -> list[tuple[int, float]]:
+    """``(round, knowledge accuracy over the last window rounds)`` for the curves (evaluation only)."""
+    points = []
+    for end in range(window, len(run["rounds"]) + 1):
+        value = knowledge_accuracy(run, slice(end - window, end))
+        if value is not None:
+            points.append((run["rounds"][end - 1]["round"], value))
+    return points
+
+
+def ideal_knowledge_accuracy(run: Run, draws: int = 20_000) -> float | None:
+    """Knowledge accuracy if every client predicted every KT sample correctly (Monte Carlo, seed 0).
+
+    The majority vote (``knowledge=argmax``) of ``clients_per_round`` labels,
+    each kept with probability beta and otherwise uniform over the C classes
+    (Eq. 2), ties broken at random: the best knowledge the randomized
+    response lets through at the run's beta, whatever the local models.
+    """
+    privacy = run["privacy"]
+    if "beta" not in privacy:
+        return None
+    beta, classes = float(privacy["beta"]), int(privacy["num_classes"])
+    voters = int(run["rounds"][0].get("clients") or run["config"]["clients_per_round"])
+    rng = np.random.default_rng(0)
+    truth = rng.random((draws, voters)) < beta
+    labels = np.where(truth, 0, rng.integers(0, classes, size=(draws, voters)))
+    counts = np.stack([(labels == c).sum(axis=1) for c in range(classes)], axis=1)
+    top = counts == counts.max(axis=1, keepdims=True)
+    return float(np.mean(top[:, 0] / top.sum(axis=1)))
+
+
+def failures(run: Run) -> int:
+    """Failed client-rounds of the run (accounted, but their reports are missing)."""
+    return sum(int(r.get("failures", 0)) for r in run["rounds"])
+
+
 def best_accuracy(run: Run) -> float:
     """Highest evaluated accuracy of the run."""
     return max(r["accuracy"] for r in evaluated(run))
+
+
+def best_cell(run: Run | None) -> str:
+    """``best accuracy (round)`` of a run for a table cell."""
+    if not run or not evaluated(run):
+        return "-"
+    best = max(evaluated(run), key=lambda r: r["accuracy"])
+    return f"{best['accuracy']:.4f} ({best['round']})"
 
 
 def fmt(value: float | None, digits: int = 3) -> str:
@@ -69,19 +143,34 @@ def per_round_section(root: Path) -> tuple[list[str], dict[str, Run]]:
     """Table of the per-round (paper-reading) runs."""
     runs = {name: found[0] for name, folder in PER_ROUND.items() if (found := load_runs(root / folder))}
     lines = [
-        "| data set | rounds | clients/round | local epochs | eps per round | final acc. | best acc. "
-        "| cumulative eps (accountant) | basic composition | wall time |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| data set | model | rounds | clients/round | local epochs | eps per round | final acc. "
+        "| best acc. (round) | knowledge acc. first / last 20 rounds | ideal knowledge acc. "
+        "| cumulative eps (accountant) "
+        "| basic composition | failed client-rounds | wall time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, run in runs.items():
         cfg, final, privacy = run["config"], run["final"], run["privacy"]
         local = cfg["strategy"]["local_epochs"] or cfg["local_epochs"]
-        lines.append(
-            f"| {name} | {final['rounds']} | {cfg['clients_per_round']} | {local} | "
-            f"{fmt(privacy['epsilon_per_round'], 4)} | {final['accuracy']:.4f} | {best_accuracy(run):.4f} | "
-            f"{fmt(privacy['epsilon_cumulative'], 4)} | {fmt(privacy['epsilon_basic_composition'], 4)} | "
-            f"{final['wall_s'] / 60:.0f} min |"
-        )
+        best = max(evaluated(run), key=lambda r: r["accuracy"])
+        first, last = knowledge_accuracy(run, slice(None, 20)), knowledge_accuracy(run, slice(-20, None))
+        cells = [
+            name,
+            str(cfg["model"]),
+            str(final["rounds"]),
+            str(cfg["clients_per_round"]),
+            str(local),
+            fmt(privacy["epsilon_per_round"], 4),
+            f"{final['accuracy']:.4f}",
+            f"{best['accuracy']:.4f} ({best['round']})",
+            f"{fmt(first, 2)} / {fmt(last, 2)}",
+            fmt(ideal_knowledge_accuracy(run), 2),
+            fmt(privacy["epsilon_cumulative"], 4),
+            fmt(privacy["epsilon_basic_composition"], 4),
+            str(failures(run)),
+            f"{final['wall_s'] / 60:.0f} min",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines, runs
 
 
@@ -94,9 +183,13 @@ def comparison_section(root: Path) -> tuple[list[str], dict[str, list[Run]]]:
         for method in ("privatekt", "fedavg_ldp")
     }
     lines = [
-        "| total eps | PrivateKT acc. | PrivateKT eps spent | eps per label | FedAvg+LDP acc. "
-        "| FedAvg+LDP eps spent | noise multiplier | FedAvg acc. | gap closed |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| total eps | PrivateKT acc. | PrivateKT best acc. (round) | PrivateKT eps spent "
+        "| eps per label | beta "
+        "| knowledge acc. | ideal knowledge acc. | FedAvg+LDP acc. | FedAvg+LDP final loss "
+        "| FedAvg+LDP eps spent "
+        "| noise multiplier | FedAvg acc. | gap closed "
+        "| failed client-rounds (PrivateKT / FedAvg+LDP / FedAvg) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for epsilon in sorted(set(by_eps["privatekt"]) | set(by_eps["fedavg_ldp"])):
         kt, ldp = by_eps["privatekt"].get(epsilon), by_eps["fedavg_ldp"].get(epsilon)
@@ -107,16 +200,60 @@ def comparison_section(root: Path) -> tuple[list[str], dict[str, list[Run]]]:
         cells = [
             f"{epsilon:g}",
             fmt(kt and kt["final"]["accuracy"], 4),
+            best_cell(kt),
             fmt(kt and kt["final"]["epsilon"], 4),
             fmt(kt and kt["privacy"]["epsilon_per_label"], 4),
+            fmt(kt and kt["privacy"]["beta"], 4),
+            fmt(kt and knowledge_accuracy(kt), 2),
+            fmt(kt and ideal_knowledge_accuracy(kt), 2),
             fmt(ldp and ldp["final"]["accuracy"], 4),
+            "-"
+            if not ldp
+            else "nan (diverged)"
+            if ldp["final"]["loss"] is None
+            else f"{ldp['final']['loss']:.3f}",
             fmt(ldp and ldp["final"]["epsilon"], 4),
             fmt(ldp and ldp["privacy"]["noise_multiplier"], 4),
             fmt(fedavg, 4),
             "-" if closed is None else f"{100 * closed:.0f}%",
+            " / ".join(
+                str(failures(r)) if r else "-"
+                for r in (kt, ldp, runs["fedavg"][0] if runs["fedavg"] else None)
+            ),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines, runs
+
+
+def probe_section(root: Path) -> list[str]:
+    """Table of the self-training probes (MNIST, per-round epsilon 5)."""
+    lines = [
+        "| run | self-training targets | input dropout | rounds | clients/round | local epochs | test images "
+        "| final acc. "
+        "| best acc. (round) | knowledge acc. first / last 10 rounds | wall time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for folder in PROBES:
+        found = load_runs(root / folder)
+        if not found:
+            continue
+        run = found[0]
+        cfg, strategy = run["config"], run["config"]["strategy"]
+        cells = [
+            folder,
+            str(strategy["self_train_targets"]),
+            str(strategy.get("self_train_dropout", 0.0)),
+            str(run["final"]["rounds"]),
+            str(cfg["clients_per_round"]),
+            str(strategy["local_epochs"] or cfg["local_epochs"]),
+            str(cfg["evaluation"]["test_subset"] or "all"),
+            f"{run['final']['accuracy']:.4f}",
+            best_cell(run),
+            " / ".join(fmt(knowledge_accuracy(run, part), 2) for part in (slice(None, 10), slice(-10, None))),
+            f"{run['final']['wall_s'] / 60:.0f} min",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot_curves(runs: dict[str, Run], out: Path) -> None:
@@ -127,6 +264,12 @@ def plot_curves(runs: dict[str, Run], out: Path) -> None:
     for axis, (name, run) in zip(axes[0], runs.items(), strict=True):
         rounds = evaluated(run)
         axis.plot([r["round"] for r in rounds], [r["accuracy"] for r in rounds], "o-", ms=3, color="tab:blue")
+        quality = rolling_knowledge_accuracy(run)
+        if quality:
+            axis.plot(
+                *zip(*quality, strict=True), color="tab:green", lw=1, label="knowledge acc. (10-round mean)"
+            )
+            axis.legend(loc="lower right", fontsize=8)
         axis.set_xlabel("round")
         axis.set_ylabel("test accuracy", color="tab:blue")
         axis.set_ylim(0, 1)
@@ -187,6 +330,10 @@ def main(argv: list[str] | None = None) -> int:
         "### Equal total budget per client",
         "",
         *comparison_lines,
+        "",
+        "### Self-training probes (MNIST, epsilon 5 per round)",
+        "",
+        *probe_section(args.root),
         "",
     ]
     (args.out / "privatekt_tables.md").write_text("\n".join(text))

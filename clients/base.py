@@ -73,8 +73,9 @@ class FederatedClient:
         if threads > 0 and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         if self.server_round > 0 and injected_failure(self.client_id, self.server_round):
-            raise InjectedFailureError(f"client {self.client_id} fails in round {self.server_round} "
-                                  f"({INJECT_FAILURES_ENV})")
+            raise InjectedFailureError(
+                f"client {self.client_id} fails in round {self.server_round} ({INJECT_FAILURES_ENV})"
+            )
 
     # ------------------------------------------------------------------ identity
 

@@ -31,8 +31,10 @@ import math
 from typing import ClassVar
 
 import numpy as np
+import torch
 from flwr.app import Message
 from torch import nn
+from torch.nn import functional as F  # noqa: N812 - the conventional name
 
 from clients import register_client
 from clients.base import FederatedClient
@@ -40,7 +42,7 @@ from fl_app import keys
 from fl_app.privacy.dp_sgd import dp_sgd_train
 from fl_app.privacy.events import RandomizedResponse
 from fl_app.privacy.mechanisms import randomized_response_labels
-from fl_app.training import model_to_arrays, predict_proba, train_local
+from fl_app.training import model_to_arrays, predict_proba, to_tensor, train_local
 
 TEACHER_STAGE = "teacher"
 STUDENT_STAGE = "student"
@@ -171,6 +173,13 @@ class SpecialPseudoClient:
         agreement = float(np.mean(labels == teacher_labels)) if len(labels) else math.nan
         return cls(public_x, labels, epsilon=epsilon, num_classes=num_classes, agreement=agreement)
 
+    @property
+    def keep_probability(self) -> float:
+        """``beta`` of the randomized response that produced the labels (1 without it)."""
+        if self.epsilon is None:
+            return 1.0
+        return RandomizedResponse(float(self.epsilon), int(self.num_classes)).keep_probability
+
     def train(
         self,
         model: nn.Module,
@@ -180,15 +189,44 @@ class SpecialPseudoClient:
         lr: float,
         momentum: float,
         rng: np.random.Generator,
+        correction: bool = True,
     ) -> float:
-        """Local SGD on the fixed noisy labels (post-processing of the label release); mean loss."""
-        return train_local(
-            model,
-            self.x,
-            self.labels,
-            epochs=epochs,
-            batch_size=batch_size,
-            lr=lr,
-            momentum=momentum,
-            rng=rng,
-        )
+        """Local SGD on the fixed noisy labels (post-processing of the label release); mean loss.
+
+        With ``correction`` (and label noise) the loss is the likelihood of the
+        *observed* label under the known randomized response, ``-log(beta p_y +
+        (1 - beta) / C)`` with ``p = softmax(model(x))`` (forward loss correction,
+        Patrini et al., CVPR 2017): the model keeps estimating the teacher's
+        label distribution instead of the flattened noisy one. Without it: plain
+        cross-entropy on the noisy labels.
+        """
+        beta = self.keep_probability
+        if not correction or beta >= 1.0:
+            return train_local(
+                model,
+                self.x,
+                self.labels,
+                epochs=epochs,
+                batch_size=batch_size,
+                lr=lr,
+                momentum=momentum,
+                rng=rng,
+            )
+        model.train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        inputs, targets = to_tensor(self.x), torch.from_numpy(self.labels)
+        log_keep, log_uniform = math.log(beta), math.log((1.0 - beta) / self.num_classes)
+        total, batches = 0.0, 0
+        for _ in range(epochs):
+            order = torch.from_numpy(rng.permutation(len(targets)))
+            for start in range(0, len(targets), batch_size):
+                index = order[start : start + batch_size]
+                log_p = F.log_softmax(model(inputs[index]), dim=1).gather(1, targets[index].unsqueeze(1))
+                observed = torch.logaddexp(log_p + log_keep, torch.full_like(log_p, log_uniform))
+                loss = -observed.mean()
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                total += float(loss.detach())
+                batches += 1
+        return total / max(batches, 1)

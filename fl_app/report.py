@@ -36,9 +36,23 @@ import numpy as np
 
 REQUIRED_FIELDS = ("strategy", "dataset", "config", "rounds", "final", "privacy")
 IGNORED_KEYS = {"seed", "output_dir", "privacy.noise_seed", "simulation.ray_address", "simulation.timeout"}
-COLUMNS = ("algorithm", "dataset", "partition", "clients", "rounds", "epsilon_target", "epsilon",
-           "epsilon_unit", "delta", "accuracy_mean", "accuracy_std", "seeds",
-           "upload_bytes_per_client_round", "wall_s", "runs")
+COLUMNS = (
+    "algorithm",
+    "dataset",
+    "partition",
+    "clients",
+    "rounds",
+    "epsilon_target",
+    "epsilon",
+    "epsilon_unit",
+    "delta",
+    "accuracy_mean",
+    "accuracy_std",
+    "seeds",
+    "upload_bytes_per_client_round",
+    "wall_s",
+    "runs",
+)
 
 
 @dataclass
@@ -60,8 +74,11 @@ class Run:
 
     def upload_per_client_round(self) -> float | None:
         """Mean over rounds of the round's upload bytes divided by its number of clients."""
-        values = [r["upload_bytes"] / r["clients"] for r in self.results["rounds"]
-                  if r.get("clients") and r.get("upload_bytes") is not None]
+        values = [
+            r["upload_bytes"] / r["clients"]
+            for r in self.results["rounds"]
+            if r.get("clients") and r.get("upload_bytes") is not None
+        ]
         return float(np.mean(values)) if values else None
 
 
@@ -106,31 +123,42 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
     rows = []
     for members in groups.values():
         first = members[0].results
-        accuracies = [float(m.results["final"]["accuracy"]) for m in members
-                      if m.results["final"]["accuracy"] is not None]
+        accuracies = [
+            float(m.results["final"]["accuracy"])
+            for m in members
+            if m.results["final"]["accuracy"] is not None
+        ]
         epsilons = [m.results["final"]["epsilon"] for m in members]
         finite = [float(e) for e in epsilons if e is not None]
         uploads = [u for u in (m.upload_per_client_round() for m in members) if u is not None]
         private = bool(finite) and len(finite) == len(epsilons)
-        rows.append({
-            "algorithm": first["strategy"],
-            "dataset": first["dataset"],
-            "partition": first.get("partition", ""),
-            "clients": first["config"].get("num_clients"),
-            "rounds": len(first["rounds"]),
-            "epsilon_target": first["config"].get("privacy", {}).get("epsilon") if private else None,
-            "epsilon": max(finite) if private else None,
-            "epsilon_unit": first["privacy"].get("unit", ""),
-            "delta": first["final"].get("delta"),
-            "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
-            "accuracy_std": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else 0.0,
-            "seeds": len({m.config.get("seed") for m in members}),
-            "upload_bytes_per_client_round": float(np.mean(uploads)) if uploads else None,
-            "wall_s": float(np.mean([m.results["final"].get("wall_s") or 0.0 for m in members])),
-            "runs": [str(m.path.parent) for m in members],
-        })
-    rows.sort(key=lambda r: (r["dataset"], r["algorithm"], r["epsilon"] is None,
-                             r["epsilon"] if r["epsilon"] is not None else math.inf))
+        rows.append(
+            {
+                "algorithm": first["strategy"],
+                "dataset": first["dataset"],
+                "partition": first.get("partition", ""),
+                "clients": first["config"].get("num_clients"),
+                "rounds": len(first["rounds"]),
+                "epsilon_target": first["config"].get("privacy", {}).get("epsilon") if private else None,
+                "epsilon": max(finite) if private else None,
+                "epsilon_unit": first["privacy"].get("unit", ""),
+                "delta": first["final"].get("delta"),
+                "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
+                "accuracy_std": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else 0.0,
+                "seeds": len({m.config.get("seed") for m in members}),
+                "upload_bytes_per_client_round": float(np.mean(uploads)) if uploads else None,
+                "wall_s": float(np.mean([m.results["final"].get("wall_s") or 0.0 for m in members])),
+                "runs": [str(m.path.parent) for m in members],
+            }
+        )
+    rows.sort(
+        key=lambda r: (
+            r["dataset"],
+            r["algorithm"],
+            r["epsilon"] is None,
+            r["epsilon"] if r["epsilon"] is not None else math.inf,
+        )
+    )
     return rows
 
 
@@ -155,15 +183,20 @@ def write_tables(rows: Sequence[dict[str, Any]], problems: Sequence[str], out: P
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        accuracy = ("-" if row["accuracy_mean"] is None
-                    else f"{row['accuracy_mean']:.4f} ± {row['accuracy_std']:.4f}")
+        accuracy = (
+            "-" if row["accuracy_mean"] is None else f"{row['accuracy_mean']:.4f} ± {row['accuracy_std']:.4f}"
+        )
         epsilon = "∞ (not private)" if row["epsilon"] is None else _fmt(row["epsilon"])
-        upload = "-" if row["upload_bytes_per_client_round"] is None else \
-            f"{row['upload_bytes_per_client_round']:,.0f}"
+        upload = (
+            "-"
+            if row["upload_bytes_per_client_round"] is None
+            else f"{row['upload_bytes_per_client_round']:,.0f}"
+        )
         lines.append(
             f"| {row['algorithm']} | {row['dataset']} | {row['partition']} | {row['clients']} | "
             f"{row['rounds']} | {_fmt(row['epsilon_target'])} | {epsilon} | {row['epsilon_unit'] or '-'} | "
-            f"{_fmt(row['delta'])} | {accuracy} | {row['seeds']} | {upload} | {row['wall_s']:.0f} |")
+            f"{_fmt(row['delta'])} | {accuracy} | {row['seeds']} | {upload} | {row['wall_s']:.0f} |"
+        )
     if problems:
         lines += ["", "Results files that could not be used:", ""] + [f"- {p}" for p in problems]
     (out / "report.md").write_text("\n".join(lines) + "\n")
@@ -185,9 +218,16 @@ def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
         colour = next(colours)
         private = sorted((r for r in members if r["epsilon"] is not None), key=lambda r: r["epsilon"])
         if private:
-            axis.errorbar([r["epsilon"] for r in private], [r["accuracy_mean"] for r in private],
-                          yerr=[r["accuracy_std"] for r in private], marker="o", ms=4, capsize=3,
-                          label=label, color=colour)
+            axis.errorbar(
+                [r["epsilon"] for r in private],
+                [r["accuracy_mean"] for r in private],
+                yerr=[r["accuracy_std"] for r in private],
+                marker="o",
+                ms=4,
+                capsize=3,
+                label=label,
+                color=colour,
+            )
         for row in members:
             if row["epsilon"] is None:
                 axis.axhline(row["accuracy_mean"], ls="--", color=colour, label=f"{label}, not private")
@@ -201,19 +241,22 @@ def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
     plt.close(figure)
 
 
-def _mean_curves(row: dict[str, Any], runs_by_dir: dict[str, Run], x_of: str
-                 ) -> tuple[np.ndarray, np.ndarray] | None:
+def _mean_curves(
+    row: dict[str, Any], runs_by_dir: dict[str, Run], x_of: str
+) -> tuple[np.ndarray, np.ndarray] | None:
     curves = []
     for directory in row["runs"]:
         rounds = runs_by_dir[directory].results["rounds"]
         if x_of == "round":
             xs = [r["round"] for r in rounds]
         else:
-            per_client = np.cumsum([(r["upload_bytes"] / r["clients"]) if r.get("clients") else 0.0
-                                    for r in rounds])
+            per_client = np.cumsum(
+                [(r["upload_bytes"] / r["clients"]) if r.get("clients") else 0.0 for r in rounds]
+            )
             xs = list(per_client)
-        points = [(x, r["accuracy"]) for x, r in zip(xs, rounds, strict=True)
-                  if r.get("accuracy") is not None]
+        points = [
+            (x, r["accuracy"]) for x, r in zip(xs, rounds, strict=True) if r.get("accuracy") is not None
+        ]
         if points:
             curves.append(points)
     if not curves:
@@ -252,8 +295,11 @@ def plot_curves(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m fl_app.report", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m fl_app.report",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("directory", type=Path, help="a multirun or output directory")
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: the directory)")
     args = parser.parse_args(argv)
@@ -264,8 +310,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     if not runs:
-        print(f"error: no usable results.json below {args.directory}; run `python -m fl_app -m ...` "
-              "first (each job writes one)", file=sys.stderr)
+        print(
+            f"error: no usable results.json below {args.directory}; run `python -m fl_app -m ...` "
+            "first (each job writes one)",
+            file=sys.stderr,
+        )
         return 2
     out = args.out or args.directory
     out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,9 @@ ends, also on failure, so nothing is left running.
 
 ``simulation.ray_address`` joins an existing Ray cluster (``ray start --head``
 on one machine, ``ray start --address=<head>:6379`` on the others) instead of
-starting a private instance.
+starting a private instance. Without it the run always starts a private
+instance (Ray's ``address="local"``): a bare ``ray.init()`` would join a
+cluster that ``ray start`` left running on this machine.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ def backend_config(cfg: DictConfig) -> dict[str, Any]:
     init_args: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": True}
     if cfg.simulation.ray_address:
         init_args["address"] = str(cfg.simulation.ray_address)
-    elif cfg.simulation.num_cpus is not None:
-        init_args["num_cpus"] = int(cfg.simulation.num_cpus)
+    else:
+        init_args["address"] = "local"
+        if cfg.simulation.num_cpus is not None:
+            init_args["num_cpus"] = int(cfg.simulation.num_cpus)
     return {
         "client_resources": {"num_cpus": float(cfg.simulation.client_cpus), "num_gpus": 0.0},
         "init_args": init_args,

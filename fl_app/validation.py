@@ -177,14 +177,20 @@ def check_partitions(cfg: DictConfig) -> None:
     try:
         data = federated_data(DataSpec.from_config(cfg))
     except ValueError as error:
-        raise ConfigError("num_clients", cfg.num_clients,
-                          f"the {cfg.partition.name} partition of {cfg.dataset.name} failed: "
-                          f"{' '.join(str(error).split())}") from error
+        raise ConfigError(
+            "num_clients",
+            cfg.num_clients,
+            f"the {cfg.partition.name} partition of {cfg.dataset.name} failed: "
+            f"{' '.join(str(error).split())}",
+        ) from error
     sizes = data.client_sizes()
     if min(sizes) < 1:
-        raise ConfigError("num_clients", cfg.num_clients,
-                          f"too many clients for {cfg.dataset.name}: {sizes.count(0)} of them get no "
-                          "examples; use fewer clients or another partition")
+        raise ConfigError(
+            "num_clients",
+            cfg.num_clients,
+            f"too many clients for {cfg.dataset.name}: {sizes.count(0)} of them get no "
+            "examples; use fewer clients or another partition",
+        )
 
 
 def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:

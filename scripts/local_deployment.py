@@ -72,6 +72,18 @@ def executable(name: str) -> str:
     return found
 
 
+def environment_with_scripts(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with this Python environment's script directory first on ``PATH``.
+
+    The SuperLink and SuperNode start further Flower executables
+    (``flower-superexec``, ``flwr-serverapp``, ``flwr-clientapp``) by name, so a
+    virtual environment that was not activated (as in CI) must still be found.
+    """
+    scripts = str(Path(sys.executable).parent)
+    path = env.get("PATH", os.defpath)
+    return {**env, "PATH": os.pathsep.join([scripts, path]) if path else scripts}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -137,19 +149,39 @@ class Process:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def spawn(name: str, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str], log: Path) -> Process:
-    """Start ``argv`` in a new session (its own process group), output into ``log``."""
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
+def spawn(
+    name: str,
+    argv: Sequence[str],
+    *,
+    cwd: Path,
+    env: Mapping[str, str],
+    log: Path,
+    die_with_parent: bool = False,
+) -> Process:
+    """Start ``argv`` in a new session (its own process group), output into ``log``.
+
+    ``die_with_parent`` (tests): the process gets SIGTERM if this process dies
+    without stopping it (e.g. a killed test run), so nothing is left behind.
+    """
     cwd.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("ab") as out:
         child = subprocess.Popen(
             list(argv),
             cwd=cwd,
-            env=dict(env),
+            env=environment_with_scripts(env),
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_die_with_parent if die_with_parent else None,
         )
     return Process(name, child.pid, _start_time(child.pid), str(log))
 
@@ -271,12 +303,16 @@ def write_connection(home: Path, name: str, address: str, *, root_certificates: 
     return path
 
 
-def flwr(args: Sequence[str], *, env: Mapping[str, str], timeout: float = 120.0) -> str:
-    """Run one ``flwr`` CLI command from a neutral directory; return its stdout (raise on failure)."""
+def flwr(args: Sequence[str], *, env: Mapping[str, str], timeout: float = 600.0) -> str:
+    """Run one ``flwr`` CLI command from a neutral directory; return its stdout (raise on failure).
+
+    ``timeout`` is a safety limit: on a busy machine one ``flwr run`` (building
+    the FAB and starting the run) has taken more than two minutes.
+    """
     result = subprocess.run(
         [executable("flwr"), *args],
         cwd=Path(env.get("FLWR_HOME", str(Path.home()))).expanduser(),
-        env=dict(env),
+        env=environment_with_scripts(env),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -369,6 +405,7 @@ def start(
     cli_env: Mapping[str, str] | None = None,
     supernode_ports: Sequence[int] | None = None,
     supernode_env: Mapping[str, str] | None = None,
+    die_with_parent: bool = False,
 ) -> LocalDeployment:
     """Start a SuperLink and one SuperNode per data file; stop everything again on failure.
 
@@ -390,6 +427,8 @@ def start(
         Runtime API ports of the SuperNodes (default: free ports).
     supernode_env : Mapping[str, str], optional
         Extra environment variables of the SuperNodes (and so of their ClientApps).
+    die_with_parent : bool
+        Stop the SuperLink and SuperNodes when this process dies (tests).
 
     """
     directory = directory.resolve()
@@ -399,6 +438,13 @@ def start(
     certificates = deployment.certificates
     if secure and not (certificates / "ca.key").is_file():
         make_certificates(certificates, len(data_files))
+    missing = [
+        i for i in range(len(data_files)) if secure and not (certificates / f"supernode-{i}").is_file()
+    ]
+    if missing:
+        raise DeploymentError(
+            f"{certificates} has no key for SuperNode {missing[0]}: remove it to make new ones"
+        )
     write_connection(
         flwr_home(cli_env),
         connection,
@@ -425,6 +471,7 @@ def start(
             cwd=directory / "superlink",
             env={**os.environ, "FLWR_HOME": str(directory / "superlink" / "flwr-home")},
             log=directory / "logs" / "superlink.log",
+            die_with_parent=die_with_parent,
         )
         deployment.processes.append(superlink)
         deployment.save()
@@ -470,6 +517,7 @@ def start(
                 cwd=node_dir,
                 env={**os.environ, **(supernode_env or {}), "FLWR_HOME": str(node_dir / "flwr-home")},
                 log=directory / "logs" / f"supernode-{index}.log",
+                die_with_parent=die_with_parent,
             )
             deployment.processes.append(node)
             deployment.save()

@@ -389,7 +389,9 @@ class DPFLBNNStrategy(FederatedStrategy):
                 "noise": "rr" if self.noise else "none",
                 "bits_per_upload": self.num_bits,
                 "beta": self.beta,
-                "trust_model": "local DP: the server sees every client's noised bits (no secure aggregation)",
+                "trust_model": "local DP: the server sees every client's noised bits (no secure aggregation)"
+                if self.noise
+                else "none: the server sees every client's binary weights as they are",
             }
         )
         if self.noise and self.gamma is not None:

@@ -37,6 +37,7 @@ from omegaconf import DictConfig
 from fl_app import keys
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import local_gaussian_noise_multiplier, local_gaussian_sigma
+from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
@@ -75,6 +76,9 @@ class FedAvgLDPStrategy(FederatedStrategy):
                 method=self.method,
             )
         self.sigma = local_gaussian_sigma(clip=self.clip, noise_multiplier=self.noise_multiplier)
+        self.epsilon_per_round = compose_epsilon(
+            {Gaussian(self.noise_multiplier): 1}, delta=run.delta, method=self.method
+        ).epsilon
         self.accountant = PrivacyAccountant(
             population=run.client_ids, unit=self.privacy_unit, method=self.method
         )
@@ -158,16 +162,21 @@ class FedAvgLDPStrategy(FederatedStrategy):
         return ArrayRecord(new), MetricRecord({"reports": len(updates)})
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
-        """Number of valid uploads aggregated in the round."""
-        assert self.accountant is not None
-        return {"reports": self._reports.get(server_round, 0)}
+        """Valid uploads aggregated in the round and the epsilon of one upload.
+
+        The cumulative epsilon (worst client, accountant) is the platform's ``epsilon`` of the round.
+        """
+        return {"reports": self._reports.get(server_round, 0), "epsilon_per_round": self.epsilon_per_round}
 
     def privacy_summary(self) -> dict[str, Any]:
-        """Unit, mechanism, calibration and schedule."""
+        """Unit, mechanism, calibration, schedule, per-upload and cumulative epsilon."""
+        cumulative = self.epsilon()
         return {
             **super().privacy_summary(),
             "budget_scope": self.budget_scope,
             "epsilon_target": float(self.cfg.privacy.epsilon),
+            "epsilon_per_round": self.epsilon_per_round,
+            "epsilon_cumulative": None if cumulative is None else cumulative.epsilon,
             "noise_multiplier": self.noise_multiplier,
             "clip": self.clip,
             "noise_std": self.sigma,

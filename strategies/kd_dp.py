@@ -36,7 +36,7 @@ choice, listed with its reason in ``docs/kd_dp.md``):
 * **Teacher stage** (large-data clients only): every round, every large-data
   client (or ``teacher_clients_per_round`` of them, seeded) trains the teacher
   with local DP-SGD (:mod:`fl_app.privacy.dp_sgd`: Poisson sampling at rate
-  ``q_L``, per-example clipping to ``strategy.clip``, Gaussian noise) and the
+  ``q_k``, per-example clipping to ``strategy.clip``, Gaussian noise) and the
   server averages the returned models weighted by their public sizes.
 * **Pseudo-labels**: at the start of round ``teacher_rounds + 1`` the server
   labels the public split (``run.data.public_x()``; its true labels are never
@@ -47,20 +47,24 @@ choice, listed with its reason in ``docs/kd_dp.md``):
   labels are then fixed and the special client trains on them in every student
   round like a client, so its per-label cost is ``epsilon_special`` whatever
   the number of rounds. ``epsilon_special: null`` skips the randomized response.
+  Its loss (``special_loss: forward``) is the likelihood of the observed label
+  under the known randomized response, ``-log(beta p_y + (1 - beta)/C)``
+  (forward loss correction), so the student is not pulled towards the
+  flattened noisy label distribution; ``plain`` is cross-entropy on the noisy labels.
 * **Student stage**: each round ``clients_per_round`` general clients (seeded,
-  uniform without replacement) train the student with local DP-SGD at rate
-  ``q_G``; the server averages their models and the special client's, weighted
-  by sizes (the special client's size is the public split's). The student
-  starts from the teacher (``student_init: teacher``, post-processing) or from a
-  fresh seeded initialisation (``fresh``). Large-data clients do not take part.
+  uniform without replacement) train the student with local DP-SGD; the server
+  averages their models and the special client's, weighted by sizes (the
+  special client's size is the public split's). The student
+  starts from the teacher (``student_init: teacher``, post-processing) or from the
+  run's seeded initial model (``fresh``). Large-data clients do not take part.
 
 Privacy accounting (one unit for the guarantee: **one training example of a
 federated client, added or removed**, record-level DP; the server need not be
 trusted for it, since every model leaves a device already noised):
 
-* DP-SGD on client ``k``: each step is ``SampledGaussian(z_k, q)`` (``Gaussian(z_k)``
-  when ``q = 1``) in that unit; with ``q = min(1, B / min_{j in group} n_j)``
-  and ``local_epochs * ceil(1/q)`` steps per round, recorded as one
+* DP-SGD on client ``k``: each step is ``SampledGaussian(z_k, q_k)`` (``Gaussian(z_k)``
+  when ``q_k = 1``) in that unit; with ``q_k = min(1, B / n_k)`` (expected batch
+  ``B = batch_size``) and ``local_epochs * ceil(n_k / B)`` steps per round, recorded as one
   :class:`~fl_app.privacy.events.PrivacyEvent` per round naming every
   *selected* client (failures and rejected replies included). The client
   schedule is drawn in advance from the run seed (data-independent), so
@@ -125,6 +129,7 @@ GENERAL = "general"
 SPECIAL = "special"
 SPECIAL_CLIENT_ID = -1
 STUDENT_INITS = ("teacher", "fresh")
+SPECIAL_LOSSES = ("forward", "plain")
 TEACHER_CLIENT = "kd_dp_teacher"
 GENERAL_CLIENT = "kd_dp_general"
 
@@ -165,7 +170,7 @@ def group_by_size(
         assert fraction is not None
         if not 0 < fraction < 1:
             raise ValueError(f"fraction must be in (0, 1), got {fraction!r}")
-        count = math.ceil(fraction * len(roster))
+        count = math.ceil(round(fraction * len(roster), 9))  # 0.1 * 30 is 3.0000000000000004
         ordered = sorted(roster, key=lambda c: (-c.num_examples, c.client_id))
         large = {c.client_id for c in ordered[:count]}
     general = sorted(c.client_id for c in roster if c.client_id not in large)
@@ -188,10 +193,10 @@ class GroupPlan:
         The group's clients.
     epsilon : float
         Target epsilon of each client's DP-SGD in the record unit.
-    sampling_rate : float
-        ``q = min(1, B / smallest size in the group)``.
-    steps_per_round : int
-        ``local_epochs * ceil(1 / q)``.
+    sampling_rates : dict[int, float]
+        ``q_k = min(1, B / n_k)`` per client (expected batch ``B``).
+    steps_per_round : dict[int, int]
+        ``local_epochs * ceil(n_k / B)`` per client (``local_epochs`` expected passes).
     participations : dict[int, int]
         Rounds each client is scheduled in.
     noise_multipliers : dict[int, float]
@@ -202,8 +207,8 @@ class GroupPlan:
     name: str
     ids: list[int]
     epsilon: float
-    sampling_rate: float
-    steps_per_round: int
+    sampling_rates: dict[int, float]
+    steps_per_round: dict[int, int]
     participations: dict[int, int] = field(default_factory=dict)
     noise_multipliers: dict[int, float] = field(default_factory=dict)
 
@@ -250,6 +255,7 @@ class KDDPStrategy(FederatedStrategy):
         self.num_rounds = int(cfg.num_rounds)
         self.clip = float(settings.clip)
         self.student_init = str(settings.student_init)
+        self.special_loss = str(settings.special_loss)
         self.teacher_per_round = (
             len(large)
             if settings.teacher_clients_per_round is None
@@ -270,8 +276,8 @@ class KDDPStrategy(FederatedStrategy):
                 plan.noise_multipliers[client] = dp_sgd_noise_multiplier(
                     epsilon=plan.epsilon,
                     delta=run.delta,
-                    sampling_rate=plan.sampling_rate,
-                    steps=plan.steps_per_round * count,
+                    sampling_rate=plan.sampling_rates[client],
+                    steps=plan.steps_per_round[client] * count,
                 )
         method = str(cfg.privacy.accountant)
         self.accountant = PrivacyAccountant(population=run.client_ids, unit=RECORD_UNIT, method=method)
@@ -284,15 +290,16 @@ class KDDPStrategy(FederatedStrategy):
         self._special_loss: dict[int, float] = {}
         self._epsilon_cache: tuple[tuple[int, int], GroupedEpsilon] | None = None
         for plan in self.plans.values():
-            z = sorted(plan.noise_multipliers.values())
+            z, q = sorted(plan.noise_multipliers.values()), sorted(plan.sampling_rates.values())
+            steps = sorted(plan.steps_per_round.values())
             log(
                 INFO,
-                "KD-DP %s clients: %d, epsilon %.4g, q=%.4g, %d DP-SGD steps/round, z in [%s]",
+                "KD-DP %s clients: %d, epsilon %.4g, q in [%s], DP-SGD steps/round in [%s], z in [%s]",
                 plan.name,
                 len(plan.ids),
                 plan.epsilon,
-                plan.sampling_rate,
-                plan.steps_per_round,
+                f"{q[0]:.4g}, {q[-1]:.4g}" if q else "-",
+                f"{steps[0]}, {steps[-1]}" if steps else "-",
                 f"{z[0]:.4g}, {z[-1]:.4g}" if z else "-",
             )
 
@@ -354,6 +361,7 @@ class KDDPStrategy(FederatedStrategy):
         )
         require_positive("strategy.clip", settings.clip)
         require_choice("strategy.student_init", settings.student_init, STUDENT_INITS)
+        require_choice("strategy.special_loss", settings.special_loss, SPECIAL_LOSSES)
         if cfg.privacy.budget_scope != "total":
             raise ConfigError(
                 "privacy.budget_scope",
@@ -374,18 +382,16 @@ class KDDPStrategy(FederatedStrategy):
             )
 
     def _plan(self, name: str, ids: list[int], epsilon: float) -> GroupPlan:
-        if not ids:  # teacher_rounds=0: no large-data group
-            return GroupPlan(name, ids, epsilon, 1.0, 0)
-        smallest = min(self.run.info(c).num_examples for c in ids)
-        if smallest < 1:
-            raise ConfigError(
-                "strategy.large_threshold" if name == LARGE else "num_clients",
-                smallest,
-                f"every {name} client needs at least one example for DP-SGD",
-            )
-        rate = min(1.0, int(self.cfg.batch_size) / smallest)
-        steps = int(self.cfg.local_epochs) * math.ceil(1.0 / rate)
-        return GroupPlan(name, ids, epsilon, rate, steps)
+        """Per client: ``q_k = min(1, B / n_k)`` and ``local_epochs * ceil(n_k / B)`` steps per round."""
+        batch, epochs = int(self.cfg.batch_size), int(self.cfg.local_epochs)
+        rates, steps = {}, {}
+        for client in ids:
+            size = self.run.info(client).num_examples
+            if size < 1:
+                raise ConfigError("num_clients", size, f"client {client} has no examples for DP-SGD")
+            rates[client] = min(1.0, batch / size)
+            steps[client] = epochs * max(1, math.ceil(size / batch))
+        return GroupPlan(name, ids, epsilon, rates, steps)
 
     def stage(self, server_round: int) -> str:
         """``"teacher"`` for rounds ``1..teacher_rounds``, ``"student"`` after."""
@@ -426,8 +432,8 @@ class KDDPStrategy(FederatedStrategy):
             record[keys.ALGORITHM] = TEACHER_CLIENT if stage == TEACHER_STAGE else GENERAL_CLIENT
             record[keys.KDDP_STAGE] = stage
             record[keys.KDDP_NOISE_MULTIPLIER] = plan.noise_multipliers[client.client_id]
-            record[keys.KDDP_SAMPLING_RATE] = plan.sampling_rate
-            record[keys.KDDP_STEPS] = plan.steps_per_round
+            record[keys.KDDP_SAMPLING_RATE] = plan.sampling_rates[client.client_id]
+            record[keys.KDDP_STEPS] = plan.steps_per_round[client.client_id]
             record[keys.KDDP_CLIP] = self.clip
             content = RecordDict({keys.ARRAYS: sent, keys.CONFIG: record})
             messages.append(
@@ -509,6 +515,7 @@ class KDDPStrategy(FederatedStrategy):
                 lr=float(self.cfg.lr),
                 momentum=float(self.cfg.momentum),
                 rng=self.run.randomness.generator("kd-dp-special-data-order", server_round=server_round),
+                correction=self.special_loss == "forward",
             )
             self._special_loss[server_round] = loss
             metrics["kd-dp-special-train-loss"] = loss
@@ -519,17 +526,19 @@ class KDDPStrategy(FederatedStrategy):
         return mean_arrays(records, weights), MetricRecord(metrics)
 
     def _record_dp_sgd(self, server_round: int, plan: GroupPlan) -> None:
-        """One event per distinct noise multiplier, naming every selected client (failures included)."""
+        """One event per distinct (z, q, steps), naming every selected client (failures included)."""
         assert self.accountant is not None
-        by_multiplier: dict[float, list[int]] = {}
+        by_mechanism: dict[tuple[float, float, int], list[int]] = {}
         for client in self.selected(server_round):
-            by_multiplier.setdefault(plan.noise_multipliers[client.client_id], []).append(client.client_id)
-        for multiplier, ids in sorted(by_multiplier.items()):
+            c = client.client_id
+            key = (plan.noise_multipliers[c], plan.sampling_rates[c], plan.steps_per_round[c])
+            by_mechanism.setdefault(key, []).append(c)
+        for (multiplier, rate, steps), ids in sorted(by_mechanism.items()):
             self.accountant.record(
                 PrivacyEvent(
                     server_round,
-                    dp_sgd_mechanism(noise_multiplier=multiplier, sampling_rate=plan.sampling_rate),
-                    count=plan.steps_per_round,
+                    dp_sgd_mechanism(noise_multiplier=multiplier, sampling_rate=rate),
+                    count=steps,
                     participants=tuple(ids),
                     label=f"{plan.name} clients' local DP-SGD ({self.stage(server_round)} stage)",
                 )
@@ -542,8 +551,8 @@ class KDDPStrategy(FederatedStrategy):
             return "no metrics"
         expected = {
             keys.KDDP_NOISE_MULTIPLIER: plan.noise_multipliers[info.client_id],
-            keys.KDDP_SAMPLING_RATE: plan.sampling_rate,
-            keys.KDDP_STEPS: float(plan.steps_per_round),
+            keys.KDDP_SAMPLING_RATE: plan.sampling_rates[info.client_id],
+            keys.KDDP_STEPS: float(plan.steps_per_round[info.client_id]),
             keys.KDDP_CLIP: self.clip,
         }
         for key, value in expected.items():
@@ -650,8 +659,8 @@ class KDDPStrategy(FederatedStrategy):
             "dp_sgd": {
                 name: {
                     "clip": self.clip,
-                    "sampling_rate": plan.sampling_rate,
-                    "steps_per_round": plan.steps_per_round,
+                    "sampling_rates": {str(k): v for k, v in sorted(plan.sampling_rates.items())},
+                    "steps_per_round": {str(k): v for k, v in sorted(plan.steps_per_round.items())},
                     "target_epsilon": plan.epsilon,
                     "participations": {str(k): v for k, v in sorted(plan.participations.items())},
                     "noise_multipliers": {str(k): v for k, v in sorted(plan.noise_multipliers.items())},

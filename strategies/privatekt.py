@@ -70,7 +70,7 @@ from fl_app.privacy.mechanisms import debias_label_average
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import load_arrays, model_to_arrays, predict_proba, to_tensor
-from fl_app.validation import ConfigError, require_bool, require_choice, require_int
+from fl_app.validation import ConfigError, require_bool, require_choice, require_int, require_range
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
 
@@ -178,12 +178,15 @@ def fit_targets(
     batch_size: int | None,
     lr: float,
     rng: np.random.Generator,
+    input_dropout: float = 0.0,
 ) -> float:
     """``steps`` SGD steps of soft-target cross-entropy on ``(x, targets)``; returns the mean loss.
 
     ``batch_size=None`` uses the whole set in every step (the authors'
     ``train_on_batch`` on the buffer); otherwise mini-batches follow seeded
     permutations (one epoch = ``ceil(n / batch_size)`` steps).
+    ``input_dropout`` zeroes each input value with that probability (inverted
+    dropout, seeded masks from ``rng``).
     """
     if steps <= 0 or len(x) == 0:
         return math.nan
@@ -199,8 +202,12 @@ def fit_targets(
             order, position = rng.permutation(len(x)), 0
         index = torch.from_numpy(order[position : position + size])
         position += size
+        batch = inputs[index]
+        if input_dropout > 0:
+            keep = torch.from_numpy(rng.random(tuple(batch.shape)) >= input_dropout)
+            batch = batch * keep / (1.0 - input_dropout)
         optimizer.zero_grad(set_to_none=True)
-        loss = -(soft[index] * F.log_softmax(model(inputs[index]), dim=1)).sum(dim=1).mean()
+        loss = -(soft[index] * F.log_softmax(model(batch), dim=1)).sum(dim=1).mean()
         loss.backward()
         optimizer.step()
         total += float(loss.detach())
@@ -276,6 +283,7 @@ class PrivateKTStrategy(FederatedStrategy):
         self.server_steps = int(settings.server_steps)
         self.knowledge = str(settings.knowledge)
         self.self_train_targets = str(settings.self_train_targets)
+        self.self_train_dropout = float(settings.self_train_dropout)
         self.local_epochs = int(
             self.cfg.local_epochs if settings.local_epochs is None else settings.local_epochs
         )
@@ -340,6 +348,7 @@ class PrivateKTStrategy(FederatedStrategy):
             require_int("strategy.local_epochs", settings.local_epochs, minimum=1)
         require_choice("strategy.knowledge", settings.knowledge, KNOWLEDGE_MODES)
         require_choice("strategy.self_train_targets", settings.self_train_targets, SELF_TRAIN_TARGETS)
+        require_range("strategy.self_train_dropout", settings.self_train_dropout, 0.0, 1.0, high_open=True)
         if settings.send_kt_data is not None:
             require_bool("strategy.send_kt_data", settings.send_kt_data)
         if float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
@@ -446,7 +455,9 @@ class PrivateKTStrategy(FederatedStrategy):
             perturbed_labels=np.stack(reports), keep_probability=self.beta, num_classes=self.num_classes
         )
         rng = self.run.randomness.generator("privatekt-server", server_round=server_round)
-        self.buffer.push(self._kt[server_round], knowledge_targets(estimate, mode=self.knowledge, rng=rng))
+        targets = knowledge_targets(estimate, mode=self.knowledge, rng=rng)
+        self.buffer.push(self._kt[server_round], targets)
+        stats["kt_labels"] = targets.argmax(axis=1).tolist()
 
         model = self.run.model_spec.build()
         load_arrays(model, self._global)
@@ -472,6 +483,7 @@ class PrivateKTStrategy(FederatedStrategy):
                 batch_size=batch,
                 lr=lr,
                 rng=rng,
+                input_dropout=self.self_train_dropout,
             )
         stats.update(
             buffer_rounds=len(self.buffer),
@@ -483,13 +495,16 @@ class PrivateKTStrategy(FederatedStrategy):
     # ------------------------------------------------------------------ reporting
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
-        """Per-round and cumulative epsilon (accountant and basic composition) plus buffer statistics."""
+        """Per-report and per-label epsilon, participation so far, and the round's knowledge.
+
+        The cumulative epsilon (accountant, and its basic-composition bound) is
+        in the platform's ``epsilon``/``epsilon_basic`` fields of the same round.
+        """
         assert self.accountant is not None
         participated = max((self.accountant.rounds_participated(c) for c in self.run.client_ids), default=0)
         return {
             "epsilon_per_round": self.epsilon_per_round,
             "epsilon_per_label": self.epsilon_per_label,
-            "epsilon_basic": self.accountant.basic_epsilon(),
             "max_participation": participated,
             **self._stats.get(server_round, {}),
         }

@@ -128,3 +128,58 @@ def test_dp_fedavg_calibration_meets_budget(tmp_path):
         strategy.configure_train(server_round, _arrays(0.0), ConfigRecord(), grid=None)
         strategy.aggregate_train(server_round, [])
     assert strategy.epsilon().epsilon == pytest.approx(spent, rel=1e-9)
+
+
+def test_dp_fedavg_fixed_sampling_agrees_with_flowers_wrapper(tmp_path):
+    """Same clipping, same noise std on the average and the same epsilon as Flower's
+    DifferentialPrivacyServerSideFixedClipping with its no-amplification accountant."""
+    from flwr.serverapp import (
+        GaussianPrivacyEvent,
+        NeighboringRelation,
+        PrivacyConfig,
+        RdpAccountant,
+        SamplingMethod,
+    )
+    from flwr.supercore.differential_privacy import compute_clip_model_update, compute_stdv
+
+    run = build_run_context(
+        [
+            *DIGITS,
+            "strategy=dp_fedavg",
+            "strategy.sampling=fixed",
+            "strategy.noise_multiplier=1.3",
+            "strategy.clip=0.7",
+        ],
+        tmp_path,
+    )
+    strategy = DPFedAvgStrategy(run)
+    # noise std on the average of m = 3 clipped updates
+    assert strategy.noise_multiplier * strategy.clip / strategy.denominator == pytest.approx(
+        compute_stdv(1.3, 0.7, 3)
+    )
+    # clipping an update: Flower clips (param1 - param2) in place and adds param2 back
+    rng = np.random.default_rng(0)
+    reference = [rng.normal(size=(3, 2)), rng.normal(size=2)]
+    trained = [r + rng.normal(size=r.shape) * 3 for r in reference]
+    flower = [t.copy() for t in trained]
+    compute_clip_model_update(param1=flower, param2=reference, clipping_norm=0.7)
+    from fl_app.privacy.mechanisms import clip_l2
+
+    ours, _ = clip_l2(arrays=[t - r for t, r in zip(trained, reference, strict=True)], max_norm=0.7)
+    assert all(np.allclose(f - r, o) for f, r, o in zip(flower, reference, ours, strict=True))
+    # epsilon after 4 rounds in which a client was selected every time
+    for server_round in range(1, 5):
+        strategy._selected[server_round] = run.roster  # every client, every round
+        strategy._record_release(server_round)
+    flower_accountant = RdpAccountant(
+        PrivacyConfig(
+            target_delta=1e-5,
+            population_size=6,
+            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=SamplingMethod.NO_AMPLIFICATION,
+        )
+    )
+    flower_accountant.compose(
+        GaussianPrivacyEvent(noise_multiplier=1.3, sample_size=3, population_size=6), count=4
+    )
+    assert strategy.epsilon().rdp == pytest.approx(flower_accountant.get_epsilon(1e-5), rel=1e-9)

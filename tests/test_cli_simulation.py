@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def ray_processes_of(driver_pid: int) -> list[str]:
     """Ray processes of the session a driver process started (Ray names it after the driver's pid)."""
-    out = subprocess.run(["pgrep", "-af", "raylet|gcs_server|ray::|dashboard"], capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        ["pgrep", "-af", "raylet|gcs_server|ray::|dashboard"], capture_output=True, text=True
+    ).stdout
     pattern = re.compile(rf"session_[0-9_-]+_{driver_pid}\b")
     return [line for line in out.splitlines() if pattern.search(line)]
 
@@ -27,9 +28,20 @@ def ray_processes_of(driver_pid: int) -> list[str]:
 def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
     sweep = tmp_path / "sweep"
     process = subprocess.Popen(
-        [sys.executable, "-m", "fl_app", "-m", *FAST, "strategy=fedavg,dp_fedavg",
-         f"hydra.sweep.dir={sweep}"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+        [
+            sys.executable,
+            "-m",
+            "fl_app",
+            "-m",
+            *FAST,
+            "strategy=fedavg,dp_fedavg",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+    )
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
     results = sorted(sweep.glob("*/results.json"))
@@ -60,8 +72,9 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
 def test_failing_client_does_not_end_the_run(simulate, monkeypatch):
     # Client 1 raises in every round, client 4 in round 2 only; the run completes.
     monkeypatch.setenv("DPFL_INJECT_FAILURES", "1,4@2")
-    results = simulate([*FAST, "strategy=dp_fedavg", "strategy.sampling=fixed", "clients_per_round=6",
-                        "num_rounds=2"])
+    results = simulate(
+        [*FAST, "strategy=dp_fedavg", "strategy.sampling=fixed", "clients_per_round=6", "num_rounds=2"]
+    )
     assert [r["failures"] for r in results["rounds"]] == [1, 2]
     assert all(r["clients"] == 6 for r in results["rounds"])
     assert results["final"]["accuracy"] is not None
@@ -76,9 +89,22 @@ def test_failed_job_is_reported_and_the_others_run(tmp_path):
     # Job 0: the clients cannot answer the roster query within 1 ms, so the run fails at run
     # time (it passes validation); job 1 runs normally.
     process = subprocess.run(
-        [sys.executable, "-m", "fl_app", "-m", *FAST, "num_rounds=1", "strategy=fedavg",
-         "simulation.timeout=0.001,600", f"hydra.sweep.dir={sweep}"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "fl_app",
+            "-m",
+            *FAST,
+            "num_rounds=1",
+            "strategy=fedavg",
+            "simulation.timeout=0.001,600",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
     assert process.returncode == 1, process.stderr[-2000:]
     assert "job failed" in process.stderr
     assert (sweep / "0-fedavg" / "error.txt").exists()
@@ -89,7 +115,14 @@ def test_failed_job_is_reported_and_the_others_run(tmp_path):
 def test_partition_that_leaves_clients_empty_is_bad_input():
     from fl_app.__main__ import preflight
 
-    errors = preflight(["dataset=synthetic", "dataset.num_train=20", "num_clients=19",
-                        "clients_per_round=2", "partition.min_partition_size=0"])
+    errors = preflight(
+        [
+            "dataset=synthetic",
+            "dataset.num_train=20",
+            "num_clients=19",
+            "clients_per_round=2",
+            "partition.min_partition_size=0",
+        ]
+    )
     assert len(errors) == 1
     assert errors[0].startswith("num_clients=19")

@@ -27,8 +27,7 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize("group", ["strategy", "dataset", "partition", "privacy", "evaluation",
-                                   "simulation"])
+@pytest.mark.parametrize("group", ["strategy", "dataset", "partition", "privacy", "evaluation", "simulation"])
 def test_every_option_of_every_group_composes_and_validates(group):
     for option in options(group):
         overrides = [f"{group}={option}"]
@@ -44,6 +43,55 @@ def test_every_experiment_preset_composes_and_validates():
         validate_config(cfg, check_data=False)
 
 
+def test_compare_all_sweeps_every_arm_at_four_budgets_and_three_seeds():
+    """Every ``conf/comparison`` arm but the non-private reference is swept; every job validates;
+    each arm's strategy, and the DP arms' equal-budget settings, are what the job runs."""
+    from fl_app.__main__ import expand_jobs
+
+    jobs = expand_jobs(["+experiment=compare_all"], multirun=True)
+    arms = set(options("comparison")) - {"fedavg"}
+    grid = {tuple(sorted(o for o in job if not o.startswith("+experiment="))) for job in jobs}
+    assert grid == {
+        (f"+comparison={a}", f"privacy.epsilon={e}", f"seed={s}")
+        for a in arms
+        for e in (1, 2, 4, 8)
+        for s in (1, 2, 3)
+    }
+    for job in (j for j in jobs if "seed=1" in j):  # composing is slow: the seed changes nothing else
+        cfg = compose_config(job)
+        validate_config(cfg, check_data=False)
+        arm = next(o.split("=", 1)[1] for o in job if o.startswith("+comparison="))
+        assert cfg.strategy.name == arm
+        assert (cfg.dataset.name, cfg.partition.name, cfg.partition.alpha) == (
+            "fashion_mnist",
+            "dirichlet",
+            0.5,
+        )
+        assert cfg.model == ("auto" if arm == "dpfl_bnn" else "mlp")
+    assert (
+        compose_config(["+experiment=compare_all", "+comparison=nbafl"]).strategy.calibration == "accountant"
+    )
+    reference = expand_jobs(
+        ["+experiment=compare_all", "+comparison=fedavg", "privacy.epsilon=8"], multirun=True
+    )
+    assert [compose_config(j).strategy.name for j in reference] == ["fedavg"] * 3
+
+
+def test_nbafl_n50_preset_is_the_documents_epsilon_sweep():
+    from fl_app.__main__ import expand_jobs
+
+    jobs = expand_jobs(["+experiment=nbafl_n50"], multirun=True)
+    configs = [compose_config(j) for j in jobs]
+    assert sorted(c.privacy.epsilon for c in configs) == [5, 10, 20, 50, 60, 100]
+    for cfg in configs:
+        assert (cfg.strategy.name, cfg.num_clients, cfg.num_rounds, cfg.privacy.delta) == (
+            "nbafl",
+            50,
+            25,
+            0.01,
+        )
+
+
 def test_every_registered_strategy_has_a_config_and_a_client():
     from clients import CLIENTS
 
@@ -55,8 +103,15 @@ def test_every_registered_strategy_has_a_config_and_a_client():
 
 
 def test_flwr_run_config_round_trip_equals_direct_composition():
-    overrides = ["strategy=dp_fedavg", "privacy.epsilon=4", "dataset=digits", "partition=iid",
-                 "num_clients=20", "hydra.run.dir=/tmp/ignored", "lr=0.1"]
+    overrides = [
+        "strategy=dp_fedavg",
+        "privacy.epsilon=4",
+        "dataset=digits",
+        "partition=iid",
+        "num_clients=20",
+        "hydra.run.dir=/tmp/ignored",
+        "lr=0.1",
+    ]
     run_config = overrides_to_run_config(overrides, "/tmp/out")
     assert overrides_from_run_config(run_config) == overrides
     assert compose_config(overrides_from_run_config(run_config)) == compose_config(overrides)
@@ -65,8 +120,13 @@ def test_flwr_run_config_round_trip_equals_direct_composition():
 def test_hydra_main_and_compose_config_give_the_same_job_config():
     """What `python -m fl_app` hands its job equals what `flwr run` composes from the run config."""
     overrides = ["strategy=fedavg", "dataset=digits", "num_rounds=7", "privacy.delta=1e-6"]
-    process = subprocess.run([sys.executable, "-m", "fl_app", *overrides, "--cfg", "job", "--resolve"],
-                             capture_output=True, text=True, cwd=ROOT, timeout=120)
+    process = subprocess.run(
+        [sys.executable, "-m", "fl_app", *overrides, "--cfg", "job", "--resolve"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert process.returncode == 0, process.stderr
     from_hydra = OmegaConf.create(yaml.safe_load(process.stdout))
     run_config = overrides_to_run_config(overrides, "")
@@ -75,7 +135,8 @@ def test_hydra_main_and_compose_config_give_the_same_job_config():
 
 def test_multirun_expansion():
     overrides, multirun, informational = split_command_line(
-        ["-m", "privacy.epsilon=1,2", "strategy=fedavg,dp_fedavg", "--config-name", "config"])
+        ["-m", "privacy.epsilon=1,2", "strategy=fedavg,dp_fedavg", "--config-name", "config"]
+    )
     assert multirun
     assert not informational
     assert overrides == ["privacy.epsilon=1,2", "strategy=fedavg,dp_fedavg"]
@@ -126,8 +187,11 @@ def test_secure_rng_refuses_a_noise_seed():
 
 
 def test_unknown_group_option_and_unknown_key_are_one_line():
-    for override, needle in (("strategy=nope", "strategy"), ("nonsense_key=3", "nonsense_key"),
-                             ("partition=zipf", "partition")):
+    for override, needle in (
+        ("strategy=nope", "strategy"),
+        ("nonsense_key=3", "nonsense_key"),
+        ("partition=zipf", "partition"),
+    ):
         errors = preflight([override])
         assert len(errors) == 1 and needle in errors[0] and "\n" not in errors[0]
 
@@ -150,13 +214,24 @@ def test_config_error_names_key_value_and_allowed():
     assert str(error) == "privacy.delta=2.0: must be a number in (0.0, 1.0)"
 
 
-@pytest.mark.parametrize("override", ["privacy.epsilon=-1", "clients_per_round=1000", "strategy=nope",
-                                      "dataset=mnist dataset.data_dir=/nope dataset.download=false"])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "privacy.epsilon=-1",
+        "clients_per_round=1000",
+        "strategy=nope",
+        "dataset=mnist dataset.data_dir=/nope dataset.download=false",
+    ],
+)
 def test_cli_exits_2_with_one_line_and_writes_nothing(override, tmp_path):
     run_dir = tmp_path / "run"
     process = subprocess.run(
         [sys.executable, "-m", "fl_app", *override.split(), f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert process.returncode == 2, process.stderr
     lines = process.stderr.strip().splitlines()
     assert len(lines) == 1, process.stderr

@@ -26,10 +26,14 @@ def write_fake_mnist(folder: Path, *, compress: bool, train: int = 50, test: int
     rng = np.random.default_rng(0)
     suffix = ".gz" if compress else ""
     for split, count in (("train", train), ("t10k", test)):
-        write_idx(folder / f"{split}-images-idx3-ubyte{suffix}",
-                  rng.integers(0, 256, size=(count, 28, 28)), compress=compress)
-        write_idx(folder / f"{split}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, size=count),
-                  compress=compress)
+        write_idx(
+            folder / f"{split}-images-idx3-ubyte{suffix}",
+            rng.integers(0, 256, size=(count, 28, 28)),
+            compress=compress,
+        )
+        write_idx(
+            folder / f"{split}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, size=count), compress=compress
+        )
 
 
 @pytest.mark.parametrize("compress", [True, False])
@@ -53,19 +57,31 @@ def test_resolution_order_data_dir_then_system_then_cache(tmp_path):
     write_fake_mnist(system, compress=True)
     write_fake_mnist(cache, compress=False)
     write_fake_mnist(mine, compress=False)
-    found = resolve_idx_folder("mnist", data_dir=str(mine), download=False, search_paths=[system],
-                               cache_dir=cache)
+    found = resolve_idx_folder(
+        "mnist", data_dir=str(mine), download=False, search_paths=[system], cache_dir=cache
+    )
     assert found == mine
-    assert resolve_idx_folder("mnist", data_dir=None, download=False, search_paths=[system],
-                              cache_dir=cache) == system
-    assert resolve_idx_folder("mnist", data_dir=None, download=False, search_paths=[tmp_path / "no"],
-                              cache_dir=cache) == cache
+    assert (
+        resolve_idx_folder("mnist", data_dir=None, download=False, search_paths=[system], cache_dir=cache)
+        == system
+    )
+    assert (
+        resolve_idx_folder(
+            "mnist", data_dir=None, download=False, search_paths=[tmp_path / "no"], cache_dir=cache
+        )
+        == cache
+    )
 
 
 def test_missing_files_give_one_line_with_the_remedy(tmp_path):
     with pytest.raises(DataNotFoundError) as error:
-        resolve_idx_folder("fashion_mnist", data_dir=None, download=False, search_paths=[tmp_path / "a"],
-                           cache_dir=tmp_path / "b")
+        resolve_idx_folder(
+            "fashion_mnist",
+            data_dir=None,
+            download=False,
+            search_paths=[tmp_path / "a"],
+            cache_dir=tmp_path / "b",
+        )
     message = str(error.value)
     assert "\n" not in message
     assert message.startswith("dataset.data_dir=null")
@@ -77,8 +93,9 @@ def test_missing_files_give_one_line_with_the_remedy(tmp_path):
 def test_download_failure_is_reported_offline(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "DOWNLOAD_MIRRORS", {"mnist": ("http://127.0.0.1:9/",)})
     with pytest.raises(DataNotFoundError, match="download failed"):
-        resolve_idx_folder("mnist", data_dir=None, download=True, search_paths=[],
-                           cache_dir=tmp_path / "cache")
+        resolve_idx_folder(
+            "mnist", data_dir=None, download=True, search_paths=[], cache_dir=tmp_path / "cache"
+        )
     assert not (tmp_path / "cache").exists()
 
 
@@ -95,18 +112,39 @@ def test_digits_and_synthetic():
     digits = sources.load_dataset({"name": "digits", "test_fraction": 0.25}, seed=1)
     assert digits.x_train.shape[1:] == (1, 8, 8)
     assert len(digits.y_train) + len(digits.y_test) == 1797
-    synthetic = sources.load_dataset({"name": "synthetic", "num_train": 300, "num_test": 50,
-                                      "image_size": 8, "num_classes": 4, "class_sep": 2.0}, seed=1)
-    again = sources.load_dataset({"name": "synthetic", "num_train": 300, "num_test": 50,
-                                  "image_size": 8, "num_classes": 4, "class_sep": 2.0}, seed=1)
+    synthetic = sources.load_dataset(
+        {
+            "name": "synthetic",
+            "num_train": 300,
+            "num_test": 50,
+            "image_size": 8,
+            "num_classes": 4,
+            "class_sep": 2.0,
+        },
+        seed=1,
+    )
+    again = sources.load_dataset(
+        {
+            "name": "synthetic",
+            "num_train": 300,
+            "num_test": 50,
+            "image_size": 8,
+            "num_classes": 4,
+            "class_sep": 2.0,
+        },
+        seed=1,
+    )
     assert np.array_equal(synthetic.x_train, again.x_train)
     assert set(np.unique(synthetic.y_train)) == {0, 1, 2, 3}
 
 
 def test_public_split_and_partitions_cover_disjoint_rows():
-    spec = DataSpec(dataset={"name": "digits", "test_fraction": 0.25, "public_fraction": 0.2},
-                    partition={"name": "dirichlet", "alpha": 0.5, "min_partition_size": 2,
-                               "self_balancing": False}, num_clients=7, seed=3)
+    spec = DataSpec(
+        dataset={"name": "digits", "test_fraction": 0.25, "public_fraction": 0.2},
+        partition={"name": "dirichlet", "alpha": 0.5, "min_partition_size": 2, "self_balancing": False},
+        num_clients=7,
+        seed=3,
+    )
     data = build_federated_data(spec)
     rows = np.concatenate(data.client_rows)
     assert len(np.unique(rows)) == len(rows)
@@ -120,10 +158,12 @@ def test_public_split_and_partitions_cover_disjoint_rows():
 
 def test_dirichlet_skews_labels_and_iid_does_not():
     labels = np.repeat(np.arange(10), 300)
-    skewed = partition_rows(labels, scheme="dirichlet", num_partitions=10, seed=0,
-                            options={"alpha": 0.1, "min_partition_size": 1})
-    even = partition_rows(np.random.default_rng(0).permutation(labels), scheme="iid", num_partitions=10,
-                          seed=0, options={})
+    skewed = partition_rows(
+        labels, scheme="dirichlet", num_partitions=10, seed=0, options={"alpha": 0.1, "min_partition_size": 1}
+    )
+    even = partition_rows(
+        np.random.default_rng(0).permutation(labels), scheme="iid", num_partitions=10, seed=0, options={}
+    )
 
     def dominant_share(parts: list[np.ndarray], source: np.ndarray) -> float:
         return float(np.mean([np.bincount(source[p], minlength=10).max() / len(p) for p in parts]))
@@ -134,15 +174,20 @@ def test_dirichlet_skews_labels_and_iid_does_not():
 
 def test_size_skewed_partitioners():
     labels = np.zeros(1000, dtype=np.int64)
-    sizes = [len(p) for p in partition_rows(labels, scheme="exponential", num_partitions=5, seed=0,
-                                            options={})]
+    sizes = [
+        len(p) for p in partition_rows(labels, scheme="exponential", num_partitions=5, seed=0, options={})
+    ]
     assert sizes == sorted(sizes)
     assert sizes[-1] > 5 * sizes[0]
 
 
 def test_federated_data_is_cached_per_process():
-    spec = DataSpec(dataset={"name": "digits", "test_fraction": 0.25, "public_fraction": 0.1},
-                    partition={"name": "iid"}, num_clients=4, seed=0)
+    spec = DataSpec(
+        dataset={"name": "digits", "test_fraction": 0.25, "public_fraction": 0.1},
+        partition={"name": "iid"},
+        num_clients=4,
+        seed=0,
+    )
     assert federated_data(spec) is federated_data(DataSpec.from_json(spec.to_json()))
 
 

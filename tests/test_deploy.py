@@ -222,6 +222,7 @@ def federation(
         connection=f"dpfl-test-{mode}",
         cli_env=cli_env,
         supernode_env={"PYTHONPATH": python_path},
+        die_with_parent=True,
     )
     federation = Federation(mode, root, deployment, cli_env)
     try:
@@ -243,7 +244,7 @@ def submitted(federation: Federation) -> dict[str, Submission]:
             "num_clients=4",
             "simulation.timeout=4",
         ]
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(federation.submit, name, overrides) for name, overrides in jobs.items()}
         federation.submissions = {name: future.result() for name, future in futures.items()}
     return federation.submissions
@@ -341,6 +342,7 @@ def test_deploy_refuses_unregistered_and_plaintext_supernodes(
                     cwd=home,
                     env={**os.environ, "FLWR_HOME": str(home / "flwr-home")},
                     log=home / "supernode.log",
+                    die_with_parent=True,
                 )
             )
         deadline = time.monotonic() + 120
@@ -555,5 +557,5 @@ def test_simulation_joins_an_existing_ray_cluster() -> None:
     assert joined["init_args"]["address"] == "127.0.0.1:6379"
     assert "num_cpus" not in joined["init_args"]  # the cluster decides its resources
     private = backend_config(compose_config(["simulation.num_cpus=2"]))
-    assert "address" not in private["init_args"]
+    assert private["init_args"]["address"] == "local"  # never a cluster `ray start` left running
     assert private["init_args"]["num_cpus"] == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
 from fl_app.privacy.events import BinaryRandomizedResponse, PrivacyEvent
 from fl_app.privacy.mechanisms import binary_randomized_response
+from fl_app.results import load_model_arrays
 from fl_app.validation import ConfigError, validate_config
 from strategies.dpfl_bnn import DPFLBNNStrategy
 
@@ -389,8 +391,7 @@ def test_validation_accepts_gamma_zero_noise_free_and_auto_model(tmp_path):
 def test_dpfl_bnn_simulation(simulate):
     results = simulate(
         [
-            *FAST,
-            "model=bnn_cnn",
+            *FAST,  # model=auto: the strategy's resolve_model picks the binary CNN
             "strategy=dpfl_bnn",
             "strategy.gamma=0.4",
             "strategy.local_steps=5",
@@ -400,6 +401,10 @@ def test_dpfl_bnn_simulation(simulate):
         ]
     )
     assert results["status"] == "completed"
+    assert results["config"]["model"] == "auto"
+    spec, arrays = load_model_arrays(Path(results["_output_dir"]) / "final_model.npz")
+    assert spec.name == "bnn_cnn"
+    assert all(np.all(np.abs(a) <= 1) for a in arrays.values())  # W~: a mean of +-1 uploads
     rounds = results["rounds"]
     d = results["privacy"]["bits_per_upload"]
     epsilons = [r["epsilon"] for r in rounds]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import (
+    FAST,
     build_run_context,
     client_for,
     error_reply,
@@ -99,6 +100,13 @@ def test_total_budget_calibration_and_accounting(tmp_path):
     assert all(strategy.accountant.rounds_participated(c) == counts[c] for c in range(6))
     spent = strategy.epsilon().epsilon
     assert 2.95 < spent <= 3.0
+    summary = strategy.privacy_summary()
+    assert summary["epsilon_cumulative"] == pytest.approx(spent)
+    assert summary["epsilon_per_round"] == pytest.approx(
+        gaussian_epsilon(noise_multiplier=z, sampling_rate=1.0, rounds=1, delta=1e-5), rel=1e-6
+    )
+    assert summary["epsilon_per_round"] < spent  # one upload costs less than the whole run
+    assert strategy.round_extras(5) == {"reports": 2, "epsilon_per_round": summary["epsilon_per_round"]}
 
 
 def test_per_round_scope_calibrates_one_upload(tmp_path):
@@ -108,6 +116,7 @@ def test_per_round_scope_calibrates_one_upload(tmp_path):
     assert strategy.noise_multiplier == pytest.approx(
         local_gaussian_noise_multiplier(epsilon=3.0, delta=1e-5, participations=1), rel=1e-12
     )
+    assert strategy.epsilon_per_round == pytest.approx(3.0, rel=1e-3)  # one upload spends the budget
 
 
 @pytest.mark.parametrize(
@@ -122,3 +131,26 @@ def test_validation(override, key):
     with pytest.raises(ConfigError) as error:
         FedAvgLDPStrategy.validate_config(compose_config([*DIGITS, override]))
     assert error.value.key == key
+
+
+# ----------------------------------------------------------------------------- real simulation
+
+
+@pytest.mark.simulation
+def test_fedavg_ldp_simulation(simulate):
+    results = simulate([*FAST, "simulation.num_cpus=2", "strategy=fedavg_ldp", "privacy.epsilon=4"])
+    rounds = results["rounds"]
+    assert results["status"] == "completed"
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert all(r["reports"] == 3 and r["failures"] == 0 for r in rounds)
+    privacy = results["privacy"]
+    assert privacy["budget_scope"] == "total"
+    assert privacy["noise_multiplier"] > 0
+    assert privacy["noise_std"] == pytest.approx(2 * privacy["clip"] * privacy["noise_multiplier"])
+    epsilons = [r["epsilon"] for r in rounds]
+    assert epsilons == sorted(epsilons)
+    # Calibrated to the most-selected client's uploads: the whole budget, and no more, is spent.
+    assert 3.9 < results["final"]["epsilon"] <= 4.0 + 1e-9
+    # Each client uploads one model-sized update (no metrics): as many array bytes as it downloads.
+    assert all(r["upload_array_bytes"] == r["download_array_bytes"] > 0 for r in rounds)
+    assert results["final"]["accuracy"] is not None

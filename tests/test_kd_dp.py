@@ -96,9 +96,13 @@ def test_clipping_bounds_every_example_and_sums():
     per_example = [torch.tensor([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0]]), torch.tensor([[0.0], [0.0], [2.0]])]
     summed, norms = clipped_gradient_sum(per_example, clip=1.0)
     assert norms.tolist() == pytest.approx([5.0, 0.5, 2.0])
-    # example 0 scaled to norm 1, example 1 unchanged, example 2 scaled to norm 1
-    assert summed[0].tolist() == pytest.approx([0.6 + 0.3, 0.8 + 0.4])
-    assert summed[1].tolist() == pytest.approx([1.0])
+    # example 0 scaled to norm 1, example 1 unchanged, example 2 scaled to norm 1 (within the 1e-4 margin)
+    assert summed[0].tolist() == pytest.approx([0.6 + 0.3, 0.8 + 0.4], rel=2e-4)
+    assert summed[1].tolist() == pytest.approx([1.0], rel=2e-4)
+    # every single clipped contribution stays within C, also for huge float32 gradients
+    big = [torch.full((1, 100_000), 3.3e3), torch.full((1, 7), -1.1e4)]
+    one, _ = clipped_gradient_sum(big, clip=0.7)
+    assert math.sqrt(sum(float(t.square().sum()) for t in one)) <= 0.7
 
 
 def test_dp_sgd_noise_has_the_calibrated_std_and_sampling_the_rate():
@@ -171,6 +175,56 @@ def test_dp_sgd_calibration_agrees_with_opacus(epsilon, rate, steps):
     )
 
 
+@pytest.mark.parametrize(
+    ("epsilon", "steps"),
+    [(0.5, 3), (2.0, 1), (8.0, 1), (50.0, 1)],  # z > 1 (doubling) and z < 1 (halving), q = 1
+)
+def test_dp_sgd_noise_multiplier_is_the_smallest_within_tolerance(epsilon, steps, monkeypatch):
+    from fl_app.privacy import calibration
+
+    monkeypatch.setattr(calibration, "_DP_SGD_CACHE", {})
+    calls = []
+    exact = calibration.dp_sgd_epsilon
+
+    def counted(**kwargs):
+        calls.append(kwargs["noise_multiplier"])
+        return exact(**kwargs)
+
+    monkeypatch.setattr(calibration, "dp_sgd_epsilon", counted)
+    tolerance = 1e-3
+    z = calibration.dp_sgd_noise_multiplier(
+        epsilon=epsilon, delta=1e-5, sampling_rate=1.0, steps=steps, tolerance=tolerance
+    )
+    spent = exact(noise_multiplier=z, sampling_rate=1.0, steps=steps, delta=1e-5)
+    assert spent <= epsilon  # never optimistic
+    # smallest to relative tolerance: a relatively smaller z (by the tolerance) misses the target
+    assert exact(noise_multiplier=z * (1 - tolerance), sampling_rate=1.0, steps=steps, delta=1e-5) > epsilon
+    # regula falsi on log z: far fewer evaluations than bisection's ~log2(1/tolerance) = 10 after bracketing
+    assert len(calls) <= 12
+    # cached: the same answer without evaluating again
+    count = len(calls)
+    assert (
+        calibration.dp_sgd_noise_multiplier(
+            epsilon=epsilon, delta=1e-5, sampling_rate=1.0, steps=steps, tolerance=tolerance
+        )
+        == z
+    )
+    assert len(calls) == count
+
+
+def test_dp_sgd_noise_multiplier_limits():
+    # (at delta = 1e-5 a Gaussian with z ~ 7e4 is already (0, delta)-DP; at 1e-10, z = 1e6 spends 7.5e-4)
+    with pytest.raises(ValueError, match="no noise multiplier"):
+        dp_sgd_noise_multiplier(epsilon=1e-7, delta=1e-10, sampling_rate=1.0, steps=1)
+    z = dp_sgd_noise_multiplier(epsilon=1e9, delta=1e-5, sampling_rate=1.0, steps=1)  # deep halving
+    assert 0 < z < 1e-4
+    assert dp_sgd_epsilon(noise_multiplier=z, sampling_rate=1.0, steps=1, delta=1e-5) <= 1e9
+    for bad in ({"epsilon": 0.0}, {"sampling_rate": 1.5}, {"steps": 0}, {"tolerance": 1.0}):
+        arguments = {"epsilon": 1.0, "delta": 1e-5, "sampling_rate": 0.5, "steps": 1, **bad}
+        with pytest.raises(ValueError):
+            dp_sgd_noise_multiplier(**arguments)
+
+
 # ----------------------------------------------------------------------------- budget arithmetic
 
 
@@ -223,6 +277,12 @@ def test_grouping_by_threshold_and_fraction():
     assert group_by_size(roster, threshold=None, fraction=0.25) == ([1, 3], [0, 2, 4, 5])
     assert group_by_size(roster, threshold=None, fraction=0.2) == ([1, 3], [0, 2, 4, 5])  # ceil(1.2)=2
     assert group_by_size(roster, threshold=None, fraction=0.1) == ([1], [0, 2, 3, 4, 5])  # tie: lower id
+    thirty = [ClientInfo(i, 100 + i, 10 + i) for i in range(30)]
+    assert group_by_size(thirty, threshold=None, fraction=0.1)[0] == [
+        27,
+        28,
+        29,
+    ]  # not ceil(3.0000000000000004)
     with pytest.raises(ValueError, match="no client"):
         group_by_size(roster, threshold=401, fraction=None)
     with pytest.raises(ValueError, match="no general"):
@@ -252,6 +312,20 @@ def test_validation_refuses_bad_splits_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as error:
         KDDPStrategy.validate_config(cfg)
     assert error.value.key == key
+
+
+def test_experiment_preset_is_the_benchmark_setting():
+    from fl_app.config import compose_config
+
+    preset = compose_config(["+experiment=kd_dp"])
+    setting = (
+        "strategy=kd_dp dataset=mnist partition=linear model=mlp num_clients=20 clients_per_round=5 "
+        "num_rounds=15 local_epochs=1 batch_size=64 lr=0.4 momentum=0.0 strategy.large_fraction=0.25 "
+        "strategy.teacher_rounds=5 strategy.epsilon_special=2 privacy.epsilon=4"
+    )
+    explicit = compose_config(setting.split(" "))
+    assert preset == explicit
+    KDDPStrategy.validate_config(preset)
 
 
 def test_empty_group_is_a_config_error(tmp_path):
@@ -328,17 +402,18 @@ def test_schedule_groups_and_calibration(tmp_path):
         assert len(chosen) == 2
         assert set(chosen) <= {0, 1, 2, 3}
     for plan, target in ((strategy.plans[LARGE], 3.0), (strategy.plans[GENERAL], 4.0)):
-        assert plan.sampling_rate == pytest.approx(
-            min(1.0, 16 / min(strategy.run.info(c).num_examples for c in plan.ids))
-        )
+        for client in plan.ids:
+            size = strategy.run.info(client).num_examples
+            assert plan.sampling_rates[client] == pytest.approx(min(1.0, 16 / size))
+            assert plan.steps_per_round[client] == math.ceil(size / 16)  # local_epochs = 1
         for client, count in plan.participations.items():
             spent = dp_sgd_epsilon(
                 noise_multiplier=plan.noise_multipliers[client],
-                sampling_rate=plan.sampling_rate,
-                steps=plan.steps_per_round * count,
+                sampling_rate=plan.sampling_rates[client],
+                steps=plan.steps_per_round[client] * count,
                 delta=1e-5,
             )
-            assert target * 0.98 < spent <= target
+            assert target * 0.99 < spent <= target
 
 
 def test_pseudo_labels_come_only_from_the_dp_teacher(tmp_path):
@@ -430,6 +505,25 @@ def test_full_schedule_stays_within_the_total(tmp_path):
     assert strategy.grouped().groups[GENERAL].epsilon <= 4.0
 
 
+def test_special_client_loss_is_the_randomized_response_likelihood():
+    from clients.kd_dp import SpecialPseudoClient
+
+    x = np.random.default_rng(0).normal(size=(8, 1, 2, 3)).astype(np.float32)
+    labels = np.arange(8) % 3
+    special = SpecialPseudoClient(x, labels, epsilon=1.0, num_classes=3, agreement=1.0)
+    beta = RandomizedResponse(1.0, 3).keep_probability
+    assert special.keep_probability == pytest.approx(beta)
+    model = _tiny_mlp()
+    with torch.no_grad():
+        logits = model(torch.from_numpy(x))
+    p = F.softmax(logits, dim=1)[torch.arange(8), torch.from_numpy(labels)]
+    forward = -torch.log(beta * p + (1 - beta) / 3).mean().item()
+    plain = F.cross_entropy(logits, torch.from_numpy(labels)).item()
+    kwargs = {"epochs": 1, "batch_size": 8, "lr": 1e-12, "momentum": 0.0, "rng": np.random.default_rng(0)}
+    assert special.train(model, **kwargs) == pytest.approx(forward, rel=1e-5)
+    assert special.train(model, correction=False, **kwargs) == pytest.approx(plain, rel=1e-5)
+
+
 def test_without_a_teacher_every_client_is_general(tmp_path):
     run = build_run_context([*KD, "strategy.teacher_rounds=0", "strategy.epsilon_special=null"], tmp_path)
     strategy = KDDPStrategy(run)
@@ -499,15 +593,17 @@ def test_kd_dp_simulation(simulate):
             *FAST,
             "strategy=kd_dp",
             "partition=linear",
-            "num_rounds=3",
+            "num_rounds=2",
             "strategy.teacher_rounds=1",
             "clients_per_round=2",
+            "batch_size=512",  # q = 1: full-batch DP-SGD, whose calibration is fast (sampling: unit tests)
             "privacy.epsilon=4",
             "strategy.epsilon_special=1",
+            "simulation.num_cpus=2",
         ]
     )
     assert result["status"] == "completed"
-    assert [r["stage"] for r in result["rounds"]] == ["teacher", "student", "student"]
+    assert [r["stage"] for r in result["rounds"]] == ["teacher", "student"]
     epsilons = [r["epsilon"] for r in result["rounds"]]
     assert epsilons == sorted(epsilons)
     assert 3.9 < result["final"]["epsilon"] <= 4.0

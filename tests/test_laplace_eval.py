@@ -306,7 +306,7 @@ def test_invalid_stage_settings_fail_in_one_line():
 
 @pytest.mark.simulation
 def test_simulation_in_both_modes(simulate):
-    common = [*FAST, "evaluation=laplace_eval", "evaluation.cluster_client_num=4"]
+    common = [*FAST, "simulation.num_cpus=2", "evaluation=laplace_eval", "evaluation.cluster_client_num=4"]
     clear = simulate([*common, "evaluation.privacy_eval_type=NOT_ENCRYPT"], name="clear")
     noised = simulate([*common, "evaluation.laplace_eval_eps=1"], name="laplace")
     for results in (clear, noised):

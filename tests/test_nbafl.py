@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 
@@ -203,6 +204,22 @@ def test_downlink_noise_is_zero_exactly_when_t_at_most_l_sqrt_n():
                 num_clients=50, clients_per_round=10, amplification=amplification,
             )  # fmt: skip
             assert (sigma == 0.0) == (t <= limit)
+
+
+def test_calculator_uses_k_random_formula(capsys):
+    from fl_app.privacy.cli import main
+
+    args = ["--epsilon", "5", "--delta", "0.01", "--clip", "1", "--m", "100", "--l", "5", "--t", "400"]
+    assert main(["nbafl", *args, "--n", "50", "--k", "10", "--amplification", "document"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    kwargs = dict(epsilon=5, delta=0.01, clip=1.0, min_dataset_size=100, exposures=5, num_rounds=400)
+    assert answer["sigma_down"] == cal.nbafl_downlink_sigma(
+        **kwargs, num_clients=50, clients_per_round=10, amplification="document"
+    )
+    # not the N -> K substitution into Theorem 1
+    assert answer["sigma_down"] != pytest.approx(cal.nbafl_downlink_sigma(**kwargs, num_clients=10))
+    z = answer["sigma_up"] / cal.nbafl_sensitivity(clip=1.0, min_dataset_size=100)
+    assert answer["epsilon_record"] == compose_epsilon({Gaussian(z): 5}, delta=0.01).epsilon
 
 
 # ---------------------------------------------------------------------------------- accounting

@@ -84,8 +84,11 @@ def test_rdp_of_randomized_response_matches_closed_form():
     for order, value in zip(RDP_ORDERS, curve, strict=True):
         if order > 256:
             continue
-        terms = [order * math.log(a) + (1 - order) * math.log(b),
-                 order * math.log(b) + (1 - order) * math.log(a), math.log((classes - 2) * b)]
+        terms = [
+            order * math.log(a) + (1 - order) * math.log(b),
+            order * math.log(b) + (1 - order) * math.log(a),
+            math.log((classes - 2) * b),
+        ]
         assert value == pytest.approx(logsumexp(terms) / (order - 1), rel=1e-9, abs=1e-12)
 
 
@@ -131,11 +134,15 @@ def test_sampled_gaussian_matches_opacus_and_flower():
         SamplingMethod,
     )
 
-    flower = RdpAccountant(PrivacyConfig(target_delta=DELTA, population_size=100,
-                                         neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
-                                         sampling_method=SamplingMethod.POISSON))
-    flower.compose(GaussianPrivacyEvent(noise_multiplier=1.0, sample_size=10, population_size=100),
-                   count=30)
+    flower = RdpAccountant(
+        PrivacyConfig(
+            target_delta=DELTA,
+            population_size=100,
+            neighboring_relation=NeighboringRelation.ADD_OR_REMOVE_ONE,
+            sampling_method=SamplingMethod.POISSON,
+        )
+    )
+    flower.compose(GaussianPrivacyEvent(noise_multiplier=1.0, sample_size=10, population_size=100), count=30)
     ours = compose_epsilon({SampledGaussian(1.0, 0.1): 30}, delta=DELTA, method="pld")
     assert ours.rdp == pytest.approx(opacus_eps, rel=1e-6)
     assert ours.rdp == pytest.approx(flower.get_epsilon(DELTA), rel=1e-6)
@@ -172,7 +179,8 @@ def test_accountant_counts_each_clients_rounds_and_reports_worst():
     assert accountant.rounds_participated(1) == 1
     assert accountant.history(0) == {rr: 6}
     assert accountant.epsilon(delta=DELTA).epsilon == pytest.approx(
-        compose_epsilon({rr: 6}, delta=DELTA).epsilon)
+        compose_epsilon({rr: 6}, delta=DELTA).epsilon
+    )
     # Two reports of a 1.0-LDP mechanism: basic gives 2.0; RDP at delta > 0 may be slightly below.
     assert 1.99 < accountant.epsilon(delta=DELTA, client=3).epsilon <= 2.0
     assert accountant.basic_epsilon() == pytest.approx(6.0)

@@ -29,10 +29,12 @@ def generator(seed: int) -> np.random.Generator:
 
 def rr_outputs(epsilon: float, classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
     beta = cal.privatekt_keep_probability(epsilon=epsilon, k=1, num_classes=classes)
-    a = randomized_response_labels(labels=np.zeros(SAMPLES, int), keep_probability=beta,
-                                   num_classes=classes, rng=generator(1))
-    b = randomized_response_labels(labels=np.ones(SAMPLES, int), keep_probability=beta,
-                                   num_classes=classes, rng=generator(2))
+    a = randomized_response_labels(
+        labels=np.zeros(SAMPLES, int), keep_probability=beta, num_classes=classes, rng=generator(1)
+    )
+    b = randomized_response_labels(
+        labels=np.ones(SAMPLES, int), keep_probability=beta, num_classes=classes, rng=generator(2)
+    )
     return a, b
 
 

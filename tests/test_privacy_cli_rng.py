@@ -32,20 +32,54 @@ def test_bnn_command_both_directions(capsys):
     assert gamma == cal.bnn_gamma(epsilon=2, delta=1e-5, rounds=100)
     back = calc(capsys, "bnn", "--gamma", str(gamma), "--delta", "1e-5", "--rounds", "100")["epsilon"]
     assert back == pytest.approx(2.0, rel=1e-6)
-    per_upload = calc(capsys, "bnn", "--gamma", "0.1", "--delta", "1e-5", "--rounds", "10",
-                      "--bits", "1000")["epsilon"]
+    per_upload = calc(capsys, "bnn", "--gamma", "0.1", "--delta", "1e-5", "--rounds", "10", "--bits", "1000")[
+        "epsilon"
+    ]
     assert per_upload == compose_epsilon({BinaryRandomizedResponse(0.1): 10_000}, delta=1e-5).epsilon
 
 
 def test_nbafl_command(capsys):
-    answer = calc(capsys, "nbafl", "--epsilon", "0.5", "--delta", "0.01", "--clip", "1", "--m", "100",
-                  "--l", "1", "--t", "7", "--n", "50")
-    assert answer["sigma_up"] == cal.nbafl_uplink_sigma(epsilon=0.5, delta=0.01, clip=1.0,
-                                                        min_dataset_size=100, exposures=1)
+    answer = calc(
+        capsys,
+        "nbafl",
+        "--epsilon",
+        "0.5",
+        "--delta",
+        "0.01",
+        "--clip",
+        "1",
+        "--m",
+        "100",
+        "--l",
+        "1",
+        "--t",
+        "7",
+        "--n",
+        "50",
+    )
+    assert answer["sigma_up"] == cal.nbafl_uplink_sigma(
+        epsilon=0.5, delta=0.01, clip=1.0, min_dataset_size=100, exposures=1
+    )
     assert answer["sigma_down"] == 0.0  # T = 7 <= L sqrt(N) = 7.07
     assert "warning" not in answer
-    loose = calc(capsys, "nbafl", "--epsilon", "50", "--delta", "0.01", "--clip", "1", "--m", "100",
-                 "--l", "10", "--t", "100", "--n", "50")
+    loose = calc(
+        capsys,
+        "nbafl",
+        "--epsilon",
+        "50",
+        "--delta",
+        "0.01",
+        "--clip",
+        "1",
+        "--m",
+        "100",
+        "--l",
+        "10",
+        "--t",
+        "100",
+        "--n",
+        "50",
+    )
     assert "epsilon < 1" in loose["warning"]
 
 
@@ -59,19 +93,44 @@ def test_laplace_command(capsys):
 
 
 def test_compose_command_matches_library(capsys):
-    rr = calc(capsys, "compose", "--mechanism", "rr", "--epsilon", "2.5", "--classes", "10",
-              "--count", "100", "--delta", "1e-5")
+    rr = calc(
+        capsys,
+        "compose",
+        "--mechanism",
+        "rr",
+        "--epsilon",
+        "2.5",
+        "--classes",
+        "10",
+        "--count",
+        "100",
+        "--delta",
+        "1e-5",
+    )
     library = compose_epsilon({RandomizedResponse(2.5, 10): 100}, delta=1e-5, method="pld")
     assert rr["epsilon_rdp"] == library.rdp
     assert rr["epsilon_pld"] == library.pld
     assert rr["epsilon_basic"] == 250.0
-    gauss = calc(capsys, "compose", "--mechanism", "gaussian", "--sigma", "1", "--sampling-rate", "0.1",
-                 "--count", "30", "--delta", "1e-5", "--accountant", "rdp")
+    gauss = calc(
+        capsys,
+        "compose",
+        "--mechanism",
+        "gaussian",
+        "--sigma",
+        "1",
+        "--sampling-rate",
+        "0.1",
+        "--count",
+        "30",
+        "--delta",
+        "1e-5",
+        "--accountant",
+        "rdp",
+    )
     assert gauss["epsilon_rdp"] == compose_epsilon({SampledGaussian(1.0, 0.1): 30}, delta=1e-5).rdp
     assert "epsilon_basic" not in gauss
     for mechanism, extra in (("binary_rr", ["--gamma", "0.2"]), ("laplace", ["--epsilon", "0.5"])):
-        answer = calc(capsys, "compose", "--mechanism", mechanism, *extra, "--count", "10",
-                      "--delta", "1e-5")
+        answer = calc(capsys, "compose", "--mechanism", mechanism, *extra, "--count", "10", "--delta", "1e-5")
         assert answer["epsilon"] <= answer["epsilon_basic"]
 
 
@@ -87,8 +146,9 @@ def test_compose_command_matches_library(capsys):
     ],
 )
 def test_bad_arguments_give_one_line_and_status_2(argv):
-    process = subprocess.run([sys.executable, "-m", "fl_app.privacy", *argv], capture_output=True,
-                             text=True, timeout=120)
+    process = subprocess.run(
+        [sys.executable, "-m", "fl_app.privacy", *argv], capture_output=True, text=True, timeout=120
+    )
     assert process.returncode == 2
     assert process.stdout == ""
     assert len(process.stderr.strip().splitlines()) == 1

@@ -35,8 +35,9 @@ def rng(seed: int = 0) -> np.random.Generator:
 
 def test_randomized_response_keeps_with_beta_else_uniform():
     beta, classes, n = 0.6, 5, 200_000
-    out = randomized_response_labels(labels=np.full(n, 3), keep_probability=beta, num_classes=classes,
-                                     rng=rng())
+    out = randomized_response_labels(
+        labels=np.full(n, 3), keep_probability=beta, num_classes=classes, rng=rng()
+    )
     frequencies = np.bincount(out, minlength=classes) / n
     assert frequencies[3] == pytest.approx(beta + (1 - beta) / classes, abs=0.005)
     assert np.allclose(np.delete(frequencies, 3), (1 - beta) / classes, atol=0.005)
@@ -51,9 +52,12 @@ def test_debiased_average_is_unbiased():
     generator = rng(2)
     estimates = [
         debias_label_average(
-            perturbed_labels=randomized_response_labels(labels=true_labels, keep_probability=beta,
-                                                        num_classes=classes, rng=generator),
-            keep_probability=beta, num_classes=classes)
+            perturbed_labels=randomized_response_labels(
+                labels=true_labels, keep_probability=beta, num_classes=classes, rng=generator
+            ),
+            keep_probability=beta,
+            num_classes=classes,
+        )
         for _ in range(3000)
     ]
     assert np.allclose(np.mean(estimates, axis=0), truth, atol=0.02)
@@ -96,10 +100,14 @@ def test_mechanisms_do_not_touch_global_random_state():
         (lambda: gaussian_mechanism(values=[1.0], sigma=-1, rng=rng()), "sigma"),
         (lambda: binary_randomized_response(signs=[1, -1], gamma=0.5, rng=rng()), "gamma"),
         (lambda: binary_randomized_response(signs=[1, 0], gamma=0.1, rng=rng()), "-1 and"),
-        (lambda: randomized_response_labels(labels=[5], keep_probability=0.5, num_classes=3,
-                                            rng=rng()), "labels"),
-        (lambda: randomized_response_labels(labels=[0], keep_probability=1.5, num_classes=3,
-                                            rng=rng()), "keep_probability"),
+        (
+            lambda: randomized_response_labels(labels=[5], keep_probability=0.5, num_classes=3, rng=rng()),
+            "labels",
+        ),
+        (
+            lambda: randomized_response_labels(labels=[0], keep_probability=1.5, num_classes=3, rng=rng()),
+            "keep_probability",
+        ),
         (lambda: clip_l2(arrays=[np.ones(2)], max_norm=0), "max_norm"),
         (lambda: laplace_mechanism(values=[1.0], sensitivity=1, epsilon=1, rng=np.random), "Generator"),
     ],
@@ -112,7 +120,7 @@ def test_mechanisms_validate_arguments(call, message):
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.floats(-100, 100), min_size=1, max_size=20), st.floats(0.01, 50))
 def test_clipping_never_increases_a_norm_and_bounds_it(values, max_norm):
-    arrays = [np.asarray(values[: len(values) // 2 + 1]), np.asarray(values[len(values) // 2 + 1:])]
+    arrays = [np.asarray(values[: len(values) // 2 + 1]), np.asarray(values[len(values) // 2 + 1 :])]
     clipped, original = clip_l2(arrays=arrays, max_norm=max_norm)
     after = global_l2_norm(clipped)
     assert original == pytest.approx(global_l2_norm(arrays))
@@ -147,8 +155,9 @@ def test_privatekt_beta_lemma1_and_epsilon_of_the_report():
 @given(st.floats(0.01, 20), st.floats(0.01, 20), st.integers(1, 10), st.integers(2, 100))
 def test_beta_is_monotone_in_epsilon(e1, e2, k, classes):
     low, high = sorted((e1, e2))
-    assert (cal.privatekt_keep_probability(epsilon=low, k=k, num_classes=classes)
-            <= cal.privatekt_keep_probability(epsilon=high, k=k, num_classes=classes))
+    assert cal.privatekt_keep_probability(
+        epsilon=low, k=k, num_classes=classes
+    ) <= cal.privatekt_keep_probability(epsilon=high, k=k, num_classes=classes)
 
 
 def test_classic_gaussian_constant_and_range():
@@ -187,11 +196,16 @@ def test_nbafl_formulas_by_hand():
     c = math.sqrt(2 * math.log(1.25 / 0.01))
     up = cal.nbafl_uplink_sigma(epsilon=0.5, delta=0.01, clip=2.0, min_dataset_size=100, exposures=1)
     assert up == pytest.approx(c * 1 * (2 * 2.0 / 100) / 0.5)
-    down = cal.nbafl_downlink_sigma(epsilon=50, delta=0.01, clip=2.0, min_dataset_size=100, exposures=2,
-                                    num_rounds=30, num_clients=50)
+    down = cal.nbafl_downlink_sigma(
+        epsilon=50, delta=0.01, clip=2.0, min_dataset_size=100, exposures=2, num_rounds=30, num_clients=50
+    )
     assert down == pytest.approx(2 * c * 2.0 * math.sqrt(30**2 - 4 * 50) / (100 * 50 * 50))
-    assert cal.nbafl_downlink_sigma(epsilon=50, delta=0.01, clip=2.0, min_dataset_size=100, exposures=2,
-                                    num_rounds=14, num_clients=50) == 0.0  # 14 <= 2 sqrt(50)
+    assert (
+        cal.nbafl_downlink_sigma(
+            epsilon=50, delta=0.01, clip=2.0, min_dataset_size=100, exposures=2, num_rounds=14, num_clients=50
+        )
+        == 0.0
+    )  # 14 <= 2 sqrt(50)
 
 
 def test_bnn_gamma_meets_epsilon_and_beats_theorem1_order():
@@ -216,17 +230,21 @@ def test_bnn_theorem1_gamma_is_sound_by_its_own_conversion():
 @given(st.floats(0.2, 20), st.floats(0.2, 20), st.integers(1, 200))
 def test_gamma_is_monotone_in_epsilon(e1, e2, rounds):
     low, high = sorted((e1, e2))
-    assert (cal.bnn_gamma(epsilon=low, delta=DELTA, rounds=rounds)
-            <= cal.bnn_gamma(epsilon=high, delta=DELTA, rounds=rounds) + 1e-12)
+    assert (
+        cal.bnn_gamma(epsilon=low, delta=DELTA, rounds=rounds)
+        <= cal.bnn_gamma(epsilon=high, delta=DELTA, rounds=rounds) + 1e-12
+    )
 
 
 def test_laplace_tail_rule_of_the_mindspore_document():
     # tau = 1e-5, p = 0.9, sensitivity 1 (the document): ln(10) / 1e-5
     assert cal.laplace_epsilon_for_tail(tau=1e-5, probability=0.9, sensitivity=1.0) == pytest.approx(
-        math.log(10) / 1e-5)
+        math.log(10) / 1e-5
+    )
     # with the correct sensitivity 2 the same noise level costs twice the epsilon
     assert cal.laplace_epsilon_for_tail(tau=1e-5, probability=0.9, sensitivity=2.0) == pytest.approx(
-        2 * math.log(10) / 1e-5)
+        2 * math.log(10) / 1e-5
+    )
     assert cal.laplace_scale(sensitivity=2.0, epsilon=4.0) == 0.5
 
 
@@ -242,8 +260,9 @@ def test_dp_fedavg_calibration_never_overshoots(epsilon, rate, rounds):
 @settings(max_examples=6, deadline=None)
 @given(st.floats(0.5, 50), st.integers(1, 300), st.sampled_from([2, 10]))
 def test_rr_total_budget_calibration_never_overshoots(total, labels, classes):
-    per_label = cal.randomized_response_epsilon_per_label(total_epsilon=total, delta=DELTA, labels=labels,
-                                                          num_classes=classes)
+    per_label = cal.randomized_response_epsilon_per_label(
+        total_epsilon=total, delta=DELTA, labels=labels, num_classes=classes
+    )
     spent = compose_epsilon({RandomizedResponse(per_label, classes): labels}, delta=DELTA).epsilon
     assert spent <= total * (1 + 1e-9)
 

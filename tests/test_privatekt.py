@@ -149,6 +149,22 @@ def test_strategy_draws_kt_samples_by_eq4(tmp_path, monkeypatch):
     assert len(set(first.tolist())) == 3
 
 
+def test_fit_targets_learns_soft_targets():
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    with torch.no_grad():  # deterministic start without touching torch's global generator
+        for parameter in model.parameters():
+            parameter.zero_()
+    x = np.eye(4, dtype=np.float32).reshape(4, 1, 2, 2)
+    targets = np.eye(3)[[0, 1, 2, 0]]
+    rng = np.random.default_rng(0)
+    first = pkt.fit_targets(model, x, targets, steps=1, batch_size=None, lr=0.5, rng=rng)
+    later = pkt.fit_targets(model, x, targets, steps=50, batch_size=2, lr=0.5, rng=rng)
+    assert later < first / 2
+    assert math.isnan(pkt.fit_targets(model, x, targets, steps=0, batch_size=None, lr=0.5, rng=rng))
+
+
 def test_knowledge_targets():
     rng = np.random.default_rng(0)
     estimate = np.array([[0.1, 0.7, 0.2], [-0.2, 0.5, 0.7]])
@@ -190,6 +206,29 @@ def test_client_reply_holds_only_k_perturbed_labels(tmp_path):
     client.train_locally(model, *(lambda d: (d.x, d.y))(client.local_data()))
     predicted = predict_proba(model, data.public_x()[strategy._kt[1]]).argmax(axis=1)
     assert labels.tolist() == predicted.tolist()
+
+
+def test_client_reply_labels_are_randomized_at_low_epsilon(tmp_path):
+    """At epsilon 1e-4 per label (beta ~ 1e-5) the K replied labels are uniform, not the predictions."""
+    strategy = _strategy(tmp_path, "strategy.k=100", "privacy.epsilon=0.01", "privacy.budget_scope=per_round")
+    assert strategy.beta < 1e-4
+    message = next(iter(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None)))
+    client = client_for(message, make_context(partition_id=strategy.selected(1)[0].client_id))
+    reply = client.train()
+    assert list(reply.content.keys()) == [keys.KT_LABELS]
+    assert array_payload_bytes(reply) == 100
+    labels = decode_labels(
+        reply.content.array_records[keys.KT_LABELS][keys.KT_LABELS_ARRAY], k=100, num_classes=10
+    )
+    from fl_app.training import predict_proba
+
+    model = client.global_model()
+    data = client.local_data()
+    client.train_locally(model, data.x, data.y)
+    predicted = predict_proba(model, strategy.public_x[strategy._kt[1]]).argmax(axis=1)
+    assert np.mean(labels == predicted) < 0.35  # ~1/C when randomized; 1.0 if sent unperturbed
+    assert np.bincount(labels, minlength=10).max() < 30  # close to uniform over the 10 classes
+    assert len(set(labels.tolist())) == 10
 
 
 def test_device_receiving_only_indices_fails_clearly(tmp_path):
@@ -244,14 +283,21 @@ def test_total_budget_is_met_by_the_worst_client(tmp_path):
     assert spent > 1.95  # calibrated to the budget, not far below it
     extras = strategy.round_extras(6)
     assert extras["max_participation"] == counts.max()
-    assert extras["epsilon_basic"] == pytest.approx(2 * counts.max() * strategy.epsilon_per_label)
+    assert strategy.accountant.basic_epsilon() == pytest.approx(2 * counts.max() * strategy.epsilon_per_label)
     summary = strategy.privacy_summary()
     assert summary["epsilon_cumulative"] == pytest.approx(spent)
     assert summary["budget_scope"] == "total"
 
 
 def test_per_round_budget_accumulates(tmp_path):
-    strategy = _strategy(tmp_path, "privacy.epsilon=3", "privacy.budget_scope=per_round", "num_rounds=3")
+    strategy = _strategy(
+        tmp_path,
+        "privacy.epsilon=3",
+        "privacy.budget_scope=per_round",
+        "num_rounds=3",
+        "strategy.self_train_targets=hard",
+        "strategy.self_train_dropout=0.2",
+    )
     arrays = strategy.initial_arrays()
     for t in range(1, 4):
         _, (new, _) = _round(strategy, t, arrays)
@@ -293,6 +339,7 @@ def test_aggregation_fine_tunes_and_rejects_malformed_reports(tmp_path):
         ("strategy.server_steps=-1", "strategy.server_steps"),
         ("strategy.knowledge=vote", "strategy.knowledge"),
         ("strategy.self_train_targets=argmax", "strategy.self_train_targets"),
+        ("strategy.self_train_dropout=1.0", "strategy.self_train_dropout"),
         ("dataset.public_fraction=0.0", "dataset.public_fraction"),
         ("evaluation.federated_fraction=0.5", "evaluation.federated_fraction"),
     ],
@@ -320,7 +367,9 @@ def test_demo_preset_composes():
 
 @pytest.mark.simulation
 def test_privatekt_simulation(simulate):
-    results = simulate([*FAST, "strategy=privatekt", "strategy.self_train=40", "privacy.epsilon=4"])
+    results = simulate(
+        [*FAST, "simulation.num_cpus=2", "strategy=privatekt", "strategy.self_train=40", "privacy.epsilon=4"]
+    )
     rounds = results["rounds"]
     assert results["status"] == "completed"
     assert [r["round"] for r in rounds] == [1, 2]

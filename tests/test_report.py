@@ -12,20 +12,54 @@ import pytest
 from fl_app.report import main
 
 
-def fake_results(directory: Path, *, strategy: str, epsilon: float | None, seed: int, accuracy: float,
-                 upload: int = 1000, clients: int = 4) -> None:
+def fake_results(
+    directory: Path,
+    *,
+    strategy: str,
+    epsilon: float | None,
+    seed: int,
+    accuracy: float,
+    upload: int = 1000,
+    clients: int = 4,
+) -> None:
     directory.mkdir(parents=True)
-    rounds = [{"round": r, "accuracy": accuracy * r / 3, "loss": 1.0, "epsilon": epsilon,
-               "upload_bytes": upload * clients, "download_bytes": 10, "clients": clients,
-               "failures": 0, "wall_s": float(r), "round_s": 1.0} for r in (1, 2, 3)]
+    rounds = [
+        {
+            "round": r,
+            "accuracy": accuracy * r / 3,
+            "loss": 1.0,
+            "epsilon": epsilon,
+            "upload_bytes": upload * clients,
+            "download_bytes": 10,
+            "clients": clients,
+            "failures": 0,
+            "wall_s": float(r),
+            "round_s": 1.0,
+        }
+        for r in (1, 2, 3)
+    ]
     results = {
-        "schema": 1, "status": "completed", "strategy": strategy, "dataset": "digits",
+        "schema": 1,
+        "status": "completed",
+        "strategy": strategy,
+        "dataset": "digits",
         "partition": "iid",
-        "config": {"strategy": {"name": strategy}, "seed": seed, "num_clients": 8,
-                   "privacy": {"epsilon": 4.0, "delta": 1e-5}},
-        "initial": {"accuracy": 0.1, "loss": 2.3}, "rounds": rounds,
-        "final": {"accuracy": accuracy, "loss": 1.0, "epsilon": epsilon, "delta": 1e-5, "wall_s": 12.0,
-                  "rounds": 3},
+        "config": {
+            "strategy": {"name": strategy},
+            "seed": seed,
+            "num_clients": 8,
+            "privacy": {"epsilon": 4.0, "delta": 1e-5},
+        },
+        "initial": {"accuracy": 0.1, "loss": 2.3},
+        "rounds": rounds,
+        "final": {
+            "accuracy": accuracy,
+            "loss": 1.0,
+            "epsilon": epsilon,
+            "delta": 1e-5,
+            "wall_s": 12.0,
+            "rounds": 3,
+        },
         "privacy": {"unit": "one client" if epsilon else "none", "mechanism": "x", "accountant": "y"},
     }
     (directory / "results.json").write_text(json.dumps(results))
@@ -33,8 +67,13 @@ def fake_results(directory: Path, *, strategy: str, epsilon: float | None, seed:
 
 def test_report_groups_seeds_and_matches_the_files(tmp_path):
     for seed, accuracy in ((1, 0.80), (2, 0.84), (3, 0.82)):
-        fake_results(tmp_path / f"dp{seed}", strategy="dp_fedavg", epsilon=3.5 + seed / 100, seed=seed,
-                     accuracy=accuracy)
+        fake_results(
+            tmp_path / f"dp{seed}",
+            strategy="dp_fedavg",
+            epsilon=3.5 + seed / 100,
+            seed=seed,
+            accuracy=accuracy,
+        )
     fake_results(tmp_path / "fa", strategy="fedavg", epsilon=None, seed=1, accuracy=0.9, upload=2000)
     assert main([str(tmp_path)]) == 0
     rows = {r["algorithm"]: r for r in csv.DictReader((tmp_path / "report.csv").open())}

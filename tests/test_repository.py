@@ -24,8 +24,16 @@ def test_ci_runs_the_readme_test_command():
 
 
 def test_required_top_level_layout():
-    for name in ("pyproject.toml", "conf", "fl_app", "strategies", "clients", "tests", "README.md",
-                 ".ci/run"):
+    for name in (
+        "pyproject.toml",
+        "conf",
+        "fl_app",
+        "strategies",
+        "clients",
+        "tests",
+        "README.md",
+        ".ci/run",
+    ):
         assert (ROOT / name).exists(), name
 
 

@@ -17,8 +17,7 @@ from fl_app.training import evaluate, load_arrays, model_to_arrays, predict_prob
 
 
 def test_json_safe_makes_strict_json():
-    data = {"a": float("inf"), "b": [np.float32(1.5), float("nan")], "c": np.int64(3),
-            "d": np.arange(2)}
+    data = {"a": float("inf"), "b": [np.float32(1.5), float("nan")], "c": np.int64(3), "d": np.arange(2)}
     text = json.dumps(json_safe(data), allow_nan=False)
     assert json.loads(text) == {"a": None, "b": [1.5, None], "c": 3, "d": [0, 1]}
 
@@ -28,19 +27,42 @@ def test_recorder_writes_the_contract(tmp_path):
     recorder = RunRecorder(tmp_path, cfg)
     recorder.initial = {"accuracy": 0.1, "loss": 2.3}
     for r in (1, 2):
-        recorder.add_round({"round": r, "accuracy": 0.5 + r / 10, "loss": 1.0 / r, "epsilon": None,
-                            "upload_bytes": 100 * r, "download_bytes": 200, "clients": 3, "failures": 0,
-                            "wall_s": float(r), "round_s": 1.0, "extra": math.inf})
+        recorder.add_round(
+            {
+                "round": r,
+                "accuracy": 0.5 + r / 10,
+                "loss": 1.0 / r,
+                "epsilon": None,
+                "upload_bytes": 100 * r,
+                "download_bytes": 200,
+                "clients": 3,
+                "failures": 0,
+                "wall_s": float(r),
+                "round_s": 1.0,
+                "extra": math.inf,
+            }
+        )
     spec = ModelSpec("mlp", (1, 8, 8), 10)
     model = spec.build()
-    results = recorder.finalize(strategy="fedavg", privacy={"unit": "none", "mechanism": "none",
-                                                            "accountant": "none"},
-                                final_extras={}, arrays=model_to_arrays(model), model_spec=spec,
-                                ledger=None, wall_s=3.0)
+    results = recorder.finalize(
+        strategy="fedavg",
+        privacy={"unit": "none", "mechanism": "none", "accountant": "none"},
+        final_extras={},
+        arrays=model_to_arrays(model),
+        model_spec=spec,
+        ledger=None,
+        wall_s=3.0,
+    )
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results))
-    assert on_disk["final"] == {"accuracy": 0.7, "loss": 0.5, "epsilon": None, "delta": 1e-5,
-                                "wall_s": 3.0, "rounds": 2}
+    assert on_disk["final"] == {
+        "accuracy": 0.7,
+        "loss": 0.5,
+        "epsilon": None,
+        "delta": 1e-5,
+        "wall_s": 3.0,
+        "rounds": 2,
+    }
     assert on_disk["rounds"][1]["extra"] is None
     assert "Infinity" not in (tmp_path / "results.json").read_text()
     header = (tmp_path / "metrics.csv").read_text().splitlines()[0].split(",")

@@ -54,8 +54,13 @@ def fetch(name: str) -> Path | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point."""
     parser = argparse.ArgumentParser(prog="python -m fl_app.data.fetch", description=__doc__)
-    parser.add_argument("names", nargs="*", default=["fashion_mnist"], metavar="NAME",
-                        help=f"data sets to fetch, of {', '.join(IDX_DATASETS)} (default fashion_mnist)")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        default=["fashion_mnist"],
+        metavar="NAME",
+        help=f"data sets to fetch, of {', '.join(IDX_DATASETS)} (default fashion_mnist)",
+    )
     parser.add_argument("--strict", action="store_true", help="exit 1 when a data set is missing")
     args = parser.parse_args(argv)
     unknown = [name for name in args.names if name not in IDX_DATASETS]

@@ -650,7 +650,11 @@ def dp_sgd_noise_multiplier(
     """Smallest noise multiplier (to relative ``tolerance``) whose ``steps`` DP-SGD steps meet the target.
 
     Searches ``z`` against the accountant's own RDP composition
-    (:func:`dp_sgd_epsilon`) and returns the upper end of the final bracket, so
+    (:func:`dp_sgd_epsilon`): a bracket ``[low, high]`` with
+    ``epsilon(low) > target >= epsilon(high)`` is found by doubling or halving
+    from 1, then narrowed by the Illinois variant of regula falsi on
+    ``log epsilon`` against ``log z`` (superlinear, and the bracket is kept, so
+    the search can never step outside it). The upper end is returned, so
     ``dp_sgd_epsilon(z) <= epsilon`` always holds. RDP is enough for any
     ``privacy.accountant``: the accountant reports the smallest of the bounds it
     computes, RDP among them. Results are cached per argument tuple.
@@ -666,20 +670,45 @@ def dp_sgd_noise_multiplier(
     if key in _DP_SGD_CACHE:
         return _DP_SGD_CACHE[key]
 
-    def eps_of(z: float) -> float:
-        return dp_sgd_epsilon(noise_multiplier=z, sampling_rate=sampling_rate, steps=int(steps), delta=delta)
+    def excess(z: float) -> float:
+        """``log(epsilon(z) / target)``: > 0 means too little noise."""
+        spent = dp_sgd_epsilon(noise_multiplier=z, sampling_rate=sampling_rate, steps=int(steps), delta=delta)
+        return math.log(max(spent, 1e-300) / epsilon)
 
-    high = 1.0
-    while eps_of(high) > epsilon:
-        high *= 2.0
-        if high > 1e6:
-            raise ValueError(f"no noise multiplier <= 1e6 reaches epsilon={epsilon}")
-    low = high / 2.0 if high > 1.0 else 0.0  # eps_of(low) > epsilon was seen (or low = 0)
+    high, f_high = 1.0, excess(1.0)
+    if f_high > 0:
+        low, f_low = high, f_high
+        while f_high > 0:
+            low, f_low = high, f_high
+            high *= 2.0
+            if high > 1e6:
+                raise ValueError(f"no noise multiplier <= 1e6 reaches epsilon={epsilon}")
+            f_high = excess(high)
+    else:
+        low, f_low = 0.5, excess(0.5)
+        while f_low <= 0:
+            high, f_high = low, f_low
+            low /= 2.0
+            if low < 1e-6:
+                _DP_SGD_CACHE[key] = high
+                return high
+            f_low = excess(low)
+    retained = 0
     while high - low > tolerance * high:
-        middle = 0.5 * (low + high)
-        if eps_of(middle) > epsilon:
-            low = middle
+        a, b = math.log(low), math.log(high)
+        x = b - f_high * (b - a) / (f_high - f_low)
+        x = min(max(x, a + 0.02 * (b - a)), b - 0.02 * (b - a))  # stay strictly inside the bracket
+        z = math.exp(x)
+        f_z = excess(z)
+        if f_z > 0:
+            low, f_low = z, f_z
+            if retained == -1:  # high retained twice in a row: Illinois step
+                f_high /= 2.0
+            retained = -1
         else:
-            high = middle
+            high, f_high = z, f_z
+            if retained == 1:
+                f_low /= 2.0
+            retained = 1
     _DP_SGD_CACHE[key] = high
     return high

@@ -1,0 +1,345 @@
+"""Regenerate the KD-DP benchmark figures and tables from the runs' ``results.json`` files.
+
+Tan, Xu, Wang, Luo, "Differential Privacy Federated Learning Method Based on
+Knowledge Distillation", Computer Science 51(6A), 2024: the claim that KD-DP
+(teacher on the large-data clients, pseudo-labelled public split as a special
+client) is more accurate than traditional DP federated learning at the same
+total budget. The runs (commands in ``docs/benchmarks/kd_dp.md``) live in one
+folder per data set, method and epsilon under ``--root``::
+
+    <dataset>/<method>_eps<epsilon>/results.json
+
+with ``<method>`` one of :data:`METHODS`. Usage::
+
+    python benchmarks/kd_dp.py --root /tmp/bench_kd_dp/runs --out docs/benchmarks/figures \
+        --doc docs/benchmarks/kd_dp.md
+
+Writes ``kd_dp_accuracy_<dataset>.png`` (final accuracy against epsilon),
+``kd_dp_rounds_<dataset>.png`` (accuracy per round, KD-DP's two stages) and
+``kd_dp_tables.md`` into ``--out`` (and, with ``--doc``, the same tables between the
+``GENERATED`` markers of that page); missing runs are left out.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, this folder is sys.path[0]; a module named like a standard-library one
+# here (benchmarks/platform.py) would shadow it for numpy and matplotlib.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+
+import argparse
+import json
+import re
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+Run = dict[str, Any]
+
+#: Folder prefix -> label, in table order.
+METHODS: dict[str, str] = {
+    "kd_dp": "KD-DP (epsilon_special = epsilon/2)",
+    "kd_dp_pp": "KD-DP (epsilon_special = null)",
+    "fed_dp_sgd": "federated DP-SGD (kd_dp, teacher_rounds=0)",
+    "dp_fedavg": "DP-FedAvg",
+    "nbafl": "NbAFL",
+}
+UNITS: dict[str, str] = {
+    "kd_dp": "record",
+    "kd_dp_pp": "record",
+    "fed_dp_sgd": "record",
+    "dp_fedavg": "client",
+    "nbafl": "record (modelling assumption)",
+}
+FOLDER = re.compile(r"^(?P<method>[a-z_]+)_eps(?P<epsilon>[0-9.]+)$")
+
+
+def load_runs(root: Path) -> dict[str, dict[str, dict[float, Run]]]:
+    """``{dataset: {method: {epsilon: results}}}`` for every completed run below ``root``."""
+    runs: dict[str, dict[str, dict[float, Run]]] = {}
+    for path in sorted(root.glob("*/*/results.json")):
+        match = FOLDER.match(path.parent.name)
+        if match is None or match["method"] not in METHODS:
+            continue
+        result = json.loads(path.read_text())
+        if result.get("status") != "completed":
+            continue
+        result["_path"] = str(path.parent)
+        dataset = path.parent.parent.name
+        runs.setdefault(dataset, {}).setdefault(match["method"], {})[float(match["epsilon"])] = result
+    return runs
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.3g}"
+    return str(value)
+
+
+def _best(run: Run) -> float:
+    return max(r["accuracy"] for r in run["rounds"] if r.get("accuracy") is not None)
+
+
+def accuracy_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
+    """Markdown: final accuracy (and the reported epsilon) per method and epsilon."""
+    epsilons = sorted({e for by_eps in methods.values() for e in by_eps})
+    lines = [
+        f"**{dataset}**: final test accuracy (reported epsilon at delta = 1e-5)",
+        "",
+        "| method | unit | " + " | ".join(f"epsilon = {e:g}" for e in epsilons) + " |",
+        "|---|---|" + "---|" * len(epsilons),
+    ]
+    for method, label in METHODS.items():
+        if method not in methods:
+            continue
+        cells = []
+        for epsilon in epsilons:
+            run = methods[method].get(epsilon)
+            if run is None:
+                cells.append("-")
+                continue
+            final = run["final"]
+            cells.append(f"{final['accuracy']:.4f} ({_fmt(final['epsilon'])})")
+        lines.append(f"| {label} | {UNITS[method]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+#: The "traditional" DP-FL baselines of the document's claim.
+TRADITIONAL = ("dp_fedavg", "nbafl", "fed_dp_sgd")
+
+
+def claim_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
+    """Markdown: KD-DP's final accuracy against the best traditional baseline at each total epsilon."""
+    lines = [
+        f"**{dataset}**: the claim (KD-DP more accurate than traditional DP-FL at equal total epsilon)",
+        "",
+        "| epsilon | KD-DP final acc. | best baseline | its final acc. | margin | holds "
+        "| best acc. of any baseline in any round |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for epsilon, run in sorted(methods.get("kd_dp", {}).items()):
+        baselines = [(m, methods[m][epsilon]) for m in TRADITIONAL if epsilon in methods.get(m, {})]
+        if not baselines:
+            lines.append(
+                f"| {epsilon:g} | {run['final']['accuracy']:.4f} | - | - | - | no baseline run | - |"
+            )
+            continue
+        method, best = max(baselines, key=lambda item: item[1]["final"]["accuracy"])
+        margin = run["final"]["accuracy"] - best["final"]["accuracy"]
+        names = ", ".join(m for m, _ in baselines)
+        lines.append(
+            f"| {epsilon:g} | {run['final']['accuracy']:.4f} | {METHODS[method]} (of {names}) "
+            f"| {best['final']['accuracy']:.4f} | {margin:+.4f} | {'yes' if margin > 0 else 'no'} "
+            f"| {max(_best(b) for _, b in baselines):.4f} |"
+        )
+    return lines
+
+
+def baseline_noise_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
+    """Markdown: the baselines' noise multipliers and the noise std per coordinate of the new global model.
+
+    DP-FedAvg: ``z C / denominator`` (central Gaussian on the sum of clipped updates, divided by the
+    expected number of clients). NbAFL: ``sigma_U / sqrt(K)`` (uniform average of K noisy uploads;
+    ``sigma_D`` added when non-zero).
+    """
+    epsilons = sorted({e for m in ("dp_fedavg", "nbafl") for e in methods.get(m, {})})
+    lines = [
+        f"**{dataset}**: baselines' noise: multiplier z (std / sensitivity) and std per coordinate of "
+        "the new global model",
+        "",
+        "| method | " + " | ".join(f"epsilon = {e:g}" for e in epsilons) + " |",
+        "|---|" + "---|" * len(epsilons),
+    ]
+    for method in ("dp_fedavg", "nbafl"):
+        if method not in methods:
+            continue
+        cells = []
+        for epsilon in epsilons:
+            run = methods[method].get(epsilon)
+            if run is None:
+                cells.append("-")
+                continue
+            privacy = run["privacy"]
+            if method == "dp_fedavg":
+                std = privacy["noise_multiplier"] * privacy["clip"] / privacy["denominator"]
+            else:
+                std = (privacy["sigma_up"] ** 2 / privacy["K"] + privacy.get("sigma_down", 0.0) ** 2) ** 0.5
+            cells.append(f"z = {_fmt(privacy['noise_multiplier'])}, std {_fmt(std)}")
+        lines.append(f"| {METHODS[method]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def cpu_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
+    """Markdown: CPU seconds of every process of each run (from ``<run>.cpu.json``) and its wall time."""
+    epsilons = sorted({e for by_eps in methods.values() for e in by_eps})
+    lines = [
+        f"**{dataset}**: CPU seconds (all processes of the run) / wall minutes",
+        "",
+        "| method | " + " | ".join(f"epsilon = {e:g}" for e in epsilons) + " |",
+        "|---|" + "---|" * len(epsilons),
+    ]
+    for method, label in METHODS.items():
+        if method not in methods:
+            continue
+        cells = []
+        for epsilon in epsilons:
+            run = methods[method].get(epsilon)
+            cells.append(
+                "-" if run is None else f"{_fmt(run.get('_cpu_s'))} / {run['final']['wall_s'] / 60:.1f}"
+            )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def kd_dp_detail_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
+    """Markdown: KD-DP's stages and each group's epsilon."""
+    lines = [
+        f"**{dataset}**: KD-DP runs in detail",
+        "",
+        "| run | epsilon | teacher acc. (end of stage) | final acc. | best acc. | label agreement "
+        "| eps large (teacher only) | eps general | eps special | overall | CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for method in ("kd_dp", "kd_dp_pp", "fed_dp_sgd"):
+        for epsilon, run in sorted(methods.get(method, {}).items()):
+            privacy = run["privacy"]
+            teacher_rounds = privacy["stages"]["teacher_rounds"]
+            teacher_accuracy = run["rounds"][teacher_rounds - 1]["accuracy"] if teacher_rounds > 0 else None
+            groups = privacy["epsilon_by_group"]
+            special = privacy["special_client"]
+            lines.append(
+                f"| {method} | {epsilon:g} | {_fmt(teacher_accuracy, 4)} | {run['final']['accuracy']:.4f} "
+                f"| {_best(run):.4f} | {_fmt(special['label_agreement_with_teacher'], 3)} "
+                f"| {_fmt(groups['large'])} ({_fmt(groups['large_teacher_only'])}) "
+                f"| {_fmt(groups['general'])} | {_fmt(groups['special'])} "
+                f"| {_fmt(privacy['epsilon_overall'])} | {_fmt(run.get('_cpu_s'))} |"
+            )
+    return lines
+
+
+def plot_accuracy(dataset: str, methods: dict[str, dict[float, Run]], out: Path) -> Path:
+    """Final accuracy against the total epsilon, one line per method."""
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    for method, label in METHODS.items():
+        by_eps = methods.get(method)
+        if not by_eps:
+            continue
+        epsilons = sorted(by_eps)
+        axis.plot(epsilons, [by_eps[e]["final"]["accuracy"] for e in epsilons], marker="o", label=f"{label}")
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("total epsilon (delta = 1e-5)")
+    axis.set_ylabel("final test accuracy")
+    axis.set_title(f"KD-DP vs baselines, {dataset}")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    path = out / f"kd_dp_accuracy_{dataset}.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def plot_rounds(dataset: str, methods: dict[str, dict[float, Run]], out: Path) -> Path:
+    """Accuracy per round of the KD-DP runs and of federated DP-SGD (dashed)."""
+    figure, axis = plt.subplots(figsize=(6.4, 4.2))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    epsilons = sorted({e for m in ("kd_dp", "fed_dp_sgd") for e in methods.get(m, {})})
+    for i, epsilon in enumerate(epsilons):
+        for method, style in (("kd_dp", "-"), ("kd_dp_pp", ":"), ("fed_dp_sgd", "--")):
+            run = methods.get(method, {}).get(epsilon)
+            if run is None:
+                continue
+            rounds = [0] + [r["round"] for r in run["rounds"]]
+            accuracy = [run["initial"]["accuracy"]] + [r["accuracy"] for r in run["rounds"]]
+            axis.plot(
+                rounds, accuracy, style, color=colours[i % len(colours)], label=f"{method}, eps={epsilon:g}"
+            )
+    teacher_rounds = next(
+        (
+            run["privacy"]["stages"]["teacher_rounds"]
+            for run in methods.get("kd_dp", {}).values()
+            if run["privacy"]["stages"]["teacher_rounds"] > 0
+        ),
+        None,
+    )
+    if teacher_rounds is not None:
+        axis.axvline(teacher_rounds + 0.5, color="grey", lw=0.8)
+        axis.text(teacher_rounds + 0.6, 0.05, "student stage", fontsize=7, color="grey")
+    axis.set_xlabel("round")
+    axis.set_ylabel("test accuracy")
+    axis.set_title(f"KD-DP (solid: eps_special = eps/2; dotted: null) vs federated DP-SGD, {dataset}")
+    axis.title.set_fontsize(8)
+    axis.grid(alpha=0.3)
+    if axis.get_legend_handles_labels()[0]:
+        axis.legend(fontsize=6, ncol=2)
+    path = out / f"kd_dp_rounds_{dataset}.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Read the runs below ``--root``, write figures and tables into ``--out``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--root", type=Path, default=Path("/tmp/bench_kd_dp/runs"))
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/figures"))
+    parser.add_argument(
+        "--doc",
+        type=Path,
+        default=None,
+        help="also copy the tables into this Markdown file, between its GENERATED markers",
+    )
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = load_runs(args.root)
+    for dataset in runs.values():
+        for by_eps in dataset.values():
+            for run in by_eps.values():
+                cpu = Path(run["_path"]).with_suffix(".cpu.json")
+                if cpu.is_file():
+                    run["_cpu_s"] = json.loads(cpu.read_text()).get("cpu_s")
+    lines = ["# KD-DP benchmark tables (generated by benchmarks/kd_dp.py)", ""]
+    for dataset, methods in sorted(runs.items(), key=lambda item: (item[0] != "mnist", item[0])):
+        lines += [
+            *accuracy_table(dataset, methods),
+            "",
+            *claim_table(dataset, methods),
+            "",
+            *kd_dp_detail_table(dataset, methods),
+            "",
+            *baseline_noise_table(dataset, methods),
+            "",
+            *cpu_table(dataset, methods),
+            "",
+        ]
+        for path in (plot_accuracy(dataset, methods, args.out), plot_rounds(dataset, methods, args.out)):
+            print(f"wrote {path}")
+    table = args.out / "kd_dp_tables.md"
+    table.write_text("\n".join(lines) + "\n")
+    print(f"wrote {table}")
+    if args.doc is not None:
+        splice(args.doc, lines[2:])
+        print(f"updated {args.doc}")
+
+
+BEGIN, END = "<!-- BEGIN GENERATED: figures/kd_dp_tables.md -->", "<!-- END GENERATED -->"
+
+
+def splice(doc: Path, lines: list[str]) -> None:
+    """Replace the text between the ``BEGIN``/``END`` markers of ``doc`` with ``lines``."""
+    text = doc.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    doc.write_text(text[:start] + "\n" + "\n".join(lines).strip() + "\n" + text[end:])
+
+
+if __name__ == "__main__":
+    main()
