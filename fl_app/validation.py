@@ -170,12 +170,20 @@ def locate_data(cfg: DictConfig) -> None:
             raise ConfigError(key.split("=")[0], cfg.dataset.data_dir, rest) from error
 
 
+#: Data specs whose split was already checked in this process (a sweep validates many jobs that
+#: share a few splits; the split cache itself keeps only the last two).
+_CHECKED_SPLITS: set[str] = set()
+
+
 def check_partitions(cfg: DictConfig) -> None:
     """Build the split (cached per process) and make sure every client gets data."""
     from fl_app.data.federated import DataSpec, federated_data
 
+    spec = DataSpec.from_config(cfg)
+    if spec.to_json() in _CHECKED_SPLITS:
+        return
     try:
-        data = federated_data(DataSpec.from_config(cfg))
+        data = federated_data(spec)
     except ValueError as error:
         raise ConfigError(
             "num_clients",
@@ -191,6 +199,7 @@ def check_partitions(cfg: DictConfig) -> None:
             f"too many clients for {cfg.dataset.name}: {sizes.count(0)} of them get no "
             "examples; use fewer clients or another partition",
         )
+    _CHECKED_SPLITS.add(spec.to_json())
 
 
 def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:

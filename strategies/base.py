@@ -148,6 +148,7 @@ class FederatedStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Sample clients and send each the global arrays and the train config."""
+        self._round_global = arrays
         clients = self.select_clients(server_round)
         self._selected[server_round] = clients
         content = RecordDict(
@@ -162,6 +163,17 @@ class FederatedStrategy(Strategy):
 
     def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
         """What the clients receive (override, e.g. to add downlink noise)."""
+        return arrays
+
+    @property
+    def round_global(self) -> ArrayRecord:
+        """The global model of the current round, as ``configure_train`` received it.
+
+        Client updates are relative to it. Raises ``RuntimeError`` before the first ``configure_train``.
+        """
+        arrays = getattr(self, "_round_global", None)
+        if arrays is None:
+            raise RuntimeError("aggregate_train before configure_train")
         return arrays
 
     def aggregate_train(

@@ -89,7 +89,6 @@ class DPFedAvgStrategy(FederatedStrategy):
         self.accountant = PrivacyAccountant(
             population=run.client_ids, unit=self.privacy_unit, method=str(self.cfg.privacy.accountant)
         )
-        self._global: ArrayRecord | None = None
         self._norms: dict[int, list[float]] = {}
         log(
             INFO,
@@ -116,20 +115,14 @@ class DPFedAvgStrategy(FederatedStrategy):
         joins = rng.random(self.run.num_clients) < self.rate
         return [info for info, joined in zip(self.run.roster, joins, strict=True) if joined]
 
-    def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
-        """Remember the global model the updates are relative to."""
-        self._global = arrays
-        return arrays
-
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Clip each update, add noise to the sum, divide by the fixed denominator."""
         valid, _ = self.split_replies(server_round, replies)
-        if self._global is None:
-            raise RuntimeError("aggregate_train before configure_train")
-        names = list(self._global.keys())
-        reference = [self._global[name].numpy().astype(np.float64) for name in names]
+        global_arrays = self.round_global
+        names = list(global_arrays.keys())
+        reference = [global_arrays[name].numpy().astype(np.float64) for name in names]
         total = [np.zeros_like(r) for r in reference]
         norms = []
         for _, reply in valid:
@@ -144,7 +137,7 @@ class DPFedAvgStrategy(FederatedStrategy):
         sigma = self.noise_multiplier * self.clip
         noised = [gaussian_mechanism(values=t, sigma=sigma, rng=rng) for t in total]
         new = {
-            n: Array((r + s / self.denominator).astype(self._global[n].numpy().dtype))
+            n: Array((r + s / self.denominator).astype(global_arrays[n].numpy().dtype))
             for n, r, s in zip(names, reference, noised, strict=True)
         }
         self._record_release(server_round)

@@ -82,7 +82,6 @@ class FedAvgLDPStrategy(FederatedStrategy):
         self.accountant = PrivacyAccountant(
             population=run.client_ids, unit=self.privacy_unit, method=self.method
         )
-        self._global: ArrayRecord | None = None
         self._reports: dict[int, int] = {}
         log(
             INFO,
@@ -122,18 +121,12 @@ class FedAvgLDPStrategy(FederatedStrategy):
             )
         return self.schedule[server_round]
 
-    def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
-        """Remember the global model the updates are relative to."""
-        self._global = arrays
-        return arrays
-
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """``w_{t+1} = w_t + mean of the noisy updates``; one Gaussian event for every selected client."""
         valid, _ = self.split_replies(server_round, replies)
-        if self._global is None:
-            raise RuntimeError("aggregate_train before configure_train")
+        global_arrays = self.round_global
         assert self.accountant is not None
         self.accountant.record(
             PrivacyEvent(
@@ -143,7 +136,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
                 label="noisy model update",
             )
         )
-        names = list(self._global.keys())
+        names = list(global_arrays.keys())
         updates = []
         for info, reply in valid:
             received = reply.content.array_records.get(keys.ARRAYS)
@@ -156,7 +149,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
             return None, MetricRecord({"reports": 0})
         new = {}
         for position, name in enumerate(names):
-            reference = self._global[name].numpy()
+            reference = global_arrays[name].numpy()
             mean = np.mean([update[position] for update in updates], axis=0)
             new[name] = Array((reference.astype(np.float64) + mean).astype(reference.dtype))
         return ArrayRecord(new), MetricRecord({"reports": len(updates)})

@@ -313,7 +313,6 @@ class PrivateKTStrategy(FederatedStrategy):
             population=run.client_ids, unit=self.privacy_unit, method=self.method
         )
 
-        self._global: ArrayRecord | None = None
         self._kt: dict[int, np.ndarray] = {}
         self._stats: dict[int, dict[str, Any]] = {}
         log(
@@ -408,7 +407,6 @@ class PrivateKTStrategy(FederatedStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Draw the round's KT samples, then send Theta_t, the config and the KT data."""
-        self._global = arrays
         self._kt[server_round] = self.draw_kt_samples(server_round, arrays)
         messages = list(super().configure_train(server_round, arrays, config, grid))
         if self.send_kt_data and messages:
@@ -432,8 +430,7 @@ class PrivateKTStrategy(FederatedStrategy):
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Eq. 3, the knowledge buffer, fine-tuning and self-training (Algorithm 1, lines 16-18)."""
         valid, _ = self.split_replies(server_round, replies)
-        if self._global is None:
-            raise RuntimeError("aggregate_train before configure_train")
+        global_arrays = self.round_global
         assert self.accountant is not None
         self.accountant.record(
             PrivacyEvent(
@@ -460,7 +457,7 @@ class PrivateKTStrategy(FederatedStrategy):
         stats["kt_labels"] = targets.argmax(axis=1).tolist()
 
         model = self.run.model_spec.build()
-        load_arrays(model, self._global)
+        load_arrays(model, global_arrays)
         lr = float(self.cfg.lr)
         rows, targets = self.buffer.fetch()
         finetune_loss = fit_targets(

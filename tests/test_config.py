@@ -49,6 +49,7 @@ def test_compare_all_sweeps_every_arm_at_four_budgets_and_three_seeds():
     from fl_app.__main__ import expand_jobs
 
     jobs = expand_jobs(["+experiment=compare_all"], multirun=True)
+    assert set(STRATEGIES.names()) == set(options("comparison"))  # a new algorithm joins the comparison
     arms = set(options("comparison")) - {"fedavg"}
     grid = {tuple(sorted(o for o in job if not o.startswith("+experiment="))) for job in jobs}
     assert grid == {

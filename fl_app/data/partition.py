@@ -101,7 +101,8 @@ def partition_rows(
     partitioner.dataset = Dataset.from_dict(
         {"label": labels.astype(np.int64), "row": np.arange(len(labels), dtype=np.int64)}
     )
+    # Read the row column through Arrow: the default (Python) format extracts row by row, ~5x slower.
     return [
-        np.sort(np.asarray(partitioner.load_partition(i)["row"], dtype=np.int64))
+        np.sort(partitioner.load_partition(i).with_format("arrow")["row"].to_numpy().astype(np.int64))
         for i in range(num_partitions)
     ]
