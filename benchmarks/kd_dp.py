@@ -22,17 +22,10 @@ Writes ``kd_dp_accuracy_<dataset>.png`` (final accuracy against epsilon),
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# Run as a script, this folder is sys.path[0]; a module named like a standard-library one
-# here (benchmarks/platform.py) would shadow it for numpy and matplotlib.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-
 import argparse
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import matplotlib

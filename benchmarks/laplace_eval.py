@@ -38,11 +38,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# `python benchmarks/laplace_eval.py` puts benchmarks/ first on sys.path, where platform.py (the
-# platform benchmark) would shadow the standard library's `platform` that numpy imports.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-
 import matplotlib
 
 matplotlib.use("Agg")

@@ -20,8 +20,7 @@ Usage::
 
     python -P benchmarks/nbafl.py --root /tmp/bench_nbafl --out docs/benchmarks/figures
 
-(``-P`` keeps ``benchmarks/`` off ``sys.path``: ``benchmarks/platform.py`` would
-shadow the standard library's ``platform`` module.)
+(``-P`` keeps ``benchmarks/`` off ``sys.path``.)
 
 Writes ``nbafl_*.png`` and ``nbafl_tables.md`` into ``--out``; missing sweeps
 are skipped.

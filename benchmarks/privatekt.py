@@ -18,8 +18,7 @@ Usage::
 
     python -P benchmarks/privatekt.py --root /tmp/bench_privatekt --out docs/benchmarks/figures
 
-(``-P``: without it the script's folder comes first on ``sys.path`` and
-``benchmarks/platform.py`` shadows the standard library's ``platform``.)
+(``-P`` keeps ``benchmarks/`` off ``sys.path``.)
 
 Writes ``privatekt_curves.png``, ``privatekt_equal_budget.png`` and
 ``privatekt_tables.md`` into ``--out``; missing runs are skipped.

@@ -49,3 +49,30 @@ def test_gitignore_keeps_packages_in_the_flower_app_bundle():
         assert not spec.match_file(relative), relative
     for path in (ROOT / "conf").rglob("*.yaml"):
         assert not spec.match_file(path.relative_to(ROOT).as_posix())
+
+
+def test_ruff_lint_and_format_are_clean():
+    """The code style the project promises (pyproject's ruff settings) holds for every file."""
+    import subprocess
+    import sys
+
+    ruff = Path(sys.executable).parent / "ruff"
+    for command in (["check", "."], ["format", "--check", "."]):
+        process = subprocess.run([str(ruff), *command], cwd=ROOT, capture_output=True, text=True, check=False)
+        assert process.returncode == 0, process.stdout + process.stderr
+
+
+def test_benchmarks_md_and_readme_results_are_generated_not_hand_edited():
+    """BENCHMARKS.md and the README's results table are what benchmarks/build_docs.py makes from
+    the generated pages in docs/benchmarks/ (regenerate after new runs; never edit numbers)."""
+    import subprocess
+    import sys
+
+    process = subprocess.run(
+        [sys.executable, "-P", str(ROOT / "benchmarks" / "build_docs.py"), "--check"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert process.returncode == 0, process.stderr
