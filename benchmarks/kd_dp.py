@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,28 +82,44 @@ def _best(run: Run) -> float:
     return max(r["accuracy"] for r in run["rounds"] if r.get("accuracy") is not None)
 
 
+def method_epsilon_table(
+    title: str,
+    methods: dict[str, dict[float, Run]],
+    cell: Callable[[str, Run], str],
+    *,
+    names: Sequence[str] = tuple(METHODS),
+    with_unit: bool = False,
+) -> list[str]:
+    """Markdown: one row per method of ``names`` that ran, one column per epsilon any of them ran at.
+
+    ``cell(method, run)`` formats one run; a missing run is ``-``.
+    """
+    ran = [m for m in names if m in methods]
+    epsilons = sorted({e for m in ran for e in methods[m]})
+    unit_head, unit_rule = ("unit | ", "---|") if with_unit else ("", "")
+    lines = [
+        title,
+        "",
+        f"| method | {unit_head}" + " | ".join(f"epsilon = {e:g}" for e in epsilons) + " |",
+        f"|---|{unit_rule}" + "---|" * len(epsilons),
+    ]
+    for method in ran:
+        cells = [
+            "-" if methods[method].get(e) is None else cell(method, methods[method][e]) for e in epsilons
+        ]
+        unit = f"{UNITS[method]} | " if with_unit else ""
+        lines.append(f"| {METHODS[method]} | {unit}" + " | ".join(cells) + " |")
+    return lines
+
+
 def accuracy_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
     """Markdown: final accuracy (and the reported epsilon) per method and epsilon."""
-    epsilons = sorted({e for by_eps in methods.values() for e in by_eps})
-    lines = [
+    return method_epsilon_table(
         f"**{dataset}**: final test accuracy (reported epsilon at delta = 1e-5)",
-        "",
-        "| method | unit | " + " | ".join(f"epsilon = {e:g}" for e in epsilons) + " |",
-        "|---|---|" + "---|" * len(epsilons),
-    ]
-    for method, label in METHODS.items():
-        if method not in methods:
-            continue
-        cells = []
-        for epsilon in epsilons:
-            run = methods[method].get(epsilon)
-            if run is None:
-                cells.append("-")
-                continue
-            final = run["final"]
-            cells.append(f"{final['accuracy']:.4f} ({_fmt(final['epsilon'])})")
-        lines.append(f"| {label} | {UNITS[method]} | " + " | ".join(cells) + " |")
-    return lines
+        methods,
+        lambda _, run: f"{run['final']['accuracy']:.4f} ({_fmt(run['final']['epsilon'])})",
+        with_unit=True,
+    )
 
 
 #: The "traditional" DP-FL baselines the issue names, and the same-unit ablation.
@@ -143,6 +160,15 @@ def claim_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]
     return lines
 
 
+def _global_noise_cell(method: str, run: Run) -> str:
+    privacy = run["privacy"]
+    if method == "dp_fedavg":
+        std = privacy["noise_multiplier"] * privacy["clip"] / privacy["denominator"]
+    else:
+        std = (privacy["sigma_up"] ** 2 / privacy["K"] + privacy.get("sigma_down", 0.0) ** 2) ** 0.5
+    return f"z = {_fmt(privacy['noise_multiplier'])}, std {_fmt(std)}"
+
+
 def baseline_noise_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
     """Markdown: the baselines' noise multipliers and the noise std per coordinate of the new global model.
 
@@ -150,53 +176,22 @@ def baseline_noise_table(dataset: str, methods: dict[str, dict[float, Run]]) -> 
     expected number of clients). NbAFL: ``sigma_U / sqrt(K)`` (uniform average of K noisy uploads;
     ``sigma_D`` added when non-zero).
     """
-    epsilons = sorted({e for m in ("dp_fedavg", "nbafl") for e in methods.get(m, {})})
-    lines = [
+    return method_epsilon_table(
         f"**{dataset}**: baselines' noise: multiplier z (std / sensitivity) and std per coordinate of "
         "the new global model",
-        "",
-        "| method | " + " | ".join(f"epsilon = {e:g}" for e in epsilons) + " |",
-        "|---|" + "---|" * len(epsilons),
-    ]
-    for method in ("dp_fedavg", "nbafl"):
-        if method not in methods:
-            continue
-        cells = []
-        for epsilon in epsilons:
-            run = methods[method].get(epsilon)
-            if run is None:
-                cells.append("-")
-                continue
-            privacy = run["privacy"]
-            if method == "dp_fedavg":
-                std = privacy["noise_multiplier"] * privacy["clip"] / privacy["denominator"]
-            else:
-                std = (privacy["sigma_up"] ** 2 / privacy["K"] + privacy.get("sigma_down", 0.0) ** 2) ** 0.5
-            cells.append(f"z = {_fmt(privacy['noise_multiplier'])}, std {_fmt(std)}")
-        lines.append(f"| {METHODS[method]} | " + " | ".join(cells) + " |")
-    return lines
+        methods,
+        _global_noise_cell,
+        names=TRADITIONAL,
+    )
 
 
 def cpu_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
     """Markdown: CPU seconds of every process of each run (from ``<run>.cpu.json``) and its wall time."""
-    epsilons = sorted({e for by_eps in methods.values() for e in by_eps})
-    lines = [
+    return method_epsilon_table(
         f"**{dataset}**: CPU seconds (all processes of the run) / wall minutes",
-        "",
-        "| method | " + " | ".join(f"epsilon = {e:g}" for e in epsilons) + " |",
-        "|---|" + "---|" * len(epsilons),
-    ]
-    for method, label in METHODS.items():
-        if method not in methods:
-            continue
-        cells = []
-        for epsilon in epsilons:
-            run = methods[method].get(epsilon)
-            cells.append(
-                "-" if run is None else f"{_fmt(run.get('_cpu_s'))} / {run['final']['wall_s'] / 60:.1f}"
-            )
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return lines
+        methods,
+        lambda _, run: f"{_fmt(run.get('_cpu_s'))} / {run['final']['wall_s'] / 60:.1f}",
+    )
 
 
 def kd_dp_detail_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:

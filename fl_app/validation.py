@@ -180,7 +180,8 @@ def check_partitions(cfg: DictConfig) -> None:
     from fl_app.data.federated import DataSpec, federated_data
 
     spec = DataSpec.from_config(cfg)
-    if spec.to_json() in _CHECKED_SPLITS:
+    key = spec.to_json()
+    if key in _CHECKED_SPLITS:
         return
     try:
         data = federated_data(spec)
@@ -199,7 +200,7 @@ def check_partitions(cfg: DictConfig) -> None:
             f"too many clients for {cfg.dataset.name}: {sizes.count(0)} of them get no "
             "examples; use fewer clients or another partition",
         )
-    _CHECKED_SPLITS.add(spec.to_json())
+    _CHECKED_SPLITS.add(key)
 
 
 def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:

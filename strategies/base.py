@@ -73,6 +73,7 @@ class FederatedStrategy(Strategy):
         self.cfg: DictConfig = run.cfg
         self.accountant: PrivacyAccountant | None = None
         self._selected: dict[int, list[ClientInfo]] = {}
+        self._round_global: ArrayRecord | None = None
         self._failed: dict[int, list[int]] = {}
         self._evaluation_clients: dict[int, list[ClientInfo]] = {}
 
@@ -171,10 +172,9 @@ class FederatedStrategy(Strategy):
 
         Client updates are relative to it. Raises ``RuntimeError`` before the first ``configure_train``.
         """
-        arrays = getattr(self, "_round_global", None)
-        if arrays is None:
+        if self._round_global is None:
             raise RuntimeError("aggregate_train before configure_train")
-        return arrays
+        return self._round_global
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

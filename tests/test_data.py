@@ -112,28 +112,16 @@ def test_digits_and_synthetic():
     digits = sources.load_dataset({"name": "digits", "test_fraction": 0.25}, seed=1)
     assert digits.x_train.shape[1:] == (1, 8, 8)
     assert len(digits.y_train) + len(digits.y_test) == 1797
-    synthetic = sources.load_dataset(
-        {
-            "name": "synthetic",
-            "num_train": 300,
-            "num_test": 50,
-            "image_size": 8,
-            "num_classes": 4,
-            "class_sep": 2.0,
-        },
-        seed=1,
-    )
-    again = sources.load_dataset(
-        {
-            "name": "synthetic",
-            "num_train": 300,
-            "num_test": 50,
-            "image_size": 8,
-            "num_classes": 4,
-            "class_sep": 2.0,
-        },
-        seed=1,
-    )
+    spec = {
+        "name": "synthetic",
+        "num_train": 300,
+        "num_test": 50,
+        "image_size": 8,
+        "num_classes": 4,
+        "class_sep": 2.0,
+    }
+    synthetic = sources.load_dataset(spec, seed=1)
+    again = sources.load_dataset(dict(spec), seed=1)
     assert np.array_equal(synthetic.x_train, again.x_train)
     assert set(np.unique(synthetic.y_train)) == {0, 1, 2, 3}
 

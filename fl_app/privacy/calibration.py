@@ -677,7 +677,6 @@ def dp_sgd_noise_multiplier(
 
     high, f_high = 1.0, excess(1.0)
     if f_high > 0:
-        low, f_low = high, f_high
         while f_high > 0:
             low, f_low = high, f_high
             high *= 2.0
