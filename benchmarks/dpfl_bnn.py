@@ -160,7 +160,7 @@ def results_table(root: Path) -> list[str]:
                     f"{run['config']['lr']:g}",
                     _fmt(final["accuracy"]),
                     _fmt(max(accuracies)),
-                    _fmt(final.get("local_model_accuracy")),
+                    _fmt(local_model_accuracy(run)),
                     "null (not private)" if epsilon is None else _fmt(epsilon, 6),
                     _fmt(final.get("epsilon_per_coordinate")),
                     _fmt(final.get("upload_bytes_per_client"), 6),
@@ -169,6 +169,14 @@ def results_table(root: Path) -> list[str]:
                 ]
                 lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def local_model_accuracy(run: dict[str, Any]) -> float | None:
+    """The last local-model diagnostic: ``outside_guarantee`` (older results: ``final``)."""
+    outside = [r for r in run.get("outside_guarantee", {}).get("rounds", []) if "local_model_accuracy" in r]
+    if outside:
+        return outside[-1]["local_model_accuracy"]
+    return run["final"].get("local_model_accuracy")
 
 
 def comparison_table(root: Path) -> list[str]:

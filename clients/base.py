@@ -16,6 +16,7 @@ sends, so the server can never reproduce a device's noise).
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -35,6 +36,34 @@ from fl_app.training import evaluate, load_arrays, train_local
 #: makes client 3 raise in every round and client 5 in round 2 (train and
 #: evaluate messages). Unset in normal use.
 INJECT_FAILURES_ENV = "DPFL_INJECT_FAILURES"
+
+
+#: Built models of this process, by model spec (see :func:`process_model`).
+_PROCESS_MODELS: dict[str, nn.Module] = {}
+_MAX_PROCESS_MODELS = 4
+
+
+@functools.lru_cache(maxsize=8)
+def parse_model_spec(text: str) -> ModelSpec:
+    """The :class:`ModelSpec` of a message's JSON (parsed once per process)."""
+    return ModelSpec.from_json(text)
+
+
+def process_model(spec_text: str) -> nn.Module:
+    """Return this process's instance of the model ``spec_text`` describes, built on first use.
+
+    A simulated client lives for one message, but its process (a Ray actor)
+    serves many clients one after another: building the network once and
+    loading each message's arrays into it saves the construction and random
+    initialisation per message. Every parameter is overwritten by the caller
+    (:meth:`FederatedClient.global_model`), so reuse changes no result.
+    """
+    model = _PROCESS_MODELS.get(spec_text)
+    if model is None:
+        if len(_PROCESS_MODELS) >= _MAX_PROCESS_MODELS:
+            _PROCESS_MODELS.clear()
+        model = _PROCESS_MODELS[spec_text] = parse_model_spec(spec_text).build()
+    return model
 
 
 class InjectedFailureError(RuntimeError):
@@ -120,16 +149,22 @@ class FederatedClient:
 
     def model_spec(self) -> ModelSpec:
         """The architecture the server asked for."""
-        return ModelSpec.from_json(str(self.config[keys.MODEL_SPEC]))
+        return parse_model_spec(str(self.config[keys.MODEL_SPEC]))
 
     def incoming_arrays(self) -> ArrayRecord:
         """The ArrayRecord the server sent."""
         return self.message.content.array_records[keys.ARRAYS]
 
     def global_model(self) -> nn.Module:
-        """Build the model and load the server's arrays into it."""
-        model = self.model_spec().build()
+        """The server's model: this process's instance of the architecture with the received arrays.
+
+        The instance is shared by the messages this process serves one after
+        another (:func:`process_model`): use it for this message only.
+        """
+        model = process_model(str(self.config[keys.MODEL_SPEC]))
         load_arrays(model, self.incoming_arrays())
+        for parameter in model.parameters():
+            parameter.grad = None
         return model
 
     def train_locally(self, model: nn.Module, x: np.ndarray, y: np.ndarray, **extra: Any) -> float:

@@ -11,12 +11,18 @@
                   "epsilon": float|null, "upload_bytes": int, "download_bytes": int,
                   "clients": int, "failures": int, "wall_s": float, "round_s": float, ...}],
       "final": {"accuracy": float, "loss": float, "epsilon": float|null,
-                "delta": float, "wall_s": float, "rounds": int, ...},
-      "privacy": {"unit": str, "mechanism": str, "accountant": str, ...}
+                "epsilon_training": float|null, "delta": float, "wall_s": float, "rounds": int, ...},
+      "privacy": {"unit": str, "mechanism": str, "accountant": str,
+                  "randomness": {"source": "seeded"|"os_entropy", "noise_seed": int|null,
+                                 "cohort": str, "note": str, ...},
+                  "total": {"epsilon": float|null, "unit": str, "per_stage": {...}, ...}, ...},
+      "outside_guarantee": {...}      # only with privacy.diagnostics=true, never on devices
     }
 
 * ``epsilon`` is the cumulative epsilon of the worst client at ``privacy.delta``
-  after that round: the smallest of the sound bounds the accountant computed,
+  after that round, covering *everything* the run released about a client
+  (training and any evaluation stage; ``epsilon_training`` is the training
+  stage alone, other stages name their own fields): the smallest of the sound bounds the accountant computed,
   which are also given (``epsilon_rdp``, ``epsilon_pld`` with
   ``privacy.accountant=pld``, ``epsilon_basic`` for pure-epsilon mechanisms;
   ``epsilon_method`` names the one used). ``null`` means *no finite guarantee* (epsilon = infinity):
@@ -27,6 +33,13 @@
 * ``upload_bytes``/``download_bytes``: serialised size of that round's train
   messages, summed over clients (``*_array_bytes``: raw array data only).
 * ``wall_s``: seconds since the run started; ``round_s``: this round's duration.
+* ``privacy.randomness``: whether the privacy noise and secret cohorts were
+  seeded (reproducible from the published configuration: the epsilon then
+  describes a deployment where they are secret) or drawn from OS entropy.
+* ``outside_guarantee``: statistics computed from un-noised client data
+  (e.g. DP-FedAvg's update norms), which no epsilon covers. Written only with
+  ``privacy.diagnostics=true`` in a simulation, never on real devices, never
+  in ``rounds``, ``metrics.csv`` or ``run.log``.
 
 Also written: ``metrics.csv`` (one row per round, updated as the run goes),
 ``accuracy_loss.png``, ``epsilon.png``, ``final_model.npz`` (arrays plus the
@@ -55,6 +68,10 @@ from omegaconf import DictConfig, OmegaConf
 from fl_app.models import ModelSpec
 
 SCHEMA_VERSION = 1
+OUTSIDE_GUARANTEE_NOTE = (
+    "NOT covered by any epsilon of this run: computed from un-noised client data (simulation-only "
+    "diagnostics, privacy.diagnostics=true); do not publish them with the model"
+)
 RESULTS_FILE = "results.json"
 METRICS_FILE = "metrics.csv"
 MODEL_FILE = "final_model.npz"
@@ -102,11 +119,13 @@ def load_model_arrays(path: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
 class RunRecorder:
     """Collects per-round records and writes the run's files."""
 
-    def __init__(self, output_dir: Path, cfg: DictConfig) -> None:
+    def __init__(self, output_dir: Path, cfg: DictConfig, *, diagnostics: bool = False) -> None:
         self.output_dir = output_dir
         self.cfg = cfg
         self.rounds: list[dict[str, Any]] = []
         self.initial: dict[str, Any] = {}
+        self.diagnostics = diagnostics
+        self.outside: list[dict[str, Any]] = []
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
@@ -123,6 +142,11 @@ class RunRecorder:
             for row in self.rounds:
                 writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
         os.replace(temporary, self.output_dir / METRICS_FILE)
+
+    def add_diagnostics(self, server_round: int, values: dict[str, Any]) -> None:
+        """Keep a round's statistics outside the guarantee (dropped unless ``diagnostics``)."""
+        if self.diagnostics and values:
+            self.outside.append(json_safe({"round": server_round, **values}))
 
     def finalize(
         self,
@@ -159,6 +183,8 @@ class RunRecorder:
             "final": final,
             "privacy": privacy,
         }
+        if self.diagnostics:
+            results["outside_guarantee"] = {"note": OUTSIDE_GUARANTEE_NOTE, "rounds": self.outside}
         if arrays is not None:
             save_model(self.output_dir / MODEL_FILE, arrays, model_spec)
         if ledger is not None:

@@ -8,6 +8,8 @@ ServerApp with the overrides in its run config.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 import logging
 import math
 import time
@@ -25,13 +27,13 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fl_app import keys
 from fl_app.config import RUN_CONFIG_OUTPUT_DIR, compose_config, freeze, overrides_from_run_config
-from fl_app.data.federated import DataSpec, federated_data
+from fl_app.data.federated import DataSpec, FederatedData, federated_data
 from fl_app.metering import MeteredGrid
 from fl_app.models import ModelSpec
-from fl_app.privacy.rng import RandomSource
+from fl_app.privacy.rng import RandomSource, derive_noise_seed
 from fl_app.registry import Registry
 from fl_app.results import RunRecorder
-from fl_app.roster import discover_roster, on_devices
+from fl_app.roster import ClientInfo, discover_roster, on_devices
 from fl_app.run_context import RunContext, output_path
 from fl_app.validation import require_choice, validate_config
 from strategies import STRATEGIES
@@ -79,12 +81,69 @@ def run_federation(grid: Grid, context: Context) -> None:
     execute(grid, cfg, output_dir)
 
 
+#: Keys that do not change what a run computes from the data (resources, output, evaluation
+#: schedule, the randomness switches themselves): left out of :func:`config_fingerprint`.
+FINGERPRINT_IGNORES: tuple[str, ...] = (
+    "output_dir",
+    "simulation",
+    "privacy.noise_seed",
+    "privacy.secure_rng",
+    "privacy.diagnostics",
+    "evaluation.every",
+    "evaluation.test_subset",
+)
+
+SEEDED_NOTE = (
+    "seeded simulation: the client sampling and every noise draw (server and clients) are reproducible "
+    "from the published configuration (config.yaml), so anyone holding it can regenerate and subtract "
+    "the noise; the epsilon describes a deployment in which they are secret (privacy.secure_rng=true, "
+    "always on real devices)"
+)
+SECURE_NOTE = (
+    "OS entropy: every privacy noise draw (server and clients) and every secret client sample come "
+    "from the operating system's CSPRNG; nothing published predicts them and the run is not reproducible"
+)
+
+
+def config_fingerprint(cfg: DictConfig) -> str:
+    """A hex digest of the resolved configuration without :data:`FINGERPRINT_IGNORES`."""
+    container = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(container, dict)
+    for dotted in FINGERPRINT_IGNORES:
+        node: Any = container
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    text = json.dumps(container, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def noise_seed_origin(cfg: DictConfig) -> str | None:
+    """Where a run's noise seed comes from (None: OS entropy)."""
+    if cfg.privacy.secure_rng:
+        return None
+    if cfg.privacy.noise_seed is not None:
+        return "privacy.noise_seed"
+    return "derived from seed and the whole configuration (fl_app.privacy.rng.derive_noise_seed)"
+
+
 def noise_source(cfg: DictConfig) -> RandomSource:
-    """Privacy-noise randomness of a run: OS entropy, or the noise seed (default: ``seed``)."""
+    """Privacy randomness of a run: OS entropy, ``privacy.noise_seed``, or a seed derived from the config.
+
+    The default (``privacy.noise_seed: null``) is not ``seed`` itself: it is derived from ``seed`` *and*
+    the configuration, so that two runs of a sweep never share a noise stream. It is still
+    reproducible from the published configuration, which the results say
+    (:func:`privacy_randomness`).
+    """
     if cfg.privacy.secure_rng:
         return RandomSource(seed=None, secure=True)
-    seed = cfg.privacy.noise_seed if cfg.privacy.noise_seed is not None else cfg.seed
-    return RandomSource(seed=int(seed), secure=False)
+    if cfg.privacy.noise_seed is not None:
+        return RandomSource(seed=int(cfg.privacy.noise_seed), secure=False)
+    return RandomSource(
+        seed=derive_noise_seed(seed=int(cfg.seed), fingerprint=config_fingerprint(cfg)), secure=False
+    )
 
 
 def with_secure_noise(cfg: DictConfig) -> DictConfig:
@@ -102,6 +161,98 @@ def with_secure_noise(cfg: DictConfig) -> DictConfig:
     container["privacy"]["secure_rng"] = True
     container["privacy"]["noise_seed"] = None
     return freeze(OmegaConf.create(container))
+
+
+def effective_config(cfg: DictConfig, roster: list[ClientInfo]) -> DictConfig:
+    """The configuration in force once the roster is known: OS entropy whenever it holds real devices."""
+    if on_devices(roster) and not cfg.privacy.secure_rng:
+        log(INFO, "dpfl: the clients are real devices: noise from OS entropy (privacy.secure_rng=true)")
+        return with_secure_noise(cfg)
+    return cfg
+
+
+def make_run_context(
+    cfg: DictConfig,
+    *,
+    roster: list[ClientInfo],
+    data: FederatedData,
+    data_spec: DataSpec,
+    model_spec: ModelSpec,
+    output_dir: Path,
+) -> RunContext:
+    """The strategy's RunContext for the configuration in force (see :func:`effective_config`).
+
+    ``randomness`` (initialisation, public schedules) comes from ``seed``; ``noise`` (every privacy
+    draw, and secret cohorts) from :func:`noise_source` of the published configuration. An evaluation
+    stage that takes its budget out of ``privacy.epsilon`` gives the training strategy the rest
+    (the stage's ``training_config``).
+    """
+    cfg = effective_config(cfg, roster)
+    stage = evaluation_stage(cfg)
+    run_cfg = cfg
+    if stage is not None and hasattr(stage, "training_config"):
+        run_cfg = stage.training_config(cfg)
+    return RunContext(
+        cfg=run_cfg,
+        roster=roster,
+        data=data,
+        data_spec=data_spec,
+        model_spec=model_spec,
+        randomness=RandomSource(seed=int(cfg.seed)),
+        noise=noise_source(cfg),
+        output_dir=output_dir,
+    )
+
+
+def privacy_randomness(strategy: FederatedStrategy) -> dict[str, Any]:
+    """The results' ``privacy.randomness``: where the privacy noise and the cohorts came from."""
+    run = strategy.run
+    noise = run.noise
+    origin = noise_seed_origin(run.cfg)
+    return {
+        "source": "os_entropy" if noise.secure else "seeded",
+        "noise_seed": None if noise.secure else noise.seed,
+        "noise_seed_origin": origin,
+        "devices": on_devices(run.roster),
+        "cohort": strategy.cohort_randomness(),
+        "note": SECURE_NOTE if noise.secure else SEEDED_NOTE,
+    }
+
+
+def diagnostics_enabled(cfg: DictConfig, *, devices: bool) -> bool:
+    """Whether the run writes its ``outside_guarantee`` block: ``privacy.diagnostics``, never on devices."""
+    wanted = bool(cfg.privacy.get("diagnostics", False))
+    if wanted and devices:
+        log(WARNING, "privacy.diagnostics=true ignored: nothing outside the guarantee is written on devices")
+    return wanted and not devices
+
+
+def describe_randomness(randomness: dict[str, Any]) -> str:
+    """One line for the run's header: where privacy noise and cohorts come from."""
+    if randomness["source"] == "seeded":
+        return (
+            f"privacy randomness SEEDED (noise seed {randomness['noise_seed']}, "
+            f"{randomness['noise_seed_origin']}): {SEEDED_NOTE}"
+        )
+    return f"privacy randomness from OS entropy: {SECURE_NOTE}"
+
+
+def total_privacy(strategy: FederatedStrategy) -> dict[str, Any]:
+    """The results' ``privacy.total``: one epsilon per client covering everything released, by stage."""
+    total = strategy.epsilon()
+    return {
+        "epsilon": None if total is None else total.epsilon,
+        "delta": strategy.run.delta,
+        "method": None if total is None else total.method,
+        "unit": strategy.privacy_unit,
+        "worst_client": "the reported epsilon is the largest over the clients",
+        "per_stage": strategy.stage_epsilons(),
+        "covers": strategy.released_stages(),
+        "not_covered": [
+            "each client's number of examples (treated as public: the roster reports it)",
+            "the outside_guarantee block of results.json, when privacy.diagnostics=true (simulation only)",
+        ],
+    }
 
 
 def execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
@@ -147,24 +298,19 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         config=ConfigRecord({keys.DATA_SPEC: data_spec.to_json(), keys.SEED: int(cfg.seed)}),
     )
     setup_traffic = metered.take()
-    if on_devices(roster) and not cfg.privacy.secure_rng:
-        log(INFO, "dpfl: the clients are real devices: noise from OS entropy (privacy.secure_rng=true)")
-        cfg = with_secure_noise(cfg)
-    run = RunContext(
-        cfg=cfg,
-        roster=roster,
-        data=data,
-        data_spec=data_spec,
-        model_spec=model_spec,
-        randomness=RandomSource(seed=int(cfg.seed)),
-        noise=noise_source(cfg),
-        output_dir=output_dir,
+    cfg = effective_config(cfg, roster)
+    run = make_run_context(
+        cfg, roster=roster, data=data, data_spec=data_spec, model_spec=model_spec, output_dir=output_dir
     )
     strategy = strategy_class(run)
     stage = evaluation_stage(cfg)
     if stage is not None:
         strategy = stage(strategy)
-    recorder = RunRecorder(output_dir, cfg)
+    randomness = privacy_randomness(strategy)
+    log(INFO, "dpfl: %s", describe_randomness(randomness))
+    recorder = RunRecorder(
+        output_dir, cfg, diagnostics=diagnostics_enabled(cfg, devices=randomness["devices"])
+    )
     test = data.test()
     x_test, y_test = test.x, test.y
     if cfg.evaluation.test_subset is not None and cfg.evaluation.test_subset < len(y_test):
@@ -189,11 +335,15 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         evaluate_fn=reporter,
     )
     final_arrays = result.arrays if len(result.arrays) else None
+    privacy = dict(strategy.privacy_summary())
+    privacy["randomness"] = randomness
+    privacy["total"] = total_privacy(strategy)
     results = recorder.finalize(
         strategy=str(cfg.strategy.name),
-        privacy=strategy.privacy_summary(),
+        privacy=privacy,
         final_extras={
             **strategy.final_extras(),
+            "epsilon_training": privacy["total"]["per_stage"].get("training"),
             "setup_bytes": int(
                 setup_traffic.get("query_download_bytes", 0) + setup_traffic.get("query_upload_bytes", 0)
             ),
@@ -205,11 +355,16 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     )
     log(
         INFO,
-        "dpfl: finished %d rounds in %s; final accuracy %s, epsilon %s; results in %s",
+        "dpfl: finished %d rounds in %s; final accuracy %s, epsilon %s per client in total (delta %g; %s); "
+        "results in %s",
         len(results["rounds"]),
         _clock(time.monotonic() - started),
         _fmt(results["final"]["accuracy"]),
-        _fmt(results["final"]["epsilon"]),
+        _fmt(results["final"]["epsilon"], "inf (not private)"),
+        run.delta,
+        "seeded simulation: reproducible from the published config"
+        if randomness["source"] == "seeded"
+        else "privacy randomness from OS entropy",
         output_dir,
     )
     return results
@@ -251,6 +406,7 @@ class RoundReporter:
             self.strategy.evaluate_global(arrays, self.x_test, self.y_test) if evaluate else (None, None)
         )
         epsilon = self.strategy.epsilon()
+        training = self.strategy.training_epsilon()
         traffic = self.grid.take()
         now = time.monotonic()
         self.durations.append(now - self.last)
@@ -263,6 +419,7 @@ class RoundReporter:
             "epsilon_rdp": None if epsilon is None else epsilon.rdp,
             "epsilon_pld": None if epsilon is None else epsilon.pld,
             "epsilon_basic": None if epsilon is None else epsilon.basic,
+            "epsilon_training": None if training is None else training.epsilon,
             "upload_bytes": int(traffic.get("train_upload_bytes", 0)),
             "download_bytes": int(traffic.get("train_download_bytes", 0)),
             "upload_array_bytes": int(traffic.get("train_upload_array_bytes", 0)),
@@ -277,6 +434,7 @@ class RoundReporter:
             record["evaluate_download_bytes"] = int(traffic.get("evaluate_download_bytes", 0))
         record.update(self.strategy.round_extras(server_round))
         self.recorder.add_round(record)
+        self.recorder.add_diagnostics(server_round, self.strategy.diagnostics(server_round))
         self.last = now
         remaining = float(np.mean(self.durations)) * (self.num_rounds - server_round)
         log(

@@ -3,9 +3,9 @@
 This starts exactly what ``flwr run .`` starts in a local simulation federation:
 the ServerApp ``fl_app.server_app:app`` and the ClientApp
 ``fl_app.client_app:app`` under Flower's simulation engine, with the Hydra
-overrides in the run config. It uses Flower's internal ``_run_simulation``
-(the function ``flwr-simulation`` calls), because the public
-``run_simulation`` passes an empty run config. Ray is shut down when the run
+overrides in the run config. It goes through :mod:`fl_app.flower_engine`, the one adapter to
+Flower's private simulation APIs (the public ``run_simulation`` passes an empty
+run config). Ray is shut down when the run
 ends, also on failure, so nothing is left running.
 
 ``simulation.ray_address`` joins an existing Ray cluster (``ray start --head``
@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, RecordDict
-from flwr.simulation.run_simulation import _run_simulation
-from flwr.supercore.telemetry import EventType
 from omegaconf import DictConfig
 
 from fl_app.config import overrides_to_run_config
+from fl_app.flower_engine import run_simulation_engine
 
 PROJECT_ROOT: Path = Path(__file__).resolve().parent.parent
 SERVER_APP = "fl_app.server_app:app"
@@ -59,9 +58,8 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
         run_config=overrides_to_run_config(list(overrides), str(output_dir)),
     )
     try:
-        _run_simulation(
+        run_simulation_engine(
             num_supernodes=int(cfg.num_clients),
-            exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
             server_app_attr=SERVER_APP,
             client_app_attr=CLIENT_APP,
             app_dir=str(PROJECT_ROOT),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import functools
 import math
 from collections.abc import Sequence
 
@@ -21,15 +23,95 @@ def to_tensor(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
 
 
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+@functools.lru_cache(maxsize=256)
+def _npy_layout(header: bytes) -> tuple[np.dtype, tuple[int, ...], bool] | None:
+    """dtype, shape and Fortran order of an ``.npy`` header (None: not a plain array)."""
+    try:
+        fields = ast.literal_eval(header.decode("latin1"))
+        dtype = np.dtype(fields["descr"])
+    except (ValueError, SyntaxError, KeyError, TypeError):
+        return None
+    if dtype.hasobject:
+        return None
+    return dtype, tuple(int(n) for n in fields["shape"]), bool(fields["fortran_order"])
+
+
+def array_values(array: Array) -> np.ndarray:
+    """The values of a Flower ``Array``, read-only, without copying its data.
+
+    Equal to ``array.numpy()`` (which parses the ``.npy`` header in Python and
+    copies the data on every call); headers are parsed once per layout, which
+    matters when a server reads 100 replies of several arrays each round.
+    """
+    data = array.data
+    if array.stype == "numpy.ndarray" and bytes(data[:6]) == _NPY_MAGIC and data[6] in (1, 2, 3):
+        size_bytes = 2 if data[6] == 1 else 4
+        length = int.from_bytes(bytes(data[8 : 8 + size_bytes]), "little")
+        start = 8 + size_bytes
+        layout = _npy_layout(bytes(data[start : start + length]))
+        if layout is not None:
+            dtype, shape, fortran = layout
+            count = math.prod(shape)
+            values = np.frombuffer(data, dtype=dtype, count=count, offset=start + length)
+            return values.reshape(shape, order="F" if fortran else "C")
+    return array.numpy()
+
+
+_NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+
+def numpy_array(values: np.ndarray) -> Array:
+    """``Array(values)``, byte for byte, with the ``.npy`` header built once per dtype and shape.
+
+    Flower's ``Array(ndarray)`` runs ``np.save`` (which formats the header in
+    Python) for every array of every reply; the header depends only on the
+    dtype and shape of a C-contiguous array.
+    """
+    if values.dtype.hasobject or not values.flags.c_contiguous:
+        return Array(values)
+    key = (values.dtype.str, tuple(values.shape))
+    header = _NPY_HEADERS.get(key)
+    if header is None:
+        full = Array(values).data
+        header = _NPY_HEADERS[key] = bytes(full[: len(full) - values.nbytes])
+    return Array(
+        dtype=str(values.dtype),
+        shape=tuple(values.shape),
+        stype="numpy.ndarray",
+        data=header + values.tobytes(),
+    )
+
+
 def model_to_arrays(model: nn.Module) -> ArrayRecord:
     """The model's state as an ArrayRecord (keys = state_dict names)."""
-    return ArrayRecord({k: Array(v.detach().cpu().numpy()) for k, v in model.state_dict().items()})
+    return ArrayRecord({k: numpy_array(v.detach().cpu().numpy()) for k, v in model.state_dict().items()})
 
 
 def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
-    """Load an ArrayRecord (as made by :func:`model_to_arrays`) into ``model``."""
-    state = {k: torch.from_numpy(np.array(v.numpy(), copy=True)) for k, v in arrays.items()}
-    model.load_state_dict(state, strict=True)
+    """Load an ArrayRecord (as made by :func:`model_to_arrays`) into ``model``, in place.
+
+    Same keys and shapes as ``model.state_dict()`` are required (strict). Each
+    array is decoded once and copied straight into the model's tensor.
+    """
+    state = model.state_dict()
+    if list(arrays.keys()) != list(state.keys()) and set(arrays.keys()) != set(state.keys()):
+        missing = sorted(set(state) - set(arrays.keys()))
+        unexpected = sorted(set(arrays.keys()) - set(state))
+        raise RuntimeError(f"arrays do not match the model: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for key, array in arrays.items():
+            values = array_values(array)
+            if not values.flags.writeable:
+                values = values.copy()
+            target = state[key]
+            if tuple(values.shape) != tuple(target.shape):
+                raise RuntimeError(
+                    f"array {key!r} has shape {tuple(values.shape)}, the model {tuple(target.shape)}"
+                )
+            target.copy_(torch.from_numpy(values))
 
 
 def arrays_to_numpy(arrays: ArrayRecord) -> list[np.ndarray]:

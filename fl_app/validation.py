@@ -117,6 +117,7 @@ def validate_common(cfg: DictConfig) -> None:
                 "must be null when privacy.secure_rng=true (OS entropy refuses a seed)",
             )
     require_choice("privacy.budget_scope", privacy.budget_scope, BUDGET_SCOPES)
+    require_bool("privacy.diagnostics", privacy.get("diagnostics", False))
 
     evaluation = cfg.evaluation
     require_int("evaluation.every", evaluation.every, minimum=1)
@@ -209,7 +210,9 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
 
     require_choice("strategy.name", cfg.strategy.name, STRATEGIES.names())
     validate_common(cfg)
-    STRATEGIES.get(cfg.strategy.name).validate_config(cfg)
+    strategy = STRATEGIES.get(cfg.strategy.name)
+    strategy.validate_config(cfg)
+    strategy.validate_releases(cfg)
     if check_data:
         locate_data(cfg)
         check_partitions(cfg)

@@ -14,7 +14,11 @@ every algorithm of the project needs:
   a failure never makes the accounting optimistic;
 * reporting hooks for the results file (:meth:`round_extras`,
   :meth:`privacy_summary`, :meth:`final_extras`) and the accountant
-  (:attr:`accountant`), read once per round by the platform.
+  (:attr:`accountant`), read once per round by the platform;
+* the release rule of private runs: nothing computed from un-noised client
+  data leaves them (federated evaluation is refused, :meth:`validate_releases`;
+  un-noised statistics go to :meth:`diagnostics`, written only outside the
+  guarantee and never on devices).
 
 Subclasses override :meth:`aggregate_train` (and whatever else differs) and set
 the class attributes naming their privacy unit and mechanism.
@@ -48,7 +52,8 @@ from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
-from fl_app.training import evaluate, load_arrays, model_to_arrays, torch_seed
+from fl_app.training import array_values, evaluate, load_arrays, model_to_arrays, torch_seed
+from fl_app.validation import ConfigError
 
 
 class FederatedStrategy(Strategy):
@@ -68,6 +73,10 @@ class FederatedStrategy(Strategy):
     privacy_unit: ClassVar[str] = "none"
     mechanism_name: ClassVar[str] = "none"
 
+    #: True when the privacy accounting relies on the cohort being secret (amplification by
+    #: sampling): failures are then logged without naming the client.
+    secret_cohort: bool = False
+
     def __init__(self, run: RunContext) -> None:
         self.run = run
         self.cfg: DictConfig = run.cfg
@@ -82,6 +91,26 @@ class FederatedStrategy(Strategy):
     @classmethod
     def validate_config(cls, cfg: DictConfig) -> None:
         """Check this strategy's own keys; raise :class:`fl_app.validation.ConfigError`."""
+
+    @classmethod
+    def is_private(cls, cfg: DictConfig) -> bool:
+        """Whether a run of this strategy with ``cfg`` claims a finite epsilon (override if configurable)."""
+        return cls.privacy_unit != "none"
+
+    @classmethod
+    def validate_releases(cls, cfg: DictConfig) -> None:
+        """The platform's release rule: a private run refuses federated evaluation.
+
+        Clients' evaluation replies (local loss and accuracy) are un-noised functions of
+        their data: no epsilon covers them.
+        """
+        if cls.is_private(cfg) and float(cfg.evaluation.federated_fraction) > 0:
+            raise ConfigError(
+                "evaluation.federated_fraction",
+                cfg.evaluation.federated_fraction,
+                f"must be 0 with strategy={cfg.strategy.name}: clients' evaluation metrics are un-noised "
+                "functions of their data, outside the reported epsilon",
+            )
 
     @classmethod
     def resolve_model(cls, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:
@@ -251,16 +280,20 @@ class FederatedStrategy(Strategy):
             if reply.has_error():
                 failed.append(info)
                 reason = reply.error.reason.strip().splitlines()[-1] if reply.error.reason else "?"
+                secret = self.secret_cohort and stage == "train"
                 log(
                     WARNING,
-                    "%s round %d: client %d failed: %s",
+                    "%s round %d: client %s failed: %s",
                     stage,
                     server_round,
-                    info.client_id,
-                    reason[:300],
+                    "(secret cohort)" if secret else info.client_id,
+                    "(reason withheld)" if secret else reason[:300],
                 )
             else:
                 valid.append((info, reply))
+        # Replies arrive in an order that depends on timing: aggregate them by client id, so a
+        # seeded run sums its floating-point updates in the same order every time.
+        valid.sort(key=lambda pair: pair[0].client_id)
         if stage == "train":
             expected = {c.client_id for c in self.selected(server_round)}
             answered = {info.client_id for info, _ in valid} | {info.client_id for info in failed}
@@ -284,10 +317,38 @@ class FederatedStrategy(Strategy):
         return evaluate(model, x, y)
 
     def epsilon(self) -> EpsilonReport | None:
-        """Cumulative epsilon of the worst client at ``privacy.delta`` (None: not private)."""
+        """Cumulative epsilon of the worst client at ``privacy.delta`` (None: not private).
+
+        The platform's ``rounds[].epsilon``: it must cover everything the run released about a client
+        (an evaluation stage composes its own cost into it).
+        """
         if self.accountant is None:
             return None
         return self.accountant.epsilon(delta=self.run.delta)
+
+    def training_epsilon(self) -> EpsilonReport | None:
+        """The training stage's epsilon alone (``rounds[].epsilon_training``)."""
+        return self.epsilon()
+
+    def stage_epsilons(self) -> dict[str, float | None]:
+        """Each stage's cumulative epsilon in the unit of :attr:`privacy_unit` (``privacy.total``)."""
+        training = self.training_epsilon()
+        return {"training": None if training is None else training.epsilon}
+
+    def released_stages(self) -> list[str]:
+        """What the total epsilon covers (``privacy.total.covers``)."""
+        return ["training: the released models (and, under local DP, every client's upload)"]
+
+    def cohort_randomness(self) -> str:
+        """Where the clients of a round come from (``privacy.randomness.cohort``)."""
+        return (
+            "public: drawn from `seed` (reproducible; the accounting names every selected client and "
+            "credits no amplification by sampling)"
+        )
+
+    def diagnostics(self, server_round: int) -> dict[str, Any]:
+        """Statistics of un-noised client data (``outside_guarantee``; simulation-only, opt-in; override)."""
+        return {}
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
         """Per-round fields for the results file beyond the platform's (override)."""
@@ -314,7 +375,12 @@ class FederatedStrategy(Strategy):
 
 
 def mean_arrays(records: list[ArrayRecord], weights: list[float] | None = None) -> ArrayRecord:
-    """(Weighted) mean of ArrayRecords with identical keys and shapes."""
+    """(Weighted) mean of ArrayRecords with identical keys and shapes.
+
+    Accumulates in float64, client by client in the given order, and casts the
+    mean back to each array's dtype. All arrays of a record are handled as one
+    flat vector (the same arithmetic element by element as array by array).
+    """
     if not records:
         raise ValueError("nothing to average")
     factors = (
@@ -322,8 +388,16 @@ def mean_arrays(records: list[ArrayRecord], weights: list[float] | None = None) 
         if weights is None
         else (np.asarray(weights, dtype=np.float64) / float(np.sum(weights)))
     )
+    names = list(records[0].keys())
+    first = [array_values(records[0][name]) for name in names]
+    total = np.zeros(sum(a.size for a in first), dtype=np.float64)
+    for factor, record in zip(factors, records, strict=True):
+        flat = np.concatenate([array_values(record[name]).ravel() for name in names]).astype(np.float64)
+        total += factor * flat
     out: dict[str, Array] = {}
-    for key in records[0]:
-        stacked = sum(f * r[key].numpy().astype(np.float64) for f, r in zip(factors, records, strict=True))
-        out[key] = Array(np.asarray(stacked, dtype=records[0][key].numpy().dtype))
+    offset = 0
+    for name, template in zip(names, first, strict=True):
+        part = total[offset : offset + template.size].reshape(template.shape)
+        out[name] = Array(np.ascontiguousarray(part, dtype=template.dtype))
+        offset += template.size
     return ArrayRecord(out)

@@ -19,11 +19,22 @@ Privacy: unit = one client's entire data set (add or remove one client; a failed
 or absent client contributes a zero update, so the sensitivity of the sum stays
 C). Central DP: the server sees clipped, un-noised updates and is trusted.
 Poisson sampling: one ``SampledGaussian(z, q)`` event per round covering every
-client (amplification by sampling, Mironov, Talwar, Zhang 2019). Fixed-size
-sampling: one ``Gaussian(z)`` event per round for the selected clients (no
-amplification is credited). Unless ``strategy.noise_multiplier`` is set, ``z``
-is calibrated with the same accountant so that the worst client's epsilon after
-``num_rounds`` is at most ``privacy.epsilon``.
+client (amplification by sampling, Mironov, Talwar, Zhang 2019). Amplification
+needs a cohort the adversary cannot predict, so the Poisson coins come from the
+privacy randomness ``run.noise`` (OS entropy with ``privacy.secure_rng`` and
+always on devices), never from the public ``seed``; a seeded simulation says in
+``privacy.randomness`` that its cohort is reproducible and that the epsilon
+describes a deployment with a secret cohort. Failures are then logged without
+naming the client. Fixed-size sampling: one ``Gaussian(z)`` event per round for
+the selected clients (no amplification is credited; the cohort may be public).
+Unless ``strategy.noise_multiplier`` is set, ``z`` is calibrated with the same
+accountant so that the worst client's epsilon after ``num_rounds`` is at most
+``privacy.epsilon``.
+
+Released: the noised model only. The clients' train losses stay on the server,
+and the update norms (a tuning aid for ``C``) are un-noised: they go to
+``outside_guarantee`` with ``privacy.diagnostics=true`` in a simulation, nowhere
+else. Federated evaluation is refused (:meth:`FederatedStrategy.validate_releases`).
 
 Why not Flower's ``DifferentialPrivacyServerSideFixedClipping`` wrapper: its
 noise comes from the global ``np.random`` (not seeded, not secure), it averages
@@ -89,6 +100,7 @@ class DPFedAvgStrategy(FederatedStrategy):
         self.accountant = PrivacyAccountant(
             population=run.client_ids, unit=self.privacy_unit, method=str(self.cfg.privacy.accountant)
         )
+        self.secret_cohort = self.sampling == "poisson"
         self._norms: dict[int, list[float]] = {}
         log(
             INFO,
@@ -108,10 +120,10 @@ class DPFedAvgStrategy(FederatedStrategy):
         require_choice("strategy.sampling", cfg.strategy.sampling, SAMPLINGS)
 
     def select_clients(self, server_round: int) -> list[ClientInfo]:
-        """Poisson sampling (each client w.p. q) or fixed-size sampling."""
+        """Poisson sampling (each client w.p. q, secret coins from ``run.noise``) or fixed-size sampling."""
         if self.sampling == "fixed":
             return super().select_clients(server_round)
-        rng = self.run.randomness.generator("client-sampling", server_round=server_round)
+        rng = self.run.noise.generator("poisson-cohort", server_round=server_round)
         joins = rng.random(self.run.num_clients) < self.rate
         return [info for info, joined in zip(self.run.roster, joins, strict=True) if joined]
 
@@ -142,18 +154,9 @@ class DPFedAvgStrategy(FederatedStrategy):
         }
         self._record_release(server_round)
         self._norms[server_round] = norms
-        metrics = MetricRecord(
-            {
-                keys.TRAIN_LOSS: float(
-                    np.mean(
-                        [float(m.content.metric_records[keys.METRICS][keys.TRAIN_LOSS]) for _, m in valid]
-                    )
-                )
-            }
-            if valid
-            else {}
-        )
-        return ArrayRecord(new), metrics
+        # No train loss (nor anything else computed from the clients' data) in the metrics: Flower
+        # logs them, and they are not noised.
+        return ArrayRecord(new), MetricRecord()
 
     def _record_release(self, server_round: int) -> None:
         assert self.accountant is not None
@@ -173,13 +176,22 @@ class DPFedAvgStrategy(FederatedStrategy):
             )
         self.accountant.record(event)
 
-    def round_extras(self, server_round: int) -> dict[str, Any]:
-        """Update norms before clipping (a tuning aid for ``strategy.clip``)."""
+    def diagnostics(self, server_round: int) -> dict[str, Any]:
+        """Update norms before clipping (a tuning aid for ``strategy.clip``): un-noised, no guarantee."""
         norms = self._norms.get(server_round, [])
         return {
             "update_norm_median": float(np.median(norms)) if norms else None,
             "clipped_fraction": float(np.mean(np.array(norms) > self.clip)) if norms else None,
         }
+
+    def cohort_randomness(self) -> str:
+        """Poisson cohorts come from the privacy randomness; fixed-size ones are public."""
+        if self.sampling == "fixed":
+            return super().cohort_randomness()
+        return (
+            "secret: Poisson coins drawn from the privacy randomness (run.noise), as amplification by "
+            "sampling requires; see `source` for whether that randomness is secret"
+        )
 
     def privacy_summary(self) -> dict[str, Any]:
         """Unit, mechanism, accountant and the calibrated noise."""

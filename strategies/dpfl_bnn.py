@@ -31,8 +31,17 @@ gamma is ``strategy.gamma``, or is calibrated from ``privacy.epsilon`` and
 ``privacy.delta`` over ``num_rounds`` (each client uploads at most once per
 round) for the accounting named by ``strategy.calibration`` with
 :func:`fl_app.privacy.calibration.bnn_gamma` (Theorem 1 with the Renyi order
-optimised and the order's ``1/delta`` corrected to ``log(1/delta)``).
+optimised and the order's ``1/delta`` corrected to ``log(1/delta)``). The
+default, ``client_level``, calibrates for all d bits of every upload, so the
+headline epsilon (the unit the results name) is the requested one;
+``per_coordinate`` is the document's reading, kept by name: its client-level
+epsilon is orders of magnitude larger (a warning says so).
 ``strategy.noise=none`` is the noise-free BNN baseline (epsilon null).
+
+The optional local-model diagnostic (``strategy.local_eval_clients > 0``, the
+document's metric) reports the accuracy of clients' un-noised local models: it
+needs ``privacy.diagnostics=true`` and goes to ``outside_guarantee``, in
+simulation only.
 """
 
 from __future__ import annotations
@@ -173,6 +182,11 @@ class DPFLBNNStrategy(FederatedStrategy):
     # ------------------------------------------------------------------ configuration
 
     @classmethod
+    def is_private(cls, cfg: DictConfig) -> bool:
+        """Private unless ``strategy.noise=none``."""
+        return str(cfg.strategy.noise) != "none"
+
+    @classmethod
     def validate_config(cls, cfg: DictConfig) -> None:
         """Check the model, ``strategy.*`` and the settings DPFL-BNN cannot honour."""
         settings = cfg.strategy
@@ -199,7 +213,14 @@ class DPFLBNNStrategy(FederatedStrategy):
             require_int("strategy.lr_decay_every", settings.lr_decay_every, minimum=1)
         require_range("strategy.adam_beta1", settings.adam_beta1, 0.0, 1.0, high_open=True)
         require_range("strategy.adam_beta2", settings.adam_beta2, 0.0, 1.0, high_open=True)
-        require_int("strategy.local_eval_clients", settings.local_eval_clients, minimum=0)
+        local_eval = require_int("strategy.local_eval_clients", settings.local_eval_clients, minimum=0)
+        if local_eval > 0 and noise == "rr" and not cfg.privacy.get("diagnostics", False):
+            raise ConfigError(
+                "strategy.local_eval_clients",
+                settings.local_eval_clients,
+                "must be 0 unless privacy.diagnostics=true: the local-model accuracy is computed from "
+                "un-noised local models, outside the guarantee (simulation only)",
+            )
         require_int("strategy.local_eval_every", settings.local_eval_every, minimum=1)
         if settings.local_eval_test_subset is not None:
             require_int("strategy.local_eval_test_subset", settings.local_eval_test_subset, minimum=1)
@@ -371,14 +392,17 @@ class DPFLBNNStrategy(FederatedStrategy):
         return self.coordinate_accountant.epsilon(delta=self.run.delta).epsilon
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
-        """Per-coordinate epsilon (labelled), upload size, and the local-model diagnostic."""
-        extras: dict[str, Any] = {
+        """Per-coordinate epsilon (labelled) and upload size."""
+        return {
             "epsilon_per_coordinate": self.epsilon_per_coordinate(),
             **self._round_info.get(server_round, {"uploads_aggregated": 0, "upload_bytes_per_client": None}),
         }
-        if server_round in self._local_accuracy:
-            extras["local_model_accuracy"] = self._local_accuracy[server_round]
-        return extras
+
+    def diagnostics(self, server_round: int) -> dict[str, Any]:
+        """The local-model diagnostic (un-noised local models: outside the guarantee)."""
+        if server_round not in self._local_accuracy:
+            return {}
+        return {"local_model_accuracy": self._local_accuracy[server_round]}
 
     def privacy_summary(self) -> dict[str, Any]:
         """Both accountings side by side, gamma and where it came from."""
@@ -425,8 +449,9 @@ class DPFLBNNStrategy(FederatedStrategy):
             )
         if int(self.cfg.strategy.local_eval_clients) > 0:
             summary["diagnostics_outside_accounting"] = (
-                "local_model_accuracy: clients report the test accuracy of their own model "
-                "(simulation-only measurement of the document's metric; not covered by epsilon)"
+                "outside_guarantee.rounds[].local_model_accuracy: clients report the test accuracy of "
+                "their own un-noised model (simulation-only measurement of the document's metric; not "
+                "covered by epsilon)"
             )
         return summary
 
@@ -444,6 +469,4 @@ class DPFLBNNStrategy(FederatedStrategy):
             "float32_bytes_same_model": 4 * self.num_bits,
             "upload_bytes_per_client": float(np.mean(measured)) if measured else None,
         }
-        if self._local_accuracy:
-            extras["local_model_accuracy"] = self._local_accuracy[max(self._local_accuracy)]
         return extras

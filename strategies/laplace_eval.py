@@ -17,17 +17,34 @@ and ``(0, 1)``). ``evaluation.sensitivity`` defaults to 2; the document's 1 is
 accepted when set explicitly, with a warning, and the accountant always charges
 the epsilon the noise really gives, ``2 / b`` with ``b = sensitivity / eps``.
 
-Privacy (separate from the training strategy's, which is untouched): unit = one
-local example's inference result, i.e. its softmax vector (replacement of one
-example; the number of a client's examples is visible in the array shape).
-One evaluation round is one ``Laplace(2 / b)`` event for every sampled client
-(failures included): different examples give disjoint reports (parallel
-composition), and the same example is reported again, under a new model,
-each time its client is evaluated, so those events compose. The stage has its
-own accountant (RDP plus basic composition; PLD of a Laplace mechanism at
-epsilon ~1e5 would need ~1e8 bins) and reports the per-report and the
-cumulative epsilon in ``rounds[]`` and ``privacy.evaluation``; ``rounds[].epsilon``
-stays the training epsilon.
+Privacy. The stage's own figure (``cluster_eval_epsilon``, ``privacy.evaluation``)
+has the document's unit: one local example's inference result, i.e. its
+softmax vector (replacement of one example; the number of a client's examples
+is visible in the array shape and is public in the roster). One evaluation round
+is one ``Laplace(2 / b)`` event for every sampled client (failures included):
+different examples give disjoint reports (parallel composition), and the same
+example is reported again, under a new model, each time its client is
+evaluated, so those events compose (RDP plus basic composition; PLD of a
+Laplace mechanism at epsilon ~1e5 would need ~1e8 bins).
+
+What a user is promised is one epsilon per client covering everything the run
+released about it: ``rounds[].epsilon`` is the *total*, in the training
+strategy's unit. An evaluated client's data set determines all ``n_c`` of its
+vectors, so each evaluation charges it ``n_c`` uses of ``Laplace(2 / b)``
+(``cluster_eval_epsilon_client``; sound for a record-level training unit too,
+where one record touches one vector); the total is the smaller of the joint
+composition of training and evaluation events and the training epsilon plus
+the evaluation's pure (basic) epsilon (:func:`~fl_app.privacy.composition.sequential_stages`).
+``rounds[].epsilon_training`` is the training stage alone.
+
+Budget. ``evaluation.laplace_eval_eps: null`` (default) takes
+``evaluation.budget_fraction`` of ``privacy.epsilon`` for the evaluation and
+gives the training strategy the rest (:meth:`LaplaceEvalStage.training_config`);
+the per-report epsilon is then ``budget / (max_c n_c x evaluation rounds)``
+(:func:`~fl_app.privacy.calibration.laplace_epsilon_per_report`), so the total
+is at most ``privacy.epsilon``. A number sets the per-report epsilon directly
+(the document's 230260 is ``+experiment=laplace_eval``); the training then keeps
+the whole ``privacy.epsilon`` and the total reports what both cost.
 
 The stage is selected by ``evaluation.stage=laplace_eval`` (``conf/evaluation/
 laplace_eval.yaml``) and wraps the built strategy by composition: every hook and
@@ -49,23 +66,26 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from sklearn.metrics import calinski_harabasz_score, silhouette_score
 
 from clients.laplace_eval import LAPLACE, NOT_ENCRYPT, PRIVACY_EVAL_TYPES, REPORTS_ARRAY
 from fl_app import keys
-from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.config import freeze
+from fl_app.privacy.accountant import PrivacyAccountant, combined_epsilon
 from fl_app.privacy.calibration import (
     PROBABILITY_VECTOR_L1_SENSITIVITY,
     laplace_epsilon_for_scale,
+    laplace_epsilon_per_report,
     laplace_scale,
 )
+from fl_app.privacy.composition import EpsilonReport, sequential_stages
 from fl_app.privacy.events import Laplace, PrivacyEvent
 from fl_app.results import write_json
 from fl_app.roster import ClientInfo
 from fl_app.run import register_evaluation_stage
 from fl_app.run_context import RunContext
-from fl_app.validation import ConfigError, require_choice, require_int, require_positive
+from fl_app.validation import ConfigError, require_choice, require_int, require_positive, require_range
 from strategies import STRATEGIES
 from strategies.base import FederatedStrategy
 
@@ -76,6 +96,8 @@ CALINSKI_HARABASZ = "CALINSKI_HARABASZ"
 EVAL_TYPES: tuple[str, ...] = (SILHOUETTE, CALINSKI_HARABASZ)
 LEDGER_FILE = "privacy_ledger_evaluation.json"
 ACCOUNTANT_METHOD = "rdp"
+#: ``evaluation.*`` key the budget split adds for the stage (see :meth:`LaplaceEvalStage.training_config`).
+BUDGET_KEY = "epsilon_budget"
 
 
 class SensitivityWarning(UserWarning):
@@ -194,8 +216,27 @@ class LaplaceEvalStage(Strategy):
         self.configured_epsilon: float | None = None
         self.scale: float | None = None
         self.epsilon_per_report: float | None = None
+        self.evaluation_rounds = sum(1 for t in range(1, self.num_rounds + 1) if self.evaluates(t))
+        self.budget: float | None = None
+        self.epsilon_source = "none (clear reports)"
         if self.mode == LAPLACE:
-            self.configured_epsilon = float(settings.laplace_eval_eps)
+            if settings.laplace_eval_eps is None:
+                self.budget = evaluation_budget(run.cfg)
+                largest = max(info.num_examples for info in run.roster)
+                true_epsilon = laplace_epsilon_per_report(
+                    budget=self.budget, reports=max(1, largest) * self.evaluation_rounds
+                )
+                # Calibrate what the noise really gives (sensitivity 2); the client divides by the
+                # configured sensitivity, so send the epsilon that yields scale 2 / true_epsilon.
+                self.configured_epsilon = true_epsilon * self.sensitivity / PROBABILITY_VECTOR_L1_SENSITIVITY
+                self.epsilon_source = (
+                    f"calibrated: budget {self.budget:.6g} (evaluation.budget_fraction of the per-client "
+                    f"epsilon) over {largest} reports x {self.evaluation_rounds} evaluation rounds, "
+                    "basic composition"
+                )
+            else:
+                self.configured_epsilon = float(settings.laplace_eval_eps)
+                self.epsilon_source = "evaluation.laplace_eval_eps (set by hand)"
             self.scale = laplace_scale(sensitivity=self.sensitivity, epsilon=self.configured_epsilon)
             self.epsilon_per_report = laplace_epsilon_for_scale(
                 scale=self.scale, sensitivity=PROBABILITY_VECTOR_L1_SENSITIVITY
@@ -213,6 +254,11 @@ class LaplaceEvalStage(Strategy):
         self.eval_accountant = PrivacyAccountant(
             population=run.client_ids, unit=self.evaluation_unit, method=ACCOUNTANT_METHOD
         )
+        # The same releases in the training strategy's unit (a client's whole data set): n_c uses each.
+        self.client_accountant = PrivacyAccountant(
+            population=run.client_ids, unit=strategy.privacy_unit, method=ACCOUNTANT_METHOD
+        )
+        self._total_cache: tuple[tuple[int, int], EpsilonReport | None] | None = None
         self._evaluations: Counter[int] = Counter()
         self._sampled: dict[int, list[ClientInfo]] = {}
         self._messages: dict[int, list[Message]] = {}
@@ -247,8 +293,24 @@ class LaplaceEvalStage(Strategy):
                     f"evaluation.{key}", None, "missing: select the stage with evaluation=laplace_eval"
                 )
         mode = require_choice("evaluation.privacy_eval_type", settings.privacy_eval_type, PRIVACY_EVAL_TYPES)
-        if mode == LAPLACE:
+        if mode == LAPLACE and settings.laplace_eval_eps is not None:
             require_positive("evaluation.laplace_eval_eps", settings.laplace_eval_eps)
+        elif mode == LAPLACE:
+            require_range(
+                "evaluation.budget_fraction",
+                settings.get("budget_fraction"),
+                0.0,
+                1.0,
+                low_open=True,
+                high_open=True,
+            )
+            if cfg.privacy.budget_scope != "total":
+                raise ConfigError(
+                    "evaluation.laplace_eval_eps",
+                    None,
+                    "must be set (a per-report epsilon) with privacy.budget_scope=per_round: the calibrated "
+                    "default splits a total budget",
+                )
         sensitivity = require_positive("evaluation.sensitivity", settings.sensitivity)
         if sensitivity < 1.0:
             raise ConfigError(
@@ -277,6 +339,25 @@ class LaplaceEvalStage(Strategy):
                 f"cannot wrap strategy.name={cfg.strategy.name}: it overrides Strategy.start, whose round "
                 "loop would bypass the stage",
             )
+
+    @classmethod
+    def training_config(cls, cfg: DictConfig) -> DictConfig:
+        """The configuration the training strategy gets: ``privacy.epsilon`` minus the evaluation's budget.
+
+        Only when the stage calibrates its noise (``LAPLACE`` with ``laplace_eval_eps: null``): the
+        evaluation takes ``budget_fraction`` of ``privacy.epsilon`` (``evaluation.epsilon_budget``) and
+        training the rest, so the total per client is at most ``privacy.epsilon``. Otherwise ``cfg``.
+        """
+        settings = cfg.evaluation
+        if str(settings.privacy_eval_type) != LAPLACE or settings.laplace_eval_eps is not None:
+            return cfg
+        total = float(cfg.privacy.epsilon)
+        budget = total * float(settings.budget_fraction)
+        container = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(container, dict)
+        container["privacy"]["epsilon"] = total - budget
+        container["evaluation"][BUDGET_KEY] = budget
+        return freeze(OmegaConf.create(container))
 
     # ------------------------------------------------------------------ delegation
 
@@ -330,9 +411,12 @@ class LaplaceEvalStage(Strategy):
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Delegated; the training loss is kept to log it beside the clustering scores."""
+        """Delegated; a non-private strategy's training loss is kept to log it beside the clustering scores.
+
+        A private strategy's is not: an un-noised training loss would leave the run outside its epsilon.
+        """
         arrays, metrics = self.inner.aggregate_train(server_round, replies)
-        if metrics is not None and keys.TRAIN_LOSS in metrics:
+        if self.inner.accountant is None and metrics is not None and keys.TRAIN_LOSS in metrics:
             self._train_loss[server_round] = float(metrics[keys.TRAIN_LOSS])
         return arrays, metrics
 
@@ -340,9 +424,51 @@ class LaplaceEvalStage(Strategy):
         """Delegated."""
         return self.inner.evaluate_global(arrays, x, y)
 
-    def epsilon(self) -> Any:
-        """The *training* epsilon (``rounds[].epsilon``), delegated."""
+    def epsilon(self) -> EpsilonReport | None:
+        """The *total* epsilon per client (``rounds[].epsilon``): training and clustering evaluation.
+
+        None (no finite guarantee) when the training is not private or clear vectors were sent.
+        """
+        training = self.inner.epsilon()
+        if training is None or not self._evaluations:
+            return training
+        if self.epsilon_per_report is None:
+            return None
+        state = (
+            len(self.inner.accountant.events) if self.inner.accountant else 0,
+            len(self.client_accountant.events),
+        )
+        if self._total_cache is not None and self._total_cache[0] == state:
+            return self._total_cache[1]
+        pure = self.client_accountant.basic_epsilon()
+        assert pure is not None  # Laplace only
+        joint = None
+        if type(self.inner).epsilon is FederatedStrategy.epsilon and self.inner.accountant is not None:
+            joint = combined_epsilon(
+                accountants=[self.inner.accountant, self.client_accountant],
+                delta=self.run.delta,
+                method=ACCOUNTANT_METHOD,
+            )
+        total = sequential_stages(training=training, pure_epsilon=pure, joint=joint)
+        self._total_cache = (state, total)
+        return total
+
+    def training_epsilon(self) -> EpsilonReport | None:
+        """The training stage's epsilon alone (``rounds[].epsilon_training``)."""
         return self.inner.epsilon()
+
+    def stage_epsilons(self) -> dict[str, float | None]:
+        """Training and clustering evaluation, each in the training strategy's unit."""
+        stages = dict(self.inner.stage_epsilons())
+        stages["clustering_evaluation"] = self.client_level_evaluation_epsilon()
+        return stages
+
+    def released_stages(self) -> list[str]:
+        """The training strategy's releases plus the evaluation's vectors."""
+        return [
+            *self.inner.released_stages(),
+            "clustering evaluation: every (noised) softmax vector of every evaluated client",
+        ]
 
     def selected(self, server_round: int) -> list[ClientInfo]:
         """Delegated (clients of the train round)."""
@@ -443,10 +569,13 @@ class LaplaceEvalStage(Strategy):
         valid, failed = self.inner.split_replies(server_round, replies, stage="clustering evaluation")
         failures = {info.client_id for info in failed}
         parts: list[np.ndarray] = []
+        rows: dict[int, int] = {}
         classes = int(self.run.model_spec.num_classes)
         for info, reply in valid:
             record = reply.content.array_records.get(keys.INFERENCE_REPORTS)
             vectors = None if record is None or REPORTS_ARRAY not in record else record[REPORTS_ARRAY].numpy()
+            if vectors is not None and vectors.ndim >= 1:
+                rows[info.client_id] = int(vectors.shape[0])
             if vectors is None or vectors.ndim != 2 or vectors.shape[1] != classes:
                 log(
                     WARNING,
@@ -473,6 +602,16 @@ class LaplaceEvalStage(Strategy):
                     label="clustering evaluation: one Laplace report per local example",
                 )
             )
+            for client in sampled:  # client level: all of a client's vectors (at least its roster size)
+                self.client_accountant.record(
+                    PrivacyEvent(
+                        server_round,
+                        Laplace(self.epsilon_per_report),
+                        count=max(1, client.num_examples, rows.get(client.client_id, 0)),
+                        participants=(client.client_id,),
+                        label="clustering evaluation: the client's vectors (client level)",
+                    )
+                )
             write_json(self.run.output_dir / LEDGER_FILE, self.eval_accountant.state_dict())
         reports = np.concatenate(parts) if parts else np.zeros((0, classes))
         seed = int(
@@ -511,6 +650,14 @@ class LaplaceEvalStage(Strategy):
             return None
         return self.eval_accountant.epsilon(delta=self.run.delta).epsilon
 
+    def client_level_evaluation_epsilon(self) -> float | None:
+        """The evaluation's cumulative epsilon in the training strategy's unit (worst client; None: clear)."""
+        if not self._evaluations:
+            return 0.0
+        if self.epsilon_per_report is None:
+            return None
+        return self.client_accountant.epsilon(delta=self.run.delta).epsilon
+
     def round_extras(self, server_round: int) -> dict[str, Any]:
         """The strategy's extras plus ``silhouette``, ``calinski_harabasz`` and the stage's epsilon."""
         extras = dict(self.inner.round_extras(server_round))
@@ -527,6 +674,7 @@ class LaplaceEvalStage(Strategy):
                 "cluster_eval_clusters": None if scores is None else scores.clusters,
                 "cluster_eval_epsilon_per_report": self.epsilon_per_report,
                 "cluster_eval_epsilon": self.evaluation_epsilon(),
+                "cluster_eval_epsilon_client": self.client_level_evaluation_epsilon(),
             }
         )
         return extras
@@ -549,23 +697,28 @@ class LaplaceEvalStage(Strategy):
             "sensitivity_configured": self.sensitivity,
             "sensitivity_true": PROBABILITY_VECTOR_L1_SENSITIVITY,
             "laplace_eval_eps": self.configured_epsilon,
+            "epsilon_source": self.epsilon_source,
+            "budget": self.budget,
+            "training_budget": None if self.budget is None else float(self.run.cfg.privacy.epsilon),
+            "evaluation_rounds": self.evaluation_rounds,
             "scale": self.scale,
             "epsilon_per_report": self.epsilon_per_report,
             "epsilon_cumulative": self.evaluation_epsilon(),
+            "epsilon_client_level": self.client_level_evaluation_epsilon(),
             "epsilon_cumulative_basic": None if report is None else report.basic,
             "epsilon_cumulative_method": None if report is None else report.method,
             "delta": self.run.delta,
             "max_evaluations_per_client": max(self._evaluations.values(), default=0),
             "accountant": (
                 f"{ACCOUNTANT_METHOD} (dp-accounting 0.6.0) and basic composition, per client, over one "
-                "Laplace event per evaluation round naming every sampled client; separate from the training "
-                "accountant: rounds[].epsilon and final.epsilon are the training strategy's epsilon (its own "
-                "unit), the two are not composed"
+                "Laplace event per evaluation round naming every sampled client (epsilon_cumulative: one "
+                "example's unit); epsilon_client_level charges each evaluated client n_c uses (its whole "
+                "data set, the training strategy's unit) and is composed with training into rounds[].epsilon "
+                "(the total per client); rounds[].epsilon_training is training alone"
             ),
             "disclosed": (
                 "which clients were evaluated and each one's number of local examples (the shape of its "
-                "upload); with seeded simulation noise (privacy.secure_rng=false) the server could "
-                "regenerate the noise"
+                "upload; public in the roster); see privacy.randomness for whether the noise is secret"
             ),
             "ledger": LEDGER_FILE if self.epsilon_per_report is not None else None,
         }
@@ -579,6 +732,14 @@ class LaplaceEvalStage(Strategy):
         extras["calinski_harabasz"] = None if last is None else last.calinski_harabasz
         extras["cluster_eval_epsilon"] = self.evaluation_epsilon()
         return extras
+
+
+def evaluation_budget(cfg: DictConfig) -> float:
+    """The evaluation's share of the per-client epsilon (set by the budget split, or the fraction)."""
+    settings = cfg.evaluation
+    if settings.get(BUDGET_KEY) is not None:
+        return float(settings[BUDGET_KEY])
+    return float(cfg.privacy.epsilon) * float(settings.budget_fraction)
 
 
 def _fmt(value: float | None) -> str:

@@ -28,6 +28,7 @@ from fl_app.data.federated import DataSpec, federated_data
 from fl_app.models import ModelSpec
 from fl_app.privacy.rng import RandomSource
 from fl_app.roster import ClientInfo
+from fl_app.run import noise_source
 from fl_app.run_context import RunContext
 from strategies import STRATEGIES
 
@@ -116,7 +117,6 @@ def build_run_context(overrides: Sequence[str], tmp_path: Path) -> RunContext:
         data.input_shape,
         data.num_classes,
     )
-    noise_seed = cfg.privacy.noise_seed if cfg.privacy.noise_seed is not None else cfg.seed
     return RunContext(
         cfg=cfg,
         roster=roster,
@@ -124,7 +124,7 @@ def build_run_context(overrides: Sequence[str], tmp_path: Path) -> RunContext:
         data_spec=spec,
         model_spec=model_spec,
         randomness=RandomSource(seed=int(cfg.seed)),
-        noise=RandomSource(seed=int(noise_seed)),
+        noise=noise_source(cfg),  # as the platform: seeded from seed and the configuration
         output_dir=tmp_path,
     )
 

@@ -193,3 +193,32 @@ def test_local_device_data_npz_and_idx(tmp_path):
     assert len(load_local_dataset(str(tmp_path / "idx"))) == 50
     with pytest.raises(FileNotFoundError, match="data-path"):
         load_local_dataset(str(tmp_path / "missing.npz"))
+
+
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "linear", "exponential"])
+@pytest.mark.parametrize(("clients", "rows"), [(7, 2000), (13, 5001), (40, 6000)])
+def test_fast_partition_rows_equal_flower_datasets_public_path(scheme: str, clients: int, rows: int) -> None:
+    """The per-client rows without one load_partition per client are exactly the public path's."""
+    from datasets import Dataset
+
+    from fl_app.data.partition import PARTITIONERS, partition_positions_fast, partition_positions_public
+
+    labels = np.random.default_rng(rows).integers(0, 10, size=rows)
+    found = []
+    for path in ("public", "fast"):
+        partitioner = PARTITIONERS[scheme](clients, 3, {"alpha": 0.5, "min_partition_size": 2})
+        partitioner.dataset = Dataset.from_dict(
+            {"label": labels.astype(np.int64), "row": np.arange(rows, dtype=np.int64)}
+        )
+        try:
+            found.append(
+                partition_positions_public(partitioner, num_partitions=clients)
+                if path == "public"
+                else partition_positions_fast(partitioner, num_partitions=clients, num_rows=rows)
+            )
+        except ValueError:  # flwr-datasets cannot split these rows this way (e.g. exponential sizes)
+            pytest.skip(f"{scheme} cannot make {clients} partitions of {rows} rows")
+    public, fast = found
+    assert fast is not None
+    assert len(fast) == clients
+    assert all(np.array_equal(a, b) for a, b in zip(public, fast, strict=True))

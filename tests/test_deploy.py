@@ -44,7 +44,7 @@ from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
 from fl_app.roster import ClientInfo, RosterError, discover_roster, on_devices
-from fl_app.run import noise_source, with_secure_noise
+from fl_app.run import make_run_context, noise_source, with_secure_noise
 from fl_app.simulation import backend_config
 from strategies import STRATEGIES
 
@@ -67,6 +67,8 @@ COMMON = [
 ALGORITHM_SETTINGS: dict[str, list[str]] = {
     "dpfl_bnn": ["model=bnn_cnn"],
     "kd_dp": ["strategy.teacher_rounds=1"],
+    # 3 devices: the paper's bit noise m/20 cannot carry the effective noise multiplier (docs)
+    "dp_fedavg_adaptive": ["strategy.bit_noise=1.0"],
 }
 MODES = ["insecure", "secure"]
 RUN_DEADLINE_S = 1800.0
@@ -506,6 +508,50 @@ def test_server_noise_is_secure_once_devices_are_seen() -> None:
     assert noise_source(forced).secure
     assert forced.strategy == cfg.strategy
     assert forced.num_clients == cfg.num_clients
+
+
+def _device_strategy(name: str, overrides: list[str], tmp_path: Path) -> Any:
+    """A strategy as the SuperLink builds it for three real devices (ClientInfo(device=True))."""
+    from fl_app.models import ModelSpec
+
+    cfg = compose_config([*DATA, f"strategy={name}", *overrides])
+    spec = DataSpec.from_config(cfg)
+    data = federated_data(spec)
+    roster = [ClientInfo(node, node, 60, device=True) for node in (7001, 7002, 7003)]
+    model_spec = ModelSpec(
+        STRATEGIES.get(name).resolve_model(cfg, data.input_shape), data.input_shape, data.num_classes
+    )
+    run = make_run_context(
+        cfg, roster=roster, data=data, data_spec=spec, model_spec=model_spec, output_dir=tmp_path
+    )
+    return STRATEGIES.get(name)(run)
+
+
+def test_device_server_cohorts_and_noise_never_repeat_across_runs(tmp_path: Path) -> None:
+    """Two deployments with one config (even one naming a noise seed): fresh cohorts and server noise."""
+    from conftest import reply_to
+    from flwr.app import Array, ArrayRecord
+
+    def cohorts_and_noise(name: str, overrides: list[str]) -> tuple[list[list[int]], np.ndarray]:
+        strategy = _device_strategy(name, ["privacy.noise_seed=7", "num_rounds=12", *overrides], tmp_path)
+        assert strategy.run.noise.secure and strategy.run.cfg.privacy.noise_seed is None
+        drawn = [[c.client_id for c in strategy.select_clients(t)] for t in range(1, 13)]
+        start = strategy.initial_arrays()
+        start = ArrayRecord({k: Array(np.zeros_like(v.numpy())) for k, v in start.items()})
+        messages = list(strategy.configure_train(1, start, ConfigRecord(), grid=None))
+        arrays, _ = strategy.aggregate_train(1, [reply_to(m, arrays=start) for m in messages])
+        return drawn, np.concatenate([arrays[k].numpy().ravel() for k in arrays])
+
+    # DP-FedAvg: the Poisson cohort (amplification) and the central noise.
+    first = cohorts_and_noise("dp_fedavg", ["clients_per_round=1"])
+    second = cohorts_and_noise("dp_fedavg", ["clients_per_round=1"])
+    assert first[0] != second[0]
+    assert not np.allclose(first[1], second[1])
+    # NbAFL: the downlink noise of the server.
+    first = cohorts_and_noise("nbafl", ["clients_per_round=3", "strategy.sigma_down=0.5"])
+    second = cohorts_and_noise("nbafl", ["clients_per_round=3", "strategy.sigma_down=0.5"])
+    assert np.std(first[1]) > 0.25
+    assert not np.allclose(first[1], second[1])
 
 
 def test_device_files_hold_exactly_the_simulation_partitions(tmp_path: Path) -> None:

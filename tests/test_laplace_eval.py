@@ -45,6 +45,8 @@ from strategies.laplace_eval import LaplaceEvalStage, SensitivityWarning, cluste
 
 DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=4"]
 STAGE = [*DIGITS, "evaluation=laplace_eval"]
+#: The MindSpore document's epsilon per report (+experiment=laplace_eval; no longer the default).
+DOCUMENT = [*STAGE, "evaluation.laplace_eval_eps=230260"]
 
 
 # ------------------------------------------------------------------ privacy core additions
@@ -168,7 +170,7 @@ def test_stage_is_off_unless_configured(tmp_path):
 
 
 def test_server_scores_equal_scikit_learn_and_failures_are_charged(tmp_path):
-    run = build_run_context([*STAGE, "evaluation.cluster_client_num=4"], tmp_path)
+    run = build_run_context([*DOCUMENT, "evaluation.cluster_client_num=4"], tmp_path)
     stage = LaplaceEvalStage(FedAvgStrategy(run))
     messages = list(stage.configure_evaluate(1, stage.initial_arrays(), ConfigRecord(), grid=None))
     assert len(messages) == 4
@@ -226,14 +228,22 @@ def test_accounting_is_separate_composes_per_round_and_corrects_the_document(tmp
         stage.aggregate_train(server_round, [])
         messages = list(stage.configure_evaluate(server_round, arrays, ConfigRecord(), grid=None))
         stage.aggregate_evaluate(server_round, [error_reply(m) for m in messages])
-    assert stage.epsilon() == stage.inner.epsilon()  # rounds[].epsilon: the training epsilon only
+    # rounds[].epsilon is the total per client: training plus every evaluated client's 6-ish
+    # vectors x 3 evaluations at epsilon 3 each (client level); epsilon_training is training alone.
+    assert stage.training_epsilon() == stage.inner.epsilon()
+    sizes = {info.client_id: info.num_examples for info in stage.run.roster}
+    evaluation_basic = 3 * 3.0 * max(sizes.values())
+    assert stage.client_level_evaluation_epsilon() <= evaluation_basic + 1e-6
+    assert stage.epsilon().epsilon <= stage.inner.epsilon().epsilon + evaluation_basic + 1e-6
+    assert stage.epsilon().epsilon > stage.inner.epsilon().epsilon
     assert stage.accountant is stage.inner.accountant
     assert stage.noise_multiplier == stage.inner.noise_multiplier  # delegated attribute
     extras = stage.round_extras(3)
     assert extras["cluster_eval_epsilon_per_report"] == pytest.approx(3.0)
     assert extras["cluster_eval_epsilon"] <= 9.0 + 1e-9  # 3 evaluations, basic composition 9
     assert extras["cluster_eval_epsilon"] > 8.5
-    assert "update_norm_median" in extras  # the training strategy's extras are kept
+    assert "update_norm_median" not in extras  # un-noised: only in the training strategy's diagnostics
+    assert "update_norm_median" in stage.diagnostics(3)  # delegated
     summary = stage.privacy_summary()
     assert summary["unit"] == stage.inner.privacy_unit
     assert summary["evaluation"]["max_evaluations_per_client"] == 3
@@ -241,7 +251,7 @@ def test_accounting_is_separate_composes_per_round_and_corrects_the_document(tmp
     # The document's sensitivity 1 halves the noise: the report says so and charges twice the epsilon.
     with pytest.warns(SensitivityWarning, match="460520"):
         document = LaplaceEvalStage(
-            FedAvgStrategy(build_run_context([*STAGE, "evaluation.sensitivity=1"], tmp_path))
+            FedAvgStrategy(build_run_context([*DOCUMENT, "evaluation.sensitivity=1"], tmp_path))
         )
     assert document.scale == pytest.approx(1 / 230260)
     assert document.epsilon_per_report == pytest.approx(460520)

@@ -28,9 +28,14 @@ def test_rr_command(capsys):
 
 
 def test_bnn_command_both_directions(capsys):
-    gamma = calc(capsys, "bnn", "--epsilon", "2", "--delta", "1e-5", "--rounds", "100")["gamma"]
+    # The document's per-coordinate reading, by name (it used to be the default).
+    gamma = calc(capsys, "bnn", "--epsilon", "2", "--delta", "1e-5", "--rounds", "100", "--per-coordinate")[
+        "gamma"
+    ]
     assert gamma == cal.bnn_gamma(epsilon=2, delta=1e-5, rounds=100)
-    back = calc(capsys, "bnn", "--gamma", str(gamma), "--delta", "1e-5", "--rounds", "100")["epsilon"]
+    back = calc(
+        capsys, "bnn", "--gamma", str(gamma), "--delta", "1e-5", "--rounds", "100", "--per-coordinate"
+    )["epsilon"]
     assert back == pytest.approx(2.0, rel=1e-6)
     per_upload = calc(capsys, "bnn", "--gamma", "0.1", "--delta", "1e-5", "--rounds", "10", "--bits", "1000")[
         "epsilon"

@@ -101,8 +101,40 @@ def partition_rows(
     partitioner.dataset = Dataset.from_dict(
         {"label": labels.astype(np.int64), "row": np.arange(len(labels), dtype=np.int64)}
     )
+    fast = partition_positions_fast(partitioner, num_partitions=num_partitions, num_rows=len(labels))
+    if fast is not None:
+        return fast
+    return partition_positions_public(partitioner, num_partitions=num_partitions)
+
+
+def partition_positions_public(partitioner: Partitioner, *, num_partitions: int) -> list[np.ndarray]:
+    """The rows of every partition through flwr-datasets' public ``load_partition`` (the reference)."""
     # Read the row column through Arrow: the default (Python) format extracts row by row, ~5x slower.
     return [
         np.sort(partitioner.load_partition(i).with_format("arrow")["row"].to_numpy().astype(np.int64))
         for i in range(num_partitions)
     ]
+
+
+def partition_positions_fast(
+    partitioner: Partitioner, *, num_partitions: int, num_rows: int
+) -> list[np.ndarray] | None:
+    """The same rows as :func:`partition_positions_public`, without one ``load_partition`` per client.
+
+    ``load_partition`` builds an Arrow selection per client: 5 s for 1000
+    clients and 13 s for 5000, in the server and again in every simulation
+    worker. The row column is ``0..n-1``, so a partition's rows are its
+    indices: ``IidPartitioner`` shards contiguously (``datasets``' ``shard``
+    rule), and the Dirichlet and size partitioners keep the indices they drew
+    (a private attribute of flwr-datasets 0.6). ``tests/test_data.py`` checks
+    both against the public path. None when neither applies (use the public path).
+    """
+    if isinstance(partitioner, IidPartitioner):
+        size, extra = divmod(num_rows, num_partitions)
+        starts = [size * i + min(i, extra) for i in range(num_partitions + 1)]
+        return [np.arange(starts[i], starts[i + 1], dtype=np.int64) for i in range(num_partitions)]
+    partitioner.load_partition(0)  # draws every partition's indices
+    drawn = getattr(partitioner, "_partition_id_to_indices", None)
+    if not isinstance(drawn, dict) or sorted(drawn) != list(range(num_partitions)):
+        return None
+    return [np.sort(np.asarray(drawn[i], dtype=np.int64)) for i in range(num_partitions)]

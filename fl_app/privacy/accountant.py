@@ -140,6 +140,37 @@ class PrivacyAccountant:
         return accountant
 
 
+def combined_epsilon(
+    *, accountants: Sequence[PrivacyAccountant], delta: float, method: str = "rdp"
+) -> EpsilonReport:
+    """Worst client's epsilon of the events of several accountants, composed per client.
+
+    Sequential composition across the stages of a run (e.g. training, then an
+    evaluation): each client's histories are merged and composed as one. The
+    accountants must share one population and state their events in one unit
+    (the caller converts, e.g. one client's ``n`` reports for a client-level unit).
+
+    Parameters
+    ----------
+    accountants : Sequence[PrivacyAccountant]
+        The stages' accountants (at least one).
+    delta : float
+        Target delta.
+    method : str
+        ``"rdp"`` or ``"pld"`` for the merged histories.
+
+    """
+    if not accountants:
+        raise ValueError("need at least one accountant")
+    population = accountants[0].population
+    if any(set(a.population) != set(population) for a in accountants):
+        raise ValueError("the accountants cover different populations")
+    joint = PrivacyAccountant(population=population, unit=accountants[0].unit, method=method)
+    for accountant in accountants:
+        joint.record_all(accountant.events)
+    return joint.epsilon(delta=delta)
+
+
 def _key(history: dict[Mechanism, int]) -> tuple[tuple[Mechanism, int], ...]:
     return tuple(sorted(((m, c) for m, c in history.items() if c), key=repr))
 

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import dp_accounting as dpa
 
-from fl_app.privacy.composition import compose_epsilon
+from fl_app.privacy.composition import History, compose_epsilon
 from fl_app.privacy.events import (
     BinaryRandomizedResponse,
     Gaussian,
     RandomizedResponse,
     SampledGaussian,
+    TreeAggregation,
 )
 
 CLASSIC_GAUSSIAN_MAX_EPSILON = 1.0
@@ -525,6 +526,35 @@ def laplace_epsilon_for_scale(*, scale: float, sensitivity: float) -> float:
     return sensitivity / scale
 
 
+def laplace_epsilon_per_report(*, budget: float, reports: int) -> float:
+    """Per-report Laplace epsilon whose ``reports`` uses by one client stay within ``budget``.
+
+    Basic (sequential) composition of pure Laplace releases (Dwork & Roth 2014,
+    Theorem 3.16): ``reports * epsilon <= budget``, an (epsilon, 0) bound, so
+    adding it to any (epsilon_train, delta) training guarantee keeps delta.
+    For the clustering evaluation (MindSpore's inference-result protection)
+    ``reports`` is the largest number of softmax vectors one client may upload
+    over the run: its number of examples times the evaluation rounds, because
+    one client's data set determines all of its vectors (client-level unit).
+
+    Parameters
+    ----------
+    budget : float
+        The evaluation's share of the per-client epsilon (> 0).
+    reports : int
+        Laplace releases charged to the worst client (>= 1).
+
+    Returns
+    -------
+    float
+        ``budget / reports``.
+
+    """
+    _positive("budget", budget)
+    _positive_int("reports", reports)
+    return budget / reports
+
+
 # --------------------------------------------------------------------------------------
 # DP-FedAvg and searches against the accountant
 # --------------------------------------------------------------------------------------
@@ -711,3 +741,178 @@ def dp_sgd_noise_multiplier(
             retained = 1
     _DP_SGD_CACHE[key] = high
     return high
+
+
+# --------------------------------------------------------------------------------------
+# Searches over whole histories (the worst participant of a public schedule)
+# --------------------------------------------------------------------------------------
+
+
+def noise_multiplier_for_histories(
+    *,
+    epsilon: float,
+    delta: float,
+    histories_of: Callable[[float], Iterable[History]],
+    method: str = "rdp",
+) -> float:
+    """Smallest noise multiplier z for which every history ``histories_of(z)`` meets (epsilon, delta).
+
+    ``histories_of(z)`` lists the per-participant histories (mechanism -> uses)
+    a run with noise multiplier ``z`` would record; the search (doubling, then
+    bisection to a relative width of 1e-4, as :func:`dp_fedavg_noise_multiplier`)
+    runs on the accountant's own :func:`~fl_app.privacy.composition.compose_epsilon`
+    and returns the upper end of the final bracket, so no listed participant's
+    reported epsilon exceeds the target.
+    """
+    _positive("epsilon", epsilon)
+    _probability("delta", delta)
+
+    def eps_of(z: float) -> float:
+        spent = [compose_epsilon(h, delta=delta, method=method).epsilon for h in histories_of(z)]
+        if not spent:
+            raise ValueError("histories_of returned no history")
+        return max(spent)
+
+    high = 1.0
+    while eps_of(high) > epsilon:
+        high *= 2.0
+        if high > 1e6:
+            raise ValueError(f"no noise multiplier <= 1e6 reaches epsilon={epsilon}")
+    low = 0.0
+    while high - low > 1e-4 * high:
+        middle = 0.5 * (low + high)
+        if eps_of(middle) > epsilon:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+# --------------------------------------------------------------------------------------
+# Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021)
+# --------------------------------------------------------------------------------------
+
+
+def adaptive_clipping_default_bit_noise(*, expected_clients: float) -> float:
+    """The paper's default std of the noise on the clipped-count sum: ``sigma_b = m / 20``.
+
+    ``m`` is the expected number of clients per round; the noisy fraction then
+    has std 0.05 (Andrew et al. 2021, Section 3).
+    """
+    _positive("expected_clients", expected_clients)
+    return expected_clients / 20.0
+
+
+def adaptive_clipping_effective_noise_multiplier(
+    *, update_noise_multiplier: float, bit_noise: float
+) -> float:
+    """``z = (z_Delta^-2 + (2 sigma_b)^-2)^(-1/2)`` (Andrew et al. 2021, Theorem 1).
+
+    One round releases the noised sum of updates clipped to C (noise std
+    ``z_Delta C``, sensitivity C) and the noised sum of the centred bits
+    ``b_k - 1/2`` (noise std ``sigma_b``, sensitivity 1/2): jointly the Gaussian
+    mechanism with noise multiplier ``z`` (add or remove one client).
+    """
+    _positive("update_noise_multiplier", update_noise_multiplier)
+    _positive("bit_noise", bit_noise)
+    return (update_noise_multiplier**-2 + (2.0 * bit_noise) ** -2) ** -0.5
+
+
+def adaptive_clipping_update_noise_multiplier(*, noise_multiplier: float, bit_noise: float) -> float:
+    """``z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)``: the update noise that makes the round's release ``z``.
+
+    Inverse of :func:`adaptive_clipping_effective_noise_multiplier`. Possible
+    only when ``z < 2 sigma_b`` (the bit release alone must already be at least
+    as private as the whole round); raises ``ValueError`` otherwise.
+    """
+    _positive("noise_multiplier", noise_multiplier)
+    _positive("bit_noise", bit_noise)
+    if noise_multiplier >= 2.0 * bit_noise:
+        raise ValueError(
+            f"noise_multiplier={noise_multiplier} needs bit_noise > {noise_multiplier / 2} "
+            f"(z < 2 sigma_b), got {bit_noise}"
+        )
+    return (noise_multiplier**-2 - (2.0 * bit_noise) ** -2) ** -0.5
+
+
+# --------------------------------------------------------------------------------------
+# Tree aggregation (DP-FTRL, Kairouz, McMahan, Song, Thakkar, Thakurta, Xu, ICML 2021)
+# --------------------------------------------------------------------------------------
+
+
+def tree_aggregation_epsilon(
+    *, noise_multiplier: float, tree_steps: Sequence[int], delta: float, method: str = "rdp"
+) -> float:
+    """Epsilon of one participation in each tree of ``tree_steps`` leaves (TreeRestart composition)."""
+    _positive("noise_multiplier", noise_multiplier)
+    if not tree_steps:
+        raise ValueError("tree_steps must name at least one tree")
+    history: dict[TreeAggregation, int] = {}
+    for steps in tree_steps:
+        _positive_int("tree_steps", steps)
+        mechanism = TreeAggregation(noise_multiplier, int(steps))
+        history[mechanism] = history.get(mechanism, 0) + 1
+    return compose_epsilon(history, delta=delta, method=method).epsilon
+
+
+def tree_aggregation_noise_multiplier(
+    *, epsilon: float, delta: float, tree_steps: Sequence[int], method: str = "rdp"
+) -> float:
+    """Smallest per-node noise multiplier whose trees (one participation each) meet (epsilon, delta).
+
+    DP-FTRL (Kairouz et al. 2021): a participant contributing to at most one
+    leaf of each tree of ``tree_steps`` leaves. Searched against the
+    accountant's composition (:func:`noise_multiplier_for_histories`).
+    """
+    if not tree_steps:
+        raise ValueError("tree_steps must name at least one tree")
+    for steps in tree_steps:
+        _positive_int("tree_steps", steps)
+
+    def histories_of(z: float) -> list[History]:
+        history: dict[TreeAggregation, int] = {}
+        for steps in tree_steps:
+            mechanism = TreeAggregation(z, int(steps))
+            history[mechanism] = history.get(mechanism, 0) + 1
+        return [history]
+
+    return noise_multiplier_for_histories(
+        epsilon=epsilon, delta=delta, histories_of=histories_of, method=method
+    )
+
+
+def tree_sensitivity_increments(*, leaves: Sequence[int], steps: int) -> list[int]:
+    """Growth of one participant's squared tree sensitivity at each of its leaves (no restart).
+
+    The online tree aggregation over ``steps`` leaves draws, at each step u,
+    one noisy node spanning leaves ``[u - lowbit(u) + 1, u]``
+    (:func:`fl_app.privacy.mechanisms.tree_node`); leaf l lies in the nodes
+    u = l, l + lowbit(l), ... (up to ``steps``). A participant whose clipped
+    contributions (norm <= C each) sit at ``leaves`` changes node u by at most
+    ``n_u C``, where ``n_u`` counts its leaves in u, so the released nodes form
+    the Gaussian mechanism with L2 sensitivity ``C sqrt(S)``,
+    ``S = sum_u n_u^2`` (Kairouz et al. 2021, Appendix D, for multiple
+    participations; with a public schedule the participant's actual leaves
+    give S exactly). Returns, for each leaf in increasing order, the increase
+    of S it causes: ``sum over its nodes of (2 n_u + 1)`` with ``n_u`` counting
+    the earlier leaves. The increments sum to S; a single leaf gives at most
+    ``ceil(log2(steps + 1))`` (the single-participation tree bound).
+    """
+    _positive_int("steps", steps)
+    ordered = sorted(int(leaf) for leaf in leaves)
+    if len(set(ordered)) != len(ordered):
+        raise ValueError("a leaf is listed twice")
+    if ordered and (ordered[0] < 1 or ordered[-1] > steps):
+        raise ValueError(f"leaves must lie in [1, {steps}], got {ordered[0]}..{ordered[-1]}")
+    counts: dict[int, int] = {}
+    increments = []
+    for leaf in ordered:
+        increment = 0
+        node = leaf
+        while node <= steps:
+            seen = counts.get(node, 0)
+            increment += 2 * seen + 1
+            counts[node] = seen + 1
+            node += node & -node
+        increments.append(increment)
+    return increments

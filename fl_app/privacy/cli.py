@@ -8,8 +8,12 @@ exit with status 2.
 Commands
 --------
 rr       --epsilon E --k K --classes C                 -> beta (PrivateKT Lemma 1)
-bnn      --epsilon E --delta D --rounds T [--bits B]   -> gamma (DPFL-BNN Theorem 1)
-         --gamma G --delta D --rounds T [--bits B]     -> epsilon
+bnn      --epsilon E --delta D --rounds T              -> gamma (DPFL-BNN Theorem 1, client level)
+         --gamma G --delta D --rounds T                -> epsilon (client level)
+         [--input-shape 1x28x28 --classes 10 | --bits B | --per-coordinate]
+         client level (default): all d bits of an upload, d of the platform's binary
+         CNN for the input shape (81,848 for 28x28); --per-coordinate is the
+         document's reading (one bit: NOT a guarantee for a client's data set)
 nbafl    --epsilon E --delta D --clip C --m M --l L --t T --n N [--k K]
          [--calibration {classic,analytic,accountant}] [--amplification {two_sided,document}]
                                                        -> sigma_up, sigma_down, epsilon_record,
@@ -67,13 +71,21 @@ def _parser() -> argparse.ArgumentParser:
     target.add_argument("--gamma", type=float)
     bnn.add_argument("--delta", type=float, required=True)
     bnn.add_argument("--rounds", type=int, required=True)
-    bnn.add_argument(
+    unit = bnn.add_mutually_exclusive_group()
+    unit.add_argument(
         "--bits",
         type=int,
-        default=1,
-        help="RR_gamma uses per round: 1 = the document's per-coordinate "
-        "accounting, d = a client's whole d-bit upload",
+        default=None,
+        help="RR_gamma uses per round: d, the bits of a client's upload (default: d of the "
+        "platform's binary CNN for --input-shape and --classes)",
     )
+    unit.add_argument(
+        "--per-coordinate",
+        action="store_true",
+        help="the document's per-coordinate accounting (one bit per round; not client level)",
+    )
+    bnn.add_argument("--input-shape", default="1x28x28", help="channels x height x width (default 1x28x28)")
+    bnn.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
 
     nbafl = commands.add_parser("nbafl", help="NbAFL uplink/downlink noise")
     nbafl.add_argument("--epsilon", type=float, required=True)
@@ -143,6 +155,33 @@ def _mechanism(args: argparse.Namespace) -> Mechanism:
     return Gaussian(args.sigma)
 
 
+def _bnn_bits(args: argparse.Namespace) -> tuple[int, str]:
+    """RR_gamma uses per round and the unit they account for (client level unless --per-coordinate)."""
+    if args.per_coordinate:
+        return 1, (
+            "one coordinate of one upload, in isolation (the document's Theorem 1; NOT a guarantee "
+            "for a client's data set)"
+        )
+    if args.bits is not None:
+        if args.bits < 1:
+            raise ValueError(f"--bits must be >= 1, got {args.bits}")
+        return int(args.bits), f"one client's data set (client level: {args.bits} bits per upload)"
+    try:
+        shape = tuple(int(part) for part in str(args.input_shape).lower().split("x"))
+    except ValueError as error:
+        raise ValueError(f"--input-shape={args.input_shape!r}: must look like 1x28x28") from error
+    if len(shape) != 3 or min(shape) < 1:
+        raise ValueError(f"--input-shape={args.input_shape!r}: must look like 1x28x28")
+    from fl_app.models import build_model  # torch: only for this default
+
+    model = build_model("bnn_cnn", shape, int(args.classes))
+    bits = int(sum(p.numel() for p in model.parameters()))
+    return bits, (
+        f"one client's data set (client level: all d={bits} bits of an upload of the binary CNN on "
+        f"{args.input_shape} inputs, {args.classes} classes)"
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Execute one calculator command and return its JSON-ready answer."""
     if args.command == "rr":
@@ -151,15 +190,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         return {"beta": beta, "epsilon_per_label": args.epsilon / args.k}
     if args.command == "bnn":
+        bits, unit = _bnn_bits(args)
+        context = {"bits_per_round": bits, "uses": args.rounds * bits, "unit": unit}
         if args.epsilon is not None:
             gamma = calibration.bnn_gamma(
-                epsilon=args.epsilon, delta=args.delta, rounds=args.rounds, bits_per_round=args.bits
+                epsilon=args.epsilon, delta=args.delta, rounds=args.rounds, bits_per_round=bits
             )
-            return {"gamma": gamma, "uses": args.rounds * args.bits}
+            return {"gamma": gamma, **context}
         epsilon = calibration.binary_rr_epsilon(
-            gamma=args.gamma, delta=args.delta, rounds=args.rounds, bits_per_round=args.bits
+            gamma=args.gamma, delta=args.delta, rounds=args.rounds, bits_per_round=bits
         )
-        return {"epsilon": epsilon, "uses": args.rounds * args.bits}
+        return {"epsilon": epsilon, **context}
     if args.command == "nbafl":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", calibration.ClassicGaussianRangeWarning)

@@ -50,6 +50,7 @@ from fl_app.privacy.events import (
     Mechanism,
     RandomizedResponse,
     SampledGaussian,
+    TreeAggregation,
 )
 
 # dp-accounting logs a harmless convergence warning for some fractional orders
@@ -119,12 +120,17 @@ def to_dp_event(mechanism: Mechanism) -> dpa.DpEvent:
         return dpa.RandomizedResponseDpEvent(1.0 - mechanism.keep_probability, mechanism.num_classes)
     if isinstance(mechanism, BinaryRandomizedResponse):
         return dpa.RandomizedResponseDpEvent(1.0 - 2.0 * mechanism.gamma, 2)
+    if isinstance(mechanism, TreeAggregation):
+        return dpa.SingleEpochTreeAggregationDpEvent(mechanism.noise_multiplier, int(mechanism.steps))
     raise TypeError(f"unknown mechanism {mechanism!r}")
 
 
 def _relation(mechanism: Mechanism) -> dpa.NeighboringRelation:
     if isinstance(mechanism, RandomizedResponse | BinaryRandomizedResponse):
         return dpa.NeighboringRelation.REPLACE_ONE
+    if isinstance(mechanism, TreeAggregation):
+        # dp-accounting 0.6.0 accounts tree aggregation only under zero-out (REPLACE_SPECIAL)
+        return dpa.NeighboringRelation.REPLACE_SPECIAL
     return dpa.NeighboringRelation.ADD_OR_REMOVE_ONE
 
 
@@ -181,6 +187,12 @@ def _pld_once(mechanism: Mechanism) -> pld_lib.PrivacyLossDistribution:
         event = to_dp_event(mechanism)
         return pld_lib.from_randomized_response(
             event.noise_parameter, event.num_buckets, value_discretization_interval=vdi
+        )
+    if isinstance(mechanism, TreeAggregation):
+        # one leaf is in at most `depth` noisy nodes: the Gaussian with multiplier z / sqrt(depth)
+        # dominates the tree (dp-accounting 0.6.0 has no PLD for tree aggregation)
+        return pld_lib.from_gaussian_mechanism(
+            mechanism.noise_multiplier / math.sqrt(mechanism.depth), value_discretization_interval=vdi
         )
     raise TypeError(f"unknown mechanism {mechanism!r}")
 
@@ -248,3 +260,33 @@ def compose_epsilon(history: History, *, delta: float, method: str = "rdp") -> E
     if math.isnan(epsilon):
         raise ArithmeticError(f"accounting produced a non-number epsilon for {dict(history)!r}")
     return EpsilonReport(epsilon, delta, best, rdp, order, pld, basic)
+
+
+def sequential_stages(
+    *, training: EpsilonReport, pure_epsilon: float, joint: EpsilonReport | None = None
+) -> EpsilonReport:
+    """The total epsilon of a training stage followed by a pure-epsilon stage, for one client.
+
+    Two sound bounds, the smaller is reported: basic composition
+    ``training.epsilon + pure_epsilon`` (Dwork & Roth 2014, Theorem 3.16; the
+    pure stage adds no delta, so it holds at ``training.delta``) and, when
+    given, the ``joint`` composition of both stages' events by the accountant.
+    Both must be worst-client bounds in the same unit at the same delta.
+    """
+    if not (math.isfinite(pure_epsilon) and pure_epsilon >= 0):
+        raise ValueError(f"pure_epsilon must be a finite number >= 0, got {pure_epsilon!r}")
+    summed = training.epsilon + pure_epsilon
+    if joint is not None:
+        if joint.delta != training.delta:
+            raise ValueError(f"joint delta {joint.delta} differs from training delta {training.delta}")
+        if joint.epsilon <= summed:
+            return joint
+    return EpsilonReport(
+        epsilon=summed,
+        delta=training.delta,
+        method=f"{training.method} + basic",
+        rdp=None if joint is None else joint.rdp,
+        rdp_order=None if joint is None else joint.rdp_order,
+        pld=None,
+        basic=None if training.basic is None else training.basic + pure_epsilon,
+    )

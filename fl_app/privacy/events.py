@@ -125,11 +125,58 @@ class BinaryRandomizedResponse:
         return math.log((0.5 + self.gamma) / (0.5 - self.gamma))
 
 
-Mechanism = Gaussian | SampledGaussian | Laplace | RandomizedResponse | BinaryRandomizedResponse
+@dataclass(frozen=True)
+class TreeAggregation:
+    """Gaussian tree aggregation of a stream of ``steps`` sums, one participation per tree.
+
+    The binary-tree mechanism (Dwork, Naor, Pitassi, Rothblum 2010; Chan, Shi,
+    Song 2011) as DP-FTRL uses it (Kairouz, McMahan, Song, Thakkar, Thakurta,
+    Xu, ICML 2021, Algorithm 1): every tree node (a partial sum of the stream)
+    gets Gaussian noise of std ``noise_multiplier`` x L2 sensitivity, and every
+    prefix sum is a sum of noisy nodes. A participant that contributes to at
+    most one of the ``steps`` leaves is in at most ``ceil(log2(steps + 1))``
+    nodes, so the whole tree is the Gaussian mechanism with noise multiplier
+    ``noise_multiplier / sqrt(ceil(log2(steps + 1)))`` (the paper's Appendix D;
+    dp-accounting's ``SingleEpochTreeAggregationDpEvent``). The neighbouring
+    relation is zero-out (replace the participant's contribution by zero):
+    the run's cohort schedule is public and the same for both data sets.
+    Several trees (TreeRestart) compose.
+    """
+
+    noise_multiplier: float
+    steps: int
+    kind: ClassVar[str] = "tree_aggregation"
+
+    def __post_init__(self) -> None:
+        _check_positive("noise_multiplier", self.noise_multiplier)
+        if int(self.steps) != self.steps or self.steps < 1:
+            raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
+
+    @property
+    def depth(self) -> int:
+        """``ceil(log2(steps + 1))``: the most tree nodes one leaf belongs to."""
+        return int(self.steps).bit_length()
+
+    @property
+    def pure_epsilon(self) -> float | None:
+        """No pure-epsilon guarantee."""
+        return None
+
+
+Mechanism = (
+    Gaussian | SampledGaussian | Laplace | RandomizedResponse | BinaryRandomizedResponse | TreeAggregation
+)
 
 MECHANISM_KINDS: dict[str, type[Mechanism]] = {
     cls.kind: cls
-    for cls in (Gaussian, SampledGaussian, Laplace, RandomizedResponse, BinaryRandomizedResponse)
+    for cls in (
+        Gaussian,
+        SampledGaussian,
+        Laplace,
+        RandomizedResponse,
+        BinaryRandomizedResponse,
+        TreeAggregation,
+    )
 }
 
 

@@ -1,8 +1,13 @@
 """Random generators for noise and sampling: reproducible or from OS entropy.
 
-Simulations derive every generator from the run seed, separately per purpose,
+Simulations derive every generator from a seed, separately per purpose,
 client and round, so a run is reproducible and no two uses share a stream:
-``SeedSequence(seed, spawn_key=(purpose, client, round))``.
+``SeedSequence(seed, spawn_key=(purpose, client, round))``. The privacy noise of
+a seeded simulation uses its own seed, by default :func:`derive_noise_seed` of
+the run seed and the whole configuration, so that two runs of a sweep never
+share a noise stream (their noises would otherwise be equal up to scale and
+cancel between two released models). Such noise is still reproducible from
+the published configuration: a seeded simulation says so in its results.
 
 ``secure=True`` (``privacy.secure_rng``, forced on real devices) keys each
 generator with 128 fresh bits from the operating system's CSPRNG
@@ -25,6 +30,36 @@ import numpy as np
 def purpose_id(purpose: str) -> int:
     """A stable 32-bit id for a purpose name (independent of Python's hash seed)."""
     return int.from_bytes(hashlib.blake2b(purpose.encode(), digest_size=4).digest(), "big")
+
+
+def derive_noise_seed(*, seed: int, fingerprint: str) -> int:
+    """The default privacy-noise seed of a seeded simulation: a hash of the run seed and the configuration.
+
+    Parameters
+    ----------
+    seed : int
+        The run seed (``seed``), >= 0.
+    fingerprint : str
+        A digest of everything else the run was configured with (see
+        :func:`fl_app.run.config_fingerprint`).
+
+    Returns
+    -------
+    int
+        A 63-bit seed that changes whenever the seed or the configuration changes.
+
+    Notes
+    -----
+    This makes runs of one sweep (same ``seed``, e.g. different ``privacy.epsilon``)
+    draw independent noise. It does *not* make the noise secret: anyone holding
+    the published configuration can recompute it. Secret noise needs OS entropy
+    (``privacy.secure_rng=true``; always on real devices).
+
+    """
+    if isinstance(seed, bool) or int(seed) != seed or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    digest = hashlib.blake2b(f"dpfl-privacy-noise|{int(seed)}|{fingerprint}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 def make_generator(

@@ -1,0 +1,158 @@
+"""The one adapter to Flower's private simulation APIs (flwr 1.41).
+
+Everything dpfl needs from Flower that is not public API lives here, so a
+Flower upgrade touches one file and ``tests/test_flower_engine.py`` (which pins
+the version this was written against) says what broke:
+
+* :func:`run_simulation_engine` wraps ``flwr.simulation.run_simulation._run_simulation``,
+  the function ``flwr-simulation`` calls: the public ``run_simulation`` passes an
+  empty run config, and dpfl's overrides travel in the run config.
+* :func:`install_fast_dispatch` replaces the simulation engine's message
+  dispatcher. Flower's ``vce_api.add_messages_to_queue`` asks the in-memory
+  LinkState once *per registered node* for that node's next message, and each
+  ask walks every stored message: ``N x stored`` checks per sweep, ten sweeps
+  a second, for the whole run. At 1000 nodes and 100 messages in flight that
+  is a CPU core spent on dispatch (the cross-device round was 7.7x plain
+  PyTorch, BENCHMARKS.md), and the 1000-message roster query alone took 30 s.
+  The replacement walks the stored messages once per sweep, hands out the same
+  messages (undelivered, not expired, one per node per sweep, marked delivered
+  exactly as ``get_message_ins`` does), and polls with an interval that adapts
+  to its own cost instead of a fixed 100 ms. Other LinkState implementations
+  fall back to Flower's function.
+
+Both run in the process that runs the simulation engine: the driver of
+``python -m fl_app`` and the ``flwr-simulation`` process of ``flwr run`` (the
+ServerApp module imports this module; the engine starts its dispatcher only
+after Ray is up, seconds later).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from queue import Queue
+from typing import Any
+
+import flwr
+
+#: The Flower release whose private APIs this module was written against.
+FLOWER_VERSION = "1.41.0"
+
+#: Bounds of the dispatcher's polling interval (seconds).
+MIN_POLL_S = 0.002
+MAX_POLL_S = 0.05
+#: Keep polling below about 1/(1 + COST_FACTOR) of one core.
+COST_FACTOR = 20.0
+
+_installed = False
+_original_dispatch: Callable[..., None] | None = None
+
+
+def adaptive_interval(cost_s: float) -> float:
+    """Sleep after a poll that cost ``cost_s`` seconds: cheap polls poll often."""
+    return min(MAX_POLL_S, max(MIN_POLL_S, COST_FACTOR * cost_s))
+
+
+def take_undelivered(state: Any, nodes: set[int], seen: set[str]) -> list[Any]:
+    """Mark and return the next undelivered message of every node in ``nodes``.
+
+    The same selection as Flower's ``InMemoryLinkState.get_message_ins(node, limit=1)``
+    called for every node, in one walk over the store: expired or invalid
+    messages are dropped by the state's own check, a node gets at most one
+    message per call, and the chosen messages get ``delivered_at``. ``seen``
+    holds the ids already handed out (updated here), so messages in flight are
+    not checked again on every sweep.
+    """
+    from flwr.supercore.date import now
+
+    chosen: dict[int, Any] = {}
+    with state.lock:
+        store = state.message_ins_store
+        if len(seen) > 2 * len(store) + 1024:
+            seen.intersection_update(store.keys())
+        fresh = [msg_id for msg_id in store if msg_id not in seen]
+        if not fresh:
+            return []
+        state._check_stored_messages(set(fresh))
+        for msg_id in fresh:
+            message = store.get(msg_id)
+            if message is None:
+                continue
+            metadata = message.metadata
+            node = metadata.dst_node_id
+            if node in nodes and node not in chosen and metadata.delivered_at == "":
+                chosen[node] = message
+                seen.add(msg_id)
+        delivered_at = now().isoformat()
+        for message in chosen.values():
+            message.metadata.delivered_at = delivered_at
+    return list(chosen.values())
+
+
+def fast_add_messages_to_queue(
+    state: Any, queue: Queue[Any], nodes_mapping: dict[int, int], f_stop: threading.Event
+) -> None:
+    """Drop-in for ``vce_api.add_messages_to_queue`` (same arguments, same messages)."""
+    if not (hasattr(state, "message_ins_store") and hasattr(state, "_check_stored_messages")):
+        assert _original_dispatch is not None
+        _original_dispatch(state, queue, nodes_mapping, f_stop)
+        return
+    nodes = set(nodes_mapping)
+    seen: set[str] = set()
+    while not f_stop.is_set():
+        started = time.perf_counter()
+        messages = take_undelivered(state, nodes, seen)
+        for message in messages:
+            queue.put(message)
+        if not messages:
+            f_stop.wait(adaptive_interval(time.perf_counter() - started))
+
+
+def is_in_memory_grid(grid: Any) -> bool:
+    """Whether ``grid`` is the simulation engine's in-memory grid (not a deployment's SuperLink)."""
+    from flwr.superlink.grid.inmemory_grid import InMemoryGrid
+
+    return isinstance(grid, InMemoryGrid)
+
+
+def install_fast_dispatch() -> None:
+    """Replace the simulation engine's dispatcher (idempotent; see the module docstring)."""
+    global _installed, _original_dispatch
+    if _installed:
+        return
+    from flwr.server.superlink.fleet.vce import vce_api
+
+    _original_dispatch = vce_api.add_messages_to_queue
+    vce_api.add_messages_to_queue = fast_add_messages_to_queue
+    _installed = True
+
+
+def run_simulation_engine(
+    *,
+    num_supernodes: int,
+    server_app_attr: str,
+    client_app_attr: str,
+    app_dir: str,
+    server_app_context: Any,
+    backend_config: dict[str, Any],
+) -> None:
+    """Run a ServerApp and ClientApp in Flower's Ray-backed simulation engine, in this process."""
+    from flwr.simulation.run_simulation import _run_simulation
+    from flwr.supercore.telemetry import EventType
+
+    install_fast_dispatch()
+    _run_simulation(
+        num_supernodes=num_supernodes,
+        exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
+        server_app_attr=server_app_attr,
+        client_app_attr=client_app_attr,
+        app_dir=app_dir,
+        server_app_context=server_app_context,
+        backend_config=backend_config,
+    )
+
+
+def flower_version() -> str:
+    """The installed Flower release."""
+    return str(flwr.__version__)

@@ -1,0 +1,346 @@
+"""DP-FedAvgM with adaptive clipping: the clip norm follows a private quantile of the update norms.
+
+Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with
+Adaptive Clipping", NeurIPS 2021, Algorithm 1 (DP-FedAvg with adaptive
+clipping), run with server momentum (DP-FedAvgM: McMahan, Ramage, Talwar,
+Zhang, ICLR 2018; the server optimizer of Reddi et al., "Adaptive Federated
+Optimization", ICLR 2021). Each round t, with clip norm ``C_t``:
+
+1. Poisson sampling: every client joins independently with probability
+   ``q = clients_per_round / N``; the coins come from the privacy randomness
+   (``run.noise``), because amplification by sampling needs a secret cohort;
+2. each sampled client trains locally and returns its model; the server forms
+   ``Delta_k = w_k - w_t``, the bit ``b_k = 1[||Delta_k|| <= C_t]``, and clips
+   ``Delta_k <- Delta_k min(1, C_t / ||Delta_k||)``;
+3. it releases ``Delta~_t = (sum_k Delta_k + N(0, z_Delta^2 C_t^2 I)) / m`` and
+   ``b~_t = (sum_k (b_k - 1/2) + N(0, sigma_b^2)) / m + 1/2``, with the fixed
+   denominator ``m = qN`` (the expected cohort size; every client has weight 1);
+4. server momentum (``strategy.server_momentum`` beta, ``strategy.server_lr`` eta_s):
+   ``v_t = beta v_{t-1} + Delta~_t``, ``w_{t+1} = w_t + eta_s v_t`` (beta = 0, eta_s = 1:
+   DP-FedAvg);
+5. geometric clip update towards the target quantile gamma
+   (``strategy.target_quantile``, rate eta_C = ``strategy.clip_lr``):
+   ``C_{t+1} = C_t exp(-eta_C (b~_t - gamma))``.
+
+Privacy: unit = one client's entire data set (add or remove one client), central
+DP (the trusted server sees clipped, un-noised updates). The paper's Theorem 1:
+the update sum (sensitivity ``C_t``, noise ``z_Delta C_t``) and the centred bit sum
+(sensitivity 1/2, noise ``sigma_b``) together are the Gaussian mechanism with
+``z = (z_Delta^-2 + (2 sigma_b)^-2)^(-1/2)``; ``C_t`` is a function of earlier
+releases only. So each round is ONE ``SampledGaussian(z, q)`` event covering every
+client, exactly as DP-FedAvg. ``z`` is calibrated from ``privacy.epsilon`` for
+``num_rounds`` Poisson-sampled rounds (``strategy.noise_multiplier`` overrides it),
+``sigma_b`` is ``strategy.bit_noise`` (default ``m / 20``, the paper's), and
+``z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)``, which exists only when
+``z < 2 sigma_b``; otherwise the run is refused before it starts.
+
+Released: the noised models, and per round the clip norm and the noised
+unclipped fraction (functions of the noised releases only). The clients' train
+losses and update norms stay on the server.
+
+Flower's ``DifferentialPrivacyServerSideAdaptiveClipping`` (flwr 1.41): its
+noise split (``compute_adaptive_noise_params``: the same ``z_Delta`` formula and
+the same ``z < 2 sigma_b`` refusal) is right, and tests check that this module
+agrees with it. It is not used because:
+
+* it counts the *clipped* updates (``norm_bit`` is true when an update was
+  scaled down) and feeds that fraction to the paper's update, which expects the
+  *unclipped* fraction: the clip norm moves away from the target quantile
+  (shrinking further while most updates are clipped);
+* it updates the clip norm before noising the round's aggregate, so the noise
+  std uses ``C_{t+1}`` while the updates were clipped to ``C_t``: a round in which
+  the clip norm shrinks is under-noised;
+* its bits are not centred: the clipped-count sum has sensitivity 1, not the
+  1/2 behind the ``2 sigma_b`` of the formula it uses;
+* it divides the noisy count by the number of replies (data-dependent under
+  Poisson sampling) instead of the expected cohort size;
+* and, as its fixed-clipping sibling (see :mod:`strategies.dp_fedavg`): noise from
+  the global ``np.random``, the inner strategy's example weights, the whole
+  round skipped when one client fails, and no accounting.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fl_app import keys
+from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.calibration import (
+    adaptive_clipping_default_bit_noise,
+    adaptive_clipping_effective_noise_multiplier,
+    adaptive_clipping_update_noise_multiplier,
+    dp_fedavg_noise_multiplier,
+)
+from fl_app.privacy.events import PrivacyEvent, SampledGaussian
+from fl_app.privacy.mechanisms import gaussian_mechanism, sum_clipped_updates
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext, resolve_clients_per_round
+from fl_app.validation import ConfigError, require_choice, require_positive, require_range
+from strategies import register_strategy
+from strategies.base import FederatedStrategy
+
+
+@dataclass(frozen=True)
+class AdaptiveClippingSettings:
+    """``cfg.strategy`` of ``dp_fedavg_adaptive``, checked (names as in the paper).
+
+    Attributes
+    ----------
+    initial_clip : float
+        ``C_0``.
+    target_quantile : float
+        ``gamma`` in (0, 1): the share of updates meant to stay unclipped.
+    clip_lr : float
+        ``eta_C`` of the geometric update.
+    noise_multiplier : float or None
+        The round's effective ``z``; None: calibrated from ``privacy.epsilon``.
+    bit_noise : float or None
+        ``sigma_b``; None: expected clients per round / 20.
+    server_lr : float
+        ``eta_s``.
+    server_momentum : float
+        ``beta`` in [0, 1).
+
+    """
+
+    initial_clip: float
+    target_quantile: float
+    clip_lr: float
+    noise_multiplier: float | None
+    bit_noise: float | None
+    server_lr: float
+    server_momentum: float
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> AdaptiveClippingSettings:
+        """Read and check ``cfg.strategy`` (raises :class:`ConfigError`)."""
+        s = cfg.strategy
+        return cls(
+            initial_clip=require_positive("strategy.initial_clip", s.initial_clip),
+            target_quantile=require_range(
+                "strategy.target_quantile", s.target_quantile, 0.0, 1.0, low_open=True, high_open=True
+            ),
+            clip_lr=require_positive("strategy.clip_lr", s.clip_lr),
+            noise_multiplier=(
+                None
+                if s.noise_multiplier is None
+                else require_positive("strategy.noise_multiplier", s.noise_multiplier)
+            ),
+            bit_noise=None if s.bit_noise is None else require_positive("strategy.bit_noise", s.bit_noise),
+            server_lr=require_positive("strategy.server_lr", s.server_lr),
+            server_momentum=require_range(
+                "strategy.server_momentum", s.server_momentum, 0.0, 1.0, high_open=True
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class NoisePlan:
+    """The round's noise: effective ``z``, its split into ``z_Delta`` and ``sigma_b``, and ``q``."""
+
+    noise_multiplier: float
+    update_noise_multiplier: float
+    bit_noise: float
+    sampling_rate: float
+    expected_clients: float
+
+
+@functools.lru_cache(maxsize=64)
+def _calibrated(epsilon: float, delta: float, rate: float, rounds: int, method: str) -> float:
+    """DP-FedAvg's calibration (cached: ``validate_config`` and ``__init__`` both need it)."""
+    return dp_fedavg_noise_multiplier(
+        epsilon=epsilon, delta=delta, sampling_rate=rate, rounds=rounds, method=method
+    )
+
+
+def noise_plan(cfg: DictConfig, settings: AdaptiveClippingSettings) -> NoisePlan:
+    """Calibrate ``z`` and split it (Andrew et al. Theorem 1); :class:`ConfigError` if impossible."""
+    num_clients = int(cfg.num_clients)
+    expected = float(resolve_clients_per_round(cfg.clients_per_round, num_clients))
+    rate = expected / num_clients
+    if settings.noise_multiplier is not None:
+        z = settings.noise_multiplier
+        source = "strategy.noise_multiplier"
+    else:
+        z = _calibrated(
+            float(cfg.privacy.epsilon),
+            float(cfg.privacy.delta),
+            rate,
+            int(cfg.num_rounds),
+            str(cfg.privacy.accountant),
+        )
+        source = f"calibrated from privacy.epsilon={cfg.privacy.epsilon}"
+    default = adaptive_clipping_default_bit_noise(expected_clients=expected)
+    bit_noise = settings.bit_noise if settings.bit_noise is not None else default
+    if z >= 2.0 * bit_noise:
+        raise ConfigError(
+            "strategy.bit_noise",
+            settings.bit_noise,
+            f"sigma_b={bit_noise:.4g} must exceed z/2={z / 2:.4g} (z={z:.4g}, {source}): the clipped-count "
+            f"release alone would cost more than the whole round (Andrew et al. Theorem 1 needs "
+            f"z < 2 sigma_b); the default, expected clients per round / 20 = {default:.4g}, suits large "
+            "cohorts: set strategy.bit_noise larger or sample more clients per round",
+        )
+    return NoisePlan(
+        noise_multiplier=z,
+        update_noise_multiplier=adaptive_clipping_update_noise_multiplier(
+            noise_multiplier=z, bit_noise=bit_noise
+        ),
+        bit_noise=bit_noise,
+        sampling_rate=rate,
+        expected_clients=expected,
+    )
+
+
+@register_strategy("dp_fedavg_adaptive")
+class DPFedAvgAdaptiveStrategy(FederatedStrategy):
+    """Central-DP FedAvg with server momentum and a privately adapted clip norm."""
+
+    client_name = "dp_fedavg_adaptive"
+    #: amplification by sampling needs the cohort secret (failures are logged without names)
+    secret_cohort = True
+    privacy_unit = "one client's entire data set (add or remove one client), central DP"
+    mechanism_name = (
+        "Gaussian noise on the sum of clipped model updates and on the count of unclipped updates "
+        "(adaptive clipping), Poisson-sampled cohorts"
+    )
+
+    def __init__(self, run: RunContext) -> None:
+        super().__init__(run)
+        self.settings = AdaptiveClippingSettings.from_config(self.cfg)
+        if str(self.cfg.privacy.budget_scope) != "total":
+            raise ConfigError("privacy.budget_scope", self.cfg.privacy.budget_scope, "must be total")
+        self.plan = noise_plan(self.cfg, self.settings)
+        self.clip = self.settings.initial_clip
+        self.accountant = PrivacyAccountant(
+            population=run.client_ids, unit=self.privacy_unit, method=str(self.cfg.privacy.accountant)
+        )
+        self._velocity: list[np.ndarray] | None = None
+        self._rounds: dict[int, dict[str, float]] = {}
+        log(
+            INFO,
+            "DP-FedAvg adaptive clipping: z=%.4f (z_Delta=%.4f, sigma_b=%.4g), q=%.4f, C_0=%g, gamma=%g",
+            self.plan.noise_multiplier,
+            self.plan.update_noise_multiplier,
+            self.plan.bit_noise,
+            self.plan.sampling_rate,
+            self.clip,
+            self.settings.target_quantile,
+        )
+
+    @classmethod
+    def validate_config(cls, cfg: DictConfig) -> None:
+        """Check the settings and that the noise split exists (``z < 2 sigma_b``)."""
+        settings = AdaptiveClippingSettings.from_config(cfg)
+        require_choice("privacy.budget_scope", cfg.privacy.budget_scope, ["total"])
+        noise_plan(cfg, settings)
+
+    def select_clients(self, server_round: int) -> list[ClientInfo]:
+        """Poisson sampling with rate q; secret coins from the privacy randomness."""
+        rng = self.run.noise.generator("poisson-cohort", server_round=server_round)
+        joins = rng.random(self.run.num_clients) < self.plan.sampling_rate
+        return [info for info, joined in zip(self.run.roster, joins, strict=True) if joined]
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Clip, noise the update sum and the unclipped count, step with momentum, adapt C."""
+        valid, _ = self.split_replies(server_round, replies)
+        global_arrays = self.round_global
+        names = list(global_arrays.keys())
+        reference = [global_arrays[name].numpy().astype(np.float64) for name in names]
+        clip = self.clip
+        updates = (
+            [
+                m.content.array_records[keys.ARRAYS][n].numpy().astype(np.float64) - r
+                for n, r in zip(names, reference, strict=True)
+            ]
+            for _, m in valid
+        )
+        total, norms = sum_clipped_updates(updates=updates, like=reference, max_norm=clip)
+        m = self.plan.expected_clients
+        rng = self.run.noise.generator("central-noise", server_round=server_round)
+        sigma = self.plan.update_noise_multiplier * clip
+        average = [gaussian_mechanism(values=t, sigma=sigma, rng=rng) / m for t in total]
+        centred = float(sum(1.0 if norm <= clip else 0.0 for norm in norms) - 0.5 * len(norms))
+        bit_rng = self.run.noise.generator("clip-count-noise", server_round=server_round)
+        noised = float(gaussian_mechanism(values=np.array(centred), sigma=self.plan.bit_noise, rng=bit_rng))
+        unclipped = noised / m + 0.5
+        self._record_release(server_round)
+        beta = self.settings.server_momentum
+        if self._velocity is None:
+            self._velocity = average
+        else:
+            self._velocity = [beta * v + a for v, a in zip(self._velocity, average, strict=True)]
+        lr = self.settings.server_lr
+        new = {
+            n: Array((r + lr * v).astype(global_arrays[n].numpy().dtype))
+            for n, r, v in zip(names, reference, self._velocity, strict=True)
+        }
+        self.clip = clip * math.exp(-self.settings.clip_lr * (unclipped - self.settings.target_quantile))
+        self._rounds[server_round] = {
+            "clip_norm": clip,
+            "next_clip_norm": self.clip,
+            "unclipped_fraction_noised": unclipped,
+        }
+        # No train loss (nor anything else computed from the clients' data) in the metrics: they are
+        # not noised (the platform's release rule, as DP-FedAvg).
+        return ArrayRecord(new), MetricRecord()
+
+    def _record_release(self, server_round: int) -> None:
+        """One ``SampledGaussian(z, q)`` per round: the update sum and the count, jointly."""
+        assert self.accountant is not None
+        self.accountant.record(
+            PrivacyEvent(
+                server_round,
+                SampledGaussian(self.plan.noise_multiplier, self.plan.sampling_rate),
+                participants=None,
+                label="central release (clipped update sum + unclipped count)",
+            )
+        )
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """The clip norm used, the next one, and the released (noised) unclipped fraction.
+
+        All three are functions of the noised releases only (the clip norm is public post-processing).
+        """
+        return dict(self._rounds.get(server_round, {}))
+
+    def cohort_randomness(self) -> str:
+        """Poisson cohorts come from the privacy randomness."""
+        return (
+            "secret: Poisson coins drawn from the privacy randomness (run.noise), as amplification by "
+            "sampling requires; see `source` for whether that randomness is secret"
+        )
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """Unit, mechanism, accountant, the noise split and the clipping schedule."""
+        plan = self.plan
+        return {
+            **super().privacy_summary(),
+            "noise_multiplier": plan.noise_multiplier,
+            "update_noise_multiplier": plan.update_noise_multiplier,
+            "bit_noise": plan.bit_noise,
+            "effective_noise_multiplier_check": adaptive_clipping_effective_noise_multiplier(
+                update_noise_multiplier=plan.update_noise_multiplier, bit_noise=plan.bit_noise
+            ),
+            "sampling": "poisson (coins from the privacy randomness)",
+            "sampling_rate": plan.sampling_rate,
+            "denominator": plan.expected_clients,
+            "initial_clip": self.settings.initial_clip,
+            "final_clip": self.clip,
+            "target_quantile": self.settings.target_quantile,
+            "clip_lr": self.settings.clip_lr,
+            "server_lr": self.settings.server_lr,
+            "server_momentum": self.settings.server_momentum,
+        }

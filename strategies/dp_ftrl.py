@@ -1,0 +1,372 @@
+"""DP-FTRL: tree-aggregated noise on prefix sums of clipped updates, no sampling amplification.
+
+Kairouz, McMahan, Song, Thakkar, Thakurta, Xu, "Practical and Private (Deep)
+Learning without Sampling or Shuffling", ICML 2021 (Algorithm 1 and its
+federated form, Section 5; TreeRestart and momentum as in the paper). The
+cohorts follow a public, seeded schedule: each epoch is a fresh random
+permutation of the N clients cut into ``b = N // m`` cohorts of exactly
+``m = clients_per_round`` clients, so a client takes part at most once per
+epoch (the ``N - bm`` left over sit the epoch out). Each round t:
+
+1. the scheduled cohort trains the current model ``w_t`` locally and returns
+   its models; the server clips each update ``Delta_k = w_k - w_t`` to norm C
+   (``strategy.clip``) and adds their sum ``s_t`` to the stream;
+2. online tree aggregation (Dwork et al. 2010; Chan, Shi, Song 2011): at leaf
+   ``i`` of the current tree the node ``[i - lowbit(i) + 1, i]`` gets fresh
+   noise ``N(0, z^2 C^2 I)``, and the noisy prefix sum ``S~_i = sum_{j <= i} s_j +``
+   (the noise of the at most ``ceil(log2(i + 1))`` nodes covering ``[1, i]``) is released;
+3. FTRL with momentum (FTRLM; the paper's reference implementation):
+   ``M_i = beta M_{i-1} + S~_i / m``, ``w_{t+1} = w_0 + eta M_i`` with ``w_0`` the model at
+   the tree's start, eta = ``strategy.server_lr``, beta = ``strategy.server_momentum``.
+   With beta = 0 this is ``w_{t+1} = w_0 + eta S~_i / m``; without noise it is FedAvg
+   with server SGD (``w_{t+1} = w_t + eta s_t / m``), and with beta > 0 server SGD
+   with heavy-ball momentum.
+
+``strategy.restart``: ``epoch`` (TreeRestart, default) starts a new tree, with
+``w_0`` the current model and the momentum reset (as the reference
+implementation), at each epoch; ``none`` keeps one tree of ``num_rounds``
+leaves (Algorithm 1 as printed).
+
+Privacy: unit = one client's entire data set, central DP, zero-out
+neighbours (the client's data replaced by data whose clipped updates are zero;
+the public schedule is the same for both). No amplification is claimed: the
+cohort schedule may be known to anyone. Each noisy node is the Gaussian
+mechanism with noise ``z C``; a client in ``n_u`` leaves of node u changes it
+by at most ``n_u C``, so everything released is the Gaussian mechanism with
+sensitivity ``C sqrt(S)``, ``S = sum_u n_u^2`` (Appendix D; adaptively chosen
+updates are covered there and by Denisov et al. 2022 for one and
+Choquette-Choo et al. 2023 for several participations). Accounting:
+
+* ``restart=epoch``: a client is in at most one leaf of each tree, so each of
+  its rounds is one ``TreeAggregation(z, steps of that tree)`` event (dp-accounting's
+  ``SingleEpochTreeAggregationDpEvent``, depth ``ceil(log2(steps + 1))``),
+  composed over the trees it takes part in (charged in the round it takes part);
+* ``restart=none``: a client may be in several leaves of the one tree; its S is
+  computed exactly from its scheduled leaves and charged as it accrues: each
+  round adds ``Gaussian(z / sqrt(dS))`` with dS the growth of S that round
+  (:func:`fl_app.privacy.calibration.tree_sensitivity_increments`), which
+  composes (RDP and PLD alike) to the Gaussian with ``z / sqrt(S)``.
+
+Events name every *scheduled* client, failures included. Unless
+``strategy.noise_multiplier`` is set, z is the smallest for which the worst
+client of the schedule ends at most at ``privacy.epsilon``.
+
+Released: the models (post-processing of the noisy prefix sums) and the public
+schedule. The clients' train losses and update norms stay on the server.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fl_app import keys
+from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.calibration import noise_multiplier_for_histories, tree_sensitivity_increments
+from fl_app.privacy.composition import History
+from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, TreeAggregation
+from fl_app.privacy.mechanisms import gaussian_mechanism, sum_clipped_updates, tree_prefix_nodes
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext
+from fl_app.validation import ConfigError, require_choice, require_positive, require_range
+from strategies import register_strategy
+from strategies.base import FederatedStrategy
+
+RESTARTS = ("epoch", "none")
+
+
+@dataclass(frozen=True)
+class DPFTRLSettings:
+    """``cfg.strategy`` of ``dp_ftrl``, checked.
+
+    Attributes
+    ----------
+    clip : float
+        C, the L2 bound of one client's update.
+    noise_multiplier : float or None
+        z: noise std per tree node is ``z C``; None: calibrated from ``privacy.epsilon``.
+    server_lr : float
+        eta.
+    server_momentum : float
+        beta in [0, 1) (FTRLM when > 0).
+    restart : str
+        ``epoch`` (TreeRestart) or ``none``.
+
+    """
+
+    clip: float
+    noise_multiplier: float | None
+    server_lr: float
+    server_momentum: float
+    restart: str
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> DPFTRLSettings:
+        """Read and check ``cfg.strategy`` (raises :class:`ConfigError`)."""
+        s = cfg.strategy
+        return cls(
+            clip=require_positive("strategy.clip", s.clip),
+            noise_multiplier=(
+                None
+                if s.noise_multiplier is None
+                else require_positive("strategy.noise_multiplier", s.noise_multiplier)
+            ),
+            server_lr=require_positive("strategy.server_lr", s.server_lr),
+            server_momentum=require_range(
+                "strategy.server_momentum", s.server_momentum, 0.0, 1.0, high_open=True
+            ),
+            restart=require_choice("strategy.restart", s.restart, RESTARTS),
+        )
+
+
+@dataclass(frozen=True)
+class TreePosition:
+    """Where a round sits: its tree (0-based), its leaf (1-based) and the tree's length."""
+
+    tree: int
+    leaf: int
+    steps: int
+
+
+@register_strategy("dp_ftrl")
+class DPFTRLStrategy(FederatedStrategy):
+    """DP-FTRL(M) with tree aggregation over a public, seeded schedule of fixed-size cohorts."""
+
+    client_name = "dp_ftrl"
+    privacy_unit = (
+        "one client's entire data set (zero-out: replaced by data whose clipped updates are zero; "
+        "public cohort schedule), central DP"
+    )
+    mechanism_name = "Gaussian tree aggregation of prefix sums of clipped model updates (no sampling)"
+
+    def __init__(self, run: RunContext) -> None:
+        super().__init__(run)
+        self.settings = DPFTRLSettings.from_config(self.cfg)
+        if str(self.cfg.privacy.budget_scope) != "total":
+            raise ConfigError("privacy.budget_scope", self.cfg.privacy.budget_scope, "must be total")
+        self.num_rounds = int(self.cfg.num_rounds)
+        self.cohort_size = run.clients_per_round
+        self.rounds_per_epoch = run.num_clients // self.cohort_size
+        self.schedule = self._public_schedule()
+        self.method = str(self.cfg.privacy.accountant)
+        self._leaves = self._leaves_by_client()
+        worst = self._worst_histories()
+        if self.settings.noise_multiplier is not None:
+            self.noise_multiplier = self.settings.noise_multiplier
+        else:
+            self.noise_multiplier = noise_multiplier_for_histories(
+                epsilon=float(self.cfg.privacy.epsilon),
+                delta=run.delta,
+                histories_of=worst,
+                method=self.method,
+            )
+        self.accountant = PrivacyAccountant(
+            population=run.client_ids, unit=self.privacy_unit, method=self.method
+        )
+        self._tree: int | None = None
+        self._tree_start: list[np.ndarray] = []
+        self._stream_sum: list[np.ndarray] = []
+        self._node_noise: dict[int, list[np.ndarray]] = {}
+        self._momentum: list[np.ndarray] = []
+        log(
+            INFO,
+            "DP-FTRL: z=%.4f per tree node, clip C=%g, %d rounds per epoch of %d-client cohorts, restart=%s, "
+            "at most %d participations per client",
+            self.noise_multiplier,
+            self.settings.clip,
+            self.rounds_per_epoch,
+            self.cohort_size,
+            self.settings.restart,
+            self.max_participations,
+        )
+
+    @classmethod
+    def validate_config(cls, cfg: DictConfig) -> None:
+        """Check ``strategy.*``; the whole-run budget only (``privacy.budget_scope=total``)."""
+        DPFTRLSettings.from_config(cfg)
+        require_choice("privacy.budget_scope", cfg.privacy.budget_scope, ["total"])
+
+    # ------------------------------------------------------------------ schedule
+
+    def _public_schedule(self) -> list[list[int]]:
+        """Cohorts (roster indices) of rounds 1..T: per epoch a seeded permutation cut into b cohorts."""
+        cohorts: list[list[int]] = []
+        b, m = self.rounds_per_epoch, self.cohort_size
+        epoch = 0
+        while len(cohorts) < self.num_rounds:
+            rng = self.run.randomness.generator("ftrl-schedule", server_round=epoch)
+            order = rng.permutation(self.run.num_clients)
+            cohorts += [sorted(int(i) for i in order[k * m : (k + 1) * m]) for k in range(b)]
+            epoch += 1
+        return cohorts[: self.num_rounds]
+
+    def position(self, server_round: int) -> TreePosition:
+        """The tree, leaf and tree length of ``server_round``."""
+        if self.settings.restart == "none":
+            return TreePosition(0, server_round, self.num_rounds)
+        b = self.rounds_per_epoch
+        tree = (server_round - 1) // b
+        return TreePosition(tree, (server_round - 1) % b + 1, min(b, self.num_rounds - tree * b))
+
+    def cohort(self, server_round: int) -> list[ClientInfo]:
+        """The scheduled cohort of ``server_round``."""
+        return [self.run.roster[i] for i in self.schedule[server_round - 1]]
+
+    def _leaves_by_client(self) -> dict[int, list[int]]:
+        """Client id -> the rounds it is scheduled in."""
+        leaves: dict[int, list[int]] = {}
+        for server_round in range(1, self.num_rounds + 1):
+            for info in self.cohort(server_round):
+                leaves.setdefault(info.client_id, []).append(server_round)
+        return leaves
+
+    @property
+    def max_participations(self) -> int:
+        """Most rounds any client is scheduled in."""
+        return max((len(rounds) for rounds in self._leaves.values()), default=0)
+
+    def _increments(self, client: int) -> list[int]:
+        """``restart=none``: the growth of the client's squared sensitivity at each of its rounds."""
+        return tree_sensitivity_increments(leaves=self._leaves.get(client, []), steps=self.num_rounds)
+
+    def _mechanisms(self, client: int, z: float) -> list[tuple[int, Mechanism]]:
+        """(round, mechanism) charged to ``client`` over the run, for noise multiplier ``z``."""
+        rounds = self._leaves.get(client, [])
+        if self.settings.restart == "epoch":
+            return [(t, TreeAggregation(z, self.position(t).steps)) for t in rounds]
+        return [
+            (t, Gaussian(z / float(np.sqrt(d))))
+            for t, d in zip(rounds, self._increments(client), strict=True)
+        ]
+
+    def _worst_histories(self) -> Callable[[float], list[History]]:
+        """``z -> histories`` of the clients with the largest squared sensitivity (the worst ones)."""
+
+        def load(client: int) -> float:
+            if self.settings.restart == "epoch":
+                return float(
+                    sum(TreeAggregation(1.0, self.position(t).steps).depth for t in self._leaves[client])
+                )
+            return float(sum(self._increments(client)))
+
+        loads = {client: load(client) for client in self._leaves}
+        top = max(loads.values())
+        worst = [client for client, value in loads.items() if value == top]
+        distinct = {tuple(sorted(repr(m) for _, m in self._mechanisms(c, 1.0))): c for c in worst}
+
+        def histories_of(z: float) -> list[History]:
+            return [dict(Counter(m for _, m in self._mechanisms(c, z))) for c in distinct.values()]
+
+        return histories_of
+
+    # ------------------------------------------------------------------ rounds
+
+    def select_clients(self, server_round: int) -> list[ClientInfo]:
+        """The public schedule's cohort (no sampling)."""
+        return self.cohort(server_round)
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Add the clipped update sum to the tree, release the noisy prefix sum, FTRL(M) step."""
+        valid, _ = self.split_replies(server_round, replies)
+        global_arrays = self.round_global
+        names = list(global_arrays.keys())
+        current = [global_arrays[name].numpy().astype(np.float64) for name in names]
+        where = self.position(server_round)
+        if where.tree != self._tree:
+            self._start_tree(where.tree, current)
+        updates = (
+            [
+                m.content.array_records[keys.ARRAYS][n].numpy().astype(np.float64) - c
+                for n, c in zip(names, current, strict=True)
+            ]
+            for _, m in valid
+        )
+        total, _ = sum_clipped_updates(updates=updates, like=current, max_norm=self.settings.clip)
+        self._stream_sum = [s + t for s, t in zip(self._stream_sum, total, strict=True)]
+        noise = self._prefix_noise(server_round, where.leaf)
+        beta, lr, m = self.settings.server_momentum, self.settings.server_lr, float(self.cohort_size)
+        self._momentum = [
+            beta * v + (s + n) / m for v, s, n in zip(self._momentum, self._stream_sum, noise, strict=True)
+        ]
+        new = {
+            name: Array((w0 + lr * v).astype(global_arrays[name].numpy().dtype))
+            for name, w0, v in zip(names, self._tree_start, self._momentum, strict=True)
+        }
+        self._record_release(server_round)
+        # No train loss (nor anything else computed from the clients' data) in the metrics: they are
+        # not noised (the platform's release rule, as DP-FedAvg).
+        return ArrayRecord(new), MetricRecord()
+
+    def _start_tree(self, tree: int, current: list[np.ndarray]) -> None:
+        """A new tree: ``w_0`` is the current model; stream sum, node noise and momentum reset."""
+        self._tree = tree
+        self._tree_start = [c.copy() for c in current]
+        self._stream_sum = [np.zeros_like(c) for c in current]
+        self._momentum = [np.zeros_like(c) for c in current]
+        self._node_noise = {}
+
+    def _prefix_noise(self, server_round: int, leaf: int) -> list[np.ndarray]:
+        """Draw the node completed at ``leaf`` and return the noise of the prefix ``[1, leaf]``."""
+        sigma = self.noise_multiplier * self.settings.clip
+        rng = self.run.noise.generator("tree-noise", server_round=server_round)
+        self._node_noise[leaf] = [
+            gaussian_mechanism(values=np.zeros_like(s), sigma=sigma, rng=rng) for s in self._stream_sum
+        ]
+        ends = [end for _, end in tree_prefix_nodes(leaf)]
+        self._node_noise = {end: self._node_noise[end] for end in ends}
+        return [sum(parts) for parts in zip(*(self._node_noise[end] for end in ends), strict=True)]
+
+    def _record_release(self, server_round: int) -> None:
+        """Charge the scheduled cohort (failures included) for this round's leaf."""
+        assert self.accountant is not None
+        groups: dict[Mechanism, list[int]] = {}
+        for info in self.cohort(server_round):
+            for t, mechanism in self._mechanisms(info.client_id, self.noise_multiplier):
+                if t == server_round:
+                    groups.setdefault(mechanism, []).append(info.client_id)
+        where = self.position(server_round)
+        for mechanism, clients in groups.items():
+            self.accountant.record(
+                PrivacyEvent(
+                    server_round,
+                    mechanism,
+                    participants=tuple(clients),
+                    label=f"tree {where.tree + 1} leaf {where.leaf} of {where.steps}",
+                )
+            )
+
+    # ------------------------------------------------------------------ reporting
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """The round's tree and leaf (public)."""
+        where = self.position(server_round)
+        return {"tree": where.tree + 1, "tree_leaf": where.leaf}
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """Unit, mechanism, accountant, noise, schedule and participation."""
+        return {
+            **super().privacy_summary(),
+            "noise_multiplier": self.noise_multiplier,
+            "clip": self.settings.clip,
+            "restart": self.settings.restart,
+            "schedule": (
+                f"public and seeded (seed {int(self.cfg.seed)}): per epoch a permutation of the "
+                f"{self.run.num_clients} clients cut into {self.rounds_per_epoch} cohorts of "
+                f"{self.cohort_size}; no sampling amplification"
+            ),
+            "rounds_per_epoch": self.rounds_per_epoch,
+            "max_participations": self.max_participations,
+            "neighbouring_relation": "zero-out (REPLACE_SPECIAL)",
+            "server_lr": self.settings.server_lr,
+            "server_momentum": self.settings.server_momentum,
+        }

@@ -1,0 +1,360 @@
+"""What the printed epsilon rests on (issue 13): secret randomness, nothing released outside it, defaults.
+
+1. DP-FedAvg's Poisson cohort comes from the privacy randomness (secret under
+   ``privacy.secure_rng`` and on devices), and a seeded run says its cohort is public.
+2. The default noise seed is not the public ``seed``: it is derived from the whole
+   configuration (runs of a sweep never share noise) and the results say it is seeded.
+3. Statistics of un-noised client data leave a DP run only in a block marked as
+   outside the guarantee (opt-in, simulation only); federated evaluation is refused.
+4. Defaults deliver the requested epsilon in the unit the results name (DPFL-BNN,
+   the BNN calculator, the Laplace evaluation), and the total covers every stage.
+
+The end-to-end audit of every private strategy is ``tests/test_privacy_end_to_end.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import FAST, build_run_context, error_reply, reply_to
+from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
+
+from fl_app import keys
+from fl_app.config import compose_config
+from fl_app.data.federated import DataSpec, federated_data
+from fl_app.models import ModelSpec
+from fl_app.privacy import cli
+from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma
+from fl_app.privacy.rng import RandomSource
+from fl_app.results import OUTSIDE_GUARANTEE_NOTE, RunRecorder
+from fl_app.roster import ClientInfo
+from fl_app.run import (
+    describe_randomness,
+    diagnostics_enabled,
+    evaluation_stage,
+    make_run_context,
+    noise_source,
+    privacy_randomness,
+    total_privacy,
+)
+from fl_app.run_context import RunContext
+from fl_app.validation import ConfigError, validate_config
+from strategies import STRATEGIES
+from strategies.dp_fedavg import DPFedAvgStrategy
+from strategies.dpfl_bnn import DPFLBNNStrategy
+from strategies.laplace_eval import LaplaceEvalStage
+
+DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=4"]
+
+
+def platform_run(overrides: list[str], tmp_path: Path, roster: list[ClientInfo] | None = None) -> RunContext:
+    """The RunContext the platform builds (``fl_app.run.make_run_context``) for ``overrides``."""
+    cfg = compose_config(overrides)
+    spec = DataSpec.from_config(cfg)
+    data = federated_data(spec)
+    if roster is None:
+        roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
+    model_spec = ModelSpec(
+        STRATEGIES.get(str(cfg.strategy.name)).resolve_model(cfg, data.input_shape),
+        data.input_shape,
+        data.num_classes,
+    )
+    return make_run_context(
+        cfg, roster=roster, data=data, data_spec=spec, model_spec=model_spec, output_dir=tmp_path
+    )
+
+
+def zeros_like(arrays: ArrayRecord) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.zeros_like(v.numpy())) for k, v in arrays.items()})
+
+
+def flat(arrays: ArrayRecord) -> np.ndarray:
+    return np.concatenate([arrays[k].numpy().ravel().astype(np.float64) for k in arrays])
+
+
+def cohorts(strategy: DPFedAvgStrategy, rounds: int = 12) -> list[list[int]]:
+    return [[c.client_id for c in strategy.select_clients(t)] for t in range(1, rounds + 1)]
+
+
+# ------------------------------------------------------------------ 1. the Poisson cohort is secret
+
+
+def test_secure_runs_with_one_config_draw_different_poisson_cohorts(tmp_path):
+    """Two runs with privacy.secure_rng=true and the same seed: amplification needs different cohorts."""
+    overrides = [*DIGITS, "strategy=dp_fedavg", "privacy.secure_rng=true", "num_rounds=12"]
+    first = DPFedAvgStrategy(platform_run(overrides, tmp_path))
+    second = DPFedAvgStrategy(platform_run(overrides, tmp_path))
+    assert first.run.noise.secure and first.run.cfg.seed == second.run.cfg.seed
+    assert cohorts(first) != cohorts(second)
+    # ... and the accountant credits amplification (a Poisson-sampled event for every client).
+    first.configure_train(1, first.initial_arrays(), ConfigRecord(), grid=None)
+    first.aggregate_train(1, [])
+    assert first.accountant.events[0].mechanism.kind == "sampled_gaussian"
+    assert first.accountant.events[0].participants is None
+
+
+def test_poisson_cohort_follows_the_noise_seed_not_the_public_seed(tmp_path):
+    run = build_run_context([*DIGITS, "strategy=dp_fedavg", "num_rounds=12"], tmp_path)
+    base = cohorts(DPFedAvgStrategy(run))
+    assert cohorts(DPFedAvgStrategy(dataclasses.replace(run, noise=RandomSource(seed=1)))) != base
+    # The public randomness (seed) alone does not decide it.
+    assert cohorts(DPFedAvgStrategy(dataclasses.replace(run, randomness=RandomSource(seed=9)))) == base
+
+
+def test_a_seeded_run_says_its_cohort_and_noise_are_reproducible(tmp_path):
+    strategy = DPFedAvgStrategy(platform_run([*DIGITS, "strategy=dp_fedavg"], tmp_path))
+    randomness = privacy_randomness(strategy)
+    assert randomness["source"] == "seeded"
+    assert randomness["noise_seed"] == strategy.run.noise.seed
+    assert "deployment" in randomness["note"] and "reproducible" in randomness["note"]
+    assert "secret" in randomness["cohort"] and "run.noise" in randomness["cohort"]
+    assert "SEEDED" in describe_randomness(randomness)
+    secure = DPFedAvgStrategy(
+        platform_run([*DIGITS, "strategy=dp_fedavg", "privacy.secure_rng=true"], tmp_path)
+    )
+    assert privacy_randomness(secure)["source"] == "os_entropy"
+    assert privacy_randomness(secure)["noise_seed"] is None
+    fixed = DPFedAvgStrategy(
+        platform_run([*DIGITS, "strategy=dp_fedavg", "strategy.sampling=fixed"], tmp_path)
+    )
+    assert "public" in privacy_randomness(fixed)["cohort"]
+
+
+# ------------------------------------------------------------------ 2. the noise is not the public seed's
+
+
+def test_default_noise_seed_is_derived_from_seed_and_the_whole_configuration():
+    cfg = compose_config([*DIGITS, "strategy=dp_fedavg"])
+    source = noise_source(cfg)
+    assert not source.secure
+    assert source.seed != cfg.seed  # not the published `seed`
+    assert noise_source(compose_config([*DIGITS, "strategy=dp_fedavg"])).seed == source.seed  # reproducible
+    for change in ("privacy.epsilon=2", "seed=43", "strategy.clip=0.5", "num_rounds=5"):
+        assert noise_source(compose_config([*DIGITS, "strategy=dp_fedavg", change])).seed != source.seed
+    for same in ("output_dir=/tmp/elsewhere", "simulation.client_cpus=0.5", "evaluation.every=2"):
+        assert noise_source(compose_config([*DIGITS, "strategy=dp_fedavg", same])).seed == source.seed
+    assert noise_source(compose_config([*DIGITS, "privacy.noise_seed=7"])).seed == 7
+    assert noise_source(compose_config([*DIGITS, "privacy.secure_rng=true"])).secure
+
+
+def _central_noise(tmp_path: Path, epsilon: float) -> np.ndarray:
+    """DP-FedAvg's central noise of round 1 (every client returns the global model), per unit of sigma."""
+    overrides = [*DIGITS, "strategy=dp_fedavg", "strategy.sampling=fixed", f"privacy.epsilon={epsilon}"]
+    strategy = DPFedAvgStrategy(platform_run(overrides, tmp_path))
+    start = zeros_like(strategy.initial_arrays())
+    messages = list(strategy.configure_train(1, start, ConfigRecord(), grid=None))
+    arrays, _ = strategy.aggregate_train(1, [reply_to(m, arrays=start) for m in messages])
+    return flat(arrays) * strategy.denominator / (strategy.noise_multiplier * strategy.clip)
+
+
+def test_runs_of_a_sweep_do_not_share_their_central_noise(tmp_path):
+    """With one seed, two released models of a sweep must not have noise equal up to scale."""
+    one, two = _central_noise(tmp_path, 1.0), _central_noise(tmp_path, 2.0)
+    assert np.std(one) == pytest.approx(1.0, rel=0.05)  # it is the noise, in units of sigma
+    assert not np.allclose(one, two, rtol=1e-3, atol=1e-3)
+    assert abs(np.corrcoef(one, two)[0, 1]) < 0.1  # independent streams
+    np.testing.assert_allclose(_central_noise(tmp_path, 1.0), one)  # the same run repeats exactly
+
+
+# ------------------------------------------------------------------ 3. nothing released outside epsilon
+
+
+def test_dp_fedavg_releases_no_train_loss_and_no_update_norms(tmp_path):
+    run = build_run_context(
+        [*DIGITS, "strategy=dp_fedavg", "strategy.sampling=fixed", "strategy.clip=0.5"], tmp_path
+    )
+    strategy = DPFedAvgStrategy(run)
+    start = zeros_like(strategy.initial_arrays())
+    messages = list(strategy.configure_train(1, start, ConfigRecord(), grid=None))
+    moved = ArrayRecord({k: Array(np.full_like(v.numpy(), 1.0)) for k, v in start.items()})
+    replies = [
+        reply_to(m, arrays=moved, metrics={keys.NUM_EXAMPLES: 5, keys.TRAIN_LOSS: 1.25}) for m in messages[:2]
+    ] + [error_reply(messages[2])]
+    _, metrics = strategy.aggregate_train(1, replies)
+    assert metrics is not None and keys.TRAIN_LOSS not in metrics  # Flower logs these into run.log
+    assert len(metrics) == 0
+    extras = strategy.round_extras(1)
+    assert "update_norm_median" not in extras and "clipped_fraction" not in extras
+    diagnostics = strategy.diagnostics(1)  # only for the marked block
+    assert diagnostics["clipped_fraction"] == 1.0
+    assert diagnostics["update_norm_median"] > 0.5
+
+
+@pytest.mark.parametrize("strategy", ["dp_fedavg", "nbafl", "dpfl_bnn", "fedavg_ldp", "privatekt", "kd_dp"])
+def test_private_runs_refuse_federated_evaluation(strategy):
+    extra = ["strategy.teacher_rounds=1"] if strategy == "kd_dp" else []
+    cfg = compose_config([*DIGITS, f"strategy={strategy}", *extra, "evaluation.federated_fraction=0.5"])
+    with pytest.raises(ConfigError) as caught:
+        validate_config(cfg, check_data=False)
+    assert caught.value.key == "evaluation.federated_fraction"
+    assert "\n" not in str(caught.value)
+    validate_config(
+        compose_config([*DIGITS, "evaluation.federated_fraction=0.5"]), check_data=False
+    )  # FedAvg
+
+
+def test_dpfl_bnn_local_model_diagnostic_is_opt_in_outside_the_guarantee():
+    cfg = compose_config([*DIGITS, "strategy=dpfl_bnn", "strategy.local_eval_clients=2"])
+    with pytest.raises(ConfigError) as caught:
+        validate_config(cfg, check_data=False)
+    assert caught.value.key == "strategy.local_eval_clients"
+    validate_config(
+        compose_config(
+            [*DIGITS, "strategy=dpfl_bnn", "strategy.local_eval_clients=2", "privacy.diagnostics=true"]
+        ),
+        check_data=False,
+    )
+
+
+def test_unnoised_statistics_are_written_only_in_the_marked_block(tmp_path):
+    cfg = compose_config(DIGITS)
+    spec = ModelSpec("mlp", (1, 8, 8), 10)
+    for enabled in (False, True):
+        out = tmp_path / str(enabled)
+        recorder = RunRecorder(out, cfg, diagnostics=enabled)
+        recorder.add_round({"round": 1, "accuracy": 0.5, "loss": 1.0, "epsilon": 1.0})
+        recorder.add_diagnostics(1, {"update_norm_median": 3.0, "clipped_fraction": 0.5})
+        results = recorder.finalize(
+            strategy="dp_fedavg",
+            privacy={"unit": "u", "mechanism": "m", "accountant": "a"},
+            final_extras={},
+            arrays=None,
+            model_spec=spec,
+            ledger=None,
+            wall_s=1.0,
+        )
+        csv = (out / "metrics.csv").read_text()
+        assert "update_norm_median" not in csv and "clipped_fraction" not in csv
+        assert "update_norm_median" not in json.dumps(results["rounds"]) + json.dumps(results["final"])
+        if enabled:
+            assert results["outside_guarantee"]["note"] == OUTSIDE_GUARANTEE_NOTE
+            assert results["outside_guarantee"]["rounds"] == [
+                {"round": 1, "update_norm_median": 3.0, "clipped_fraction": 0.5}
+            ]
+        else:
+            assert "outside_guarantee" not in results
+            assert "update_norm_median" not in (out / "results.json").read_text()
+
+
+def test_outside_guarantee_block_is_opt_in_and_never_written_on_devices():
+    assert not diagnostics_enabled(compose_config(DIGITS), devices=False)
+    wanted = compose_config([*DIGITS, "privacy.diagnostics=true"])
+    assert diagnostics_enabled(wanted, devices=False)
+    assert not diagnostics_enabled(wanted, devices=True)
+
+
+def test_evaluation_stage_keeps_a_private_strategys_train_loss_to_itself(tmp_path):
+    run = build_run_context([*DIGITS, "strategy=dp_fedavg", "evaluation=laplace_eval"], tmp_path)
+    stage = LaplaceEvalStage(DPFedAvgStrategy(run))
+    stage.inner.aggregate_train = lambda server_round, replies: (None, MetricRecord({keys.TRAIN_LOSS: 0.7}))
+    stage.configure_train(1, stage.initial_arrays(), ConfigRecord(), grid=None)
+    stage.aggregate_train(1, [])
+    assert stage.round_extras(1)["train_loss"] is None  # not logged, not written
+
+
+# ------------------------------------------------------------------ 4. defaults give what was asked
+
+
+def test_dpfl_bnn_default_delivers_the_requested_client_level_epsilon(tmp_path):
+    """strategy=dpfl_bnn privacy.epsilon=8 used to report a client-level epsilon of ~70,000."""
+    run = build_run_context(
+        [*DIGITS, "strategy=dpfl_bnn", "privacy.epsilon=8", "clients_per_round=6"], tmp_path
+    )
+    strategy = DPFLBNNStrategy(run)
+    assert strategy.calibration == "client_level"
+    assert 7.9 < strategy.planned["client_level"] <= 8.0
+    for server_round in range(1, 5):  # every client in every round: the planned worst case
+        strategy.configure_train(server_round, strategy.initial_arrays(), ConfigRecord(), grid=None)
+        strategy.aggregate_train(server_round, [])
+    assert strategy.epsilon().epsilon <= 8.0  # the headline epsilon, in the unit the results name
+    assert strategy.privacy_summary()["unit"] == strategy.privacy_unit
+    # The document's reading stays available by name, with its (huge) client-level epsilon reported.
+    document = DPFLBNNStrategy(
+        build_run_context([*DIGITS, "strategy=dpfl_bnn", "strategy.calibration=per_coordinate"], tmp_path)
+    )
+    assert document.planned["per_coordinate"] <= 8.0 < 100 * 8.0 < document.planned["client_level"]
+
+
+def test_bnn_calculator_defaults_to_a_clients_whole_upload(capsys):
+    assert cli.main(["bnn", "--epsilon", "8", "--delta", "1e-5", "--rounds", "30"]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    d = 81_848  # the binary CNN on 28x28 images, 10 classes
+    assert answer["bits_per_round"] == d
+    assert answer["gamma"] == bnn_gamma(epsilon=8, delta=1e-5, rounds=30, bits_per_round=d)
+    assert binary_rr_epsilon(gamma=answer["gamma"], delta=1e-5, rounds=30, bits_per_round=d) <= 8
+    assert "client level" in answer["unit"]
+    assert cli.main(["bnn", "--epsilon", "8", "--delta", "1e-5", "--rounds", "30", "--per-coordinate"]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["bits_per_round"] == 1 and "NOT a guarantee" in document["unit"]
+
+
+def test_laplace_evaluation_default_fits_in_privacy_epsilon_and_enters_the_total(tmp_path):
+    """The evaluation used to default to 230,260 per report and never entered rounds[].epsilon."""
+    overrides = [*DIGITS, "strategy=dp_fedavg", "evaluation=laplace_eval", "privacy.epsilon=4"]
+    run = platform_run(overrides, tmp_path)
+    assert run.cfg.privacy.epsilon == pytest.approx(3.6)  # training gets the rest of the budget
+    assert run.cfg.evaluation.epsilon_budget == pytest.approx(0.4)
+    stage = LaplaceEvalStage(DPFedAvgStrategy(run))
+    largest = max(info.num_examples for info in run.roster)
+    assert stage.epsilon_per_report == pytest.approx(0.4 / (largest * 4))
+    arrays = stage.initial_arrays()
+    for server_round in range(1, 5):
+        list(stage.configure_train(server_round, arrays, ConfigRecord(), grid=None))
+        stage.aggregate_train(server_round, [])
+        messages = list(stage.configure_evaluate(server_round, arrays, ConfigRecord(), grid=None))
+        stage.aggregate_evaluate(server_round, [error_reply(m) for m in messages])  # failures are charged
+    training = stage.training_epsilon().epsilon
+    total = stage.epsilon().epsilon  # rounds[].epsilon
+    evaluation = stage.client_level_evaluation_epsilon()
+    assert training <= 3.6
+    assert stage.client_accountant.basic_epsilon() == pytest.approx(0.4, rel=1e-6)  # the calibration
+    assert 0 < evaluation <= 0.4  # the accountant's (RDP) bound may be smaller
+    assert training < total <= 4.0
+    summary = total_privacy(stage)
+    assert summary["epsilon"] == total
+    assert summary["per_stage"] == {"training": training, "clustering_evaluation": evaluation}
+    assert any("clustering" in item for item in summary["covers"])
+    # The MindSpore document's value stays available by name.
+    assert compose_config(["+experiment=laplace_eval"]).evaluation.laplace_eval_eps == 230260
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (["evaluation.budget_fraction=0"], "evaluation.budget_fraction"),
+        (["evaluation.budget_fraction=1.5"], "evaluation.budget_fraction"),
+        (["privacy.budget_scope=per_round"], "evaluation.laplace_eval_eps"),
+    ],
+)
+def test_bad_evaluation_budget_is_one_line(overrides, key):
+    with pytest.raises(ConfigError) as caught:
+        evaluation_stage(compose_config([*DIGITS, "evaluation=laplace_eval", *overrides]))
+    assert caught.value.key == key
+    assert "\n" not in str(caught.value)
+
+
+# ------------------------------------------------------------------ a real run: what it writes
+
+
+@pytest.mark.simulation
+def test_dp_fedavg_run_writes_only_what_its_epsilon_covers(simulate):
+    results = simulate([*FAST, "strategy=dp_fedavg", "simulation.num_cpus=2"])
+    out = Path(results["_output_dir"])
+    randomness = results["privacy"]["randomness"]
+    assert randomness["source"] == "seeded" and "deployment" in randomness["note"]
+    assert randomness["noise_seed"] != results["config"]["seed"]
+    log = (out / "run.log").read_text()
+    assert "privacy randomness SEEDED" in log
+    for leaked in ("update_norm_median", "clipped_fraction", "train-loss", "train_loss"):
+        assert leaked not in log, leaked
+        assert leaked not in (out / "metrics.csv").read_text(), leaked
+        assert leaked not in json.dumps(results), leaked
+    assert "outside_guarantee" not in results
+    total = results["privacy"]["total"]
+    assert total["epsilon"] == results["final"]["epsilon"] == results["rounds"][-1]["epsilon"]
+    assert total["per_stage"]["training"] == results["final"]["epsilon_training"]
+    assert results["final"]["epsilon"] <= results["config"]["privacy"]["epsilon"]
