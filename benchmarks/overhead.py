@@ -62,6 +62,7 @@ import psutil
 import torch
 
 import fl_app  # noqa: F401  (process set-up)
+from dpfl_env import FLOWER_ENVIRONMENT
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
 from fl_app.models import ModelSpec, resolve_model_name
@@ -97,6 +98,20 @@ def tree_pss(root: psutil.Process) -> int:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return total
+
+
+def wait_for_ray_exit(limit_s: float = 60.0) -> None:
+    """Wait until no Ray process of a finished run is left (they would slow the plain replay)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        alive = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if any("ray::" in part or "/ray/" in part for part in (p.info["cmdline"] or []))
+        ]
+        if not alive:
+            return
+        time.sleep(0.5)
 
 
 def row_overrides(shape: str, clients: int, rounds: int, partition: str = "") -> list[str]:
@@ -135,6 +150,7 @@ def run_simulation(
     process.wait()
     stop.set()
     sampler.join()
+    wait_for_ray_exit()
     if process.returncode != 0:
         raise RuntimeError(f"simulation failed: {' '.join(command)}")
     results = json.loads((run_dir / "results.json").read_text())
@@ -254,9 +270,6 @@ def transport_ms(message: Any, context: Any, *, actors: int, inline: bool, count
     from flwr.app import Message, MetricRecord, RecordDict
     from flwr.simulation.ray_transport.ray_actor import BasicActorPool, ClientAppActor
 
-    saved = {key: os.environ.get(key) for key in RAY_DEFAULT_TRANSPORT}
-    if not inline:  # Ray reads these in every process it starts: set them before ray.init
-        os.environ.update(RAY_DEFAULT_TRANSPORT)
     ray.init(address="local", num_cpus=actors, include_dashboard=False, logging_level="ERROR")
     try:
 
@@ -301,11 +314,39 @@ def transport_ms(message: Any, context: Any, *, actors: int, inline: bool, count
         return float(np.median([burst() for _ in range(3)])) / count * 1000
     finally:
         ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+
+
+def transport(args: argparse.Namespace) -> None:
+    """Print the echo transport time of a 109k-parameter MLP message (run in a fresh process)."""
+    from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+    from flwr.supercore.task_identity import TaskIdentity
+
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 77, 0, 1
+    arrays = model_to_arrays(ModelSpec("mlp", (28, 28), 10).build())
+    content = RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": 3})})
+    message = Message(content=content, dst_node_id=5, message_type=MessageType.TRAIN)
+    context = Context(
+        run_id=77, node_id=5, node_config={"partition-id": 1}, state=RecordDict(), run_config={}
+    )
+    print(
+        json.dumps(
+            {"ms": transport_ms(message, context, actors=args.actors, inline=args.setting == "inline")}
+        )
+    )
+
+
+def transport_in_subprocess(setting: str, actors: int) -> float:
+    """:func:`transport` in a fresh process (Ray reads its settings once per process, at start)."""
+    env = dict(os.environ)
+    if setting == "store":
+        env.update(RAY_DEFAULT_TRANSPORT)
+    else:
+        env.update({key: FLOWER_ENVIRONMENT[key] for key in RAY_DEFAULT_TRANSPORT})
+    command = [sys.executable, str(Path(__file__).resolve()), "transport", "--setting", setting]
+    output = subprocess.run([*command, "--actors", str(actors)], env=env, capture_output=True, text=True)
+    if output.returncode != 0:
+        raise RuntimeError(f"transport measurement failed: {output.stderr[-2000:]}")
+    return float(json.loads(output.stdout.strip().splitlines()[-1])["ms"])
 
 
 def breakdown(args: argparse.Namespace) -> None:
@@ -418,14 +459,20 @@ def breakdown(args: argparse.Namespace) -> None:
     x_test, y_test = test_split(cfg, data)
     evaluator = model_spec.build()
     server["evaluation on 2,000 test images"] = timed(lambda i: evaluate(evaluator, x_test, y_test), 5)
-    server["metering: bytes of 100 replies"] = timed(lambda i: [content_bytes(r) for r in replies], 3)
+    server["metering: bytes of 100 replies, Flower's serialisation"] = timed(
+        lambda i: [content_bytes(r) for r in replies], 3
+    )
+    try:  # dpfl's layout cache (absent before the cross-device work)
+        from fl_app.metering import message_bytes
+
+        server["metering: bytes of 100 replies, by layout (dpfl)"] = timed(
+            lambda i: [message_bytes(r) for r in replies], 3
+        )
+    except ImportError:
+        pass
     transport = {
-        f"Ray object store, {args.actors} actors": transport_ms(
-            message, context(1), actors=args.actors, inline=False
-        ),
-        f"inline (dpfl_env.py), {args.actors} actors": transport_ms(
-            message, context(1), actors=args.actors, inline=True
-        ),
+        f"Ray object store, {args.actors} actors": transport_in_subprocess("store", args.actors),
+        f"inline (dpfl_env.py), {args.actors} actors": transport_in_subprocess("inline", args.actors),
     }
     summary = {
         "clients": args.clients,
@@ -437,18 +484,23 @@ def breakdown(args: argparse.Namespace) -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "breakdown.json").write_text(json.dumps(summary, indent=2))
-    print(breakdown_table(summary))
+    print(breakdown_table({"this code": summary}))
 
 
-def breakdown_table(summary: dict[str, Any]) -> str:
-    """Markdown table of a breakdown."""
-    lines = ["| part | time |", "|---|---|"]
-    for name, value in summary["client_ms"].items():
-        lines.append(f"| client: {name} | {value:.2f} ms per message |")
-    for name, value in summary["transport_ms_per_message"].items():
-        lines.append(f"| transport, echo ClientApp ({name}) | {value:.2f} ms per message |")
-    for name, value in summary["server_ms_per_round"].items():
-        lines.append(f"| server: {name} | {value:.1f} ms per round |")
+def breakdown_table(summaries: dict[str, dict[str, Any]]) -> str:
+    """Markdown table of one or more breakdowns (column per label, e.g. before/after)."""
+    labels = list(summaries)
+    rows: dict[str, dict[str, str]] = {}
+    for label, summary in summaries.items():
+        for name, value in summary["client_ms"].items():
+            rows.setdefault(f"client: {name} (ms per message)", {})[label] = f"{value:.2f}"
+        for name, value in summary["transport_ms_per_message"].items():
+            rows.setdefault(f"transport, echo ClientApp, {name} (ms per message)", {})[label] = f"{value:.2f}"
+        for name, value in summary["server_ms_per_round"].items():
+            rows.setdefault(f"server: {name} (ms per round)", {})[label] = f"{value:.1f}"
+    lines = [f"| part | {' | '.join(labels)} |", "|---|" + "---|" * len(labels)]
+    for name, values in rows.items():
+        lines.append(f"| {name} | {' | '.join(values.get(label, '-') for label in labels)} |")
     return "\n".join(lines)
 
 
@@ -498,8 +550,11 @@ def goal_lines(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def section(args: argparse.Namespace) -> None:
-    """Write the platform section of BENCHMARKS.md from the run files."""
+def main_job_text(args: argparse.Namespace) -> str:
+    """The main-job part of the page: from ``--main-job``'s run, or kept from the existing page."""
+    if args.main_job is None:
+        existing = args.write.read_text()
+        return existing[: existing.index("## Overhead of Flower")].rstrip() + "\n"
     import matplotlib
 
     matplotlib.use("Agg")
@@ -521,28 +576,7 @@ def section(args: argparse.Namespace) -> None:
     figure.savefig(figures / "platform_fedavg_curve.png", dpi=110)
     plt.close(figure)
     curve = " | ".join(f"{r['round']}: {r['accuracy']:.3f}" for r in rounds)
-    overhead: list[dict] = []
-    for directory in args.overhead:
-        overhead += json.loads((directory / "summary.json").read_text())
-    commands = "\n".join(args.overhead_command or [])
-    breakdown_text = ""
-    if args.breakdown is not None:
-        before = json.loads((args.breakdown / "breakdown.json").read_text())
-        breakdown_text = f"""
-### One message, part by part
-
-```bash
-{args.breakdown_command or ""}
-```
-
-Cross-device shape, N = {before["clients"]} (mean {before["mean_examples_per_client"]:.0f} examples per
-client), the MLP; one train message is {before["message_bytes"]:,} bytes. Client parts are means over 200
-calls in one process; transport is Flower's actor pool with an echo ClientApp on the same message
-(throughput per message with as many actors as cores); server parts are per round of 100 replies.
-
-{breakdown_table(before)}
-"""
-    text = f"""# Platform: the main job and the simulation overhead
+    return f"""# Platform: the main job and the simulation overhead
 
 Generated by `python benchmarks/overhead.py section ...` from the files of the runs below.
 
@@ -560,7 +594,41 @@ Test accuracy first reached 80% in round **{first}**; final accuracy **{accuracy
 ![FedAvg curve](figures/platform_fedavg_curve.png)
 
 Accuracy per round: {curve}
+"""
 
+
+def section(args: argparse.Namespace) -> None:
+    """Write the platform section of BENCHMARKS.md from the run files."""
+    head = main_job_text(args)
+    overhead: list[dict] = []
+    for directory in args.overhead:
+        overhead += json.loads((directory / "summary.json").read_text())
+    commands = "\n".join(args.overhead_command or [])
+    breakdown_text = ""
+    if args.breakdown:
+        summaries = {}
+        for item in args.breakdown:
+            label, _, directory = item.partition("=")
+            summaries[label] = json.loads((Path(directory) / "breakdown.json").read_text())
+        first = next(iter(summaries.values()))
+        commands = "\n".join(args.breakdown_command or [])
+        breakdown_text = f"""
+### One message, part by part
+
+```bash
+{commands}
+```
+
+Cross-device shape, N = {first["clients"]} (mean {first["mean_examples_per_client"]:.0f} examples per
+client), the MLP; one train message is {first["message_bytes"]:,} bytes. Client parts are means over 200
+calls in one process with one torch thread (as in a Ray actor holding one CPU); transport is Flower's
+actor pool with an echo ClientApp on the same message, per message at throughput with 2 actors, through
+Ray's object store (Ray's default) and inline in the task's RPC (what `dpfl_env.py` sets); server parts
+are per round of 100 replies.
+
+{breakdown_table(summaries)}
+"""
+    text = f"""{head}
 ## Overhead of Flower + Ray against plain PyTorch
 
 ```bash
@@ -602,16 +670,21 @@ def main() -> None:
     run.add_argument("--tree", type=Path, default=None, help="run the simulation from this checkout")
     run.add_argument("--label", default="after", help="the code's label in the table (before/after)")
     run.add_argument("--extra", nargs="*", default=[], help="extra overrides for the simulation only")
+    echo = commands.add_parser("transport")
+    echo.add_argument("--setting", choices=["store", "inline"], required=True)
+    echo.add_argument("--actors", type=int, default=2)
     parts = commands.add_parser("breakdown")
     parts.add_argument("--clients", type=int, default=1000)
     parts.add_argument("--actors", type=int, default=2)
     parts.add_argument("--out", type=Path, default=Path("/tmp/bench_platform/breakdown"))
     write = commands.add_parser("section")
-    write.add_argument("--main-job", type=Path, required=True)
+    write.add_argument("--main-job", type=Path, default=None, help="default: keep the page's main-job part")
     write.add_argument("--overhead", type=Path, nargs="+", required=True)
     write.add_argument("--overhead-command", nargs="*", default=None)
-    write.add_argument("--breakdown", type=Path, default=None)
-    write.add_argument("--breakdown-command", default=None)
+    write.add_argument(
+        "--breakdown", nargs="*", default=[], help="label=DIR of breakdown.json, e.g. before=..."
+    )
+    write.add_argument("--breakdown-command", nargs="*", default=None)
     write.add_argument("--before-commit", default="48fef10")
     write.add_argument(
         "--main-job-command",
@@ -620,7 +693,9 @@ def main() -> None:
     )
     write.add_argument("--write", type=Path, default=Path("docs/benchmarks/platform.md"))
     args = parser.parse_args()
-    {"measure": measure, "breakdown": breakdown, "section": section}[args.command](args)
+    {"measure": measure, "breakdown": breakdown, "transport": transport, "section": section}[args.command](
+        args
+    )
 
 
 if __name__ == "__main__":

@@ -49,9 +49,19 @@ _installed = False
 _original_dispatch: Callable[..., None] | None = None
 
 
-def adaptive_interval(cost_s: float) -> float:
-    """Sleep after a poll that cost ``cost_s`` seconds: cheap polls poll often."""
-    return min(MAX_POLL_S, max(MIN_POLL_S, COST_FACTOR * cost_s))
+#: Poll at least this often relative to the time already waited (latency <= ~2 % of a wait).
+WAIT_FACTOR = 0.02
+
+
+def adaptive_interval(cost_s: float, waited_s: float = 0.0) -> float:
+    """Sleep after a poll that cost ``cost_s`` seconds, ``waited_s`` seconds into a wait.
+
+    Cheap polls early in a wait poll often (a cross-device round lasts a few
+    hundred milliseconds); an expensive poll, or a long wait (a cross-silo round
+    of seconds, where every core trains), polls less, so polling neither burns a
+    core nor adds more than about ``WAIT_FACTOR`` of the wait in latency.
+    """
+    return min(MAX_POLL_S, max(MIN_POLL_S, COST_FACTOR * cost_s, WAIT_FACTOR * waited_s))
 
 
 def take_undelivered(state: Any, nodes: set[int], seen: set[str]) -> list[Any]:
@@ -100,13 +110,17 @@ def fast_add_messages_to_queue(
         return
     nodes = set(nodes_mapping)
     seen: set[str] = set()
+    last_delivery = time.perf_counter()
     while not f_stop.is_set():
         started = time.perf_counter()
         messages = take_undelivered(state, nodes, seen)
         for message in messages:
             queue.put(message)
-        if not messages:
-            f_stop.wait(adaptive_interval(time.perf_counter() - started))
+        if messages:
+            last_delivery = time.perf_counter()
+        else:
+            idle = min(started - last_delivery, 1.0)  # a new round's messages must not wait long
+            f_stop.wait(adaptive_interval(time.perf_counter() - started, idle))
 
 
 def is_in_memory_grid(grid: Any) -> bool:

@@ -168,6 +168,17 @@ class FederatedStrategy(Strategy):
         chosen = rng.choice(len(self.run.roster), size=count, replace=False)
         return [self.run.roster[i] for i in sorted(chosen)]
 
+    def poisson_cohort(self, server_round: int, rate: float) -> list[ClientInfo]:
+        """Every client joins independently with probability ``rate`` (Poisson sampling).
+
+        The coins come from the privacy randomness (``run.noise``: OS entropy with
+        ``privacy.secure_rng`` and always on devices), because amplification by
+        sampling holds only for a cohort the adversary cannot predict.
+        """
+        rng = self.run.noise.generator("poisson-cohort", server_round=server_round)
+        joins = rng.random(self.run.num_clients) < rate
+        return [info for info, joined in zip(self.run.roster, joins, strict=True) if joined]
+
     def selected(self, server_round: int) -> list[ClientInfo]:
         """The clients sent a train message in ``server_round``."""
         return self._selected.get(server_round, [])

@@ -59,9 +59,10 @@ from fl_app import keys
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
 from fl_app.privacy.events import Gaussian, PrivacyEvent, SampledGaussian
-from fl_app.privacy.mechanisms import clip_l2, gaussian_mechanism
+from fl_app.privacy.mechanisms import gaussian_mechanism, sum_clipped_updates
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
+from fl_app.training import array_values
 from fl_app.validation import require_choice, require_positive
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
@@ -123,9 +124,7 @@ class DPFedAvgStrategy(FederatedStrategy):
         """Poisson sampling (each client w.p. q, secret coins from ``run.noise``) or fixed-size sampling."""
         if self.sampling == "fixed":
             return super().select_clients(server_round)
-        rng = self.run.noise.generator("poisson-cohort", server_round=server_round)
-        joins = rng.random(self.run.num_clients) < self.rate
-        return [info for info, joined in zip(self.run.roster, joins, strict=True) if joined]
+        return self.poisson_cohort(server_round, self.rate)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -134,22 +133,20 @@ class DPFedAvgStrategy(FederatedStrategy):
         valid, _ = self.split_replies(server_round, replies)
         global_arrays = self.round_global
         names = list(global_arrays.keys())
-        reference = [global_arrays[name].numpy().astype(np.float64) for name in names]
-        total = [np.zeros_like(r) for r in reference]
-        norms = []
-        for _, reply in valid:
-            received = reply.content.array_records[keys.ARRAYS]
-            update = [
-                received[n].numpy().astype(np.float64) - r for n, r in zip(names, reference, strict=True)
+        reference = [array_values(global_arrays[name]).astype(np.float64) for name in names]
+        updates = (
+            [
+                array_values(reply.content.array_records[keys.ARRAYS][n]).astype(np.float64) - r
+                for n, r in zip(names, reference, strict=True)
             ]
-            clipped, norm = clip_l2(arrays=update, max_norm=self.clip)
-            norms.append(norm)
-            total = [t + c for t, c in zip(total, clipped, strict=True)]
+            for _, reply in valid
+        )
+        total, norms = sum_clipped_updates(updates=updates, like=reference, max_norm=self.clip)
         rng = self.run.noise.generator("central-noise", server_round=server_round)
         sigma = self.noise_multiplier * self.clip
         noised = [gaussian_mechanism(values=t, sigma=sigma, rng=rng) for t in total]
         new = {
-            n: Array((r + s / self.denominator).astype(global_arrays[n].numpy().dtype))
+            n: Array((r + s / self.denominator).astype(array_values(global_arrays[n]).dtype))
             for n, r, s in zip(names, reference, noised, strict=True)
         }
         self._record_release(server_round)

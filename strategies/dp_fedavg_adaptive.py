@@ -247,9 +247,7 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
 
     def select_clients(self, server_round: int) -> list[ClientInfo]:
         """Poisson sampling with rate q; secret coins from the privacy randomness."""
-        rng = self.run.noise.generator("poisson-cohort", server_round=server_round)
-        joins = rng.random(self.run.num_clients) < self.plan.sampling_rate
-        return [info for info, joined in zip(self.run.roster, joins, strict=True) if joined]
+        return self.poisson_cohort(server_round, self.plan.sampling_rate)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -69,6 +69,10 @@ def test_adaptive_interval_is_bounded_and_grows_with_cost(cost: float) -> None:
     interval = adaptive_interval(cost)
     assert flower_engine.MIN_POLL_S <= interval <= flower_engine.MAX_POLL_S
     assert adaptive_interval(cost * 2 + 1e-4) >= interval
+    # a long wait polls less often, but never adds more than ~2 % latency or exceeds the cap
+    assert adaptive_interval(cost, 1.0) >= interval
+    assert adaptive_interval(0.0, 0.5) == pytest.approx(max(flower_engine.MIN_POLL_S, 0.01))
+    assert adaptive_interval(0.0, 100.0) == flower_engine.MAX_POLL_S
 
 
 @pytest.fixture(autouse=True)

@@ -149,7 +149,8 @@ def read_idx(path: Path) -> np.ndarray:
     expected = int(np.prod(dims))
     if len(raw) - offset != expected:
         raise ValueError(f"{path} holds {len(raw) - offset} bytes of data, expected {expected}")
-    return np.frombuffer(raw, dtype=np.uint8, offset=offset).reshape(dims)
+    # A writable copy: torch refuses (with a warning on every evaluation) to wrap read-only memory.
+    return np.frombuffer(raw, dtype=np.uint8, offset=offset).reshape(dims).copy()
 
 
 def find_idx_files(folder: Path) -> dict[str, Path] | None:

@@ -574,6 +574,28 @@ def gaussian_epsilon(
     return compose_epsilon({mechanism: rounds}, delta=delta, method=method).epsilon
 
 
+def smallest_noise_multiplier(eps_of: Callable[[float], float], *, epsilon: float) -> float:
+    """Smallest noise multiplier z with ``eps_of(z) <= epsilon`` (``eps_of`` decreasing in z).
+
+    Doubling from 1, then bisection to a relative width of 1e-4; returns the
+    upper end of the final bracket, so the epsilon it reaches never exceeds the
+    target. Raises ``ValueError`` when no z <= 1e6 reaches it.
+    """
+    high = 1.0
+    while eps_of(high) > epsilon:
+        high *= 2.0
+        if high > 1e6:
+            raise ValueError(f"no noise multiplier <= 1e6 reaches epsilon={epsilon}")
+    low = 0.0
+    while high - low > 1e-4 * high:
+        middle = 0.5 * (low + high)
+        if eps_of(middle) > epsilon:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
 def dp_fedavg_noise_multiplier(
     *, epsilon: float, delta: float, sampling_rate: float, rounds: int, method: str = "rdp"
 ) -> float:
@@ -590,19 +612,7 @@ def dp_fedavg_noise_multiplier(
             noise_multiplier=z, sampling_rate=sampling_rate, rounds=rounds, delta=delta, method=method
         )
 
-    high = 1.0
-    while eps_of(high) > epsilon:
-        high *= 2.0
-        if high > 1e6:
-            raise ValueError(f"no noise multiplier <= 1e6 reaches epsilon={epsilon}")
-    low = 0.0
-    while high - low > 1e-4 * high:
-        middle = 0.5 * (low + high)
-        if eps_of(middle) > epsilon:
-            low = middle
-        else:
-            high = middle
-    return high
+    return smallest_noise_multiplier(eps_of, epsilon=epsilon)
 
 
 def randomized_response_epsilon_per_label(
@@ -773,19 +783,7 @@ def noise_multiplier_for_histories(
             raise ValueError("histories_of returned no history")
         return max(spent)
 
-    high = 1.0
-    while eps_of(high) > epsilon:
-        high *= 2.0
-        if high > 1e6:
-            raise ValueError(f"no noise multiplier <= 1e6 reaches epsilon={epsilon}")
-    low = 0.0
-    while high - low > 1e-4 * high:
-        middle = 0.5 * (low + high)
-        if eps_of(middle) > epsilon:
-            low = middle
-        else:
-            high = middle
-    return high
+    return smallest_noise_multiplier(eps_of, epsilon=epsilon)
 
 
 # --------------------------------------------------------------------------------------
