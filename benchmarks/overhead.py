@@ -62,7 +62,6 @@ import psutil
 import torch
 
 import fl_app  # noqa: F401  (process set-up)
-from dpfl_env import FLOWER_ENVIRONMENT
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
 from fl_app.models import ModelSpec, resolve_model_name
@@ -335,13 +334,20 @@ def transport(args: argparse.Namespace) -> None:
     )
 
 
+def dpfl_transport() -> dict[str, str]:
+    """The Ray transport settings of this checkout's ``dpfl_env.py`` (also when timing another tree)."""
+    import runpy
+
+    return dict(runpy.run_path(str(ROOT / "dpfl_env.py"))["FLOWER_ENVIRONMENT"])
+
+
 def transport_in_subprocess(setting: str, actors: int) -> float:
     """:func:`transport` in a fresh process (Ray reads its settings once per process, at start)."""
     env = dict(os.environ)
     if setting == "store":
         env.update(RAY_DEFAULT_TRANSPORT)
     else:
-        env.update({key: FLOWER_ENVIRONMENT[key] for key in RAY_DEFAULT_TRANSPORT})
+        env.update({key: dpfl_transport()[key] for key in RAY_DEFAULT_TRANSPORT})
     command = [sys.executable, str(Path(__file__).resolve()), "transport", "--setting", setting]
     output = subprocess.run([*command, "--actors", str(actors)], env=env, capture_output=True, text=True)
     if output.returncode != 0:
