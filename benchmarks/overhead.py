@@ -617,12 +617,12 @@ def section(args: argparse.Namespace) -> None:
             label, _, directory = item.partition("=")
             summaries[label] = json.loads((Path(directory) / "breakdown.json").read_text())
         first = next(iter(summaries.values()))
-        commands = "\n".join(args.breakdown_command or [])
+        breakdown_commands = "\n".join(args.breakdown_command or [])
         breakdown_text = f"""
 ### One message, part by part
 
 ```bash
-{commands}
+{breakdown_commands}
 ```
 
 Cross-device shape, N = {first["clients"]} (mean {first["mean_examples_per_client"]:.0f} examples per
@@ -633,6 +633,23 @@ Ray's object store (Ray's default) and inline in the task's RPC (what `dpfl_env.
 are per round of 100 replies.
 
 {breakdown_table(summaries)}
+"""
+    dp_text = ""
+    if args.dp_run is not None:
+        dp = json.loads((args.dp_run / "results.json").read_text())
+        wall = re.search(r"wall ([0-9.]+) s", args.dp_wall_log.read_text())
+        assert wall is not None, f"no 'wall <seconds> s' line in {args.dp_wall_log}"
+        dp_text = f"""
+### A 100-round DP-FedAvg run at N = 1000
+
+```bash
+/usr/bin/time -f "wall %e s" {args.dp_run_command}
+```
+
+{dp["final"]["rounds"]} rounds, final accuracy {dp["final"]["accuracy"]:.4f} at epsilon
+{dp["final"]["epsilon"]:.3f} (delta {dp["final"]["delta"]:g}); **{float(wall.group(1)):.1f} s** from
+launch to exit, start-up included (goal: at most 90 s; {dp["final"]["wall_s"]:.1f} s from the run's
+first log line to its last).
 """
     text = f"""{head}
 ## Overhead of Flower + Ray against plain PyTorch
@@ -656,7 +673,7 @@ Goals: ratio <= 1.5 cross-device (goal 1.2) and <= 1.2 cross-silo, start-up <= 2
 {overhead_table(overhead)}
 
 {goal_lines(overhead)}
-{breakdown_text}"""
+{breakdown_text}{dp_text}"""
     args.write.write_text(text)
     print(f"wrote {args.write}")
 
@@ -692,6 +709,9 @@ def main() -> None:
     )
     write.add_argument("--breakdown-command", nargs="*", default=None)
     write.add_argument("--before-commit", default="48fef10")
+    write.add_argument("--dp-run", type=Path, default=None, help="output dir of the 100-round DP-FedAvg run")
+    write.add_argument("--dp-wall-log", type=Path, default=None, help="file with its `wall <s> s` line")
+    write.add_argument("--dp-run-command", default="")
     write.add_argument(
         "--main-job-command",
         default=None,
