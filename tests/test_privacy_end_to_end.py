@@ -333,6 +333,73 @@ def dp_fedavg_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int)
     return Audited(audit(*outputs, delta=run.delta), float(fresh.epsilon().epsilon))
 
 
+def central_update_audit(
+    name: str,
+    overrides: Sequence[str],
+    sizes: Sequence[int],
+    tmp_path: Path,
+    held: dict[int, ClientDataset],
+    trials: int,
+) -> Audited:
+    """A central-DP strategy, client 0 present (holding ZEROS) or absent (a zero update, as a failure).
+
+    The strategy's real ``configure_train`` (its cohort) and ``aggregate_train`` (clipping, noise,
+    server step) run for every trial with fresh privacy randomness; client 0's update is its real
+    local training, computed once (training has no noise). The released model is projected on the
+    output bias, where an all-zero client moves its update.
+    """
+    run = audit_run([f"strategy={name}", *overrides], tmp_path, sizes, GAUSSIAN_DELTA)
+    strategy = STRATEGIES.get(name)(run)
+    start = zero_model(run)
+    held.update({0: ZEROS, **{client: UNIFORM for client in range(1, len(sizes))}})
+    trained = {}
+    for client in range(len(sizes)):
+        seed = next(s for s in range(10_000) if train_message(reseeded(strategy, s), start, client))
+        message = train_message(reseeded(strategy, seed), start, client)
+        assert message is not None
+        trained[client] = run_client(message, client, len(sizes)).content.array_records[keys.ARRAYS]
+    direction = bias_direction(start)
+    outputs = []
+    for world, present in enumerate((True, False)):
+        values = []
+        for trial in range(trials):
+            fresh = reseeded(STRATEGIES.get(name)(run), 2 * trial + world)
+            replies = [
+                error_reply(m, "absent")
+                if int(m.metadata.dst_node_id) == 1000 and not present
+                else reply_to(m, arrays=trained[int(m.metadata.dst_node_id) - 1000])
+                for m in fresh.configure_train(1, start, ConfigRecord(), grid=None)
+            ]
+            arrays, _ = fresh.aggregate_train(1, replies)
+            values.append(float(flat(arrays) @ direction))
+        outputs.append(np.asarray(values))
+    reported = STRATEGIES.get(name)(run)
+    list(reported.configure_train(1, start, ConfigRecord(), grid=None))
+    reported.aggregate_train(1, [])
+    return Audited(audit(*outputs, delta=run.delta), float(reported.epsilon().epsilon))
+
+
+def dp_fedavg_adaptive_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
+    """Adaptive clipping, add or remove one client; Poisson q = 1/2 from the privacy randomness.
+
+    The model alone is the statistic (the noised clipped count is released too, so the audit sees
+    less than the combined release the accountant charges).
+    """
+    overrides = [
+        "clients_per_round=1",
+        "strategy.initial_clip=0.1",
+        "strategy.bit_noise=5",
+        "privacy.epsilon=2",
+    ]
+    return central_update_audit("dp_fedavg_adaptive", overrides, [9, 10], tmp_path, held, trials)
+
+
+def dp_ftrl_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
+    """DP-FTRL, zero-out neighbours: the one scheduled client's update is its own or zero (one leaf)."""
+    overrides = ["clients_per_round=1", "strategy.clip=0.1", "privacy.epsilon=2"]
+    return central_update_audit("dp_ftrl", overrides, [9], tmp_path, held, trials)
+
+
 def fedavg_ldp_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """FedAvg+LDP, replace a client's data set: ZEROS or OTHERS, clipped updates exactly 2C apart."""
     run = audit_run(
@@ -519,6 +586,8 @@ def laplace_eval_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: i
 AUDITS: dict[str, tuple[Callable[[Path, dict[int, ClientDataset], int], Audited], int, float]] = {
     # strategy: (its one-round audit, rounds per input, the least the audit must find)
     "dp_fedavg": (dp_fedavg_audit, 4000, 0.15),  # a Poisson mixture at q = 1/2: a weaker statistic
+    "dp_fedavg_adaptive": (dp_fedavg_adaptive_audit, 4000, 0.1),  # as dp_fedavg; the count is not looked at
+    "dp_ftrl": (dp_ftrl_audit, 1500, 0.3),  # one tree leaf: the Gaussian mechanism with z
     "fedavg_ldp": (fedavg_ldp_audit, 1500, 0.3),
     "nbafl": (nbafl_audit, 1500, 0.15),  # one record moves the model by 0.71 of Delta s_U at most
     "privatekt": (privatekt_audit, 1500, 0.5),
