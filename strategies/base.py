@@ -50,6 +50,7 @@ from fl_app import keys
 from fl_app.models import resolve_model_name
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
+from fl_app.privacy.mechanisms import sum_clipped_updates
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import array_values, evaluate, load_arrays, model_to_arrays, torch_seed
@@ -215,6 +216,28 @@ class FederatedStrategy(Strategy):
         if self._round_global is None:
             raise RuntimeError("aggregate_train before configure_train")
         return self._round_global
+
+    def clipped_update_sum(
+        self, valid: list[tuple[ClientInfo, Message]], *, max_norm: float
+    ) -> tuple[list[str], list[np.ndarray], list[np.ndarray], list[float]]:
+        """The central-DP step every update-clipping strategy starts with.
+
+        Returns the array names, the round's global arrays in float64, the float64 sum of the
+        valid replies' updates ``w_k - w_t`` each clipped to L2 norm ``max_norm``
+        (:func:`fl_app.privacy.mechanisms.sum_clipped_updates`), and each update's norm before
+        clipping (un-noised: never release it).
+        """
+        names = list(self.round_global.keys())
+        reference = [array_values(self.round_global[name]).astype(np.float64) for name in names]
+        updates = (
+            [
+                array_values(reply.content.array_records[keys.ARRAYS][name]).astype(np.float64) - r
+                for name, r in zip(names, reference, strict=True)
+            ]
+            for _, reply in valid
+        )
+        total, norms = sum_clipped_updates(updates=updates, like=reference, max_norm=max_norm)
+        return names, reference, total, norms
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

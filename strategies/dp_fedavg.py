@@ -55,11 +55,10 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
 from omegaconf import DictConfig
 
-from fl_app import keys
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
 from fl_app.privacy.events import Gaussian, PrivacyEvent, SampledGaussian
-from fl_app.privacy.mechanisms import gaussian_mechanism, sum_clipped_updates
+from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
@@ -132,16 +131,7 @@ class DPFedAvgStrategy(FederatedStrategy):
         """Clip each update, add noise to the sum, divide by the fixed denominator."""
         valid, _ = self.split_replies(server_round, replies)
         global_arrays = self.round_global
-        names = list(global_arrays.keys())
-        reference = [array_values(global_arrays[name]).astype(np.float64) for name in names]
-        updates = (
-            [
-                array_values(reply.content.array_records[keys.ARRAYS][n]).astype(np.float64) - r
-                for n, r in zip(names, reference, strict=True)
-            ]
-            for _, reply in valid
-        )
-        total, norms = sum_clipped_updates(updates=updates, like=reference, max_norm=self.clip)
+        names, reference, total, norms = self.clipped_update_sum(valid, max_norm=self.clip)
         rng = self.run.noise.generator("central-noise", server_round=server_round)
         sigma = self.noise_multiplier * self.clip
         noised = [gaussian_mechanism(values=t, sigma=sigma, rng=rng) for t in total]

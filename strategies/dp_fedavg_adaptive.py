@@ -73,7 +73,6 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
 from omegaconf import DictConfig
 
-from fl_app import keys
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import (
     adaptive_clipping_default_bit_noise,
@@ -82,7 +81,7 @@ from fl_app.privacy.calibration import (
     dp_fedavg_noise_multiplier,
 )
 from fl_app.privacy.events import PrivacyEvent, SampledGaussian
-from fl_app.privacy.mechanisms import gaussian_mechanism, sum_clipped_updates
+from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext, resolve_clients_per_round
 from fl_app.validation import ConfigError, require_choice, require_positive, require_range
@@ -255,17 +254,8 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
         """Clip, noise the update sum and the unclipped count, step with momentum, adapt C."""
         valid, _ = self.split_replies(server_round, replies)
         global_arrays = self.round_global
-        names = list(global_arrays.keys())
-        reference = [global_arrays[name].numpy().astype(np.float64) for name in names]
         clip = self.clip
-        updates = (
-            [
-                m.content.array_records[keys.ARRAYS][n].numpy().astype(np.float64) - r
-                for n, r in zip(names, reference, strict=True)
-            ]
-            for _, m in valid
-        )
-        total, norms = sum_clipped_updates(updates=updates, like=reference, max_norm=clip)
+        names, reference, total, norms = self.clipped_update_sum(valid, max_norm=clip)
         m = self.plan.expected_clients
         rng = self.run.noise.generator("central-noise", server_round=server_round)
         sigma = self.plan.update_noise_multiplier * clip

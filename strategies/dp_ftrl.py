@@ -68,12 +68,11 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
 from omegaconf import DictConfig
 
-from fl_app import keys
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import noise_multiplier_for_histories, tree_sensitivity_increments
 from fl_app.privacy.composition import History
 from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, TreeAggregation
-from fl_app.privacy.mechanisms import gaussian_mechanism, sum_clipped_updates, tree_prefix_nodes
+from fl_app.privacy.mechanisms import gaussian_mechanism, tree_prefix_nodes
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.validation import ConfigError, require_choice, require_positive, require_range
@@ -279,19 +278,10 @@ class DPFTRLStrategy(FederatedStrategy):
         """Add the clipped update sum to the tree, release the noisy prefix sum, FTRL(M) step."""
         valid, _ = self.split_replies(server_round, replies)
         global_arrays = self.round_global
-        names = list(global_arrays.keys())
-        current = [global_arrays[name].numpy().astype(np.float64) for name in names]
+        names, current, total, _ = self.clipped_update_sum(valid, max_norm=self.settings.clip)
         where = self.position(server_round)
         if where.tree != self._tree:
             self._start_tree(where.tree, current)
-        updates = (
-            [
-                m.content.array_records[keys.ARRAYS][n].numpy().astype(np.float64) - c
-                for n, c in zip(names, current, strict=True)
-            ]
-            for _, m in valid
-        )
-        total, _ = sum_clipped_updates(updates=updates, like=current, max_norm=self.settings.clip)
         self._stream_sum = [s + t for s, t in zip(self._stream_sum, total, strict=True)]
         noise = self._prefix_noise(server_round, where.leaf)
         beta, lr, m = self.settings.server_momentum, self.settings.server_lr, float(self.cohort_size)

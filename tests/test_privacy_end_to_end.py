@@ -293,44 +293,8 @@ def dp_fedavg_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int)
     Poisson sampling at q = 1/2 from the privacy randomness, server clipping (C = 0.1), central
     noise: the released model projected on client 0's clipped update. Client 1 moves nothing.
     """
-    run = audit_run(
-        ["strategy=dp_fedavg", "clients_per_round=1", "strategy.clip=0.1", "privacy.epsilon=2"],
-        tmp_path,
-        [9, 10],
-        GAUSSIAN_DELTA,
-    )
-    strategy = STRATEGIES.get("dp_fedavg")(run)
-    start = zero_model(run)
-    held.update({0: ZEROS, 1: UNIFORM})
-    trained = {}
-    for client in (0, 1):  # local training has no noise: each client's real update, computed once
-        seed = next(s for s in range(10_000) if train_message(reseeded(strategy, s), start, client))
-        message = train_message(reseeded(strategy, seed), start, client)
-        assert message is not None
-        first, second = run_client(message, client, 2), run_client(message, client, 2)
-        assert np.array_equal(
-            flat(first.content.array_records[keys.ARRAYS]), flat(second.content.array_records[keys.ARRAYS])
-        )
-        trained[client] = first.content.array_records[keys.ARRAYS]
-    direction = bias_direction(start)
-    outputs = []
-    for world, present in enumerate((True, False)):
-        values = []
-        for trial in range(trials):
-            reseeded(strategy, 2 * trial + world)
-            replies = [
-                error_reply(m, "absent")
-                if int(m.metadata.dst_node_id) == 1000 and not present
-                else reply_to(m, arrays=trained[int(m.metadata.dst_node_id) - 1000])
-                for m in strategy.configure_train(1, start, ConfigRecord(), grid=None)
-            ]
-            arrays, _ = strategy.aggregate_train(1, replies)
-            values.append(float(flat(arrays) @ direction))
-        outputs.append(np.asarray(values))
-    fresh = STRATEGIES.get("dp_fedavg")(run)
-    list(fresh.configure_train(1, start, ConfigRecord(), grid=None))
-    fresh.aggregate_train(1, [])
-    return Audited(audit(*outputs, delta=run.delta), float(fresh.epsilon().epsilon))
+    overrides = ["clients_per_round=1", "strategy.clip=0.1", "privacy.epsilon=2"]
+    return central_update_audit("dp_fedavg", overrides, [9, 10], tmp_path, held, trials)
 
 
 def central_update_audit(
@@ -357,7 +321,11 @@ def central_update_audit(
         seed = next(s for s in range(10_000) if train_message(reseeded(strategy, s), start, client))
         message = train_message(reseeded(strategy, seed), start, client)
         assert message is not None
-        trained[client] = run_client(message, client, len(sizes)).content.array_records[keys.ARRAYS]
+        first, second = run_client(message, client, len(sizes)), run_client(message, client, len(sizes))
+        assert np.array_equal(
+            flat(first.content.array_records[keys.ARRAYS]), flat(second.content.array_records[keys.ARRAYS])
+        )
+        trained[client] = first.content.array_records[keys.ARRAYS]
     direction = bias_direction(start)
     outputs = []
     for world, present in enumerate((True, False)):
