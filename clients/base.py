@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,9 @@ from fl_app.training import evaluate, load_arrays, train_local
 #: makes client 3 raise in every round and client 5 in round 2 (train and
 #: evaluate messages). Unset in normal use.
 INJECT_FAILURES_ENV = "DPFL_INJECT_FAILURES"
+#: ``DPFL_INJECT_DELAY="0.5"``: every client message of a round > 0 takes that many seconds more
+#: (interrupt tests need rounds that last). Unset in normal use.
+INJECT_DELAY_ENV = "DPFL_INJECT_DELAY"
 
 
 #: Built models of this process, by model spec (see :func:`process_model`).
@@ -101,6 +105,9 @@ class FederatedClient:
         threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         if threads > 0 and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        delay = float(os.environ.get(INJECT_DELAY_ENV, "0") or 0)
+        if self.server_round > 0 and delay > 0:
+            time.sleep(delay)
         if self.server_round > 0 and injected_failure(self.client_id, self.server_round):
             raise InjectedFailureError(
                 f"client {self.client_id} fails in round {self.server_round} ({INJECT_FAILURES_ENV})"

@@ -19,11 +19,12 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config, sweep_params
-from fl_app.validation import validate_config
+from fl_app.lifecycle import RunFailed
+from fl_app.validation import check_output_dir, validate_config
 
 # Hydra flags that take a value in the next argument.
 _FLAGS_WITH_VALUE = {
@@ -136,12 +137,21 @@ def _job(_: DictConfig) -> None:
         output_dir = Path(cfg.output_dir).expanduser().resolve()
     try:
         validate_config(cfg)
+        if cfg.output_dir is None:  # Hydra's run directory (hydra.run.dir=... may name an old one)
+            check_output_dir(OmegaConf.merge(cfg, {"output_dir": str(output_dir)}))
     except ValueError as error:
         _discard_if_empty(Path(hydra_cfg.runtime.output_dir))
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     try:
-        run_in_simulation(cfg, overrides, output_dir)
+        outcome = run_in_simulation(cfg, overrides, output_dir)
+    except RunFailed as error:
+        line = f"job failed ({' '.join(overrides) or 'defaults'}): {error} [results in {output_dir}]"
+        print(f"error: {line}", file=sys.stderr)
+        _failed_jobs.append(line)
+        if hydra_cfg.mode is None or str(hydra_cfg.mode) != "RunMode.MULTIRUN":
+            sys.exit(1)
+        return
     except Exception as error:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "error.txt").write_text(traceback.format_exc())
@@ -153,6 +163,14 @@ def _job(_: DictConfig) -> None:
         _failed_jobs.append(line)
         if hydra_cfg.mode is None or str(hydra_cfg.mode) != "RunMode.MULTIRUN":
             sys.exit(1)
+        return
+    if outcome.status == "interrupted":
+        print(
+            f"dpfl: run interrupted ({outcome.reason}); results and checkpoint in {outcome.output_dir}; "
+            f"continue with: python -m fl_app resume={outcome.output_dir}",
+            file=sys.stderr,
+        )
+        sys.exit(outcome.exit_code)  # ends a multirun too
 
 
 def _discard_if_empty(directory: Path) -> None:

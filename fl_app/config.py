@@ -32,7 +32,8 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     overrides : Sequence[str]
         Hydra override strings such as ``"strategy=nbafl"`` or
         ``"privacy.epsilon=4"``. Keys of the ``hydra`` namespace are ignored:
-        they steer Hydra's launcher, not the run.
+        they steer Hydra's launcher, not the run. ``resume=DIR`` stands for the
+        overrides saved in that run's checkpoint (:func:`fl_app.resume.expand_resume`).
 
     Returns
     -------
@@ -40,7 +41,9 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
         The resolved configuration, read-only, without the ``hydra`` node.
 
     """
-    run_overrides = [item for item in overrides if not _is_hydra_override(item)]
+    from fl_app.resume import expand_resume
+
+    run_overrides = [item for item in expand_resume(overrides) if not _is_hydra_override(item)]
     # Inside a `python -m fl_app` job Hydra is already initialised: set its
     # state aside, compose afresh from conf/, and put it back.
     backup = get_gh_backup()

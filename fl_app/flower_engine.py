@@ -7,6 +7,8 @@ the version this was written against) says what broke:
 * :func:`run_simulation_engine` wraps ``flwr.simulation.run_simulation._run_simulation``,
   the function ``flwr-simulation`` calls: the public ``run_simulation`` passes an
   empty run config, and dpfl's overrides travel in the run config.
+* :func:`start_ray` starts Ray with the arguments Flower's Ray backend would use
+  (which then finds it running), so the driver can handle SIGTERM itself.
 * :func:`install_fast_dispatch` replaces the simulation engine's message
   dispatcher. Flower's ``vce_api.add_messages_to_queue`` asks the in-memory
   LinkState once *per registered node* for that node's next message, and each
@@ -164,6 +166,30 @@ def run_simulation_engine(
         app_dir=app_dir,
         server_app_context=server_app_context,
         backend_config=backend_config,
+    )
+
+
+def start_ray(init_args: dict[str, Any]) -> None:
+    """Start (or join) Ray exactly as Flower's Ray backend would, before the engine does.
+
+    ``RayBackend.init_ray`` (flwr 1.41) skips ``ray.init`` when Ray is already up; starting it
+    here lets the caller install its own SIGTERM handler afterwards (``ray.init`` replaces the
+    driver's with one that exits at once). Same arguments as Flower's: the backend's
+    ``init_args``, no dashboard, and this process's ``sys.path`` as the workers' ``PYTHONPATH``.
+    """
+    import os
+    import sys
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath
+    ray.init(
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **{"include_dashboard": False, **init_args}
     )
 
 

@@ -18,6 +18,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from fl_app.flower_engine import adaptive_interval, is_in_memory_grid
+from fl_app.lifecycle import raise_if_stopped
 
 
 def content_bytes(message: Message) -> int:
@@ -158,7 +159,8 @@ class MeteredGrid:
         at most ``PULL_WINDOW`` ids (a 5000-client roster query named all 5000 in
         every pull, which then took most of the server's time). Only the public
         Grid API is used. Each reply is metered as it arrives, while the other
-        clients still train.
+        clients still train. A stop request (:mod:`fl_app.lifecycle`) abandons the
+        wait at once.
         """
         order = list(self._grid.push_messages(messages))
         pending = set(order)
@@ -167,6 +169,7 @@ class MeteredGrid:
         empty_pulls = 0
         began = time.perf_counter()
         while pending:
+            raise_if_stopped()  # SIGINT/SIGTERM: abandon the round
             started = time.perf_counter()
             # A pull costs time in proportion to the ids it names (Flower checks each): name the
             # oldest PULL_WINDOW pending ids, those the engine serves first; every 8th empty pull,

@@ -3,7 +3,8 @@
 ``results.json`` (read by other tools; keep these names)::
 
     {
-      "schema": 1, "status": "completed",
+      "schema": 1,
+      "status": "completed" | "completed_with_failures" | "failed" | "interrupted",
       "strategy": str, "dataset": str, "partition": str,
       "config": {...resolved configuration...},
       "initial": {"accuracy": float, "loss": float},
@@ -16,8 +17,14 @@
                   "randomness": {"source": "seeded"|"os_entropy", "noise_seed": int|null,
                                  "cohort": str, "note": str, ...},
                   "total": {"epsilon": float|null, "unit": str, "per_stage": {...}, ...}, ...},
+      "stopped": {"reason": str, "after_round": int, "resume": str, ...},  # only if it stopped early
       "outside_guarantee": {...}      # only with privacy.diagnostics=true, never on devices
     }
+
+* ``status``: see :mod:`fl_app.lifecycle`. A run that stopped early (``failed``,
+  ``interrupted``) still writes its results up to its last completed round, the
+  privacy ledger of every round whose noise was released, and ``checkpoint.pkl``
+  for ``resume=``.
 
 * ``epsilon`` is the cumulative epsilon of the worst client at ``privacy.delta``
   after that round, covering *everything* the run released about a client
@@ -75,6 +82,7 @@ OUTSIDE_GUARANTEE_NOTE = (
 RESULTS_FILE = "results.json"
 METRICS_FILE = "metrics.csv"
 MODEL_FILE = "final_model.npz"
+LEDGER_FILE = "privacy_ledger.json"
 
 
 def json_safe(value: Any) -> Any:
@@ -126,8 +134,21 @@ class RunRecorder:
         self.initial: dict[str, Any] = {}
         self.diagnostics = diagnostics
         self.outside: list[dict[str, Any]] = []
+        self.stopped: dict[str, Any] | None = None
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the results so far."""
+        return {"rounds": list(self.rounds), "initial": dict(self.initial), "outside": list(self.outside)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state` (a resumed run)."""
+        self.rounds, self.initial, self.outside = (
+            list(state["rounds"]),
+            dict(state["initial"]),
+            list(state["outside"]),
+        )
 
     def add_round(self, record: dict[str, Any]) -> None:
         """Append one round and refresh ``metrics.csv``."""
@@ -152,6 +173,7 @@ class RunRecorder:
         self,
         *,
         strategy: str,
+        status: str = "completed",
         privacy: dict[str, Any],
         final_extras: dict[str, Any],
         arrays: ArrayRecord | None,
@@ -173,7 +195,7 @@ class RunRecorder:
         }
         results = {
             "schema": SCHEMA_VERSION,
-            "status": "completed",
+            "status": status,
             "strategy": strategy,
             "dataset": str(self.cfg.dataset.name),
             "partition": describe_partition(self.cfg),
@@ -183,12 +205,14 @@ class RunRecorder:
             "final": final,
             "privacy": privacy,
         }
+        if self.stopped is not None:
+            results["stopped"] = self.stopped
         if self.diagnostics:
             results["outside_guarantee"] = {"note": OUTSIDE_GUARANTEE_NOTE, "rounds": self.outside}
         if arrays is not None:
             save_model(self.output_dir / MODEL_FILE, arrays, model_spec)
         if ledger is not None:
-            write_json(self.output_dir / "privacy_ledger.json", ledger)
+            write_json(self.output_dir / LEDGER_FILE, ledger)
         self.plot()
         write_json(self.output_dir / RESULTS_FILE, results)
         return results

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Sequence
 from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -26,14 +27,25 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_app import keys
+from fl_app.checkpoint import (
+    Checkpoint,
+    load_checkpoint,
+    remove_checkpoint,
+    restore_rng_states,
+    rng_states,
+    save_checkpoint,
+)
 from fl_app.config import RUN_CONFIG_OUTPUT_DIR, compose_config, freeze, overrides_from_run_config
 from fl_app.data.federated import DataSpec, FederatedData, federated_data
+from fl_app.lifecycle import Outcome, RunStopped, record_outcome
 from fl_app.metering import MeteredGrid
 from fl_app.models import ModelSpec
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
 from fl_app.registry import Registry
-from fl_app.results import RunRecorder
+from fl_app.results import LEDGER_FILE, RunRecorder, write_json
+from fl_app.resume import run_overrides
 from fl_app.roster import ClientInfo, discover_roster, on_devices
+from fl_app.round_loop import check_round, run_rounds
 from fl_app.run_context import RunContext, output_path
 from fl_app.validation import require_choice, validate_config
 from strategies import STRATEGIES
@@ -78,13 +90,14 @@ def run_federation(grid: Grid, context: Context) -> None:
     else:
         stamp = dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
         output_dir = output_path(f"outputs/flwr/{stamp}-{context.run_id}")
-    execute(grid, cfg, output_dir)
+    execute(grid, cfg, output_dir, overrides=overrides)
 
 
 #: Keys that do not change what a run computes from the data (resources, output, evaluation
 #: schedule, the randomness switches themselves): left out of :func:`config_fingerprint`.
 FINGERPRINT_IGNORES: tuple[str, ...] = (
     "output_dir",
+    "resume",
     "simulation",
     "privacy.noise_seed",
     "privacy.secure_rng",
@@ -105,11 +118,11 @@ SECURE_NOTE = (
 )
 
 
-def config_fingerprint(cfg: DictConfig) -> str:
-    """A hex digest of the resolved configuration without :data:`FINGERPRINT_IGNORES`."""
+def config_fingerprint(cfg: DictConfig, *, ignore: Sequence[str] = ()) -> str:
+    """A hex digest of the resolved configuration without :data:`FINGERPRINT_IGNORES` (and ``ignore``)."""
     container = OmegaConf.to_container(cfg, resolve=True)
     assert isinstance(container, dict)
-    for dotted in FINGERPRINT_IGNORES:
+    for dotted in (*FINGERPRINT_IGNORES, *ignore):
         node: Any = container
         *parents, leaf = dotted.split(".")
         for part in parents:
@@ -255,8 +268,14 @@ def total_privacy(strategy: FederatedStrategy) -> dict[str, Any]:
     }
 
 
-def execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
-    """Run one federated training as configured and write its results into ``output_dir``."""
+def execute(
+    grid: Grid, cfg: DictConfig, output_dir: Path, *, overrides: Sequence[str] = ()
+) -> dict[str, Any] | None:
+    """Run one federated training as configured and write its results into ``output_dir``.
+
+    Returns the results, or None when the run stopped before it had anything to write. How the
+    run ended is also recorded for the driver (:func:`fl_app.lifecycle.take_outcome`).
+    """
     output_dir.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(output_dir / LOG_FILE)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
@@ -267,14 +286,18 @@ def execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     # again as "INFO:flwr:..."), so keep Flower's records off the root while we run.
     propagate, flower_logger.propagate = flower_logger.propagate, False
     try:
-        return _execute(grid, cfg, output_dir)
+        return _execute(grid, cfg, output_dir, list(overrides))
+    except RunStopped as stop:  # stopped before the first round: nothing but run.log to write
+        log(ERROR, "dpfl: run %s before its first round: %s", stop.status, stop)
+        record_outcome(Outcome(stop.status, stop.exit_code, str(stop), str(output_dir)))
+        return None
     finally:
         flower_logger.propagate = propagate
         flower_logger.removeHandler(handler)
         handler.close()
 
 
-def _execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
+def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
     started = time.monotonic()
     log(
         INFO,
@@ -302,10 +325,18 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
     run = make_run_context(
         cfg, roster=roster, data=data, data_spec=data_spec, model_spec=model_spec, output_dir=output_dir
     )
-    strategy = strategy_class(run)
-    stage = evaluation_stage(cfg)
-    if stage is not None:
-        strategy = stage(strategy)
+    resumed = load_checkpoint(output_dir, run) if cfg.get("resume") else None
+    if resumed is not None:
+        strategy = resumed.strategy
+        restore_rng_states(resumed.rng)
+        arrays = resumed.arrays
+        log(INFO, "dpfl: resuming after round %d from %s", resumed.completed_round, output_dir)
+    else:
+        strategy = strategy_class(run)
+        stage = evaluation_stage(cfg)
+        if stage is not None:
+            strategy = stage(strategy)
+        arrays = strategy.initial_arrays()
     randomness = privacy_randomness(strategy)
     log(INFO, "dpfl: %s", describe_randomness(randomness))
     recorder = RunRecorder(
@@ -326,20 +357,51 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
         y_test,
         num_rounds=int(cfg.num_rounds),
         every=int(cfg.evaluation.every),
+        max_failure_fraction=float(cfg.simulation.max_failure_fraction),
+        overrides=run_overrides(overrides),
+        fingerprint=config_fingerprint(cfg, ignore=("num_rounds",)),
     )
-    result = strategy.start(
-        grid=metered,
-        initial_arrays=strategy.initial_arrays(),
-        num_rounds=int(cfg.num_rounds),
-        timeout=float(cfg.simulation.timeout),
-        evaluate_fn=reporter,
-    )
-    final_arrays = result.arrays if len(result.arrays) else None
+    if resumed is not None:
+        recorder.restore(resumed.recorder)
+        reporter.resume_after(resumed.completed_round, arrays, elapsed_s=resumed.elapsed_s)
+        first_round = resumed.completed_round + 1
+    else:
+        strategy.summary()
+        reporter(0, arrays)
+        first_round = 1
+    status, reason = "completed", ""
+    try:
+        arrays = run_rounds(
+            strategy,
+            metered,
+            arrays,
+            first_round=first_round,
+            num_rounds=int(cfg.num_rounds),
+            timeout=float(cfg.simulation.timeout),
+            after_round=reporter,
+        )
+    except RunStopped as stop:
+        status, reason = stop.status, str(stop)
+        arrays = reporter.last_arrays
+        abandoned = metered.take()
+        recorder.stopped = {
+            "reason": reason,
+            "after_round": reporter.completed_round,
+            "abandoned_round_replies": int(abandoned.get("train_replies", 0)),
+            "resume": f"python -m fl_app resume={output_dir}",
+        }
+        exit_code = stop.exit_code
+    else:
+        exit_code = 0
+    failures = sum(int(r.get("failures", 0)) for r in recorder.rounds)
+    if status == "completed" and failures:
+        status = "completed_with_failures"
     privacy = dict(strategy.privacy_summary())
     privacy["randomness"] = randomness
     privacy["total"] = total_privacy(strategy)
     results = recorder.finalize(
         strategy=str(cfg.strategy.name),
+        status=status,
         privacy=privacy,
         final_extras={
             **strategy.final_extras(),
@@ -347,12 +409,27 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path) -> dict[str, Any]:
             "setup_bytes": int(
                 setup_traffic.get("query_download_bytes", 0) + setup_traffic.get("query_upload_bytes", 0)
             ),
+            "failures": failures,
         },
-        arrays=final_arrays,
+        arrays=arrays,
         model_spec=model_spec,
         ledger=None if strategy.accountant is None else strategy.accountant.state_dict(),
-        wall_s=time.monotonic() - started,
+        wall_s=reporter.elapsed(),
     )
+    if status.startswith("completed") and strategy.is_private(cfg):
+        remove_checkpoint(output_dir)  # a private run cannot be extended; keep no server secrets
+    record_outcome(Outcome(status, exit_code, reason, str(output_dir)))
+    if exit_code:
+        log(
+            ERROR,
+            "dpfl: run %s after round %d: %s; results in %s; continue with: python -m fl_app resume=%s",
+            status,
+            reporter.completed_round,
+            reason,
+            output_dir,
+            output_dir,
+        )
+        return results
     log(
         INFO,
         "dpfl: finished %d rounds in %s; final accuracy %s, epsilon %s per client in total (delta %g; %s); "
@@ -383,6 +460,9 @@ class RoundReporter:
         *,
         num_rounds: int,
         every: int,
+        max_failure_fraction: float = 1.0,
+        overrides: list[str] | None = None,
+        fingerprint: str = "",
     ) -> None:
         self.strategy = strategy
         self.grid = grid
@@ -390,8 +470,48 @@ class RoundReporter:
         self.x_test, self.y_test = x_test, y_test
         self.num_rounds = num_rounds
         self.every = every
+        self.max_failure_fraction = max_failure_fraction
+        self.overrides = list(overrides or [])
+        self.fingerprint = fingerprint
         self.started = self.last = time.monotonic()
         self.durations: list[float] = []
+        self.completed_round = 0
+        self.last_arrays: ArrayRecord | None = None
+        self.earlier_s = 0.0  # wall time of the run's earlier sessions (resume)
+
+    def elapsed(self) -> float:
+        """Seconds the run has taken so far (over all its sessions)."""
+        return self.earlier_s + time.monotonic() - self.started
+
+    def resume_after(self, completed_round: int, arrays: ArrayRecord, *, elapsed_s: float) -> None:
+        """Continue counting after a checkpoint of ``completed_round``."""
+        self.completed_round = completed_round
+        self.last_arrays = arrays
+        self.earlier_s = elapsed_s
+        self.grid.take()
+        self.started = self.last = time.monotonic()
+
+    def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
+        """Write the privacy ledger and ``checkpoint.pkl`` of a completed round (both atomically)."""
+        run = self.strategy.run
+        if self.strategy.accountant is not None:
+            write_json(run.output_dir / LEDGER_FILE, self.strategy.accountant.state_dict())
+        save_checkpoint(
+            run.output_dir,
+            Checkpoint(
+                completed_round=server_round,
+                num_rounds=self.num_rounds,
+                status="incomplete" if server_round < self.num_rounds else "completed",
+                overrides=self.overrides,
+                fingerprint=self.fingerprint,
+                arrays=arrays,
+                strategy=self.strategy,
+                recorder=self.recorder.state(),
+                elapsed_s=self.elapsed(),
+                rng=rng_states(),
+            ),
+            run,
+        )
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
         """Called by ``Strategy.start`` before round 1 (round 0) and after every round."""
@@ -400,6 +520,7 @@ class RoundReporter:
             self.recorder.initial = {"accuracy": accuracy, "loss": loss}
             self.grid.take()
             self.started = self.last = time.monotonic()
+            self.last_arrays = arrays
             return MetricRecord({"accuracy": accuracy, "loss": loss})
         evaluate = server_round % self.every == 0 or server_round == self.num_rounds
         loss, accuracy = (
@@ -426,7 +547,7 @@ class RoundReporter:
             "download_array_bytes": int(traffic.get("train_download_array_bytes", 0)),
             "clients": len(self.strategy.selected(server_round)),
             "failures": len(self.strategy.round_failures(server_round)),
-            "wall_s": now - self.started,
+            "wall_s": self.elapsed(),
             "round_s": now - self.last,
         }
         if traffic.get("evaluate_messages"):
@@ -436,6 +557,16 @@ class RoundReporter:
         self.recorder.add_round(record)
         self.recorder.add_diagnostics(server_round, self.strategy.diagnostics(server_round))
         self.last = now
+        self.completed_round = server_round
+        self.last_arrays = arrays
+        self.checkpoint(server_round, arrays)
+        check_round(
+            server_round,
+            clients=record["clients"],
+            failures=record["failures"],
+            reasons=self.strategy.round_failure_reasons(server_round),
+            max_failure_fraction=self.max_failure_fraction,
+        )
         remaining = float(np.mean(self.durations)) * (self.num_rounds - server_round)
         log(
             INFO,
@@ -446,7 +577,7 @@ class RoundReporter:
             _fmt(loss),
             _fmt(record["epsilon"], "inf (not private)"),
             self.strategy.run.delta,
-            _clock(now - self.started),
+            _clock(self.elapsed()),
             _clock(remaining),
         )
         metrics = {

@@ -17,6 +17,7 @@ cluster that ``ray start`` left running on this machine.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,7 +27,15 @@ from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
 from fl_app.config import overrides_to_run_config
-from fl_app.flower_engine import run_simulation_engine
+from fl_app.flower_engine import run_simulation_engine, start_ray
+from fl_app.lifecycle import (
+    Outcome,
+    RunFailed,
+    reinstall_handlers,
+    stop_on_signals,
+    stop_requested,
+    take_outcome,
+)
 
 PROJECT_ROOT: Path = Path(__file__).resolve().parent.parent
 SERVER_APP = "fl_app.server_app:app"
@@ -48,8 +57,12 @@ def backend_config(cfg: DictConfig) -> dict[str, Any]:
     }
 
 
-def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Path) -> None:
-    """Run the configured experiment as a local simulation; results go to ``output_dir``."""
+def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Path) -> Outcome:
+    """Run the configured experiment as a local simulation; results go to ``output_dir``.
+
+    SIGINT and SIGTERM stop the run (:mod:`fl_app.lifecycle`). Returns how the run ended;
+    raises :class:`~fl_app.lifecycle.RunFailed` when it failed.
+    """
     context = Context(
         run_id=secrets.randbits(63),
         node_id=0,
@@ -57,21 +70,79 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
         state=RecordDict(),
         run_config=overrides_to_run_config(list(overrides), str(output_dir)),
     )
+    backend = backend_config(cfg)
+    own_ray = not cfg.simulation.ray_address
+    before = _child_pids()
+    with stop_on_signals():
+        try:
+            start_ray(backend["init_args"])
+            reinstall_handlers()  # ray.init replaced the SIGTERM handler
+            run_simulation_engine(
+                num_supernodes=int(cfg.num_clients),
+                server_app_attr=SERVER_APP,
+                client_app_attr=CLIENT_APP,
+                app_dir=str(PROJECT_ROOT),
+                server_app_context=context,
+                backend_config=backend,
+            )
+        finally:
+            shutdown_ray(reap_children=own_ray, keep=before)
+    outcome = take_outcome()
+    if outcome is None:  # the ServerApp refused the configuration or ended without a run
+        signum = stop_requested()
+        if signum is not None:
+            return Outcome("interrupted", 128 + signum, "stopped before the run began", str(output_dir))
+        raise RunFailed("the run ended without results (see run.log)")
+    if outcome.status == "failed":
+        raise RunFailed(outcome.reason)
+    return outcome
+
+
+#: Seconds to wait for Ray's processes to exit after ``ray.shutdown`` before killing them.
+REAP_TIMEOUT_S = 3.0
+
+
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _is_ray_process(process: Any) -> bool:
+    import psutil
+
     try:
-        run_simulation_engine(
-            num_supernodes=int(cfg.num_clients),
-            server_app_attr=SERVER_APP,
-            client_app_attr=CLIENT_APP,
-            app_dir=str(PROJECT_ROOT),
-            server_app_context=context,
-            backend_config=backend_config(cfg),
-        )
-    finally:
-        _shutdown_ray()
+        return any("ray" in part for part in [process.name(), *process.cmdline()[:3]])
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
 
 
-def _shutdown_ray() -> None:
+def shutdown_ray(*, reap_children: bool, keep: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    """Shut Ray down; with ``reap_children``, also end the Ray processes this one started.
+
+    ``ray.shutdown`` stops the raylet and GCS, but actor processes notice only later (seen: 2-20 s);
+    a run that started its own Ray instance leaves nothing behind when it returns. Processes in
+    ``keep`` (children that existed before Ray started) are left alone.
+    """
+    import psutil
     import ray
 
+    children = []
+    if reap_children:
+        children = [
+            child
+            for child in psutil.Process().children(recursive=True)
+            if child.pid not in keep and _is_ray_process(child)
+        ]
     if ray.is_initialized():
         ray.shutdown()
+    if not children:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=REAP_TIMEOUT_S)
+    for child in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(alive, timeout=REAP_TIMEOUT_S)

@@ -8,7 +8,9 @@ exit with status 2 before Ray starts or an output directory is written.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -130,6 +132,7 @@ def validate_common(cfg: DictConfig) -> None:
     if simulation.num_cpus is not None:
         require_int("simulation.num_cpus", simulation.num_cpus, minimum=1)
     require_positive("simulation.timeout", simulation.timeout)
+    require_range("simulation.max_failure_fraction", simulation.get("max_failure_fraction", 0.5), 0.0, 1.0)
 
     validate_data_options(cfg)
 
@@ -213,6 +216,47 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
     strategy = STRATEGIES.get(cfg.strategy.name)
     strategy.validate_config(cfg)
     strategy.validate_releases(cfg)
+    check_output_dir(cfg)
+    if cfg.get("resume") is not None:
+        if not strategy.resumable:
+            raise ConfigError("resume", cfg.resume, f"strategy={cfg.strategy.name} {strategy.resumable_note}")
+        from fl_app.resume import validate_resume
+
+        validate_resume(cfg, is_private=strategy.is_private(cfg))
     if check_data:
         locate_data(cfg)
         check_partitions(cfg)
+
+
+#: Files that mark a directory as an earlier run's output.
+RUN_FILES = ("results.json", "run.log", "metrics.csv", "privacy_ledger.json", "checkpoint.pkl")
+
+
+def check_output_dir(cfg: DictConfig) -> None:
+    """``output_dir`` must be creatable and writable; a new run must not mix with an earlier run's files."""
+    if cfg.output_dir is None:
+        return
+    directory = Path(str(cfg.output_dir)).expanduser().resolve()
+    check_writable_dir("output_dir", directory)
+    if cfg.get("resume") is None and directory.is_dir():
+        earlier = [name for name in RUN_FILES if (directory / name).exists()]
+        if earlier:
+            raise ConfigError(
+                "output_dir",
+                str(directory),
+                f"holds an earlier run ({', '.join(earlier)}): choose a new directory, remove those "
+                f"files, or continue that run with resume={directory}",
+            )
+
+
+def check_writable_dir(key: str, directory: Path) -> None:
+    """``directory`` is a directory we can write, or can be created (nothing is created here)."""
+    probe = directory
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise ConfigError(key, str(directory), f"cannot be created: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(key, str(directory), f"cannot be written: no write permission on {probe}")

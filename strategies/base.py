@@ -74,6 +74,11 @@ class FederatedStrategy(Strategy):
     privacy_unit: ClassVar[str] = "none"
     mechanism_name: ClassVar[str] = "none"
 
+    #: Whether ``resume=`` can continue a run of this strategy exactly (see :mod:`fl_app.checkpoint`).
+    resumable: ClassVar[bool] = True
+    #: Why not, when it cannot (completes "strategy=<name> ...").
+    resumable_note: ClassVar[str] = ""
+
     #: True when the privacy accounting relies on the cohort being secret (amplification by
     #: sampling): failures are then logged without naming the client.
     secret_cohort: bool = False
@@ -85,6 +90,7 @@ class FederatedStrategy(Strategy):
         self._selected: dict[int, list[ClientInfo]] = {}
         self._round_global: ArrayRecord | None = None
         self._failed: dict[int, list[int]] = {}
+        self._failure_reasons: dict[int, list[str]] = {}
         self._evaluation_clients: dict[int, list[ClientInfo]] = {}
 
     # ------------------------------------------------------------------ configuration
@@ -306,6 +312,7 @@ class FederatedStrategy(Strategy):
         by_node = {info.node_id: info for info in self.run.roster}
         valid: list[tuple[ClientInfo, Message]] = []
         failed: list[ClientInfo] = []
+        reasons: list[str] = []
         for reply in replies:
             info = by_node.get(int(reply.metadata.src_node_id))
             if info is None:
@@ -314,6 +321,7 @@ class FederatedStrategy(Strategy):
             if reply.has_error():
                 failed.append(info)
                 reason = reply.error.reason.strip().splitlines()[-1] if reply.error.reason else "?"
+                reasons.append(reason)
                 secret = self.secret_cohort and stage == "train"
                 log(
                     WARNING,
@@ -333,6 +341,7 @@ class FederatedStrategy(Strategy):
             answered = {info.client_id for info, _ in valid} | {info.client_id for info in failed}
             failed += [self.run.info(c) for c in sorted(expected - answered)]
             self._failed[server_round] = sorted(info.client_id for info in failed)
+            self._failure_reasons[server_round] = reasons
             if expected - answered:
                 log(
                     WARNING,
@@ -391,6 +400,10 @@ class FederatedStrategy(Strategy):
     def round_failures(self, server_round: int) -> list[int]:
         """Ids of the clients that failed in ``server_round``."""
         return self._failed.get(server_round, [])
+
+    def round_failure_reasons(self, server_round: int) -> list[str]:
+        """The error reasons of the train replies that failed in ``server_round`` (for the health check)."""
+        return self._failure_reasons.get(server_round, [])
 
     def privacy_summary(self) -> dict[str, Any]:
         """The results file's ``privacy`` object (override to add details)."""

@@ -89,6 +89,11 @@ class DPFLBNNStrategy(FederatedStrategy):
     """Server of DPFL-BNN: unpack, average and broadcast the clients' noised binary weights."""
 
     client_name = "dpfl_bnn"
+    resumable = False
+    resumable_note = (
+        "cannot be resumed: each client keeps its latent weights and Adam moments in its own state "
+        "(never sent), which a new simulation starts afresh"
+    )
     privacy_unit = CLIENT_UNIT
     mechanism_name = MECHANISM
 

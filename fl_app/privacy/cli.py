@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
 from collections.abc import Sequence
@@ -265,5 +266,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as error:
         print(f"{parser.prog} {args.command}: error: {error}", file=sys.stderr)
         return 2
-    print(json.dumps(answer))
+    unbounded = [
+        key for key, value in answer.items() if isinstance(value, float) and not math.isfinite(value)
+    ]
+    if unbounded:
+        values = ", ".join(f"{k}={answer[k]}" for k in unbounded)
+        print(
+            f"{parser.prog} {args.command}: error: the result is not a finite number ({values}): "
+            "the arguments are outside the range where the answer can be represented",
+            file=sys.stderr,
+        )
+        return 2
+    print(json.dumps(answer, allow_nan=False))
     return 0

@@ -1,0 +1,167 @@
+"""Checkpoints after every round, and ``resume=<output dir>``.
+
+After each completed round the server writes ``checkpoint.pkl`` into the output
+directory, atomically (a temporary file, then a rename): the round number, the
+global model, the whole strategy object (its accountant, schedules, momentum,
+buffers: everything it carries from round to round), the results so far, the
+process RNG states, and the overrides the run was composed from. Every
+per-round generator of dpfl is derived from (seed, purpose, round), so the
+next round draws exactly what it would have drawn without the interruption.
+
+The strategy is pickled without the run's context: the configuration, the data,
+the random sources and every :class:`~fl_app.roster.ClientInfo` are stored as
+references (:meth:`pickle.Pickler.persistent_id`) and re-bound to the resumed
+run's (node ids change between simulations; client ids do not).
+
+``checkpoint.pkl`` is the server's private state (it holds noise generator
+states and, for some strategies, un-noised aggregates): it is not a result to
+publish. It is removed when a private run completes (such a run cannot be extended:
+see :func:`fl_app.resume.resume_overrides`).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import Array, ArrayRecord
+
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext
+
+CHECKPOINT_FILE = "checkpoint.pkl"
+FORMAT = 1
+#: The checkpoint fields readable without the run (:func:`read_header`).
+HEADER_KEYS = ("completed_round", "num_rounds", "overrides", "fingerprint", "status")
+
+
+@dataclass
+class Checkpoint:
+    """What a resumed run needs (see the module docstring)."""
+
+    completed_round: int
+    num_rounds: int
+    status: str
+    overrides: list[str]
+    fingerprint: str
+    arrays: Any
+    strategy: Any
+    recorder: dict[str, Any]
+    elapsed_s: float
+    rng: dict[str, Any] = field(default_factory=dict)
+
+
+def _context_members(run: RunContext) -> dict[int, str]:
+    members = {"run": run, "cfg": run.cfg, "data": run.data, "roster": run.roster}
+    members.update({"noise": run.noise, "randomness": run.randomness, "model_spec": run.model_spec})
+    return {id(value): name for name, value in members.items()}
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, stream: io.BytesIO, run: RunContext) -> None:
+        super().__init__(stream, protocol=pickle.HIGHEST_PROTOCOL)
+        self._members = _context_members(run)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, Array):  # its data may be a view of a received message
+            return (_rebuild_array, (obj.dtype, tuple(obj.shape), obj.stype, bytes(obj.data)))
+        if isinstance(obj, ArrayRecord):  # Flower caches serialisation state in it
+            return (ArrayRecord, (dict(obj.items()),))
+        return NotImplemented
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, ClientInfo):
+            return ("client", obj.client_id)
+        name = self._members.get(id(obj))
+        return None if name is None else ("run", name)
+
+
+def _rebuild_array(dtype: str, shape: tuple[int, ...], stype: str, data: bytes) -> Array:
+    return Array(dtype=dtype, shape=shape, stype=stype, data=data)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, stream: io.BytesIO, run: RunContext) -> None:
+        super().__init__(stream)
+        self._run = run
+        self._clients = {info.client_id: info for info in run.roster}
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, name = pid
+        if kind == "client":
+            return self._clients[int(name)]
+        return self._run if name == "run" else getattr(self._run, name)
+
+
+def rng_states() -> dict[str, Any]:
+    """The process-wide torch RNG state (dropout in server-side training), for exact resumption.
+
+    dpfl draws nothing from numpy's or Python's global generators (every draw has its own
+    generator, derived per purpose and round), so they need no saving.
+    """
+    return {"torch": torch.get_rng_state()}
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    """Put back what :func:`rng_states` saved."""
+    if "torch" in states:
+        torch.set_rng_state(states["torch"])
+
+
+def save_checkpoint(output_dir: Path, checkpoint: Checkpoint, run: RunContext) -> Path:
+    """Write ``checkpoint.pkl`` atomically; return its path.
+
+    The file holds two pickles: a small header (format, round, overrides, fingerprint) that
+    :func:`read_header` reads without touching the rest, then the whole checkpoint.
+    """
+    header = {"format": FORMAT, **{key: getattr(checkpoint, key) for key in HEADER_KEYS}}
+    stream = io.BytesIO()
+    pickle.dump(header, stream, protocol=pickle.HIGHEST_PROTOCOL)
+    _Pickler(stream, run).dump(checkpoint.__dict__)
+    path = output_dir / CHECKPOINT_FILE
+    temporary = output_dir / f".{CHECKPOINT_FILE}.tmp"
+    with temporary.open("wb") as handle:
+        handle.write(stream.getbuffer())
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, path)
+    return path
+
+
+def read_header(output_dir: Path) -> dict[str, Any]:
+    """The checkpoint's plain fields (:data:`HEADER_KEYS`), without reading the strategy.
+
+    Raises
+    ------
+    FileNotFoundError
+        When ``output_dir`` holds no checkpoint.
+    ValueError
+        When the file is not a dpfl checkpoint of this format.
+
+    """
+    path = output_dir / CHECKPOINT_FILE
+    with path.open("rb") as handle:
+        try:
+            header = pickle.load(handle)
+        except Exception as error:  # a truncated or foreign file
+            raise ValueError(f"{path} is not a readable dpfl checkpoint ({type(error).__name__})") from error
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a dpfl checkpoint of format {FORMAT}")
+    return {key: header[key] for key in HEADER_KEYS}
+
+
+def load_checkpoint(output_dir: Path, run: RunContext) -> Checkpoint:
+    """Read ``checkpoint.pkl`` and bind its strategy to ``run``."""
+    stream = io.BytesIO((output_dir / CHECKPOINT_FILE).read_bytes())
+    pickle.load(stream)  # the header
+    return Checkpoint(**_Unpickler(stream, run).load())
+
+
+def remove_checkpoint(output_dir: Path) -> None:
+    """Delete the checkpoint of a completed run."""
+    (output_dir / CHECKPOINT_FILE).unlink(missing_ok=True)

@@ -1,0 +1,140 @@
+"""How a run ends: stop requests (SIGINT/SIGTERM), run-level failures, and the final status.
+
+``results.json`` ``status`` is one of :data:`STATUSES`:
+
+* ``completed``: every round ran and no client failed;
+* ``completed_with_failures``: every round ran; some clients failed, never more than
+  ``simulation.max_failure_fraction`` of a round's cohort (counts in ``final.failures``);
+* ``failed``: the run stopped early (:class:`RunFailed`: a round without a valid reply, too many
+  failures, a dead worker); the command exits with status 1 and one line naming the reason;
+* ``interrupted``: SIGINT or SIGTERM (:class:`RunInterrupted`); exit status 130 or 143.
+
+A run that did not complete keeps its checkpoint (``checkpoint.pkl``) and can be continued
+with ``python -m fl_app resume=<output dir>``.
+
+The signal handlers only *request* a stop (:data:`STOP`): the server thread sees it between two
+pulls of replies (:func:`raise_if_stopped`), abandons the round in flight, writes the results with
+the privacy ledger of every completed round, and returns; the simulation engine then stops its
+workers and Ray. A second signal gets Python's default behaviour (an immediate exit).
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import FrameType
+
+STATUSES = ("completed", "completed_with_failures", "failed", "interrupted")
+
+#: Set by the first SIGINT/SIGTERM of a ``python -m fl_app`` run (or by tests).
+STOP = threading.Event()
+_signal_received: list[int] = []
+
+
+class RunStopped(Exception):  # noqa: N818 (control flow, like KeyboardInterrupt)
+    """A run ended before its last round; ``status`` and ``exit_code`` say how."""
+
+    status = "failed"
+    exit_code = 1
+
+
+class RunFailed(RunStopped):
+    """The run cannot go on (the message is one line naming the reason)."""
+
+
+class RunInterrupted(RunStopped):
+    """SIGINT or SIGTERM asked the run to stop."""
+
+    status = "interrupted"
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the last run of this process ended (read by the ``python -m fl_app`` driver)."""
+
+    status: str
+    exit_code: int
+    reason: str
+    output_dir: str
+
+
+_outcome: list[Outcome] = []
+
+
+def record_outcome(outcome: Outcome) -> None:
+    """Remember how the run ended (the driver turns it into the exit status)."""
+    _outcome[:] = [outcome]
+
+
+def take_outcome() -> Outcome | None:
+    """The outcome of the run that just ended, once."""
+    return _outcome.pop() if _outcome else None
+
+
+def stop_requested() -> int | None:
+    """The signal number that asked the run to stop, or None."""
+    if not STOP.is_set():
+        return None
+    return _signal_received[0] if _signal_received else int(signal.SIGINT)
+
+
+def raise_if_stopped() -> None:
+    """Raise :class:`RunInterrupted` when a stop was requested."""
+    signum = stop_requested()
+    if signum is not None:
+        raise RunInterrupted(signum)
+
+
+def request_stop(signum: int) -> None:
+    """Ask the running simulation to stop (what the signal handler does)."""
+    if not _signal_received:
+        _signal_received.append(signum)
+    STOP.set()
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    if STOP.is_set():  # second signal: default behaviour, now
+        signal.signal(signum, signal.SIG_DFL)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.raise_signal(signum)
+        return
+    request_stop(signum)
+    print(
+        f"dpfl: {signal.Signals(signum).name} received: abandoning the current round and stopping "
+        "(send it again to exit at once)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Handle SIGINT and SIGTERM as stop requests while the block runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    STOP.clear()
+    _signal_received.clear()
+    previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def reinstall_handlers() -> None:
+    """Put the stop handlers back after a library replaced them (Ray's ``init`` sets its own SIGTERM)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _handler)

@@ -1,0 +1,120 @@
+"""``resume=<output dir>``: continue a run from its checkpoint with its own configuration.
+
+``python -m fl_app resume=outputs/2026-11-22/10-00-00-dp_fedavg`` composes the run's configuration
+from the overrides saved in its checkpoint (:mod:`fl_app.checkpoint`), not from today's command
+line: only ``num_rounds`` (to extend a non-private run) and ``simulation.*`` (resources,
+timeouts) may be given beside it. :func:`expand_resume` is applied by
+:func:`fl_app.config.compose_config`, so every entry point sees the same expansion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+RESUME_KEY = "resume"
+#: Keys a resumed run may change (a prefix ends with a dot).
+CHANGEABLE = ("num_rounds", "simulation.", "hydra.", "hydra/")
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def _value(override: str) -> str:
+    return override.split("=", 1)[1] if "=" in override else ""
+
+
+def resume_dir(overrides: Sequence[str]) -> Path | None:
+    """The directory ``resume=`` names, or None."""
+    values = [_value(o) for o in overrides if _key(o) == RESUME_KEY]
+    if not values or values[-1] in ("", "null", "None"):
+        return None
+    return Path(values[-1].strip("'\"")).expanduser().resolve()
+
+
+def run_overrides(overrides: Sequence[str]) -> list[str]:
+    """The overrides that define a run, without ``resume`` and ``output_dir`` (saved in checkpoints)."""
+    return [o for o in overrides if _key(o) not in (RESUME_KEY, "output_dir")]
+
+
+def expand_resume(overrides: Sequence[str]) -> list[str]:
+    """``overrides`` as given, or, with ``resume=DIR``, the checkpoint's overrides plus the allowed changes.
+
+    Raises
+    ------
+    fl_app.validation.ConfigError
+        When ``DIR`` holds no readable checkpoint, or another key is given beside ``resume``.
+
+    """
+    directory = resume_dir(overrides)
+    if directory is None:
+        return list(overrides)
+    from fl_app.checkpoint import read_header
+    from fl_app.validation import ConfigError
+
+    given = [o for o in overrides if _key(o) != RESUME_KEY]
+    refused = [o for o in given if not any(_key(o) == c or _key(o).startswith(c) for c in CHANGEABLE if c)]
+    if refused:
+        raise ConfigError(
+            RESUME_KEY,
+            str(directory),
+            f"only num_rounds and simulation.* may be given beside resume (got {' '.join(refused)}): "
+            "a resumed run keeps the configuration saved in its checkpoint",
+        )
+    try:
+        header = read_header(directory)
+    except FileNotFoundError:
+        raise ConfigError(
+            RESUME_KEY,
+            str(directory),
+            "holds no checkpoint.pkl: it is not the output directory of a run that completed a round "
+            "(a private run that completed removes its checkpoint: it cannot be extended)",
+        ) from None
+    except (OSError, ValueError) as error:
+        raise ConfigError(RESUME_KEY, str(directory), " ".join(str(error).split())) from None
+    saved = [o for o in header["overrides"] if _key(o) not in (RESUME_KEY, "output_dir")]
+    return [*saved, *given, f"output_dir={directory}", f"{RESUME_KEY}={directory}"]
+
+
+def validate_resume(cfg: object, *, is_private: bool) -> None:
+    """Check a resumed configuration against its checkpoint (rounds, fingerprint).
+
+    Parameters
+    ----------
+    cfg : DictConfig
+        The composed configuration (with ``resume`` set).
+    is_private : bool
+        Whether the strategy claims a finite epsilon: its noise was calibrated for the
+        planned ``num_rounds``, so a private run cannot be extended.
+
+    """
+    from fl_app.checkpoint import read_header
+    from fl_app.run import config_fingerprint
+    from fl_app.validation import ConfigError
+
+    directory = Path(str(cfg.resume))  # type: ignore[attr-defined]
+    header = read_header(directory)
+    done = int(header["completed_round"])
+    rounds = int(cfg.num_rounds)  # type: ignore[attr-defined]
+    planned = int(header["num_rounds"])
+    if config_fingerprint(cfg, ignore=("num_rounds",)) != header["fingerprint"]:  # type: ignore[arg-type]
+        raise ConfigError(
+            RESUME_KEY,
+            str(directory),
+            "the configuration files (conf/) changed since this run started: its configuration "
+            "cannot be recomposed; start a new run",
+        )
+    if rounds <= done:
+        raise ConfigError(
+            "num_rounds",
+            rounds,
+            f"must be > {done}: the run in {directory} already completed {done} rounds",
+        )
+    if is_private and rounds != planned:
+        raise ConfigError(
+            "num_rounds",
+            rounds,
+            f"must stay {planned} when resuming a private run: its noise was calibrated for "
+            f"privacy.epsilon over {planned} rounds; more rounds would spend more; start a new run",
+        )

@@ -1,0 +1,76 @@
+"""The round loop: Flower's ``Strategy.start`` with a first round, stop checks and a per-round hook.
+
+The same calls in the same order as ``flwr.serverapp.strategy.Strategy.start`` (configure and
+aggregate training, configure and aggregate federated evaluation, central evaluation), so a
+strategy written for Flower runs unchanged; in addition the loop can begin after a checkpoint
+(``first_round``), stops between rounds when a stop was requested
+(:func:`fl_app.lifecycle.raise_if_stopped`; the grid also checks while it waits), and calls
+``after_round`` (evaluate, record, check health, checkpoint) after each round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord
+
+from fl_app.lifecycle import RunFailed, raise_if_stopped
+
+#: Failure reasons that mean the simulation lost a worker process, not that a client's code failed.
+WORKER_LOST_MARKERS = ("ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError")
+
+
+def run_rounds(
+    strategy: Any,
+    grid: Any,
+    arrays: ArrayRecord,
+    *,
+    first_round: int,
+    num_rounds: int,
+    timeout: float,
+    after_round: Callable[[int, ArrayRecord], Any],
+) -> ArrayRecord:
+    """Run rounds ``first_round..num_rounds``; return the last global model."""
+    for server_round in range(first_round, num_rounds + 1):
+        raise_if_stopped()
+        replies = grid.send_and_receive(
+            strategy.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=timeout
+        )
+        aggregated, _ = strategy.aggregate_train(server_round, replies)
+        if aggregated is not None:
+            arrays = aggregated
+        replies = grid.send_and_receive(
+            strategy.configure_evaluate(server_round, arrays, ConfigRecord(), grid), timeout=timeout
+        )
+        strategy.aggregate_evaluate(server_round, replies)
+        after_round(server_round, arrays)
+    return arrays
+
+
+def check_round(
+    server_round: int, *, clients: int, failures: int, reasons: list[str], max_failure_fraction: float
+) -> None:
+    """Stop the run (:class:`RunFailed`) when a round went wrong beyond what a run may absorb.
+
+    A lost simulation worker stops the run at once (the engine does not replace it: every
+    later round would silently run with less capacity and more failures); a round in which
+    no client replied, or more than ``max_failure_fraction`` of the cohort failed, too.
+    """
+    lost = next((reason for reason in reasons if any(m in reason for m in WORKER_LOST_MARKERS)), None)
+    if lost is not None:
+        raise RunFailed(
+            f"round {server_round}: a simulation worker died ({lost[:160]}); the engine does not "
+            "replace it, so the run stops"
+        )
+    if clients and failures >= clients:
+        raise RunFailed(f"round {server_round}: none of the {clients} clients replied ({_first(reasons)})")
+    if clients and failures / clients > max_failure_fraction:
+        raise RunFailed(
+            f"round {server_round}: {failures} of {clients} clients failed, more than "
+            f"simulation.max_failure_fraction={max_failure_fraction:g} ({_first(reasons)})"
+        )
+
+
+def _first(reasons: list[str]) -> str:
+    return f"first error: {reasons[0][:160]}" if reasons else "no reply in time"
