@@ -7,6 +7,8 @@ entry points see the identical, resolved configuration.
 
 from __future__ import annotations
 
+import difflib
+import re
 import shlex
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
 from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,16 +47,97 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     from fl_app.resume import expand_resume
 
     run_overrides = [item for item in expand_resume(overrides) if not _is_hydra_override(item)]
+    try:
+        cfg = _compose(run_overrides)
+    except HydraException as error:
+        raise explain_composition_error(error, run_overrides) from None
+    added = [item for item in run_overrides if _adds_key(item)]
+    if added:
+        schema = _compose([item for item in run_overrides if item not in added])
+        for item in added:
+            key = item.lstrip("+").split("=", 1)[0]
+            if OmegaConf.select(schema, key, default=_MISSING) is _MISSING:
+                raise unknown_key(key, schema, given=item)
+    return freeze(cfg)
+
+
+_MISSING = object()
+
+
+def _compose(overrides: Sequence[str]) -> DictConfig:
     # Inside a `python -m fl_app` job Hydra is already initialised: set its
     # state aside, compose afresh from conf/, and put it back.
     backup = get_gh_backup()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name=CONFIG_NAME, overrides=run_overrides)
+            return compose(config_name=CONFIG_NAME, overrides=list(overrides))
     finally:
         restore_gh_from_backup(backup)
-    return freeze(cfg)
+
+
+def config_groups() -> dict[str, list[str]]:
+    """Every config group of ``conf/`` and its options (file names without ``.yaml``)."""
+    return {
+        folder.name: sorted(p.stem for p in folder.glob("*.yaml"))
+        for folder in sorted(CONF_DIR.iterdir())
+        if folder.is_dir()
+    }
+
+
+def _adds_key(item: str) -> bool:
+    """A ``+key=value`` override that adds a plain key (``+group=option`` selects a group: allowed)."""
+    if not item.startswith("+") or item.startswith("++"):
+        return False
+    key = item.lstrip("+").split("=", 1)[0]
+    return key not in config_groups()
+
+
+def dotted_keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Every key of ``cfg`` as a dotted path (``privacy.epsilon``), groups included."""
+    keys: list[str] = []
+    for key, value in cfg.items():
+        path = f"{prefix}{key}"
+        keys.append(path)
+        if isinstance(value, DictConfig | dict):
+            keys += dotted_keys(value, f"{path}.")
+    return keys
+
+
+def unknown_key(key: str, cfg: DictConfig, *, given: str) -> ValueError:
+    """The one-line error for a key the configuration does not have, with a did-you-mean."""
+    from fl_app.validation import ConfigError
+
+    known = [k for k in dotted_keys(cfg) if k != "hydra" and not k.startswith("hydra.")]
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    hint = f"did you mean {' or '.join(close)}?" if close else "see python -m fl_app --cfg job for the keys"
+    value = given.split("=", 1)[1] if "=" in given else ""
+    plus = "; '+' does not add keys: a run would ignore them" if given.startswith("+") else ""
+    return ConfigError(key, value, f"unknown key ({hint}){plus}")
+
+
+def explain_composition_error(error: Exception, overrides: Sequence[str]) -> Exception:
+    """Hydra's composition errors as one line naming the key, the value and what is allowed."""
+    from fl_app.validation import ConfigError
+
+    text = " ".join(str(error).split())
+    missing = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
+    if missing:
+        group, option = missing.groups()
+        options = config_groups().get(group, [])
+        close = difflib.get_close_matches(option, options, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return ConfigError(group, option, f"unknown {group}{hint}; must be one of {', '.join(options)}")
+    override = re.search(r"Could not override '([^']+)'", text)
+    if override:
+        key = override.group(1)
+        rest = [item for item in overrides if item.lstrip("+~").split("=", 1)[0] != key]
+        given = next((item for item in overrides if item.lstrip("+~").split("=", 1)[0] == key), key)
+        try:
+            return unknown_key(key, _compose(rest), given=given)
+        except HydraException:
+            pass
+    return error
 
 
 def sweep_params(overrides: Sequence[str] = ()) -> list[str]:

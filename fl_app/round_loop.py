@@ -18,7 +18,13 @@ from flwr.app import ArrayRecord, ConfigRecord
 from fl_app.lifecycle import RunFailed, raise_if_stopped
 
 #: Failure reasons that mean the simulation lost a worker process, not that a client's code failed.
-WORKER_LOST_MARKERS = ("ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError")
+WORKER_LOST_MARKERS = (
+    "ActorDiedError",
+    "RayActorError",
+    "ActorUnavailableError",
+    "WorkerCrashedError",
+    "The actor is dead",
+)
 
 
 def run_rounds(
@@ -57,11 +63,10 @@ def check_round(
     later round would silently run with less capacity and more failures); a round in which
     no client replied, or more than ``max_failure_fraction`` of the cohort failed, too.
     """
-    lost = next((reason for reason in reasons if any(m in reason for m in WORKER_LOST_MARKERS)), None)
-    if lost is not None:
+    if any(marker in reason for reason in reasons for marker in WORKER_LOST_MARKERS):
         raise RunFailed(
-            f"round {server_round}: a simulation worker died ({lost[:160]}); the engine does not "
-            "replace it, so the run stops"
+            f"round {server_round}: a simulation worker (Ray actor) died; the engine does not replace "
+            "it, so the run stops (memory? see run.log)"
         )
     if clients and failures >= clients:
         raise RunFailed(f"round {server_round}: none of the {clients} clients replied ({_first(reasons)})")
@@ -73,4 +78,7 @@ def check_round(
 
 
 def _first(reasons: list[str]) -> str:
-    return f"first error: {reasons[0][:160]}" if reasons else "no reply in time"
+    if not reasons:
+        return "no reply in time"
+    lines = reasons[0].strip().splitlines() or ["?"]
+    return f"first error: {lines[-1][:160]}"

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
+from flwr.common.logger import console_handler
 from flwr.serverapp import Grid
 from flwr.supercore import log
 from hydra.errors import HydraException
@@ -268,6 +269,21 @@ def total_privacy(strategy: FederatedStrategy) -> dict[str, Any]:
     }
 
 
+def one_line_console(record: logging.LogRecord) -> bool:
+    """Console filter: a failing client is one line (Flower logs its exception and traceback).
+
+    Tracebacks are dropped from the console and multi-line errors cut to their first line;
+    ``run.log`` keeps everything.
+    """
+    if record.levelno >= ERROR:
+        text = record.getMessage()
+        if text.startswith("Traceback (most recent call last)"):
+            return False
+        if "\n" in text.strip():
+            record.msg, record.args = text.strip().splitlines()[0], ()
+    return True
+
+
 def execute(
     grid: Grid, cfg: DictConfig, output_dir: Path, *, overrides: Sequence[str] = ()
 ) -> dict[str, Any] | None:
@@ -285,6 +301,7 @@ def execute(
     # something also configures the root logger (seen under `flwr run`: every line
     # again as "INFO:flwr:..."), so keep Flower's records off the root while we run.
     propagate, flower_logger.propagate = flower_logger.propagate, False
+    console_handler.addFilter(one_line_console)
     try:
         return _execute(grid, cfg, output_dir, list(overrides))
     except RunStopped as stop:  # stopped before the first round: nothing but run.log to write
@@ -293,6 +310,7 @@ def execute(
         return None
     finally:
         flower_logger.propagate = propagate
+        console_handler.removeFilter(one_line_console)
         flower_logger.removeHandler(handler)
         handler.close()
 

@@ -15,7 +15,13 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from fl_app.data.sources import DATASET_NAMES, IDX_DATASETS, DataNotFoundError, resolve_idx_folder
+from fl_app.data.sources import (
+    DATASET_NAMES,
+    IDX_DATASETS,
+    DataFileError,
+    DataNotFoundError,
+    resolve_idx_folder,
+)
 from fl_app.models import MODELS
 from fl_app.privacy.composition import METHODS
 
@@ -189,6 +195,8 @@ def check_partitions(cfg: DictConfig) -> None:
         return
     try:
         data = federated_data(spec)
+    except DataFileError as error:
+        raise ConfigError("dataset.data_dir", cfg.dataset.data_dir, " ".join(str(error).split())) from error
     except ValueError as error:
         raise ConfigError(
             "num_clients",

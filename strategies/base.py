@@ -320,8 +320,8 @@ class FederatedStrategy(Strategy):
                 continue
             if reply.has_error():
                 failed.append(info)
+                reasons.append(reply.error.reason or "?")
                 reason = reply.error.reason.strip().splitlines()[-1] if reply.error.reason else "?"
-                reasons.append(reason)
                 secret = self.secret_cohort and stage == "train"
                 log(
                     WARNING,

@@ -55,7 +55,7 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
     # one progress line per round and job; Flower's own lines are not duplicated
     log = stderr + stdout
     assert log.count("dpfl round 1/2") == 2
-    assert log.count("[ROUND 1/2]") == 2
+    assert "[ROUND" not in log  # dpfl's round loop prints its own line per round, not Flower's header
     assert ray_processes_of(process.pid) == []
     # ... and the report summarises the two jobs with the numbers of their files.
     from fl_app.report import main as report
@@ -76,6 +76,7 @@ def test_failing_client_does_not_end_the_run(simulate, monkeypatch):
         [*FAST, "strategy=dp_fedavg", "strategy.sampling=fixed", "clients_per_round=6", "num_rounds=2"]
     )
     assert [r["failures"] for r in results["rounds"]] == [1, 2]
+    assert results["status"] == "completed_with_failures" and results["final"]["failures"] == 3
     assert all(r["clients"] == 6 for r in results["rounds"])
     assert results["final"]["accuracy"] is not None
     # Accounting counts the failed clients too: all six were charged in both rounds.

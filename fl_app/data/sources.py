@@ -34,6 +34,7 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,10 @@ class DataNotFoundError(FileNotFoundError):
     """The files of a data set are nowhere to be found; the message says how to get them."""
 
 
+class DataFileError(ValueError):
+    """A data file exists but cannot be read (truncated, corrupt, wrong format)."""
+
+
 @dataclass(frozen=True)
 class ArrayDataset:
     """A labelled data set held as numpy arrays.
@@ -139,16 +144,25 @@ def data_home() -> Path:
 def read_idx(path: Path) -> np.ndarray:
     """Read one IDX file (gzip-compressed or not) into a numpy array."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as handle:
-        raw = handle.read()
+    try:
+        with opener(path, "rb") as handle:
+            raw = handle.read()
+    except (EOFError, OSError, zlib.error) as error:
+        raise DataFileError(
+            f"{path} is truncated or corrupt ({type(error).__name__}): delete it and fetch it again "
+            "(python -m fl_app.data.fetch)"
+        ) from None
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] != 0x08:
-        raise ValueError(f"{path} is not an unsigned-byte IDX file")
+        raise DataFileError(f"{path} is not an unsigned-byte IDX file")
     ndim = raw[3]
     dims = [int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
     offset = 4 + 4 * ndim
     expected = int(np.prod(dims))
     if len(raw) - offset != expected:
-        raise ValueError(f"{path} holds {len(raw) - offset} bytes of data, expected {expected}")
+        raise DataFileError(
+            f"{path} holds {len(raw) - offset} bytes of data, expected {expected} (truncated? delete it "
+            "and fetch it again: python -m fl_app.data.fetch)"
+        )
     # A writable copy: torch refuses (with a warning on every evaluation) to wrap read-only memory.
     return np.frombuffer(raw, dtype=np.uint8, offset=offset).reshape(dims).copy()
 

@@ -1,0 +1,325 @@
+"""How runs end: interrupts, lost workers, failures, checkpoints and resume, and bad input.
+
+The simulations here run ``python -m fl_app`` as a user does (a subprocess in its own
+process group, so a signal reaches it as a Ctrl-C in a terminal would) with
+``DPFL_INJECT_DELAY`` making every client take a second, so a signal lands mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fl_app.checkpoint import CHECKPOINT_FILE, load_checkpoint, read_header
+from fl_app.config import compose_config
+from fl_app.lifecycle import RunFailed
+from fl_app.round_loop import check_round
+from fl_app.run import one_line_console
+from fl_app.validation import ConfigError, check_output_dir, validate_config
+from strategies import STRATEGIES
+from tests.conftest import FAST, build_run_context
+
+RUN = [*FAST, "num_rounds=4", "simulation.num_cpus=2"]
+ROUND_KEYS = ("round", "accuracy", "loss", "epsilon", "upload_bytes", "download_bytes", "clients", "failures")
+
+
+class Run:
+    """A ``python -m fl_app`` subprocess whose output is read as it comes."""
+
+    def __init__(self, args: list[str], cwd: Path, *, delay: float = 1.0) -> None:
+        env = {**os.environ, "DPFL_INJECT_DELAY": str(delay)}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "fl_app", *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own process group, like a job in a terminal
+        )
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in line for line in self.lines):
+                return
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"{text!r} did not appear:\n{''.join(self.lines[-30:])}")
+
+    def descendants(self) -> list[psutil.Process]:
+        return psutil.Process(self.process.pid).children(recursive=True)
+
+    def finish(self, timeout: float) -> int:
+        code = self.process.wait(timeout=timeout)
+        self.reader.join(timeout=5)
+        return code
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+
+def alive(processes: list[psutil.Process]) -> list[str]:
+    """Those of ``processes`` still running (not zombies)."""
+    left = []
+    for process in processes:
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"{process.pid} {process.name()}")
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def rounds_of(results: dict) -> list[tuple]:
+    return [tuple(r[k] for k in ROUND_KEYS) for r in results["rounds"]]
+
+
+def interrupt(tmp_path: Path, name: str, args: list[str], signum: int, *, group: bool) -> tuple[Run, float]:
+    """Start a run, signal it once round 1 is reported; return it and the seconds it took to exit."""
+    run = Run([*args, f"output_dir={tmp_path / name}"], tmp_path)
+    run.wait_for("dpfl round 1/")
+    processes = [psutil.Process(run.process.pid), *run.descendants()]
+    sent = time.monotonic()
+    if group:
+        os.killpg(run.process.pid, signum)
+    else:
+        run.process.send_signal(signum)
+    code = run.finish(timeout=60)
+    took = time.monotonic() - sent
+    time.sleep(5)
+    assert alive(processes) == [], run.output[-2000:]
+    assert code == 128 + signum, run.output[-3000:]
+    return run, took
+
+
+# --------------------------------------------------------------------------- simulations
+
+
+def test_ctrl_c_stops_within_seconds_keeps_the_ledger_and_resume_matches_an_uninterrupted_run(
+    tmp_path, simulate
+):
+    args = [*RUN, "strategy=dp_fedavg"]
+    run, took = interrupt(tmp_path, "stopped", args, signal.SIGINT, group=True)
+    assert took < 30
+    out = tmp_path / "stopped"
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "interrupted"
+    done = results["stopped"]["after_round"]
+    assert 1 <= done < 4 and len(results["rounds"]) == done
+    assert results["stopped"]["resume"] == f"python -m fl_app resume={out}"
+    ledger = json.loads((out / "privacy_ledger.json").read_text())
+    assert len(ledger["events"]) == done  # every round whose noise was released
+    assert read_header(out)["completed_round"] == done
+    assert "Traceback" not in run.output
+    assert f"continue with: python -m fl_app resume={out}" in run.output
+
+    # A private run keeps the rounds its noise was calibrated for, and nothing else may change.
+    with pytest.raises(ConfigError, match=r"num_rounds=6: must stay 4"):
+        validate_config(compose_config([f"resume={out}", "num_rounds=6"]), check_data=False)
+    with pytest.raises(ConfigError, match=r"only num_rounds and simulation"):
+        compose_config([f"resume={out}", "lr=0.5"])
+
+    resumed = Run([f"resume={out}", "simulation.num_cpus=2"], tmp_path)
+    assert resumed.finish(timeout=300) == 0, resumed.output[-3000:]
+    assert f"resuming after round {done}" in resumed.output
+    continued = json.loads((out / "results.json").read_text())
+    assert continued["status"] == "completed" and "stopped" not in continued
+    assert not (out / CHECKPOINT_FILE).exists()  # a completed private run keeps no server state
+
+    reference = simulate([*args], name="uninterrupted")
+    assert rounds_of(continued) == rounds_of(reference)
+    assert continued["final"]["epsilon"] == reference["final"]["epsilon"]
+    assert (
+        continued["privacy"]["randomness"]["noise_seed"] == reference["privacy"]["randomness"]["noise_seed"]
+    )
+
+
+def test_sigterm_stops_the_run_and_leaves_nothing_running(tmp_path):
+    _, took = interrupt(tmp_path, "terminated", [*RUN, "strategy=fedavg"], signal.SIGTERM, group=False)
+    assert took < 30
+    results = json.loads((tmp_path / "terminated" / "results.json").read_text())
+    assert results["status"] == "interrupted" and results["stopped"]["reason"] == "stopped by SIGTERM"
+    # A non-private run can be extended beyond its planned rounds.
+    cfg = compose_config([f"resume={tmp_path / 'terminated'}", "num_rounds=9"])
+    validate_config(cfg, check_data=False)
+    assert cfg.num_rounds == 9 and cfg.strategy.name == "fedavg" and cfg.dataset.name == "digits"
+
+
+def test_a_killed_worker_fails_the_run_with_one_line_never_completed(tmp_path):
+    out = tmp_path / "killed"
+    run = Run([*RUN, "strategy=fedavg", "num_rounds=6", f"output_dir={out}"], tmp_path)
+    run.wait_for("dpfl round 1/")
+    actors = [p for p in run.descendants() if "ClientAppActor" in p.name()]
+    assert len(actors) == 2
+    actors[0].kill()
+    code = run.finish(timeout=300)
+    assert code == 1, run.output[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert results["status"] == "failed"
+    assert "Traceback" not in run.output
+    errors = [line for line in run.output.splitlines() if line.startswith("error: job failed")]
+    assert len(errors) == 1 and "simulation worker (Ray actor) died" in errors[0]
+
+
+# --------------------------------------------------------------------------- units
+
+
+@pytest.mark.parametrize(
+    ("clients", "failures", "reasons", "message"),
+    [
+        (3, 3, ["boom"], "none of the 3 clients replied"),
+        (4, 3, ["x"], "3 of 4 clients failed, more than simulation.max_failure_fraction=0.5"),
+        (10, 1, ["ray.exceptions.ActorDiedError: The actor died"], "simulation worker"),
+    ],
+)
+def test_round_health_fails_the_run(clients, failures, reasons, message):
+    with pytest.raises(RunFailed, match=message):
+        check_round(7, clients=clients, failures=failures, reasons=reasons, max_failure_fraction=0.5)
+
+
+def test_round_health_accepts_failures_within_the_fraction_and_empty_cohorts():
+    check_round(1, clients=4, failures=2, reasons=["x", "y"], max_failure_fraction=0.5)
+    check_round(1, clients=0, failures=0, reasons=[], max_failure_fraction=0.5)  # empty Poisson cohort
+
+
+def test_console_shows_a_client_failure_as_one_line():
+    record = logging.LogRecord(
+        "flwr", logging.ERROR, "", 0, "Traceback (most recent call last):\n  x", (), None
+    )
+    assert one_line_console(record) is False
+    record = logging.LogRecord("flwr", logging.ERROR, "", 0, "The actor died.\n\tclass_name: X", (), None)
+    assert one_line_console(record) is True and record.getMessage() == "The actor died."
+
+
+def test_checkpoint_rebinds_clients_and_context_to_the_resumed_run(tmp_path):
+    from fl_app.checkpoint import Checkpoint, save_checkpoint
+
+    overrides = [*FAST, "strategy=dp_fedavg"]
+    run = build_run_context(overrides, tmp_path)
+    strategy = STRATEGIES.get("dp_fedavg")(run)
+    strategy._selected[1] = run.roster[:3]
+    save_checkpoint(
+        tmp_path,
+        Checkpoint(
+            completed_round=1,
+            num_rounds=2,
+            status="incomplete",
+            overrides=overrides,
+            fingerprint="f",
+            arrays=strategy.initial_arrays(),
+            strategy=strategy,
+            recorder={},
+            elapsed_s=1.0,
+        ),
+        run,
+    )
+    # The resumed simulation registers its nodes under new ids.
+    other = build_run_context(overrides, tmp_path)
+    other.roster[:] = [type(c)(c.client_id, c.node_id + 500, c.num_examples) for c in other.roster]
+    restored = load_checkpoint(tmp_path, other).strategy
+    assert restored.run is other and restored.cfg is other.cfg
+    assert [c.node_id for c in restored.selected(1)] == [1500, 1501, 1502]
+    assert restored.noise_multiplier == strategy.noise_multiplier
+
+
+def test_resume_of_a_directory_without_checkpoint_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"resume=.*holds no checkpoint.pkl"):
+        compose_config([f"resume={tmp_path}"])
+
+
+def test_a_new_run_refuses_a_directory_with_an_earlier_run(tmp_path):
+    (tmp_path / "results.json").write_text("{}")
+    cfg = compose_config([*FAST, f"output_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"holds an earlier run \(results.json\).*resume="):
+        check_output_dir(cfg)
+
+
+# --------------------------------------------------------------------------- bad input (one line, rc 2)
+
+
+def cli(*args: str, module: str = "fl_app", cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120, cwd=cwd
+    )
+
+
+def assert_one_line(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+def test_bad_output_dirs_are_refused_before_anything_starts(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    result = cli(*FAST, f"output_dir={blocker / 'run'}", cwd=tmp_path)
+    assert_one_line(result, "output_dir=", "is a file, not a directory")
+    assert not (tmp_path / "outputs").exists()  # nothing half-written (no Hydra directory either)
+    if os.geteuid() != 0:  # root may write anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert_one_line(cli(*FAST, f"output_dir={locked / 'run'}", cwd=tmp_path), "no write permission")
+
+
+def test_iid_partition_with_more_clients_than_examples_is_one_line(tmp_path):
+    result = cli(*FAST, "partition=iid", "num_clients=5000", "clients_per_round=3", cwd=tmp_path)
+    assert_one_line(result, "num_clients=5000", "too many clients")
+
+
+def test_a_truncated_data_file_is_one_line(tmp_path):
+    import gzip
+
+    folder = tmp_path / "mnist"
+    folder.mkdir()
+    images = gzip.compress(bytes([0, 0, 8, 3]) + (60000).to_bytes(4, "big") + (28).to_bytes(4, "big") * 2)
+    (folder / "train-images-idx3-ubyte.gz").write_bytes(images[: len(images) // 2])
+    for stem in ("train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        (folder / f"{stem}.gz").write_bytes(gzip.compress(b"\0\0\x08\x01\0\0\0\0"))
+    result = cli("dataset=mnist", f"dataset.data_dir={folder}", "dataset.download=false", cwd=tmp_path)
+    assert_one_line(result, "dataset.data_dir=", "truncated or corrupt", "fl_app.data.fetch")
+
+
+@pytest.mark.parametrize(
+    ("argument", "fragments"),
+    [
+        ("+foo=1", ("foo='1': unknown key",)),
+        ("+num_round=3", ("num_round='3': unknown key (did you mean num_rounds?)",)),
+        ("num_round=3", ("did you mean num_rounds?",)),
+        ("strategy=fedavgg", ("strategy='fedavgg': unknown strategy (did you mean fedavg?)", "dp_fedavg")),
+        ("resume=/nonexistent/run", ("resume=", "holds no checkpoint.pkl")),
+    ],
+)
+def test_unknown_keys_and_names_are_one_line_with_a_did_you_mean(tmp_path, argument, fragments):
+    assert_one_line(cli(argument, cwd=tmp_path), *fragments)
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_the_calculator_prints_strict_json_or_one_line():
+    big = cli("rr", "--epsilon", "800", "--k", "2", "--classes", "10", module="fl_app.privacy")
+    assert big.returncode == 0 and json.loads(big.stdout)["beta"] == 1.0
+    tiny = cli("laplace", "--tau", "1e-320", "--prob", "0.5", module="fl_app.privacy")
+    assert tiny.returncode == 2 and tiny.stdout == "" and "not a finite number (epsilon=inf)" in tiny.stderr
