@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from flwr.app import ArrayRecord, Message
-from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
+from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE, SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
@@ -102,6 +102,26 @@ def array_payload_bytes(message: Message) -> int:
     )
 
 
+def attribute_link_errors(outgoing: list[Message], replies: list[Message]) -> list[Message]:
+    """Credit the SuperLink's error replies to the node the message was for.
+
+    When a SuperNode is gone (killed, disconnected), the SuperLink answers its message itself
+    with a "node unavailable" error whose sender is the SuperLink (node id
+    ``SUPERLINK_NODE_ID``), not the node. The strategy must see that the *client* failed (one
+    log line naming it), not a reply from an unknown node plus a client that "did not reply
+    in time". Flower's ``Metadata`` has no setter for the sender: its attribute is set
+    directly (flwr 1.41; pinned in :mod:`fl_app.flower_engine`).
+    """
+    destination = {message.metadata.message_id: message.metadata.dst_node_id for message in outgoing}
+    for reply in replies:
+        metadata = reply.metadata
+        if metadata.src_node_id == SUPERLINK_NODE_ID and reply.has_error():
+            node = destination.get(metadata.reply_to_message_id)
+            if node is not None:
+                metadata.__dict__["_src_node_id"] = node
+    return replies
+
+
 class MeteredGrid:
     """Wraps a :class:`~flwr.serverapp.Grid` and counts message bytes per message category.
 
@@ -136,12 +156,12 @@ class MeteredGrid:
         if not outgoing:
             return []
         if is_in_memory_grid(self._grid):
-            return self._exchange(outgoing, timeout)  # counts each reply as it arrives
-        # a deployment's SuperLink: Flower's own pacing
-        replies = list(self._grid.send_and_receive(outgoing, timeout=timeout))
-        for reply in replies:
-            self._count_reply(reply)
-        return replies
+            replies = self._exchange(outgoing, timeout)  # counts each reply as it arrives
+        else:  # a deployment's SuperLink: Flower's own pacing
+            replies = list(self._grid.send_and_receive(outgoing, timeout=timeout))
+            for reply in replies:
+                self._count_reply(reply)
+        return attribute_link_errors(outgoing, replies)
 
     def _count_reply(self, reply: Message) -> None:
         category = reply.metadata.message_type.split(".")[0]

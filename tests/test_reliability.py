@@ -323,3 +323,20 @@ def test_the_calculator_prints_strict_json_or_one_line():
     assert big.returncode == 0 and json.loads(big.stdout)["beta"] == 1.0
     tiny = cli("laplace", "--tau", "1e-320", "--prob", "0.5", module="fl_app.privacy")
     assert tiny.returncode == 2 and tiny.stdout == "" and "not a finite number (epsilon=inf)" in tiny.stderr
+
+
+def test_a_gone_supernode_is_reported_as_that_client_failing():
+    # The SuperLink answers a message for a vanished SuperNode itself (sender: the SuperLink).
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
+    from fl_app.metering import attribute_link_errors
+    from tests.conftest import error_reply, make_message
+
+    message = make_message({}, node_id=1005)
+    message.metadata.__dict__["_message_id"] = "m-1005"
+    reply = error_reply(message, "node unavailable")
+    reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+    healthy = error_reply(make_message({}, node_id=1006), "client crashed")
+    attribute_link_errors([message], [reply, healthy])
+    assert reply.metadata.src_node_id == 1005
+    assert healthy.metadata.src_node_id == 1006
