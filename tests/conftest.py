@@ -157,6 +157,44 @@ def simulate(tmp_path: Path) -> Callable[..., dict[str, Any]]:
     return run
 
 
+@pytest.fixture(scope="session")
+def shared_simulation(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., dict[str, Any]]:
+    """Like :func:`simulate`, but runs each distinct override list once per session.
+
+    For tests that only read a run's results and files: several tests can check one simulation
+    (each costs ~10 s of Ray and actor start-up). Each call returns a fresh copy of the results.
+    """
+    import copy
+
+    from fl_app.simulation import run_in_simulation
+    from fl_app.validation import validate_config
+
+    cache: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    def run(overrides: Sequence[str]) -> dict[str, Any]:
+        key = tuple(overrides)
+        if key not in cache:
+            cfg = compose_config(list(overrides))
+            validate_config(cfg)
+            output = tmp_path_factory.mktemp("shared-run")
+            run_in_simulation(cfg, list(overrides), output)
+            results = json.loads((output / "results.json").read_text())
+            results["_output_dir"] = str(output)
+            cache[key] = results
+        return copy.deepcopy(cache[key])
+
+    return run
+
+
+#: Runs several tests read (see :func:`shared_simulation`).
+FEDAVG_RUN = [
+    *[item for item in FAST if not item.startswith("num_rounds=")],
+    "num_rounds=3",
+    "strategy=fedavg",
+]
+DP_FEDAVG_RUN = [*FAST, "strategy=dp_fedavg", "privacy.epsilon=8", "simulation.num_cpus=2"]
+
+
 def spec_config(overrides: Sequence[str]) -> dict[str, Any]:
     """The base train-config keys a strategy would send (for client tests)."""
     cfg = compose_config(list(overrides))

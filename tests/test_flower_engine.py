@@ -228,7 +228,9 @@ def test_mean_arrays_is_bitwise_the_sequential_float64_mean() -> None:
         ),
     ],
 )
-def test_results_equal_the_code_before_the_speed_work(simulate: Any, name: str, overrides: list[str]) -> None:
+def test_results_equal_the_code_before_the_speed_work(
+    shared_simulation: Any, name: str, overrides: list[str]
+) -> None:
     """Round by round, the same accuracy, epsilon and bytes as commit 48fef10 (tests/data).
 
     The loss is compared to 1e-6: that code summed the replies in the order they arrived, which
@@ -236,7 +238,7 @@ def test_results_equal_the_code_before_the_speed_work(simulate: Any, name: str, 
     """
     golden = json.loads(GOLDEN.read_text())["runs"][name]
     fast = [item for item in FAST if not item.startswith("num_rounds=")]
-    results = simulate([*fast, "num_rounds=3", *overrides], name=name)
+    results = shared_simulation([*fast, "num_rounds=3", *overrides])  # fedavg: FEDAVG_RUN
     assert len(results["rounds"]) == len(golden)
     for got, want in zip(results["rounds"], golden, strict=True):
         assert {key: got[key] for key in want if key != "loss"} == {

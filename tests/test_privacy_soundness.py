@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import FAST, build_run_context, error_reply, reply_to
+from conftest import DP_FEDAVG_RUN, build_run_context, error_reply, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
 from fl_app import keys
@@ -341,8 +341,8 @@ def test_bad_evaluation_budget_is_one_line(overrides, key):
 
 
 @pytest.mark.simulation
-def test_dp_fedavg_run_writes_only_what_its_epsilon_covers(simulate):
-    results = simulate([*FAST, "strategy=dp_fedavg", "simulation.num_cpus=2"])
+def test_dp_fedavg_run_writes_only_what_its_epsilon_covers(shared_simulation):
+    results = shared_simulation(DP_FEDAVG_RUN)
     out = Path(results["_output_dir"])
     randomness = results["privacy"]["randomness"]
     assert randomness["source"] == "seeded" and "deployment" in randomness["note"]

@@ -3,20 +3,20 @@
 from __future__ import annotations
 
 import pytest
-from conftest import FAST
+from conftest import DP_FEDAVG_RUN, FEDAVG_RUN
 
 pytestmark = pytest.mark.simulation
 
 
-def test_fedavg_and_dp_fedavg_simulations(simulate):
-    fedavg = simulate([*FAST, "strategy=fedavg", "num_rounds=3"], name="fedavg")
+def test_fedavg_and_dp_fedavg_simulations(shared_simulation):
+    fedavg = shared_simulation(FEDAVG_RUN)
     assert fedavg["status"] == "completed"
     assert [r["round"] for r in fedavg["rounds"]] == [1, 2, 3]
     assert all(r["epsilon"] is None for r in fedavg["rounds"])
     assert fedavg["final"]["accuracy"] > fedavg["initial"]["accuracy"]
     assert all(r["upload_bytes"] > 0 and r["clients"] == 3 for r in fedavg["rounds"])
 
-    private = simulate([*FAST, "strategy=dp_fedavg", "privacy.epsilon=8"], name="dp")
+    private = shared_simulation(DP_FEDAVG_RUN)
     epsilons = [r["epsilon"] for r in private["rounds"]]
     assert epsilons == sorted(epsilons)
     assert 0 < private["final"]["epsilon"] <= 8.0
