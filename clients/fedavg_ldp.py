@@ -17,8 +17,7 @@ from flwr.app import Array, ArrayRecord, Message, RecordDict
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
-from fl_app.privacy.calibration import local_gaussian_sigma
-from fl_app.privacy.mechanisms import clip_l2, gaussian_mechanism
+from fl_app.privacy.mechanisms import local_gaussian_update
 from fl_app.training import model_to_arrays
 
 
@@ -29,9 +28,6 @@ class FedAvgLDPClient(FederatedClient):
     def train(self) -> Message:
         """One round: train, clip, noise, reply with the noisy update only."""
         clip = float(self.config[keys.LDP_CLIP])
-        sigma = local_gaussian_sigma(
-            clip=clip, noise_multiplier=float(self.config[keys.LDP_NOISE_MULTIPLIER])
-        )
         received = self.incoming_arrays()
         names = list(received.keys())
         data = self.local_data()
@@ -44,9 +40,12 @@ class FedAvgLDPClient(FederatedClient):
         update = [
             trained[n].numpy().astype(np.float64) - received[n].numpy().astype(np.float64) for n in names
         ]
-        clipped, _ = clip_l2(arrays=update, max_norm=clip)
-        rng = self.noise_generator("ldp-update-noise")
-        noised = [gaussian_mechanism(values=c, sigma=sigma, rng=rng) for c in clipped]
+        noised = local_gaussian_update(
+            update=update,
+            clip=clip,
+            noise_multiplier=float(self.config[keys.LDP_NOISE_MULTIPLIER]),
+            rng=self.noise_generator("ldp-update-noise"),
+        )
         arrays = ArrayRecord(
             {n: Array(v.astype(received[n].numpy().dtype)) for n, v in zip(names, noised, strict=True)}
         )

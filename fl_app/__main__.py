@@ -184,6 +184,9 @@ def main() -> int:
     # Flower's logger has its own console handler; Hydra also puts one on the
     # root logger. Without this every Flower line would print twice.
     logging.getLogger("flwr").propagate = False
+    # Flower's LinkState imports alembic, which logs one "setup plugin" line per plugin at INFO;
+    # Hydra's console handler would print them (7 lines before every run).
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     errors = preflight(sys.argv[1:])
     if errors:
         for line in errors:

@@ -68,6 +68,14 @@ class Outcome:
 
 
 _outcome: list[Outcome] = []
+#: Set while ``python -m fl_app`` drives the run: it turns the outcome into an exit status.
+#: Under ``flwr run`` nobody does, so the ServerApp raises to make Flower record the run as failed.
+DRIVER = threading.Event()
+
+
+def driver_reports_outcome() -> bool:
+    """Whether a ``python -m fl_app`` driver reads the outcome (else the ServerApp must raise)."""
+    return DRIVER.is_set()
 
 
 def record_outcome(outcome: Outcome) -> None:
@@ -121,14 +129,20 @@ def _handler(signum: int, frame: FrameType | None) -> None:
 def stop_on_signals() -> Iterator[None]:
     """Handle SIGINT and SIGTERM as stop requests while the block runs (main thread only)."""
     if threading.current_thread() is not threading.main_thread():
-        yield
+        DRIVER.set()
+        try:
+            yield
+        finally:
+            DRIVER.clear()
         return
     STOP.clear()
     _signal_received.clear()
     previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    DRIVER.set()
     try:
         yield
     finally:
+        DRIVER.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

@@ -8,7 +8,9 @@ that differ only in their seed, and writes into ``<dir>`` (or ``--out``):
   seeds, upload bytes per client per round, wall time, number of seeds;
 * ``accuracy_vs_epsilon.png`` (final accuracy against the reported cumulative epsilon, one line per
   algorithm and data set; non-private runs as dashed reference lines), ``accuracy_vs_round.png`` (mean
-  over seeds) and ``accuracy_vs_upload.png`` (accuracy against cumulative upload bytes per client).
+  over seeds) and ``accuracy_vs_upload.png`` (accuracy against cumulative upload bytes per client);
+* with canaries (``privacy.canaries``): the ``empirical_epsilon`` columns (the estimate, its interval,
+  the number of canaries) and ``empirical_vs_claimed.png`` (estimate against claim, with the diagonal).
 
 A directory without results is refused (exit status 2). A results file that cannot be read or lacks
 the contract's fields is reported on stderr and in ``report.md``, never skipped silently; the report is
@@ -45,6 +47,10 @@ COLUMNS = (
     "epsilon_target",
     "epsilon",
     "epsilon_unit",
+    "empirical_epsilon",
+    "empirical_low",
+    "empirical_high",
+    "canaries",
     "delta",
     "accuracy_mean",
     "accuracy_std",
@@ -131,6 +137,8 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
         epsilons = [m.results["final"]["epsilon"] for m in members]
         finite = [float(e) for e in epsilons if e is not None]
         uploads = [u for u in (m.upload_per_client_round() for m in members) if u is not None]
+        empirical = [m.results["privacy"].get("empirical_epsilon") for m in members]
+        estimates = [e for e in empirical if e]
         private = bool(finite) and len(finite) == len(epsilons)
         rows.append(
             {
@@ -142,6 +150,8 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "epsilon_target": first["config"].get("privacy", {}).get("epsilon") if private else None,
                 "epsilon": max(finite) if private else None,
                 "epsilon_unit": first["privacy"].get("unit", ""),
+                # the largest estimate over seeds, with its interval: compared with the largest claim
+                **_largest_estimate(estimates),
                 "delta": first["final"].get("delta"),
                 "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
                 "accuracy_std": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else 0.0,
@@ -162,6 +172,18 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
     return rows
 
 
+def _largest_estimate(estimates: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    if not estimates:
+        return {"empirical_epsilon": None, "empirical_low": None, "empirical_high": None, "canaries": None}
+    top = max(estimates, key=lambda e: e["epsilon"])
+    return {
+        "empirical_epsilon": top["epsilon"],
+        "empirical_low": top["low"],
+        "empirical_high": top["high"],
+        "canaries": top["canaries"],
+    }
+
+
 def _fmt(value: Any, digits: int = 4) -> str:
     if value is None:
         return "-"
@@ -178,9 +200,10 @@ def write_tables(rows: Sequence[dict[str, Any]], problems: Sequence[str], out: P
         for row in rows:
             writer.writerow({k: (";".join(row[k]) if k == "runs" else row[k]) for k in COLUMNS})
     lines = [
-        "| algorithm | data set | partition | N | T | target epsilon | epsilon (cumulative) | unit | delta "
+        "| algorithm | data set | partition | N | T | target epsilon | epsilon (cumulative) | unit "
+        "| empirical epsilon (95% interval; canaries) | delta "
         "| final accuracy (mean ± std) | seeds | upload B/client/round | wall time (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         accuracy = (
@@ -192,10 +215,17 @@ def write_tables(rows: Sequence[dict[str, Any]], problems: Sequence[str], out: P
             if row["upload_bytes_per_client_round"] is None
             else f"{row['upload_bytes_per_client_round']:,.0f}"
         )
+        empirical = (
+            "-"
+            if row["empirical_epsilon"] is None
+            else f"{row['empirical_epsilon']:.3g} ({row['empirical_low']:.3g}..{row['empirical_high']:.3g}; "
+            f"{row['canaries']})"
+        )
         lines.append(
             f"| {row['algorithm']} | {row['dataset']} | {row['partition']} | {row['clients']} | "
             f"{row['rounds']} | {_fmt(row['epsilon_target'])} | {epsilon} | {row['epsilon_unit'] or '-'} | "
-            f"{_fmt(row['delta'])} | {accuracy} | {row['seeds']} | {upload} | {row['wall_s']:.0f} |"
+            f"{empirical} | {_fmt(row['delta'])} | {accuracy} | {row['seeds']} | {upload} | "
+            f"{row['wall_s']:.0f} |"
         )
     if problems:
         lines += ["", "Results files that could not be used:", ""] + [f"- {p}" for p in problems]
@@ -239,6 +269,43 @@ def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
     figure.tight_layout()
     figure.savefig(out / "accuracy_vs_epsilon.png", dpi=120)
     plt.close(figure)
+
+
+def plot_empirical_vs_claimed(rows: Sequence[dict[str, Any]], out: Path) -> bool:
+    """``empirical_vs_claimed.png``: canary estimate (with interval) against the accountant's epsilon.
+
+    Points below the diagonal are what a correct mechanism gives; above it, the code releases
+    more than the accountant says. Written only when some run has canaries.
+    """
+    shown = [r for r in rows if r["empirical_epsilon"] is not None and r["epsilon"] is not None]
+    if not shown:
+        return False
+    figure, axis = plt.subplots(figsize=(6.4, 4.8))
+    for algorithm in sorted({r["algorithm"] for r in shown}):
+        members = [r for r in shown if r["algorithm"] == algorithm]
+        claims = np.array([r["epsilon"] for r in members])
+        estimates = np.array([r["empirical_epsilon"] for r in members])
+        errors = np.array(
+            [
+                estimates - [r["empirical_low"] for r in members],
+                [r["empirical_high"] for r in members] - estimates,
+            ]
+        )
+        axis.errorbar(
+            claims, estimates, yerr=np.maximum(errors, 0), fmt="o", ms=4, capsize=3, label=algorithm
+        )
+    top = max(max(r["epsilon"] for r in shown), max(r["empirical_high"] for r in shown)) * 1.1
+    axis.plot([0, top], [0, top], color="tab:gray", ls="--", lw=1, label="estimate = claim")
+    axis.set_xlim(0, top)
+    axis.set_ylim(0, top)
+    axis.set_xlabel("accountant's epsilon (worst client)")
+    axis.set_ylabel("empirical epsilon from canaries (95% interval)")
+    axis.set_title("empirical privacy estimate against the claim", fontsize=10)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out / "empirical_vs_claimed.png", dpi=120)
+    plt.close(figure)
+    return True
 
 
 def _mean_curves(
@@ -322,6 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_tables(rows, problems, out)
     plot_accuracy_vs_epsilon(rows, out)
     plot_curves(rows, runs, out)
+    plot_empirical_vs_claimed(rows, out)
     print(f"{len(runs)} runs in {len(rows)} groups -> {out / 'report.md'}")
     return 1 if problems else 0
 

@@ -213,38 +213,76 @@ class RunRecorder:
             save_model(self.output_dir / MODEL_FILE, arrays, model_spec)
         if ledger is not None:
             write_json(self.output_dir / LEDGER_FILE, ledger)
-        self.plot()
+        self.plot(unit=str(privacy.get("unit", "client")), status=status)
         write_json(self.output_dir / RESULTS_FILE, results)
         return results
 
-    def plot(self) -> None:
-        """accuracy_loss.png and epsilon.png from the rounds so far."""
+    def plot(self, *, unit: str = "client", status: str = "completed") -> None:
+        """accuracy_loss.png and epsilon.png from the rounds so far.
+
+        Round 0 is the initial model; rounds are integers; an epsilon plot names its unit and
+        shows the configured budget (``privacy.epsilon``) as a line when it is a total budget.
+        A non-private run's epsilon.png says so instead of drawing empty axes.
+        """
+        from matplotlib.ticker import MaxNLocator
+
         evaluated = [r for r in self.rounds if r.get("accuracy") is not None]
-        figure, left = plt.subplots(figsize=(6, 4))
-        rounds = [r["round"] for r in evaluated]
-        left.plot(rounds, [r["accuracy"] for r in evaluated], "o-", color="tab:blue", ms=3)
-        left.set_xlabel("round")
+        points = [(0, self.initial)] if self.initial.get("accuracy") is not None else []
+        points += [(r["round"], r) for r in evaluated]
+        figure, left = plt.subplots(figsize=(6.4, 4))
+        rounds = [t for t, _ in points]
+        accuracy = left.plot(rounds, [r["accuracy"] for _, r in points], "o-", color="tab:blue", ms=3)
+        left.set_xlabel("round (0: initial model)")
         left.set_ylabel("test accuracy", color="tab:blue")
+        left.xaxis.set_major_locator(MaxNLocator(integer=True))
         right = left.twinx()
-        right.plot(rounds, [r["loss"] for r in evaluated], "s--", color="tab:red", ms=3)
+        loss = right.plot(rounds, [r["loss"] for _, r in points], "s--", color="tab:red", ms=3)
         right.set_ylabel("test loss", color="tab:red")
-        left.set_title(f"{self.cfg.strategy.name} on {self.cfg.dataset.name}")
+        left.legend(accuracy + loss, ["accuracy", "loss"], loc="center right", fontsize=8)
+        suffix = "" if status == "completed" else f" ({status})"
+        left.set_title(f"{self.cfg.strategy.name} on {self.cfg.dataset.name}{suffix}")
         figure.tight_layout()
         figure.savefig(self.output_dir / "accuracy_loss.png", dpi=110)
         plt.close(figure)
 
-        figure, axis = plt.subplots(figsize=(6, 4))
+        figure, axis = plt.subplots(figsize=(6.4, 4))
         private = [r for r in self.rounds if r.get("epsilon") is not None]
+        delta = float(self.cfg.privacy.delta)
         if private:
-            axis.plot([r["round"] for r in private], [r["epsilon"] for r in private], "o-", ms=3)
+            axis.plot(
+                [r["round"] for r in private], [r["epsilon"] for r in private], "o-", ms=3, label="spent"
+            )
+            if str(self.cfg.privacy.get("budget_scope", "total")) == "total":
+                target = float(self.cfg.privacy.epsilon)
+                axis.axhline(target, color="tab:gray", ls="--", lw=1, label=f"privacy.epsilon = {target:g}")
+            axis.set_xlabel("round")
+            axis.set_ylabel(f"cumulative epsilon (delta = {delta:g})")
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+            axis.set_ylim(bottom=0)
+            axis.legend(fontsize=8, loc="lower right")
+            axis.set_title(f"{self.cfg.strategy.name}: privacy spent per {_short_unit(unit)}", fontsize=10)
         else:
-            axis.text(0.5, 0.5, "no finite epsilon (not private)", ha="center", transform=axis.transAxes)
-        axis.set_xlabel("round")
-        axis.set_ylabel(f"cumulative epsilon (delta={float(self.cfg.privacy.delta):g})")
-        axis.set_title(f"{self.cfg.strategy.name}: privacy spent")
+            axis.set_axis_off()
+            axis.text(
+                0.5,
+                0.5,
+                f"{self.cfg.strategy.name}: not private\n(no finite epsilon: nothing to plot)",
+                ha="center",
+                va="center",
+                transform=axis.transAxes,
+            )
         figure.tight_layout()
         figure.savefig(self.output_dir / "epsilon.png", dpi=110)
         plt.close(figure)
+
+
+def _short_unit(unit: str) -> str:
+    """The privacy unit's first words (``one client's entire data set`` -> ``client``)."""
+    text = unit.lower()
+    for word in ("client", "record", "report", "example", "label", "coordinate"):
+        if word in text.split("(")[0]:
+            return word
+    return unit.split("(")[0].strip() or "unit"
 
 
 def describe_partition(cfg: DictConfig) -> str:

@@ -38,7 +38,14 @@ from fl_app.checkpoint import (
 )
 from fl_app.config import RUN_CONFIG_OUTPUT_DIR, compose_config, freeze, overrides_from_run_config
 from fl_app.data.federated import DataSpec, FederatedData, federated_data
-from fl_app.lifecycle import Outcome, RunStopped, record_outcome
+from fl_app.lifecycle import (
+    Outcome,
+    RunFailed,
+    RunStopped,
+    driver_reports_outcome,
+    record_outcome,
+    take_outcome,
+)
 from fl_app.metering import MeteredGrid
 from fl_app.models import ModelSpec
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
@@ -79,9 +86,12 @@ def run_federation(grid: Grid, context: Context) -> None:
         validate_config(cfg)
         evaluation_stage(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
-        # One line, no traceback, nothing written. (Under `flwr run` a raised
-        # exception would print a traceback and SystemExit is swallowed.)
-        log(ERROR, "invalid configuration, nothing was run: %s", " ".join(str(error).split()))
+        # One line, nothing written. Under `flwr run` the ServerApp then raises, so that
+        # `flwr ls` lists the run as failed (Flower adds its traceback to the run's log).
+        line = " ".join(str(error).split())
+        log(ERROR, "invalid configuration, nothing was run: %s", line)
+        if not driver_reports_outcome():
+            raise RunFailed(f"invalid configuration, nothing was run: {line}") from None
         return
     configured = str(context.run_config.get(RUN_CONFIG_OUTPUT_DIR, "") or "")
     if configured:
@@ -92,6 +102,10 @@ def run_federation(grid: Grid, context: Context) -> None:
         stamp = dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
         output_dir = output_path(f"outputs/flwr/{stamp}-{context.run_id}")
     execute(grid, cfg, output_dir, overrides=overrides)
+    if not driver_reports_outcome():
+        outcome = take_outcome()
+        if outcome is not None and outcome.exit_code:
+            raise RunFailed(f"run {outcome.status}: {outcome.reason} (results in {outcome.output_dir})")
 
 
 #: Keys that do not change what a run computes from the data (resources, output, evaluation
@@ -417,6 +431,20 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
     privacy = dict(strategy.privacy_summary())
     privacy["randomness"] = randomness
     privacy["total"] = total_privacy(strategy)
+    empirical = strategy.empirical_privacy(arrays)
+    if empirical is not None:
+        privacy["empirical_epsilon"] = empirical
+        log(
+            INFO,
+            "dpfl: empirical epsilon %.3g (%d%% interval %.3g..%.3g) from %d canaries, beside the "
+            "accountant's %s",
+            empirical["epsilon"],
+            round(100 * empirical["confidence"]),
+            empirical["low"],
+            empirical["high"],
+            empirical["canaries"],
+            _fmt(privacy["total"]["epsilon"], "inf"),
+        )
     results = recorder.finalize(
         strategy=str(cfg.strategy.name),
         status=status,

@@ -126,6 +126,11 @@ def validate_common(cfg: DictConfig) -> None:
             )
     require_choice("privacy.budget_scope", privacy.budget_scope, BUDGET_SCOPES)
     require_bool("privacy.diagnostics", privacy.get("diagnostics", False))
+    canaries = require_int("privacy.canaries", privacy.get("canaries", 0), minimum=0)
+    if canaries == 1:
+        raise ConfigError(
+            "privacy.canaries", canaries, "must be 0 (off) or >= 2 (the estimate fits two Gaussians)"
+        )
 
     evaluation = cfg.evaluation
     require_int("evaluation.every", evaluation.every, minimum=1)
@@ -224,6 +229,12 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
     strategy = STRATEGIES.get(cfg.strategy.name)
     strategy.validate_config(cfg)
     strategy.validate_releases(cfg)
+    if cfg.privacy.get("canaries", 0) and not strategy.supports_canaries:
+        raise ConfigError(
+            "privacy.canaries",
+            cfg.privacy.canaries,
+            f"must be 0: strategy={cfg.strategy.name} {strategy.canaries_note}",
+        )
     check_output_dir(cfg)
     if cfg.get("resume") is not None:
         if not strategy.resumable:

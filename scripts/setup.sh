@@ -2,6 +2,12 @@
 # Set up dpfl on a fresh machine: a virtual environment in .venv, the pinned
 # dependencies (CPU torch), the project itself (editable), and the default data
 # set where it can be fetched. Idempotent: re-running only checks.
+#
+# The data step (python -m fl_app.data.fetch) looks in /usr/share/datasets and
+# ~/.cache/dpfl; when Fashion-MNIST is in neither and this runs as root with
+# apt-get, it installs Debian's dataset-fashion-mnist package (it says so first);
+# DPFL_NO_SYSTEM_PACKAGES=1 bash scripts/setup.sh never touches system packages.
+# Otherwise it downloads the files into ~/.cache/dpfl (DPFL_DATA_HOME).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"

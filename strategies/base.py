@@ -26,6 +26,7 @@ the class attributes naming their privacy unit and mechanism.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from logging import INFO, WARNING
 from typing import Any, ClassVar
@@ -49,6 +50,7 @@ from omegaconf import DictConfig
 from fl_app import keys
 from fl_app.models import resolve_model_name
 from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.canaries import CanaryPopulation
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.privacy.mechanisms import sum_clipped_updates
 from fl_app.roster import ClientInfo
@@ -74,6 +76,14 @@ class FederatedStrategy(Strategy):
     privacy_unit: ClassVar[str] = "none"
     mechanism_name: ClassVar[str] = "none"
 
+    #: Whether ``privacy.canaries`` applies: canary clients whose updates join the clipped sum
+    #: (:meth:`clipped_update_sum`) or the local-DP uploads (see :mod:`fl_app.privacy.canaries`).
+    supports_canaries: ClassVar[bool] = False
+    #: Why not, or what the analogue is, when it does not (completes "strategy=<name> ...").
+    canaries_note: ClassVar[str] = (
+        "has no model-update upload that a canary direction could ride on (see docs/empirical_privacy.md)"
+    )
+
     #: Whether ``resume=`` can continue a run of this strategy exactly (see :mod:`fl_app.checkpoint`).
     resumable: ClassVar[bool] = True
     #: Why not, when it cannot (completes "strategy=<name> ...").
@@ -91,6 +101,8 @@ class FederatedStrategy(Strategy):
         self._round_global: ArrayRecord | None = None
         self._failed: dict[int, list[int]] = {}
         self._failure_reasons: dict[int, list[str]] = {}
+        self._initial_vector: np.ndarray | None = None
+        self.canaries: CanaryPopulation | None = None
         self._evaluation_clients: dict[int, list[ClientInfo]] = {}
 
     # ------------------------------------------------------------------ configuration
@@ -197,6 +209,17 @@ class FederatedStrategy(Strategy):
     ) -> Iterable[Message]:
         """Sample clients and send each the global arrays and the train config."""
         self._round_global = arrays
+        if self._initial_vector is None:
+            self._initial_vector = flat_vector(arrays)
+            count = int(self.cfg.privacy.get("canaries", 0) or 0)
+            if count and self.supports_canaries:
+                self.canaries = CanaryPopulation(
+                    count=count,
+                    rate=self.run.clients_per_round / self.run.num_clients,
+                    dimension=self._initial_vector.size,
+                    randomness=self.run.randomness,
+                    max_participations=self.canary_participation_cap(),
+                )
         clients = self.select_clients(server_round)
         self._selected[server_round] = clients
         content = RecordDict(
@@ -224,26 +247,63 @@ class FederatedStrategy(Strategy):
         return self._round_global
 
     def clipped_update_sum(
-        self, valid: list[tuple[ClientInfo, Message]], *, max_norm: float
+        self, valid: list[tuple[ClientInfo, Message]], *, max_norm: float, server_round: int | None = None
     ) -> tuple[list[str], list[np.ndarray], list[np.ndarray], list[float]]:
         """The central-DP step every update-clipping strategy starts with.
 
         Returns the array names, the round's global arrays in float64, the float64 sum of the
         valid replies' updates ``w_k - w_t`` each clipped to L2 norm ``max_norm``
-        (:func:`fl_app.privacy.mechanisms.sum_clipped_updates`), and each update's norm before
-        clipping (un-noised: never release it).
+        (:func:`fl_app.privacy.mechanisms.sum_clipped_updates`), and each reply's update norm
+        before clipping (un-noised: never release it). With ``server_round`` and canaries
+        (``privacy.canaries``), the canaries sampled in that round join the sum through the same
+        clipping; their norms are not returned.
         """
         names = list(self.round_global.keys())
         reference = [array_values(self.round_global[name]).astype(np.float64) for name in names]
-        updates = (
+        updates: Iterable[list[np.ndarray]] = (
             [
                 array_values(reply.content.array_records[keys.ARRAYS][name]).astype(np.float64) - r
                 for name, r in zip(names, reference, strict=True)
             ]
             for _, reply in valid
         )
+        if server_round is not None:
+            updates = itertools.chain(
+                updates, self.canary_uploads(server_round, clip=max_norm, like=reference)
+            )
         total, norms = sum_clipped_updates(updates=updates, like=reference, max_norm=max_norm)
-        return names, reference, total, norms
+        return names, reference, total, norms[: len(valid)]
+
+    def canary_uploads(
+        self, server_round: int, *, clip: float, like: list[np.ndarray]
+    ) -> list[list[np.ndarray]]:
+        """The uploads of the canaries sampled in ``server_round``, shaped like ``like`` (none if off)."""
+        if self.canaries is None:
+            return []
+        return [
+            split_vector(self.canaries.upload(k, clip=clip), like)
+            for k in self.canaries.sampled(server_round)
+        ]
+
+    def canary_participation_cap(self) -> int | None:
+        """At most how often a canary may be inserted: the accountant's worst client (None: no cap).
+
+        Sampled cohorts (Poisson) need none: canaries are sampled like clients. A schedule that
+        bounds participations must bound the canaries' too, or they would measure a larger
+        release than any real client's.
+        """
+        return None
+
+    def empirical_privacy(self, final: ArrayRecord) -> dict[str, Any] | None:
+        """``privacy.empirical_epsilon``: the canaries' one-shot estimate from the final model (None: off)."""
+        if self.canaries is None or self._initial_vector is None:
+            return None
+        estimate = self.canaries.estimate(
+            flat_vector(final) - self._initial_vector,
+            delta=self.run.delta,
+            rng=self.run.randomness.generator("canary-bootstrap"),
+        )
+        return estimate.to_json()
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -419,6 +479,20 @@ class FederatedStrategy(Strategy):
     def final_extras(self) -> dict[str, Any]:
         """Extra fields for the results file's ``final`` object (override)."""
         return {}
+
+
+def flat_vector(arrays: ArrayRecord) -> np.ndarray:
+    """All arrays of a record as one float64 vector (in key order)."""
+    return np.concatenate([array_values(arrays[name]).astype(np.float64).ravel() for name in arrays])
+
+
+def split_vector(vector: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+    """``vector`` cut into arrays shaped like ``like`` (the inverse of :func:`flat_vector`)."""
+    parts, offset = [], 0
+    for template in like:
+        parts.append(vector[offset : offset + template.size].reshape(template.shape))
+        offset += template.size
+    return parts
 
 
 def mean_arrays(records: list[ArrayRecord], weights: list[float] | None = None) -> ArrayRecord:

@@ -74,6 +74,7 @@ class DPFedAvgStrategy(FederatedStrategy):
     """Central-DP FedAvg with server-side fixed clipping and seeded Gaussian noise."""
 
     client_name = "dp_fedavg"
+    supports_canaries = True
     privacy_unit = "one client's entire data set (add or remove one client), central DP"
     mechanism_name = "Gaussian noise on the sum of clipped model updates"
 
@@ -131,7 +132,9 @@ class DPFedAvgStrategy(FederatedStrategy):
         """Clip each update, add noise to the sum, divide by the fixed denominator."""
         valid, _ = self.split_replies(server_round, replies)
         global_arrays = self.round_global
-        names, reference, total, norms = self.clipped_update_sum(valid, max_norm=self.clip)
+        names, reference, total, norms = self.clipped_update_sum(
+            valid, max_norm=self.clip, server_round=server_round
+        )
         rng = self.run.noise.generator("central-noise", server_round=server_round)
         sigma = self.noise_multiplier * self.clip
         noised = [gaussian_mechanism(values=t, sigma=sigma, rng=rng) for t in total]

@@ -206,6 +206,7 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
     """Central-DP FedAvg with server momentum and a privately adapted clip norm."""
 
     client_name = "dp_fedavg_adaptive"
+    supports_canaries = True
     #: amplification by sampling needs the cohort secret (failures are logged without names)
     secret_cohort = True
     privacy_unit = "one client's entire data set (add or remove one client), central DP"
@@ -255,7 +256,9 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
         valid, _ = self.split_replies(server_round, replies)
         global_arrays = self.round_global
         clip = self.clip
-        names, reference, total, norms = self.clipped_update_sum(valid, max_norm=clip)
+        names, reference, total, norms = self.clipped_update_sum(
+            valid, max_norm=clip, server_round=server_round
+        )
         m = self.plan.expected_clients
         rng = self.run.noise.generator("central-noise", server_round=server_round)
         sigma = self.plan.update_noise_multiplier * clip

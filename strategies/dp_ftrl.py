@@ -140,6 +140,7 @@ class DPFTRLStrategy(FederatedStrategy):
     """DP-FTRL(M) with tree aggregation over a public, seeded schedule of fixed-size cohorts."""
 
     client_name = "dp_ftrl"
+    supports_canaries = True
     privacy_unit = (
         "one client's entire data set (zero-out: replaced by data whose clipped updates are zero; "
         "public cohort schedule), central DP"
@@ -227,6 +228,10 @@ class DPFTRLStrategy(FederatedStrategy):
                 leaves.setdefault(info.client_id, []).append(server_round)
         return leaves
 
+    def canary_participation_cap(self) -> int | None:
+        """Canaries join at most as often as the schedule's busiest client (the accounted one)."""
+        return max(self.max_participations, 1)
+
     @property
     def max_participations(self) -> int:
         """Most rounds any client is scheduled in."""
@@ -278,7 +283,9 @@ class DPFTRLStrategy(FederatedStrategy):
         """Add the clipped update sum to the tree, release the noisy prefix sum, FTRL(M) step."""
         valid, _ = self.split_replies(server_round, replies)
         global_arrays = self.round_global
-        names, current, total, _ = self.clipped_update_sum(valid, max_norm=self.settings.clip)
+        names, current, total, _ = self.clipped_update_sum(
+            valid, max_norm=self.settings.clip, server_round=server_round
+        )
         where = self.position(server_round)
         if where.tree != self._tree:
             self._start_tree(where.tree, current)

@@ -39,8 +39,10 @@ from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import local_gaussian_noise_multiplier, local_gaussian_sigma
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent
+from fl_app.privacy.mechanisms import local_gaussian_update
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
+from fl_app.training import array_values
 from fl_app.validation import ConfigError, require_positive
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
@@ -52,6 +54,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
     """FedAvg of client-side clipped and Gaussian-noised model updates."""
 
     client_name = "fedavg_ldp"
+    supports_canaries = True
     privacy_unit = (
         "one client's entire local data set (local DP: any two data sets of one client; "
         "each upload is protected against the server)"
@@ -108,6 +111,10 @@ class FedAvgLDPStrategy(FederatedStrategy):
                 "accuracy without noise, outside the reported epsilon",
             )
 
+    def canary_participation_cap(self) -> int | None:
+        """Canaries upload at most as often as the schedule's busiest client (the accounted one)."""
+        return max(self.max_participations, 1) if self.budget_scope == "total" else 1
+
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """Clipping bound and noise multiplier for the clients."""
         return {keys.LDP_CLIP: self.clip, keys.LDP_NOISE_MULTIPLIER: self.noise_multiplier}
@@ -145,6 +152,14 @@ class FedAvgLDPStrategy(FederatedStrategy):
                 continue
             updates.append([received[n].numpy().astype(np.float64) for n in names])
         self._reports[server_round] = len(updates)
+        like = [array_values(global_arrays[n]) for n in names]
+        for canary, upload in enumerate(self.canary_uploads(server_round, clip=self.clip, like=like)):
+            rng = self.run.noise.generator("canary-ldp-noise", client=canary, server_round=server_round)
+            updates.append(
+                local_gaussian_update(
+                    update=upload, clip=self.clip, noise_multiplier=self.noise_multiplier, rng=rng
+                )
+            )
         if not updates:
             return None, MetricRecord({"reports": 0})
         new = {}

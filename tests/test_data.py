@@ -222,3 +222,25 @@ def test_fast_partition_rows_equal_flower_datasets_public_path(scheme: str, clie
     assert fast is not None
     assert len(fast) == clients
     assert all(np.array_equal(a, b) for a, b in zip(public, fast, strict=True))
+
+
+def test_fetch_never_installs_system_packages_when_asked_not_to(monkeypatch, tmp_path):
+    from fl_app.data import fetch
+
+    calls: list[str] = []
+    monkeypatch.setattr(fetch, "_apt_install", lambda package: calls.append(package) or False)
+    monkeypatch.setattr(fetch, "resolve_idx_folder", _missing)
+    monkeypatch.setenv(fetch.NO_SYSTEM_PACKAGES_ENV, "1")
+    assert fetch.main(["fashion_mnist"]) == 0
+    assert calls == []
+    monkeypatch.delenv(fetch.NO_SYSTEM_PACKAGES_ENV)
+    assert fetch.main(["fashion_mnist", "--no-system-packages"]) == 0
+    assert calls == []
+    assert fetch.main(["fashion_mnist"]) == 0
+    assert calls == ["dataset-fashion-mnist"]
+
+
+def _missing(name, *, data_dir, download):
+    from fl_app.data.sources import DataNotFoundError
+
+    raise DataNotFoundError(f"dataset.data_dir={data_dir}: {name} not found (test)")

@@ -253,6 +253,7 @@ def submitted(federation: Federation) -> dict[str, Submission]:
             "num_clients=4",
             "simulation.timeout=4",
         ]
+        jobs["bad-value"] = [*algorithm_overrides("fedavg"), "privacy.epsilon=-1"]
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(federation.submit, name, overrides) for name, overrides in jobs.items()}
         federation.submissions = {name: future.result() for name, future in futures.items()}
@@ -304,6 +305,8 @@ def test_deploy_num_clients_must_match_the_supernodes(
     expected = {
         "too-few-clients": "num_clients=2, but the federation has 3 SuperNodes",
         "too-many-clients": "num_clients=4, but only 3 SuperNodes connected within 4 s",
+        # a bad value ends the run as failed (flwr ls), with the one-line reason in its log
+        "bad-value": "invalid configuration, nothing was run: privacy.epsilon=-1",
     }
     for name, message in expected.items():
         submission = submitted[name]

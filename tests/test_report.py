@@ -110,3 +110,30 @@ def test_empty_directory_is_refused(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "no usable results.json" in capsys.readouterr().err
     assert not (tmp_path / "report.md").exists()
+
+
+def test_report_shows_the_empirical_estimate_beside_the_claim(tmp_path):
+    for seed, estimate in ((1, 0.6), (2, 0.9)):
+        fake_results(tmp_path / f"dp{seed}", strategy="dp_fedavg", epsilon=3.9, seed=seed, accuracy=0.8)
+        path = tmp_path / f"dp{seed}" / "results.json"
+        results = json.loads(path.read_text())
+        results["privacy"]["empirical_epsilon"] = {
+            "epsilon": estimate,
+            "low": 0.1,
+            "high": 1.7,
+            "canaries": 50,
+        }
+        path.write_text(json.dumps(results))
+    fake_results(tmp_path / "fa", strategy="fedavg", epsilon=None, seed=1, accuracy=0.9)
+    assert main([str(tmp_path)]) == 0
+    rows = {r["algorithm"]: r for r in csv.DictReader((tmp_path / "report.csv").open())}
+    assert float(rows["dp_fedavg"]["empirical_epsilon"]) == 0.9  # the largest over seeds
+    assert rows["dp_fedavg"]["canaries"] == "50" and rows["fedavg"]["empirical_epsilon"] == ""
+    assert "| 0.9 (0.1..1.7; 50) |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "empirical_vs_claimed.png").stat().st_size > 0
+
+
+def test_no_estimate_plot_without_canaries(tmp_path):
+    fake_results(tmp_path / "dp", strategy="dp_fedavg", epsilon=3.9, seed=1, accuracy=0.8)
+    assert main([str(tmp_path)]) == 0
+    assert not (tmp_path / "empirical_vs_claimed.png").exists()

@@ -340,3 +340,18 @@ def tree_prefix_nodes(step: int) -> list[tuple[int, int]]:
         nodes.append(tree_node(end))
         end -= end & -end
     return nodes[::-1]
+
+
+def local_gaussian_update(
+    *, update: list[np.ndarray], clip: float, noise_multiplier: float, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """FedAvg+LDP's upload: ``update`` clipped to L2 norm ``clip``, plus ``N(0, (z 2C)^2)`` per coordinate.
+
+    The device's whole step (clients/fedavg_ldp.py) and the canaries' (they must take the same
+    path); 2C is the L2 sensitivity of a clipped update when a client's data may change entirely.
+    """
+    from fl_app.privacy.calibration import local_gaussian_sigma
+
+    sigma = local_gaussian_sigma(clip=clip, noise_multiplier=noise_multiplier)
+    clipped, _ = clip_l2(arrays=update, max_norm=clip)
+    return [gaussian_mechanism(values=c, sigma=sigma, rng=rng) for c in clipped]
