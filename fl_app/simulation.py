@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import secrets
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
@@ -71,12 +73,13 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
         run_config=overrides_to_run_config(list(overrides), str(output_dir)),
     )
     backend = backend_config(cfg)
-    own_ray = not cfg.simulation.ray_address
-    before = _child_pids()
+    watch = RayProcessWatch() if not cfg.simulation.ray_address else None
     with stop_on_signals():
         try:
             start_ray(backend["init_args"])
             reinstall_handlers()  # ray.init replaced the SIGTERM handler
+            if watch is not None:
+                watch.start()
             run_simulation_engine(
                 num_supernodes=int(cfg.num_clients),
                 server_app_attr=SERVER_APP,
@@ -86,7 +89,7 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
                 backend_config=backend,
             )
         finally:
-            shutdown_ray(reap_children=own_ray, keep=before)
+            shutdown_ray(watch)
     outcome = take_outcome()
     if outcome is None:  # the ServerApp refused the configuration or ended without a run
         signum = stop_requested()
@@ -100,49 +103,72 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
 
 #: Seconds to wait for Ray's processes to exit after ``ray.shutdown`` before killing them.
 REAP_TIMEOUT_S = 3.0
+#: How often the watch looks at this process's descendants.
+WATCH_INTERVAL_S = 0.5
 
 
-def _child_pids() -> set[int]:
-    import psutil
+class RayProcessWatch:
+    """Remembers every Ray process this process starts while a simulation runs.
 
-    return {child.pid for child in psutil.Process().children(recursive=True)}
+    Flower's Ray backend calls ``ray.shutdown`` when the run ends. That stops the raylet and
+    GCS, but the actor processes outlive them for 2-3 s (measured), re-parented to init:
+    after the shutdown they are no longer this process's descendants. A daemon thread
+    therefore samples the descendants every :data:`WATCH_INTERVAL_S` while the run is up
+    (actors live for the whole run), and :func:`shutdown_ray` ends whichever of them are
+    still alive. Processes that existed before the watch started are never touched.
+    """
+
+    def __init__(self) -> None:
+        self._before = {child.pid for child in psutil.Process().children(recursive=True)}
+        self._seen: dict[int, psutil.Process] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, name="dpfl-ray-watch", daemon=True)
+
+    def start(self) -> None:
+        """Begin sampling (call once Ray is up)."""
+        self._sample()
+        self._thread.start()
+
+    def _sample(self) -> None:
+        for child in psutil.Process().children(recursive=True):
+            if child.pid not in self._before and child.pid not in self._seen and _is_ray_process(child):
+                self._seen[child.pid] = child
+
+    def _sample_until_stopped(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL_S):
+            self._sample()
+
+    def processes(self) -> list[psutil.Process]:
+        """Stop sampling (after a last look) and return the Ray processes seen."""
+        self._sample()
+        self._stop.set()
+        return list(self._seen.values())
 
 
-def _is_ray_process(process: Any) -> bool:
-    import psutil
-
+def _is_ray_process(process: psutil.Process) -> bool:
     try:
         return any("ray" in part for part in [process.name(), *process.cmdline()[:3]])
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
 
 
-def shutdown_ray(*, reap_children: bool, keep: set[int] = frozenset()) -> None:  # type: ignore[assignment]
-    """Shut Ray down; with ``reap_children``, also end the Ray processes this one started.
+def shutdown_ray(watch: RayProcessWatch | None = None) -> None:
+    """Shut Ray down; with a ``watch``, also end every Ray process it saw that is still running.
 
-    ``ray.shutdown`` stops the raylet and GCS, but actor processes notice only later (seen: 2-20 s);
-    a run that started its own Ray instance leaves nothing behind when it returns. Processes in
-    ``keep`` (children that existed before Ray started) are left alone.
+    psutil checks a process's start time before signalling it, so a reused pid is never hit.
     """
-    import psutil
     import ray
 
-    children = []
-    if reap_children:
-        children = [
-            child
-            for child in psutil.Process().children(recursive=True)
-            if child.pid not in keep and _is_ray_process(child)
-        ]
     if ray.is_initialized():
         ray.shutdown()
-    if not children:
+    if watch is None:
         return
-    for child in children:
+    processes = [p for p in watch.processes() if p.is_running()]
+    for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
-            child.terminate()
-    _, alive = psutil.wait_procs(children, timeout=REAP_TIMEOUT_S)
-    for child in alive:
+            process.terminate()
+    _, alive = psutil.wait_procs(processes, timeout=REAP_TIMEOUT_S)
+    for process in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
-            child.kill()
+            process.kill()
     psutil.wait_procs(alive, timeout=REAP_TIMEOUT_S)

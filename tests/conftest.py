@@ -149,12 +149,31 @@ def simulate(tmp_path: Path) -> Callable[..., dict[str, Any]]:
         cfg = compose_config(list(overrides))
         validate_config(cfg)
         output = tmp_path / name
+        before = ray_process_ids()
         run_in_simulation(cfg, list(overrides), output)
+        assert ray_process_ids() <= before, "Ray processes still running after the simulation returned"
         results = json.loads((output / "results.json").read_text())
         results["_output_dir"] = str(output)
         return results
 
     return run
+
+
+def ray_process_ids() -> set[int]:
+    """Pids of every running Ray process on this machine (actors, raylet, GCS, workers)."""
+    import psutil
+
+    found = set()
+    for process in psutil.process_iter(["name", "cmdline", "status"]):
+        try:
+            if process.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            parts = [process.info["name"] or "", *(process.info["cmdline"] or [])[:3]]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if any(part.startswith("ray::") or "/ray/" in part for part in parts):
+            found.add(process.pid)
+    return found
 
 
 @pytest.fixture(scope="session")
@@ -177,7 +196,9 @@ def shared_simulation(tmp_path_factory: pytest.TempPathFactory) -> Callable[...,
             cfg = compose_config(list(overrides))
             validate_config(cfg)
             output = tmp_path_factory.mktemp("shared-run")
+            before = ray_process_ids()
             run_in_simulation(cfg, list(overrides), output)
+            assert ray_process_ids() <= before, "Ray processes still running after the simulation returned"
             results = json.loads((output / "results.json").read_text())
             results["_output_dir"] = str(output)
             cache[key] = results
