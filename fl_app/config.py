@@ -55,7 +55,7 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     if added:
         schema = _compose([item for item in run_overrides if item not in added])
         for item in added:
-            key = item.lstrip("+").split("=", 1)[0]
+            key = override_key(item)
             if OmegaConf.select(schema, key, default=_MISSING) is _MISSING:
                 raise unknown_key(key, schema, given=item)
     return freeze(cfg)
@@ -64,16 +64,21 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
 _MISSING = object()
 
 
-def _compose(overrides: Sequence[str]) -> DictConfig:
+def _compose(overrides: Sequence[str], *, with_hydra: bool = False) -> DictConfig:
     # Inside a `python -m fl_app` job Hydra is already initialised: set its
     # state aside, compose afresh from conf/, and put it back.
     backup = get_gh_backup()
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name=CONFIG_NAME, overrides=list(overrides))
+            return compose(config_name=CONFIG_NAME, overrides=list(overrides), return_hydra_config=with_hydra)
     finally:
         restore_gh_from_backup(backup)
+
+
+def override_key(item: str) -> str:
+    """The key an override sets: ``privacy.epsilon`` of ``+privacy.epsilon=4`` (also ``++``, ``~``)."""
+    return item.lstrip("+~").split("=", 1)[0]
 
 
 def config_groups() -> dict[str, list[str]]:
@@ -89,8 +94,7 @@ def _adds_key(item: str) -> bool:
     """A ``+key=value`` override that adds a plain key (``+group=option`` selects a group: allowed)."""
     if not item.startswith("+") or item.startswith("++"):
         return False
-    key = item.lstrip("+").split("=", 1)[0]
-    return key not in config_groups()
+    return override_key(item) not in config_groups()
 
 
 def dotted_keys(cfg: Any, prefix: str = "") -> list[str]:
@@ -131,8 +135,8 @@ def explain_composition_error(error: Exception, overrides: Sequence[str]) -> Exc
     override = re.search(r"Could not override '([^']+)'", text)
     if override:
         key = override.group(1)
-        rest = [item for item in overrides if item.lstrip("+~").split("=", 1)[0] != key]
-        given = next((item for item in overrides if item.lstrip("+~").split("=", 1)[0] == key), key)
+        rest = [item for item in overrides if override_key(item) != key]
+        given = next((item for item in overrides if override_key(item) == key), key)
         try:
             return unknown_key(key, _compose(rest), given=given)
         except HydraException:
@@ -146,14 +150,7 @@ def sweep_params(overrides: Sequence[str] = ()) -> list[str]:
     Experiment presets declare their sweep axes there; ``python -m fl_app -m`` sweeps them (values
     given on the command line for the same key win).
     """
-    run_overrides = [item for item in overrides if not _is_hydra_override(item)]
-    backup = get_gh_backup()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose(config_name=CONFIG_NAME, overrides=run_overrides, return_hydra_config=True)
-    finally:
-        restore_gh_from_backup(backup)
+    cfg = _compose([item for item in overrides if not _is_hydra_override(item)], with_hydra=True)
     params = cfg.hydra.sweeper.get("params") or {}
     return [f"{key}={value}" for key, value in params.items()]
 
@@ -190,5 +187,5 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
 
 
 def _is_hydra_override(item: str) -> bool:
-    key = item.lstrip("+~").split("=", 1)[0]
+    key = override_key(item)
     return key == "hydra" or key.startswith("hydra.") or key.startswith("hydra/")

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from omegaconf import DictConfig
+
+from fl_app.config import override_key
+
 RESUME_KEY = "resume"
 #: Keys a resumed run may change (a prefix ends with a dot).
 CHANGEABLE = ("num_rounds", "simulation.", "hydra.", "hydra/")
-
-
-def _key(override: str) -> str:
-    return override.lstrip("+~").split("=", 1)[0]
 
 
 def _value(override: str) -> str:
@@ -27,7 +27,7 @@ def _value(override: str) -> str:
 
 def resume_dir(overrides: Sequence[str]) -> Path | None:
     """The directory ``resume=`` names, or None."""
-    values = [_value(o) for o in overrides if _key(o) == RESUME_KEY]
+    values = [_value(o) for o in overrides if override_key(o) == RESUME_KEY]
     if not values or values[-1] in ("", "null", "None"):
         return None
     return Path(values[-1].strip("'\"")).expanduser().resolve()
@@ -35,7 +35,7 @@ def resume_dir(overrides: Sequence[str]) -> Path | None:
 
 def run_overrides(overrides: Sequence[str]) -> list[str]:
     """The overrides that define a run, without ``resume`` and ``output_dir`` (saved in checkpoints)."""
-    return [o for o in overrides if _key(o) not in (RESUME_KEY, "output_dir")]
+    return [o for o in overrides if override_key(o) not in (RESUME_KEY, "output_dir")]
 
 
 def expand_resume(overrides: Sequence[str]) -> list[str]:
@@ -53,8 +53,8 @@ def expand_resume(overrides: Sequence[str]) -> list[str]:
     from fl_app.checkpoint import read_header
     from fl_app.validation import ConfigError
 
-    given = [o for o in overrides if _key(o) != RESUME_KEY]
-    refused = [o for o in given if not any(_key(o) == c or _key(o).startswith(c) for c in CHANGEABLE if c)]
+    given = [o for o in overrides if override_key(o) != RESUME_KEY]
+    refused = [o for o in given if not override_key(o).startswith(CHANGEABLE)]
     if refused:
         raise ConfigError(
             RESUME_KEY,
@@ -73,11 +73,11 @@ def expand_resume(overrides: Sequence[str]) -> list[str]:
         ) from None
     except (OSError, ValueError) as error:
         raise ConfigError(RESUME_KEY, str(directory), " ".join(str(error).split())) from None
-    saved = [o for o in header["overrides"] if _key(o) not in (RESUME_KEY, "output_dir")]
+    saved = [o for o in header["overrides"] if override_key(o) not in (RESUME_KEY, "output_dir")]
     return [*saved, *given, f"output_dir={directory}", f"{RESUME_KEY}={directory}"]
 
 
-def validate_resume(cfg: object, *, is_private: bool) -> None:
+def validate_resume(cfg: DictConfig, *, is_private: bool) -> None:
     """Check a resumed configuration against its checkpoint (rounds, fingerprint).
 
     Parameters
@@ -93,12 +93,12 @@ def validate_resume(cfg: object, *, is_private: bool) -> None:
     from fl_app.run import config_fingerprint
     from fl_app.validation import ConfigError
 
-    directory = Path(str(cfg.resume))  # type: ignore[attr-defined]
+    directory = Path(str(cfg.resume))
     header = read_header(directory)
     done = int(header["completed_round"])
-    rounds = int(cfg.num_rounds)  # type: ignore[attr-defined]
+    rounds = int(cfg.num_rounds)
     planned = int(header["num_rounds"])
-    if config_fingerprint(cfg, ignore=("num_rounds",)) != header["fingerprint"]:  # type: ignore[arg-type]
+    if config_fingerprint(cfg, ignore=("num_rounds",)) != header["fingerprint"]:
         raise ConfigError(
             RESUME_KEY,
             str(directory),

@@ -560,7 +560,7 @@ class RoundReporter:
         )
 
     def __call__(self, server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-        """Called by ``Strategy.start`` before round 1 (round 0) and after every round."""
+        """Called before round 1 (round 0) and, by :func:`fl_app.round_loop.run_rounds`, after every round."""
         if server_round == 0:
             loss, accuracy = self.strategy.evaluate_global(arrays, self.x_test, self.y_test)
             self.recorder.initial = {"accuracy": accuracy, "loss": loss}

@@ -515,10 +515,10 @@ def mean_arrays(records: list[ArrayRecord], weights: list[float] | None = None) 
     for factor, record in zip(factors, records, strict=True):
         flat = np.concatenate([array_values(record[name]).ravel() for name in names]).astype(np.float64)
         total += factor * flat
-    out: dict[str, Array] = {}
-    offset = 0
-    for name, template in zip(names, first, strict=True):
-        part = total[offset : offset + template.size].reshape(template.shape)
-        out[name] = Array(np.ascontiguousarray(part, dtype=template.dtype))
-        offset += template.size
-    return ArrayRecord(out)
+    parts = split_vector(total, first)
+    return ArrayRecord(
+        {
+            name: Array(np.ascontiguousarray(part, dtype=template.dtype))
+            for name, part, template in zip(names, parts, first, strict=True)
+        }
+    )

@@ -62,6 +62,7 @@ from fl_app.roster import ClientInfo
 from fl_app.run import make_run_context
 from fl_app.run_context import RunContext
 from strategies import STRATEGIES
+from strategies.base import flat_vector
 from strategies.laplace_eval import LaplaceEvalStage
 
 #: Digits (8x8) with the MLP: one SGD step of lr 1 on at most 10 examples (batch 16).
@@ -186,10 +187,6 @@ def bias_direction(arrays: ArrayRecord, first: int = 0, second: int | None = Non
     return direction / np.linalg.norm(direction)
 
 
-def flat(arrays: ArrayRecord) -> np.ndarray:
-    return np.concatenate([arrays[k].numpy().astype(np.float64).ravel() for k in arrays])
-
-
 def reseeded(strategy: Any, seed: int) -> Any:
     """``strategy`` in a run whose privacy randomness has seed ``seed`` (one independent repetition)."""
     strategy.run = dataclasses.replace(strategy.run, noise=RandomSource(seed=seed))
@@ -253,7 +250,7 @@ def projection(direction: np.ndarray) -> Callable[[Message], float]:
     """The upload's coordinate along ``direction`` (the optimal statistic for Gaussian noise)."""
 
     def statistic(reply: Message) -> float:
-        return float(flat(reply.content.array_records[keys.ARRAYS]) @ direction)
+        return float(flat_vector(reply.content.array_records[keys.ARRAYS]) @ direction)
 
     return statistic
 
@@ -323,7 +320,8 @@ def central_update_audit(
         assert message is not None
         first, second = run_client(message, client, len(sizes)), run_client(message, client, len(sizes))
         assert np.array_equal(
-            flat(first.content.array_records[keys.ARRAYS]), flat(second.content.array_records[keys.ARRAYS])
+            flat_vector(first.content.array_records[keys.ARRAYS]),
+            flat_vector(second.content.array_records[keys.ARRAYS]),
         )
         trained[client] = first.content.array_records[keys.ARRAYS]
     direction = bias_direction(start)
@@ -339,7 +337,7 @@ def central_update_audit(
                 for m in fresh.configure_train(1, start, ConfigRecord(), grid=None)
             ]
             arrays, _ = fresh.aggregate_train(1, replies)
-            values.append(float(flat(arrays) @ direction))
+            values.append(float(flat_vector(arrays) @ direction))
         outputs.append(np.asarray(values))
     reported = STRATEGIES.get(name)(run)
     list(reported.configure_train(1, start, ConfigRecord(), grid=None))
@@ -402,7 +400,7 @@ def nbafl_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> 
 
     def released(reply: Message) -> float:
         arrays, _ = strategy.aggregate_train(1, [reply])  # the server's release (mean of K = 1 uploads)
-        return float(flat(arrays) @ direction)
+        return float(flat_vector(arrays) @ direction)
 
     held[0] = examples([0] * 10)
     a, b = repeat(strategy, start, held, (examples([0] * 10), neighbour), released, trials)

@@ -44,6 +44,7 @@ from fl_app.run import (
 from fl_app.run_context import RunContext
 from fl_app.validation import ConfigError, validate_config
 from strategies import STRATEGIES
+from strategies.base import flat_vector
 from strategies.dp_fedavg import DPFedAvgStrategy
 from strategies.dpfl_bnn import DPFLBNNStrategy
 from strategies.laplace_eval import LaplaceEvalStage
@@ -70,10 +71,6 @@ def platform_run(overrides: list[str], tmp_path: Path, roster: list[ClientInfo] 
 
 def zeros_like(arrays: ArrayRecord) -> ArrayRecord:
     return ArrayRecord({k: Array(np.zeros_like(v.numpy())) for k, v in arrays.items()})
-
-
-def flat(arrays: ArrayRecord) -> np.ndarray:
-    return np.concatenate([arrays[k].numpy().ravel().astype(np.float64) for k in arrays])
 
 
 def cohorts(strategy: DPFedAvgStrategy, rounds: int = 12) -> list[list[int]]:
@@ -148,7 +145,7 @@ def _central_noise(tmp_path: Path, epsilon: float) -> np.ndarray:
     start = zeros_like(strategy.initial_arrays())
     messages = list(strategy.configure_train(1, start, ConfigRecord(), grid=None))
     arrays, _ = strategy.aggregate_train(1, [reply_to(m, arrays=start) for m in messages])
-    return flat(arrays) * strategy.denominator / (strategy.noise_multiplier * strategy.clip)
+    return flat_vector(arrays) * strategy.denominator / (strategy.noise_multiplier * strategy.clip)
 
 
 def test_runs_of_a_sweep_do_not_share_their_central_noise(tmp_path):
