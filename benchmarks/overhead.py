@@ -88,6 +88,12 @@ RAY_DEFAULT_TRANSPORT = {
 }
 
 
+#: Seconds between memory samples. One PSS sample of the run's ~10 processes costs ~50 ms of CPU
+#: (it reads every process's smaps): sampled every 0.25 s it took a fifth of a core from the run it
+#: measured (cross-device round 0.41 s instead of 0.31 s).
+MEMORY_SAMPLE_S = 2.0
+
+
 def tree_pss(root: psutil.Process) -> int:
     """Sum of PSS (bytes) of ``root`` and all its descendants."""
     total = 0
@@ -142,7 +148,7 @@ def run_simulation(
                 peak = max(peak, tree_pss(root))
             except psutil.NoSuchProcess:
                 return
-            stop.wait(0.25)
+            stop.wait(MEMORY_SAMPLE_S)
 
     sampler = threading.Thread(target=sample)
     sampler.start()
@@ -154,9 +160,12 @@ def run_simulation(
         raise RuntimeError(f"simulation failed: {' '.join(command)}")
     results = json.loads((run_dir / "results.json").read_text())
     log = (run_dir / "run.log").read_text()
-    first_round = re.search(r"^(\S+ \S+) INFO \[ROUND 1/", log, flags=re.M)
-    assert first_round is not None
-    round_one = datetime.strptime(first_round.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    first_round = re.search(r"^(\S+ \S+) INFO dpfl round 1/", log, flags=re.M)
+    if first_round is None:
+        raise RuntimeError(f"no 'dpfl round 1/' line in {run_dir / 'run.log'}")
+    # the line is written when round 1 ends: its start is that time minus the round's duration
+    round_one_end = datetime.strptime(first_round.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    round_one = round_one_end - float(results["rounds"][0]["round_s"])
     round_times = [r["round_s"] for r in results["rounds"][2:]]
     return {
         "startup_s": round_one - launched,
@@ -263,8 +272,12 @@ def timed(function: Callable[[int], Any], repeats: int) -> float:
     return (time.perf_counter() - started) / repeats * 1000
 
 
-def transport_ms(message: Any, context: Any, *, actors: int, inline: bool, count: int = 100) -> float:
-    """Milliseconds per message through Flower's Ray actor pool with an echo ClientApp (throughput)."""
+def transport_ms(message: Any, context: Any, *, actors: int, depth: int = 1, count: int = 100) -> float:
+    """Milliseconds per message through Flower's Ray actor pool with an echo ClientApp (throughput).
+
+    ``depth`` > 1: each actor holds that many messages at once (dpfl's pipelined pool,
+    :func:`fl_app.flower_engine.pipeline_pool`), with one sending thread per slot as in Flower.
+    """
     import ray
     from flwr.app import Message, MetricRecord, RecordDict
     from flwr.simulation.ray_transport.ray_actor import BasicActorPool, ClientAppActor
@@ -284,6 +297,12 @@ def transport_ms(message: Any, context: Any, *, actors: int, inline: bool, count
             actor_type=ClientAppActor, client_resources={"num_cpus": 1.0, "num_gpus": 0.0}, actor_kwargs={}
         )
         pool.add_actors_to_pool(pool.actors_capacity)
+        if depth > 1:
+            from fl_app.flower_engine import pipeline_pool
+
+            pool_actors = pool.num_actors
+            pipeline_pool(pool, depth)
+            assert pool.num_actors == depth * pool_actors
         todo = list(range(count))
         lock = threading.Lock()
 
@@ -327,11 +346,7 @@ def transport(args: argparse.Namespace) -> None:
     context = Context(
         run_id=77, node_id=5, node_config={"partition-id": 1}, state=RecordDict(), run_config={}
     )
-    print(
-        json.dumps(
-            {"ms": transport_ms(message, context, actors=args.actors, inline=args.setting == "inline")}
-        )
-    )
+    print(json.dumps({"ms": transport_ms(message, context, actors=args.actors, depth=args.depth)}))
 
 
 def dpfl_transport() -> dict[str, str]:
@@ -341,7 +356,7 @@ def dpfl_transport() -> dict[str, str]:
     return dict(runpy.run_path(str(ROOT / "dpfl_env.py"))["FLOWER_ENVIRONMENT"])
 
 
-def transport_in_subprocess(setting: str, actors: int) -> float:
+def transport_in_subprocess(setting: str, actors: int, depth: int = 1) -> float:
     """:func:`transport` in a fresh process (Ray reads its settings once per process, at start)."""
     env = dict(os.environ)
     if setting == "store":
@@ -349,7 +364,8 @@ def transport_in_subprocess(setting: str, actors: int) -> float:
     else:
         env.update({key: dpfl_transport()[key] for key in RAY_DEFAULT_TRANSPORT})
     command = [sys.executable, str(Path(__file__).resolve()), "transport", "--setting", setting]
-    output = subprocess.run([*command, "--actors", str(actors)], env=env, capture_output=True, text=True)
+    command += ["--actors", str(actors), "--depth", str(depth)]
+    output = subprocess.run(command, env=env, capture_output=True, text=True)
     if output.returncode != 0:
         raise RuntimeError(f"transport measurement failed: {output.stderr[-2000:]}")
     return float(json.loads(output.stdout.strip().splitlines()[-1])["ms"])
@@ -480,6 +496,14 @@ def breakdown(args: argparse.Namespace) -> None:
         f"Ray object store, {args.actors} actors": transport_in_subprocess("store", args.actors),
         f"inline (dpfl_env.py), {args.actors} actors": transport_in_subprocess("inline", args.actors),
     }
+    try:  # dpfl's pipelined actor pool (absent before it existed)
+        from fl_app.flower_engine import PIPELINE_DEPTH
+
+        transport[f"inline, {PIPELINE_DEPTH} messages per actor (dpfl), {args.actors} actors"] = (
+            transport_in_subprocess("inline", args.actors, PIPELINE_DEPTH)
+        )
+    except ImportError:
+        pass
     summary = {
         "clients": args.clients,
         "mean_examples_per_client": float(np.mean(data.client_sizes())),
@@ -605,6 +629,8 @@ Accuracy per round: {curve}
 
 def section(args: argparse.Namespace) -> None:
     """Write the platform section of BENCHMARKS.md from the run files."""
+    from fl_app.flower_engine import PIPELINE_DEPTH
+
     head = main_job_text(args)
     overhead: list[dict] = []
     for directory in args.overhead:
@@ -629,8 +655,9 @@ Cross-device shape, N = {first["clients"]} (mean {first["mean_examples_per_clien
 client), the MLP; one train message is {first["message_bytes"]:,} bytes. Client parts are means over 200
 calls in one process with one torch thread (as in a Ray actor holding one CPU); transport is Flower's
 actor pool with an echo ClientApp on the same message, per message at throughput with 2 actors, through
-Ray's object store (Ray's default) and inline in the task's RPC (what `dpfl_env.py` sets); server parts
-are per round of 100 replies.
+Ray's object store (Ray's default), inline in the task's RPC (what `dpfl_env.py` sets), and inline with
+each actor holding several messages at once (dpfl's pipelined pool, `fl_app/flower_engine.py`); server
+parts are per round of 100 replies.
 
 {breakdown_table(summaries)}
 """
@@ -665,8 +692,12 @@ median `round_s` of rounds 3..R (training messages, aggregation and test evaluat
 PyTorch* is the same clients' local training, the same averaging and the same test evaluation back to
 back in one process (no Flower, no Ray), measured right after the simulation. *start-up* is from
 launching `python -m fl_app` until round 1 starts (imports, data, Ray, roster query). *peak memory* is the
-peak of the summed PSS of the launched process and all its descendants (Ray GCS, raylet, workers).
-*before* is the code before the cross-device work (commit {args.before_commit}), *after* this code.
+peak of the summed PSS of the launched process and all its descendants (Ray GCS, raylet, workers),
+sampled every {MEMORY_SAMPLE_S:g} s (the *after* rows; 0.25 s before: one sample costs ~50 ms of CPU, which
+slowed the run being measured).
+*before* is the code before the cross-device work (commit {args.before_commit}), *4e6c08c* the first
+round of that work (fast dispatch, inline transport, caches), *after* this code (adds the pipelined actor
+pool: each Ray actor holds {PIPELINE_DEPTH} messages at once, `fl_app/flower_engine.py`).
 Goals: ratio <= 1.5 cross-device (goal 1.2) and <= 1.2 cross-silo, start-up <= 20 s at N <= 1000 and
 <= 30 s at 5000, peak memory <= 3 GB.
 
@@ -696,6 +727,7 @@ def main() -> None:
     echo = commands.add_parser("transport")
     echo.add_argument("--setting", choices=["store", "inline"], required=True)
     echo.add_argument("--actors", type=int, default=2)
+    echo.add_argument("--depth", type=int, default=1, help="messages each actor holds at once")
     parts = commands.add_parser("breakdown")
     parts.add_argument("--clients", type=int, default=1000)
     parts.add_argument("--actors", type=int, default=2)

@@ -3,11 +3,11 @@
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fl_app.flower_engine import install_fast_dispatch
+from fl_app.flower_engine import install_engine_patches
 from fl_app.run import run_federation
 
 # Under `flwr run` the simulation engine runs in the process that loads this module.
-install_fast_dispatch()
+install_engine_patches()
 
 app = ServerApp()
 

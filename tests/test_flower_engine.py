@@ -33,6 +33,9 @@ from fl_app.flower_engine import (
     flower_version,
     install_fast_dispatch,
     is_in_memory_grid,
+    load_dpfl_client_app,
+    pipeline_pool,
+    pipelined_slots,
     take_undelivered,
 )
 from fl_app.metering import MeteredGrid, content_bytes
@@ -55,6 +58,16 @@ def test_pins_the_flower_release_whose_private_apis_it_uses() -> None:
     assert {"num_supernodes", "server_app_attr", "client_app_attr", "backend_config"} <= set(
         inspect.signature(_run_simulation).parameters
     )
+
+
+def test_pins_the_actor_pool_flower_lends_from() -> None:
+    """``pipeline_pool`` relies on BasicActorPool lending ``pool.pop()`` and one worker per ``num_actors``."""
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
+
+    assert "self.pool.pop()" in inspect.getsource(BasicActorPool.submit)
+    assert "self.pool.num_actors" in inspect.getsource(RayBackend.num_workers.fget)
+    assert "backend.num_workers" in inspect.getsource(vce_api.run_api)
 
 
 def test_install_replaces_the_dispatcher_once() -> None:
@@ -321,3 +334,41 @@ def test_numpy_array_is_byte_identical_to_flowers_array() -> None:
             flowers.shape,
             flowers.stype,
         )
+
+
+def test_pipelined_slots_interleave_actors() -> None:
+    assert pipelined_slots(["a", "b"], 3) == ["a", "b", "a", "b", "a", "b"]
+    assert pipelined_slots(["a"], 1) == ["a"]
+    with pytest.raises(ValueError, match="depth"):
+        pipelined_slots(["a"], 0)
+
+
+def test_pipelined_pool_lends_each_actor_depth_times_and_ends_it_once() -> None:
+    class Actor:
+        def __init__(self) -> None:
+            self.terminated = 0
+            self.terminate = type("Method", (), {"remote": lambda _self: self._end()})()
+
+        def _end(self) -> None:
+            self.terminated += 1
+
+    actors = [Actor(), Actor()]
+    pool = type("Pool", (), {})()
+    pool.pool, pool.num_actors = list(actors), 2
+    pipeline_pool(pool, 3)
+    assert pool.num_actors == 6  # Flower starts one worker thread per slot
+    lent = [pool.pool.pop() for _ in range(2)]
+    assert lent[0] is not lent[1]  # consecutive loans go to different actors
+    pool.terminate_all_actors()
+    assert [actor.terminated for actor in actors] == [1, 1]
+
+
+def test_client_app_loader_travels_by_reference() -> None:
+    import ray.cloudpickle
+
+    from fl_app.client_app import app
+
+    assert len(ray.cloudpickle.dumps(load_dpfl_client_app)) < 200  # a name, not code
+    assert load_dpfl_client_app() is app
+    assert flower_engine._loads_dpfl_client_app(lambda: app)
+    assert not flower_engine._loads_dpfl_client_app(lambda: object())
