@@ -6,7 +6,8 @@ loop to :meth:`flwr.serverapp.strategy.Strategy.start`. This base adds what
 every algorithm of the project needs:
 
 * seeded client sampling over the roster (reproducible, unlike Flower's global
-  ``random.sample``);
+  ``random.sample``), or a schedule planned at start-up (uniform or balanced,
+  :meth:`seeded_schedule`) that a local-DP calibration can count exactly;
 * the train ``ConfigRecord`` every client reads (:meth:`base_config`, keys in
   :mod:`fl_app.keys`);
 * failure handling: replies with errors are logged and left out, the round goes
@@ -27,6 +28,7 @@ the class attributes naming their privacy unit and mechanism.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Iterable
 from logging import INFO, WARNING
 from typing import Any, ClassVar
@@ -103,7 +105,8 @@ class FederatedStrategy(Strategy):
         self._failure_reasons: dict[int, list[str]] = {}
         self._initial_vector: np.ndarray | None = None
         self.canaries: CanaryPopulation | None = None
-        self._evaluation_clients: dict[int, list[ClientInfo]] = {}
+        #: Cohorts fixed at start-up (:meth:`seeded_schedule`), or None to sample each round.
+        self.planned_cohorts: dict[int, list[ClientInfo]] | None = None
 
     # ------------------------------------------------------------------ configuration
 
@@ -181,11 +184,63 @@ class FederatedStrategy(Strategy):
     # ------------------------------------------------------------------ sampling
 
     def select_clients(self, server_round: int) -> list[ClientInfo]:
-        """Uniformly sample ``clients_per_round`` clients without replacement (seeded)."""
+        """The cohort of ``server_round``: the planned schedule if there is one, else a seeded sample.
+
+        Without a plan: ``clients_per_round`` clients uniformly without replacement (seeded).
+        """
+        if self.planned_cohorts is not None:
+            if server_round not in self.planned_cohorts:
+                raise RuntimeError(
+                    f"round {server_round} is beyond num_rounds={len(self.planned_cohorts)}, which the "
+                    "privacy calibration assumed"
+                )
+            return self.planned_cohorts[server_round]
+        return self.uniform_cohort(server_round)
+
+    def uniform_cohort(self, server_round: int) -> list[ClientInfo]:
+        """``clients_per_round`` clients uniformly without replacement, from the run seed."""
         rng = self.run.randomness.generator("client-sampling", server_round=server_round)
         count = self.run.clients_per_round
         chosen = rng.choice(len(self.run.roster), size=count, replace=False)
         return [self.run.roster[i] for i in sorted(chosen)]
+
+    def epoch_cohorts(self, num_rounds: int, *, purpose: str = "epoch-schedule") -> list[list[int]]:
+        """Roster indices of rounds 1..``num_rounds``, each client at most once per epoch.
+
+        Each epoch is a permutation of the roster, seeded by the run seed and the epoch, cut
+        into ``N // m`` cohorts of exactly ``m = clients_per_round`` clients (the ``N mod m``
+        left over sit that epoch out). A client therefore takes part in at most
+        ``ceil(num_rounds / (N // m))`` rounds: the balanced schedule of Kairouz et al.
+        (ICML 2021, DP-FTRL) and of "every client once per pass over the population".
+        The schedule is public; it must not be what a privacy claim's amplification rests on.
+        """
+        size = self.run.clients_per_round
+        per_epoch = self.run.num_clients // size
+        cohorts: list[list[int]] = []
+        epoch = 0
+        while len(cohorts) < num_rounds:
+            order = self.run.randomness.generator(purpose, server_round=epoch).permutation(
+                self.run.num_clients
+            )
+            cohorts += [sorted(int(i) for i in order[k * size : (k + 1) * size]) for k in range(per_epoch)]
+            epoch += 1
+        return cohorts[:num_rounds]
+
+    def seeded_schedule(self, num_rounds: int, *, balanced: bool = False) -> dict[int, list[ClientInfo]]:
+        """The cohorts of rounds 1..``num_rounds``, fixed at start-up from the run seed.
+
+        ``balanced=False``: each round a uniform sample (:meth:`uniform_cohort`); some clients
+        then take part more often than others. ``balanced=True``: :meth:`epoch_cohorts`. Local-DP
+        strategies plan their schedule so that calibration can count the busiest client's
+        participations exactly (:func:`max_participations`).
+        """
+        if balanced:
+            roster = self.run.roster
+            return {
+                t: [roster[i] for i in cohort]
+                for t, cohort in enumerate(self.epoch_cohorts(num_rounds), start=1)
+            }
+        return {t: self.uniform_cohort(t) for t in range(1, num_rounds + 1)}
 
     def poisson_cohort(self, server_round: int, rate: float) -> list[ClientInfo]:
         """Every client joins independently with probability ``rate`` (Poisson sampling).
@@ -322,7 +377,6 @@ class FederatedStrategy(Strategy):
         count = max(1, round(fraction * self.run.num_clients))
         chosen = sorted(rng.choice(self.run.num_clients, size=count, replace=False))
         clients = [self.run.roster[i] for i in chosen]
-        self._evaluation_clients[server_round] = clients
         record = self.base_config(server_round)
         for key, value in config.items():
             record[key] = value
@@ -479,6 +533,16 @@ class FederatedStrategy(Strategy):
     def final_extras(self) -> dict[str, Any]:
         """Extra fields for the results file's ``final`` object (override)."""
         return {}
+
+
+#: Values of a planned schedule (``strategy.schedule``; :meth:`FederatedStrategy.seeded_schedule`).
+SCHEDULES = ("random", "balanced")
+
+
+def max_participations(schedule: dict[int, list[ClientInfo]]) -> int:
+    """Rounds the most-selected client of ``schedule`` takes part in."""
+    counts = Counter(info.client_id for clients in schedule.values() for info in clients)
+    return max(counts.values()) if counts else 0
 
 
 def flat_vector(arrays: ArrayRecord) -> np.ndarray:

@@ -198,15 +198,7 @@ class DPFTRLStrategy(FederatedStrategy):
 
     def _public_schedule(self) -> list[list[int]]:
         """Cohorts (roster indices) of rounds 1..T: per epoch a seeded permutation cut into b cohorts."""
-        cohorts: list[list[int]] = []
-        b, m = self.rounds_per_epoch, self.cohort_size
-        epoch = 0
-        while len(cohorts) < self.num_rounds:
-            rng = self.run.randomness.generator("ftrl-schedule", server_round=epoch)
-            order = rng.permutation(self.run.num_clients)
-            cohorts += [sorted(int(i) for i in order[k * m : (k + 1) * m]) for k in range(b)]
-            epoch += 1
-        return cohorts[: self.num_rounds]
+        return self.epoch_cohorts(self.num_rounds, purpose="ftrl-schedule")
 
     def position(self, server_round: int) -> TreePosition:
         """The tree, leaf and tree length of ``server_round``."""

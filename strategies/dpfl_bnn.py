@@ -372,7 +372,6 @@ class DPFLBNNStrategy(FederatedStrategy):
         rng = self.run.randomness.generator("bnn-local-eval-sampling", server_round=server_round)
         chosen = sorted(rng.choice(len(pool), size=min(count, len(pool)), replace=False))
         clients = [self.run.info(pool[i]) for i in chosen]
-        self._evaluation_clients[server_round] = clients
         content = RecordDict({keys.ARRAYS: arrays, keys.CONFIG: self.train_config(server_round, config)})
         return [
             Message(content=content, dst_node_id=c.node_id, message_type=MessageType.EVALUATE)

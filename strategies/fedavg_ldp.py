@@ -40,13 +40,11 @@ from fl_app.privacy.calibration import local_gaussian_noise_multiplier, local_ga
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import local_gaussian_update
-from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
-from fl_app.validation import ConfigError, require_positive
+from fl_app.validation import ConfigError, require_choice, require_positive
 from strategies import register_strategy
-from strategies.base import FederatedStrategy
-from strategies.privatekt import max_participations, seeded_schedule
+from strategies.base import SCHEDULES, FederatedStrategy, max_participations
 
 
 @register_strategy("fedavg_ldp")
@@ -65,8 +63,10 @@ class FedAvgLDPStrategy(FederatedStrategy):
         super().__init__(run)
         settings = self.cfg.strategy
         self.clip = float(settings.clip)
-        self.schedule = seeded_schedule(self, int(self.cfg.num_rounds))
-        self.max_participations = max_participations(self.schedule)
+        self.planned_cohorts = self.seeded_schedule(
+            int(self.cfg.num_rounds), balanced=settings.schedule == "balanced"
+        )
+        self.max_participations = max_participations(self.planned_cohorts)
         self.budget_scope = str(self.cfg.privacy.budget_scope)
         self.method = str(self.cfg.privacy.accountant)
         if settings.noise_multiplier is not None:
@@ -99,8 +99,9 @@ class FedAvgLDPStrategy(FederatedStrategy):
 
     @classmethod
     def validate_config(cls, cfg: DictConfig) -> None:
-        """``clip`` > 0, ``noise_multiplier`` null or > 0, no federated evaluation."""
+        """``clip`` > 0, ``noise_multiplier`` null or > 0, a known schedule, no federated evaluation."""
         require_positive("strategy.clip", cfg.strategy.clip)
+        require_choice("strategy.schedule", cfg.strategy.schedule, SCHEDULES)
         if cfg.strategy.noise_multiplier is not None:
             require_positive("strategy.noise_multiplier", cfg.strategy.noise_multiplier)
         if float(cfg.evaluation.federated_fraction) > 0:
@@ -118,15 +119,6 @@ class FedAvgLDPStrategy(FederatedStrategy):
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """Clipping bound and noise multiplier for the clients."""
         return {keys.LDP_CLIP: self.clip, keys.LDP_NOISE_MULTIPLIER: self.noise_multiplier}
-
-    def select_clients(self, server_round: int) -> list[ClientInfo]:
-        """The seeded schedule fixed at start-up (the calibration counted exactly these rounds)."""
-        if server_round not in self.schedule:
-            raise RuntimeError(
-                f"round {server_round} is beyond num_rounds={len(self.schedule)}, which the privacy "
-                "calibration assumed"
-            )
-        return self.schedule[server_round]
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

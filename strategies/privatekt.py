@@ -45,7 +45,7 @@ selected client (failures included).
 from __future__ import annotations
 
 import math
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable
 from logging import INFO, WARNING
 from typing import Any
@@ -72,7 +72,7 @@ from fl_app.run_context import RunContext
 from fl_app.training import load_arrays, model_to_arrays, predict_proba, to_tensor
 from fl_app.validation import ConfigError, require_bool, require_choice, require_int, require_range
 from strategies import register_strategy
-from strategies.base import FederatedStrategy
+from strategies.base import SCHEDULES, FederatedStrategy, max_participations
 
 KNOWLEDGE_MODES = ("argmax", "soft")
 SELF_TRAIN_TARGETS = ("soft", "hard")
@@ -214,17 +214,6 @@ def fit_targets(
     return total / steps
 
 
-def seeded_schedule(strategy: FederatedStrategy, num_rounds: int) -> dict[int, list[ClientInfo]]:
-    """The clients the base class's seeded sampling selects in each round 1..T (fixed at start-up)."""
-    return {t: FederatedStrategy.select_clients(strategy, t) for t in range(1, num_rounds + 1)}
-
-
-def max_participations(schedule: dict[int, list[ClientInfo]]) -> int:
-    """Rounds the most-selected client of ``schedule`` takes part in."""
-    counts = Counter(info.client_id for clients in schedule.values() for info in clients)
-    return max(counts.values()) if counts else 0
-
-
 def public_split_size(cfg: DictConfig) -> int | None:
     """Rows of the public split of ``cfg`` (None when the data cannot be loaded here)."""
     try:
@@ -291,8 +280,10 @@ class PrivateKTStrategy(FederatedStrategy):
             not simulated_roster(run.roster) if settings.send_kt_data is None else bool(settings.send_kt_data)
         )
 
-        self.schedule = seeded_schedule(self, int(self.cfg.num_rounds))
-        self.max_participations = max_participations(self.schedule)
+        self.planned_cohorts = self.seeded_schedule(
+            int(self.cfg.num_rounds), balanced=settings.schedule == "balanced"
+        )
+        self.max_participations = max_participations(self.planned_cohorts)
         self.budget_scope = str(self.cfg.privacy.budget_scope)
         self.method = str(self.cfg.privacy.accountant)
         self.epsilon_per_label = privatekt_epsilon_per_label(
@@ -346,6 +337,7 @@ class PrivateKTStrategy(FederatedStrategy):
         if settings.local_epochs is not None:
             require_int("strategy.local_epochs", settings.local_epochs, minimum=1)
         require_choice("strategy.knowledge", settings.knowledge, KNOWLEDGE_MODES)
+        require_choice("strategy.schedule", settings.schedule, SCHEDULES)
         require_choice("strategy.self_train_targets", settings.self_train_targets, SELF_TRAIN_TARGETS)
         require_range("strategy.self_train_dropout", settings.self_train_dropout, 0.0, 1.0, high_open=True)
         if settings.send_kt_data is not None:
@@ -383,15 +375,6 @@ class PrivateKTStrategy(FederatedStrategy):
         return extra
 
     # ------------------------------------------------------------------ rounds
-
-    def select_clients(self, server_round: int) -> list[ClientInfo]:
-        """The seeded schedule fixed at start-up (the calibration counted exactly these rounds)."""
-        if server_round not in self.schedule:
-            raise RuntimeError(
-                f"round {server_round} is beyond num_rounds={len(self.schedule)}, which the privacy "
-                "calibration assumed"
-            )
-        return self.schedule[server_round]
 
     def draw_kt_samples(self, server_round: int, arrays: ArrayRecord) -> np.ndarray:
         """K distinct public rows: uniform in round 1, else weighted by ``exp(entropy)`` (Eq. 4)."""

@@ -43,6 +43,21 @@ def test_every_experiment_preset_composes_and_validates():
         validate_config(cfg, check_data=False)
 
 
+def sweep_grid(jobs: list[list[str]]) -> set[tuple[str, ...]]:
+    """The sweep's jobs as sorted override tuples, without the preset itself."""
+    return {tuple(sorted(o for o in job if not o.startswith("+experiment="))) for job in jobs}
+
+
+def budget_seed_grid(arm_key: str, arms: set[str]) -> set[tuple[str, ...]]:
+    """Every arm at total epsilon 1, 2, 4, 8 and seeds 1, 2, 3."""
+    return {
+        (f"{arm_key}={a}", f"privacy.epsilon={e}", f"seed={s}")
+        for a in arms
+        for e in (1, 2, 4, 8)
+        for s in (1, 2, 3)
+    }
+
+
 def test_compare_all_sweeps_every_arm_at_four_budgets_and_three_seeds():
     """Every ``conf/comparison`` arm but the non-private reference is swept; every job validates;
     each arm's strategy, and the DP arms' equal-budget settings, are what the job runs."""
@@ -54,13 +69,7 @@ def test_compare_all_sweeps_every_arm_at_four_budgets_and_three_seeds():
     cross_device_only = {"dp_fedavg_adaptive", "dp_ftrl"}
     assert set(STRATEGIES.names()) - cross_device_only == set(options("comparison"))
     arms = set(options("comparison")) - {"fedavg"}
-    grid = {tuple(sorted(o for o in job if not o.startswith("+experiment="))) for job in jobs}
-    assert grid == {
-        (f"+comparison={a}", f"privacy.epsilon={e}", f"seed={s}")
-        for a in arms
-        for e in (1, 2, 4, 8)
-        for s in (1, 2, 3)
-    }
+    assert sweep_grid(jobs) == budget_seed_grid("+comparison", arms)
     for job in (j for j in jobs if "seed=1" in j):  # composing is slow: the seed changes nothing else
         cfg = compose_config(job)
         validate_config(cfg, check_data=False)
@@ -243,3 +252,36 @@ def test_cli_exits_2_with_one_line_and_writes_nothing(override, tmp_path):
     assert "Traceback" not in process.stderr
     assert not run_dir.exists()
     assert not (tmp_path / "outputs").exists()
+
+
+def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
+    """60 jobs (5 arms x 4 budgets x 3 seeds); each arm's rule (cohort, rounds, schedule) survives the
+    preset's shape, every job validates, privacy randomness is secret, and each job has its own dir."""
+    from fl_app.__main__ import expand_jobs
+
+    jobs = expand_jobs(["+experiment=compare_cross_device"], multirun=True)
+    arms = {"dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "fedavg_ldp", "privatekt"}
+    assert sweep_grid(jobs) == budget_seed_grid("cross_device", arms)
+    rules = {}
+    for job in (j for j in jobs if "seed=1" in j and "privacy.epsilon=1" in j):
+        cfg = compose_config(job)
+        validate_config(cfg, check_data=False)
+        assert (cfg.num_clients, cfg.dataset.name, cfg.partition.alpha, cfg.model) == (
+            1000,
+            "fashion_mnist",
+            0.5,
+            "mlp",
+        )
+        assert cfg.privacy.secure_rng is True and cfg.privacy.delta < 1 / cfg.num_clients
+        rules[cfg.strategy.name] = (cfg.clients_per_round, cfg.num_rounds, cfg.strategy.get("schedule"))
+    assert rules == {
+        "dp_fedavg": (100, 200, None),
+        "dp_fedavg_adaptive": (100, 200, None),
+        "dp_ftrl": (100, 200, None),
+        "fedavg_ldp": (10, 100, "balanced"),  # one report per client: the whole budget on it
+        "privatekt": (10, 100, "balanced"),
+    }
+    reference = expand_jobs(
+        ["+experiment=compare_cross_device", "cross_device=fedavg", "privacy.epsilon=8"], multirun=True
+    )
+    assert [compose_config(j).strategy.name for j in reference] == ["fedavg"] * 3

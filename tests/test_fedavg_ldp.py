@@ -154,3 +154,44 @@ def test_fedavg_ldp_simulation(simulate):
     # Each client uploads one model-sized update (no metrics): as many array bytes as it downloads.
     assert all(r["upload_array_bytes"] == r["download_array_bytes"] > 0 for r in rounds)
     assert results["final"]["accuracy"] is not None
+
+
+@pytest.mark.parametrize("strategy_name", ["fedavg_ldp", "privatekt"])
+def test_balanced_schedule_gives_every_report_the_whole_budget(tmp_path, strategy_name):
+    """N = 6, m = 2: 3 rounds per pass. Over 3 rounds each client reports exactly once, so the
+    calibration spends the whole budget on one report; over 5 rounds the busiest reports twice."""
+    from strategies import STRATEGIES
+
+    base = [
+        "dataset=digits",
+        "num_clients=6",
+        "clients_per_round=2",
+        f"strategy={strategy_name}",
+        "strategy.schedule=balanced",
+        "privacy.epsilon=3",
+    ]
+    one_pass = STRATEGIES.get(strategy_name)(build_run_context([*base, "num_rounds=3"], tmp_path / "a"))
+    cohorts = [one_pass.select_clients(t) for t in range(1, 4)]
+    assert sorted(info.client_id for cohort in cohorts for info in cohort) == list(range(6))
+    assert one_pass.max_participations == 1
+    with pytest.raises(RuntimeError, match="beyond num_rounds"):
+        one_pass.select_clients(4)
+    longer = STRATEGIES.get(strategy_name)(build_run_context([*base, "num_rounds=5"], tmp_path / "b"))
+    assert longer.max_participations == 2
+    assert [longer.select_clients(t) for t in range(1, 4)] == cohorts  # the same seeded first pass
+    randomly = STRATEGIES.get(strategy_name)(
+        build_run_context([*base, "num_rounds=3", "strategy.schedule=random"], tmp_path / "c")
+    )
+    assert randomly.max_participations >= 1
+    if strategy_name == "fedavg_ldp":
+        assert one_pass.noise_multiplier == pytest.approx(
+            local_gaussian_noise_multiplier(epsilon=3.0, delta=1e-5, participations=1), rel=1e-12
+        )
+        assert longer.noise_multiplier > one_pass.noise_multiplier
+    else:
+        assert one_pass.epsilon_per_label > longer.epsilon_per_label
+
+
+def test_unknown_schedule_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"strategy\.schedule"):
+        FedAvgLDPStrategy.validate_config(compose_config([*DIGITS, "strategy.schedule=round_robin"]))
