@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import shutil
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -98,6 +99,33 @@ def expand_jobs(overrides: list[str], *, multirun: bool) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(preset + parsed, None) for job in batch]
 
 
+class SweepProgress:
+    """``dpfl sweep: 3/60 jobs done ...`` after each job of a multirun (jobs done / total, ETA)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.done = 0
+        self.started = time.monotonic()
+
+    def job_finished(self) -> str | None:
+        """Count one finished job; the progress line to print (None outside a sweep)."""
+        from fl_app.run import format_duration
+
+        self.done += 1
+        if self.total <= 1:
+            return None
+        elapsed = time.monotonic() - self.started
+        remaining = elapsed / self.done * (self.total - self.done)
+        failed = f" ({len(_failed_jobs)} failed)" if _failed_jobs else ""
+        return (
+            f"dpfl sweep: {self.done}/{self.total} jobs done{failed}, elapsed {format_duration(elapsed)}, "
+            f"remaining ~{format_duration(remaining)}"
+        )
+
+
+_progress = SweepProgress()
+
+
 def preflight(argv: list[str]) -> list[str]:
     """Compose and validate every job; return one error line per bad job."""
     overrides, multirun, informational = split_command_line(argv)
@@ -107,6 +135,7 @@ def preflight(argv: list[str]) -> list[str]:
         jobs = expand_jobs(overrides, multirun=multirun)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         return [_one_line(error)]
+    _progress.total = len(jobs) if multirun else 1
     errors: list[str] = []
     for job in jobs:
         try:
@@ -126,7 +155,17 @@ def _one_line(error: BaseException) -> str:
 
 @hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
 def _job(_: DictConfig) -> None:
-    """One Hydra job: compose (the same function as ``flwr run``), validate, simulate."""
+    """One Hydra job, then the sweep's progress line."""
+    try:
+        _run_job()
+    finally:
+        line = _progress.job_finished()
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _run_job() -> None:
+    """Compose (the same function as ``flwr run``), validate, simulate."""
     from fl_app.simulation import run_in_simulation
 
     hydra_cfg = HydraConfig.get()

@@ -40,6 +40,7 @@ after Ray is up, seconds later).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -187,15 +188,21 @@ def pipeline_pool(pool: Any, depth: int) -> None:
 
     ``num_actors`` becomes the number of slots: Flower starts one worker thread per
     ``num_workers`` (= ``pool.num_actors``), and each thread keeps one message in flight.
-    Terminating still ends each actor once.
+    Terminating ends each actor once, quietly (``ray.kill``).
     """
     actors = list(dict.fromkeys(pool.pool))
     pool.pool = pipelined_slots(actors, depth)
     pool.num_actors = len(pool.pool)
 
     def terminate_all_actors() -> None:
+        # Flower's ``actor.terminate.remote()`` makes every actor log a WARNING ("Manually
+        # terminating ClientAppActor") that Ray forwards to the console at the end of every run;
+        # the run is over, so end them quietly.
+        import ray
+
         for actor in actors:
-            actor.terminate.remote()
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
 
     pool.terminate_all_actors = terminate_all_actors
 

@@ -3,12 +3,16 @@
 Reads every ``results.json`` below ``<dir>`` (a multirun directory, or a tree of them), groups the runs
 that differ only in their seed, and writes into ``<dir>`` (or ``--out``):
 
-* ``report.csv`` and ``report.md``: one row per group: algorithm, data set, partition, target and
-  reported cumulative epsilon (with its unit), delta, final accuracy as mean +- standard deviation over
-  seeds, upload bytes per client per round, wall time, number of seeds;
+* ``report.csv`` and ``report.md``: one row per group: algorithm, data set, partition, the settings
+  that vary across the runs (every configuration key with more than one value, e.g. ``strategy.k`` in
+  a sweep over K), target and reported cumulative epsilon, delta, final accuracy as mean +- standard
+  deviation over seeds (the standard deviation only with at least two seeds), upload bytes per client
+  per round, wall time, number of seeds. ``report.md`` has one table per privacy unit (epsilons in
+  different units are not comparable);
 * ``accuracy_vs_epsilon.png`` (final accuracy against the reported cumulative epsilon, one line per
-  algorithm and data set; non-private runs as dashed reference lines), ``accuracy_vs_round.png`` (mean
-  over seeds) and ``accuracy_vs_upload.png`` (accuracy against cumulative upload bytes per client);
+  arm: algorithm, data set and varying settings but the budget, never joining two configurations;
+  non-private runs as dashed horizontal references), ``accuracy_vs_round.png`` (mean over seeds) and
+  ``accuracy_vs_upload.png`` (accuracy against cumulative upload bytes per client);
 * with canaries (``privacy.canaries``): the ``empirical_epsilon`` columns (the estimate, its interval,
   the number of canaries) and ``empirical_vs_claimed.png`` (estimate against claim, with the diagonal).
 
@@ -42,6 +46,7 @@ COLUMNS = (
     "algorithm",
     "dataset",
     "partition",
+    "settings",
     "clients",
     "rounds",
     "epsilon_target",
@@ -73,10 +78,13 @@ class Run:
         """The run's resolved configuration."""
         return self.results["config"]
 
+    def settings(self) -> dict[str, Any]:
+        """The flat configuration without the seed and run-local paths."""
+        return {k: v for k, v in flatten(self.config).items() if k not in IGNORED_KEYS}
+
     def group_key(self) -> str:
         """Everything that defines the experiment except the seed (and run-local paths)."""
-        flat = {k: v for k, v in flatten(self.config).items() if k not in IGNORED_KEYS}
-        return json.dumps(flat, sort_keys=True, default=str)
+        return json.dumps(self.settings(), sort_keys=True, default=str)
 
     def upload_per_client_round(self) -> float | None:
         """Mean over rounds of the round's upload bytes divided by its number of clients."""
@@ -126,9 +134,11 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
     groups: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
         groups[run.group_key()].append(run)
+    varying = varying_keys([members[0] for members in groups.values()])
     rows = []
     for members in groups.values():
         first = members[0].results
+        own = members[0].settings()
         accuracies = [
             float(m.results["final"]["accuracy"])
             for m in members
@@ -145,6 +155,7 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "algorithm": first["strategy"],
                 "dataset": first["dataset"],
                 "partition": first.get("partition", ""),
+                "settings": ", ".join(f"{k}={own[k]}" for k in varying if k in own),
                 "clients": first["config"].get("num_clients"),
                 "rounds": len(first["rounds"]),
                 "epsilon_target": first["config"].get("privacy", {}).get("epsilon") if private else None,
@@ -154,7 +165,7 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 **_largest_estimate(estimates),
                 "delta": first["final"].get("delta"),
                 "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
-                "accuracy_std": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else 0.0,
+                "accuracy_std": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else None,
                 "seeds": len({m.config.get("seed") for m in members}),
                 "upload_bytes_per_client_round": float(np.mean(uploads)) if uploads else None,
                 "wall_s": float(np.mean([m.results["final"].get("wall_s") or 0.0 for m in members])),
@@ -165,11 +176,39 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
         key=lambda r: (
             r["dataset"],
             r["algorithm"],
+            r["settings"],
             r["epsilon"] is None,
             r["epsilon"] if r["epsilon"] is not None else math.inf,
         )
     )
     return rows
+
+
+#: Keys shown in their own columns (or implied by the algorithm), never as a varying setting.
+SHOWN_KEYS = {"strategy.name", "privacy.epsilon", "dataset.name", "partition.name", "num_clients"}
+
+
+def varying_keys(runs: Sequence[Run]) -> list[str]:
+    """Configuration keys whose value differs between the given runs (one run per group).
+
+    A ``strategy.*`` key counts only when it differs between runs of the same algorithm (each
+    algorithm has its own settings; comparing PrivateKT's K with nothing is not a variation);
+    other keys count when any two runs differ, a key missing from a run counting as a value.
+    """
+    settings = [run.settings() for run in runs]
+    keys = sorted({k for flat in settings for k in flat} - SHOWN_KEYS)
+    varying = []
+    for key in keys:
+        if key.startswith("strategy."):
+            by_algorithm: dict[Any, set[str]] = defaultdict(set)
+            for flat in settings:
+                if key in flat:
+                    by_algorithm[flat.get("strategy.name")].add(json.dumps(flat[key], default=str))
+            if any(len(values) > 1 for values in by_algorithm.values()):
+                varying.append(key)
+        elif len({json.dumps(flat.get(key, "<unset>"), default=str) for flat in settings}) > 1:
+            varying.append(key)
+    return varying
 
 
 def _largest_estimate(estimates: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -199,16 +238,29 @@ def write_tables(rows: Sequence[dict[str, Any]], problems: Sequence[str], out: P
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (";".join(row[k]) if k == "runs" else row[k]) for k in COLUMNS})
+    lines: list[str] = []
+    units = list(dict.fromkeys(row["epsilon_unit"] or "none (not private)" for row in rows))
+    for unit in units:
+        members = [row for row in rows if (row["epsilon_unit"] or "none (not private)") == unit]
+        if len(units) > 1:
+            lines += ([""] if lines else []) + [f"### Privacy unit: {unit}", ""]
+        lines += _table_lines(members)
+    if problems:
+        lines += ["", "Results files that could not be used:", ""] + [f"- {p}" for p in problems]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def _table_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = [
-        "| algorithm | data set | partition | N | T | target epsilon | epsilon (cumulative) | unit "
-        "| empirical epsilon (95% interval; canaries) | delta "
+        "| algorithm | data set | partition | settings | N | T | target epsilon | epsilon (cumulative) "
+        "| unit | empirical epsilon (95% interval; canaries) | delta "
         "| final accuracy (mean ± std) | seeds | upload B/client/round | wall time (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        accuracy = (
-            "-" if row["accuracy_mean"] is None else f"{row['accuracy_mean']:.4f} ± {row['accuracy_std']:.4f}"
-        )
+        accuracy = "-" if row["accuracy_mean"] is None else f"{row['accuracy_mean']:.4f}"
+        if row["accuracy_mean"] is not None and row["accuracy_std"] is not None:
+            accuracy += f" ± {row['accuracy_std']:.4f}"
         epsilon = "∞ (not private)" if row["epsilon"] is None else _fmt(row["epsilon"])
         upload = (
             "-"
@@ -222,18 +274,18 @@ def write_tables(rows: Sequence[dict[str, Any]], problems: Sequence[str], out: P
             f"{row['canaries']})"
         )
         lines.append(
-            f"| {row['algorithm']} | {row['dataset']} | {row['partition']} | {row['clients']} | "
-            f"{row['rounds']} | {_fmt(row['epsilon_target'])} | {epsilon} | {row['epsilon_unit'] or '-'} | "
-            f"{empirical} | {_fmt(row['delta'])} | {accuracy} | {row['seeds']} | {upload} | "
-            f"{row['wall_s']:.0f} |"
+            f"| {row['algorithm']} | {row['dataset']} | {row['partition']} | {row['settings'] or '-'} | "
+            f"{row['clients']} | {row['rounds']} | {_fmt(row['epsilon_target'])} | {epsilon} | "
+            f"{row['epsilon_unit'] or '-'} | {empirical} | {_fmt(row['delta'])} | {accuracy} | "
+            f"{row['seeds']} | {upload} | {row['wall_s']:.0f} |"
         )
-    if problems:
-        lines += ["", "Results files that could not be used:", ""] + [f"- {p}" for p in problems]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return lines
 
 
 def _label(row: dict[str, Any]) -> str:
-    return f"{row['algorithm']} ({row['dataset']})"
+    """One arm: algorithm, data set and its varying settings (the budget is never one of them)."""
+    settings = f", {row['settings']}" if row["settings"] else ""
+    return f"{row['algorithm']} ({row['dataset']}{settings})"
 
 
 def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
@@ -251,7 +303,7 @@ def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
             axis.errorbar(
                 [r["epsilon"] for r in private],
                 [r["accuracy_mean"] for r in private],
-                yerr=[r["accuracy_std"] for r in private],
+                yerr=[r["accuracy_std"] or 0.0 for r in private],
                 marker="o",
                 ms=4,
                 capsize=3,

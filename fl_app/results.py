@@ -11,7 +11,8 @@
       "rounds": [{"round": int, "accuracy": float|null, "loss": float|null,
                   "epsilon": float|null, "upload_bytes": int, "download_bytes": int,
                   "clients": int, "failures": int, "wall_s": float, "round_s": float, ...}],
-      "final": {"accuracy": float, "loss": float, "epsilon": float|null,
+      "final": {"accuracy": float, "loss": float, "best_accuracy": float, "best_round": int,
+                "epsilon": float|null,
                 "epsilon_training": float|null, "delta": float, "wall_s": float, "rounds": int, ...},
       "privacy": {"unit": str, "mechanism": str, "accountant": str,
                   "randomness": {"source": "seeded"|"os_entropy", "noise_seed": int|null,
@@ -184,9 +185,14 @@ class RunRecorder:
         """Write results.json, the plots, the model and the privacy ledger; return the results."""
         evaluated = [r for r in self.rounds if r.get("accuracy") is not None]
         last = self.rounds[-1] if self.rounds else {}
+        best = max(evaluated, key=lambda r: r["accuracy"]) if evaluated else None
         final = {
             "accuracy": evaluated[-1]["accuracy"] if evaluated else None,
             "loss": evaluated[-1]["loss"] if evaluated else None,
+            # read on the test split: a description of the curve, not a model to pick (picking the
+            # best round by test accuracy would tune on the test split)
+            "best_accuracy": best["accuracy"] if best else None,
+            "best_round": best["round"] if best else None,
             "epsilon": last.get("epsilon"),
             "delta": float(self.cfg.privacy.delta),
             "wall_s": wall_s,

@@ -478,11 +478,13 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
         return results
     log(
         INFO,
-        "dpfl: finished %d rounds in %s; final accuracy %s, epsilon %s per client in total (delta %g; %s); "
-        "results in %s",
+        "dpfl: finished %d rounds in %s; final accuracy %s (best %s in round %s), epsilon %s per client in "
+        "total (delta %g; %s); results in %s",
         len(results["rounds"]),
-        _clock(time.monotonic() - started),
+        format_duration(time.monotonic() - started),
         _fmt(results["final"]["accuracy"]),
+        _fmt(results["final"]["best_accuracy"]),
+        results["final"]["best_round"],
         _fmt(results["final"]["epsilon"], "inf (not private)"),
         run.delta,
         "seeded simulation: reproducible from the published config"
@@ -623,8 +625,8 @@ class RoundReporter:
             _fmt(loss),
             _fmt(record["epsilon"], "inf (not private)"),
             self.strategy.run.delta,
-            _clock(self.elapsed()),
-            _clock(remaining),
+            format_duration(self.elapsed()),
+            format_duration(remaining),
         )
         metrics = {
             k: float(v)
@@ -640,5 +642,6 @@ def _fmt(value: float | None, missing: str = "-") -> str:
     return f"{value:.4g}"
 
 
-def _clock(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
+    """``H:MM:SS`` of a duration in seconds."""
     return str(dt.timedelta(seconds=round(seconds)))

@@ -107,6 +107,7 @@ def validate_common(cfg: DictConfig) -> None:
     require_int("batch_size", cfg.batch_size, minimum=1)
     require_positive("lr", cfg.lr)
     require_range("momentum", cfg.momentum, 0.0, 1.0, high_open=True)
+    require_range("lr_decay", cfg.lr_decay, 0.0, 1.0, low_open=True)
     require_int("seed", cfg.seed, minimum=0)
     if cfg.model != "auto":
         require_choice("model", cfg.model, ["auto", *sorted(MODELS)])

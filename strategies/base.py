@@ -158,7 +158,7 @@ class FederatedStrategy(Strategy):
                 keys.MODEL_SPEC: self.run.model_spec.to_json(),
                 keys.LOCAL_EPOCHS: int(cfg.local_epochs),
                 keys.BATCH_SIZE: int(cfg.batch_size),
-                keys.LR: float(cfg.lr),
+                keys.LR: float(cfg.lr) * float(cfg.lr_decay) ** (server_round - 1),
                 keys.MOMENTUM: float(cfg.momentum),
                 keys.SEED: int(cfg.seed),
                 keys.SECURE_RNG: bool(self.run.noise.secure),

@@ -6,6 +6,14 @@ each round a fraction of clients trains the global model locally and the server
 sets ``w_{t+1} = sum_k (n_k / n) w^k_{t+1}`` (``strategy.weighting=num_examples``;
 ``uniform`` averages with equal weights). No privacy: the results report
 ``epsilon`` as ``null`` (no finite guarantee).
+
+Server optimiser (FedAvgM; Hsu, Qi, Brown, "Measuring the Effects of Non-Identical
+Data Distribution for Federated Visual Classification", 2019, and Reddi et al.,
+"Adaptive Federated Optimization", ICLR 2021, Algorithm 1 with SGD momentum): the
+average update ``Delta_t = avg_k w^k_{t+1} - w_t`` drives
+``v_t = beta v_{t-1} + Delta_t`` and ``w_{t+1} = w_t + eta_s v_t``
+(``strategy.server_lr`` = eta_s, ``strategy.server_momentum`` = beta). The defaults
+(eta_s = 1, beta = 0) are plain FedAvg.
 """
 
 from __future__ import annotations
@@ -13,11 +21,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from omegaconf import DictConfig
 
 from fl_app import keys
-from fl_app.validation import require_choice
+from fl_app.run_context import RunContext
+from fl_app.training import array_values
+from fl_app.validation import require_choice, require_positive, require_range
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, mean_arrays
 
@@ -30,10 +40,40 @@ class FedAvgStrategy(FederatedStrategy):
 
     client_name = "fedavg"
 
+    def __init__(self, run: RunContext) -> None:
+        super().__init__(run)
+        self.server_lr = float(self.cfg.strategy.get("server_lr", 1.0))
+        self.server_momentum = float(self.cfg.strategy.get("server_momentum", 0.0))
+        self._velocity: list[np.ndarray] | None = None
+
     @classmethod
     def validate_config(cls, cfg: DictConfig) -> None:
-        """``strategy.weighting`` must be known."""
+        """``strategy.weighting`` known, ``server_lr`` > 0, ``server_momentum`` in [0, 1)."""
         require_choice("strategy.weighting", cfg.strategy.get("weighting", "num_examples"), WEIGHTINGS)
+        require_positive("strategy.server_lr", cfg.strategy.get("server_lr", 1.0))
+        require_range(
+            "strategy.server_momentum", cfg.strategy.get("server_momentum", 0.0), 0.0, 1.0, high_open=True
+        )
+
+    def server_step(self, average: ArrayRecord) -> ArrayRecord:
+        """``w_t + eta_s v_t``, ``v_t = beta v_{t-1} + (average - w_t)``; the average itself by default."""
+        if self.server_lr == 1.0 and self.server_momentum == 0.0:
+            return average
+        current = self.round_global
+        names = list(current.keys())
+        start = [array_values(current[n]).astype(np.float64) for n in names]
+        updates = [array_values(average[n]) - w for n, w in zip(names, start, strict=True)]
+        if self._velocity is None:
+            self._velocity = updates
+        else:
+            beta = self.server_momentum
+            self._velocity = [beta * v + u for v, u in zip(self._velocity, updates, strict=True)]
+        return ArrayRecord(
+            {
+                n: Array((w + self.server_lr * v).astype(current[n].numpy().dtype))
+                for n, w, v in zip(names, start, self._velocity, strict=True)
+            }
+        )
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -48,4 +88,6 @@ class FedAvgStrategy(FederatedStrategy):
             [m.content.array_records[keys.ARRAYS] for _, m in valid], None if uniform else examples
         )
         losses = [float(m.content.metric_records[keys.METRICS][keys.TRAIN_LOSS]) for _, m in valid]
-        return arrays, MetricRecord({keys.TRAIN_LOSS: float(np.average(losses, weights=examples))})
+        return self.server_step(arrays), MetricRecord(
+            {keys.TRAIN_LOSS: float(np.average(losses, weights=examples))}
+        )

@@ -44,6 +44,62 @@ def test_fedavg_weights_by_examples_and_skips_failures(tmp_path):
     assert strategy.round_failures(1) == [strategy.selected(1)[2].client_id]
 
 
+def test_fedavgm_server_momentum_and_learning_rate(tmp_path):
+    """Hsu et al. 2019 / Reddi et al. 2021: v = beta v + (avg - w), w += eta_s v; by hand over 2 rounds."""
+    strategy = FedAvgStrategy(
+        build_run_context([*DIGITS, "strategy.server_lr=0.5", "strategy.server_momentum=0.9"], tmp_path)
+    )
+    w = 0.0
+    velocity = 0.0
+    for server_round, client_value in ((1, 2.0), (2, 3.0)):
+        messages = list(strategy.configure_train(server_round, _arrays(w), ConfigRecord(), grid=None))
+        replies = [
+            reply_to(m, arrays=_arrays(client_value), metrics={keys.NUM_EXAMPLES: 5, keys.TRAIN_LOSS: 1.0})
+            for m in messages
+        ]
+        arrays, _ = strategy.aggregate_train(server_round, replies)
+        velocity = 0.9 * velocity + (client_value - w)
+        w = w + 0.5 * velocity
+        assert np.allclose(arrays["w"].numpy(), w) and arrays["w"].numpy().dtype == np.float32
+    assert w == pytest.approx(0.5 * 2.0 + 0.5 * (0.9 * 2.0 + 2.0))  # 1.0, then 1.0 + 0.5 * 3.8
+
+
+def test_plain_fedavg_returns_the_average_itself(tmp_path):
+    strategy = FedAvgStrategy(build_run_context(DIGITS, tmp_path))
+    messages = list(strategy.configure_train(1, _arrays(7.0), ConfigRecord(), grid=None))
+    replies = [
+        reply_to(m, arrays=_arrays(1.0), metrics={keys.NUM_EXAMPLES: 5, keys.TRAIN_LOSS: 1.0})
+        for m in messages
+    ]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    assert np.allclose(arrays["w"].numpy(), 1.0)
+
+
+def test_client_lr_decays_per_round(tmp_path):
+    strategy = FedAvgStrategy(build_run_context([*DIGITS, "lr=0.2", "lr_decay=0.5"], tmp_path))
+    for server_round, expected in ((1, 0.2), (2, 0.1), (4, 0.025)):
+        message = next(iter(strategy.configure_train(server_round, _arrays(0.0), ConfigRecord(), grid=None)))
+        assert message.content.config_records[keys.CONFIG][keys.LR] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("strategy.server_momentum=1.0", "strategy.server_momentum"),
+        ("strategy.server_lr=0", "strategy.server_lr"),
+        ("lr_decay=0", "lr_decay"),
+        ("lr_decay=1.5", "lr_decay"),
+    ],
+)
+def test_server_optimiser_and_decay_values_are_checked(override, key):
+    from fl_app.config import compose_config
+    from fl_app.validation import ConfigError, validate_config
+
+    with pytest.raises(ConfigError) as error:
+        validate_config(compose_config([*DIGITS, override]), check_data=False)
+    assert error.value.key == key
+
+
 def test_client_sampling_is_seeded_and_uniform(tmp_path):
     first = FedAvgStrategy(build_run_context(DIGITS, tmp_path))
     second = FedAvgStrategy(build_run_context(DIGITS, tmp_path))

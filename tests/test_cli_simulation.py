@@ -111,6 +111,8 @@ def test_failed_job_is_reported_and_the_others_run(tmp_path):
     assert (sweep / "0-fedavg" / "error.txt").exists()
     assert not (sweep / "0-fedavg" / "results.json").exists()
     assert (sweep / "1-fedavg" / "results.json").exists()
+    assert "dpfl sweep: 1/2 jobs done (1 failed), elapsed" in process.stderr
+    assert "dpfl sweep: 2/2 jobs done (1 failed), elapsed" in process.stderr
 
 
 def test_partition_that_leaves_clients_empty_is_bad_input():

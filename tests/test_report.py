@@ -137,3 +137,44 @@ def test_no_estimate_plot_without_canaries(tmp_path):
     fake_results(tmp_path / "dp", strategy="dp_fedavg", epsilon=3.9, seed=1, accuracy=0.8)
     assert main([str(tmp_path)]) == 0
     assert not (tmp_path / "empirical_vs_claimed.png").exists()
+
+
+def test_a_swept_setting_gets_a_column_and_its_own_line(tmp_path):
+    """A sweep over strategy.k keeps k (table column, separate plot lines); one seed shows no ± std;
+    rows in different privacy units go to different tables."""
+    for k, accuracy in ((2, 0.6), (4, 0.7)):
+        for epsilon in (2.0, 8.0):
+            directory = tmp_path / f"pkt_k{k}_e{epsilon}"
+            fake_results(directory, strategy="privatekt", epsilon=epsilon, seed=1, accuracy=accuracy)
+            results = json.loads((directory / "results.json").read_text())
+            results["config"]["strategy"]["k"] = k
+            results["config"]["privacy"]["epsilon"] = epsilon
+            (directory / "results.json").write_text(json.dumps(results))
+    fake_results(tmp_path / "fa", strategy="fedavg", epsilon=None, seed=1, accuracy=0.9)
+    assert main([str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "report.csv").open()))
+    privatekt = [r for r in rows if r["algorithm"] == "privatekt"]
+    assert sorted(r["settings"] for r in privatekt) == ["strategy.k=2"] * 2 + ["strategy.k=4"] * 2
+    assert {r["settings"] for r in rows if r["algorithm"] == "fedavg"} == {""}
+    assert all(r["accuracy_std"] == "" for r in rows)  # one seed: no standard deviation
+    markdown = (tmp_path / "report.md").read_text()
+    assert " ± 0." not in markdown  # (the header names "mean ± std")
+    assert "### Privacy unit: one client" in markdown and "### Privacy unit: none" in markdown
+    assert "| strategy.k=4 |" in markdown
+
+
+def test_plot_lines_never_join_two_configurations(tmp_path):
+    from fl_app import report
+
+    for k in (2, 4):
+        for epsilon in (2.0, 8.0):
+            directory = tmp_path / f"k{k}e{epsilon}"
+            fake_results(directory, strategy="privatekt", epsilon=epsilon, seed=1, accuracy=0.5)
+            results = json.loads((directory / "results.json").read_text())
+            results["config"]["strategy"]["k"] = k
+            results["config"]["privacy"]["epsilon"] = epsilon
+            (directory / "results.json").write_text(json.dumps(results))
+    runs, _ = report.load_runs(tmp_path)
+    rows = report.summarise(runs)
+    labels = {report._label(row) for row in rows}
+    assert labels == {"privatekt (digits, strategy.k=2)", "privatekt (digits, strategy.k=4)"}
