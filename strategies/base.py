@@ -91,6 +91,9 @@ class FederatedStrategy(Strategy):
     #: Why not, when it cannot (completes "strategy=<name> ...").
     resumable_note: ClassVar[str] = ""
 
+    #: Appended to the release rule's refusal of federated evaluation (what to use instead).
+    release_hint: ClassVar[str] = ""
+
     #: True when the privacy accounting relies on the cohort being secret (amplification by
     #: sampling): failures are then logged without naming the client.
     secret_cohort: bool = False
@@ -131,7 +134,7 @@ class FederatedStrategy(Strategy):
                 "evaluation.federated_fraction",
                 cfg.evaluation.federated_fraction,
                 f"must be 0 with strategy={cfg.strategy.name}: clients' evaluation metrics are un-noised "
-                "functions of their data, outside the reported epsilon",
+                f"functions of their data, outside the reported epsilon{cls.release_hint}",
             )
 
     @classmethod

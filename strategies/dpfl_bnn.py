@@ -89,6 +89,7 @@ class DPFLBNNStrategy(FederatedStrategy):
     """Server of DPFL-BNN: unpack, average and broadcast the clients' noised binary weights."""
 
     client_name = "dpfl_bnn"
+    release_hint = " (strategy.local_eval_clients runs the document's local-model diagnostic)"
     resumable = False
     resumable_note = (
         "cannot be resumed: each client keeps its latent weights and Adam moments in its own state "
@@ -229,13 +230,6 @@ class DPFLBNNStrategy(FederatedStrategy):
         require_int("strategy.local_eval_every", settings.local_eval_every, minimum=1)
         if settings.local_eval_test_subset is not None:
             require_int("strategy.local_eval_test_subset", settings.local_eval_test_subset, minimum=1)
-        if cfg.evaluation.federated_fraction != 0:
-            raise ConfigError(
-                "evaluation.federated_fraction",
-                cfg.evaluation.federated_fraction,
-                "must be 0 with strategy=dpfl_bnn: clients' evaluation replies would leave outside the "
-                "privacy accounting (strategy.local_eval_clients runs the document's local-model diagnostic)",
-            )
 
     @classmethod
     def resolve_model(cls, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:

@@ -42,7 +42,7 @@ from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import local_gaussian_update
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
-from fl_app.validation import ConfigError, require_choice, require_positive
+from fl_app.validation import require_choice, require_positive
 from strategies import register_strategy
 from strategies.base import SCHEDULES, FederatedStrategy, max_participations
 
@@ -104,13 +104,6 @@ class FedAvgLDPStrategy(FederatedStrategy):
         require_choice("strategy.schedule", cfg.strategy.schedule, SCHEDULES)
         if cfg.strategy.noise_multiplier is not None:
             require_positive("strategy.noise_multiplier", cfg.strategy.noise_multiplier)
-        if float(cfg.evaluation.federated_fraction) > 0:
-            raise ConfigError(
-                "evaluation.federated_fraction",
-                cfg.evaluation.federated_fraction,
-                "must be 0 with FedAvg+LDP: federated evaluation would upload each client's local loss and "
-                "accuracy without noise, outside the reported epsilon",
-            )
 
     def canary_participation_cap(self) -> int | None:
         """Canaries upload at most as often as the schedule's busiest client (the accounted one)."""

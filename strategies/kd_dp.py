@@ -374,12 +374,6 @@ class KDDPStrategy(FederatedStrategy):
                 cfg.dataset.get("public_fraction", 0.0),
                 "kd_dp needs a public split to pseudo-label: must be > 0",
             )
-        if float(cfg.evaluation.federated_fraction) > 0:
-            raise ConfigError(
-                "evaluation.federated_fraction",
-                cfg.evaluation.federated_fraction,
-                "must be 0 for kd_dp: client-side evaluation metrics are not covered by the DP guarantee",
-            )
 
     def _plan(self, name: str, ids: list[int], epsilon: float) -> GroupPlan:
         """Per client: ``q_k = min(1, B / n_k)`` and ``local_epochs * ceil(n_k / B)`` steps per round."""

@@ -348,13 +348,6 @@ class PrivateKTStrategy(FederatedStrategy):
                 cfg.dataset.get("public_fraction"),
                 "PrivateKT needs an unlabeled public split: must be > 0",
             )
-        if float(cfg.evaluation.federated_fraction) > 0:
-            raise ConfigError(
-                "evaluation.federated_fraction",
-                cfg.evaluation.federated_fraction,
-                "must be 0 with PrivateKT: federated evaluation would upload each client's local loss and "
-                "accuracy without randomized response, outside the reported epsilon",
-            )
         public = public_split_size(cfg)
         if public is not None:
             if k > public:

@@ -25,25 +25,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.checks import require_non_negative
 from fl_app.privacy.composition import EpsilonReport
-
-
-def _non_negative(name: str, value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
 
 
 def sequential_epsilon(*, epsilons: Sequence[float]) -> float:
     """Basic sequential composition on the same data: the sum of the epsilons."""
     for i, value in enumerate(epsilons):
-        _non_negative(f"epsilons[{i}]", value)
+        require_non_negative(f"epsilons[{i}]", value)
     return float(sum(epsilons))
 
 
 def parallel_epsilon(*, epsilons: Sequence[float]) -> float:
     """Parallel composition over disjoint data: the largest epsilon (0 for none)."""
     for i, value in enumerate(epsilons):
-        _non_negative(f"epsilons[{i}]", value)
+        require_non_negative(f"epsilons[{i}]", value)
     return float(max(epsilons, default=0.0))
 
 
@@ -120,7 +116,7 @@ def charged_report(report: EpsilonReport, *, extra_epsilon: float) -> EpsilonRep
     The delta is unchanged (the charge is pure); ``method`` becomes
     ``"<method>+basic"`` when the charge is positive.
     """
-    _non_negative("extra_epsilon", extra_epsilon)
+    require_non_negative("extra_epsilon", extra_epsilon)
     if extra_epsilon == 0:
         return report
     return replace(

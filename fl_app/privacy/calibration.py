@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import dp_accounting as dpa
 
+from fl_app.privacy.checks import require_positive, require_positive_int, require_probability
 from fl_app.privacy.composition import History, compose_epsilon
 from fl_app.privacy.events import (
     BinaryRandomizedResponse,
@@ -32,21 +33,6 @@ class ClassicGaussianRangeWarning(UserWarning):
     """The classic Gaussian bound is used outside the range where it is proven."""
 
 
-def _positive(name: str, value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-
-
-def _probability(name: str, value: float) -> None:
-    if not (isinstance(value, int | float) and 0 < value < 1):
-        raise ValueError(f"{name} must be in (0, 1), got {value!r}")
-
-
-def _positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or int(value) != value or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-
-
 # --------------------------------------------------------------------------------------
 # Gaussian mechanism
 # --------------------------------------------------------------------------------------
@@ -54,7 +40,7 @@ def _positive_int(name: str, value: int) -> None:
 
 def classic_gaussian_constant(*, delta: float) -> float:
     """``c = sqrt(2 ln(1.25 / delta))`` (Dwork & Roth 2014, Theorem A.1)."""
-    _probability("delta", delta)
+    require_probability("delta", delta)
     return math.sqrt(2.0 * math.log(1.25 / delta))
 
 
@@ -67,8 +53,8 @@ def classic_gaussian_sigma(*, sensitivity: float, epsilon: float, delta: float, 
     is then *not* a proven (epsilon, delta) guarantee; use
     :func:`analytic_gaussian_sigma` instead.
     """
-    _positive("sensitivity", sensitivity)
-    _positive("epsilon", epsilon)
+    require_positive("sensitivity", sensitivity)
+    require_positive("epsilon", epsilon)
     c = classic_gaussian_constant(delta=delta)
     if epsilon >= CLASSIC_GAUSSIAN_MAX_EPSILON:
         message = (
@@ -87,9 +73,9 @@ def analytic_gaussian_sigma(*, sensitivity: float, epsilon: float, delta: float)
     Analytic Gaussian mechanism (Balle & Wang, ICML 2018), exact for any
     ``epsilon > 0``; computed by dp-accounting's ``get_sigma_gaussian``.
     """
-    _positive("sensitivity", sensitivity)
-    _positive("epsilon", epsilon)
-    _probability("delta", delta)
+    require_positive("sensitivity", sensitivity)
+    require_positive("epsilon", epsilon)
+    require_probability("delta", delta)
     return float(dpa.get_sigma_gaussian(epsilon, delta)) * sensitivity
 
 
@@ -104,9 +90,9 @@ def privatekt_keep_probability(*, epsilon: float, k: int, num_classes: int) -> f
     With this beta, each of the K reported labels is ``eps/K``-LDP and the
     whole report of K labels is ``eps``-LDP (basic composition over K).
     """
-    _positive("epsilon", epsilon)
-    _positive_int("k", k)
-    _positive_int("num_classes", num_classes)
+    require_positive("epsilon", epsilon)
+    require_positive_int("k", k)
+    require_positive_int("num_classes", num_classes)
     if num_classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}")
     expm1 = math.expm1(epsilon / k)
@@ -157,9 +143,9 @@ def privatekt_epsilon_per_label(
         Accountant method, ``"rdp"`` or ``"pld"`` (``total`` only).
 
     """
-    _positive("epsilon", epsilon)
-    _positive_int("k", k)
-    _positive_int("num_classes", num_classes)
+    require_positive("epsilon", epsilon)
+    require_positive_int("k", k)
+    require_positive_int("num_classes", num_classes)
     if num_classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}")
     if budget_scope == "per_round":
@@ -168,8 +154,8 @@ def privatekt_epsilon_per_label(
         raise ValueError(f"budget_scope must be one of {PRIVATEKT_BUDGET_SCOPES}, got {budget_scope!r}")
     if max_participations is None or delta is None:
         raise ValueError("budget_scope='total' needs max_participations and delta")
-    _positive_int("max_participations", max_participations)
-    _probability("delta", delta)
+    require_positive_int("max_participations", max_participations)
+    require_probability("delta", delta)
     return randomized_response_epsilon_per_label(
         total_epsilon=epsilon,
         delta=delta,
@@ -192,7 +178,7 @@ def local_update_sensitivity(*, clip: float) -> float:
     ``2C`` apart in L2 (replacement relation; not ``C``, which is the
     add-or-remove sensitivity of a *sum* over clients).
     """
-    _positive("clip", clip)
+    require_positive("clip", clip)
     return 2.0 * clip
 
 
@@ -206,7 +192,7 @@ def local_gaussian_noise_multiplier(
     server sees its upload). The search runs on the accountant's own
     composition, so the reported epsilon never exceeds the target.
     """
-    _positive_int("participations", participations)
+    require_positive_int("participations", participations)
     return dp_fedavg_noise_multiplier(
         epsilon=epsilon, delta=delta, sampling_rate=1.0, rounds=participations, method=method
     )
@@ -214,7 +200,7 @@ def local_gaussian_noise_multiplier(
 
 def local_gaussian_sigma(*, clip: float, noise_multiplier: float) -> float:
     """Per-coordinate noise std ``z * 2C`` for a client's update clipped to ``C``."""
-    _positive("noise_multiplier", noise_multiplier)
+    require_positive("noise_multiplier", noise_multiplier)
     return noise_multiplier * local_update_sensitivity(clip=clip)
 
 
@@ -228,14 +214,14 @@ NBAFL_AMPLIFICATIONS: tuple[str, ...] = ("two_sided", "document")
 
 def nbafl_sensitivity(*, clip: float, min_dataset_size: int) -> float:
     """NbAFL's uplink sensitivity ``Delta s_U = 2C / m`` (one record of the smallest client)."""
-    _positive("clip", clip)
-    _positive_int("min_dataset_size", min_dataset_size)
+    require_positive("clip", clip)
+    require_positive_int("min_dataset_size", min_dataset_size)
     return 2.0 * clip / min_dataset_size
 
 
 def nbafl_client_sensitivity(*, clip: float) -> float:
     """L2 distance of any two parameter vectors clipped to norm ``C``: ``2C`` (client-level unit)."""
-    _positive("clip", clip)
+    require_positive("clip", clip)
     return 2.0 * clip
 
 
@@ -261,8 +247,8 @@ def nbafl_uplink_sigma(
     composition, computed by :func:`~fl_app.privacy.composition.compose_epsilon`
     with ``method``, meets ``(epsilon, delta)`` itself.
     """
-    _positive_int("exposures", exposures)
-    _positive("epsilon", epsilon)
+    require_positive_int("exposures", exposures)
+    require_positive("epsilon", epsilon)
     sensitivity = nbafl_sensitivity(clip=clip, min_dataset_size=min_dataset_size)
     per_exposure = epsilon / exposures
     if calibration == "classic":
@@ -301,10 +287,10 @@ def nbafl_round_epsilon(
 
     With ``K = N`` both give ``epsilon / T``.
     """
-    _positive("epsilon", epsilon)
-    _positive_int("num_rounds", num_rounds)
-    _positive_int("num_clients", num_clients)
-    _positive_int("clients_per_round", clients_per_round)
+    require_positive("epsilon", epsilon)
+    require_positive_int("num_rounds", num_rounds)
+    require_positive_int("num_clients", num_clients)
+    require_positive_int("clients_per_round", clients_per_round)
     if clients_per_round > num_clients:
         raise ValueError(f"clients_per_round={clients_per_round} exceeds num_clients={num_clients}")
     per_round = epsilon / num_rounds
@@ -332,10 +318,10 @@ def nbafl_downlink_threshold(
     (``"two_sided"``) or the document's
     ``gamma = -ln(1 - K/N + (K/N) e^{-epsilon/(L sqrt K)})`` (``"document"``).
     """
-    _positive("epsilon", epsilon)
-    _positive_int("exposures", exposures)
-    _positive_int("num_clients", num_clients)
-    _positive_int("clients_per_round", clients_per_round)
+    require_positive("epsilon", epsilon)
+    require_positive_int("exposures", exposures)
+    require_positive_int("num_clients", num_clients)
+    require_positive_int("clients_per_round", clients_per_round)
     if clients_per_round > num_clients:
         raise ValueError(f"clients_per_round={clients_per_round} exceeds num_clients={num_clients}")
     if clients_per_round == num_clients:
@@ -376,15 +362,15 @@ def nbafl_downlink_sigma(
     chooses the document's one-sided ``b, gamma`` or the two-sided bound. With
     ``K = N`` (or ``None``) this is Theorem 1 exactly (integer test ``T^2 > L^2 N``).
     """
-    _positive("epsilon", epsilon)
-    _positive("clip", clip)
-    _positive_int("min_dataset_size", min_dataset_size)
-    _positive_int("exposures", exposures)
-    _positive_int("num_rounds", num_rounds)
-    _positive_int("num_clients", num_clients)
+    require_positive("epsilon", epsilon)
+    require_positive("clip", clip)
+    require_positive_int("min_dataset_size", min_dataset_size)
+    require_positive_int("exposures", exposures)
+    require_positive_int("num_rounds", num_rounds)
+    require_positive_int("num_clients", num_clients)
     c = classic_gaussian_constant(delta=delta)
     k = num_clients if clients_per_round is None else clients_per_round
-    _positive_int("clients_per_round", k)
+    require_positive_int("clients_per_round", k)
     if k > num_clients:
         raise ValueError(f"clients_per_round={k} exceeds num_clients={num_clients}")
     if k == num_clients:
@@ -422,8 +408,8 @@ def binary_rr_epsilon(
     *, gamma: float, delta: float, rounds: int, bits_per_round: int = 1, method: str = "rdp"
 ) -> float:
     """Epsilon of ``rounds * bits_per_round`` uses of RR_gamma (accountant composition)."""
-    _positive_int("rounds", rounds)
-    _positive_int("bits_per_round", bits_per_round)
+    require_positive_int("rounds", rounds)
+    require_positive_int("bits_per_round", bits_per_round)
     history = {BinaryRandomizedResponse(gamma): rounds * bits_per_round}
     return compose_epsilon(history, delta=delta, method=method).epsilon
 
@@ -437,8 +423,8 @@ def bnn_gamma(*, epsilon: float, delta: float, rounds: int, bits_per_round: int 
     ``bits_per_round=1`` is the document's per-coordinate accounting; ``d``
     accounts for a client's whole d-bit upload per round.
     """
-    _positive("epsilon", epsilon)
-    _probability("delta", delta)
+    require_positive("epsilon", epsilon)
+    require_probability("delta", delta)
     return _largest_meeting(
         lambda g: binary_rr_epsilon(gamma=g, delta=delta, rounds=rounds, bits_per_round=bits_per_round),
         target=epsilon,
@@ -471,9 +457,9 @@ def bnn_gamma_theorem1(*, epsilon: float, delta: float, rounds: int) -> float:
     ``rho(alpha) <= epsilon / (2T)``. Kept for comparison: :func:`bnn_gamma`
     optimises the order and gives a gamma at least this large.
     """
-    _positive("epsilon", epsilon)
-    _probability("delta", delta)
-    _positive_int("rounds", rounds)
+    require_positive("epsilon", epsilon)
+    require_probability("delta", delta)
+    require_positive_int("rounds", rounds)
     order = 1.0 + 2.0 * math.log(1.0 / delta) / epsilon
     budget = epsilon / (2.0 * rounds)
     return _largest_meeting(
@@ -488,8 +474,8 @@ def bnn_gamma_theorem1(*, epsilon: float, delta: float, rounds: int) -> float:
 
 def laplace_scale(*, sensitivity: float, epsilon: float) -> float:
     """Laplace scale ``b = sensitivity / epsilon``."""
-    _positive("sensitivity", sensitivity)
-    _positive("epsilon", epsilon)
+    require_positive("sensitivity", sensitivity)
+    require_positive("epsilon", epsilon)
     return sensitivity / epsilon
 
 
@@ -501,9 +487,9 @@ def laplace_epsilon_for_tail(*, tau: float, probability: float, sensitivity: flo
     (tau = 1e-5, p = 0.9, sensitivity 1) gives ``ln(10) / 1e-5 ~ 2.3e5``; the
     correct sensitivity of probability vectors, 2, doubles it.
     """
-    _positive("tau", tau)
-    _probability("probability", probability)
-    _positive("sensitivity", sensitivity)
+    require_positive("tau", tau)
+    require_probability("probability", probability)
+    require_positive("sensitivity", sensitivity)
     return sensitivity * math.log(1.0 / (1.0 - probability)) / tau
 
 
@@ -521,8 +507,8 @@ def laplace_epsilon_for_scale(*, scale: float, sensitivity: float) -> float:
     document's sensitivity 1) on probability vectors (true sensitivity 2) gives
     ``2 * epsilon``, not ``epsilon``.
     """
-    _positive("scale", scale)
-    _positive("sensitivity", sensitivity)
+    require_positive("scale", scale)
+    require_positive("sensitivity", sensitivity)
     return sensitivity / scale
 
 
@@ -550,8 +536,8 @@ def laplace_epsilon_per_report(*, budget: float, reports: int) -> float:
         ``budget / reports``.
 
     """
-    _positive("budget", budget)
-    _positive_int("reports", reports)
+    require_positive("budget", budget)
+    require_positive_int("reports", reports)
     return budget / reports
 
 
@@ -564,8 +550,8 @@ def gaussian_epsilon(
     *, noise_multiplier: float, sampling_rate: float, rounds: int, delta: float, method: str = "rdp"
 ) -> float:
     """Epsilon of ``rounds`` Gaussian releases, Poisson-sampled when ``sampling_rate < 1``."""
-    _positive("noise_multiplier", noise_multiplier)
-    _positive_int("rounds", rounds)
+    require_positive("noise_multiplier", noise_multiplier)
+    require_positive_int("rounds", rounds)
     if not 0 < sampling_rate <= 1:
         raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
     mechanism = (
@@ -604,8 +590,8 @@ def dp_fedavg_noise_multiplier(
     The search evaluates the accountant's own composition and returns the upper
     end of the final bracket, so the reported epsilon never exceeds the target.
     """
-    _positive("epsilon", epsilon)
-    _probability("delta", delta)
+    require_positive("epsilon", epsilon)
+    require_probability("delta", delta)
 
     def eps_of(z: float) -> float:
         return gaussian_epsilon(
@@ -623,8 +609,8 @@ def randomized_response_epsilon_per_label(
     Used to calibrate a run so that the worst client's cumulative epsilon, from
     the accountant, is at most ``total_epsilon``.
     """
-    _positive("total_epsilon", total_epsilon)
-    _positive_int("labels", labels)
+    require_positive("total_epsilon", total_epsilon)
+    require_positive_int("labels", labels)
     return _largest_meeting(
         lambda e: (
             compose_epsilon({RandomizedResponse(e, num_classes): labels}, delta=delta, method=method).epsilon
@@ -672,16 +658,11 @@ _DP_SGD_CACHE: dict[tuple[float, float, float, int, float], float] = {}
 
 
 def dp_sgd_epsilon(*, noise_multiplier: float, sampling_rate: float, steps: int, delta: float) -> float:
-    """RDP epsilon of ``steps`` DP-SGD steps (``SampledGaussian(z, q)``; ``Gaussian(z)`` when ``q = 1``)."""
-    _positive("noise_multiplier", noise_multiplier)
-    _positive_int("steps", steps)
-    _probability("delta", delta)
-    if not 0 < sampling_rate <= 1:
-        raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
-    mechanism = (
-        Gaussian(noise_multiplier) if sampling_rate == 1 else SampledGaussian(noise_multiplier, sampling_rate)
+    """RDP epsilon of ``steps`` DP-SGD steps: :func:`gaussian_epsilon` with ``rounds = steps``."""
+    require_probability("delta", delta)
+    return gaussian_epsilon(
+        noise_multiplier=noise_multiplier, sampling_rate=sampling_rate, rounds=int(steps), delta=delta
     )
-    return compose_epsilon({mechanism: int(steps)}, delta=delta, method="rdp").epsilon
 
 
 def dp_sgd_noise_multiplier(
@@ -699,9 +680,9 @@ def dp_sgd_noise_multiplier(
     ``privacy.accountant``: the accountant reports the smallest of the bounds it
     computes, RDP among them. Results are cached per argument tuple.
     """
-    _positive("epsilon", epsilon)
-    _probability("delta", delta)
-    _positive_int("steps", steps)
+    require_positive("epsilon", epsilon)
+    require_probability("delta", delta)
+    require_positive_int("steps", steps)
     if not 0 < sampling_rate <= 1:
         raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
     if not 0 < tolerance < 1:
@@ -774,8 +755,8 @@ def noise_multiplier_for_histories(
     and returns the upper end of the final bracket, so no listed participant's
     reported epsilon exceeds the target.
     """
-    _positive("epsilon", epsilon)
-    _probability("delta", delta)
+    require_positive("epsilon", epsilon)
+    require_probability("delta", delta)
 
     def eps_of(z: float) -> float:
         spent = [compose_epsilon(h, delta=delta, method=method).epsilon for h in histories_of(z)]
@@ -797,7 +778,7 @@ def adaptive_clipping_default_bit_noise(*, expected_clients: float) -> float:
     ``m`` is the expected number of clients per round; the noisy fraction then
     has std 0.05 (Andrew et al. 2021, Section 3).
     """
-    _positive("expected_clients", expected_clients)
+    require_positive("expected_clients", expected_clients)
     return expected_clients / 20.0
 
 
@@ -811,8 +792,8 @@ def adaptive_clipping_effective_noise_multiplier(
     ``b_k - 1/2`` (noise std ``sigma_b``, sensitivity 1/2): jointly the Gaussian
     mechanism with noise multiplier ``z`` (add or remove one client).
     """
-    _positive("update_noise_multiplier", update_noise_multiplier)
-    _positive("bit_noise", bit_noise)
+    require_positive("update_noise_multiplier", update_noise_multiplier)
+    require_positive("bit_noise", bit_noise)
     return (update_noise_multiplier**-2 + (2.0 * bit_noise) ** -2) ** -0.5
 
 
@@ -823,8 +804,8 @@ def adaptive_clipping_update_noise_multiplier(*, noise_multiplier: float, bit_no
     only when ``z < 2 sigma_b`` (the bit release alone must already be at least
     as private as the whole round); raises ``ValueError`` otherwise.
     """
-    _positive("noise_multiplier", noise_multiplier)
-    _positive("bit_noise", bit_noise)
+    require_positive("noise_multiplier", noise_multiplier)
+    require_positive("bit_noise", bit_noise)
     if noise_multiplier >= 2.0 * bit_noise:
         raise ValueError(
             f"noise_multiplier={noise_multiplier} needs bit_noise > {noise_multiplier / 2} "
@@ -842,12 +823,12 @@ def tree_aggregation_epsilon(
     *, noise_multiplier: float, tree_steps: Sequence[int], delta: float, method: str = "rdp"
 ) -> float:
     """Epsilon of one participation in each tree of ``tree_steps`` leaves (TreeRestart composition)."""
-    _positive("noise_multiplier", noise_multiplier)
+    require_positive("noise_multiplier", noise_multiplier)
     if not tree_steps:
         raise ValueError("tree_steps must name at least one tree")
     history: dict[TreeAggregation, int] = {}
     for steps in tree_steps:
-        _positive_int("tree_steps", steps)
+        require_positive_int("tree_steps", steps)
         mechanism = TreeAggregation(noise_multiplier, int(steps))
         history[mechanism] = history.get(mechanism, 0) + 1
     return compose_epsilon(history, delta=delta, method=method).epsilon
@@ -865,7 +846,7 @@ def tree_aggregation_noise_multiplier(
     if not tree_steps:
         raise ValueError("tree_steps must name at least one tree")
     for steps in tree_steps:
-        _positive_int("tree_steps", steps)
+        require_positive_int("tree_steps", steps)
 
     def histories_of(z: float) -> list[History]:
         history: dict[TreeAggregation, int] = {}
@@ -896,7 +877,7 @@ def tree_sensitivity_increments(*, leaves: Sequence[int], steps: int) -> list[in
     the earlier leaves. The increments sum to S; a single leaf gives at most
     ``ceil(log2(steps + 1))`` (the single-participation tree bound).
     """
-    _positive_int("steps", steps)
+    require_positive_int("steps", steps)
     ordered = sorted(int(leaf) for leaf in leaves)
     if len(set(ordered)) != len(ordered):
         raise ValueError("a leaf is listed twice")

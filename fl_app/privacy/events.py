@@ -18,10 +18,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
-
-def _check_positive(name: str, value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+from fl_app.privacy.checks import require_positive
 
 
 @dataclass(frozen=True)
@@ -32,7 +29,7 @@ class Gaussian:
     kind: ClassVar[str] = "gaussian"
 
     def __post_init__(self) -> None:
-        _check_positive("noise_multiplier", self.noise_multiplier)
+        require_positive("noise_multiplier", self.noise_multiplier)
 
     @property
     def pure_epsilon(self) -> float | None:
@@ -53,7 +50,7 @@ class SampledGaussian:
     kind: ClassVar[str] = "sampled_gaussian"
 
     def __post_init__(self) -> None:
-        _check_positive("noise_multiplier", self.noise_multiplier)
+        require_positive("noise_multiplier", self.noise_multiplier)
         if not 0 < self.sampling_rate <= 1:
             raise ValueError(f"sampling_rate must be in (0, 1], got {self.sampling_rate!r}")
 
@@ -71,7 +68,7 @@ class Laplace:
     kind: ClassVar[str] = "laplace"
 
     def __post_init__(self) -> None:
-        _check_positive("epsilon", self.epsilon)
+        require_positive("epsilon", self.epsilon)
 
     @property
     def pure_epsilon(self) -> float | None:
@@ -92,7 +89,7 @@ class RandomizedResponse:
     kind: ClassVar[str] = "randomized_response"
 
     def __post_init__(self) -> None:
-        _check_positive("epsilon", self.epsilon)
+        require_positive("epsilon", self.epsilon)
         if int(self.num_classes) != self.num_classes or self.num_classes < 2:
             raise ValueError(f"num_classes must be an integer >= 2, got {self.num_classes!r}")
 
@@ -148,7 +145,7 @@ class TreeAggregation:
     kind: ClassVar[str] = "tree_aggregation"
 
     def __post_init__(self) -> None:
-        _check_positive("noise_multiplier", self.noise_multiplier)
+        require_positive("noise_multiplier", self.noise_multiplier)
         if int(self.steps) != self.steps or self.steps < 1:
             raise ValueError(f"steps must be an integer >= 1, got {self.steps!r}")
 

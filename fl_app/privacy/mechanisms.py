@@ -14,15 +14,12 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from fl_app.privacy.checks import require_positive
+
 
 def _require_generator(rng: np.random.Generator) -> None:
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
-
-
-def _require_finite_positive(name: str, value: float) -> None:
-    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 # --------------------------------------------------------------------------------------
@@ -171,8 +168,8 @@ def laplace_mechanism(
 
     """
     _require_generator(rng)
-    _require_finite_positive("sensitivity", sensitivity)
-    _require_finite_positive("epsilon", epsilon)
+    require_positive("sensitivity", sensitivity)
+    require_positive("epsilon", epsilon)
     values = np.asarray(values, dtype=np.float64)
     return values + rng.laplace(0.0, sensitivity / epsilon, size=values.shape)
 
@@ -262,7 +259,7 @@ def clip_l2(*, arrays: Sequence[np.ndarray], max_norm: float) -> tuple[list[np.n
         The clipped arrays (new objects) and the norm before clipping.
 
     """
-    _require_finite_positive("max_norm", max_norm)
+    require_positive("max_norm", max_norm)
     norm = global_l2_norm(arrays)
     scale = min(1.0, max_norm / norm) if norm > 0 else 1.0
     return [np.asarray(a) * scale for a in arrays], norm
@@ -291,7 +288,7 @@ def sum_clipped_updates(
         The float64 sum of the clipped updates and each update's norm before clipping.
 
     """
-    _require_finite_positive("max_norm", max_norm)
+    require_positive("max_norm", max_norm)
     total = [np.zeros(np.shape(a), dtype=np.float64) for a in like]
     norms: list[float] = []
     for update in updates:
