@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 SCRIPTS_DIR = Path(__file__).resolve().parent
 DEFAULT_DIR = Path.home() / ".cache" / "dpfl" / "local-deployment"
 DEFAULT_PORT = 9092
@@ -91,36 +93,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
-def _start_time(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (None when it does not exist): guards against pid reuse."""
+def _start_time(pid: int) -> float | None:
+    """The start time of ``pid`` (None when it does not exist): guards against pid reuse."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        tree.setdefault(parent, []).append(int(entry.name))
-    return tree
 
 
 def descendants(pid: int) -> list[int]:
     """All living descendants of ``pid`` (also those that started their own session)."""
-    tree, found, stack = _children(), [], [pid]
-    while stack:
-        for child in tree.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 @dataclass
@@ -129,16 +115,12 @@ class Process:
 
     name: str
     pid: int
-    start_time: int | None
+    start_time: float | None
     log: str
 
     def alive(self) -> bool:
         """Whether the process still runs (and is still the one started)."""
-        current = _start_time(self.pid)
-        if current is None or current != self.start_time:
-            return False
-        state = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z"
+        return _running(self.pid, self.start_time)
 
     def log_tail(self, lines: int = 25) -> str:
         """The last lines of the process's log."""
@@ -192,7 +174,7 @@ def stop_processes(processes: Sequence[Process], timeout: float = STOP_TIMEOUT_S
     Only processes this deployment started (checked by pid and start time) and
     their descendants are signalled.
     """
-    targets: dict[int, int | None] = {}
+    targets: dict[int, float | None] = {}
     for process in processes:
         if not process.alive():
             continue
@@ -218,17 +200,16 @@ def stop_processes(processes: Sequence[Process], timeout: float = STOP_TIMEOUT_S
     return killed
 
 
-def _running(pid: int, started: int | None) -> bool:
-    if _start_time(pid) != started:
-        return False
+def _running(pid: int, started: float | None) -> bool:
+    """Whether ``pid`` is the process that started at ``started`` and has not exited."""
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
+        process = psutil.Process(pid)
+        return process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
         return False
-    return state != "Z"
 
 
-def _reap(targets: Mapping[int, int | None]) -> None:
+def _reap(targets: Mapping[int, float | None]) -> None:
     for pid in targets:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)

@@ -1,0 +1,57 @@
+"""scripts/local_deployment.py's process handling: what it starts it finds, stops and never confuses."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import psutil
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "local_deployment.py"
+
+
+def _script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("local_deployment_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spawned_process_tree_is_found_and_stopped(tmp_path: Path) -> None:
+    deployment = _script()
+    process = deployment.spawn(
+        "sleeper",
+        ["sh", "-c", "sleep 60 & sleep 60"],
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin"},
+        log=tmp_path / "sleeper.log",
+        die_with_parent=True,
+    )
+    deadline = time.monotonic() + 10
+    while len(deployment.descendants(process.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    children = deployment.descendants(process.pid)
+    assert len(children) >= 2  # both sleeps (children of the shell)
+    assert process.alive()
+    assert process.start_time == psutil.Process(process.pid).create_time()
+    assert deployment.stop_processes([process], timeout=5) == []  # SIGTERM was enough
+    assert not process.alive()
+    assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in children)
+
+
+def test_a_reused_pid_is_not_the_process_that_was_started(tmp_path: Path) -> None:
+    deployment = _script()
+    process = deployment.spawn(
+        "sleeper", ["sleep", "60"], cwd=tmp_path, env={"PATH": "/usr/bin:/bin"}, log=tmp_path / "s.log"
+    )
+    impostor = deployment.Process("sleeper", process.pid, (process.start_time or 0) - 100.0, process.log)
+    assert process.alive() and not impostor.alive()
+    assert deployment.stop_processes([impostor], timeout=1) == []  # not signalled: not ours
+    assert process.alive()
+    deployment.stop_processes([process], timeout=5)
+    assert not process.alive()
