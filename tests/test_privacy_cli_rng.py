@@ -27,6 +27,37 @@ def test_rr_command(capsys):
     assert answer["beta"] == cal.privatekt_keep_probability(epsilon=5, k=2, num_classes=10)
 
 
+def test_dp_fedavg_and_dp_sgd_commands_against_dp_accounting(capsys):
+    """The calculator's z reaches the target in an independent dp-accounting RDP computation, and a
+    slightly smaller z would not (the search returns the smallest z to its tolerance)."""
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    def oracle(z: float, q: float, count: int) -> float:
+        accountant = RdpAccountant()
+        event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+        accountant.compose(event, count)
+        return accountant.get_epsilon(1e-5)
+
+    fedavg = calc(
+        capsys, "dp-fedavg", "--epsilon", "8", "--delta", "1e-5", "--rate", "0.1", "--rounds", "100"
+    )
+    sgd = calc(capsys, "dp-sgd", "--epsilon", "1", "--delta", "1e-5", "--rate", "0.01", "--steps", "1000")
+    for answer, target, q, count in ((fedavg, 8.0, 0.1, 100), (sgd, 1.0, 0.01, 1000)):
+        z = answer["noise_multiplier"]
+        assert oracle(z, q, count) <= target * (1 + 1e-6)
+        assert oracle(z * 0.995, q, count) > target
+        assert answer["epsilon"] == pytest.approx(oracle(z, q, count), rel=1e-3)
+
+
+def test_calculator_help_is_plain_text(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    assert ":mod:" not in text and "``" not in text
+    assert "dp-fedavg" in text and "dp-sgd" in text
+
+
 def test_bnn_command_both_directions(capsys):
     # The document's per-coordinate reading, by name (it used to be the default).
     gamma = calc(capsys, "bnn", "--epsilon", "2", "--delta", "1e-5", "--rounds", "100", "--per-coordinate")[
@@ -147,6 +178,8 @@ def test_compose_command_matches_library(capsys):
         ["bnn", "--epsilon", "1", "--gamma", "0.1", "--delta", "1e-5", "--rounds", "3"],
         ["compose", "--mechanism", "rr", "--epsilon", "1", "--count", "3", "--delta", "1e-5"],
         ["laplace", "--tau", "1e-5"],
+        ["dp-fedavg", "--epsilon", "8", "--delta", "1e-5", "--rate", "1.5", "--rounds", "10"],
+        ["dp-sgd", "--epsilon", "1", "--delta", "1e-5", "--rate", "0.1"],
         ["nope"],
     ],
 )

@@ -1,12 +1,15 @@
-"""Budget calculator: ``python -m fl_app.privacy <command> [--options]``.
+"""Budget calculator: python -m fl_app.privacy <command> [--options]  (also: dpfl privacy ...).
 
 Prints one JSON object on stdout. Every number comes from the same functions
-the strategies call (:mod:`fl_app.privacy.calibration`,
-:mod:`fl_app.privacy.composition`). Bad arguments print one line on stderr and
-exit with status 2.
+the strategies call (fl_app/privacy/calibration.py and composition.py). Bad
+arguments print one line on stderr and exit with status 2.
 
 Commands
 --------
+dp-fedavg --epsilon E --delta D --rate Q --rounds T    -> noise_multiplier (DP-FedAvg: z of T
+                                                          Poisson-sampled Gaussian rounds, q = m / N)
+dp-sgd   --epsilon E --delta D --rate Q --steps S      -> noise_multiplier (DP-SGD: z of S steps,
+                                                          q = batch / local data size)
 rr       --epsilon E --k K --classes C                 -> beta (PrivateKT Lemma 1)
 bnn      --epsilon E --delta D --rounds T              -> gamma (DPFL-BNN Theorem 1, client level)
          --gamma G --delta D --rounds T                -> epsilon (client level)
@@ -60,6 +63,19 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+
+    for name, count, meaning, what in (
+        ("dp-fedavg", "rounds", "rounds T", "DP-FedAvg noise multiplier (client level, Poisson cohorts)"),
+        ("dp-sgd", "steps", "DP-SGD steps", "DP-SGD noise multiplier (record level)"),
+    ):
+        command = commands.add_parser(name, help=what)
+        command.add_argument("--epsilon", type=float, required=True, help="target epsilon of the whole run")
+        command.add_argument("--delta", type=float, required=True)
+        command.add_argument(
+            "--rate", type=float, required=True, help="sampling rate q in (0, 1] (1: no sampling)"
+        )
+        command.add_argument(f"--{count}", type=int, required=True, help=meaning)
+        command.add_argument("--accountant", choices=("rdp", "pld"), default="rdp")
 
     rr = commands.add_parser("rr", help="PrivateKT keep probability beta")
     rr.add_argument("--epsilon", type=float, required=True, help="per-report epsilon (K labels)")
@@ -185,6 +201,12 @@ def _bnn_bits(args: argparse.Namespace) -> tuple[int, str]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Execute one calculator command and return its JSON-ready answer."""
+    if args.command in ("dp-fedavg", "dp-sgd"):
+        uses = args.rounds if args.command == "dp-fedavg" else args.steps
+        common = {"sampling_rate": args.rate, "rounds": uses, "delta": args.delta, "method": args.accountant}
+        z = calibration.dp_fedavg_noise_multiplier(epsilon=args.epsilon, **common)
+        spent = calibration.gaussian_epsilon(noise_multiplier=z, **common)
+        return {"noise_multiplier": z, "epsilon": spent, "delta": args.delta, "accountant": args.accountant}
     if args.command == "rr":
         beta = calibration.privatekt_keep_probability(
             epsilon=args.epsilon, k=args.k, num_classes=args.classes

@@ -1,0 +1,61 @@
+"""The ``dpfl`` console command: help from conf/, dispatch to the four programs, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from fl_app.cli import config_groups, main_keys, overview
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def dpfl(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fl_app.cli", *args], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+
+
+def test_the_console_script_is_declared():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["scripts"]["dpfl"] == "fl_app.cli:main"
+    assert any(dependency.startswith("psutil==") for dependency in project["dependencies"])
+
+
+def test_help_lists_every_group_option_and_main_key():
+    from strategies import STRATEGIES
+
+    text = overview()
+    groups = config_groups()
+    assert set(STRATEGIES.names()) == set(groups["strategy"])
+    for group, options in groups.items():
+        assert f"{group}:" in text
+        assert all(option in text for option in options)
+    keys = {key for key, _, _ in main_keys()}
+    assert {"num_clients", "clients_per_round", "num_rounds", "lr", "batch_size", "seed"} <= keys
+    assert ":mod:" not in text and "powered by Hydra" not in text
+
+
+def test_run_help_is_dpfls_not_hydras():
+    for args in (("--help",), ("run", "--help"), ()):
+        process = dpfl(*args)
+        assert process.returncode == 0
+        assert process.stdout.startswith("dpfl: differentially private federated learning")
+
+
+def test_dispatch_and_errors():
+    answer = dpfl("privacy", "rr", "--epsilon", "5", "--k", "2", "--classes", "10")
+    assert answer.returncode == 0 and json.loads(answer.stdout)["epsilon_per_label"] == 2.5
+    unknown = dpfl("nope")
+    assert unknown.returncode == 2 and unknown.stdout == ""
+    assert len(unknown.stderr.strip().splitlines()) == 1 and "unknown command 'nope'" in unknown.stderr
+    typo = dpfl("run", "num_round=3")
+    assert typo.returncode == 2 and "did you mean num_rounds" in typo.stderr
+    assert "Traceback" not in typo.stderr
+    empty = dpfl("report", str(ROOT / "conf"))
+    assert empty.returncode == 2 and "no usable results.json" in empty.stderr
+    deploy = dpfl("deploy", "status", "--dir", str(ROOT / "conf" / "no-such-deployment"))
+    assert deploy.returncode in (0, 1) and "Traceback" not in deploy.stderr
