@@ -7,6 +7,8 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
 * ``docs/benchmarks/compare_all/report.md`` (+ its PNGs): ``python -m fl_app.report ... --out
   docs/benchmarks/compare_all``; ``docs/benchmarks/compare_all.md`` holds the commands and the
   reading of that table (no numbers of its own);
+* ``docs/benchmarks/cross_device.md`` with ``docs/benchmarks/cross_device/report.md``:
+  ``python -m fl_app.report <sweep dir> --out docs/benchmarks/cross_device``;
 * ``docs/benchmarks/empirical_privacy.md`` with ``docs/benchmarks/empirical_privacy/report.md``:
   ``python -m fl_app.report multirun/canaries --out docs/benchmarks/empirical_privacy``;
 * ``docs/benchmarks/<algorithm>.md``: each algorithm's benchmark script.
@@ -33,6 +35,7 @@ PAGES = ROOT / "docs" / "benchmarks"
 #: Pages in BENCHMARKS.md order (missing pages are listed as missing, not skipped silently).
 ORDER = (
     "platform",
+    "cross_device",
     "compare_all",
     "empirical_privacy",
     "nbafl",

@@ -7,8 +7,8 @@ that differ only in their seed, and writes into ``<dir>`` (or ``--out``):
   that vary across the runs (every configuration key with more than one value, e.g. ``strategy.k`` in
   a sweep over K), target and reported cumulative epsilon, delta, final accuracy as mean +- standard
   deviation over seeds (the standard deviation only with at least two seeds), upload bytes per client
-  per round, wall time, number of seeds. ``report.md`` has one table per privacy unit (epsilons in
-  different units are not comparable);
+  per round, wall time, number of seeds. ``report.md`` has one table per privacy unit, under a
+  heading naming it (epsilons in different units are not comparable);
 * ``accuracy_vs_epsilon.png`` (final accuracy against the reported cumulative epsilon, one line per
   arm: algorithm, data set and varying settings but the budget, never joining two configurations;
   non-private runs as dashed horizontal references), ``accuracy_vs_round.png`` (mean over seeds) and
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
@@ -239,47 +240,57 @@ def write_tables(rows: Sequence[dict[str, Any]], problems: Sequence[str], out: P
         for row in rows:
             writer.writerow({k: (";".join(row[k]) if k == "runs" else row[k]) for k in COLUMNS})
     lines: list[str] = []
-    units = list(dict.fromkeys(row["epsilon_unit"] or "none (not private)" for row in rows))
-    for unit in units:
+    canaries = any(row["empirical_epsilon"] is not None for row in rows)
+    for unit in dict.fromkeys(row["epsilon_unit"] or "none (not private)" for row in rows):
         members = [row for row in rows if (row["epsilon_unit"] or "none (not private)") == unit]
-        if len(units) > 1:
-            lines += ([""] if lines else []) + [f"### Privacy unit: {unit}", ""]
-        lines += _table_lines(members)
+        lines += ([""] if lines else []) + [f"### Privacy unit: {unit}", ""]
+        lines += _table_lines(members, canaries=canaries)
     if problems:
         lines += ["", "Results files that could not be used:", ""] + [f"- {p}" for p in problems]
     (out / "report.md").write_text("\n".join(lines) + "\n")
 
 
-def _table_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| algorithm | data set | partition | settings | N | T | target epsilon | epsilon (cumulative) "
-        "| unit | empirical epsilon (95% interval; canaries) | delta "
-        "| final accuracy (mean ± std) | seeds | upload B/client/round | wall time (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def _table_lines(rows: Sequence[dict[str, Any]], *, canaries: bool) -> list[str]:
+    """One Markdown table of rows in one privacy unit (the heading above it names the unit).
+
+    The empirical epsilon column appears only when some run of the report has canaries.
+    """
+    header = ["algorithm", "data set", "partition", "settings", "N", "T", "target epsilon"]
+    header += ["epsilon (cumulative)"]
+    header += ["empirical epsilon (95% interval; canaries)"] if canaries else []
+    header += ["delta", "final accuracy (mean ± std)", "seeds", "upload B/client/round", "wall time (s)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         accuracy = "-" if row["accuracy_mean"] is None else f"{row['accuracy_mean']:.4f}"
         if row["accuracy_mean"] is not None and row["accuracy_std"] is not None:
             accuracy += f" ± {row['accuracy_std']:.4f}"
-        epsilon = "∞ (not private)" if row["epsilon"] is None else _fmt(row["epsilon"])
         upload = (
             "-"
             if row["upload_bytes_per_client_round"] is None
             else f"{row['upload_bytes_per_client_round']:,.0f}"
         )
-        empirical = (
-            "-"
-            if row["empirical_epsilon"] is None
-            else f"{row['empirical_epsilon']:.3g} ({row['empirical_low']:.3g}..{row['empirical_high']:.3g}; "
-            f"{row['canaries']})"
-        )
-        lines.append(
-            f"| {row['algorithm']} | {row['dataset']} | {row['partition']} | {row['settings'] or '-'} | "
-            f"{row['clients']} | {row['rounds']} | {_fmt(row['epsilon_target'])} | {epsilon} | "
-            f"{row['epsilon_unit'] or '-'} | {empirical} | {_fmt(row['delta'])} | {accuracy} | "
-            f"{row['seeds']} | {upload} | {row['wall_s']:.0f} |"
-        )
+        cells = [
+            row["algorithm"],
+            row["dataset"],
+            row["partition"],
+            row["settings"] or "-",
+            str(row["clients"]),
+            str(row["rounds"]),
+            _fmt(row["epsilon_target"]),
+            "∞ (not private)" if row["epsilon"] is None else _fmt(row["epsilon"]),
+        ]
+        if canaries:
+            cells.append(_empirical_cell(row))
+        cells += [_fmt(row["delta"]), accuracy, str(row["seeds"]), upload, f"{row['wall_s']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _empirical_cell(row: dict[str, Any]) -> str:
+    if row["empirical_epsilon"] is None:
+        return "-"
+    interval = f"{row['empirical_low']:.3g}..{row['empirical_high']:.3g}"
+    return f"{row['empirical_epsilon']:.3g} ({interval}; {row['canaries']})"
 
 
 def _label(row: dict[str, Any]) -> str:
@@ -314,12 +325,17 @@ def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
             if row["epsilon"] is None:
                 axis.axhline(row["accuracy_mean"], ls="--", color=colour, label=f"{label}, not private")
     axis.set_xscale("log")
+    shown = [r for r in rows if r["epsilon"] is not None and r["accuracy_mean"] is not None]
+    budgets = sorted({float(f"{r['epsilon']:.2g}") for r in shown})  # 0.9999 and 1.0 share a tick
+    if budgets and len(budgets) <= 12:  # plain numbers at the measured budgets, not 2 x 10^0
+        axis.set_xticks(budgets, [f"{b:.3g}" for b in budgets])
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axis.set_xlabel("reported cumulative epsilon (worst client; log scale)")
     axis.set_ylabel("final test accuracy")
-    axis.legend(fontsize=7)
+    axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
     axis.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(out / "accuracy_vs_epsilon.png", dpi=120)
+    figure.savefig(out / "accuracy_vs_epsilon.png", dpi=120, bbox_inches="tight")
     plt.close(figure)
 
 
@@ -387,28 +403,55 @@ def _mean_curves(
 
 
 def plot_curves(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) -> None:
-    """accuracy_vs_round.png and accuracy_vs_upload.png (means over seeds)."""
+    """accuracy_vs_round.png and accuracy_vs_upload.png (means over seeds).
+
+    One panel per arm (algorithm, data set, settings), one line per budget inside it (darker =
+    larger epsilon), and the non-private runs of the same data set as a dashed grey reference in
+    every panel: lines of different arms never share a colour or a panel.
+    """
     runs_by_dir = {str(run.path.parent): run for run in runs}
+    arms: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row["epsilon"] is not None:
+            arms[_label(row)].append(row)
+    references = [row for row in rows if row["epsilon"] is None]
+    if not arms:  # only non-private runs: one panel with all of them
+        arms = {_label(row): [row] for row in references}
+        references = []
     for x_of, name, xlabel, log in (
         ("round", "accuracy_vs_round.png", "round", False),
         ("upload", "accuracy_vs_upload.png", "cumulative upload bytes per client (log scale)", True),
     ):
-        figure, axis = plt.subplots(figsize=(7, 4.5))
-        for row in rows:
-            curve = _mean_curves(row, runs_by_dir, x_of)
-            if curve is None:
-                continue
-            epsilon = "not private" if row["epsilon"] is None else f"eps {row['epsilon']:.3g}"
-            axis.plot(*curve, marker=".", ms=3, label=f"{_label(row)}, {epsilon}")
-        if log:
-            axis.set_xscale("log")
-        axis.set_xlabel(xlabel)
-        axis.set_ylabel("test accuracy")
-        if len(rows) <= 24:
+        columns = min(3, len(arms))
+        panel_rows = math.ceil(len(arms) / columns)
+        figure, axes = plt.subplots(
+            panel_rows, columns, figsize=(4.2 * columns, 3.2 * panel_rows), squeeze=False, sharey=True
+        )
+        for axis, (label, members) in zip(axes.flat, sorted(arms.items()), strict=False):
+            members = sorted(members, key=lambda r: r["epsilon"] if r["epsilon"] is not None else math.inf)
+            shades = plt.cm.viridis(np.linspace(0.85, 0.1, max(len(members), 1)))
+            for shade, row in zip(shades, members, strict=True):
+                curve = _mean_curves(row, runs_by_dir, x_of)
+                if curve is not None:
+                    epsilon = "not private" if row["epsilon"] is None else f"eps {row['epsilon']:.3g}"
+                    axis.plot(*curve, lw=1.2, color=shade, label=epsilon)
+            for row in references:
+                curve = _mean_curves(row, runs_by_dir, x_of)
+                if curve is not None and row["dataset"] == members[0]["dataset"]:
+                    reference = f"{row['algorithm']}, not private"
+                    axis.plot(*curve, lw=1, ls="--", color="tab:gray", label=reference)
+            if log:
+                axis.set_xscale("log")
+            axis.set_title(label, fontsize=7)
+            axis.set_xlabel(xlabel, fontsize=8)
+            axis.grid(alpha=0.3)
             axis.legend(fontsize=6)
-        axis.grid(alpha=0.3)
+        for axis in axes.flat[len(arms) :]:
+            axis.set_visible(False)
+        for axis in axes[:, 0]:
+            axis.set_ylabel("test accuracy")
         figure.tight_layout()
-        figure.savefig(out / name, dpi=120)
+        figure.savefig(out / name, dpi=110)
         plt.close(figure)
 
 
