@@ -171,16 +171,45 @@ def load_dpfl_client_app() -> Any:
     return app
 
 
-def pipelined_slots(actors: list[Any], depth: int) -> list[Any]:
-    """The pool's lendable slots: every actor ``depth`` times, interleaved.
+class BalancedSlots(list):  # type: ignore[type-arg]
+    """The pool's lendable slots: every actor ``depth`` times; ``pop()`` lends the least busy actor.
 
-    Flower's pool lends ``pool.pop()``: interleaving makes consecutive loans go
-    to different actors, so a message waits at a busy actor only when every
-    actor already holds one.
+    Flower's pool lends ``pool.pop()`` (the last slot) and gives it back with ``append``. With
+    several slots per actor that is a stack: when fewer messages are in flight than there are
+    slots, the same few slots at the end are lent again and again, and they can all belong to
+    one actor, leaving the other idle (half the throughput) and a dead actor unnoticed (a killed
+    worker went undetected for a whole run in a test). ``pop()`` therefore lends a slot of the actor
+    with the most free slots, ties going round-robin.
     """
-    if depth < 1:
-        raise ValueError(f"pipeline depth must be >= 1, got {depth}")
-    return [actor for _ in range(depth) for actor in actors]
+
+    def __init__(self, actors: list[Any], depth: int) -> None:
+        if depth < 1:
+            raise ValueError(f"pipeline depth must be >= 1, got {depth}")
+        super().__init__(actor for _ in range(depth) for actor in actors)
+        self._order = list(actors)
+        self._next = 0
+
+    def pop(self, index: Any = -1) -> Any:
+        """A slot of the least busy actor (``index`` is ignored: any free slot serves)."""
+        if not self:
+            raise IndexError("pop from an empty pool")
+        free = {id(actor): 0 for actor in self._order}
+        for actor in self:
+            free[id(actor)] = free.get(id(actor), 0) + 1
+        most = max(free.values())
+        count = len(self._order)
+        for step in range(count):
+            actor = self._order[(self._next + step) % count]
+            if free[id(actor)] == most:
+                self._next = (self._next + step + 1) % count
+                self.remove(actor)
+                return actor
+        return super().pop(index)  # an actor appended from outside the order
+
+
+def pipelined_slots(actors: list[Any], depth: int) -> BalancedSlots:
+    """The pool's lendable slots: every actor ``depth`` times (:class:`BalancedSlots`)."""
+    return BalancedSlots(actors, depth)
 
 
 def pipeline_pool(pool: Any, depth: int) -> None:

@@ -336,11 +336,26 @@ def test_numpy_array_is_byte_identical_to_flowers_array() -> None:
         )
 
 
-def test_pipelined_slots_interleave_actors() -> None:
-    assert pipelined_slots(["a", "b"], 3) == ["a", "b", "a", "b", "a", "b"]
-    assert pipelined_slots(["a"], 1) == ["a"]
+def test_pipelined_slots_lend_the_least_busy_actor() -> None:
+    slots = pipelined_slots(["a", "b"], 3)
+    assert sorted(slots) == ["a", "a", "a", "b", "b", "b"] and len(slots) == 6
     with pytest.raises(ValueError, match="depth"):
         pipelined_slots(["a"], 0)
+    # Flower's pattern with fewer messages in flight than slots: lend 3, give 3 back, repeat.
+    # A stack lends the last slots again and again (which may all be one actor's); every round
+    # here must use both actors.
+    for _ in range(20):
+        lent = [slots.pop() for _ in range(3)]
+        assert set(lent) == {"a", "b"}
+        for actor in reversed(lent):
+            slots.append(actor)
+    slots[:] = ["a", "a", "a", "b", "b", "b"]  # an order in which a stack would lend only "b"
+    assert {slots.pop() for _ in range(2)} == {"a", "b"}
+    slots[:] = ["a", "a", "a", "b", "b", "b"]
+    lent = [slots.pop() for _ in range(6)]
+    assert sorted(lent) == ["a", "a", "a", "b", "b", "b"]
+    with pytest.raises(IndexError):
+        slots.pop()
 
 
 def test_pipelined_pool_lends_each_actor_depth_times_and_ends_it_once(monkeypatch) -> None:

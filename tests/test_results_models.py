@@ -58,6 +58,8 @@ def test_recorder_writes_the_contract(tmp_path):
     assert on_disk["final"] == {
         "accuracy": 0.7,
         "loss": 0.5,
+        "best_accuracy": 0.7,
+        "best_round": 2,
         "epsilon": None,
         "delta": 1e-5,
         "wall_s": 3.0,
