@@ -538,6 +538,37 @@ class FederatedStrategy(Strategy):
         return {}
 
 
+class ServerMomentum:
+    """Server SGD with heavy-ball momentum (FedAvgM / DP-FedAvgM; Reddi et al., ICLR 2021, Alg. 1).
+
+    ``v_t = beta v_{t-1} + Delta_t`` (``v_1 = Delta_1``) and ``w_{t+1} = w_t + eta_s v_t``, array
+    by array. The velocity is part of the strategy's state (checkpointed with it).
+    """
+
+    def __init__(self, *, lr: float, momentum: float) -> None:
+        self.lr = lr
+        self.momentum = momentum
+        self.velocity: list[np.ndarray] | None = None
+
+    def step(self, start: list[np.ndarray], update: list[np.ndarray]) -> list[np.ndarray]:
+        """``w_t + eta_s v_t`` for the model ``start`` (w_t) and this round's ``update`` (Delta_t)."""
+        if self.velocity is None:
+            self.velocity = list(update)
+        else:
+            self.velocity = [self.momentum * v + u for v, u in zip(self.velocity, update, strict=True)]
+        return [w + self.lr * v for w, v in zip(start, self.velocity, strict=True)]
+
+
+def arrays_like(values: list[np.ndarray], like: ArrayRecord) -> ArrayRecord:
+    """``values`` (one array per key of ``like``, in key order) as an ArrayRecord with ``like``'s dtypes."""
+    return ArrayRecord(
+        {
+            name: Array(np.asarray(value).astype(array_values(like[name]).dtype))
+            for name, value in zip(like.keys(), values, strict=True)
+        }
+    )
+
+
 #: Values of a planned schedule (``strategy.schedule``; :meth:`FederatedStrategy.seeded_schedule`).
 SCHEDULES = ("random", "balanced")
 

@@ -69,7 +69,7 @@ from logging import INFO
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
 from omegaconf import DictConfig
 
@@ -86,7 +86,7 @@ from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext, resolve_clients_per_round
 from fl_app.validation import ConfigError, require_choice, require_positive, require_range
 from strategies import register_strategy
-from strategies.base import FederatedStrategy
+from strategies.base import FederatedStrategy, ServerMomentum, arrays_like
 
 
 @dataclass(frozen=True)
@@ -225,7 +225,9 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
         self.accountant = PrivacyAccountant(
             population=run.client_ids, unit=self.privacy_unit, method=str(self.cfg.privacy.accountant)
         )
-        self._velocity: list[np.ndarray] | None = None
+        self.server_optimizer = ServerMomentum(
+            lr=self.settings.server_lr, momentum=self.settings.server_momentum
+        )
         self._rounds: dict[int, dict[str, float]] = {}
         log(
             INFO,
@@ -256,9 +258,7 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
         valid, _ = self.split_replies(server_round, replies)
         global_arrays = self.round_global
         clip = self.clip
-        names, reference, total, norms = self.clipped_update_sum(
-            valid, max_norm=clip, server_round=server_round
-        )
+        _, reference, total, norms = self.clipped_update_sum(valid, max_norm=clip, server_round=server_round)
         m = self.plan.expected_clients
         rng = self.run.noise.generator("central-noise", server_round=server_round)
         sigma = self.plan.update_noise_multiplier * clip
@@ -268,16 +268,7 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
         noised = float(gaussian_mechanism(values=np.array(centred), sigma=self.plan.bit_noise, rng=bit_rng))
         unclipped = noised / m + 0.5
         self._record_release(server_round)
-        beta = self.settings.server_momentum
-        if self._velocity is None:
-            self._velocity = average
-        else:
-            self._velocity = [beta * v + a for v, a in zip(self._velocity, average, strict=True)]
-        lr = self.settings.server_lr
-        new = {
-            n: Array((r + lr * v).astype(global_arrays[n].numpy().dtype))
-            for n, r, v in zip(names, reference, self._velocity, strict=True)
-        }
+        new = arrays_like(self.server_optimizer.step(reference, average), global_arrays)
         self.clip = clip * math.exp(-self.settings.clip_lr * (unclipped - self.settings.target_quantile))
         self._rounds[server_round] = {
             "clip_norm": clip,
@@ -286,7 +277,7 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
         }
         # No train loss (nor anything else computed from the clients' data) in the metrics: they are
         # not noised (the platform's release rule, as DP-FedAvg).
-        return ArrayRecord(new), MetricRecord()
+        return new, MetricRecord()
 
     def _record_release(self, server_round: int) -> None:
         """One ``SampledGaussian(z, q)`` per round: the update sum and the count, jointly."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 from omegaconf import DictConfig
 
 from fl_app import keys
@@ -29,7 +29,7 @@ from fl_app.run_context import RunContext
 from fl_app.training import array_values
 from fl_app.validation import require_choice, require_positive, require_range
 from strategies import register_strategy
-from strategies.base import FederatedStrategy, mean_arrays
+from strategies.base import FederatedStrategy, ServerMomentum, arrays_like, mean_arrays
 
 WEIGHTINGS = ("num_examples", "uniform")
 
@@ -42,9 +42,10 @@ class FedAvgStrategy(FederatedStrategy):
 
     def __init__(self, run: RunContext) -> None:
         super().__init__(run)
-        self.server_lr = float(self.cfg.strategy.get("server_lr", 1.0))
-        self.server_momentum = float(self.cfg.strategy.get("server_momentum", 0.0))
-        self._velocity: list[np.ndarray] | None = None
+        self.server_optimizer = ServerMomentum(
+            lr=float(self.cfg.strategy.get("server_lr", 1.0)),
+            momentum=float(self.cfg.strategy.get("server_momentum", 0.0)),
+        )
 
     @classmethod
     def validate_config(cls, cfg: DictConfig) -> None:
@@ -57,23 +58,13 @@ class FedAvgStrategy(FederatedStrategy):
 
     def server_step(self, average: ArrayRecord) -> ArrayRecord:
         """``w_t + eta_s v_t``, ``v_t = beta v_{t-1} + (average - w_t)``; the average itself by default."""
-        if self.server_lr == 1.0 and self.server_momentum == 0.0:
+        if self.server_optimizer.lr == 1.0 and self.server_optimizer.momentum == 0.0:
             return average
         current = self.round_global
         names = list(current.keys())
         start = [array_values(current[n]).astype(np.float64) for n in names]
         updates = [array_values(average[n]) - w for n, w in zip(names, start, strict=True)]
-        if self._velocity is None:
-            self._velocity = updates
-        else:
-            beta = self.server_momentum
-            self._velocity = [beta * v + u for v, u in zip(self._velocity, updates, strict=True)]
-        return ArrayRecord(
-            {
-                n: Array((w + self.server_lr * v).astype(current[n].numpy().dtype))
-                for n, w, v in zip(names, start, self._velocity, strict=True)
-            }
-        )
+        return arrays_like(self.server_optimizer.step(start, updates), current)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
