@@ -51,12 +51,12 @@ def run_experiment(*overrides: str, output_dir: str | Path | None = None) -> dic
     from fl_app.simulation import run_in_simulation
 
     items = [str(item) for item in overrides]
-    cfg = compose_config(items)
-    if output_dir is None and cfg.output_dir is None:
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        output_dir = DEFAULT_ROOT / f"{stamp}-{cfg.strategy.name}"
     if output_dir is not None:
         items.append(f"output_dir={Path(output_dir).expanduser().resolve()}")
+    cfg = compose_config(items)
+    if cfg.output_dir is None:  # the default directory is named by the composed strategy
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        items.append(f"output_dir={(DEFAULT_ROOT / f'{stamp}-{cfg.strategy.name}').resolve()}")
         cfg = compose_config(items)
     validate_config(cfg)
     check_output_dir(cfg)

@@ -207,11 +207,6 @@ class BalancedSlots(list):  # type: ignore[type-arg]
         return super().pop(index)  # an actor appended from outside the order
 
 
-def pipelined_slots(actors: list[Any], depth: int) -> BalancedSlots:
-    """The pool's lendable slots: every actor ``depth`` times (:class:`BalancedSlots`)."""
-    return BalancedSlots(actors, depth)
-
-
 def pipeline_pool(pool: Any, depth: int) -> None:
     """Turn a freshly built ``BasicActorPool`` into one that lends each actor ``depth`` times.
 
@@ -220,7 +215,7 @@ def pipeline_pool(pool: Any, depth: int) -> None:
     Terminating ends each actor once, quietly (``ray.kill``).
     """
     actors = list(dict.fromkeys(pool.pool))
-    pool.pool = pipelined_slots(actors, depth)
+    pool.pool = BalancedSlots(actors, depth)
     pool.num_actors = len(pool.pool)
 
     def terminate_all_actors() -> None:

@@ -427,6 +427,9 @@ def plot_curves(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) 
         figure, axes = plt.subplots(
             panel_rows, columns, figsize=(4.2 * columns, 3.2 * panel_rows), squeeze=False, sharey=True
         )
+        reference_curves = [
+            (row, curve) for row in references if (curve := _mean_curves(row, runs_by_dir, x_of)) is not None
+        ]
         for axis, (label, members) in zip(axes.flat, sorted(arms.items()), strict=False):
             members = sorted(members, key=lambda r: r["epsilon"] if r["epsilon"] is not None else math.inf)
             shades = plt.cm.viridis(np.linspace(0.85, 0.1, max(len(members), 1)))
@@ -435,9 +438,8 @@ def plot_curves(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) 
                 if curve is not None:
                     epsilon = "not private" if row["epsilon"] is None else f"eps {row['epsilon']:.3g}"
                     axis.plot(*curve, lw=1.2, color=shade, label=epsilon)
-            for row in references:
-                curve = _mean_curves(row, runs_by_dir, x_of)
-                if curve is not None and row["dataset"] == members[0]["dataset"]:
+            for row, curve in reference_curves:
+                if row["dataset"] == members[0]["dataset"]:
                     reference = f"{row['algorithm']}, not private"
                     axis.plot(*curve, lw=1, ls="--", color="tab:gray", label=reference)
             if log:

@@ -28,6 +28,7 @@ from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 from fl_app import flower_engine
 from fl_app.flower_engine import (
     FLOWER_VERSION,
+    BalancedSlots,
     adaptive_interval,
     fast_add_messages_to_queue,
     flower_version,
@@ -35,7 +36,6 @@ from fl_app.flower_engine import (
     is_in_memory_grid,
     load_dpfl_client_app,
     pipeline_pool,
-    pipelined_slots,
     take_undelivered,
 )
 from fl_app.metering import MeteredGrid, content_bytes
@@ -337,10 +337,10 @@ def test_numpy_array_is_byte_identical_to_flowers_array() -> None:
 
 
 def test_pipelined_slots_lend_the_least_busy_actor() -> None:
-    slots = pipelined_slots(["a", "b"], 3)
+    slots = BalancedSlots(["a", "b"], 3)
     assert sorted(slots) == ["a", "a", "a", "b", "b", "b"] and len(slots) == 6
     with pytest.raises(ValueError, match="depth"):
-        pipelined_slots(["a"], 0)
+        BalancedSlots(["a"], 0)
     # Flower's pattern with fewer messages in flight than slots: lend 3, give 3 back, repeat.
     # A stack lends the last slots again and again (which may all be one actor's); every round
     # here must use both actors.
