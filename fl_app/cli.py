@@ -16,8 +16,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-CONF_DIR = PROJECT_ROOT / "conf"
+from fl_app.conf_dir import CONF_DIR, config_groups
+
+PROJECT_ROOT = CONF_DIR.parent
 DEPLOY_SCRIPT = PROJECT_ROOT / "scripts" / "local_deployment.py"
 
 COMMANDS = """\
@@ -29,6 +30,7 @@ Commands
   dpfl deploy start|status|stop     a local SuperLink and SuperNodes (scripts/local_deployment.py)
 
 Examples
+  dpfl run +experiment=quick strategy=dp_fedavg     a quick example of any strategy (about 1-2 min)
   dpfl run strategy=dp_fedavg privacy.epsilon=4
   dpfl run -m strategy=fedavg,dp_fedavg privacy.epsilon=1,2,4
   dpfl run -m +experiment=compare_cross_device hydra.sweep.dir=multirun/cross_device
@@ -37,15 +39,6 @@ Examples
 """
 
 _KEY_LINE = re.compile(r"^(?P<key>[a-z_]+):\s*(?P<value>[^#\n]*?)\s*#\s*(?P<meaning>.+)$")
-
-
-def config_groups(conf: Path = CONF_DIR) -> dict[str, list[str]]:
-    """Each config group (a folder of ``conf/``) and its options (its YAML files)."""
-    return {
-        group.name: sorted(path.stem for path in group.glob("*.yaml"))
-        for group in sorted(conf.iterdir())
-        if group.is_dir()
-    }
 
 
 def main_keys(conf: Path = CONF_DIR) -> list[tuple[str, str, str]]:

@@ -11,7 +11,6 @@ import difflib
 import re
 import shlex
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
@@ -20,7 +19,8 @@ from hydra.errors import HydraException
 from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from omegaconf import DictConfig, OmegaConf
 
-CONF_DIR: Path = Path(__file__).resolve().parent.parent / "conf"
+from fl_app.conf_dir import CONF_DIR, config_groups
+
 CONFIG_NAME = "config"
 
 RUN_CONFIG_OVERRIDES = "overrides"
@@ -79,15 +79,6 @@ def _compose(overrides: Sequence[str], *, with_hydra: bool = False) -> DictConfi
 def override_key(item: str) -> str:
     """The key an override sets: ``privacy.epsilon`` of ``+privacy.epsilon=4`` (also ``++``, ``~``)."""
     return item.lstrip("+~").split("=", 1)[0]
-
-
-def config_groups() -> dict[str, list[str]]:
-    """Every config group of ``conf/`` and its options (file names without ``.yaml``)."""
-    return {
-        folder.name: sorted(p.stem for p in folder.glob("*.yaml"))
-        for folder in sorted(CONF_DIR.iterdir())
-        if folder.is_dir()
-    }
 
 
 def _adds_key(item: str) -> bool:

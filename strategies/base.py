@@ -407,18 +407,25 @@ class FederatedStrategy(Strategy):
             result[f"federated-{name}"] = float(np.average(values, weights=weights))
         return result
 
+    def cohort_text(self) -> str:
+        """How many clients a round selects, for :meth:`summary`."""
+        return f"{self.run.clients_per_round} of {self.run.num_clients} clients per round"
+
     def summary(self) -> None:
-        """Log the strategy's configuration."""
-        log(
-            INFO,
-            "\t├──> %s: %d of %d clients per round",
-            type(self).__name__,
-            self.run.clients_per_round,
-            self.run.num_clients,
-        )
+        """Log the strategy's configuration, the privacy unit and the budget asked for."""
+        log(INFO, "\t├──> %s: %s", type(self).__name__, self.cohort_text())
         for key, value in self.cfg.strategy.items():
             log(INFO, "\t│\t├── strategy.%s = %s", key, value)
-        log(INFO, "\t└──> privacy: unit=%s, mechanism=%s", self.privacy_unit, self.mechanism_name)
+        budget = f", {self.budget_text()}" if self.is_private(self.cfg) else ""
+        log(INFO, "\t└──> privacy: unit=%s, mechanism=%s%s", self.privacy_unit, self.mechanism_name, budget)
+
+    def budget_text(self) -> str:
+        """The budget asked for, for :meth:`summary` (override where it is not in :attr:`privacy_unit`)."""
+        privacy = self.cfg.privacy
+        return (
+            f"budget epsilon={float(privacy.epsilon):g} delta={float(privacy.delta):g} "
+            f"(privacy.budget_scope={privacy.budget_scope})"
+        )
 
     # ------------------------------------------------------------------ replies
 

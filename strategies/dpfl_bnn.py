@@ -154,6 +154,16 @@ class DPFLBNNStrategy(FederatedStrategy):
         self._trained: set[int] = set()
         self._log_plan(target)
 
+    def budget_text(self) -> str:
+        """The budget asked for; under ``calibration=per_coordinate`` it is not in the headline unit."""
+        text = super().budget_text()
+        if self.calibration != "per_coordinate" or not self.planned:
+            return text
+        return (
+            f"{text} PER WEIGHT COORDINATE (strategy.calibration=per_coordinate, the document's reading); "
+            f"client level, the unit above: epsilon {self.planned['client_level']:.6g}"
+        )
+
     def _log_plan(self, target: float) -> None:
         if not self.noise or self.gamma is None:
             log(INFO, "DPFL-BNN: noise-free BNN (no RR), d=%d binary weights: not private", self.num_bits)

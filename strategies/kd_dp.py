@@ -137,6 +137,20 @@ RECORD_UNIT = "one training example of a federated client (add or remove one exa
 LABEL_UNIT = "one pseudo-label of the public split (replace one label), label-DP"
 
 
+def teacher_rounds(cfg: DictConfig) -> int:
+    """Rounds of the teacher stage: ``strategy.teacher_rounds``, or derived from ``teacher_fraction``.
+
+    With ``teacher_rounds: null`` (the default) the teacher gets ``round(teacher_fraction * num_rounds)``
+    rounds, at least 1 and at most ``num_rounds - 1`` (the student needs a round), so the default never
+    contradicts ``num_rounds`` (a fraction of 1/3: 5 of 15 rounds as in ``+experiment=kd_dp``).
+    """
+    settings = cfg.strategy
+    if settings.teacher_rounds is not None:
+        return int(settings.teacher_rounds)
+    rounds = int(cfg.num_rounds)
+    return min(max(1, round(float(settings.teacher_fraction) * rounds)), max(rounds - 1, 1))
+
+
 def group_by_size(
     roster: Sequence[ClientInfo], *, threshold: int | None, fraction: float | None
 ) -> tuple[list[int], list[int]]:
@@ -232,7 +246,7 @@ class KDDPStrategy(FederatedStrategy):
             epsilon_special=None if settings.epsilon_special is None else float(settings.epsilon_special),
             epsilon_general=None if settings.epsilon_general is None else float(settings.epsilon_general),
         )
-        self.teacher_rounds = int(settings.teacher_rounds)
+        self.teacher_rounds = teacher_rounds(cfg)
         try:
             large, general = [], list(run.client_ids)
             if self.teacher_rounds > 0:
@@ -321,13 +335,17 @@ class KDDPStrategy(FederatedStrategy):
         else:
             require_range("strategy.large_fraction", fraction, 0.0, 1.0, low_open=True, high_open=True)
         rounds = int(cfg.num_rounds)
-        teacher_rounds = require_int("strategy.teacher_rounds", settings.teacher_rounds, minimum=0)
-        if teacher_rounds > 0 and rounds < 2:
+        if settings.teacher_rounds is None:
+            require_range("strategy.teacher_fraction", settings.teacher_fraction, 0.0, 1.0, high_open=True)
+        else:
+            require_int("strategy.teacher_rounds", settings.teacher_rounds, minimum=0)
+        teacher = teacher_rounds(cfg)
+        if teacher > 0 and rounds < 2:
             raise ConfigError(
                 "num_rounds", rounds, "kd_dp needs >= 2 rounds (teacher stage, then student stage)"
             )
-        require_int("strategy.teacher_rounds", teacher_rounds, minimum=0, maximum=rounds - 1)
-        if teacher_rounds == 0 and settings.epsilon_special is not None:
+        require_int("strategy.teacher_rounds", teacher, minimum=0, maximum=rounds - 1)
+        if teacher == 0 and settings.epsilon_special is not None:
             raise ConfigError(
                 "strategy.epsilon_special",
                 settings.epsilon_special,
@@ -368,7 +386,7 @@ class KDDPStrategy(FederatedStrategy):
                 cfg.privacy.budget_scope,
                 "kd_dp accounts the whole run: must be total",
             )
-        if teacher_rounds > 0 and float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
+        if teacher > 0 and float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
             raise ConfigError(
                 "dataset.public_fraction",
                 cfg.dataset.get("public_fraction", 0.0),

@@ -362,12 +362,9 @@ class NbAFLStrategy(FederatedStrategy):
             "K": self.k,
         }
 
-    def summary(self) -> None:
-        """Log the strategy's configuration (K instead of clients_per_round)."""
-        log(INFO, "\t├──> NbAFLStrategy: K=%d of N=%d clients per round", self.k, self.run.num_clients)
-        for key, value in self.cfg.strategy.items():
-            log(INFO, "\t│\t├── strategy.%s = %s", key, value)
-        log(INFO, "\t└──> privacy: unit=%s, mechanism=%s", self.privacy_unit, self.mechanism_name)
+    def cohort_text(self) -> str:
+        """K instead of clients_per_round."""
+        return f"K={self.k} of N={self.run.num_clients} clients per round"
 
     def _log_setup(self) -> None:
         log(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -159,20 +160,38 @@ def simulate(tmp_path: Path) -> Callable[..., dict[str, Any]]:
     return run
 
 
+#: Set in this test process and inherited by every process it starts (Ray's GCS, raylet and workers,
+#: ``python -m fl_app`` subprocesses and theirs): tells this process's Ray processes from those of a
+#: parallel test worker (pytest-xdist) or of anything else running on the machine.
+TEST_PROCESS_KEY = "DPFL_TEST_PROCESS"
+os.environ[TEST_PROCESS_KEY] = str(os.getpid())
+
+
 def ray_process_ids() -> set[int]:
-    """Pids of every running Ray process on this machine (actors, raylet, GCS, workers)."""
+    """Pids of every running Ray process (actors, raylet, GCS, workers) started from this test process.
+
+    A process counts if it is a Ray process and inherited this test process's :data:`TEST_PROCESS_KEY`
+    (a Ray process that outlived its driver, re-parented to init, still carries it), or if its parent
+    did: the raylet starts its dashboard and runtime-env agents with an environment of their own.
+    """
     import psutil
 
+    mine = os.environ[TEST_PROCESS_KEY]
     found = set()
     for process in psutil.process_iter(["name", "cmdline", "status"]):
         try:
             if process.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             parts = [process.info["name"] or "", *(process.info["cmdline"] or [])[:3]]
+            if not any(part.startswith("ray::") or "/ray/" in part for part in parts):
+                continue
+            parent = process.parent()
+            if process.environ().get(TEST_PROCESS_KEY) == mine or (
+                parent is not None and parent.environ().get(TEST_PROCESS_KEY) == mine
+            ):
+                found.add(process.pid)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if any(part.startswith("ray::") or "/ray/" in part for part in parts):
-            found.add(process.pid)
     return found
 
 
