@@ -266,7 +266,7 @@ class RunRecorder:
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
             axis.set_ylim(bottom=0)
             axis.legend(fontsize=8, loc="lower right")
-            axis.set_title(f"{self.cfg.strategy.name}: privacy spent per {_short_unit(unit)}", fontsize=10)
+            axis.set_title(f"{self.cfg.strategy.name}: privacy spent per {short_unit(unit)}", fontsize=10)
         else:
             axis.set_axis_off()
             axis.text(
@@ -282,13 +282,17 @@ class RunRecorder:
         plt.close(figure)
 
 
-def _short_unit(unit: str) -> str:
-    """The privacy unit's first words (``one client's entire data set`` -> ``client``)."""
-    text = unit.lower()
-    for word in ("client", "record", "report", "example", "label", "coordinate"):
-        if word in text.split("(")[0]:
-            return word
-    return unit.split("(")[0].strip() or "unit"
+def short_unit(unit: str) -> str:
+    """The privacy unit's noun: the first of the known nouns in the unit's text.
+
+    ``one client's entire data set`` -> ``client``; ``one training example of a federated client`` ->
+    ``example``.
+    """
+    text = unit.lower().split("(")[0]
+    nouns = ("client", "record", "report", "example", "label", "coordinate")
+    found = [(text.find(word), word) for word in nouns]
+    found = [(index, word) for index, word in found if index >= 0]
+    return min(found)[1] if found else unit.split("(")[0].strip() or "unit"
 
 
 def describe_partition(cfg: DictConfig) -> str:

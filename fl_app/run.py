@@ -50,7 +50,7 @@ from fl_app.metering import MeteredGrid
 from fl_app.models import ModelSpec
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
 from fl_app.registry import Registry
-from fl_app.results import LEDGER_FILE, RunRecorder, write_json
+from fl_app.results import LEDGER_FILE, RunRecorder, short_unit, write_json
 from fl_app.resume import run_overrides
 from fl_app.roster import ClientInfo, discover_roster, on_devices
 from fl_app.round_loop import check_round, run_rounds
@@ -478,18 +478,22 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
         return results
     log(
         INFO,
-        "dpfl: finished %d rounds in %s; final accuracy %s (best %s in round %s), epsilon %s per client in "
-        "total (delta %g; %s); results in %s",
+        "dpfl: finished %d rounds in %s; final accuracy %s (best %s in round %s), %s; results in %s",
         len(results["rounds"]),
         format_duration(time.monotonic() - started),
         _fmt(results["final"]["accuracy"]),
         _fmt(results["final"]["best_accuracy"]),
         results["final"]["best_round"],
-        _fmt(results["final"]["epsilon"], "inf (not private)"),
-        run.delta,
-        "seeded simulation: reproducible from the published config"
-        if randomness["source"] == "seeded"
-        else "privacy randomness from OS entropy",
+        epsilon_text(
+            results["final"]["epsilon"],
+            run.delta,
+            per=short_unit(strategy.privacy_unit),
+            note=(
+                "seeded simulation: reproducible from the published config"
+                if randomness["source"] == "seeded"
+                else "privacy randomness from OS entropy"
+            ),
+        ),
         output_dir,
     )
     return results
@@ -618,13 +622,12 @@ class RoundReporter:
         remaining = float(np.mean(self.durations)) * (self.num_rounds - server_round)
         log(
             INFO,
-            "dpfl round %d/%d: accuracy %s, loss %s, epsilon %s (delta %g) | elapsed %s, remaining ~%s",
+            "dpfl round %d/%d: accuracy %s, loss %s, %s | elapsed %s, remaining ~%s",
             server_round,
             self.num_rounds,
             _fmt(accuracy),
             _fmt(loss),
-            _fmt(record["epsilon"], "inf (not private)"),
-            self.strategy.run.delta,
+            epsilon_text(record["epsilon"], self.strategy.run.delta),
             format_duration(self.elapsed()),
             format_duration(remaining),
         )
@@ -634,6 +637,14 @@ class RoundReporter:
             if v is not None
         }
         return MetricRecord(metrics)
+
+
+def epsilon_text(epsilon: float | None, delta: float, *, per: str = "", note: str = "") -> str:
+    """``epsilon 3.911 per client in total (delta 1e-05; note)``, or ``not private``."""
+    if epsilon is None:
+        return "not private"
+    unit = f" per {per} in total" if per else ""
+    return f"epsilon {_fmt(epsilon)}{unit} (delta {delta:g}{'; ' + note if note else ''})"
 
 
 def _fmt(value: float | None, missing: str = "-") -> str:

@@ -12,7 +12,13 @@ learning whose uploaded model is protected by local DP. Here: FedAvg
 4. uploads the noisy update only (no loss, no example count).
 
 The server sets ``w_{t+1} = w_t + mean_k(noisy Delta_k)`` over the replies it
-got (uniform weights; post-processing of LDP outputs).
+got (uniform weights; post-processing of LDP outputs). By default
+(``strategy.project: true``) the mean is first projected onto the L2 ball of radius C: every true
+update, and so their mean, lies in that ball, and the Euclidean projection onto a closed convex set
+that holds a point never moves an estimate farther from it. At small epsilon the noise on the mean is
+far larger than C; unprojected, it throws the model to NaN within a few rounds (measured: loss 7,136
+after round 1 at the default epsilon 8) where projected it stays a bounded random walk.
+``project: false`` is the paper's plain mean.
 
 Privacy: local DP, unit = one client's entire data set (as PrivateKT). Every
 upload is one ``Gaussian(z)`` release of that client's data; the accountant
@@ -39,7 +45,7 @@ from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import local_gaussian_noise_multiplier, local_gaussian_sigma
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent
-from fl_app.privacy.mechanisms import local_gaussian_update
+from fl_app.privacy.mechanisms import clip_l2, local_gaussian_update
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
 from fl_app.validation import require_choice, require_positive
@@ -63,6 +69,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
         super().__init__(run)
         settings = self.cfg.strategy
         self.clip = float(settings.clip)
+        self.project = bool(settings.project)
         self.planned_cohorts = self.seeded_schedule(
             int(self.cfg.num_rounds), balanced=settings.schedule == "balanced"
         )
@@ -147,10 +154,12 @@ class FedAvgLDPStrategy(FederatedStrategy):
             )
         if not updates:
             return None, MetricRecord({"reports": 0})
+        means = [np.mean([update[position] for update in updates], axis=0) for position in range(len(names))]
+        if self.project:
+            means, _ = clip_l2(arrays=means, max_norm=self.clip)
         new = {}
-        for position, name in enumerate(names):
+        for name, mean in zip(names, means, strict=True):
             reference = global_arrays[name].numpy()
-            mean = np.mean([update[position] for update in updates], axis=0)
             new[name] = Array((reference.astype(np.float64) + mean).astype(reference.dtype))
         return ArrayRecord(new), MetricRecord({"reports": len(updates)})
 

@@ -197,3 +197,38 @@ def test_balanced_schedule_gives_every_report_the_whole_budget(tmp_path, strateg
 def test_unknown_schedule_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"strategy\.schedule"):
         FedAvgLDPStrategy.validate_config(compose_config([*DIGITS, "strategy.schedule=round_robin"]))
+
+
+@pytest.mark.parametrize("project", [True, False])
+def test_the_server_projects_the_noisy_mean_onto_the_clip_ball(tmp_path, project):
+    strategy = FedAvgLDPStrategy(
+        build_run_context([*DIGITS, "strategy.clip=0.5", f"strategy.project={project}"], tmp_path)
+    )
+    arrays = ArrayRecord({"w": Array(np.zeros(4, dtype=np.float32))})
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid=None))
+    # uploads as noisy as small-epsilon local DP makes them: far outside the ball of radius C
+    uploads = [np.array([300.0, -400.0, 0.0, 0.0]), np.array([100.0, 0.0, 0.0, 0.0])]
+    replies = [
+        reply_to(m, arrays=ArrayRecord({"w": Array(u.astype(np.float32))}))
+        for m, u in zip(messages, uploads, strict=False)
+    ]
+    new, _ = strategy.aggregate_train(1, replies)
+    mean = np.mean(uploads, axis=0)
+    if project:
+        assert np.allclose(new["w"].numpy(), mean * 0.5 / np.linalg.norm(mean), atol=1e-6)
+    else:
+        assert np.allclose(new["w"].numpy(), mean)
+
+
+def test_projection_never_moves_the_mean_away_from_the_true_mean():
+    """True means of clipped updates lie in the ball of radius C: projecting onto it is a contraction."""
+    from fl_app.privacy.mechanisms import clip_l2
+
+    rng = np.random.default_rng(3)
+    clip = 1.0
+    for _ in range(200):
+        true = rng.normal(size=50)
+        true *= rng.uniform(0, clip) / np.linalg.norm(true)
+        noisy = true + rng.normal(scale=rng.choice([0.01, 1.0, 100.0]), size=50)
+        (projected,), _ = clip_l2(arrays=[noisy], max_norm=clip)
+        assert np.linalg.norm(projected - true) <= np.linalg.norm(noisy - true) + 1e-12
