@@ -255,17 +255,25 @@ class RunRecorder:
         private = [r for r in self.rounds if r.get("epsilon") is not None]
         delta = float(self.cfg.privacy.delta)
         if private:
-            axis.plot(
-                [r["round"] for r in private], [r["epsilon"] for r in private], "o-", ms=3, label="spent"
-            )
+            spent = [r["epsilon"] for r in private]
+            axis.plot([r["round"] for r in private], spent, "o-", ms=3, label=f"spent per {short_unit(unit)}")
+            for key, label in SECONDARY_EPSILONS.items():
+                values = [r.get(key) for r in private]
+                if all(v is not None for v in values):
+                    axis.plot([r["round"] for r in private], values, "^:", ms=3, label=label)
             if str(self.cfg.privacy.get("budget_scope", "total")) == "total":
                 target = float(self.cfg.privacy.epsilon)
                 axis.axhline(target, color="tab:gray", ls="--", lw=1, label=f"privacy.epsilon = {target:g}")
             axis.set_xlabel("round")
             axis.set_ylabel(f"cumulative epsilon (delta = {delta:g})")
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-            axis.set_ylim(bottom=0)
-            axis.legend(fontsize=8, loc="lower right")
+            legend_at = "lower right"
+            if max(spent) > 50 * float(self.cfg.privacy.epsilon):
+                axis.set_yscale("log")  # a headline epsilon far above a target stated in another unit
+                legend_at = "center right"
+            else:
+                axis.set_ylim(bottom=0)
+            axis.legend(fontsize=8, loc=legend_at)
             axis.set_title(f"{self.cfg.strategy.name}: privacy spent per {short_unit(unit)}", fontsize=10)
         else:
             axis.set_axis_off()
@@ -280,6 +288,10 @@ class RunRecorder:
         figure.tight_layout()
         figure.savefig(self.output_dir / "epsilon.png", dpi=110)
         plt.close(figure)
+
+
+#: Per-round epsilons in a second unit that a strategy may calibrate for, plotted beside the headline.
+SECONDARY_EPSILONS = {"epsilon_per_coordinate": "spent per weight coordinate (the document's unit)"}
 
 
 def short_unit(unit: str) -> str:
