@@ -49,23 +49,16 @@ from fl_app.lifecycle import (
 from fl_app.metering import MeteredGrid
 from fl_app.models import ModelSpec
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
-from fl_app.registry import Registry
 from fl_app.results import LEDGER_FILE, RunRecorder, short_unit, write_json
 from fl_app.resume import run_overrides
 from fl_app.roster import ClientInfo, discover_roster, on_devices
 from fl_app.round_loop import check_round, run_rounds
 from fl_app.run_context import RunContext, output_path
 from fl_app.validation import require_choice, validate_config
-from strategies import STRATEGIES
+from strategies import EVALUATION_STAGES, STRATEGIES
 from strategies.base import FederatedStrategy
 
 LOG_FILE = "run.log"
-
-#: Evaluation stages: classes in ``strategies/`` decorated ``@register_evaluation_stage(name)`` that
-#: wrap the built strategy when ``evaluation.stage`` names them (absent or null: no stage). A stage
-#: has a classmethod ``validate_config(cfg)`` and is built as ``Stage(strategy)``.
-EVALUATION_STAGES: Registry[Any] = Registry("evaluation stage", "strategies")
-register_evaluation_stage = EVALUATION_STAGES.register
 
 
 def evaluation_stage(cfg: DictConfig) -> Any | None:

@@ -83,10 +83,9 @@ from fl_app.privacy.composition import EpsilonReport, sequential_stages
 from fl_app.privacy.events import Laplace, PrivacyEvent
 from fl_app.results import write_json
 from fl_app.roster import ClientInfo
-from fl_app.run import register_evaluation_stage
 from fl_app.run_context import RunContext
 from fl_app.validation import ConfigError, require_choice, require_int, require_positive, require_range
-from strategies import STRATEGIES
+from strategies import STRATEGIES, register_evaluation_stage
 from strategies.base import FederatedStrategy
 
 STAGE_NAME = "laplace_eval"
