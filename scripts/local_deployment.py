@@ -86,6 +86,11 @@ def environment_with_scripts(env: Mapping[str, str]) -> dict[str, str]:
     return {**env, "PATH": os.pathsep.join([scripts, path]) if path else scripts}
 
 
+#: Tries to start a SuperNode on a fresh free port when the one picked was taken before it bound it.
+PORT_ATTEMPTS = 3
+PORT_IN_USE = "address already in use"
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that is free on ``host`` right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
@@ -471,8 +476,10 @@ def start(
                     env=cli_env,
                 )
                 deployment.node_ids.append(int(json_output(output)["node-id"]))
+        fixed_ports = bool(supernode_ports)
         ports = list(supernode_ports) if supernode_ports else [free_port() for _ in data_files]
-        for index, data in enumerate(data_files):
+
+        def start_supernode(index: int) -> Process:
             node_dir = directory / f"supernode-{index}"
             args = [
                 executable("flower-supernode"),
@@ -481,7 +488,7 @@ def start(
                 "--port",
                 str(ports[index]),
                 "--node-config",
-                f'data-path="{Path(data).resolve()}"',
+                f'data-path="{Path(data_files[index]).resolve()}"',
             ]
             if secure:
                 args += [
@@ -492,7 +499,7 @@ def start(
                 ]
             else:
                 args.append("--insecure")
-            node = spawn(
+            return spawn(
                 f"supernode-{index}",
                 args,
                 cwd=node_dir,
@@ -500,10 +507,24 @@ def start(
                 log=directory / "logs" / f"supernode-{index}.log",
                 die_with_parent=die_with_parent,
             )
-            deployment.processes.append(node)
+
+        for index in range(len(data_files)):
+            deployment.processes.append(start_supernode(index))
             deployment.save()
-        for node in deployment.processes[1:]:
-            wait_for_log(node, SUPERNODE_READY)
+        for index in range(len(data_files)):
+            for attempt in range(PORT_ATTEMPTS):
+                node = deployment.processes[1 + index]
+                try:
+                    wait_for_log(node, SUPERNODE_READY)
+                    break
+                except DeploymentError:
+                    # a free port can be taken between free_port() and the SuperNode binding it
+                    # (another process on the machine): try another one
+                    if fixed_ports or attempt == PORT_ATTEMPTS - 1 or PORT_IN_USE not in node.log_tail():
+                        raise
+                    ports[index] = free_port()
+                    deployment.processes[1 + index] = start_supernode(index)
+                    deployment.save()
     except BaseException:
         deployment.stop()
         raise

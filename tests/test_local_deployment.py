@@ -55,3 +55,34 @@ def test_a_reused_pid_is_not_the_process_that_was_started(tmp_path: Path) -> Non
     assert process.alive()
     deployment.stop_processes([process], timeout=5)
     assert not process.alive()
+
+
+def test_a_supernode_port_taken_before_it_binds_is_replaced(tmp_path: Path, monkeypatch) -> None:
+    """free_port() can return a port another process takes before the SuperNode binds it (the suite's
+    parallel workers start Ray, whose servers bind ephemeral ports): start() tries a fresh one."""
+    import socket
+
+    script = _script()
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real_free_port = script.free_port
+    monkeypatch.setattr(script, "free_port", lambda host="127.0.0.1": next(ports, 0) or real_free_port(host))
+    deployment = script.start(
+        tmp_path / "federation",
+        data_files=[tmp_path / "unused.npz"],
+        secure=False,
+        port=real_free_port(),
+        connection="dpfl-port-test",
+        cli_env={"FLWR_HOME": str(tmp_path / "cli-home"), "PATH": str(Path(sys.executable).parent)},
+        die_with_parent=True,
+    )
+    try:
+        supernode_log = (tmp_path / "federation" / "logs" / "supernode-0.log").read_text()
+        assert script.PORT_IN_USE in supernode_log  # the first try hit the taken port ...
+        assert len(deployment.running()) == 2  # ... and the SuperLink and a SuperNode run
+    finally:
+        deployment.stop()
+        taken.close()
+    assert deployment.running() == []
