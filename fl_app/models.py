@@ -123,6 +123,51 @@ register_model("cnn")(SmallCNN)
 register_model("mlp")(MLP)
 
 
+class PrivateKTCNN(nn.Module):
+    """PrivateKT's network (Qi et al. 2023; taoqi98/PrivateKT ``Code/model.py``), about 1.68 M parameters.
+
+    Conv 32 (5x5) -> max-pool 2 -> dropout 0.2 -> conv 128 (5x5) -> max-pool 2 -> dropout 0.2 -> three
+    dense layers of 512 with ReLU, each followed by dropout 0.2 -> class logits (the softmax is in the
+    loss). As in the authors' Keras model the convolutions have no activation and no padding, and every
+    layer starts from Glorot-uniform weights and zero biases (Keras' defaults).
+    """
+
+    DROPOUT = 0.2
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        channels, height, width = input_shape
+        self.features = nn.Sequential(
+            nn.Conv2d(channels, 32, kernel_size=5),
+            nn.MaxPool2d(2),
+            nn.Dropout(self.DROPOUT),
+            nn.Conv2d(32, 128, kernel_size=5),
+            nn.MaxPool2d(2),
+            nn.Dropout(self.DROPOUT),
+        )
+        side_h, side_w = ((height - 4) // 2 - 4) // 2, ((width - 4) // 2 - 4) // 2
+        if side_h < 1 or side_w < 1:
+            raise ValueError(f"privatekt_cnn needs images of at least 16x16, got {height}x{width}")
+        layers: list[nn.Module] = [nn.Flatten()]
+        features = 128 * side_h * side_w
+        for _ in range(3):
+            layers += [nn.Linear(features, 512), nn.ReLU(), nn.Dropout(self.DROPOUT)]
+            features = 512
+        layers.append(nn.Linear(features, num_classes))
+        self.classifier = nn.Sequential(*layers)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d | nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return class logits."""
+        return self.classifier(self.features(x))
+
+
+register_model("privatekt_cnn")(PrivateKTCNN)
+
+
 # --------------------------------------------------------------------------------------
 # DPFL-BNN (Liu, Zhang, Song, Letaief 2023, Section II-D and IV-A1): binary CNN
 # --------------------------------------------------------------------------------------

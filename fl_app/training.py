@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -126,6 +127,22 @@ def numpy_to_arrays(keys: Sequence[str], values: Sequence[np.ndarray]) -> ArrayR
     return ArrayRecord({k: Array(np.asarray(v)) for k, v in zip(keys, values, strict=True)})
 
 
+@contextlib.contextmanager
+def seeded_dropout(model: nn.Module, rng: np.random.Generator) -> Iterator[None]:
+    """Seed torch's generator from ``rng`` while training a model that has dropout layers.
+
+    Dropout masks come from torch's global generator; seeding it from the run's generator keeps a
+    seeded simulation reproducible. A model without dropout draws nothing from ``rng`` (its results
+    stay exactly what they were before models with dropout existed).
+    """
+    if not any(isinstance(module, nn.Dropout) for module in model.modules()):
+        yield
+        return
+    with torch.random.fork_rng():
+        torch.manual_seed(int(rng.integers(2**62)))
+        yield
+
+
 def train_local(
     model: nn.Module,
     x: np.ndarray,
@@ -164,10 +181,37 @@ def train_local(
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     inputs, targets = to_tensor(x), torch.from_numpy(np.asarray(y, dtype=np.int64))
+    with seeded_dropout(model, rng):
+        total, batches = _sgd_epochs(
+            model,
+            optimizer,
+            inputs,
+            targets,
+            epochs=epochs,
+            batch_size=batch_size,
+            rng=rng,
+            proximal_mu=proximal_mu,
+            reference=reference,
+        )
+    return total / max(batches, 1)
+
+
+def _sgd_epochs(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    rng: np.random.Generator,
+    proximal_mu: float,
+    reference: Sequence[torch.Tensor] | None,
+) -> tuple[float, int]:
     total, batches = 0.0, 0
     for _ in range(epochs):
-        order = torch.from_numpy(rng.permutation(len(y)))
-        for start in range(0, len(y), batch_size):
+        order = torch.from_numpy(rng.permutation(len(targets)))
+        for start in range(0, len(targets), batch_size):
             index = order[start : start + batch_size]
             optimizer.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(inputs[index]), targets[index])
@@ -180,7 +224,7 @@ def train_local(
             optimizer.step()
             total += float(loss.detach())
             batches += 1
-    return total / max(batches, 1)
+    return total, batches
 
 
 @torch.no_grad()

@@ -166,6 +166,10 @@ def validate_data_options(cfg: DictConfig) -> None:
     from fl_app.data.partition import PARTITIONERS
 
     require_choice("partition.name", partition.name, PARTITIONERS)
+    if partition.name == "equal_size_dirichlet":
+        require_positive("partition.alpha", partition.alpha)
+        if partition.size is not None:
+            require_int("partition.size", partition.size, minimum=1)
     if partition.name == "dirichlet":
         require_positive("partition.alpha", partition.alpha)
         require_int("partition.min_partition_size", partition.min_partition_size, minimum=0)

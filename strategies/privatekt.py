@@ -23,7 +23,8 @@ open. Each round t:
    the model's own predicted distributions (``strategy.self_train_targets=soft``,
    the authors' code) or their argmax (``hard``);
 4. the next round's K KT samples are drawn with weight ``exp(entropy)`` under
-   Theta_{t+1} (Eq. 4); round 1 draws them uniformly (Algorithm 1, line 3).
+   Theta_{t+1} (Eq. 4); round 1 draws them the same way under the initial model
+   (``strategy.first_draw=entropy``, the authors' code) or uniformly (``uniform``, Algorithm 1, line 3).
 
 No parameter averaging: the global model changes only on the server.
 
@@ -69,13 +70,16 @@ from fl_app.privacy.events import PrivacyEvent, RandomizedResponse
 from fl_app.privacy.mechanisms import debias_label_average
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
-from fl_app.training import load_arrays, model_to_arrays, predict_proba, to_tensor
+from fl_app.training import load_arrays, model_to_arrays, predict_proba, seeded_dropout, to_tensor
 from fl_app.validation import ConfigError, require_bool, require_choice, require_int, require_range
 from strategies import register_strategy
 from strategies.base import SCHEDULES, FederatedStrategy, max_participations
 
 KNOWLEDGE_MODES = ("argmax", "soft")
 SELF_TRAIN_TARGETS = ("soft", "hard")
+FIRST_DRAWS = ("entropy", "uniform")
+#: ``model=auto`` on 28x28 images: the authors' CNN with dropout (``fl_app.models``).
+PRIVATEKT_MODEL = "privatekt_cnn"
 #: Self-training size when ``strategy.self_train`` is null: the authors' code's ratio of the public split.
 SELF_TRAIN_RATIO = 0.1
 #: Labels travel as uint8 class indices.
@@ -197,20 +201,21 @@ def fit_targets(
     size = len(x) if batch_size is None else min(batch_size, len(x))
     order = rng.permutation(len(x))
     position, total = 0, 0.0
-    for _ in range(steps):
-        if position + size > len(order):
-            order, position = rng.permutation(len(x)), 0
-        index = torch.from_numpy(order[position : position + size])
-        position += size
-        batch = inputs[index]
-        if input_dropout > 0:
-            keep = torch.from_numpy(rng.random(tuple(batch.shape)) >= input_dropout)
-            batch = batch * keep / (1.0 - input_dropout)
-        optimizer.zero_grad(set_to_none=True)
-        loss = -(soft[index] * F.log_softmax(model(batch), dim=1)).sum(dim=1).mean()
-        loss.backward()
-        optimizer.step()
-        total += float(loss.detach())
+    with seeded_dropout(model, rng):  # the authors' CNN has dropout: seeded masks
+        for _ in range(steps):
+            if position + size > len(order):
+                order, position = rng.permutation(len(x)), 0
+            index = torch.from_numpy(order[position : position + size])
+            position += size
+            batch = inputs[index]
+            if input_dropout > 0:
+                keep = torch.from_numpy(rng.random(tuple(batch.shape)) >= input_dropout)
+                batch = batch * keep / (1.0 - input_dropout)
+            optimizer.zero_grad(set_to_none=True)
+            loss = -(soft[index] * F.log_softmax(model(batch), dim=1)).sum(dim=1).mean()
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach())
     return total / steps
 
 
@@ -273,6 +278,7 @@ class PrivateKTStrategy(FederatedStrategy):
         self.knowledge = str(settings.knowledge)
         self.self_train_targets = str(settings.self_train_targets)
         self.self_train_dropout = float(settings.self_train_dropout)
+        self.first_draw = str(settings.first_draw)
         self.local_epochs = int(
             self.cfg.local_epochs if settings.local_epochs is None else settings.local_epochs
         )
@@ -325,6 +331,13 @@ class PrivateKTStrategy(FederatedStrategy):
     # ------------------------------------------------------------------ configuration
 
     @classmethod
+    def resolve_model(cls, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:
+        """``model=auto``: the authors' network (:class:`fl_app.models.PrivateKTCNN`) for 28x28 images."""
+        if str(cfg.model) == "auto" and tuple(input_shape[-2:]) == (28, 28):
+            return PRIVATEKT_MODEL
+        return super().resolve_model(cfg, input_shape)
+
+    @classmethod
     def validate_config(cls, cfg: DictConfig) -> None:
         """K, B, M, server steps, local epochs, knowledge mode, public split, no federated evaluation."""
         settings = cfg.strategy
@@ -340,6 +353,7 @@ class PrivateKTStrategy(FederatedStrategy):
         require_choice("strategy.schedule", settings.schedule, SCHEDULES)
         require_choice("strategy.self_train_targets", settings.self_train_targets, SELF_TRAIN_TARGETS)
         require_range("strategy.self_train_dropout", settings.self_train_dropout, 0.0, 1.0, high_open=True)
+        require_choice("strategy.first_draw", settings.first_draw, FIRST_DRAWS)
         if settings.send_kt_data is not None:
             require_bool("strategy.send_kt_data", settings.send_kt_data)
         if float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
@@ -370,9 +384,13 @@ class PrivateKTStrategy(FederatedStrategy):
     # ------------------------------------------------------------------ rounds
 
     def draw_kt_samples(self, server_round: int, arrays: ArrayRecord) -> np.ndarray:
-        """K distinct public rows: uniform in round 1, else weighted by ``exp(entropy)`` (Eq. 4)."""
+        """K distinct public rows weighted by ``exp(entropy)`` under the current model (Eq. 4).
+
+        Round 1 as well with ``first_draw: entropy`` (the authors' code, under the initial model);
+        ``uniform``: round 1 draws uniformly (the paper's Algorithm 1, line 3).
+        """
         rng = self.run.randomness.generator("privatekt-kt-sampling", server_round=server_round)
-        if server_round <= 1:
+        if server_round <= 1 and self.first_draw == "uniform":
             return np.sort(rng.choice(self.num_public, size=self.k, replace=False))
         model = self.run.model_spec.build()
         load_arrays(model, arrays)

@@ -160,6 +160,24 @@ def test_dirichlet_skews_labels_and_iid_does_not():
     assert dominant_share(even, np.random.default_rng(0).permutation(labels)) < 0.2
 
 
+def test_equal_size_dirichlet_gives_equal_sizes_and_skewed_labels():
+    """PrivateKT's partition: every client but the last has `size` rows, each with its own label skew."""
+    labels = np.random.default_rng(0).permutation(np.repeat(np.arange(10), 600))
+    parts = partition_rows(
+        labels, scheme="equal_size_dirichlet", num_partitions=8, seed=4, options={"alpha": 0.5, "size": 500}
+    )
+    assert [len(p) for p in parts[:-1]] == [500] * 7
+    assert len(parts[-1]) == 6000 - 7 * 500
+    every = np.concatenate(parts)
+    assert len(every) == len(set(every.tolist())) == 6000
+    shares = [np.bincount(labels[p], minlength=10).max() / len(p) for p in parts[:-1]]
+    assert np.mean(shares) > 0.3  # IID would give about 0.12
+    again = partition_rows(
+        labels, scheme="equal_size_dirichlet", num_partitions=8, seed=4, options={"alpha": 0.5, "size": 500}
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again, strict=True))
+
+
 def test_size_skewed_partitioners():
     labels = np.zeros(1000, dtype=np.int64)
     sizes = [
@@ -195,7 +213,7 @@ def test_local_device_data_npz_and_idx(tmp_path):
         load_local_dataset(str(tmp_path / "missing.npz"))
 
 
-@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "linear", "exponential"])
+@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "equal_size_dirichlet", "linear", "exponential"])
 @pytest.mark.parametrize(("clients", "rows"), [(7, 2000), (13, 5001), (40, 6000)])
 def test_fast_partition_rows_equal_flower_datasets_public_path(scheme: str, clients: int, rows: int) -> None:
     """The per-client rows without one load_partition per client are exactly the public path's."""
@@ -206,7 +224,7 @@ def test_fast_partition_rows_equal_flower_datasets_public_path(scheme: str, clie
     labels = np.random.default_rng(rows).integers(0, 10, size=rows)
     found = []
     for path in ("public", "fast"):
-        partitioner = PARTITIONERS[scheme](clients, 3, {"alpha": 0.5, "min_partition_size": 2})
+        partitioner = PARTITIONERS[scheme](clients, 3, {"alpha": 0.5, "min_partition_size": 2, "size": None})
         partitioner.dataset = Dataset.from_dict(
             {"label": labels.astype(np.int64), "row": np.arange(rows, dtype=np.int64)}
         )

@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from conftest import (
     FAST,
     build_run_context,
@@ -384,3 +385,80 @@ def test_privatekt_simulation(simulate):
     assert privacy["epsilon_cumulative"] == pytest.approx(results["final"]["epsilon"])
     assert privacy["kt_data_sent_as"] == "indices"
     assert results["final"]["accuracy"] is not None
+
+
+def _flat_record(arrays) -> np.ndarray:
+    return np.concatenate([arrays[k].numpy().ravel().astype(np.float64) for k in arrays])
+
+
+def test_self_training_moves_the_model_by_default_and_is_a_no_op_without_dropout(tmp_path):
+    """Training on the model's own soft predictions has zero gradient unless something (dropout)
+    makes the training-time prediction differ from the target: the default must move the weights."""
+    import copy
+
+    strategy = _strategy(tmp_path)
+    assert strategy.self_train > 0 and strategy.self_train_dropout > 0
+    arrays = strategy.initial_arrays()
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid=None))
+    replies = [_labels_reply(m, [1] * strategy.k) for m in messages]
+    models = {}
+    for name, changes in {
+        "default": {},
+        "no self-training": {"self_train": 0},
+        "no dropout": {"self_train_dropout": 0.0},
+    }.items():
+        variant = copy.deepcopy(strategy)
+        for attribute, value in changes.items():
+            setattr(variant, attribute, value)
+        new, _ = variant.aggregate_train(1, replies)
+        models[name] = _flat_record(new)
+    fine_tuned_only = models["no self-training"]
+    assert np.abs(models["default"] - fine_tuned_only).max() > 1e-4
+    assert np.abs(models["no dropout"] - fine_tuned_only).max() < 1e-6
+
+
+@pytest.mark.parametrize("first_draw", ["entropy", "uniform"])
+def test_first_round_transfer_samples_follow_first_draw(tmp_path, first_draw):
+    strategy = _strategy(tmp_path, f"strategy.first_draw={first_draw}")
+    arrays = strategy.initial_arrays()
+    drawn = strategy.draw_kt_samples(1, arrays)
+    rng = strategy.run.randomness.generator("privatekt-kt-sampling", server_round=1)
+    uniform = np.sort(rng.choice(strategy.num_public, size=strategy.k, replace=False))
+    assert len(set(drawn.tolist())) == strategy.k
+    assert (drawn.tolist() == uniform.tolist()) == (first_draw == "uniform")
+
+
+def test_model_auto_is_the_authors_cnn_on_28x28_images():
+    from fl_app.models import build_model
+
+    cfg = compose_config(["strategy=privatekt", "dataset=fashion_mnist"])
+    assert PrivateKTStrategy.resolve_model(cfg, (1, 28, 28)) == "privatekt_cnn"
+    assert PrivateKTStrategy.resolve_model(cfg, (1, 8, 8)) == "mlp"  # digits: too small for it
+    model = build_model("privatekt_cnn", (1, 28, 28), 10)
+    assert sum(p.numel() for p in model.parameters()) == 1_682_890  # the authors' ~1.68 M
+    assert sum(isinstance(m, torch.nn.Dropout) for m in model.modules()) == 5
+    first = model.features[0]
+    bound = math.sqrt(6.0 / (first.in_channels * 25 + first.out_channels * 25))  # Glorot uniform
+    assert float(first.weight.abs().max()) <= bound and float(first.weight.abs().max()) > 0.9 * bound
+    assert all(
+        float(m.bias.abs().max()) == 0.0 for m in model.modules() if hasattr(m, "bias") and m.bias is not None
+    )
+
+
+def test_server_training_with_dropout_is_seeded_and_moves_the_weights():
+    """With the authors' CNN, self-training on the model's own predictions moves the weights (dropout),
+    and the same generator gives the same model (seeded masks)."""
+    from fl_app.models import build_model
+    from fl_app.training import model_to_arrays, predict_proba
+
+    x = np.random.default_rng(0).random((40, 1, 28, 28), dtype=np.float32)
+    results = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        model = build_model("privatekt_cnn", (1, 28, 28), 10)
+        before = _flat_record(model_to_arrays(model))
+        own = predict_proba(model, x)
+        pkt.fit_targets(model, x, own, steps=2, batch_size=20, lr=0.05, rng=np.random.default_rng(7))
+        results.append(_flat_record(model_to_arrays(model)))
+    assert np.abs(results[0] - before).max() > 1e-5
+    assert np.array_equal(results[0], results[1])

@@ -47,9 +47,79 @@ def _exponential(num_partitions: int, seed: int, options: Mapping[str, Any]) -> 
     return ExponentialPartitioner(num_partitions=num_partitions)
 
 
+class EqualSizeDirichletPartitioner(Partitioner):
+    """Equal-size clients, each with its own Dirichlet(alpha) class shares (PrivateKT's partition).
+
+    The partition of Qi et al.'s code (taoqi98/PrivateKT, ``Code/preprocessing.py``,
+    ``local_data_partition``): every client but the last draws class shares ``p ~ Dir(alpha 1)``,
+    takes ``round(p * size)`` rows per class (the largest count adjusted so they sum to ``size``)
+    from each class's shuffled rows in turn, and the last client gets every row left. A class that
+    runs out gives fewer rows (as in their code). ``flwr-datasets``' ``DirichletPartitioner``
+    instead splits each class over clients, so client sizes vary (139 to 1,288 for 80 MNIST
+    clients).
+
+    Parameters
+    ----------
+    num_partitions : int
+        Number of clients.
+    alpha : float
+        Dirichlet concentration of each client's class shares.
+    size : int | None
+        Rows per client (all but the last); None: ``rows // num_partitions``.
+    seed : int
+        Seed of the class shuffles and the shares.
+
+    """
+
+    def __init__(self, num_partitions: int, *, alpha: float, size: int | None, seed: int) -> None:
+        super().__init__()
+        self._num_partitions = num_partitions
+        self.alpha = alpha
+        self.size = size
+        self.seed = seed
+        self._partition_id_to_indices: dict[int, list[int]] = {}
+
+    @property
+    def num_partitions(self) -> int:
+        """Number of clients."""
+        return self._num_partitions
+
+    def load_partition(self, partition_id: int) -> Dataset:
+        """The rows of client ``partition_id`` (all partitions are drawn on the first call)."""
+        if not self._partition_id_to_indices:
+            self._draw()
+        return self.dataset.select(self._partition_id_to_indices[partition_id])
+
+    def _draw(self) -> None:
+        labels = np.asarray(self.dataset["label"], dtype=np.int64)
+        rng = np.random.default_rng([self.seed, 0xD1C4])
+        classes = np.unique(labels)
+        pools = {c: rng.permutation(np.flatnonzero(labels == c)) for c in classes}
+        used = dict.fromkeys(classes, 0)
+        size = self.size if self.size is not None else len(labels) // self.num_partitions
+        for client in range(self.num_partitions - 1):
+            counts = np.round(rng.dirichlet([self.alpha] * len(classes)) * size).astype(np.int64)
+            counts[counts.argmax()] -= counts.sum() - size
+            rows = []
+            for c, count in zip(classes, counts, strict=True):
+                rows.append(pools[c][used[c] : used[c] + count])
+                used[c] += int(count)
+            self._partition_id_to_indices[client] = np.concatenate(rows).tolist()
+        rest = [pools[c][used[c] :] for c in classes]
+        self._partition_id_to_indices[self.num_partitions - 1] = np.concatenate(rest).tolist()
+
+
+def _equal_size_dirichlet(num_partitions: int, seed: int, options: Mapping[str, Any]) -> Partitioner:
+    size = options.get("size")
+    return EqualSizeDirichletPartitioner(
+        num_partitions, alpha=float(options["alpha"]), size=None if size is None else int(size), seed=seed
+    )
+
+
 PARTITIONERS: dict[str, Callable[[int, int, Mapping[str, Any]], Partitioner]] = {
     "iid": _iid,
     "dirichlet": _dirichlet,
+    "equal_size_dirichlet": _equal_size_dirichlet,
     "linear": _linear,
     "exponential": _exponential,
 }
