@@ -109,7 +109,7 @@ class SweepProgress:
 
     def job_finished(self) -> str | None:
         """Count one finished job; the progress line to print (None outside a sweep)."""
-        from fl_app.run import format_duration
+        from fl_app.run import format_duration, interactive, progress_bar
 
         self.done += 1
         if self.total <= 1:
@@ -117,9 +117,10 @@ class SweepProgress:
         elapsed = time.monotonic() - self.started
         remaining = elapsed / self.done * (self.total - self.done)
         failed = f" ({len(_failed_jobs)} failed)" if _failed_jobs else ""
+        bar = f"{progress_bar(self.done, self.total)} " if interactive() else ""
         return (
-            f"dpfl sweep: {self.done}/{self.total} jobs done{failed}, elapsed {format_duration(elapsed)}, "
-            f"remaining ~{format_duration(remaining)}"
+            f"dpfl sweep: {self.done}/{self.total} jobs done{failed}, {bar}"
+            f"elapsed {format_duration(elapsed)}, remaining ~{format_duration(remaining)}"
         )
 
 

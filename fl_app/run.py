@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Sequence
 from logging import ERROR, INFO, WARNING
@@ -615,9 +616,10 @@ class RoundReporter:
         remaining = float(np.mean(self.durations)) * (self.num_rounds - server_round)
         log(
             INFO,
-            "dpfl round %d/%d: accuracy %s, loss %s, %s | elapsed %s, remaining ~%s",
+            "dpfl round %d/%d: %saccuracy %s, loss %s, %s | elapsed %s, remaining ~%s",
             server_round,
             self.num_rounds,
+            f"{progress_bar(server_round, self.num_rounds)} " if interactive() else "",
             _fmt(accuracy),
             _fmt(loss),
             epsilon_text(record["epsilon"], self.strategy.run.delta),
@@ -644,6 +646,17 @@ def _fmt(value: float | None, missing: str = "-") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return missing
     return f"{value:.4g}"
+
+
+def progress_bar(done: int, total: int, *, width: int = 20) -> str:
+    """``[########------------]``: ``done`` of ``total`` as a bar of ``width`` cells."""
+    filled = 0 if total <= 0 else min(width, round(width * done / total))
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
+def interactive() -> bool:
+    """Whether a person watches the output (stderr is a terminal): then progress lines carry a bar."""
+    return sys.stderr.isatty()
 
 
 def format_duration(seconds: float) -> str:

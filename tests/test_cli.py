@@ -59,3 +59,21 @@ def test_dispatch_and_errors():
     assert empty.returncode == 2 and "no usable results.json" in empty.stderr
     deploy = dpfl("deploy", "status", "--dir", str(ROOT / "conf" / "no-such-deployment"))
     assert deploy.returncode in (0, 1) and "Traceback" not in deploy.stderr
+
+
+def test_progress_bars_only_for_a_person_at_a_terminal(monkeypatch):
+    import fl_app.run as run_module
+    from fl_app.__main__ import SweepProgress
+    from fl_app.run import progress_bar
+
+    assert progress_bar(0, 30) == "[" + "-" * 20 + "]"
+    assert progress_bar(15, 30) == "[" + "#" * 10 + "-" * 10 + "]"
+    assert progress_bar(30, 30) == "[" + "#" * 20 + "]"
+    assert progress_bar(7, 0) == "[" + "-" * 20 + "]"
+    for at_terminal in (True, False):
+        monkeypatch.setattr(run_module, "interactive", lambda at_terminal=at_terminal: at_terminal)
+        progress = SweepProgress()
+        progress.total = 4
+        line = progress.job_finished()
+        assert line is not None and line.startswith("dpfl sweep: 1/4 jobs done, ")
+        assert ("[#####---------------] elapsed" in line) == at_terminal
