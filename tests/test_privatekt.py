@@ -439,7 +439,8 @@ def test_model_auto_is_the_authors_cnn_on_28x28_images():
     assert sum(isinstance(m, torch.nn.Dropout) for m in model.modules()) == 5
     first = model.features[0]
     bound = math.sqrt(6.0 / (first.in_channels * 25 + first.out_channels * 25))  # Glorot uniform
-    assert float(first.weight.abs().max()) <= bound and float(first.weight.abs().max()) > 0.9 * bound
+    largest = float(first.weight.detach().abs().max())
+    assert 0.9 * bound < largest <= bound
     assert all(
         float(m.bias.abs().max()) == 0.0 for m in model.modules() if hasattr(m, "bias") and m.bias is not None
     )
