@@ -59,7 +59,12 @@ def resolve_model_name(name: str, input_shape: tuple[int, ...]) -> str:
     """Turn ``auto`` into a concrete model name for ``input_shape``."""
     if name != "auto":
         return name
-    return "cnn" if tuple(input_shape[-2:]) == (28, 28) else "mlp"
+    return "cnn" if is_28x28_image(input_shape) else "mlp"
+
+
+def is_28x28_image(input_shape: tuple[int, ...]) -> bool:
+    """Whether ``input_shape`` is a 28x28 image (MNIST-like): the CNNs' input under ``model=auto``."""
+    return tuple(input_shape[-2:]) == (28, 28)
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:

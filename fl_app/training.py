@@ -181,50 +181,24 @@ def train_local(
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     inputs, targets = to_tensor(x), torch.from_numpy(np.asarray(y, dtype=np.int64))
-    with seeded_dropout(model, rng):
-        total, batches = _sgd_epochs(
-            model,
-            optimizer,
-            inputs,
-            targets,
-            epochs=epochs,
-            batch_size=batch_size,
-            rng=rng,
-            proximal_mu=proximal_mu,
-            reference=reference,
-        )
-    return total / max(batches, 1)
-
-
-def _sgd_epochs(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    epochs: int,
-    batch_size: int,
-    rng: np.random.Generator,
-    proximal_mu: float,
-    reference: Sequence[torch.Tensor] | None,
-) -> tuple[float, int]:
     total, batches = 0.0, 0
-    for _ in range(epochs):
-        order = torch.from_numpy(rng.permutation(len(targets)))
-        for start in range(0, len(targets), batch_size):
-            index = order[start : start + batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(inputs[index]), targets[index])
-            if proximal_mu > 0 and reference is not None:
-                prox = sum(
-                    torch.sum((p - r) ** 2) for p, r in zip(model.parameters(), reference, strict=True)
-                )
-                loss = loss + 0.5 * proximal_mu * prox
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach())
-            batches += 1
-    return total, batches
+    with seeded_dropout(model, rng):
+        for _ in range(epochs):
+            order = torch.from_numpy(rng.permutation(len(y)))
+            for start in range(0, len(y), batch_size):
+                index = order[start : start + batch_size]
+                optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(model(inputs[index]), targets[index])
+                if proximal_mu > 0 and reference is not None:
+                    prox = sum(
+                        torch.sum((p - r) ** 2) for p, r in zip(model.parameters(), reference, strict=True)
+                    )
+                    loss = loss + 0.5 * proximal_mu * prox
+                loss.backward()
+                optimizer.step()
+                total += float(loss.detach())
+                batches += 1
+    return total / max(batches, 1)
 
 
 @torch.no_grad()

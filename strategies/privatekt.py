@@ -63,6 +63,7 @@ from torch.nn import functional as F  # noqa: N812 - the conventional name
 from clients.privatekt import decode_labels
 from fl_app import keys
 from fl_app.data.federated import DataSpec, federated_data
+from fl_app.models import is_28x28_image
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import privatekt_epsilon_per_label
 from fl_app.privacy.composition import compose_epsilon
@@ -333,7 +334,7 @@ class PrivateKTStrategy(FederatedStrategy):
     @classmethod
     def resolve_model(cls, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:
         """``model=auto``: the authors' network (:class:`fl_app.models.PrivateKTCNN`) for 28x28 images."""
-        if str(cfg.model) == "auto" and tuple(input_shape[-2:]) == (28, 28):
+        if str(cfg.model) == "auto" and is_28x28_image(input_shape):
             return PRIVATEKT_MODEL
         return super().resolve_model(cfg, input_shape)
 
