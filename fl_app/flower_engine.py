@@ -148,6 +148,20 @@ def is_in_memory_grid(grid: Any) -> bool:
     return isinstance(grid, InMemoryGrid)
 
 
+def replied_ids(grid: Any, message_ids: list[str]) -> list[str] | None:
+    """Of ``message_ids``, those whose reply the in-memory LinkState already holds.
+
+    None when ``grid`` is not the simulation's in-memory grid (a deployment's SuperLink): the
+    caller then pulls them all. Reads ``InMemoryLinkState.message_ins_id_to_message_res_id``
+    without the state's lock: a membership test of a dict is atomic, and a reply stored a moment
+    later is found by the next poll.
+    """
+    answered = getattr(getattr(grid, "state", None), "message_ins_id_to_message_res_id", None)
+    if not is_in_memory_grid(grid) or not isinstance(answered, dict):
+        return None
+    return [message_id for message_id in message_ids if message_id in answered]
+
+
 def install_fast_dispatch() -> None:
     """Replace the simulation engine's dispatcher (idempotent; see the module docstring)."""
     global _installed, _original_dispatch

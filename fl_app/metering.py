@@ -17,7 +17,7 @@ from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE, SUPERLINK_NO
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fl_app.flower_engine import adaptive_interval, is_in_memory_grid
+from fl_app.flower_engine import adaptive_interval, is_in_memory_grid, replied_ids
 from fl_app.lifecycle import raise_if_stopped
 
 
@@ -31,6 +31,8 @@ def content_bytes(message: Message) -> int:
 
 #: Most message ids named in one pull of the in-memory grid (see ``MeteredGrid._exchange``).
 PULL_WINDOW = 128
+#: Seconds between pulls that name every pending id, not only those with a stored reply.
+FULL_PULL_S = 0.5
 
 #: Serialised sizes by content layout (see :func:`message_bytes`).
 _SIZES: dict[tuple[Any, ...], int] = {}
@@ -177,8 +179,10 @@ class MeteredGrid:
         milliseconds when pulls are cheap) instead of a fixed 100 ms, which at a
         0.25 s cross-device round was a large share of the round; each pull names
         at most ``PULL_WINDOW`` ids (a 5000-client roster query named all 5000 in
-        every pull, which then took most of the server's time). Only the public
-        Grid API is used. Each reply is metered as it arrives, while the other
+        every pull, which then took most of the server's time), and between full
+        pulls only the ids whose reply has arrived (:func:`fl_app.flower_engine.replied_ids`:
+        a pull of 100 pending ids every few milliseconds was a fifth of the server's
+        time in a cross-device round). Each reply is metered as it arrives, while the other
         clients still train. A stop request (:mod:`fl_app.lifecycle`) abandons the
         wait at once.
         """
@@ -186,19 +190,21 @@ class MeteredGrid:
         pending = set(order)
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
-        empty_pulls = 0
-        began = time.perf_counter()
+        began = last_full = time.perf_counter()
         while pending:
             raise_if_stopped()  # SIGINT/SIGTERM: abandon the round
             started = time.perf_counter()
-            # A pull costs time in proportion to the ids it names (Flower checks each): name the
-            # oldest PULL_WINDOW pending ids, those the engine serves first; every 8th empty pull,
-            # and at the deadline, name them all (a stuck client must not hide finished ones).
+            # A pull costs time in proportion to the ids it names (Flower checks each): name only
+            # the ids whose reply the engine has stored; every FULL_PULL_S, and at the deadline,
+            # name all pending ids (at most PULL_WINDOW, oldest first, except at the deadline), so
+            # Flower turns expired messages and lost nodes into error replies.
             order = [msg_id for msg_id in order if msg_id in pending]
             expired = deadline is not None and time.monotonic() >= deadline
-            window = order if expired or empty_pulls % 8 == 7 else order[:PULL_WINDOW]
-            pulled = list(self._grid.pull_messages(window))
-            empty_pulls = 0 if pulled else empty_pulls + 1
+            window = replied_ids(self._grid, order)
+            if expired or window is None or started - last_full >= FULL_PULL_S:
+                window = order if expired else order[:PULL_WINDOW]
+                last_full = started
+            pulled = list(self._grid.pull_messages(window)) if window else []
             replies.extend(pulled)
             for reply in pulled:  # while the other clients still work
                 self._count_reply(reply)

@@ -61,6 +61,24 @@ from fl_app.training import array_values, evaluate, load_arrays, model_to_arrays
 from fl_app.validation import ConfigError
 
 
+class RecentRounds(dict):  # type: ignore[type-arg]
+    """A per-round store that keeps only the latest :attr:`KEEP` rounds.
+
+    Strategies keep per-round state (the cohort, the arrays a round started from, norms for the
+    diagnostics) until the round is reported. A plain dict grows with every round, and the whole
+    strategy is checkpointed after every round, so the checkpoint grew with the run: at 1000
+    clients, 100 per round, round 170 pickled 17,000 cohort entries (a tenth of the round's time).
+    Setting a round's entry drops the entries older than the latest ``KEEP`` rounds.
+    """
+
+    KEEP = 2
+
+    def __setitem__(self, server_round: int, value: Any) -> None:
+        super().__setitem__(server_round, value)
+        for old in [r for r in self if r <= server_round - self.KEEP]:
+            del self[old]
+
+
 class FederatedStrategy(Strategy):
     """Shared plumbing; see the module docstring.
 
@@ -102,10 +120,10 @@ class FederatedStrategy(Strategy):
         self.run = run
         self.cfg: DictConfig = run.cfg
         self.accountant: PrivacyAccountant | None = None
-        self._selected: dict[int, list[ClientInfo]] = {}
+        self._selected: dict[int, list[ClientInfo]] = RecentRounds()
         self._round_global: ArrayRecord | None = None
         self._failed: dict[int, list[int]] = {}
-        self._failure_reasons: dict[int, list[str]] = {}
+        self._failure_reasons: dict[int, list[str]] = RecentRounds()
         self._initial_vector: np.ndarray | None = None
         self.canaries: CanaryPopulation | None = None
         #: Cohorts fixed at start-up (:meth:`seeded_schedule`), or None to sample each round.
@@ -267,17 +285,16 @@ class FederatedStrategy(Strategy):
     ) -> Iterable[Message]:
         """Sample clients and send each the global arrays and the train config."""
         self._round_global = arrays
-        if self._initial_vector is None:
-            self._initial_vector = flat_vector(arrays)
-            count = int(self.cfg.privacy.get("canaries", 0) or 0)
-            if count and self.supports_canaries:
-                self.canaries = CanaryPopulation(
-                    count=count,
-                    rate=self.run.clients_per_round / self.run.num_clients,
-                    dimension=self._initial_vector.size,
-                    randomness=self.run.randomness,
-                    max_participations=self.canary_participation_cap(),
-                )
+        count = int(self.cfg.privacy.get("canaries", 0) or 0)
+        if self._initial_vector is None and count and self.supports_canaries:
+            self._initial_vector = flat_vector(arrays)  # the canaries' cosines are against the total change
+            self.canaries = CanaryPopulation(
+                count=count,
+                rate=self.run.clients_per_round / self.run.num_clients,
+                dimension=self._initial_vector.size,
+                randomness=self.run.randomness,
+                max_participations=self.canary_participation_cap(),
+            )
         clients = self.select_clients(server_round)
         self._selected[server_round] = clients
         content = RecordDict(
@@ -617,9 +634,15 @@ def mean_arrays(records: list[ArrayRecord], weights: list[float] | None = None) 
     names = list(records[0].keys())
     first = [array_values(records[0][name]) for name in names]
     total = np.zeros(sum(a.size for a in first), dtype=np.float64)
+    flat = np.empty_like(total)  # one buffer for every record: no per-client allocations
     for factor, record in zip(factors, records, strict=True):
-        flat = np.concatenate([array_values(record[name]).ravel() for name in names]).astype(np.float64)
-        total += factor * flat
+        offset = 0
+        for name in names:
+            values = array_values(record[name])
+            flat[offset : offset + values.size] = values.ravel()
+            offset += values.size
+        flat *= factor
+        total += flat
     parts = split_vector(total, first)
     return ArrayRecord(
         {

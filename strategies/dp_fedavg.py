@@ -64,7 +64,7 @@ from fl_app.run_context import RunContext
 from fl_app.training import array_values
 from fl_app.validation import require_choice, require_positive
 from strategies import register_strategy
-from strategies.base import FederatedStrategy
+from strategies.base import FederatedStrategy, RecentRounds
 
 SAMPLINGS = ("poisson", "fixed")
 
@@ -102,7 +102,7 @@ class DPFedAvgStrategy(FederatedStrategy):
             population=run.client_ids, unit=self.privacy_unit, method=str(self.cfg.privacy.accountant)
         )
         self.secret_cohort = self.sampling == "poisson"
-        self._norms: dict[int, list[float]] = {}
+        self._norms: dict[int, list[float]] = RecentRounds()
         log(
             INFO,
             "DP-FedAvg: noise multiplier z=%.4f, clip C=%g, sampling=%s (q=%.4f)",

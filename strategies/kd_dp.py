@@ -122,7 +122,7 @@ from fl_app.run_context import RunContext
 from fl_app.training import load_arrays, model_to_arrays
 from fl_app.validation import ConfigError, require_choice, require_int, require_positive, require_range
 from strategies import register_strategy
-from strategies.base import FederatedStrategy, mean_arrays
+from strategies.base import FederatedStrategy, RecentRounds, mean_arrays
 
 LARGE = "large"
 GENERAL = "general"
@@ -299,7 +299,7 @@ class KDDPStrategy(FederatedStrategy):
             population=[SPECIAL_CLIENT_ID], unit=LABEL_UNIT, method=method
         )
         self.special: SpecialPseudoClient | None = None
-        self._round_start: dict[int, ArrayRecord] = {}
+        self._round_start: dict[int, ArrayRecord] = RecentRounds()
         self._rejected: dict[int, list[int]] = {}
         self._special_loss: dict[int, float] = {}
         self._epsilon_cache: tuple[tuple[int, int], GroupedEpsilon] | None = None

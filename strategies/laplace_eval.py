@@ -86,7 +86,7 @@ from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.validation import ConfigError, require_choice, require_int, require_positive, require_range
 from strategies import STRATEGIES, register_evaluation_stage
-from strategies.base import FederatedStrategy
+from strategies.base import FederatedStrategy, RecentRounds
 
 STAGE_NAME = "laplace_eval"
 CLIENT_NAME = "laplace_eval"
@@ -259,9 +259,9 @@ class LaplaceEvalStage(Strategy):
         )
         self._total_cache: tuple[tuple[int, int], EpsilonReport | None] | None = None
         self._evaluations: Counter[int] = Counter()
-        self._sampled: dict[int, list[ClientInfo]] = {}
-        self._messages: dict[int, list[Message]] = {}
-        self._inner_nodes: dict[int, set[int]] = {}
+        self._sampled: dict[int, list[ClientInfo]] = RecentRounds()
+        self._messages: dict[int, list[Message]] = RecentRounds()
+        self._inner_nodes: dict[int, set[int]] = RecentRounds()
         self._failed: dict[int, list[int]] = {}
         self._scores: dict[int, ClusteringScores] = {}
         self._train_loss: dict[int, float] = {}

@@ -74,7 +74,7 @@ from fl_app.run_context import RunContext
 from fl_app.training import load_arrays, model_to_arrays, predict_proba, seeded_dropout, to_tensor
 from fl_app.validation import ConfigError, require_bool, require_choice, require_int, require_range
 from strategies import register_strategy
-from strategies.base import SCHEDULES, FederatedStrategy, max_participations
+from strategies.base import SCHEDULES, FederatedStrategy, RecentRounds, max_participations
 
 KNOWLEDGE_MODES = ("argmax", "soft")
 SELF_TRAIN_TARGETS = ("soft", "hard")
@@ -311,8 +311,8 @@ class PrivateKTStrategy(FederatedStrategy):
             population=run.client_ids, unit=self.privacy_unit, method=self.method
         )
 
-        self._kt: dict[int, np.ndarray] = {}
-        self._stats: dict[int, dict[str, Any]] = {}
+        self._kt: dict[int, np.ndarray] = RecentRounds()
+        self._stats: dict[int, dict[str, Any]] = RecentRounds()
         log(
             INFO,
             "PrivateKT: K=%d, B=%d, M=%d, C=%d, %s budget: epsilon per label %.4g (beta %.4g), "

@@ -36,6 +36,7 @@ from fl_app.flower_engine import (
     is_in_memory_grid,
     load_dpfl_client_app,
     pipeline_pool,
+    replied_ids,
     take_undelivered,
 )
 from fl_app.metering import MeteredGrid, content_bytes
@@ -190,6 +191,23 @@ def test_metered_exchange_returns_all_replies_and_counts_their_bytes() -> None:
     counts = metered.take()
     assert counts["train_replies"] == len(nodes)
     assert counts["train_upload_bytes"] == sum(content_bytes(r) for r in replies)
+
+
+def test_replied_ids_names_exactly_the_messages_with_a_stored_reply() -> None:
+    """The exchange pulls only these between full pulls: none may be missed or invented."""
+    state, grid, nodes = _linkstate(5)
+    ids = list(grid.push_messages(_messages(nodes, per_node=1)))
+    assert replied_ids(grid, ids) == []
+    answered = []
+    for message in take_undelivered(state, set(nodes[:3]), set()):
+        reply = Message(content=RecordDict({"config": ConfigRecord({"ok": 1})}), reply_to=message)
+        reply.metadata.__dict__["_message_id"] = reply.object_id
+        state.store_message_res(reply)
+        answered.append(message.metadata.message_id)
+    assert sorted(replied_ids(grid, ids)) == sorted(answered)
+    assert replied_ids(MeteredGrid(grid), ids) is None  # not the in-memory grid: pull everything
+    pulled = list(grid.pull_messages(replied_ids(grid, ids)))
+    assert sorted(r.metadata.reply_to_message_id for r in pulled) == sorted(answered)
 
 
 def test_array_values_equals_numpy_for_every_layout() -> None:

@@ -243,6 +243,49 @@ def test_checkpoint_rebinds_clients_and_context_to_the_resumed_run(tmp_path):
     assert restored.noise_multiplier == strategy.noise_multiplier
 
 
+def test_checkpoint_size_does_not_grow_with_the_rounds(tmp_path):
+    """Per-round state is kept for the latest rounds only: the checkpoint written after every
+    round must not grow with the run (it did: every round's cohort was pickled again)."""
+    from flwr.app import ConfigRecord
+
+    from fl_app.checkpoint import Checkpoint, save_checkpoint
+
+    overrides = [*FAST, "strategy=dp_fedavg", "num_rounds=40"]
+    run = build_run_context(overrides, tmp_path)
+    strategy = STRATEGIES.get("dp_fedavg")(run)
+    arrays = strategy.initial_arrays()
+    sizes = {}
+    for server_round in range(1, 41):
+        messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), None))
+        assert messages  # a cohort was selected and remembered
+        if server_round in (4, 40):
+            checkpoint = Checkpoint(
+                completed_round=server_round,
+                num_rounds=40,
+                status="incomplete",
+                overrides=overrides,
+                fingerprint="f",
+                arrays=arrays,
+                strategy=strategy,
+                recorder={},
+                elapsed_s=1.0,
+            )
+            sizes[server_round] = save_checkpoint(tmp_path, checkpoint, run).stat().st_size
+    assert abs(sizes[40] - sizes[4]) < 200, sizes
+    assert len(strategy.selected(40)) == len(messages) and strategy.selected(1) == []
+
+
+def test_recent_rounds_keeps_the_latest_rounds_only():
+    from strategies.base import RecentRounds
+
+    store = RecentRounds()
+    for server_round in range(1, 6):
+        store[server_round] = server_round * 10
+    assert dict(store) == {4: 40, 5: 50}
+    store[5] = 55  # a round's entry may be replaced
+    assert dict(store) == {4: 40, 5: 55}
+
+
 def test_resume_of_a_directory_without_checkpoint_is_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"resume=.*holds no checkpoint.pkl"):
         compose_config([f"resume={tmp_path}"])
