@@ -627,6 +627,32 @@ Accuracy per round: {curve}
 """
 
 
+#: Where the cross-device round's time went after the pipelined pool (a profile, not regenerated).
+REMAINING_GAP = """
+### Where the rest of the cross-device round goes (profile of 2026-11-22)
+
+```bash
+python -m fl_app strategy=fedavg dataset=fashion_mnist partition=dirichlet clients_per_round=100 model=mlp \\
+    local_epochs=1 batch_size=32 evaluation.test_subset=2000 num_clients=1000 num_rounds=60
+# CPU time per process (psutil, rounds ~25..50), per thread (/proc/PID/task), py-spy and perf on the
+# driver and one actor; thread CPU time around the ClientApp's train call, in the actor and alone
+```
+
+At N = 1000 the machine is saturated: driver 0.68-0.72 cores, each of the two actors 0.58-0.60 cores
+(1.88 of 2 cores). Per message, an actor spends 2.85 ms of CPU inside the ClientApp's train call and
+another 1.55 ms in Ray (task receipt, argument and reply serialisation, ~38 context switches per
+message); the same call in one process alone costs 1.45 ms (1.56 ms beside two busy processes). The
+driver spends ~2.4 ms of CPU per message, most of it in Ray's task submission and reply transfer (six
+submitting threads, 440 kB inline each way) and in four Python threads that pass every message on
+(dispatcher, submitter, reply store, server). Found and fixed on the way: the checkpoint written after
+every round pickled every earlier round's cohort (a tenth of the server thread at round 170; it grew
+with the run), and each poll for replies walked all pending messages through Flower's checks. The
+ratio left is Ray's per-task cost on both sides of a 2-core machine: closing it needs several
+messages per Ray task (an actor method that trains a batch of clients), which Flower's engine does
+not have.
+"""
+
+
 def section(args: argparse.Namespace) -> None:
     """Write the platform section of BENCHMARKS.md from the run files."""
     from fl_app.flower_engine import PIPELINE_DEPTH
@@ -696,15 +722,17 @@ peak of the summed PSS of the launched process and all its descendants (Ray GCS,
 sampled every {MEMORY_SAMPLE_S:g} s (the *after* rows; 0.25 s before: one sample costs ~50 ms of CPU, which
 slowed the run being measured).
 *before* is the code before the cross-device work (commit {args.before_commit}), *4e6c08c* the first
-round of that work (fast dispatch, inline transport, caches), *after* this code (adds the pipelined actor
-pool: each Ray actor holds {PIPELINE_DEPTH} messages at once, `fl_app/flower_engine.py`).
+round of that work (fast dispatch, inline transport, caches), *pipelined* the second (commit 2614831: the
+pipelined actor pool, each Ray actor holds {PIPELINE_DEPTH} messages at once, `fl_app/flower_engine.py`),
+*after* this code (per-round strategy state kept for the latest rounds only, so the checkpoint written
+after every round no longer grows with the run; the server pulls only the replies that arrived).
 Goals: ratio <= 1.5 cross-device (goal 1.2) and <= 1.2 cross-silo, start-up <= 20 s at N <= 1000 and
 <= 30 s at 5000, peak memory <= 3 GB.
 
 {overhead_table(overhead)}
 
 {goal_lines(overhead)}
-{breakdown_text}{dp_text}"""
+{REMAINING_GAP}{breakdown_text}{dp_text}"""
     args.write.write_text(text)
     print(f"wrote {args.write}")
 
