@@ -645,11 +645,11 @@ message); the same call in one process alone costs 1.45 ms (1.56 ms beside two b
 driver spends ~2.4 ms of CPU per message, most of it in Ray's task submission and reply transfer (six
 submitting threads, 440 kB inline each way) and in four Python threads that pass every message on
 (dispatcher, submitter, reply store, server). Found and fixed on the way: the checkpoint written after
-every round pickled every earlier round's cohort (a tenth of the server thread at round 170; it grew
-with the run), and each poll for replies walked all pending messages through Flower's checks. The
-ratio left is Ray's per-task cost on both sides of a 2-core machine: closing it needs several
-messages per Ray task (an actor method that trains a batch of clients), which Flower's engine does
-not have.
+every round pickled every earlier round's cohort (around round 170 of a 300-round run, 234 of the
+server thread's ~520 busy py-spy samples; it grew with the run), and each poll for replies walked
+all pending messages through Flower's checks. The ratio left is Ray's per-task cost on both sides of
+a 2-core machine: closing it needs several messages per Ray task (an actor method that trains a
+batch of clients), which Flower's engine does not have.
 """
 
 
