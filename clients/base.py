@@ -42,8 +42,8 @@ INJECT_FAILURES_ENV = "DPFL_INJECT_FAILURES"
 INJECT_DELAY_ENV = "DPFL_INJECT_DELAY"
 
 
-#: Built models of this process, by model spec (see :func:`process_model`).
-_PROCESS_MODELS: dict[str, nn.Module] = {}
+#: Built models of this process, by model spec and device (see :func:`process_model`).
+_PROCESS_MODELS: dict[tuple[str, str], nn.Module] = {}
 _MAX_PROCESS_MODELS = 4
 
 
@@ -53,7 +53,7 @@ def parse_model_spec(text: str) -> ModelSpec:
     return ModelSpec.from_json(text)
 
 
-def process_model(spec_text: str) -> nn.Module:
+def process_model(spec_text: str, device: torch.device | None = None) -> nn.Module:
     """Return this process's instance of the model ``spec_text`` describes, built on first use.
 
     A simulated client lives for one message, but its process (a Ray actor)
@@ -62,11 +62,13 @@ def process_model(spec_text: str) -> nn.Module:
     initialisation per message. Every parameter is overwritten by the caller
     (:meth:`FederatedClient.global_model`), so reuse changes no result.
     """
-    model = _PROCESS_MODELS.get(spec_text)
+    place = torch.device("cpu") if device is None else device
+    key = (spec_text, str(place))
+    model = _PROCESS_MODELS.get(key)
     if model is None:
         if len(_PROCESS_MODELS) >= _MAX_PROCESS_MODELS:
             _PROCESS_MODELS.clear()
-        model = _PROCESS_MODELS[spec_text] = parse_model_spec(spec_text).build()
+        model = _PROCESS_MODELS[key] = parse_model_spec(spec_text).build().to(place)
     return model
 
 
@@ -86,6 +88,11 @@ def injected_failure(client_id: int, server_round: int) -> bool:
 class FederatedClient:
     """Common machinery of all clients; subclasses implement :meth:`train`.
 
+    ``simulation.client_gpus > 0`` asks clients to train on CUDA (:attr:`device`): the model of
+    :meth:`global_model` is then placed there, and :func:`fl_app.training.train_local`,
+    ``evaluate`` and ``predict_proba`` follow the model. A client whose own loops are CPU-only
+    sets :attr:`uses_gpu` to False and keeps the CPU.
+
     Parameters
     ----------
     message : Message
@@ -94,6 +101,9 @@ class FederatedClient:
         The node's context (``node_config``, persistent ``state``).
 
     """
+
+    #: Whether this client's training may run on the GPU the simulation gives it.
+    uses_gpu: bool = True
 
     def __init__(self, message: Message, context: Context) -> None:
         self.message = message
@@ -154,6 +164,16 @@ class FederatedClient:
             check_local_dataset(data, path, input_shape=model.input_shape, num_classes=model.num_classes)
         return data
 
+    @property
+    def device(self) -> torch.device:
+        """Where this client trains: CUDA or the CPU.
+
+        CUDA when the server asked for it (``simulation.client_gpus > 0``), this client can use it
+        (:attr:`uses_gpu`) and torch sees a device; the CPU otherwise.
+        """
+        wanted = str(self.config.get(keys.DEVICE, "cpu")) == "cuda"
+        return torch.device("cuda" if wanted and self.uses_gpu and torch.cuda.is_available() else "cpu")
+
     def model_spec(self) -> ModelSpec:
         """The architecture the server asked for."""
         return parse_model_spec(str(self.config[keys.MODEL_SPEC]))
@@ -168,7 +188,7 @@ class FederatedClient:
         The instance is shared by the messages this process serves one after
         another (:func:`process_model`): use it for this message only.
         """
-        model = process_model(str(self.config[keys.MODEL_SPEC]))
+        model = process_model(str(self.config[keys.MODEL_SPEC]), self.device)
         load_arrays(model, self.incoming_arrays())
         for parameter in model.parameters():
             parameter.grad = None

@@ -52,6 +52,8 @@ class KDDPClient(FederatedClient):
     """Local DP-SGD on the client's own data with the server's mechanism parameters."""
 
     stage: ClassVar[str] = ""
+    #: DP-SGD (fl_app.privacy.dp_sgd) computes per-example gradients in numpy: CPU only.
+    uses_gpu = False
 
     def train(self) -> Message:
         """Run the round's DP-SGD steps and return the model (and public numbers only)."""

@@ -74,6 +74,7 @@ from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
 
 from fl_app.models import ModelSpec
+from fl_app.tracking import RoundTracker
 
 SCHEMA_VERSION = 1
 OUTSIDE_GUARANTEE_NOTE = (
@@ -128,9 +129,17 @@ def load_model_arrays(path: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
 class RunRecorder:
     """Collects per-round records and writes the run's files."""
 
-    def __init__(self, output_dir: Path, cfg: DictConfig, *, diagnostics: bool = False) -> None:
+    def __init__(
+        self,
+        output_dir: Path,
+        cfg: DictConfig,
+        *,
+        diagnostics: bool = False,
+        tracker: RoundTracker | None = None,
+    ) -> None:
         self.output_dir = output_dir
         self.cfg = cfg
+        self.tracker = tracker  # gets exactly the rounds' records (fl_app.tracking)
         self.rounds: list[dict[str, Any]] = []
         self.initial: dict[str, Any] = {}
         self.diagnostics = diagnostics
@@ -151,9 +160,17 @@ class RunRecorder:
             list(state["outside"]),
         )
 
+    def add_initial(self, values: dict[str, Any]) -> None:
+        """The initial model's evaluation (round 0)."""
+        self.initial = dict(values)
+        if self.tracker is not None:
+            self.tracker.log_round({"round": 0, **self.initial})
+
     def add_round(self, record: dict[str, Any]) -> None:
-        """Append one round and refresh ``metrics.csv``."""
+        """Append one round, refresh ``metrics.csv`` and hand the round to the tracker."""
         self.rounds.append(json_safe(record))
+        if self.tracker is not None:
+            self.tracker.log_round(self.rounds[-1])
         columns: list[str] = []
         for row in self.rounds:
             columns += [key for key in row if key not in columns]
@@ -221,6 +238,8 @@ class RunRecorder:
             write_json(self.output_dir / LEDGER_FILE, ledger)
         self.plot(unit=str(privacy.get("unit", "client")), status=status)
         write_json(self.output_dir / RESULTS_FILE, results)
+        if self.tracker is not None:
+            self.tracker.close()
         return results
 
     def plot(self, *, unit: str = "client", status: str = "completed") -> None:

@@ -55,6 +55,7 @@ from fl_app.resume import run_overrides
 from fl_app.roster import ClientInfo, discover_roster, on_devices
 from fl_app.round_loop import check_round, run_rounds
 from fl_app.run_context import RunContext, output_path
+from fl_app.tracking import make_tracker
 from fl_app.validation import require_choice, validate_config
 from strategies import EVALUATION_STAGES, STRATEGIES
 from strategies.base import FederatedStrategy
@@ -366,7 +367,10 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
     randomness = privacy_randomness(strategy)
     log(INFO, "dpfl: %s", describe_randomness(randomness))
     recorder = RunRecorder(
-        output_dir, cfg, diagnostics=diagnostics_enabled(cfg, devices=randomness["devices"])
+        output_dir,
+        cfg,
+        diagnostics=diagnostics_enabled(cfg, devices=randomness["devices"]),
+        tracker=make_tracker(str(cfg.tracking), output_dir, config_text=OmegaConf.to_yaml(cfg)),
     )
     test = data.test()
     x_test, y_test = test.x, test.y
@@ -563,7 +567,7 @@ class RoundReporter:
         """Called before round 1 (round 0) and, by :func:`fl_app.round_loop.run_rounds`, after every round."""
         if server_round == 0:
             loss, accuracy = self.strategy.evaluate_global(arrays, self.x_test, self.y_test)
-            self.recorder.initial = {"accuracy": accuracy, "loss": loss}
+            self.recorder.add_initial({"accuracy": accuracy, "loss": loss})
             self.grid.take()
             self.started = self.last = time.monotonic()
             self.last_arrays = arrays

@@ -54,7 +54,10 @@ def backend_config(cfg: DictConfig) -> dict[str, Any]:
         if cfg.simulation.num_cpus is not None:
             init_args["num_cpus"] = int(cfg.simulation.num_cpus)
     return {
-        "client_resources": {"num_cpus": float(cfg.simulation.client_cpus), "num_gpus": 0.0},
+        "client_resources": {
+            "num_cpus": float(cfg.simulation.client_cpus),
+            "num_gpus": float(cfg.simulation.get("client_gpus", 0.0)),
+        },
         "init_args": init_args,
     }
 

@@ -127,6 +127,12 @@ def numpy_to_arrays(keys: Sequence[str], values: Sequence[np.ndarray]) -> ArrayR
     return ArrayRecord({k: Array(np.asarray(v)) for k, v in zip(keys, values, strict=True)})
 
 
+def model_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s parameters live (training and evaluation put their inputs there)."""
+    parameter = next(model.parameters(), None)
+    return torch.device("cpu") if parameter is None else parameter.device
+
+
 @contextlib.contextmanager
 def seeded_dropout(model: nn.Module, rng: np.random.Generator) -> Iterator[None]:
     """Seed torch's generator from ``rng`` while training a model that has dropout layers.
@@ -180,11 +186,13 @@ def train_local(
         raise ValueError("proximal_mu > 0 needs the reference parameters")
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    inputs, targets = to_tensor(x), torch.from_numpy(np.asarray(y, dtype=np.int64))
+    device = model_device(model)
+    inputs = to_tensor(x).to(device)
+    targets = torch.from_numpy(np.asarray(y, dtype=np.int64)).to(device)
     total, batches = 0.0, 0
     with seeded_dropout(model, rng):
         for _ in range(epochs):
-            order = torch.from_numpy(rng.permutation(len(y)))
+            order = torch.from_numpy(rng.permutation(len(y))).to(device)
             for start in range(0, len(y), batch_size):
                 index = order[start : start + batch_size]
                 optimizer.zero_grad(set_to_none=True)
@@ -205,9 +213,9 @@ def train_local(
 def predict_proba(model: nn.Module, x: np.ndarray, *, batch_size: int = EVAL_BATCH) -> np.ndarray:
     """Softmax outputs of ``model`` on ``x``, shape ``(n, classes)``."""
     model.eval()
-    inputs = to_tensor(x)
+    inputs = to_tensor(x).to(model_device(model))
     parts = [F.softmax(model(inputs[i : i + batch_size]), dim=1) for i in range(0, len(x), batch_size)]
-    return torch.cat(parts).numpy() if parts else np.zeros((0, 0), dtype=np.float32)
+    return torch.cat(parts).cpu().numpy() if parts else np.zeros((0, 0), dtype=np.float32)
 
 
 @torch.no_grad()
@@ -218,7 +226,9 @@ def evaluate(
     if len(y) == 0:
         return math.nan, math.nan
     model.eval()
-    inputs, targets = to_tensor(x), torch.from_numpy(np.asarray(y, dtype=np.int64))
+    device = model_device(model)
+    inputs = to_tensor(x).to(device)
+    targets = torch.from_numpy(np.asarray(y, dtype=np.int64)).to(device)
     loss_sum, correct = 0.0, 0
     for start in range(0, len(y), batch_size):
         logits = model(inputs[start : start + batch_size])

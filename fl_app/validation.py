@@ -24,6 +24,7 @@ from fl_app.data.sources import (
 )
 from fl_app.models import MODELS
 from fl_app.privacy.composition import METHODS
+from fl_app.tracking import TRACKERS, tracker_available
 
 BUDGET_SCOPES = ("total", "per_round")
 
@@ -94,6 +95,13 @@ def _bounds_text(minimum: int | None, maximum: int | None) -> str:
     return ""
 
 
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device in this process."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def validate_common(cfg: DictConfig) -> None:
     """Check the keys every run has (not the strategy's own ones)."""
     num_clients = require_int("num_clients", cfg.num_clients, minimum=1)
@@ -141,10 +149,22 @@ def validate_common(cfg: DictConfig) -> None:
 
     simulation = cfg.simulation
     require_positive("simulation.client_cpus", simulation.client_cpus)
+    gpus = require_range("simulation.client_gpus", simulation.get("client_gpus", 0.0), 0.0, 1.0)
+    if gpus > 0 and not simulation.ray_address and not cuda_available():
+        raise ConfigError(
+            "simulation.client_gpus",
+            gpus,
+            "must be 0 on this machine: torch finds no CUDA device (torch.cuda.is_available() is false)",
+        )
     if simulation.num_cpus is not None:
         require_int("simulation.num_cpus", simulation.num_cpus, minimum=1)
     require_positive("simulation.timeout", simulation.timeout)
     require_range("simulation.max_failure_fraction", simulation.get("max_failure_fraction", 0.5), 0.0, 1.0)
+
+    tracking = require_choice("tracking", cfg.get("tracking", "none"), TRACKERS)
+    missing = tracker_available(tracking)
+    if missing is not None:
+        raise ConfigError("tracking", tracking, missing)
 
     validate_data_options(cfg)
 

@@ -187,6 +187,8 @@ class FederatedStrategy(Strategy):
         )
         if not self.run.noise.secure and self.run.noise.seed is not None:
             record[keys.NOISE_SEED] = int(self.run.noise.seed)
+        if float(cfg.simulation.get("client_gpus", 0.0)) > 0:
+            record[keys.DEVICE] = "cuda"
         return record
 
     def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:

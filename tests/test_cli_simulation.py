@@ -25,6 +25,15 @@ def ray_processes_of(driver_pid: int) -> list[str]:
     return [line for line in out.splitlines() if pattern.search(line)]
 
 
+def tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
+    """Every scalar TensorBoard reads from ``log_dir``: tag -> step -> value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
 def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
     sweep = tmp_path / "sweep"
     process = subprocess.Popen(
@@ -35,6 +44,7 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
             "-m",
             *FAST,
             "strategy=fedavg,dp_fedavg",
+            "tracking=tensorboard",
             f"hydra.sweep.dir={sweep}",
         ],
         stdout=subprocess.PIPE,
@@ -57,6 +67,15 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
     assert log.count("dpfl round 1/2") == 2
     assert "[ROUND" not in log  # dpfl's round loop prints its own line per round, not Flower's header
     assert ray_processes_of(process.pid) == []
+    # tracking=tensorboard: TensorBoard holds exactly metrics.csv's numbers, round 0 too
+    for path, result in zip(results, loaded, strict=True):
+        tracked = tensorboard_scalars(path.parent / "tensorboard")
+        assert tracked["accuracy"][0] == pytest.approx(result["initial"]["accuracy"])
+        for row in result["rounds"]:
+            for key in ("accuracy", "loss", "epsilon", "upload_bytes", "round_s"):
+                if row.get(key) is not None:
+                    assert tracked[key][row["round"]] == pytest.approx(row[key], rel=1e-6), key
+        assert ("epsilon" in tracked) == (result["final"]["epsilon"] is not None)
     # ... and the report summarises the two jobs with the numbers of their files.
     from fl_app.report import main as report
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -74,6 +75,33 @@ def test_recorder_writes_the_contract(tmp_path):
     loaded_spec, arrays = load_model_arrays(tmp_path / "final_model.npz")
     assert loaded_spec == spec
     assert set(arrays) == set(model.state_dict())
+
+
+def test_tracking_logs_the_finite_numbers_of_each_record_and_refuses_what_it_cannot_do(tmp_path, monkeypatch):
+    from fl_app.tracking import make_tracker, scalars
+    from fl_app.validation import ConfigError, validate_common
+
+    assert scalars({"round": 3, "accuracy": 0.5, "epsilon": None, "ok": True, "x": math.nan, "n": 7}) == {
+        "accuracy": 0.5,
+        "n": 7.0,
+    }
+    assert make_tracker("none", tmp_path, config_text="") is None
+    tracker = make_tracker("tensorboard", tmp_path, config_text="seed: 1")
+    recorder = RunRecorder(tmp_path, compose_config(["dataset=digits"]), tracker=tracker)
+    recorder.add_initial({"accuracy": 0.1, "loss": 2.3})
+    recorder.add_round({"round": 1, "accuracy": 0.4, "loss": 1.5, "epsilon": 0.25})
+    tracker.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["accuracy", "epsilon", "loss"]
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("accuracy")] == [(0, 0.1), (1, 0.4)]
+    with pytest.raises(ConfigError, match=r"tracking='mlflow'.*none, tensorboard"):
+        validate_common(compose_config(["dataset=digits", "tracking=mlflow"]))
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
+    with pytest.raises(ConfigError, match="pip install tensorboard"):
+        validate_common(compose_config(["dataset=digits", "tracking=tensorboard"]))
 
 
 def test_models_build_and_auto_resolution():
