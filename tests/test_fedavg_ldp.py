@@ -80,8 +80,11 @@ def test_total_budget_calibration_and_accounting(tmp_path):
     )
     assert gaussian_epsilon(noise_multiplier=z, sampling_rate=1.0, rounds=rounds, delta=1e-5) <= 3.0
     arrays = ArrayRecord({"w": Array(np.zeros(4, dtype=np.float32))})
+    counts = np.zeros(6, dtype=int)
     for t in range(1, 6):
         messages = list(strategy.configure_train(t, arrays, ConfigRecord(), grid=None))
+        for info in strategy.selected(t):  # the strategy remembers the latest rounds' cohorts only
+            counts[info.client_id] += 1
         config = messages[0].content.config_records[keys.CONFIG]
         assert config[keys.LDP_NOISE_MULTIPLIER] == pytest.approx(z)
         replies = [
@@ -92,10 +95,6 @@ def test_total_budget_calibration_and_accounting(tmp_path):
         assert metrics["reports"] == 2
         assert np.allclose(new["w"].numpy(), arrays["w"].numpy() + 0.5)  # w + mean(0, 1)
         arrays = new
-    counts = np.zeros(6, dtype=int)
-    for t in range(1, 6):
-        for info in strategy.selected(t):
-            counts[info.client_id] += 1
     assert counts.max() == rounds
     assert all(strategy.accountant.rounds_participated(c) == counts[c] for c in range(6))
     spent = strategy.epsilon().epsilon
