@@ -26,6 +26,11 @@ FLOWER_ENVIRONMENT: dict[str, str] = {
     # (0.4 MB for the MLP, 7 MB for PrivateKT's CNN) then costs one copy instead
     # of an object-store round trip (measured: 100 echo messages of 0.44 MB on
     # two actors, 0.8 s through the store, 0.23 s inline; benchmarks/overhead.py).
+    # No idle Python workers started ahead of the first task: an actor starts its own worker
+    # anyway (measured: same start-up), and an idle prestarted worker killed when the run ends
+    # can abort in Ray's C++ teardown ("Mutex corrupt ... SIGABRT ... Fatal Python error:
+    # Aborted", found in 2 of ~1000 session logs here, printed to the run's console).
+    "RAY_prestart_worker_first_driver": "0",
     "RAY_max_direct_call_object_size": str(64 << 20),
     "RAY_task_rpc_inlined_bytes_limit": str(256 << 20),
 }

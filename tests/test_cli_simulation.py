@@ -67,6 +67,13 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
     assert log.count("dpfl round 1/2") == 2
     assert "[ROUND" not in log  # dpfl's round loop prints its own line per round, not Flower's header
     assert ray_processes_of(process.pid) == []
+    # no idle Python worker was started ahead of the actors (dpfl_env.py: an idle worker killed at
+    # the end of a run could abort and print "Fatal Python error" on the console)
+    from ray._common.utils import get_default_ray_temp_dir
+
+    sessions = list(Path(get_default_ray_temp_dir()).glob(f"session_*_{process.pid}"))
+    assert sessions, "Ray's session directory of the run was not found"
+    assert not [p.name for s in sessions for p in (s / "logs").glob("worker-*-ffffffff-*")]
     # tracking=tensorboard: TensorBoard holds exactly metrics.csv's numbers, round 0 too
     for path, result in zip(results, loaded, strict=True):
         tracked = tensorboard_scalars(path.parent / "tensorboard")
