@@ -58,8 +58,6 @@ _INFORMATIONAL = {
 }
 _HYDRA_FILES = {".hydra", "main.log", "__main__.log"}
 
-_failed_jobs: list[str] = []
-
 
 def split_command_line(argv: list[str]) -> tuple[list[str], bool, bool]:
     """Return (overrides, multirun?, informational?) from ``python -m fl_app`` arguments."""
@@ -99,32 +97,82 @@ def expand_jobs(overrides: list[str], *, multirun: bool) -> list[list[str]]:
     return [job for batch in BasicSweeper.split_arguments(preset + parsed, None) for job in batch]
 
 
-class SweepProgress:
-    """``dpfl sweep: 3/60 jobs done ...`` after each job of a multirun (jobs done / total, ETA)."""
+#: Environment variable naming the sweep's state directory (set by :func:`main`, inherited by
+#: the processes a parallel launcher such as ``hydra/launcher=joblib`` runs the jobs in).
+SWEEP_STATE_ENV = "DPFL_SWEEP_STATE"
 
-    def __init__(self) -> None:
-        self.total = 0
-        self.done = 0
-        self.started = time.monotonic()
+
+class SweepState:
+    """Jobs done and jobs failed in this command's sweep, in files every job process appends to.
+
+    Hydra's basic launcher runs the jobs in this process, one after another; a parallel launcher
+    (``hydra/launcher=joblib``) runs them in other processes, where this process's variables are not
+    seen. So the count, the start time and the failure lines live in a small directory named by
+    :data:`SWEEP_STATE_ENV`; each append is one ``write`` of one short line (atomic on a local file
+    system).
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @classmethod
+    def create(cls, total: int) -> SweepState:
+        """A fresh state for ``total`` jobs, named in the environment for the job processes."""
+        import os
+        import tempfile
+
+        directory = Path(tempfile.mkdtemp(prefix="dpfl-sweep-"))
+        (directory / "total").write_text(str(total))
+        (directory / "started").write_text(repr(time.time()))
+        os.environ[SWEEP_STATE_ENV] = str(directory)
+        return cls(directory)
+
+    @classmethod
+    def current(cls) -> SweepState | None:
+        """The state :meth:`create` named in the environment (None outside ``python -m fl_app``)."""
+        import os
+
+        name = os.environ.get(SWEEP_STATE_ENV)
+        return cls(Path(name)) if name and Path(name).is_dir() else None
+
+    def _append(self, name: str, line: str) -> None:
+        with (self.directory / name).open("a") as handle:
+            handle.write(" ".join(line.split()) + "\n")
+
+    def _lines(self, name: str) -> list[str]:
+        path = self.directory / name
+        return path.read_text().splitlines() if path.exists() else []
+
+    def record_failure(self, line: str) -> None:
+        """Remember a failed job's one-line report (printed again at the end)."""
+        self._append("failed", line)
+
+    def failures(self) -> list[str]:
+        """Every failed job's line, in the order they failed."""
+        return self._lines("failed")
 
     def job_finished(self) -> str | None:
         """Count one finished job; the progress line to print (None outside a sweep)."""
         from fl_app.run import format_duration, interactive, progress_bar
 
-        self.done += 1
-        if self.total <= 1:
+        self._append("done", "1")
+        total = int((self.directory / "total").read_text())
+        if total <= 1:
             return None
-        elapsed = time.monotonic() - self.started
-        remaining = elapsed / self.done * (self.total - self.done)
-        failed = f" ({len(_failed_jobs)} failed)" if _failed_jobs else ""
-        bar = f"{progress_bar(self.done, self.total)} " if interactive() else ""
+        done = len(self._lines("done"))
+        elapsed = time.time() - float((self.directory / "started").read_text())
+        remaining = elapsed / done * max(total - done, 0)
+        failed = len(self.failures())
+        failed_text = f" ({failed} failed)" if failed else ""
+        bar = f"{progress_bar(done, total)} " if interactive() else ""
         return (
-            f"dpfl sweep: {self.done}/{self.total} jobs done{failed}, {bar}"
+            f"dpfl sweep: {done}/{total} jobs done{failed_text}, {bar}"
             f"elapsed {format_duration(elapsed)}, remaining ~{format_duration(remaining)}"
         )
 
-
-_progress = SweepProgress()
+    def remove(self) -> None:
+        """Delete the state directory."""
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def preflight(argv: list[str]) -> list[str]:
@@ -136,7 +184,7 @@ def preflight(argv: list[str]) -> list[str]:
         jobs = expand_jobs(overrides, multirun=multirun)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         return [_one_line(error)]
-    _progress.total = len(jobs) if multirun else 1
+    SweepState.create(len(jobs) if multirun else 1)
     errors: list[str] = []
     for job in jobs:
         try:
@@ -160,7 +208,8 @@ def _job(_: DictConfig) -> None:
     try:
         _run_job()
     finally:
-        line = _progress.job_finished()
+        state = SweepState.current()
+        line = state.job_finished() if state is not None else None
         if line is not None:
             print(line, file=sys.stderr, flush=True)
 
@@ -188,7 +237,7 @@ def _run_job() -> None:
     except RunFailed as error:
         line = f"job failed ({' '.join(overrides) or 'defaults'}): {error} [results in {output_dir}]"
         print(f"error: {line}", file=sys.stderr)
-        _failed_jobs.append(line)
+        _record_failure(line)
         if hydra_cfg.mode is None or str(hydra_cfg.mode) != "RunMode.MULTIRUN":
             sys.exit(1)
         return
@@ -200,7 +249,7 @@ def _run_job() -> None:
             f"[traceback in {output_dir / 'error.txt'}]"
         )
         print(f"error: {line}", file=sys.stderr)
-        _failed_jobs.append(line)
+        _record_failure(line)
         if hydra_cfg.mode is None or str(hydra_cfg.mode) != "RunMode.MULTIRUN":
             sys.exit(1)
         return
@@ -211,6 +260,12 @@ def _run_job() -> None:
             file=sys.stderr,
         )
         sys.exit(outcome.exit_code)  # ends a multirun too
+
+
+def _record_failure(line: str) -> None:
+    state = SweepState.current()
+    if state is not None:
+        state.record_failure(line)
 
 
 def _discard_if_empty(directory: Path) -> None:
@@ -228,17 +283,23 @@ def main() -> int:
     # Hydra's console handler would print them (7 lines before every run).
     logging.getLogger("alembic").setLevel(logging.WARNING)
     errors = preflight(sys.argv[1:])
-    if errors:
-        for line in errors:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-    _job()
-    if _failed_jobs:
-        print(f"{len(_failed_jobs)} job(s) failed:", file=sys.stderr)
-        for line in _failed_jobs:
-            print(f"  {line}", file=sys.stderr)
-        return 1
-    return 0
+    state = SweepState.current()
+    try:
+        if errors:
+            for line in errors:
+                print(f"error: {line}", file=sys.stderr)
+            return 2
+        _job()
+        failed = state.failures() if state is not None else []
+        if failed:
+            print(f"{len(failed)} job(s) failed:", file=sys.stderr)
+            for line in failed:
+                print(f"  {line}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        if state is not None:
+            state.remove()
 
 
 if __name__ == "__main__":

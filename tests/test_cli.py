@@ -63,7 +63,7 @@ def test_dispatch_and_errors():
 
 def test_progress_bars_only_for_a_person_at_a_terminal(monkeypatch):
     import fl_app.run as run_module
-    from fl_app.__main__ import SweepProgress
+    from fl_app.__main__ import SWEEP_STATE_ENV, SweepState
     from fl_app.run import progress_bar
 
     assert progress_bar(0, 30) == "[" + "-" * 20 + "]"
@@ -72,8 +72,17 @@ def test_progress_bars_only_for_a_person_at_a_terminal(monkeypatch):
     assert progress_bar(7, 0) == "[" + "-" * 20 + "]"
     for at_terminal in (True, False):
         monkeypatch.setattr(run_module, "interactive", lambda at_terminal=at_terminal: at_terminal)
-        progress = SweepProgress()
-        progress.total = 4
-        line = progress.job_finished()
-        assert line is not None and line.startswith("dpfl sweep: 1/4 jobs done, ")
-        assert ("[#####---------------] elapsed" in line) == at_terminal
+        monkeypatch.delenv(SWEEP_STATE_ENV, raising=False)
+        progress = SweepState.create(4)
+        try:
+            line = progress.job_finished()
+            assert line is not None and line.startswith("dpfl sweep: 1/4 jobs done, ")
+            assert ("[#####---------------] elapsed" in line) == at_terminal
+            # a job in another process (a parallel launcher) finds the same state through the environment
+            other = SweepState.current()
+            assert other is not None and other.directory == progress.directory
+            other.record_failure("job failed (seed=2): boom")
+            assert other.job_finished().startswith("dpfl sweep: 2/4 jobs done (1 failed), ")
+            assert progress.failures() == ["job failed (seed=2): boom"]
+        finally:
+            progress.remove()

@@ -111,7 +111,16 @@ def test_failing_client_does_not_end_the_run(simulate, monkeypatch):
     assert results["rounds"][-1]["epsilon"] > results["rounds"][0]["epsilon"] > 0
 
 
-def test_failed_job_is_reported_and_the_others_run(tmp_path):
+#: Hydra's basic launcher (jobs one after another, in this process) and the joblib launcher (jobs in
+#: parallel worker processes: the sweep's count and failures must cross processes).
+LAUNCHERS = {
+    "sequential": [],
+    "parallel": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "simulation.num_cpus=1"],
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_failed_job_is_reported_and_the_others_run(tmp_path, launcher):
     sweep = tmp_path / "sweep"
     # Job 0: the clients cannot answer the roster query within 1 ms, so the run fails at run
     # time (it passes validation); job 1 runs normally.
@@ -122,6 +131,7 @@ def test_failed_job_is_reported_and_the_others_run(tmp_path):
             "fl_app",
             "-m",
             *FAST,
+            *LAUNCHERS[launcher],
             "num_rounds=1",
             "strategy=fedavg",
             "simulation.timeout=0.001,600",
@@ -137,8 +147,10 @@ def test_failed_job_is_reported_and_the_others_run(tmp_path):
     assert (sweep / "0-fedavg" / "error.txt").exists()
     assert not (sweep / "0-fedavg" / "results.json").exists()
     assert (sweep / "1-fedavg" / "results.json").exists()
-    assert "dpfl sweep: 1/2 jobs done (1 failed), elapsed" in process.stderr
     assert "dpfl sweep: 2/2 jobs done (1 failed), elapsed" in process.stderr
+    assert process.stderr.count("dpfl sweep: ") == 2 and "1 job(s) failed:" in process.stderr
+    if launcher == "sequential":
+        assert "dpfl sweep: 1/2 jobs done (1 failed), elapsed" in process.stderr
 
 
 def test_partition_that_leaves_clients_empty_is_bad_input():
