@@ -4,13 +4,15 @@ Usage::
 
     python benchmarks/parallel_sweep.py [--out /tmp/bench_sweep]
 
-Runs the same 8 jobs (digits, 6 clients, 3 per round, 3 rounds, seeds 1-8) three times and prints
+Runs the same 8 jobs (digits, 6 clients, 3 per round, 3 rounds, seeds 1-8) four times and prints
 one JSON line per sweep (wall time, number of results, final accuracy per job):
 
 1. ``sequential``: Hydra's basic launcher, a private Ray instance per job (``simulation.num_cpus=2``);
 2. ``parallel_cluster``: the joblib launcher, 2 jobs at a time, every job joining a two-node cluster
    (``ray.cluster_utils.Cluster``, one CPU per node, both on this machine);
-3. ``sequential_cluster``: the basic launcher on the same cluster.
+3. ``parallel_cluster_shared``: as 2, each job limited to one client actor
+   (``simulation.max_concurrent_clients=1``), so the two jobs share the two CPUs instead of queueing;
+4. ``sequential_cluster``: the basic launcher on the same cluster.
 """
 
 from __future__ import annotations
@@ -71,7 +73,9 @@ def main() -> None:
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
         address = f"simulation.ray_address={cluster.address}"
-        sweep(args.out, "parallel_cluster", ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", address])
+        parallel = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", address]
+        sweep(args.out, "parallel_cluster", parallel)
+        sweep(args.out, "parallel_cluster_shared", [*parallel, "simulation.max_concurrent_clients=1"])
         sweep(args.out, "sequential_cluster", [address])
     finally:
         cluster.shutdown()

@@ -278,6 +278,31 @@ def install_engine_patches() -> None:
     install_pipelined_pool()
 
 
+@contextlib.contextmanager
+def actor_limit(limit: int | None) -> Any:
+    """Build Flower's actor pool with at most ``limit`` actors (None: as many as the cluster holds).
+
+    Flower sizes the pool from the CPUs of the whole Ray cluster (``pool_size_from_resources``):
+    on a cluster shared by the jobs of a parallel sweep, every job would ask for all of it, and the
+    jobs would queue for the same actors instead of running side by side.
+    """
+    if limit is None:
+        yield
+        return
+    from flwr.simulation.ray_transport import ray_actor
+
+    original = ray_actor.pool_size_from_resources
+
+    def capped(client_resources: dict[str, int | float]) -> int:
+        return min(original(client_resources), limit)
+
+    ray_actor.pool_size_from_resources = capped
+    try:
+        yield
+    finally:
+        ray_actor.pool_size_from_resources = original
+
+
 def run_simulation_engine(
     *,
     num_supernodes: int,
@@ -286,21 +311,26 @@ def run_simulation_engine(
     app_dir: str,
     server_app_context: Any,
     backend_config: dict[str, Any],
+    max_actors: int | None = None,
 ) -> None:
-    """Run a ServerApp and ClientApp in Flower's Ray-backed simulation engine, in this process."""
+    """Run a ServerApp and ClientApp in Flower's Ray-backed simulation engine, in this process.
+
+    ``max_actors`` caps the number of client actors (:func:`actor_limit`).
+    """
     from flwr.simulation.run_simulation import _run_simulation
     from flwr.supercore.telemetry import EventType
 
     install_engine_patches()
-    _run_simulation(
-        num_supernodes=num_supernodes,
-        exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
-        server_app_attr=server_app_attr,
-        client_app_attr=client_app_attr,
-        app_dir=app_dir,
-        server_app_context=server_app_context,
-        backend_config=backend_config,
-    )
+    with actor_limit(max_actors):
+        _run_simulation(
+            num_supernodes=num_supernodes,
+            exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
+            server_app_attr=server_app_attr,
+            client_app_attr=client_app_attr,
+            app_dir=app_dir,
+            server_app_context=server_app_context,
+            backend_config=backend_config,
+        )
 
 
 def start_ray(init_args: dict[str, Any]) -> None:

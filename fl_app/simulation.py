@@ -90,6 +90,7 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
                 app_dir=str(PROJECT_ROOT),
                 server_app_context=context,
                 backend_config=backend,
+                max_actors=cfg.simulation.get("max_concurrent_clients"),
             )
         finally:
             shutdown_ray(watch)

@@ -29,6 +29,7 @@ from fl_app import flower_engine
 from fl_app.flower_engine import (
     FLOWER_VERSION,
     BalancedSlots,
+    actor_limit,
     adaptive_interval,
     fast_add_messages_to_queue,
     flower_version,
@@ -208,6 +209,25 @@ def test_replied_ids_names_exactly_the_messages_with_a_stored_reply() -> None:
     assert replied_ids(MeteredGrid(grid), ids) is None  # not the in-memory grid: pull everything
     pulled = list(grid.pull_messages(replied_ids(grid, ids)))
     assert sorted(r.metadata.reply_to_message_id for r in pulled) == sorted(answered)
+
+
+def test_actor_limit_caps_flowers_pool_size_and_restores_it(monkeypatch) -> None:
+    """Flower sizes its pool from the whole cluster: the cap lets parallel jobs share one."""
+    from flwr.simulation.ray_transport import ray_actor
+
+    from fl_app.config import compose_config
+    from fl_app.validation import ConfigError, validate_common
+
+    monkeypatch.setattr(ray_actor, "pool_size_from_resources", lambda resources: 8)
+    with actor_limit(3):
+        assert ray_actor.pool_size_from_resources({"num_cpus": 1}) == 3
+    assert ray_actor.pool_size_from_resources({"num_cpus": 1}) == 8
+    with actor_limit(None):
+        assert ray_actor.pool_size_from_resources({"num_cpus": 1}) == 8
+    with actor_limit(20):  # never more than the cluster holds
+        assert ray_actor.pool_size_from_resources({"num_cpus": 1}) == 8
+    with pytest.raises(ConfigError, match=r"simulation\.max_concurrent_clients=0"):
+        validate_common(compose_config(["dataset=digits", "simulation.max_concurrent_clients=0"]))
 
 
 def test_array_values_equals_numpy_for_every_layout() -> None:
