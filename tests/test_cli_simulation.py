@@ -151,6 +151,13 @@ def test_failed_job_is_reported_and_the_others_run(tmp_path, launcher):
     assert process.stderr.count("dpfl sweep: ") == 2 and "1 job(s) failed:" in process.stderr
     if launcher == "sequential":
         assert "dpfl sweep: 1/2 jobs done (1 failed), elapsed" in process.stderr
+    # the report reads the tree either launcher wrote: the completed job, not the failed one
+    from fl_app.report import main as report
+
+    assert report([str(sweep)]) == 0
+    rows = list(csv.DictReader((sweep / "report.csv").open()))
+    assert [row["algorithm"] for row in rows] == ["fedavg"], rows
+    assert rows[0]["runs"] == str(sweep / "1-fedavg"), rows
 
 
 def test_partition_that_leaves_clients_empty_is_bad_input():
