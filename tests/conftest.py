@@ -142,21 +142,24 @@ def client_for(message: Message, context: Context) -> Any:
 def simulate(tmp_path: Path, ray_instance: str) -> Callable[..., dict[str, Any]]:
     """Run a real (Ray-backed) simulation in-process; return its results.json.
 
-    The run joins this test process's Ray instance (:func:`ray_instance`). The returned dict also
-    has ``_output_dir``: the run's output directory.
+    The run joins this test process's Ray instance (:func:`ray_instance`), or starts its own with
+    ``private_ray=True`` (as ``python -m fl_app`` does: its actors then inherit this process's
+    environment, e.g. a fault injection a test sets). The returned dict also has ``_output_dir``:
+    the run's output directory.
     """
 
-    def run(overrides: Sequence[str], name: str = "run") -> dict[str, Any]:
-        return simulate_in_process(overrides, tmp_path / name, ray_instance)
+    def run(overrides: Sequence[str], name: str = "run", *, private_ray: bool = False) -> dict[str, Any]:
+        return simulate_in_process(overrides, tmp_path / name, None if private_ray else ray_instance)
 
     return run
 
 
-def simulate_in_process(overrides: Sequence[str], output: Path, address: str) -> dict[str, Any]:
+def simulate_in_process(overrides: Sequence[str], output: Path, address: str | None) -> dict[str, Any]:
     """Validate and run one simulation on the Ray instance at ``address``; return its results.json.
 
     Flower starts the run's client actors on that instance and ends them when the run ends; the
-    test fails if any process the run started is still there :data:`REAP_WAIT_S` later.
+    test fails if any process the run started is still there :data:`REAP_WAIT_S` later. With no
+    ``address`` the run starts and stops a Ray of its own, as the command line does.
     """
     from unittest import mock
 
@@ -176,7 +179,7 @@ def simulate_in_process(overrides: Sequence[str], output: Path, address: str) ->
         backend["init_args"]["address"] = address
         return backend
 
-    with mock.patch.object(simulation, "backend_config", joined):
+    with mock.patch.object(simulation, "backend_config", joined if address else private):
         simulation.run_in_simulation(cfg, list(overrides), output)
     deadline = time.monotonic() + REAP_WAIT_S
     while not ray_process_ids() <= before and time.monotonic() < deadline:

@@ -96,10 +96,12 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
 
 
 def test_failing_client_does_not_end_the_run(simulate, monkeypatch):
-    # Client 1 raises in every round, client 4 in round 2 only; the run completes.
+    # Client 1 raises in every round, client 4 in round 2 only; the run completes. (A private Ray:
+    # its actors inherit the injection from this process's environment.)
     monkeypatch.setenv("DPFL_INJECT_FAILURES", "1,4@2")
     results = simulate(
-        [*FAST, "strategy=dp_fedavg", "strategy.sampling=fixed", "clients_per_round=6", "num_rounds=2"]
+        [*FAST, "strategy=dp_fedavg", "strategy.sampling=fixed", "clients_per_round=6", "num_rounds=2"],
+        private_ray=True,
     )
     assert [r["failures"] for r in results["rounds"]] == [1, 2]
     assert results["status"] == "completed_with_failures" and results["final"]["failures"] == 3
