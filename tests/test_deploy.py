@@ -4,8 +4,8 @@ The integration tests start a real SuperLink and three SuperNodes on 127.0.0.1
 (free ports, a private ``FLWR_HOME`` per process in ``tmp_path``, each
 SuperNode with its own ``.npz`` data file), once insecure and once with TLS and
 SuperNode authentication, submit one round of every registered algorithm (two where a device
-carries state from round to round or the rounds differ, :data:`TWO_ROUNDS`)
-(insecure; one of them with TLS, :data:`SECURE_ALGORITHMS`) with
+carries state from round to round or the rounds differ, :data:`TWO_ROUNDS`), each on one of the two
+(:data:`SECURE_ALGORITHMS` over TLS, the others insecure), with
 ``flwr run`` (all at once: a SuperNode runs one ClientApp process per message,
 so the runs share the three SuperNodes), and check each run's
 ``results.json``. Every process is started in its own process group by
@@ -79,11 +79,10 @@ ALGORITHM_SETTINGS: dict[str, list[str]] = {
     "dp_fedavg_adaptive": ["strategy.bit_noise=1.0"],
 }
 MODES = ["insecure", "secure"]
-#: The algorithms run over TLS with SuperNode authentication. The transport is independent of the
-#: algorithm (the same Messages travel either way), so every algorithm runs on the insecure
-#: federation and one carries the secure one: DPFL-BNN, whose two rounds send bit-packed uploads
-#: and keep per-device state between rounds (the server's secure noise is checked on every
-#: algorithm's insecure run).
+#: The algorithms run over TLS with SuperNode authentication; every other one runs on the insecure
+#: federation. The transport is independent of the algorithm (the same Messages travel either way),
+#: so each algorithm runs once: DPFL-BNN carries the secure federation, with two rounds of bit-packed
+#: uploads and per-device state kept between them.
 SECURE_ALGORITHMS = ("dpfl_bnn",)
 RUN_DEADLINE_S = 1800.0
 STATUS_POLL_S = 30.0  # `flwr ls` costs a second of CPU; results.json is checked every second
@@ -251,8 +250,9 @@ def federation(
 
 @pytest.fixture(scope="module")
 def submitted(federation: Federation) -> dict[str, Submission]:
-    """Every registered algorithm (and, insecure, two mismatched num_clients) submitted at once."""
-    names = STRATEGIES.names() if federation.mode == "insecure" else SECURE_ALGORITHMS
+    """This federation's algorithms (and, insecure, the three bad jobs) submitted at once."""
+    secure = federation.mode == "secure"
+    names = [name for name in STRATEGIES.names() if (name in SECURE_ALGORITHMS) == secure]
     jobs = {name: algorithm_overrides(name) for name in names}
     if federation.mode == "insecure":
         jobs["too-few-clients"] = [*algorithm_overrides("fedavg"), "num_clients=2", "clients_per_round=2"]
@@ -274,7 +274,8 @@ def test_deploy_each_algorithm(
     federation: Federation, submitted: dict[str, Submission], algorithm: str
 ) -> None:
     if algorithm not in submitted:
-        pytest.skip(f"runs on the insecure federation; over TLS: {', '.join(SECURE_ALGORITHMS)}")
+        other = "insecure" if federation.mode == "secure" else "secure"
+        pytest.skip(f"runs on the {other} federation (over TLS: {', '.join(SECURE_ALGORITHMS)})")
     submission = submitted[algorithm]
     status, results = federation.wait(submission)
     if results is None:
