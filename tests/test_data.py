@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import gzip
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fl_app.data import sources
-from fl_app.data.federated import DataSpec, build_federated_data, federated_data
+from fl_app.data import partition_cache, sources
+from fl_app.data.federated import DataSpec, FederatedData, build_federated_data, federated_data
 from fl_app.data.local import load_local_dataset
 from fl_app.data.partition import partition_rows, split_public
 from fl_app.data.sources import DataNotFoundError, read_idx, resolve_idx_folder
@@ -195,6 +199,100 @@ def test_federated_data_is_cached_per_process():
         seed=0,
     )
     assert federated_data(spec) is federated_data(DataSpec.from_json(spec.to_json()))
+
+
+def _digits_spec(**changes: object) -> DataSpec:
+    fields: dict[str, object] = {
+        "dataset": {"name": "digits", "test_fraction": 0.25, "public_fraction": 0.1},
+        "partition": {"name": "dirichlet", "alpha": 0.5, "min_partition_size": 2, "self_balancing": False},
+        "num_clients": 9,
+        "seed": 4,
+    }
+    fields.update(changes)
+    return DataSpec(**fields)  # type: ignore[arg-type]
+
+
+def _same_split(a: FederatedData, b: FederatedData) -> bool:
+    if len(a.client_rows) != len(b.client_rows) or not np.array_equal(a.public_rows, b.public_rows):
+        return False
+    return all(
+        x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a.client_rows, b.client_rows, strict=True)
+    )
+
+
+def test_partition_cache_returns_the_computed_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv(partition_cache.CACHE_ENV, str(tmp_path / "cache"))
+    spec = _digits_spec()
+    computed = build_federated_data(spec, use_cache=False)
+    assert not (tmp_path / "cache").exists()  # use_cache=False stores nothing
+    first = build_federated_data(spec)  # computes and stores
+    assert [p.suffix for p in (tmp_path / "cache").iterdir()] == [".npz"]
+    key = partition_cache.partition_key(spec.to_json(), first.arrays.y_train)
+    assert partition_cache.load_rows(key) is not None
+    second = build_federated_data(spec)  # reads
+    assert _same_split(computed, first) and _same_split(computed, second)
+    # another spec, other labels or another partitioner's code: another key
+    assert partition_cache.partition_key(_digits_spec(seed=5).to_json(), first.arrays.y_train) != key
+    flipped = first.arrays.y_train.copy()
+    flipped[0] = (flipped[0] + 1) % 10
+    assert partition_cache.partition_key(spec.to_json(), flipped) != key
+    monkeypatch.setattr(partition_cache, "_CODE_PACKAGES", ("flwr-datasets", "numpy"))
+    assert partition_cache.partition_key(spec.to_json(), first.arrays.y_train) != key
+
+
+def test_an_unreadable_cache_file_is_computed_again(tmp_path, monkeypatch):
+    monkeypatch.setenv(partition_cache.CACHE_ENV, str(tmp_path))
+    spec = _digits_spec()
+    computed = build_federated_data(spec, use_cache=False)
+    key = partition_cache.partition_key(spec.to_json(), computed.arrays.y_train)
+    (tmp_path / f"{key}.npz").write_bytes(b"half a file")
+    assert partition_cache.load_rows(key) is None
+    assert _same_split(computed, build_federated_data(spec))
+    assert partition_cache.load_rows(key) is not None  # stored again
+    # offsets that do not fit the rows
+    np.savez(
+        tmp_path / f"{key}.npz", public=computed.public_rows, rows=np.arange(5), offsets=np.array([0, 9])
+    )
+    assert partition_cache.load_rows(key) is None
+    assert _same_split(computed, build_federated_data(spec))
+
+
+def test_partition_cache_off_and_bounded(tmp_path, monkeypatch):
+    monkeypatch.setenv(partition_cache.CACHE_ENV, "off")
+    build_federated_data(_digits_spec())
+    assert partition_cache.cache_dir() is None
+    monkeypatch.setenv(partition_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(partition_cache, "MAX_FILES", 2)
+    for seed in range(3):
+        build_federated_data(_digits_spec(seed=seed))
+    assert len(list(tmp_path.glob("*.npz"))) == 2
+
+
+def test_a_process_that_finds_its_partition_cached_never_imports_the_partitioners(tmp_path):
+    """What a simulation's Ray worker does: the driver computed the split, the worker reads it."""
+    env = {**os.environ, partition_cache.CACHE_ENV: str(tmp_path)}
+    probe = (
+        "import sys, json\n"
+        "from fl_app.data.federated import DataSpec, build_federated_data\n"
+        f"spec = DataSpec.from_json({_digits_spec().to_json()!r})\n"
+        "data = build_federated_data(spec)\n"
+        "rows = [r.tolist() for r in (data.public_rows, *data.client_rows)]\n"
+        "print(json.dumps({'rows': rows, 'flwr_datasets': 'flwr_datasets' in sys.modules}))\n"
+    )
+
+    def run() -> dict[str, object]:
+        done = subprocess.run(
+            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+        )
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    first, second = run(), run()
+    assert first["flwr_datasets"] is True  # computed (and stored)
+    assert second["flwr_datasets"] is False  # read from the cache
+    computed = build_federated_data(_digits_spec(), use_cache=False)
+    expected = [r.tolist() for r in (computed.public_rows, *computed.client_rows)]
+    assert first["rows"] == expected
+    assert second["rows"] == expected
 
 
 def test_split_public_validates():

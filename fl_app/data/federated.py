@@ -4,8 +4,10 @@ A :class:`DataSpec` is everything needed to rebuild the identical split in any
 process; it travels to simulated clients inside the train message (a JSON
 string), so the ClientApp needs neither Hydra nor a shared disk. Each process
 builds the :class:`FederatedData` for a spec once and keeps it
-(:func:`federated_data`), so a Ray worker loads the data set and computes the
-partitions once and then serves every round and every virtual client from memory.
+(:func:`federated_data`), so a Ray worker loads the data set and its partition once
+and then serves every round and every virtual client from memory. The partition's
+rows are computed by the first process that needs them and read from a disk cache
+by the others (:mod:`fl_app.data.partition_cache`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from fl_app.data.partition_cache import load_rows, partition_key, store_rows
 from fl_app.data.sources import ArrayDataset, load_dataset
 
 
@@ -120,13 +123,23 @@ class FederatedData:
         return ClientDataset(self.arrays.x_test, self.arrays.y_test)
 
 
-def build_federated_data(spec: DataSpec) -> FederatedData:
-    """Load the data set and split it as ``spec`` says (no caching)."""
-    # Imported here: the partitioners pull in flwr-datasets, datasets and pandas
-    # (about 2 s of CPU), which a device's ClientApp process never needs.
+def build_federated_data(spec: DataSpec, *, use_cache: bool = True) -> FederatedData:
+    """Load the data set and split it as ``spec`` says.
+
+    The rows of the split come from the disk cache (:mod:`fl_app.data.partition_cache`) when
+    another process (or an earlier run) computed them, else they are computed and stored there;
+    ``use_cache=False`` always computes them and stores nothing.
+    """
+    arrays = load_dataset(spec.dataset, seed=spec.seed)
+    key = partition_key(spec.to_json(), arrays.y_train) if use_cache else None
+    cached = load_rows(key) if key is not None else None
+    if cached is not None:
+        public_rows, client_rows = cached
+        return FederatedData(arrays, public_rows, client_rows)
+    # Imported here: the partitioners pull in flwr-datasets, datasets, pandas, pyarrow, scipy and
+    # matplotlib (about 2 s of CPU), which a device's ClientApp process never needs.
     from fl_app.data.partition import partition_rows, split_public
 
-    arrays = load_dataset(spec.dataset, seed=spec.seed)
     public_rows, private_rows = split_public(
         len(arrays.y_train),
         public_fraction=float(spec.dataset.get("public_fraction", 0.0)),
@@ -140,6 +153,8 @@ def build_federated_data(spec: DataSpec) -> FederatedData:
         options=spec.partition,
     )
     client_rows = tuple(private_rows[p] for p in positions)
+    if key is not None:
+        store_rows(key, public_rows, client_rows)
     return FederatedData(arrays, public_rows, client_rows)
 
 
