@@ -268,9 +268,11 @@ def test_partition_cache_off_and_bounded(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("*.npz"))) == 2
 
 
-def test_a_process_that_finds_its_partition_cached_never_imports_the_partitioners(tmp_path):
+def test_a_process_that_finds_its_partition_cached_never_imports_the_partitioners(tmp_path, monkeypatch):
     """What a simulation's Ray worker does: the driver computed the split, the worker reads it."""
-    env = {**os.environ, partition_cache.CACHE_ENV: str(tmp_path)}
+    monkeypatch.setenv(partition_cache.CACHE_ENV, str(tmp_path))
+    computed = build_federated_data(_digits_spec())  # this process computes and stores it
+    expected = [r.tolist() for r in (computed.public_rows, *computed.client_rows)]
     probe = (
         "import sys, json\n"
         "from fl_app.data.federated import DataSpec, build_federated_data\n"
@@ -279,20 +281,12 @@ def test_a_process_that_finds_its_partition_cached_never_imports_the_partitioner
         "rows = [r.tolist() for r in (data.public_rows, *data.client_rows)]\n"
         "print(json.dumps({'rows': rows, 'flwr_datasets': 'flwr_datasets' in sys.modules}))\n"
     )
-
-    def run() -> dict[str, object]:
-        done = subprocess.run(
-            [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
-        )
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    first, second = run(), run()
-    assert first["flwr_datasets"] is True  # computed (and stored)
-    assert second["flwr_datasets"] is False  # read from the cache
-    computed = build_federated_data(_digits_spec(), use_cache=False)
-    expected = [r.tolist() for r in (computed.public_rows, *computed.client_rows)]
-    assert first["rows"] == expected
-    assert second["rows"] == expected
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=dict(os.environ), capture_output=True, text=True, check=True
+    )
+    worker = json.loads(done.stdout.strip().splitlines()[-1])
+    assert worker["flwr_datasets"] is False  # read from the cache
+    assert worker["rows"] == expected
 
 
 def test_split_public_validates():
