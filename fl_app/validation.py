@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from fl_app.data import PARTITION_SCHEMES
 from fl_app.data.sources import (
     DATASET_NAMES,
     IDX_DATASETS,
@@ -185,9 +186,7 @@ def validate_data_options(cfg: DictConfig) -> None:
     if name in IDX_DATASETS and dataset.data_dir is not None and not isinstance(dataset.data_dir, str):
         raise ConfigError("dataset.data_dir", dataset.data_dir, "must be a folder path or null")
     partition = cfg.partition
-    from fl_app.data.partition import PARTITIONERS
-
-    require_choice("partition.name", partition.name, PARTITIONERS)
+    require_choice("partition.name", partition.name, PARTITION_SCHEMES)
     if partition.name == "equal_size_dirichlet":
         require_positive("partition.alpha", partition.alpha)
         if partition.size is not None:

@@ -289,6 +289,14 @@ def test_a_process_that_finds_its_partition_cached_never_imports_the_partitioner
     assert worker["rows"] == expected
 
 
+def test_partition_schemes_are_the_registered_partitioners():
+    from fl_app.conf_dir import config_groups
+    from fl_app.data import PARTITION_SCHEMES
+    from fl_app.data.partition import PARTITIONERS
+
+    assert sorted(PARTITION_SCHEMES) == sorted(PARTITIONERS) == config_groups()["partition"]
+
+
 def test_split_public_validates():
     with pytest.raises(ValueError):
         split_public(10, public_fraction=1.0, seed=0)
