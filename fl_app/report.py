@@ -42,7 +42,19 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 REQUIRED_FIELDS = ("strategy", "dataset", "config", "rounds", "final", "privacy")
-IGNORED_KEYS = {"seed", "output_dir", "privacy.noise_seed", "simulation.ray_address", "simulation.timeout"}
+#: Keys that never make two runs different experiments: the seed, run-local paths, and where and how a
+#: run executes or what it logs (results are the same on a cluster, on GPUs, with fewer concurrent
+#: clients or with a tracker; a run made before such a key existed lacks it).
+IGNORED_KEYS = {
+    "seed",
+    "output_dir",
+    "privacy.noise_seed",
+    "simulation.ray_address",
+    "simulation.timeout",
+    "simulation.client_gpus",
+    "simulation.max_concurrent_clients",
+    "tracking",
+}
 COLUMNS = (
     "algorithm",
     "dataset",

@@ -91,6 +91,28 @@ def test_report_groups_seeds_and_matches_the_files(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
 
 
+def test_runs_that_differ_only_in_how_they_ran_are_one_group(tmp_path):
+    """A run made before ``tracking`` and the GPU and concurrency keys existed joins a run made after."""
+    fake_results(tmp_path / "old", strategy="dp_fedavg", epsilon=3.9, seed=1, accuracy=0.8)
+    fake_results(tmp_path / "new", strategy="dp_fedavg", epsilon=3.9, seed=2, accuracy=0.6)
+    path = tmp_path / "new" / "results.json"
+    results = json.loads(path.read_text())
+    results["config"]["tracking"] = "tensorboard"
+    results["config"]["simulation"] = {"client_gpus": 0.0, "max_concurrent_clients": None, "timeout": 60}
+    path.write_text(json.dumps(results))
+    fake_results(tmp_path / "other", strategy="dp_fedavg", epsilon=3.9, seed=3, accuracy=0.7)
+    path = tmp_path / "other" / "results.json"
+    results = json.loads(path.read_text())
+    results["config"]["num_clients"] = 16  # a different experiment
+    path.write_text(json.dumps(results))
+    assert main([str(tmp_path)]) == 0
+    rows = list(csv.DictReader((tmp_path / "report.csv").open()))
+    assert sorted(int(row["seeds"]) for row in rows) == [1, 2]
+    joined = next(row for row in rows if row["seeds"] == "2")
+    assert float(joined["accuracy_mean"]) == pytest.approx(0.7)
+    assert "tracking" not in joined["settings"] and "client_gpus" not in joined["settings"]
+
+
 def test_broken_results_are_reported_not_skipped(tmp_path, capsys):
     fake_results(tmp_path / "ok", strategy="fedavg", epsilon=None, seed=1, accuracy=0.5)
     (tmp_path / "bad").mkdir()
