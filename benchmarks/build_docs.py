@@ -35,6 +35,7 @@ PAGES = ROOT / "docs" / "benchmarks"
 #: Pages in BENCHMARKS.md order (missing pages are listed as missing, not skipped silently).
 ORDER = (
     "platform",
+    "partition_cache",
     "cross_device",
     "compare_all",
     "empirical_privacy",
