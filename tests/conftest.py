@@ -47,6 +47,27 @@ FAST = [
 ]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def partition_cache_of_the_test_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The partition cache (:mod:`fl_app.data.partition_cache`) of this test run, not the user's.
+
+    One folder for all pytest-xdist workers of the run (the parent of their base temporary folders),
+    so a split is computed once per run; every process the tests start inherits it. pytest removes
+    it with the run's other temporary folders.
+    """
+    from fl_app.data.partition_cache import CACHE_ENV
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "partitions"
+    saved = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(folder)
+    yield folder
+    if saved is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = saved
+
+
 @pytest.fixture(autouse=True)
 def task_identity() -> Iterator[None]:
     """Give this process a Flower task identity (as the simulation does) so Messages can be built."""
