@@ -184,6 +184,8 @@ def simulate_in_process(overrides: Sequence[str], output: Path, address: str | N
     """
     from unittest import mock
 
+    from omegaconf import OmegaConf
+
     from fl_app import simulation
     from fl_app.validation import validate_config
 
@@ -193,18 +195,13 @@ def simulate_in_process(overrides: Sequence[str], output: Path, address: str | N
     private = simulation.backend_config
 
     def joined(cfg: Any) -> dict[str, Any]:
-        backend = private(cfg)
-        # the run's configuration is untouched (results and config.yaml say "a private Ray"):
-        # only where Ray lives changes, as with simulation.ray_address
-        backend["init_args"] = {k: v for k, v in backend["init_args"].items() if k != "num_cpus"}
-        backend["init_args"]["address"] = address
-        return backend
+        # Ray's settings as with simulation.ray_address=<address>; the run's own configuration is
+        # untouched (results and config.yaml are those of a run on a private Ray)
+        return private(OmegaConf.merge(cfg, {"simulation": {"ray_address": address}}))
 
     with mock.patch.object(simulation, "backend_config", joined if address else private):
         simulation.run_in_simulation(cfg, list(overrides), output)
-    deadline = time.monotonic() + REAP_WAIT_S
-    while not ray_process_ids() <= before and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: ray_process_ids() <= before, timeout=REAP_WAIT_S)
     assert ray_process_ids() <= before, "Ray processes still running after the simulation returned"
     results = json.loads((output / "results.json").read_text())
     results["_output_dir"] = str(output)
@@ -213,6 +210,13 @@ def simulate_in_process(overrides: Sequence[str], output: Path, address: str | N
 
 #: Seconds a finished run's client actors may take to exit.
 REAP_WAIT_S = 10.0
+
+
+def wait_until(condition: Callable[[], bool], *, timeout: float, interval: float = 0.2) -> None:
+    """Poll ``condition`` until it holds or ``timeout`` seconds passed (the caller asserts it after)."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")
@@ -232,9 +236,7 @@ def ray_instance() -> Iterator[str]:
         yield str(cluster.address)
     finally:
         cluster.shutdown()
-    deadline = time.monotonic() + REAP_WAIT_S
-    while not ray_process_ids() <= before and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: ray_process_ids() <= before, timeout=REAP_WAIT_S)
     assert ray_process_ids() <= before, "processes of the test session's Ray instance are still running"
 
 

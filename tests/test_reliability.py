@@ -27,7 +27,7 @@ from fl_app.round_loop import check_round
 from fl_app.run import one_line_console
 from fl_app.validation import ConfigError, check_output_dir, validate_config
 from strategies import STRATEGIES
-from tests.conftest import FAST, build_run_context
+from tests.conftest import FAST, build_run_context, wait_until
 
 RUN = [*FAST, "num_rounds=4", "simulation.num_cpus=2"]
 ROUND_KEYS = ("round", "accuracy", "loss", "epsilon", "upload_bytes", "download_bytes", "clients", "failures")
@@ -111,9 +111,7 @@ def interrupt(tmp_path: Path, name: str, args: list[str], signum: int, *, group:
         run.process.send_signal(signum)
     code = run.finish(timeout=60)
     took = time.monotonic() - sent
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while alive(processes) and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: not alive(processes), timeout=GONE_WITHIN_S)
     assert alive(processes) == [], run.output[-2000:]
     assert code == 128 + signum, run.output[-3000:]
     return run, took
