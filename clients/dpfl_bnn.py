@@ -189,7 +189,7 @@ class DPFLBNNClient(FederatedClient):
     # ------------------------------------------------------------------ diagnostic
 
     def evaluate(self) -> Message:
-        """The document's metric: this client's merged local model ``Sign(W^i)`` on the test split.
+        """The document's metric: this client's merged local model ``Sign(W^i)`` on the evaluation split.
 
         Simulation only (a device has no test split, and its reply would leave
         outside the privacy accounting). Does not change the client's state.
@@ -197,7 +197,7 @@ class DPFLBNNClient(FederatedClient):
         if not self.in_simulation:
             raise ValueError("the DPFL-BNN local-model diagnostic runs in simulation only")
         model, _ = self._local_model()
-        test = federated_data(DataSpec.from_json(str(self.config[keys.DATA_SPEC]))).test()
+        test = federated_data(DataSpec.from_json(str(self.config[keys.DATA_SPEC]))).evaluation()
         x, y = test.x, test.y
         subset = int(self.config.get(keys.BNN_EVAL_TEST_SUBSET, 0))
         if 0 < subset < len(y):

@@ -36,7 +36,8 @@
   ``epsilon_method`` names the one used). ``null`` means *no finite guarantee* (epsilon = infinity):
   a non-private run, or a mechanism configured without noise. The file is
   strict JSON (no ``Infinity``/``NaN`` tokens).
-* ``accuracy``/``loss``: the global model on the server's test split;
+* ``accuracy``/``loss``: the global model on the server's test split (on the validation split
+  with ``evaluation.split=validation``; ``final.evaluated_on`` names it);
   ``null`` in rounds skipped by ``evaluation.every``.
 * ``upload_bytes``/``download_bytes``: serialised size of that round's train
   messages, summed over clients (``*_array_bytes``: raw array data only).
@@ -206,8 +207,9 @@ class RunRecorder:
         final = {
             "accuracy": evaluated[-1]["accuracy"] if evaluated else None,
             "loss": evaluated[-1]["loss"] if evaluated else None,
-            # read on the test split: a description of the curve, not a model to pick (picking the
-            # best round by test accuracy would tune on the test split)
+            "evaluated_on": str(self.cfg.evaluation.get("split", "test")),
+            # read on the evaluation split: a description of the curve, not a model to pick (picking
+            # the best round by test accuracy would tune on the test split)
             "best_accuracy": best["accuracy"] if best else None,
             "best_round": best["round"] if best else None,
             "epsilon": last.get("epsilon"),

@@ -116,6 +116,29 @@ FINGERPRINT_IGNORES: tuple[str, ...] = (
     "evaluation.test_subset",
 )
 
+
+def evaluation_arrays(
+    data: FederatedData, *, subset: int | None, randomness: RandomSource
+) -> tuple[np.ndarray, np.ndarray]:
+    """The server's evaluation examples: the test split, or the validation split when the spec has one.
+
+    ``subset`` keeps a fixed seeded subset of that many examples (``evaluation.test_subset``).
+    """
+    split = data.evaluation()
+    if data.evaluation_split == "validation":
+        log(
+            INFO,
+            "dpfl: evaluating on the validation split (%d rows of the training split that belong to no "
+            "client); the test split is not read",
+            len(split.y),
+        )
+    x, y = split.x, split.y
+    if subset is not None and subset < len(y):
+        rows = np.sort(randomness.generator("test-subset").choice(len(y), size=int(subset), replace=False))
+        x, y = x[rows], y[rows]
+    return x, y
+
+
 SEEDED_NOTE = (
     "seeded simulation: the client sampling and every noise draw (server and clients) are reproducible "
     "from the published configuration (config.yaml), so anyone holding it can regenerate and subtract "
@@ -372,13 +395,7 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
         diagnostics=diagnostics_enabled(cfg, devices=randomness["devices"]),
         tracker=make_tracker(str(cfg.tracking), output_dir, config_text=OmegaConf.to_yaml(cfg)),
     )
-    test = data.test()
-    x_test, y_test = test.x, test.y
-    if cfg.evaluation.test_subset is not None and cfg.evaluation.test_subset < len(y_test):
-        rows = run.randomness.generator("test-subset").choice(
-            len(y_test), size=int(cfg.evaluation.test_subset), replace=False
-        )
-        x_test, y_test = x_test[np.sort(rows)], y_test[np.sort(rows)]
+    x_test, y_test = evaluation_arrays(data, subset=cfg.evaluation.test_subset, randomness=run.randomness)
     reporter = RoundReporter(
         strategy,
         metered,

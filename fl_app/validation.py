@@ -28,6 +28,7 @@ from fl_app.privacy.composition import METHODS
 from fl_app.tracking import TRACKERS, tracker_available
 
 BUDGET_SCOPES = ("total", "per_round")
+EVALUATION_SPLITS = ("test", "validation")
 
 
 class ConfigError(ValueError):
@@ -143,6 +144,16 @@ def validate_common(cfg: DictConfig) -> None:
         )
 
     evaluation = cfg.evaluation
+    require_choice("evaluation.split", evaluation.get("split", "test"), EVALUATION_SPLITS)
+    if evaluation.get("split", "test") == "validation":
+        require_range(
+            "evaluation.validation_fraction",
+            evaluation.validation_fraction,
+            0.0,
+            0.5,
+            low_open=True,
+            high_open=True,
+        )
     require_int("evaluation.every", evaluation.every, minimum=1)
     if evaluation.test_subset is not None:
         require_int("evaluation.test_subset", evaluation.test_subset, minimum=1)

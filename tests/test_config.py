@@ -176,6 +176,7 @@ BAD_VALUES = [
     ("privacy.accountant=gdp", "privacy.accountant"),
     ("dataset.public_fraction=1.0", "dataset.public_fraction"),
     ("evaluation.every=0", "evaluation.every"),
+    ("evaluation.split=train", "evaluation.split"),
     ("simulation.client_cpus=0", "simulation.client_cpus"),
     ("privacy.secure_rng=true", None),  # fine on its own
 ]
@@ -192,6 +193,12 @@ def test_bad_values_are_named_in_one_line(override, key):
     assert "\n" not in line
     assert line.startswith(key)
     assert override.split("=", 1)[1] in line
+
+
+@pytest.mark.parametrize("fraction", ["0", "0.5", "-0.1"])
+def test_validation_fraction_out_of_range_is_named(fraction):
+    errors = preflight(["evaluation.split=validation", f"evaluation.validation_fraction={fraction}"])
+    assert len(errors) == 1 and errors[0].startswith(f"evaluation.validation_fraction={fraction}:")
 
 
 def test_secure_rng_refuses_a_noise_seed():

@@ -215,6 +215,8 @@ def _digits_spec(**changes: object) -> DataSpec:
 def _same_split(a: FederatedData, b: FederatedData) -> bool:
     if len(a.client_rows) != len(b.client_rows) or not np.array_equal(a.public_rows, b.public_rows):
         return False
+    if not np.array_equal(a.validation_rows, b.validation_rows):
+        return False
     return all(
         x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a.client_rows, b.client_rows, strict=True)
     )
@@ -295,6 +297,56 @@ def test_partition_schemes_are_the_registered_partitioners():
     from fl_app.data.partition import PARTITIONERS
 
     assert sorted(PARTITION_SCHEMES) == sorted(PARTITIONERS) == config_groups()["partition"]
+
+
+def test_validation_split_belongs_to_no_client_and_replaces_the_test_split():
+    plain = build_federated_data(_digits_spec(), use_cache=False)
+    spec = _digits_spec(validation_fraction=0.2)
+    data = build_federated_data(spec, use_cache=False)
+    private = len(plain.arrays.y_train) - len(plain.public_rows)
+    assert len(data.validation_rows) == round(0.2 * private)
+    clients = np.concatenate(data.client_rows)
+    assert not set(data.validation_rows) & set(clients)
+    assert not set(data.validation_rows) & set(data.public_rows)
+    assert np.array_equal(data.public_rows, plain.public_rows)  # the public split is unchanged
+    assert len(clients) + len(data.validation_rows) == private
+    assert data.evaluation_split == "validation" and plain.evaluation_split == "test"
+    assert np.array_equal(data.evaluation().y, data.arrays.y_train[data.validation_rows])
+    assert np.array_equal(plain.evaluation().y, plain.arrays.y_test)
+    # the spec carries it through JSON; without it the JSON (and the cache key) is what it was
+    assert DataSpec.from_json(spec.to_json()) == spec
+    assert "validation_fraction" not in _digits_spec().to_json()
+    cfg = {
+        "dataset": spec.dataset,
+        "partition": spec.partition,
+        "num_clients": 9,
+        "seed": 4,
+        "evaluation": {"split": "validation", "validation_fraction": 0.2},
+    }
+    assert DataSpec.from_config(cfg) == spec
+    on_test = {**cfg, "evaluation": {"split": "test", "validation_fraction": 0.2}}
+    assert DataSpec.from_config(on_test) == _digits_spec()
+
+
+def test_partition_cache_keeps_the_validation_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv(partition_cache.CACHE_ENV, str(tmp_path))
+    spec = _digits_spec(validation_fraction=0.2)
+    computed = build_federated_data(spec, use_cache=False)
+    build_federated_data(spec)  # computes and stores
+    cached = build_federated_data(spec)  # reads
+    assert len(cached.validation_rows) > 0 and _same_split(computed, cached)
+
+
+def test_server_evaluation_arrays_follow_the_split():
+    from fl_app.privacy.rng import RandomSource
+    from fl_app.run import evaluation_arrays
+
+    data = build_federated_data(_digits_spec(validation_fraction=0.2), use_cache=False)
+    randomness = RandomSource(seed=0, secure=False)
+    x, y = evaluation_arrays(data, subset=None, randomness=randomness)
+    assert np.array_equal(y, data.arrays.y_train[data.validation_rows])
+    x_small, y_small = evaluation_arrays(data, subset=10, randomness=randomness)
+    assert len(y_small) == 10 and set(map(bytes, x_small)) <= set(map(bytes, x))
 
 
 def test_split_public_validates():

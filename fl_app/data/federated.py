@@ -1,4 +1,4 @@
-"""The federated view of a data set: test split, public split, client partitions.
+"""The federated view of a data set: test split, public split, validation split, client partitions.
 
 A :class:`DataSpec` is everything needed to rebuild the identical split in any
 process; it travels to simulated clients inside the train message (a JSON
@@ -48,7 +48,11 @@ class DataSpec:
     num_clients : int
         Number of client partitions.
     seed : int
-        Seed of the public split, the partitioner and generated data.
+        Seed of the public split, the validation split, the partitioner and generated data.
+    validation_fraction : float
+        Share of the training split set aside, before partitioning, as the validation split that
+        the server evaluates on instead of the test split (``evaluation.split=validation``); those
+        rows belong to no client. 0: no validation split (the test split is the evaluation set).
 
     """
 
@@ -56,44 +60,55 @@ class DataSpec:
     partition: dict[str, Any]
     num_clients: int
     seed: int
+    validation_fraction: float = 0.0
     _key: str = field(default="", compare=False, repr=False)
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> DataSpec:
         """Build the spec from a composed run configuration."""
+        evaluation = cfg.get("evaluation") or {}
+        validation = evaluation.get("split", "test") == "validation"
         return cls(
             dataset=dict(cfg["dataset"]),
             partition=dict(cfg["partition"]),
             num_clients=int(cfg["num_clients"]),
             seed=int(cfg["seed"]),
+            validation_fraction=float(evaluation["validation_fraction"]) if validation else 0.0,
         )
 
     def to_json(self) -> str:
         """Serialise for a ConfigRecord (canonical: equal specs give equal strings)."""
-        return json.dumps(
-            {
-                "dataset": self.dataset,
-                "partition": self.partition,
-                "num_clients": self.num_clients,
-                "seed": self.seed,
-            },
-            sort_keys=True,
-        )
+        raw: dict[str, Any] = {
+            "dataset": self.dataset,
+            "partition": self.partition,
+            "num_clients": self.num_clients,
+            "seed": self.seed,
+        }
+        if self.validation_fraction > 0:  # absent otherwise: the specs (and cache keys) of runs without it
+            raw["validation_fraction"] = self.validation_fraction
+        return json.dumps(raw, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> DataSpec:
         """Inverse of :meth:`to_json`."""
         raw = json.loads(text)
-        return cls(raw["dataset"], raw["partition"], int(raw["num_clients"]), int(raw["seed"]))
+        return cls(
+            raw["dataset"],
+            raw["partition"],
+            int(raw["num_clients"]),
+            int(raw["seed"]),
+            float(raw.get("validation_fraction", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
 class FederatedData:
-    """A data set split into test, public (unlabeled) and per-client parts."""
+    """A data set split into test, public (unlabeled), validation and per-client parts."""
 
     arrays: ArrayDataset
     public_rows: np.ndarray
     client_rows: tuple[np.ndarray, ...]
+    validation_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_classes(self) -> int:
@@ -122,6 +137,22 @@ class FederatedData:
         """The server's test split."""
         return ClientDataset(self.arrays.x_test, self.arrays.y_test)
 
+    @property
+    def evaluation_split(self) -> str:
+        """``"validation"`` when the spec set a validation split aside, else ``"test"``."""
+        return "validation" if len(self.validation_rows) else "test"
+
+    def evaluation(self) -> ClientDataset:
+        """The split the server evaluates on: the validation split if there is one, else the test split.
+
+        With a validation split (``evaluation.split=validation``, for tuning), the test split is
+        never read, so choices made on these results leave the test split untouched.
+        """
+        if not len(self.validation_rows):
+            return self.test()
+        rows = self.validation_rows
+        return ClientDataset(self.arrays.x_train[rows], self.arrays.y_train[rows])
+
 
 def build_federated_data(spec: DataSpec, *, use_cache: bool = True) -> FederatedData:
     """Load the data set and split it as ``spec`` says.
@@ -134,16 +165,19 @@ def build_federated_data(spec: DataSpec, *, use_cache: bool = True) -> Federated
     key = partition_key(spec.to_json(), arrays.y_train) if use_cache else None
     cached = load_rows(key) if key is not None else None
     if cached is not None:
-        public_rows, client_rows = cached
-        return FederatedData(arrays, public_rows, client_rows)
+        public_rows, client_rows, validation_rows = cached
+        return FederatedData(arrays, public_rows, client_rows, validation_rows)
     # Imported here: the partitioners pull in flwr-datasets, datasets, pandas, pyarrow, scipy and
     # matplotlib (about 2 s of CPU), which a device's ClientApp process never needs.
-    from fl_app.data.partition import partition_rows, split_public
+    from fl_app.data.partition import partition_rows, split_public, split_validation
 
     public_rows, private_rows = split_public(
         len(arrays.y_train),
         public_fraction=float(spec.dataset.get("public_fraction", 0.0)),
         seed=spec.seed,
+    )
+    validation_rows, private_rows = split_validation(
+        private_rows, fraction=spec.validation_fraction, seed=spec.seed
     )
     positions = partition_rows(
         arrays.y_train[private_rows],
@@ -154,8 +188,8 @@ def build_federated_data(spec: DataSpec, *, use_cache: bool = True) -> Federated
     )
     client_rows = tuple(private_rows[p] for p in positions)
     if key is not None:
-        store_rows(key, public_rows, client_rows)
-    return FederatedData(arrays, public_rows, client_rows)
+        store_rows(key, public_rows, client_rows, validation_rows)
+    return FederatedData(arrays, public_rows, client_rows, validation_rows)
 
 
 @functools.lru_cache(maxsize=2)

@@ -141,6 +141,31 @@ def split_public(num_examples: int, *, public_fraction: float, seed: int) -> tup
     return np.sort(order[:num_public]), order[num_public:]
 
 
+def split_validation(
+    private_rows: np.ndarray, *, fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Set a seeded random share of the private (client) rows aside as the validation split.
+
+    The validation rows are taken before partitioning, so they belong to no client: choosing
+    hyperparameters on them reads no client's data.
+
+    Returns
+    -------
+    tuple[np.ndarray, np.ndarray]
+        ``(validation_rows, remaining_private_rows)``; the validation rows sorted, the remaining
+        rows in their given order. ``fraction=0`` sets nothing aside.
+
+    """
+    if not 0.0 <= fraction < 1.0:
+        raise ValueError(f"validation fraction must be in [0, 1), got {fraction}")
+    count = round(fraction * len(private_rows))
+    if count == 0:
+        return np.zeros(0, dtype=np.int64), private_rows
+    chosen = np.zeros(len(private_rows), dtype=bool)
+    chosen[np.random.default_rng([seed, 0x7A11D]).choice(len(private_rows), size=count, replace=False)] = True
+    return np.sort(private_rows[chosen]), private_rows[~chosen]
+
+
 def partition_rows(
     labels: np.ndarray, *, scheme: str, num_partitions: int, seed: int, options: Mapping[str, Any]
 ) -> list[np.ndarray]:

@@ -42,7 +42,7 @@ _CODE_PACKAGES = ("flwr-datasets", "datasets", "numpy")
 #: The modules whose source decides the rows (the partitioners, and how the split uses them).
 _CODE_MODULES = ("fl_app.data.partition", "fl_app.data.federated")
 
-Rows = tuple[np.ndarray, tuple[np.ndarray, ...]]
+Rows = tuple[np.ndarray, tuple[np.ndarray, ...], np.ndarray]  # public, clients, validation
 
 
 def cache_dir() -> Path | None:
@@ -81,7 +81,7 @@ def partition_key(spec_json: str, labels: np.ndarray) -> str:
 
 
 def load_rows(key: str) -> Rows | None:
-    """The cached ``(public rows, client rows)`` under ``key``, or None (absent, off or unreadable)."""
+    """The cached ``(public, client, validation rows)`` under ``key``; None if absent, off or unreadable."""
     folder = cache_dir()
     if folder is None:
         return None
@@ -89,15 +89,21 @@ def load_rows(key: str) -> Rows | None:
     try:
         with np.load(path, allow_pickle=False) as stored:
             public, rows, offsets = stored["public"], stored["rows"], stored["offsets"]
+            validation = stored["validation"]
     except (OSError, KeyError, ValueError):
         return None
     if len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(rows) or np.any(np.diff(offsets) < 0):
         return None
     clients = tuple(rows[start:end] for start, end in itertools.pairwise(offsets))
-    return public, clients
+    return public, clients, validation
 
 
-def store_rows(key: str, public_rows: np.ndarray, client_rows: tuple[np.ndarray, ...]) -> None:
+def store_rows(
+    key: str,
+    public_rows: np.ndarray,
+    client_rows: tuple[np.ndarray, ...],
+    validation_rows: np.ndarray | None = None,
+) -> None:
     """Store a computed partition under ``key`` (nothing happens if the folder cannot be written)."""
     folder = cache_dir()
     if folder is None:
@@ -110,7 +116,8 @@ def store_rows(key: str, public_rows: np.ndarray, client_rows: tuple[np.ndarray,
         folder.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".tmp")
         with os.fdopen(handle, "wb") as out:
-            np.savez(out, public=public_rows, rows=rows, offsets=offsets)
+            validation = np.zeros(0, dtype=np.int64) if validation_rows is None else validation_rows
+            np.savez(out, public=public_rows, rows=rows, offsets=offsets, validation=validation)
         os.replace(temporary, folder / f"{key}.npz")
     except OSError:
         if temporary is not None:
