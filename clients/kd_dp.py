@@ -28,21 +28,23 @@ be secret.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - the conventional name
 
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
+from fl_app.models import ModelSpec
 from fl_app.privacy.dp_sgd import dp_sgd_train
 from fl_app.privacy.events import RandomizedResponse
 from fl_app.privacy.mechanisms import randomized_response_labels
-from fl_app.training import model_to_arrays, predict_proba, to_tensor, train_local
+from fl_app.training import load_arrays, model_to_arrays, predict_proba, to_tensor, train_local
 
 TEACHER_STAGE = "teacher"
 STUDENT_STAGE = "student"
@@ -181,6 +183,32 @@ class SpecialPseudoClient:
         if self.epsilon is None:
             return 1.0
         return RandomizedResponse(float(self.epsilon), int(self.num_classes)).keep_probability
+
+    def train_from(
+        self,
+        spec: ModelSpec,
+        start: ArrayRecord,
+        *,
+        cfg: Mapping[str, Any],
+        rng: np.random.Generator,
+        correction: bool,
+    ) -> tuple[ArrayRecord, float]:
+        """One student round: a copy of the model ``start`` trained as :meth:`train`; its arrays, mean loss.
+
+        ``cfg`` gives the run's ``local_epochs``, ``batch_size``, ``lr`` and ``momentum``.
+        """
+        model = spec.build()
+        load_arrays(model, start)
+        loss = self.train(
+            model,
+            epochs=int(cfg["local_epochs"]),
+            batch_size=int(cfg["batch_size"]),
+            lr=float(cfg["lr"]),
+            momentum=float(cfg["momentum"]),
+            rng=rng,
+            correction=correction,
+        )
+        return model_to_arrays(model), loss
 
     def train(
         self,

@@ -28,6 +28,7 @@ the class attributes naming their privacy unit and mechanism.
 from __future__ import annotations
 
 import itertools
+import math
 from collections import Counter
 from collections.abc import Iterable
 from logging import INFO, WARNING
@@ -59,6 +60,7 @@ from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import array_values, evaluate, load_arrays, model_to_arrays, torch_seed
 from fl_app.validation import ConfigError
+from strategies.settings import StrategySettings
 
 
 class RecentRounds(dict):  # type: ignore[type-arg]
@@ -96,6 +98,8 @@ class FederatedStrategy(Strategy):
     client_name: ClassVar[str] = ""
     privacy_unit: ClassVar[str] = "none"
     mechanism_name: ClassVar[str] = "none"
+    #: The typed settings of ``cfg.strategy`` (:mod:`strategies.settings`); None: no settings of its own.
+    settings_type: ClassVar[type[StrategySettings] | None] = None
 
     #: Whether ``privacy.canaries`` applies: canary clients whose updates join the clipped sum
     #: (:meth:`clipped_update_sum`) or the local-DP uploads (see :mod:`fl_app.privacy.canaries`).
@@ -117,9 +121,13 @@ class FederatedStrategy(Strategy):
     #: sampling): failures are then logged without naming the client.
     secret_cohort: bool = False
 
-    def __init__(self, run: RunContext) -> None:
+    def __init__(self, run: RunContext, settings: StrategySettings | None = None) -> None:
         self.run = run
         self.cfg: DictConfig = run.cfg
+        if settings is None and self.settings_type is not None:
+            settings = self.settings_type.from_config(run.cfg)
+        #: The checked ``cfg.strategy`` (an instance of :attr:`settings_type`).
+        self.settings = settings
         self.accountant: PrivacyAccountant | None = None
         self._selected: dict[int, list[ClientInfo]] = RecentRounds()
         self._round_global: ArrayRecord | None = None
@@ -134,7 +142,9 @@ class FederatedStrategy(Strategy):
 
     @classmethod
     def validate_config(cls, cfg: DictConfig) -> None:
-        """Check this strategy's own keys; raise :class:`fl_app.validation.ConfigError`."""
+        """Check this strategy's own keys (its :attr:`settings_type`); raise ``ConfigError``."""
+        if cls.settings_type is not None:
+            cls.settings_type.from_config(cfg)
 
     @classmethod
     def is_private(cls, cfg: DictConfig) -> bool:
@@ -604,6 +614,33 @@ def max_participations(schedule: dict[int, list[ClientInfo]]) -> int:
     """Rounds the most-selected client of ``schedule`` takes part in."""
     counts = Counter(info.client_id for clients in schedule.values() for info in clients)
     return max(counts.values()) if counts else 0
+
+
+def echo_mismatch(reply: Message, expected: dict[str, float | int]) -> str:
+    """Empty when the reply's metrics echo every ``expected`` mechanism parameter, else what differs.
+
+    A client that applied other parameters than it was sent (an old client, a tampered config)
+    would release under another guarantee than the one accounted: its reply is rejected.
+    """
+    metrics = reply.content.metric_records.get(keys.METRICS)
+    if metrics is None:
+        return "no metrics"
+    for key, value in expected.items():
+        if key not in metrics or not math.isclose(float(metrics[key]), float(value), rel_tol=1e-9):
+            return f"{key}={metrics.get(key)!r}, expected {float(value)!r}"
+    return ""
+
+
+def arrays_mismatch(reply: Message, like: ArrayRecord) -> str:
+    """Empty when the reply holds arrays with the names and shapes of ``like``, else what is wrong."""
+    if keys.ARRAYS not in reply.content.array_records:
+        return "no arrays"
+    received = reply.content.array_records[keys.ARRAYS]
+    if list(received.keys()) != list(like.keys()) or any(
+        tuple(received[k].shape) != tuple(like[k].shape) for k in like
+    ):
+        return "arrays do not match the model"
+    return ""
 
 
 def flat_vector(arrays: ArrayRecord) -> np.ndarray:

@@ -84,63 +84,29 @@ from fl_app.privacy.events import PrivacyEvent, SampledGaussian
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext, resolve_clients_per_round
-from fl_app.validation import ConfigError, require_choice, require_positive, require_range
+from fl_app.validation import ConfigError
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, ServerMomentum, arrays_like
+from strategies.settings import StrategySettings, between, positive
 
 
 @dataclass(frozen=True)
-class AdaptiveClippingSettings:
-    """``cfg.strategy`` of ``dp_fedavg_adaptive``, checked (names as in the paper).
+class AdaptiveClippingSettings(StrategySettings):
+    """``cfg.strategy`` of ``dp_fedavg_adaptive``, names as in the paper (the conf explains each key)."""
 
-    Attributes
-    ----------
-    initial_clip : float
-        ``C_0``.
-    target_quantile : float
-        ``gamma`` in (0, 1): the share of updates meant to stay unclipped.
-    clip_lr : float
-        ``eta_C`` of the geometric update.
-    noise_multiplier : float or None
-        The round's effective ``z``; None: calibrated from ``privacy.epsilon``.
-    bit_noise : float or None
-        ``sigma_b``; None: expected clients per round / 20.
-    server_lr : float
-        ``eta_s``.
-    server_momentum : float
-        ``beta`` in [0, 1).
+    initial_clip: float = positive()  # C_0
+    target_quantile: float = between(0.0, 1.0, low_open=True, high_open=True)  # gamma
+    clip_lr: float = positive()  # eta_C
+    noise_multiplier: float | None = positive(optional=True)  # the round's effective z
+    bit_noise: float | None = positive(optional=True)  # sigma_b
+    server_lr: float = positive()  # eta_s
+    server_momentum: float = between(0.0, 1.0, high_open=True)  # beta
 
-    """
+    budget_scopes = ("total",)  # calibrated for the whole run
 
-    initial_clip: float
-    target_quantile: float
-    clip_lr: float
-    noise_multiplier: float | None
-    bit_noise: float | None
-    server_lr: float
-    server_momentum: float
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> AdaptiveClippingSettings:
-        """Read and check ``cfg.strategy`` (raises :class:`ConfigError`)."""
-        s = cfg.strategy
-        return cls(
-            initial_clip=require_positive("strategy.initial_clip", s.initial_clip),
-            target_quantile=require_range(
-                "strategy.target_quantile", s.target_quantile, 0.0, 1.0, low_open=True, high_open=True
-            ),
-            clip_lr=require_positive("strategy.clip_lr", s.clip_lr),
-            noise_multiplier=(
-                None
-                if s.noise_multiplier is None
-                else require_positive("strategy.noise_multiplier", s.noise_multiplier)
-            ),
-            bit_noise=None if s.bit_noise is None else require_positive("strategy.bit_noise", s.bit_noise),
-            server_lr=require_positive("strategy.server_lr", s.server_lr),
-            server_momentum=require_range(
-                "strategy.server_momentum", s.server_momentum, 0.0, 1.0, high_open=True
-            ),
-        )
+    def check(self, cfg: DictConfig) -> None:
+        """The noise split must exist (``z < 2 sigma_b``)."""
+        noise_plan(cfg, self)
 
 
 @dataclass(frozen=True)
@@ -215,11 +181,11 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
         "(adaptive clipping), Poisson-sampled cohorts"
     )
 
-    def __init__(self, run: RunContext) -> None:
-        super().__init__(run)
-        self.settings = AdaptiveClippingSettings.from_config(self.cfg)
-        if str(self.cfg.privacy.budget_scope) != "total":
-            raise ConfigError("privacy.budget_scope", self.cfg.privacy.budget_scope, "must be total")
+    settings_type = AdaptiveClippingSettings
+    settings: AdaptiveClippingSettings
+
+    def __init__(self, run: RunContext, settings: AdaptiveClippingSettings | None = None) -> None:
+        super().__init__(run, settings)
         self.plan = noise_plan(self.cfg, self.settings)
         self.clip = self.settings.initial_clip
         self.accountant = PrivacyAccountant(
@@ -239,13 +205,6 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
             self.clip,
             self.settings.target_quantile,
         )
-
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """Check the settings and that the noise split exists (``z < 2 sigma_b``)."""
-        settings = AdaptiveClippingSettings.from_config(cfg)
-        require_choice("privacy.budget_scope", cfg.privacy.budget_scope, ["total"])
-        noise_plan(cfg, settings)
 
     def select_clients(self, server_round: int) -> list[ClientInfo]:
         """Poisson sampling with rate q; secret coins from the privacy randomness."""

@@ -66,7 +66,6 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
-from omegaconf import DictConfig
 
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import noise_multiplier_for_histories, tree_sensitivity_increments
@@ -75,55 +74,24 @@ from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, TreeAggrega
 from fl_app.privacy.mechanisms import gaussian_mechanism, tree_prefix_nodes
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
-from fl_app.validation import ConfigError, require_choice, require_positive, require_range
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
+from strategies.settings import StrategySettings, between, one_of, positive
 
 RESTARTS = ("epoch", "none")
 
 
 @dataclass(frozen=True)
-class DPFTRLSettings:
-    """``cfg.strategy`` of ``dp_ftrl``, checked.
+class DPFTRLSettings(StrategySettings):
+    """``cfg.strategy`` of ``dp_ftrl`` (``conf/strategy/dp_ftrl.yaml`` explains each key)."""
 
-    Attributes
-    ----------
-    clip : float
-        C, the L2 bound of one client's update.
-    noise_multiplier : float or None
-        z: noise std per tree node is ``z C``; None: calibrated from ``privacy.epsilon``.
-    server_lr : float
-        eta.
-    server_momentum : float
-        beta in [0, 1) (FTRLM when > 0).
-    restart : str
-        ``epoch`` (TreeRestart) or ``none``.
+    clip: float = positive()
+    noise_multiplier: float | None = positive(optional=True)
+    server_lr: float = positive()
+    server_momentum: float = between(0.0, 1.0, high_open=True)
+    restart: str = one_of(RESTARTS)
 
-    """
-
-    clip: float
-    noise_multiplier: float | None
-    server_lr: float
-    server_momentum: float
-    restart: str
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> DPFTRLSettings:
-        """Read and check ``cfg.strategy`` (raises :class:`ConfigError`)."""
-        s = cfg.strategy
-        return cls(
-            clip=require_positive("strategy.clip", s.clip),
-            noise_multiplier=(
-                None
-                if s.noise_multiplier is None
-                else require_positive("strategy.noise_multiplier", s.noise_multiplier)
-            ),
-            server_lr=require_positive("strategy.server_lr", s.server_lr),
-            server_momentum=require_range(
-                "strategy.server_momentum", s.server_momentum, 0.0, 1.0, high_open=True
-            ),
-            restart=require_choice("strategy.restart", s.restart, RESTARTS),
-        )
+    budget_scopes = ("total",)  # calibrated for the whole run
 
 
 @dataclass(frozen=True)
@@ -147,11 +115,11 @@ class DPFTRLStrategy(FederatedStrategy):
     )
     mechanism_name = "Gaussian tree aggregation of prefix sums of clipped model updates (no sampling)"
 
-    def __init__(self, run: RunContext) -> None:
-        super().__init__(run)
-        self.settings = DPFTRLSettings.from_config(self.cfg)
-        if str(self.cfg.privacy.budget_scope) != "total":
-            raise ConfigError("privacy.budget_scope", self.cfg.privacy.budget_scope, "must be total")
+    settings_type = DPFTRLSettings
+    settings: DPFTRLSettings
+
+    def __init__(self, run: RunContext, settings: DPFTRLSettings | None = None) -> None:
+        super().__init__(run, settings)
         self.num_rounds = int(self.cfg.num_rounds)
         self.cohort_size = run.clients_per_round
         self.rounds_per_epoch = run.num_clients // self.cohort_size
@@ -187,12 +155,6 @@ class DPFTRLStrategy(FederatedStrategy):
             self.settings.restart,
             self.max_participations,
         )
-
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """Check ``strategy.*``; the whole-run budget only (``privacy.budget_scope=total``)."""
-        DPFTRLSettings.from_config(cfg)
-        require_choice("privacy.budget_scope", cfg.privacy.budget_scope, ["total"])
 
     # ------------------------------------------------------------------ schedule
 

@@ -46,10 +46,10 @@ from fl_app.privacy.dp_sgd import (
     per_example_gradients,
 )
 from fl_app.privacy.events import Gaussian, PrivacyEvent, RandomizedResponse, SampledGaussian
-from fl_app.roster import ClientInfo
+from fl_app.privacy.kd_dp import GENERAL, LARGE, SPECIAL_CLIENT_ID, group_by_size
 from fl_app.training import load_arrays, model_to_arrays
 from fl_app.validation import ConfigError
-from strategies.kd_dp import GENERAL, LARGE, SPECIAL_CLIENT_ID, KDDPStrategy, group_by_size
+from strategies.kd_dp import KDDPStrategy
 
 # digits, linear sizes 51, 102, 154, 205, 256, 310: large-data clients 4 and 5 (top 25%).
 KD = [
@@ -272,12 +272,12 @@ def test_grouped_epsilon_is_parallel_over_groups_and_charges_only_its_group():
 
 
 def test_grouping_by_threshold_and_fraction():
-    roster = [ClientInfo(i, 100 + i, size) for i, size in enumerate([50, 400, 120, 400, 90, 300])]
+    roster = dict(enumerate([50, 400, 120, 400, 90, 300]))
     assert group_by_size(roster, threshold=300, fraction=None) == ([1, 3, 5], [0, 2, 4])
     assert group_by_size(roster, threshold=None, fraction=0.25) == ([1, 3], [0, 2, 4, 5])
     assert group_by_size(roster, threshold=None, fraction=0.2) == ([1, 3], [0, 2, 4, 5])  # ceil(1.2)=2
     assert group_by_size(roster, threshold=None, fraction=0.1) == ([1], [0, 2, 3, 4, 5])  # tie: lower id
-    thirty = [ClientInfo(i, 100 + i, 10 + i) for i in range(30)]
+    thirty = {i: 10 + i for i in range(30)}
     assert group_by_size(thirty, threshold=None, fraction=0.1)[0] == [
         27,
         28,
@@ -430,7 +430,7 @@ def test_pseudo_labels_come_only_from_the_dp_teacher(tmp_path):
     assert strategy.special is not None
     assert len(strategy.special) == len(run.data.public_x())
     assert np.all(strategy.special.labels == 7)
-    assert strategy.special_accountant.events == []  # no label noise configured: nothing charged
+    assert strategy.ledger.label_accountant.events == []  # no label noise configured: nothing charged
 
 
 def test_special_client_carries_its_own_budget(tmp_path, monkeypatch):
@@ -438,8 +438,8 @@ def test_special_client_carries_its_own_budget(tmp_path, monkeypatch):
     strategy = KDDPStrategy(run)
     spec = run.model_spec
     teacher = _teacher_stage(strategy, spec, label=3)
-    assert strategy.epsilon().epsilon == pytest.approx(strategy.teacher_epsilon())
-    teacher_only = strategy.teacher_epsilon()
+    assert strategy.epsilon().epsilon == pytest.approx(strategy.ledger.teacher_epsilon())
+    teacher_only = strategy.ledger.teacher_epsilon()
     assert 2.95 < teacher_only <= 3.0  # epsilon_teacher = 4 - 1
     messages = list(strategy.configure_train(3, teacher, ConfigRecord(), grid=None))
     special = strategy.special
@@ -449,11 +449,11 @@ def test_special_client_carries_its_own_budget(tmp_path, monkeypatch):
     expected = beta + (1 - beta) / 10
     assert np.mean(special.labels == 3) == pytest.approx(expected, abs=4 * math.sqrt(expected / len(special)))
     # one randomized-response event, on the special client only, in its own accountant
-    [event] = strategy.special_accountant.events
+    [event] = strategy.ledger.label_accountant.events
     assert event.mechanism == RandomizedResponse(1.0, 10)
     assert event.participants == (SPECIAL_CLIENT_ID,)
-    assert strategy.special_epsilon() == pytest.approx(1.0, rel=1e-3)
-    assert strategy.special_epsilon() <= 1.0
+    assert strategy.ledger.special_epsilon() == pytest.approx(1.0, rel=1e-3)
+    assert strategy.ledger.special_epsilon() <= 1.0
     assert all(not isinstance(e.mechanism, RandomizedResponse) for e in strategy.accountant.events)
     # the special client's model joins the average with its public size as weight
     special_model = _constant_model(spec, 9)
@@ -475,8 +475,8 @@ def test_special_client_carries_its_own_budget(tmp_path, monkeypatch):
     assert mixed[1] == pytest.approx(10.0 * weight / (len(special) + weight), rel=1e-5)
     assert metrics["kd-dp-special-train-loss"] == 0.0
     # charges: large = teacher + special; general = its own DP-SGD only; the failed client is charged too
-    grouped = strategy.grouped()
-    assert grouped.groups[LARGE].epsilon == pytest.approx(teacher_only + strategy.special_epsilon())
+    grouped = strategy.ledger.grouped()
+    assert grouped.groups[LARGE].epsilon == pytest.approx(teacher_only + strategy.ledger.special_epsilon())
     failed = strategy.selected(3)[1].client_id
     assert strategy.accountant.rounds_participated(failed) == 1
     general_eps = max(
@@ -486,9 +486,9 @@ def test_special_client_carries_its_own_budget(tmp_path, monkeypatch):
     assert strategy.epsilon().epsilon == pytest.approx(max(grouped.groups[LARGE].epsilon, general_eps))
     extras = strategy.round_extras(3)
     assert extras["stage"] == "student"
-    assert extras["epsilon_special"] == pytest.approx(strategy.special_epsilon())
+    assert extras["epsilon_special"] == pytest.approx(strategy.ledger.special_epsilon())
     summary = strategy.privacy_summary()
-    assert summary["epsilon_by_group"]["special"] == pytest.approx(strategy.special_epsilon())
+    assert summary["epsilon_by_group"]["special"] == pytest.approx(strategy.ledger.special_epsilon())
     budget = {"total": 4.0, "teacher": 3.0, "special": 1.0, "general": 4.0}
     assert summary["budget"] == {**budget, "large_client_total": 4.0, "overall": 4.0}
 
@@ -503,7 +503,7 @@ def test_full_schedule_stays_within_the_total(tmp_path):
         arrays, _ = strategy.aggregate_train(server_round, replies)
     report = strategy.epsilon()
     assert 3.9 < report.epsilon <= 4.0
-    assert strategy.grouped().groups[GENERAL].epsilon <= 4.0
+    assert strategy.ledger.grouped().groups[GENERAL].epsilon <= 4.0
 
 
 def test_special_client_loss_is_the_randomized_response_likelihood():
@@ -538,7 +538,7 @@ def test_without_a_teacher_every_client_is_general(tmp_path):
     new, metrics = strategy.aggregate_train(1, replies)
     assert new is not None
     assert "kd-dp-special-train-loss" not in metrics
-    assert strategy.epsilon().epsilon == pytest.approx(strategy.grouped().groups[GENERAL].epsilon)
+    assert strategy.epsilon().epsilon == pytest.approx(strategy.ledger.grouped().groups[GENERAL].epsilon)
 
 
 # ----------------------------------------------------------------------------- clients

@@ -14,7 +14,8 @@ Three rules, each stated for one privacy unit (what a neighbouring pair is):
   unnecessary keeps an upper bound an upper bound (:func:`charged_report`).
 
 :func:`split_kd_dp_budget` divides a total budget the way KD-DP does and
-:func:`grouped_epsilon` evaluates it on an accountant. Every function is
+:func:`grouped_epsilon` evaluates it on an accountant (:mod:`fl_app.privacy.kd_dp` keeps
+KD-DP's ledgers). Every function is
 keyword-only and validates its arguments.
 """
 

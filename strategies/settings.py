@@ -1,0 +1,120 @@
+"""Typed strategy settings: the ``strategy`` config group, read and checked once, by declaration.
+
+Each strategy declares its settings as a frozen dataclass beside its class (as Meta's FLSim puts a
+typed config beside each algorithm), one field per key of its ``conf/strategy/<name>.yaml``, each
+with the check that key must pass::
+
+    @dataclass(frozen=True)
+    class DPFTRLSettings(StrategySettings):
+        clip: float = positive()
+        noise_multiplier: float | None = positive(optional=True)
+        restart: str = one_of(RESTARTS)
+
+:meth:`StrategySettings.from_config` reads every field from ``cfg.strategy``, runs its check
+(which raises :class:`fl_app.validation.ConfigError` naming the key, the value and what is
+allowed) and then :meth:`StrategySettings.check` for constraints between keys. The strategy's
+``validate_config`` (before any simulation starts) and its constructor both go through it, so a
+setting is checked in one place and the strategy reads typed values (no ``float(cfg.strategy.x)``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, ClassVar, Self
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from fl_app.validation import (
+    ConfigError,
+    require_bool,
+    require_choice,
+    require_int,
+    require_positive,
+    require_range,
+)
+
+#: The metadata key of a field's check: ``check(key, value) -> value``.
+CHECK = "check"
+
+Check = Callable[[str, Any], Any]
+
+
+def setting(check: Check, *, optional: bool = False) -> Any:
+    """A settings field whose value must pass ``check`` (``None`` also passes when ``optional``)."""
+
+    def run(key: str, value: Any) -> Any:
+        return None if optional and value is None else check(key, value)
+
+    return field(metadata={CHECK: run})
+
+
+def positive(*, optional: bool = False) -> Any:
+    """A number > 0."""
+    return setting(require_positive, optional=optional)
+
+
+def between(
+    low: float, high: float, *, low_open: bool = False, high_open: bool = False, optional: bool = False
+) -> Any:
+    """A number in ``[low, high]`` (``low_open``/``high_open``: the end excluded)."""
+    return setting(
+        lambda key, value: require_range(key, value, low, high, low_open=low_open, high_open=high_open),
+        optional=optional,
+    )
+
+
+def integer(*, minimum: int | None = None, maximum: int | None = None, optional: bool = False) -> Any:
+    """An integer within optional bounds."""
+    return setting(
+        lambda key, value: require_int(key, value, minimum=minimum, maximum=maximum), optional=optional
+    )
+
+
+def one_of(options: Iterable[str], *, optional: bool = False) -> Any:
+    """One of a fixed set of names."""
+    allowed = tuple(options)
+    return setting(lambda key, value: require_choice(key, value, allowed), optional=optional)
+
+
+def flag(*, optional: bool = False) -> Any:
+    """True or false."""
+    return setting(require_bool, optional=optional)
+
+
+def anything() -> Any:
+    """A value checked only by :meth:`StrategySettings.check` (lists, names checked against the run)."""
+    return setting(lambda key, value: value)
+
+
+@dataclass(frozen=True)
+class StrategySettings:
+    """The base of every strategy's settings (see the module docstring)."""
+
+    #: The ``privacy.budget_scope`` values the strategy supports (``total`` alone when it calibrates
+    #: for the whole run).
+    budget_scopes: ClassVar[tuple[str, ...]] = ("total", "per_round")
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> Self:
+        """Read and check ``cfg.strategy`` (raises :class:`ConfigError`; ``name`` is not a setting)."""
+        require_choice("privacy.budget_scope", cfg.privacy.budget_scope, cls.budget_scopes)
+        section = cfg.strategy
+        values: dict[str, Any] = {}
+        for item in fields(cls):
+            key = f"strategy.{item.name}"
+            if item.name not in section:
+                if item.default is MISSING:
+                    raise ConfigError(key, "missing", f"is required by strategy={section.get('name')}")
+                values[item.name] = item.default
+                continue
+            value = section[item.name]
+            if isinstance(value, DictConfig | ListConfig):
+                value = OmegaConf.to_container(value, resolve=True)
+            values[item.name] = item.metadata[CHECK](key, value) if CHECK in item.metadata else value
+        settings = cls(**values)
+        settings.check(cfg)
+        return settings
+
+    def check(self, cfg: DictConfig) -> None:
+        """Constraints between settings or with the rest of ``cfg`` (override; raise :class:`ConfigError`)."""
