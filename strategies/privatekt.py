@@ -46,23 +46,29 @@ selected client (failures included).
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
-import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.supercore import log
 from omegaconf import DictConfig
-from torch import nn
-from torch.nn import functional as F  # noqa: N812 - the conventional name
 
 from clients.privatekt import decode_labels
 from fl_app import keys
 from fl_app.data.federated import DataSpec, federated_data
+from fl_app.knowledge import (
+    KNOWLEDGE_MODES,
+    KnowledgeBuffer,
+    draw_weighted,
+    fit_targets,
+    knowledge_targets,
+    prediction_entropy,
+    sampling_weights,
+)
 from fl_app.models import is_28x28_image
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import privatekt_epsilon_per_label
@@ -71,12 +77,12 @@ from fl_app.privacy.events import PrivacyEvent, RandomizedResponse
 from fl_app.privacy.mechanisms import debias_label_average
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
-from fl_app.training import load_arrays, model_to_arrays, predict_proba, seeded_dropout, to_tensor
-from fl_app.validation import ConfigError, require_bool, require_choice, require_int, require_range
+from fl_app.training import load_arrays, model_to_arrays, predict_proba
+from fl_app.validation import ConfigError
 from strategies import register_strategy
 from strategies.base import SCHEDULES, FederatedStrategy, RecentRounds, max_participations
+from strategies.settings import StrategySettings, between, flag, integer, one_of
 
-KNOWLEDGE_MODES = ("argmax", "soft")
 SELF_TRAIN_TARGETS = ("soft", "hard")
 FIRST_DRAWS = ("entropy", "uniform")
 #: ``model=auto`` on 28x28 images: the authors' CNN with dropout (``fl_app.models``).
@@ -85,139 +91,6 @@ PRIVATEKT_MODEL = "privatekt_cnn"
 SELF_TRAIN_RATIO = 0.1
 #: Labels travel as uint8 class indices.
 MAX_CLASSES = 256
-
-
-# ------------------------------------------------------------------------------ building blocks
-
-
-def prediction_entropy(probabilities: np.ndarray) -> np.ndarray:
-    """Uncertainty ``u_i = -sum_j p_ij log p_ij`` of each row (Eq. 4 and Eq. 5)."""
-    p = np.asarray(probabilities, dtype=np.float64)
-    return -np.sum(p * np.log(np.clip(p, 1e-12, None)), axis=1)
-
-
-def sampling_weights(uncertainty: np.ndarray, *, sign: float) -> np.ndarray:
-    """``w_i = exp(sign u_i) / sum_j exp(sign u_j)``: Eq. 4 with ``sign=+1``, Eq. 5 with ``-1``."""
-    if sign not in (1.0, -1.0):
-        raise ValueError(f"sign must be +1 or -1, got {sign!r}")
-    scores = sign * np.asarray(uncertainty, dtype=np.float64)
-    weights = np.exp(scores - scores.max())
-    return weights / weights.sum()
-
-
-def draw_weighted(weights: np.ndarray, size: int, *, rng: np.random.Generator) -> np.ndarray:
-    """Draw ``size`` distinct row indices with probabilities ``weights`` (as the authors' code)."""
-    weights = np.asarray(weights, dtype=np.float64)
-    if not 0 <= size <= len(weights):
-        raise ValueError(f"cannot draw {size} distinct rows out of {len(weights)}")
-    return np.sort(rng.choice(len(weights), size=size, replace=False, p=weights))
-
-
-def knowledge_targets(estimate: np.ndarray, *, mode: str, rng: np.random.Generator) -> np.ndarray:
-    """Training targets from the Eq. 3 estimate (shape ``(K, C)``).
-
-    ``argmax``: one-hot of the largest entry (the authors' code; ties broken
-    at random with ``rng``). ``soft``: negative entries set to 0, then
-    normalised (uniform when nothing is left).
-    """
-    estimate = np.asarray(estimate, dtype=np.float64)
-    num_classes = estimate.shape[1]
-    if mode == "argmax":
-        targets = np.zeros_like(estimate)
-        for row, values in enumerate(estimate):
-            best = np.flatnonzero(values == values.max())
-            targets[row, rng.choice(best)] = 1.0
-        return targets
-    if mode == "soft":
-        clipped = np.clip(estimate, 0.0, None)
-        totals = clipped.sum(axis=1, keepdims=True)
-        uniform = np.full_like(clipped, 1.0 / num_classes)
-        return np.where(totals > 0, clipped / np.where(totals > 0, totals, 1.0), uniform)
-    raise ValueError(f"mode must be one of {KNOWLEDGE_MODES}, got {mode!r}")
-
-
-class KnowledgeBuffer:
-    """FIFO of the aggregated knowledge of the last B rounds (Algorithm 1, line 16).
-
-    Parameters
-    ----------
-    size : int
-        B, the number of rounds kept.
-
-    """
-
-    def __init__(self, size: int) -> None:
-        if size < 1:
-            raise ValueError(f"size must be >= 1, got {size}")
-        self.size = size
-        self._entries: deque[tuple[np.ndarray, np.ndarray]] = deque(maxlen=size)
-
-    def __len__(self) -> int:
-        """Number of rounds stored."""
-        return len(self._entries)
-
-    def push(self, indices: np.ndarray, targets: np.ndarray) -> None:
-        """Store one round's KT rows and their targets; the oldest round leaves when full."""
-        indices = np.asarray(indices, dtype=np.int64)
-        targets = np.asarray(targets, dtype=np.float64)
-        if targets.ndim != 2 or len(indices) != len(targets):
-            raise ValueError(f"{len(indices)} indices for targets of shape {targets.shape}")
-        self._entries.append((indices.copy(), targets.copy()))
-
-    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
-        """All stored rows and targets, oldest first."""
-        if not self._entries:
-            raise ValueError("the knowledge buffer is empty")
-        return (
-            np.concatenate([indices for indices, _ in self._entries]),
-            np.concatenate([targets for _, targets in self._entries]),
-        )
-
-
-def fit_targets(
-    model: nn.Module,
-    x: np.ndarray,
-    targets: np.ndarray,
-    *,
-    steps: int,
-    batch_size: int | None,
-    lr: float,
-    rng: np.random.Generator,
-    input_dropout: float = 0.0,
-) -> float:
-    """``steps`` SGD steps of soft-target cross-entropy on ``(x, targets)``; returns the mean loss.
-
-    ``batch_size=None`` uses the whole set in every step (the authors'
-    ``train_on_batch`` on the buffer); otherwise mini-batches follow seeded
-    permutations (one epoch = ``ceil(n / batch_size)`` steps).
-    ``input_dropout`` zeroes each input value with that probability (inverted
-    dropout, seeded masks from ``rng``).
-    """
-    if steps <= 0 or len(x) == 0:
-        return math.nan
-    model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    inputs = to_tensor(x)
-    soft = torch.from_numpy(np.asarray(targets, dtype=np.float32))
-    size = len(x) if batch_size is None else min(batch_size, len(x))
-    order = rng.permutation(len(x))
-    position, total = 0, 0.0
-    with seeded_dropout(model, rng):  # the authors' CNN has dropout: seeded masks
-        for _ in range(steps):
-            if position + size > len(order):
-                order, position = rng.permutation(len(x)), 0
-            index = torch.from_numpy(order[position : position + size])
-            position += size
-            batch = inputs[index]
-            if input_dropout > 0:
-                keep = torch.from_numpy(rng.random(tuple(batch.shape)) >= input_dropout)
-                batch = batch * keep / (1.0 - input_dropout)
-            optimizer.zero_grad(set_to_none=True)
-            loss = -(soft[index] * F.log_softmax(model(batch), dim=1)).sum(dim=1).mean()
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach())
-    return total / steps
 
 
 def public_split_size(cfg: DictConfig) -> int | None:
@@ -238,7 +111,34 @@ def simulated_roster(roster: list[ClientInfo]) -> bool:
     return not any(getattr(info, "device", info.client_id == info.node_id) for info in roster)
 
 
-# ------------------------------------------------------------------------------ strategy
+@dataclass(frozen=True)
+class PrivateKTSettings(StrategySettings):
+    """``cfg.strategy`` of ``privatekt`` (``conf/strategy/privatekt.yaml`` explains each key)."""
+
+    k: int = integer(minimum=1)
+    buffer_size: int = integer(minimum=1)
+    self_train: int | None = integer(minimum=0, optional=True)
+    self_train_targets: str = one_of(SELF_TRAIN_TARGETS)
+    self_train_dropout: float = between(0.0, 1.0, high_open=True)
+    first_draw: str = one_of(FIRST_DRAWS)
+    server_steps: int = integer(minimum=0)
+    local_epochs: int | None = integer(minimum=1, optional=True)
+    knowledge: str = one_of(KNOWLEDGE_MODES)
+    send_kt_data: bool | None = flag(optional=True)
+    schedule: str = one_of(SCHEDULES)
+
+    def check(self, cfg: DictConfig) -> None:
+        """An unlabeled public split with at least K (and M) rows."""
+        if float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
+            raise ConfigError(
+                "dataset.public_fraction",
+                cfg.dataset.get("public_fraction"),
+                "PrivateKT needs an unlabeled public split: must be > 0",
+            )
+        public = public_split_size(cfg)
+        for key, value in (("strategy.k", self.k), ("strategy.self_train", self.self_train)):
+            if public is not None and value is not None and value > public:
+                raise ConfigError(key, value, f"must be <= the public split size {public}")
 
 
 @register_strategy("privatekt")
@@ -252,40 +152,28 @@ class PrivateKTStrategy(FederatedStrategy):
     )
     mechanism_name = "k-ary randomized response on each of the K predicted labels (Eq. 2)"
 
-    def __init__(self, run: RunContext) -> None:
-        super().__init__(run)
-        settings = self.cfg.strategy
-        self.k = int(settings.k)
+    settings_type = PrivateKTSettings
+    settings: PrivateKTSettings
+
+    def __init__(self, run: RunContext, settings: PrivateKTSettings | None = None) -> None:
+        super().__init__(run, settings)
+        settings = self.settings
+        self.k = settings.k
         self.num_classes = int(run.model_spec.num_classes)
         self.public_x = run.data.public_x()
         self.num_public = len(self.public_x)
-        if self.k > self.num_public:
-            raise ConfigError("strategy.k", self.k, f"must be <= the public split size {self.num_public}")
-        self.self_train = (
-            round(SELF_TRAIN_RATIO * self.num_public)
-            if settings.self_train is None
-            else int(settings.self_train)
-        )
-        if self.self_train > self.num_public:
-            raise ConfigError(
-                "strategy.self_train", self.self_train, f"must be <= the public split size {self.num_public}"
-            )
+        default_self_train = round(SELF_TRAIN_RATIO * self.num_public)
+        self.self_train = default_self_train if settings.self_train is None else settings.self_train
         if self.num_classes > MAX_CLASSES:
             raise ConfigError(
                 "dataset", self.num_classes, f"PrivateKT sends labels as uint8: <= {MAX_CLASSES}"
             )
-        self.buffer = KnowledgeBuffer(int(settings.buffer_size))
-        self.server_steps = int(settings.server_steps)
-        self.knowledge = str(settings.knowledge)
-        self.self_train_targets = str(settings.self_train_targets)
-        self.self_train_dropout = float(settings.self_train_dropout)
-        self.first_draw = str(settings.first_draw)
-        self.local_epochs = int(
-            self.cfg.local_epochs if settings.local_epochs is None else settings.local_epochs
+        self.buffer = KnowledgeBuffer(settings.buffer_size)
+        self.local_epochs = (
+            int(self.cfg.local_epochs) if settings.local_epochs is None else settings.local_epochs
         )
-        self.send_kt_data = (
-            not simulated_roster(run.roster) if settings.send_kt_data is None else bool(settings.send_kt_data)
-        )
+        simulated = simulated_roster(run.roster)
+        self.send_kt_data = not simulated if settings.send_kt_data is None else settings.send_kt_data
 
         self.planned_cohorts = self.seeded_schedule(
             int(self.cfg.num_rounds), balanced=settings.schedule == "balanced"
@@ -338,40 +226,6 @@ class PrivateKTStrategy(FederatedStrategy):
             return PRIVATEKT_MODEL
         return super().resolve_model(cfg, input_shape)
 
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """K, B, M, server steps, local epochs, knowledge mode, public split, no federated evaluation."""
-        settings = cfg.strategy
-        k = require_int("strategy.k", settings.k, minimum=1)
-        require_int("strategy.buffer_size", settings.buffer_size, minimum=1)
-        self_train = settings.self_train
-        if self_train is not None:
-            require_int("strategy.self_train", self_train, minimum=0)
-        require_int("strategy.server_steps", settings.server_steps, minimum=0)
-        if settings.local_epochs is not None:
-            require_int("strategy.local_epochs", settings.local_epochs, minimum=1)
-        require_choice("strategy.knowledge", settings.knowledge, KNOWLEDGE_MODES)
-        require_choice("strategy.schedule", settings.schedule, SCHEDULES)
-        require_choice("strategy.self_train_targets", settings.self_train_targets, SELF_TRAIN_TARGETS)
-        require_range("strategy.self_train_dropout", settings.self_train_dropout, 0.0, 1.0, high_open=True)
-        require_choice("strategy.first_draw", settings.first_draw, FIRST_DRAWS)
-        if settings.send_kt_data is not None:
-            require_bool("strategy.send_kt_data", settings.send_kt_data)
-        if float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
-            raise ConfigError(
-                "dataset.public_fraction",
-                cfg.dataset.get("public_fraction"),
-                "PrivateKT needs an unlabeled public split: must be > 0",
-            )
-        public = public_split_size(cfg)
-        if public is not None:
-            if k > public:
-                raise ConfigError("strategy.k", k, f"must be <= the public split size {public}")
-            if self_train is not None and self_train > public:
-                raise ConfigError(
-                    "strategy.self_train", self_train, f"must be <= the public split size {public}"
-                )
-
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """Per-label epsilon, local epochs, and the KT indices unless the samples travel."""
         extra: dict[str, Any] = {
@@ -391,7 +245,7 @@ class PrivateKTStrategy(FederatedStrategy):
         ``uniform``: round 1 draws uniformly (the paper's Algorithm 1, line 3).
         """
         rng = self.run.randomness.generator("privatekt-kt-sampling", server_round=server_round)
-        if server_round <= 1 and self.first_draw == "uniform":
+        if server_round <= 1 and self.settings.first_draw == "uniform":
             return np.sort(rng.choice(self.num_public, size=self.k, replace=False))
         model = self.run.model_spec.build()
         load_arrays(model, arrays)
@@ -447,7 +301,7 @@ class PrivateKTStrategy(FederatedStrategy):
             perturbed_labels=np.stack(reports), keep_probability=self.beta, num_classes=self.num_classes
         )
         rng = self.run.randomness.generator("privatekt-server", server_round=server_round)
-        targets = knowledge_targets(estimate, mode=self.knowledge, rng=rng)
+        targets = knowledge_targets(estimate, mode=self.settings.knowledge, rng=rng)
         self.buffer.push(self._kt[server_round], targets)
         stats["kt_labels"] = targets.argmax(axis=1).tolist()
 
@@ -456,7 +310,13 @@ class PrivateKTStrategy(FederatedStrategy):
         lr = float(self.cfg.lr)
         rows, targets = self.buffer.fetch()
         finetune_loss = fit_targets(
-            model, self.public_x[rows], targets, steps=self.server_steps, batch_size=None, lr=lr, rng=rng
+            model,
+            self.public_x[rows],
+            targets,
+            steps=self.settings.server_steps,
+            batch_size=None,
+            lr=lr,
+            rng=rng,
         )
         self_train_loss = math.nan
         if self.self_train > 0:
@@ -464,7 +324,7 @@ class PrivateKTStrategy(FederatedStrategy):
             weights = sampling_weights(prediction_entropy(probabilities), sign=-1.0)
             chosen = draw_weighted(weights, self.self_train, rng=rng)
             pseudo = probabilities[chosen]
-            if self.self_train_targets == "hard":
+            if self.settings.self_train_targets == "hard":
                 pseudo = np.eye(self.num_classes)[pseudo.argmax(axis=1)]
             batch = int(self.cfg.batch_size)
             self_train_loss = fit_targets(
@@ -475,7 +335,7 @@ class PrivateKTStrategy(FederatedStrategy):
                 batch_size=batch,
                 lr=lr,
                 rng=rng,
-                input_dropout=self.self_train_dropout,
+                input_dropout=self.settings.self_train_dropout,
             )
         stats.update(
             buffer_rounds=len(self.buffer),

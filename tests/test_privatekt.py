@@ -18,7 +18,7 @@ from conftest import (
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from clients.privatekt import decode_labels, encode_labels
-from fl_app import keys
+from fl_app import keys, knowledge
 from fl_app.config import compose_config
 from fl_app.metering import array_payload_bytes
 from fl_app.privacy.calibration import privatekt_epsilon_per_label, privatekt_keep_probability
@@ -104,7 +104,7 @@ def test_eq3_estimator_is_unbiased():
 
 
 def test_buffer_is_fifo_of_size_b():
-    buffer = pkt.KnowledgeBuffer(3)
+    buffer = knowledge.KnowledgeBuffer(3)
     for round_id in range(5):
         buffer.push(np.array([10 * round_id, 10 * round_id + 1]), np.full((2, 4), round_id, dtype=float))
         assert len(buffer) == min(round_id + 1, 3)
@@ -112,7 +112,7 @@ def test_buffer_is_fifo_of_size_b():
     assert rows.tolist() == [20, 21, 30, 31, 40, 41]
     assert targets[:, 0].tolist() == [2, 2, 3, 3, 4, 4]
     with pytest.raises(ValueError, match="size"):
-        pkt.KnowledgeBuffer(0)
+        knowledge.KnowledgeBuffer(0)
 
 
 def _confident_and_uncertain(n: int = 200, classes: int = 10) -> np.ndarray:
@@ -124,13 +124,13 @@ def _confident_and_uncertain(n: int = 200, classes: int = 10) -> np.ndarray:
 
 def test_importance_sampling_draws_high_entropy_samples_more_often():
     probabilities = _confident_and_uncertain()
-    uncertainty = pkt.prediction_entropy(probabilities)
+    uncertainty = knowledge.prediction_entropy(probabilities)
     rng = np.random.default_rng(0)
     counts = {1.0: np.zeros(200), -1.0: np.zeros(200)}
     for sign in counts:
-        weights = pkt.sampling_weights(uncertainty, sign=sign)
+        weights = knowledge.sampling_weights(uncertainty, sign=sign)
         for _ in range(2000):
-            counts[sign][pkt.draw_weighted(weights, 2, rng=rng)] += 1
+            counts[sign][knowledge.draw_weighted(weights, 2, rng=rng)] += 1
     gap = math.exp(uncertainty[150] - uncertainty[0])
     high, low = counts[1.0][100:].sum(), counts[1.0][:100].sum()
     assert high / low == pytest.approx(gap, rel=0.15)  # Eq. 4: weight exp(+u)
@@ -160,17 +160,17 @@ def test_fit_targets_learns_soft_targets():
     x = np.eye(4, dtype=np.float32).reshape(4, 1, 2, 2)
     targets = np.eye(3)[[0, 1, 2, 0]]
     rng = np.random.default_rng(0)
-    first = pkt.fit_targets(model, x, targets, steps=1, batch_size=None, lr=0.5, rng=rng)
-    later = pkt.fit_targets(model, x, targets, steps=50, batch_size=2, lr=0.5, rng=rng)
+    first = knowledge.fit_targets(model, x, targets, steps=1, batch_size=None, lr=0.5, rng=rng)
+    later = knowledge.fit_targets(model, x, targets, steps=50, batch_size=2, lr=0.5, rng=rng)
     assert later < first / 2
-    assert math.isnan(pkt.fit_targets(model, x, targets, steps=0, batch_size=None, lr=0.5, rng=rng))
+    assert math.isnan(knowledge.fit_targets(model, x, targets, steps=0, batch_size=None, lr=0.5, rng=rng))
 
 
 def test_knowledge_targets():
     rng = np.random.default_rng(0)
     estimate = np.array([[0.1, 0.7, 0.2], [-0.2, 0.5, 0.7]])
-    assert pkt.knowledge_targets(estimate, mode="argmax", rng=rng).tolist() == [[0, 1, 0], [0, 0, 1]]
-    soft = pkt.knowledge_targets(estimate, mode="soft", rng=rng)
+    assert knowledge.knowledge_targets(estimate, mode="argmax", rng=rng).tolist() == [[0, 1, 0], [0, 0, 1]]
+    soft = knowledge.knowledge_targets(estimate, mode="soft", rng=rng)
     assert np.allclose(soft.sum(axis=1), 1)
     assert soft.min() >= 0
     assert soft[1].tolist() == pytest.approx([0, 0.5 / 1.2, 0.7 / 1.2])
@@ -395,9 +395,10 @@ def test_self_training_moves_the_model_by_default_and_is_a_no_op_without_dropout
     """Training on the model's own soft predictions has zero gradient unless something (dropout)
     makes the training-time prediction differ from the target: the default must move the weights."""
     import copy
+    import dataclasses
 
     strategy = _strategy(tmp_path)
-    assert strategy.self_train > 0 and strategy.self_train_dropout > 0
+    assert strategy.self_train > 0 and strategy.settings.self_train_dropout > 0
     arrays = strategy.initial_arrays()
     messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid=None))
     replies = [_labels_reply(m, [1] * strategy.k) for m in messages]
@@ -405,7 +406,7 @@ def test_self_training_moves_the_model_by_default_and_is_a_no_op_without_dropout
     for name, changes in {
         "default": {},
         "no self-training": {"self_train": 0},
-        "no dropout": {"self_train_dropout": 0.0},
+        "no dropout": {"settings": dataclasses.replace(strategy.settings, self_train_dropout=0.0)},
     }.items():
         variant = copy.deepcopy(strategy)
         for attribute, value in changes.items():
@@ -458,7 +459,7 @@ def test_server_training_with_dropout_is_seeded_and_moves_the_weights():
         model = build_model("privatekt_cnn", (1, 28, 28), 10)
         before = _flat_record(model_to_arrays(model))
         own = predict_proba(model, x)
-        pkt.fit_targets(model, x, own, steps=2, batch_size=20, lr=0.05, rng=np.random.default_rng(7))
+        knowledge.fit_targets(model, x, own, steps=2, batch_size=20, lr=0.05, rng=np.random.default_rng(7))
         results.append(_flat_record(model_to_arrays(model)))
     assert np.abs(results[0] - before).max() > 1e-5
     assert np.array_equal(results[0], results[1])
