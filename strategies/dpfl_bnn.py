@@ -15,17 +15,11 @@ text and step 2 make clear that the noised bits are aggregated; the mean keeps
 accuracy is measured with the binarized global model ``Sign(W~)``.
 
 Privacy (local DP: every upload is randomized on the client, the server is not
-trusted and there is no secure aggregation). Two accountings are kept side by
-side, each by its own :class:`~fl_app.privacy.accountant.PrivacyAccountant`:
-
-* **client level** (the headline ``epsilon``): one upload applies RR_gamma to d
-  bits, all of which one client's data set determines, so a participating
-  client is charged d uses of ``BinaryRandomizedResponse(gamma)`` per round
-  (composition over the d coordinates and over the rounds);
-* **per coordinate** (the document's Theorem 1, reported as
-  ``epsilon_per_coordinate``): one use per round, i.e. the guarantee of one
-  weight coordinate seen in isolation. It is *not* a guarantee for a client's
-  data set.
+trusted and there is no secure aggregation), in :mod:`fl_app.privacy.bnn`: the
+headline epsilon charges a participating client d uses of RR_gamma per round
+(its data set decides all d bits); the document's Theorem 1 accounting (one use
+per round, ``epsilon_per_coordinate``) is kept beside it and is *not* a
+guarantee for a client's data set.
 
 gamma is ``strategy.gamma``, or is calibrated from ``privacy.epsilon`` and
 ``privacy.delta`` over ``num_rounds`` (each client uploads at most once per
@@ -47,6 +41,7 @@ simulation only.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -60,28 +55,57 @@ from omegaconf import DictConfig
 from fl_app import keys
 from fl_app.bits import packed_length, signs_of, split_vector, unpack_signs
 from fl_app.metering import content_bytes
-from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
-from fl_app.privacy.events import BinaryRandomizedResponse, PrivacyEvent
+from fl_app.privacy.bnn import CALIBRATIONS, CLIENT_UNIT, BinaryRRLedger, GammaPlan
 from fl_app.run_context import RunContext
 from fl_app.training import evaluate, load_arrays
-from fl_app.validation import ConfigError, require_choice, require_int, require_range
+from fl_app.validation import ConfigError
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
+from strategies.settings import StrategySettings, between, integer, one_of
 
 NOISES = ("rr", "none")
-CALIBRATIONS = ("per_coordinate", "client_level")
 MODEL_NAME = "bnn_cnn"
-
-CLIENT_UNIT = (
-    "one client's entire data set, replaced by any other data set (client-level local DP: "
-    "every upload is randomized on the client; the server is not trusted)"
-)
-COORDINATE_UNIT = (
-    "one coordinate (binary weight) of one client's upload, seen in isolation (the document's "
-    "Theorem 1 accounting; NOT a client-level guarantee)"
-)
 MECHANISM = "RR_gamma on each of the d uploaded binary weights independently (DPFL-BNN Definition 3)"
+
+
+@dataclass(frozen=True)
+class DPFLBNNSettings(StrategySettings):
+    """``cfg.strategy`` of ``dpfl_bnn`` (``conf/strategy/dpfl_bnn.yaml`` explains each key)."""
+
+    noise: str = one_of(NOISES)
+    gamma: float | None = between(0.0, 0.5, high_open=True, optional=True)
+    calibration: str = one_of(CALIBRATIONS)
+    beta: float = between(0.0, 1.0)
+    local_steps: int = integer(minimum=0)
+    lr_decay: float = between(0.0, 1.0, low_open=True)
+    lr_decay_every: int | None = integer(minimum=1, optional=True)
+    adam_beta1: float = between(0.0, 1.0, high_open=True)
+    adam_beta2: float = between(0.0, 1.0, high_open=True)
+    local_eval_clients: int = integer(minimum=0)
+    local_eval_every: int = integer(minimum=1)
+    local_eval_test_subset: int | None = integer(minimum=1, optional=True)
+
+    def check(self, cfg: DictConfig) -> None:
+        """The binary model; gamma only with noise; a whole-run calibration; diagnostics opted into."""
+        if cfg.model not in ("auto", MODEL_NAME):
+            raise ConfigError(
+                "model", cfg.model, f"strategy=dpfl_bnn trains its binary network: auto or {MODEL_NAME}"
+            )
+        if self.gamma is not None and self.noise == "none":
+            raise ConfigError("strategy.gamma", self.gamma, "must be null with strategy.noise=none")
+        if self.gamma is None and self.noise == "rr" and cfg.privacy.budget_scope != "total":
+            raise ConfigError(
+                "privacy.budget_scope",
+                cfg.privacy.budget_scope,
+                "must be total: DPFL-BNN calibrates gamma for the whole run (Theorem 1 over num_rounds)",
+            )
+        if self.local_eval_clients > 0 and self.noise == "rr" and not cfg.privacy.get("diagnostics", False):
+            raise ConfigError(
+                "strategy.local_eval_clients",
+                self.local_eval_clients,
+                "must be 0 unless privacy.diagnostics=true: the local-model accuracy is computed from "
+                "un-noised local models, outside the guarantee (simulation only)",
+            )
 
 
 @register_strategy("dpfl_bnn")
@@ -98,9 +122,12 @@ class DPFLBNNStrategy(FederatedStrategy):
     privacy_unit = CLIENT_UNIT
     mechanism_name = MECHANISM
 
-    def __init__(self, run: RunContext) -> None:
-        super().__init__(run)
-        settings = self.cfg.strategy
+    settings_type = DPFLBNNSettings
+    settings: DPFLBNNSettings
+
+    def __init__(self, run: RunContext, settings: DPFLBNNSettings | None = None) -> None:
+        super().__init__(run, settings)
+        settings = self.settings
         model = run.model_spec.build()
         parameters = dict(model.named_parameters())
         if list(parameters) != list(model.state_dict()):
@@ -108,138 +135,82 @@ class DPFLBNNStrategy(FederatedStrategy):
         self.names = list(parameters)
         self.shapes = [tuple(p.shape) for p in parameters.values()]
         self.num_bits = int(sum(p.numel() for p in parameters.values()))
-        self.beta = float(settings.beta)
-        self.noise = str(settings.noise) == "rr"
-        self.calibration = str(settings.calibration)
+        self.noise = settings.noise == "rr"
         self.rounds = int(self.cfg.num_rounds)
-        delta = run.delta
-        method = str(self.cfg.privacy.accountant)
-        target = float(self.cfg.privacy.epsilon)
-        self.gamma: float | None = None
-        self.gamma_source = "none (noise-free BNN)"
-        self.coordinate_accountant: PrivacyAccountant | None = None
-        self.planned: dict[str, float] = {}
+        self.ledger: BinaryRRLedger | None = None
         if self.noise:
-            if settings.gamma is not None:
-                self.gamma = float(settings.gamma)
-                self.gamma_source = "strategy.gamma"
-            else:
-                bits = 1 if self.calibration == "per_coordinate" else self.num_bits
-                self.gamma = bnn_gamma(epsilon=target, delta=delta, rounds=self.rounds, bits_per_round=bits)
-                self.gamma_source = (
-                    f"calibrated: privacy.epsilon={target:g} at delta={delta:g} after "
-                    f"num_rounds={self.rounds} for the {self.calibration.replace('_', '-')} accounting"
-                )
-            self.accountant = PrivacyAccountant(population=run.client_ids, unit=CLIENT_UNIT, method=method)
-            self.coordinate_accountant = PrivacyAccountant(
-                population=run.client_ids, unit=COORDINATE_UNIT, method=method
+            plan = GammaPlan.make(
+                gamma=settings.gamma,
+                calibration=settings.calibration,
+                epsilon=float(self.cfg.privacy.epsilon),
+                delta=run.delta,
+                rounds=self.rounds,
+                num_bits=self.num_bits,
+                method=str(self.cfg.privacy.accountant),
             )
-            self.planned = {
-                "client_level": binary_rr_epsilon(
-                    gamma=self.gamma,
-                    delta=delta,
-                    rounds=self.rounds,
-                    bits_per_round=self.num_bits,
-                    method=method,
-                ),
-                "per_coordinate": binary_rr_epsilon(
-                    gamma=self.gamma, delta=delta, rounds=self.rounds, method=method
-                ),
-            }
+            self.ledger = BinaryRRLedger(
+                plan=plan,
+                num_bits=self.num_bits,
+                population=run.client_ids,
+                method=str(self.cfg.privacy.accountant),
+                delta=run.delta,
+            )
+            self.accountant = self.ledger.accountant
         else:
             self.privacy_unit = "none"
             self.mechanism_name = "none (noise-free BNN: the binary weights are uploaded as they are)"
         self._round_info: dict[int, dict[str, Any]] = {}
         self._local_accuracy: dict[int, float] = {}
         self._trained: set[int] = set()
-        self._log_plan(target)
+        self._log_plan()
+
+    @property
+    def gamma(self) -> float | None:
+        """RR_gamma's gamma (None: the noise-free baseline)."""
+        return None if self.ledger is None else self.ledger.plan.gamma
 
     def budget_text(self) -> str:
         """The budget asked for; under ``calibration=per_coordinate`` it is not in the headline unit."""
         text = super().budget_text()
-        if self.calibration != "per_coordinate" or not self.planned:
+        if self.settings.calibration != "per_coordinate" or self.ledger is None:
             return text
         return (
             f"{text} PER WEIGHT COORDINATE (strategy.calibration=per_coordinate, the document's reading); "
-            f"client level, the unit above: epsilon {self.planned['client_level']:.6g}"
+            f"client level, the unit above: epsilon {self.ledger.plan.client_level:.6g}"
         )
 
-    def _log_plan(self, target: float) -> None:
-        if not self.noise or self.gamma is None:
+    def _log_plan(self) -> None:
+        if self.ledger is None:
             log(INFO, "DPFL-BNN: noise-free BNN (no RR), d=%d binary weights: not private", self.num_bits)
             return
+        plan, target = self.ledger.plan, float(self.cfg.privacy.epsilon)
         log(
             INFO,
-            "DPFL-BNN: gamma=%.6g (flip probability %.6g; %s), d=%d bits per upload",
-            self.gamma,
-            0.5 - self.gamma,
-            self.gamma_source,
+            "DPFL-BNN: gamma=%.6g (flip probability %.6g; %s), d=%d bits per upload; epsilon after %d "
+            "participations at delta=%g: client level %.6g (d uses per round); per coordinate (the "
+            "document's accounting) %.6g",
+            plan.gamma,
+            0.5 - plan.gamma,
+            plan.source,
             self.num_bits,
-        )
-        log(
-            INFO,
-            "DPFL-BNN: epsilon after %d participations at delta=%g: client level %.6g "
-            "(d=%d uses per round); per coordinate (the document's accounting) %.6g",
             self.rounds,
             self.run.delta,
-            self.planned["client_level"],
-            self.num_bits,
-            self.planned["per_coordinate"],
+            plan.client_level,
+            plan.per_coordinate,
         )
-        if self.planned["client_level"] > target:
+        if plan.client_level > target:
             log(
                 WARNING,
                 "DPFL-BNN: the client-level epsilon (%.6g) exceeds privacy.epsilon=%g; the per-coordinate "
                 "epsilon is not a guarantee for a client's data set (see docs/dpfl_bnn.md)",
-                self.planned["client_level"],
+                plan.client_level,
                 target,
             )
-
-    # ------------------------------------------------------------------ configuration
 
     @classmethod
     def is_private(cls, cfg: DictConfig) -> bool:
         """Private unless ``strategy.noise=none``."""
         return str(cfg.strategy.noise) != "none"
-
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """Check the model, ``strategy.*`` and the settings DPFL-BNN cannot honour."""
-        settings = cfg.strategy
-        if cfg.model not in ("auto", MODEL_NAME):
-            raise ConfigError(
-                "model", cfg.model, f"strategy=dpfl_bnn trains its binary network: auto or {MODEL_NAME}"
-            )
-        noise = require_choice("strategy.noise", settings.noise, NOISES)
-        if settings.gamma is not None:
-            if noise == "none":
-                raise ConfigError("strategy.gamma", settings.gamma, "must be null with strategy.noise=none")
-            require_range("strategy.gamma", settings.gamma, 0.0, 0.5, high_open=True)
-        elif noise == "rr" and cfg.privacy.budget_scope != "total":
-            raise ConfigError(
-                "privacy.budget_scope",
-                cfg.privacy.budget_scope,
-                "must be total: DPFL-BNN calibrates gamma for the whole run (Theorem 1 over num_rounds)",
-            )
-        require_choice("strategy.calibration", settings.calibration, CALIBRATIONS)
-        require_range("strategy.beta", settings.beta, 0.0, 1.0)
-        require_int("strategy.local_steps", settings.local_steps, minimum=0)
-        require_range("strategy.lr_decay", settings.lr_decay, 0.0, 1.0, low_open=True)
-        if settings.lr_decay_every is not None:
-            require_int("strategy.lr_decay_every", settings.lr_decay_every, minimum=1)
-        require_range("strategy.adam_beta1", settings.adam_beta1, 0.0, 1.0, high_open=True)
-        require_range("strategy.adam_beta2", settings.adam_beta2, 0.0, 1.0, high_open=True)
-        local_eval = require_int("strategy.local_eval_clients", settings.local_eval_clients, minimum=0)
-        if local_eval > 0 and noise == "rr" and not cfg.privacy.get("diagnostics", False):
-            raise ConfigError(
-                "strategy.local_eval_clients",
-                settings.local_eval_clients,
-                "must be 0 unless privacy.diagnostics=true: the local-model accuracy is computed from "
-                "un-noised local models, outside the guarantee (simulation only)",
-            )
-        require_int("strategy.local_eval_every", settings.local_eval_every, minimum=1)
-        if settings.local_eval_test_subset is not None:
-            require_int("strategy.local_eval_test_subset", settings.local_eval_test_subset, minimum=1)
 
     @classmethod
     def resolve_model(cls, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:
@@ -255,28 +226,25 @@ class DPFLBNNStrategy(FederatedStrategy):
 
     def learning_rate(self, server_round: int) -> float:
         """``lr * lr_decay ** floor((t - 1) / lr_decay_every)`` (0.1 every 40 rounds in the document)."""
-        every = self.cfg.strategy.lr_decay_every
+        every = self.settings.lr_decay_every
         if every is None:
             return float(self.cfg.lr)
-        return float(self.cfg.lr) * float(self.cfg.strategy.lr_decay) ** ((server_round - 1) // int(every))
+        return float(self.cfg.lr) * self.settings.lr_decay ** ((server_round - 1) // every)
 
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """gamma, beta, local steps, Adam, d and the decayed learning rate."""
-        settings = self.cfg.strategy
-        subset = settings.local_eval_test_subset
+        settings = self.settings
         return {
             keys.BNN_NOISE: self.noise,
-            keys.BNN_GAMMA: float(self.gamma) if self.gamma is not None else 0.0,
-            keys.BNN_BETA: self.beta,
-            keys.BNN_LOCAL_STEPS: int(settings.local_steps),
-            keys.BNN_ADAM_BETA1: float(settings.adam_beta1),
-            keys.BNN_ADAM_BETA2: float(settings.adam_beta2),
+            keys.BNN_GAMMA: self.gamma if self.gamma is not None else 0.0,
+            keys.BNN_BETA: settings.beta,
+            keys.BNN_LOCAL_STEPS: settings.local_steps,
+            keys.BNN_ADAM_BETA1: settings.adam_beta1,
+            keys.BNN_ADAM_BETA2: settings.adam_beta2,
             keys.BNN_NUM_BITS: self.num_bits,
-            keys.BNN_EVAL_TEST_SUBSET: 0 if subset is None else int(subset),
+            keys.BNN_EVAL_TEST_SUBSET: settings.local_eval_test_subset or 0,
             keys.LR: self.learning_rate(server_round),
         }
-
-    # ------------------------------------------------------------------ aggregation
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -285,7 +253,8 @@ class DPFLBNNStrategy(FederatedStrategy):
         valid, _ = self.split_replies(server_round, replies)
         selected = tuple(c.client_id for c in self.selected(server_round))
         self._trained.update(selected)
-        self._record_uploads(server_round, selected)
+        if self.ledger is not None:
+            self.ledger.record(server_round, selected)
         total = np.zeros(self.num_bits, dtype=np.float64)
         sizes: list[int] = []
         malformed: list[int] = []
@@ -323,33 +292,6 @@ class DPFLBNNStrategy(FederatedStrategy):
         )
         return arrays, MetricRecord({"uploads-aggregated": len(sizes)})
 
-    def _record_uploads(self, server_round: int, selected: tuple[int, ...]) -> None:
-        """One event per accounting naming every selected client (failures included)."""
-        if self.accountant is None or self.gamma is None or not selected:
-            return
-        mechanism = BinaryRandomizedResponse(self.gamma)
-        self.accountant.record(
-            PrivacyEvent(
-                server_round,
-                mechanism,
-                count=self.num_bits,
-                participants=selected,
-                label="uplink: RR_gamma on the d bits of one upload (client level)",
-            )
-        )
-        assert self.coordinate_accountant is not None
-        self.coordinate_accountant.record(
-            PrivacyEvent(
-                server_round,
-                mechanism,
-                count=1,
-                participants=selected,
-                label="uplink: RR_gamma on one coordinate (the document's per-coordinate accounting)",
-            )
-        )
-
-    # ------------------------------------------------------------------ evaluation
-
     def evaluate_global(self, arrays: ArrayRecord, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         """Loss and accuracy of the binarized global model ``Sign(W~)``."""
         model = self.run.model_spec.build()
@@ -367,9 +309,8 @@ class DPFLBNNStrategy(FederatedStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """The document's metric (optional diagnostic): clients' own merged models on the test split."""
-        settings = self.cfg.strategy
-        count = int(settings.local_eval_clients)
-        due = server_round % int(settings.local_eval_every) == 0 or server_round == self.rounds
+        count = self.settings.local_eval_clients
+        due = server_round % self.settings.local_eval_every == 0 or server_round == self.rounds
         if count <= 0 or not due:
             return []
         pool = sorted(self._trained) or self.run.client_ids
@@ -391,13 +332,9 @@ class DPFLBNNStrategy(FederatedStrategy):
         self._local_accuracy[server_round] = float(np.mean(values))
         return MetricRecord({keys.BNN_LOCAL_ACCURACY: self._local_accuracy[server_round]})
 
-    # ------------------------------------------------------------------ reporting
-
     def epsilon_per_coordinate(self) -> float | None:
         """The document's per-coordinate epsilon of the worst client (None: not private)."""
-        if self.coordinate_accountant is None:
-            return None
-        return self.coordinate_accountant.epsilon(delta=self.run.delta).epsilon
+        return None if self.ledger is None else self.ledger.epsilon_per_coordinate()
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
         """Per-coordinate epsilon (labelled) and upload size."""
@@ -415,47 +352,21 @@ class DPFLBNNStrategy(FederatedStrategy):
     def privacy_summary(self) -> dict[str, Any]:
         """Both accountings side by side, gamma and where it came from."""
         summary = super().privacy_summary()
-        delta = self.run.delta
         summary.update(
             {
                 "noise": "rr" if self.noise else "none",
                 "bits_per_upload": self.num_bits,
-                "beta": self.beta,
+                "beta": self.settings.beta,
                 "trust_model": "local DP: the server sees every client's noised bits (no secure aggregation)"
                 if self.noise
                 else "none: the server sees every client's binary weights as they are",
             }
         )
-        if self.noise and self.gamma is not None:
-            client = self.epsilon()
+        if self.ledger is not None:
             summary.update(
-                {
-                    "gamma": self.gamma,
-                    "flip_probability": 0.5 - self.gamma,
-                    "gamma_source": self.gamma_source,
-                    "epsilon_per_bit": BinaryRandomizedResponse(self.gamma).pure_epsilon,
-                    "gamma_theorem1_at_privacy_epsilon": bnn_gamma_theorem1(
-                        epsilon=float(self.cfg.privacy.epsilon), delta=delta, rounds=self.rounds
-                    ),
-                    "client_level": {
-                        "unit": CLIENT_UNIT,
-                        "uses_per_round": self.num_bits,
-                        "epsilon": None if client is None else client.epsilon,
-                        "epsilon_if_every_round": self.planned["client_level"],
-                        "delta": delta,
-                    },
-                    "per_coordinate": {
-                        "unit": COORDINATE_UNIT,
-                        "uses_per_round": 1,
-                        "epsilon": self.epsilon_per_coordinate(),
-                        "epsilon_if_every_round": self.planned["per_coordinate"],
-                        "delta": delta,
-                        "note": "a client's data set determines all d coordinates of each upload, so this "
-                        "bounds what one coordinate reveals, not what the upload reveals about the client",
-                    },
-                }
+                self.ledger.summary(target_epsilon=float(self.cfg.privacy.epsilon), rounds=self.rounds)
             )
-        if int(self.cfg.strategy.local_eval_clients) > 0:
+        if self.settings.local_eval_clients > 0:
             summary["diagnostics_outside_accounting"] = (
                 "outside_guarantee.rounds[].local_model_accuracy: clients report the test accuracy of "
                 "their own un-noised model (simulation-only measurement of the document's metric; not "

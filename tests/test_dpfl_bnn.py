@@ -255,7 +255,7 @@ def test_server_averages_noised_bits_accounts_every_selected_client_and_binarize
     for client in strategy.run.client_ids:  # failures are charged too
         assert strategy.accountant.rounds_participated(client) == (1 if client in selected else 0)
     assert strategy.accountant.history(selected[2]) == {BinaryRandomizedResponse(0.25): d}
-    assert strategy.coordinate_accountant.history(selected[2]) == {BinaryRandomizedResponse(0.25): 1}
+    assert strategy.ledger.coordinate_accountant.history(selected[2]) == {BinaryRandomizedResponse(0.25): 1}
     # malformed upload (wrong length) is left out and counted as a failure
     messages = list(strategy.configure_train(2, arrays, ConfigRecord(), grid=None))
     bad = reply_to(

@@ -262,8 +262,8 @@ def test_dpfl_bnn_default_delivers_the_requested_client_level_epsilon(tmp_path):
         [*DIGITS, "strategy=dpfl_bnn", "privacy.epsilon=8", "clients_per_round=6"], tmp_path
     )
     strategy = DPFLBNNStrategy(run)
-    assert strategy.calibration == "client_level"
-    assert 7.9 < strategy.planned["client_level"] <= 8.0
+    assert strategy.settings.calibration == "client_level"
+    assert 7.9 < strategy.ledger.plan.client_level <= 8.0
     for server_round in range(1, 5):  # every client in every round: the planned worst case
         strategy.configure_train(server_round, strategy.initial_arrays(), ConfigRecord(), grid=None)
         strategy.aggregate_train(server_round, [])
@@ -273,7 +273,8 @@ def test_dpfl_bnn_default_delivers_the_requested_client_level_epsilon(tmp_path):
     document = DPFLBNNStrategy(
         build_run_context([*DIGITS, "strategy=dpfl_bnn", "strategy.calibration=per_coordinate"], tmp_path)
     )
-    assert document.planned["per_coordinate"] <= 8.0 < 100 * 8.0 < document.planned["client_level"]
+    plan = document.ledger.plan
+    assert plan.per_coordinate <= 8.0 < 100 * 8.0 < plan.client_level
 
 
 def test_bnn_calculator_defaults_to_a_clients_whole_upload(capsys):
