@@ -87,3 +87,13 @@ class LaplaceEvalClient(FederatedClient):
         reports = self.protect(self.inference_results())
         content = RecordDict({keys.INFERENCE_REPORTS: ArrayRecord({REPORTS_ARRAY: Array(reports)})})
         return Message(content=content, reply_to=self.message)
+
+
+def reported_vectors(reply: Message, *, num_classes: int) -> tuple[np.ndarray | None, int]:
+    """The ``(n, num_classes)`` vectors of an evaluation reply (None if malformed) and its row count."""
+    record = reply.content.array_records.get(keys.INFERENCE_REPORTS)
+    vectors = None if record is None or REPORTS_ARRAY not in record else record[REPORTS_ARRAY].numpy()
+    rows = int(vectors.shape[0]) if vectors is not None and vectors.ndim >= 1 else 0
+    if vectors is None or vectors.ndim != 2 or vectors.shape[1] != num_classes:
+        return None, rows
+    return np.asarray(vectors, dtype=np.float64), rows

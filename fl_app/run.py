@@ -236,7 +236,7 @@ def make_run_context(
     cfg = effective_config(cfg, roster)
     stage = evaluation_stage(cfg)
     run_cfg = cfg
-    if stage is not None and hasattr(stage, "training_config"):
+    if stage is not None:
         run_cfg = stage.training_config(cfg)
     return RunContext(
         cfg=run_cfg,
@@ -460,6 +460,8 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
             empirical["canaries"],
             _fmt(privacy["total"]["epsilon"], "inf"),
         )
+    for name, ledger in strategy.extra_ledgers().items():
+        write_json(output_dir / name, ledger)
     results = recorder.finalize(
         strategy=str(cfg.strategy.name),
         status=status,
@@ -563,6 +565,8 @@ class RoundReporter:
         run = self.strategy.run
         if self.strategy.accountant is not None:
             write_json(run.output_dir / LEDGER_FILE, self.strategy.accountant.state_dict())
+        for name, ledger in self.strategy.extra_ledgers().items():
+            write_json(run.output_dir / name, ledger)
         save_checkpoint(
             run.output_dir,
             Checkpoint(

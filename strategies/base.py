@@ -532,6 +532,10 @@ class FederatedStrategy(Strategy):
         training = self.training_epsilon()
         return {"training": None if training is None else training.epsilon}
 
+    def extra_ledgers(self) -> dict[str, dict[str, Any]]:
+        """Ledgers beyond :attr:`accountant`'s ``privacy_ledger.json``: file name -> accountant state."""
+        return {}
+
     def released_stages(self) -> list[str]:
         """What the total epsilon covers (``privacy.total.covers``)."""
         return ["training: the released models (and, under local DP, every client's upload)"]

@@ -86,11 +86,7 @@ class DPFLBNNSettings(StrategySettings):
     local_eval_test_subset: int | None = integer(minimum=1, optional=True)
 
     def check(self, cfg: DictConfig) -> None:
-        """The binary model; gamma only with noise; a whole-run calibration; diagnostics opted into."""
-        if cfg.model not in ("auto", MODEL_NAME):
-            raise ConfigError(
-                "model", cfg.model, f"strategy=dpfl_bnn trains its binary network: auto or {MODEL_NAME}"
-            )
+        """A gamma only with noise; a whole-run calibration; diagnostics opted into."""
         if self.gamma is not None and self.noise == "none":
             raise ConfigError("strategy.gamma", self.gamma, "must be null with strategy.noise=none")
         if self.gamma is None and self.noise == "rr" and cfg.privacy.budget_scope != "total":
@@ -211,6 +207,13 @@ class DPFLBNNStrategy(FederatedStrategy):
     def is_private(cls, cfg: DictConfig) -> bool:
         """Private unless ``strategy.noise=none``."""
         return str(cfg.strategy.noise) != "none"
+
+    @classmethod
+    def validate_config(cls, cfg: DictConfig) -> None:
+        """The settings, and the binary model (``model``: auto or bnn_cnn)."""
+        super().validate_config(cfg)
+        if cfg.model not in ("auto", MODEL_NAME):
+            raise ConfigError("model", cfg.model, f"dpfl_bnn trains its binary network: auto or {MODEL_NAME}")
 
     @classmethod
     def resolve_model(cls, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:

@@ -77,6 +77,19 @@ def one_of(options: Iterable[str], *, optional: bool = False) -> Any:
     return setting(lambda key, value: require_choice(key, value, allowed), optional=optional)
 
 
+def names(options: Iterable[str]) -> Any:
+    """One of ``options`` or a non-empty list of them (read as a tuple)."""
+    allowed = tuple(options)
+
+    def check(key: str, value: Any) -> tuple[str, ...]:
+        chosen = (value,) if isinstance(value, str) else value
+        if not isinstance(chosen, list | tuple) or not chosen:
+            raise ConfigError(key, value, f"must name one or more of {', '.join(allowed)}")
+        return tuple(require_choice(key, name, allowed) for name in chosen)
+
+    return setting(check)
+
+
 def flag(*, optional: bool = False) -> Any:
     """True or false."""
     return setting(require_bool, optional=optional)
@@ -91,21 +104,24 @@ def anything() -> Any:
 class StrategySettings:
     """The base of every strategy's settings (see the module docstring)."""
 
-    #: The ``privacy.budget_scope`` values the strategy supports (``total`` alone when it calibrates
-    #: for the whole run).
-    budget_scopes: ClassVar[tuple[str, ...]] = ("total", "per_round")
+    #: The config group the settings are read from.
+    section: ClassVar[str] = "strategy"
+    #: The ``privacy.budget_scope`` values supported (``total`` alone when calibrated for the whole
+    #: run; None: not checked here).
+    budget_scopes: ClassVar[tuple[str, ...] | None] = ("total", "per_round")
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> Self:
-        """Read and check ``cfg.strategy`` (raises :class:`ConfigError`; ``name`` is not a setting)."""
-        require_choice("privacy.budget_scope", cfg.privacy.budget_scope, cls.budget_scopes)
-        section = cfg.strategy
+        """Read and check ``cfg.<section>`` (raises :class:`ConfigError`; undeclared keys are not read)."""
+        if cls.budget_scopes is not None:
+            require_choice("privacy.budget_scope", cfg.privacy.budget_scope, cls.budget_scopes)
+        section = cfg[cls.section]
         values: dict[str, Any] = {}
         for item in fields(cls):
-            key = f"strategy.{item.name}"
+            key = f"{cls.section}.{item.name}"
             if item.name not in section:
                 if item.default is MISSING:
-                    raise ConfigError(key, "missing", f"is required by strategy={section.get('name')}")
+                    raise ConfigError(key, None, cls.missing_text(cfg))
                 values[item.name] = item.default
                 continue
             value = section[item.name]
@@ -115,6 +131,11 @@ class StrategySettings:
         settings = cls(**values)
         settings.check(cfg)
         return settings
+
+    @classmethod
+    def missing_text(cls, cfg: DictConfig) -> str:
+        """What to say about a key the config lacks (override)."""
+        return f"missing: a key strategy={cfg.strategy.get('name')} requires"
 
     def check(self, cfg: DictConfig) -> None:
         """Constraints between settings or with the rest of ``cfg`` (override; raise :class:`ConfigError`)."""

@@ -6,8 +6,10 @@ modes (NOT_ENCRYPT and LAPLACE).
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -195,9 +197,12 @@ def test_server_scores_equal_scikit_learn_and_failures_are_charged(tmp_path):
     # All four sampled clients (the failed one included) were charged one report's epsilon.
     sampled = [c.client_id for c in stage.sample_clients(1)]
     for client in run.client_ids:
-        assert stage.eval_accountant.rounds_participated(client) == (1 if client in sampled else 0)
+        assert stage.ledger.example_accountant.rounds_participated(client) == (1 if client in sampled else 0)
     assert extras["cluster_eval_epsilon"] == pytest.approx(230260.0)
-    assert (tmp_path / "privacy_ledger_evaluation.json").exists()
+    # the run writes the stage's ledger beside its own (the stage writes no file)
+    ledger = stage.ledger.example_accountant.state_dict()
+    assert stage.extra_ledgers() == {"privacy_ledger_evaluation.json": ledger}
+    assert not (tmp_path / "privacy_ledger_evaluation.json").exists()
 
 
 def test_clustering_scores_are_undefined_for_one_cluster_and_subsample_is_sklearns():
@@ -233,11 +238,11 @@ def test_accounting_is_separate_composes_per_round_and_corrects_the_document(tmp
     assert stage.training_epsilon() == stage.inner.epsilon()
     sizes = {info.client_id: info.num_examples for info in stage.run.roster}
     evaluation_basic = 3 * 3.0 * max(sizes.values())
-    assert stage.client_level_evaluation_epsilon() <= evaluation_basic + 1e-6
+    assert stage.ledger.client_epsilon() <= evaluation_basic + 1e-6
     assert stage.epsilon().epsilon <= stage.inner.epsilon().epsilon + evaluation_basic + 1e-6
     assert stage.epsilon().epsilon > stage.inner.epsilon().epsilon
     assert stage.accountant is stage.inner.accountant
-    assert stage.noise_multiplier == stage.inner.noise_multiplier  # delegated attribute
+    assert not hasattr(stage, "noise_multiplier")  # only the platform's hooks are forwarded, by name
     extras = stage.round_extras(3)
     assert extras["cluster_eval_epsilon_per_report"] == pytest.approx(3.0)
     assert extras["cluster_eval_epsilon"] <= 9.0 + 1e-9  # 3 evaluations, basic composition 9
@@ -253,8 +258,8 @@ def test_accounting_is_separate_composes_per_round_and_corrects_the_document(tmp
         document = LaplaceEvalStage(
             FedAvgStrategy(build_run_context([*DOCUMENT, "evaluation.sensitivity=1"], tmp_path))
         )
-    assert document.scale == pytest.approx(1 / 230260)
-    assert document.epsilon_per_report == pytest.approx(460520)
+    assert document.plan.scale == pytest.approx(1 / 230260)
+    assert document.plan.epsilon_per_report == pytest.approx(460520)
     clear = LaplaceEvalStage(
         FedAvgStrategy(build_run_context([*STAGE, "evaluation.privacy_eval_type=NOT_ENCRYPT"], tmp_path))
     )
@@ -262,7 +267,7 @@ def test_accounting_is_separate_composes_per_round_and_corrects_the_document(tmp
     assert keys.LAPLACE_EVAL_EPS not in messages[0].content.config_records[keys.CONFIG]
     clear.aggregate_evaluate(1, [error_reply(m) for m in messages])
     assert clear.round_extras(1)["cluster_eval_epsilon"] is None  # clear reports: no finite guarantee
-    assert clear.eval_accountant.events == []
+    assert clear.ledger.example_accountant.events == []
 
 
 def test_stage_keeps_federated_evaluation_and_routes_replies(tmp_path):
@@ -335,3 +340,7 @@ def test_simulation_in_both_modes(simulate):
     assert [r["cluster_eval_epsilon"] for r in noised["rounds"]] == pytest.approx([1.0, 2.0], rel=1e-4)
     assert noised["privacy"]["evaluation"]["epsilon_per_report"] == pytest.approx(1.0)
     assert clear["privacy"]["evaluation"]["epsilon_per_report"] is None
+    # the run writes the stage's ledger (every evaluation round's event) beside the training's
+    ledger = json.loads((Path(noised["_output_dir"]) / "privacy_ledger_evaluation.json").read_text())
+    assert [event["server_round"] for event in ledger["events"]] == [1, 2]
+    assert not (Path(clear["_output_dir"]) / "privacy_ledger_evaluation.json").exists()

@@ -546,7 +546,7 @@ def laplace_eval_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: i
             values.append(float(vectors[0, 0] - vectors[0, 1]))
         outputs.append(np.asarray(values))
     stage.aggregate_evaluate(1, [reply])
-    return Audited(audit(*outputs, delta=run.delta), float(stage.evaluation_epsilon()))
+    return Audited(audit(*outputs, delta=run.delta), float(stage.ledger.example_epsilon()))
 
 
 AUDITS: dict[str, tuple[Callable[[Path, dict[int, ClientDataset], int], Audited], int, float]] = {

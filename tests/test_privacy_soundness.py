@@ -298,7 +298,7 @@ def test_laplace_evaluation_default_fits_in_privacy_epsilon_and_enters_the_total
     assert run.cfg.evaluation.epsilon_budget == pytest.approx(0.4)
     stage = LaplaceEvalStage(DPFedAvgStrategy(run))
     largest = max(info.num_examples for info in run.roster)
-    assert stage.epsilon_per_report == pytest.approx(0.4 / (largest * 4))
+    assert stage.plan.epsilon_per_report == pytest.approx(0.4 / (largest * 4))
     arrays = stage.initial_arrays()
     for server_round in range(1, 5):
         list(stage.configure_train(server_round, arrays, ConfigRecord(), grid=None))
@@ -307,9 +307,9 @@ def test_laplace_evaluation_default_fits_in_privacy_epsilon_and_enters_the_total
         stage.aggregate_evaluate(server_round, [error_reply(m) for m in messages])  # failures are charged
     training = stage.training_epsilon().epsilon
     total = stage.epsilon().epsilon  # rounds[].epsilon
-    evaluation = stage.client_level_evaluation_epsilon()
+    evaluation = stage.ledger.client_epsilon()
     assert training <= 3.6
-    assert stage.client_accountant.basic_epsilon() == pytest.approx(0.4, rel=1e-6)  # the calibration
+    assert stage.ledger.client_accountant.basic_epsilon() == pytest.approx(0.4, rel=1e-6)  # the calibration
     assert 0 < evaluation <= 0.4  # the accountant's (RDP) bound may be smaller
     assert training < total <= 4.0
     summary = total_privacy(stage)

@@ -1,0 +1,289 @@
+"""The clustering evaluation's Laplace reports: their calibration, their two ledgers, the total.
+
+MindSpore Federated documentation, "Horizontal Federated-Local Differential Privacy Inference
+Result Protection": each evaluated device uploads the softmax vector of every local example with
+i.i.d. Laplace noise ``Lap(b)`` per coordinate, ``b = sensitivity / eps``. Two probability vectors
+differ by up to 2 in L1 (:data:`~fl_app.privacy.calibration.PROBABILITY_VECTOR_L1_SENSITIVITY`;
+the document's 1 understates it), so a report is ``2 / b``-DP whatever sensitivity was configured,
+and that is what is charged (``docs/laplace_eval.md``).
+
+Two units, two accountants (:class:`EvaluationLedger`):
+
+* one local example's inference result (replace one example): one ``Laplace(2 / b)`` event per
+  evaluation round naming every sampled client (different examples give disjoint reports);
+* the training strategy's unit (a client's whole data set): an evaluated client's data set decides
+  all ``n_c`` of its vectors, so each evaluation charges it ``n_c`` uses. :meth:`EvaluationLedger.total`
+  composes these with the training's epsilon into the run's epsilon per client
+  (:func:`~fl_app.privacy.composition.sequential_stages`: the smaller of the joint composition and
+  training plus the evaluation's basic epsilon).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fl_app.privacy.accountant import PrivacyAccountant, combined_epsilon
+from fl_app.privacy.calibration import (
+    PROBABILITY_VECTOR_L1_SENSITIVITY,
+    laplace_epsilon_for_scale,
+    laplace_epsilon_per_report,
+    laplace_scale,
+)
+from fl_app.privacy.composition import EpsilonReport, sequential_stages
+from fl_app.privacy.events import Laplace, PrivacyEvent
+
+#: The composition method of both evaluation ledgers (PLD of Laplace at epsilon ~1e5 needs ~1e8 bins).
+ACCOUNTANT_METHOD = "rdp"
+EVALUATION_UNIT = (
+    "one local example's inference result (its softmax vector; replace one example), local DP "
+    "against the server; the number of a client's examples is disclosed by the array shape"
+)
+
+
+@dataclass(frozen=True)
+class LaplaceReportPlan:
+    """The noise of every report: what clients are sent, its scale, and the epsilon it really gives.
+
+    Attributes
+    ----------
+    configured_epsilon : float
+        ``evaluation.laplace_eval_eps`` sent to clients (they use ``b = sensitivity / eps``).
+    sensitivity : float
+        The configured L1 sensitivity.
+    scale : float
+        ``b``.
+    epsilon_per_report : float
+        ``2 / b``: the epsilon one report really has (what is charged).
+    source : str
+        Where ``configured_epsilon`` came from.
+    budget : float or None
+        The evaluation's share of the per-client epsilon when calibrated (None: set by hand).
+
+    """
+
+    configured_epsilon: float
+    sensitivity: float
+    scale: float
+    epsilon_per_report: float
+    source: str
+    budget: float | None = None
+
+    @classmethod
+    def for_settings(
+        cls,
+        *,
+        laplace: bool,
+        epsilon: float | None,
+        budget: float,
+        largest_client: int,
+        rounds: int,
+        sensitivity: float,
+    ) -> LaplaceReportPlan | None:
+        """The plan of ``evaluation.*``: None for clear reports, ``epsilon`` if set, else calibrated."""
+        if not laplace:
+            return None
+        if epsilon is not None:
+            return cls.given(
+                epsilon=epsilon, sensitivity=sensitivity, source="evaluation.laplace_eval_eps (set by hand)"
+            )
+        return cls.calibrated(
+            budget=budget, largest_client=largest_client, rounds=rounds, sensitivity=sensitivity
+        )
+
+    @classmethod
+    def given(
+        cls, *, epsilon: float, sensitivity: float, source: str, budget: float | None = None
+    ) -> LaplaceReportPlan:
+        """The plan for a per-report epsilon sent as is."""
+        scale = laplace_scale(sensitivity=sensitivity, epsilon=epsilon)
+        true = laplace_epsilon_for_scale(scale=scale, sensitivity=PROBABILITY_VECTOR_L1_SENSITIVITY)
+        return cls(epsilon, sensitivity, scale, true, source, budget)
+
+    @classmethod
+    def calibrated(
+        cls, *, budget: float, largest_client: int, rounds: int, sensitivity: float
+    ) -> LaplaceReportPlan:
+        """Per-report epsilon: the largest client's reports over ``rounds`` evaluations cost ``budget``.
+
+        Basic composition over ``largest_client x rounds`` reports, at the true sensitivity 2. Clients
+        divide by the configured ``sensitivity``, so they are sent the epsilon giving scale ``2 / eps``.
+        """
+        true = laplace_epsilon_per_report(budget=budget, reports=largest_client * rounds)
+        source = (
+            f"calibrated: budget {budget:.6g} (evaluation.budget_fraction of the per-client epsilon) over "
+            f"{largest_client} reports x {rounds} evaluation rounds, basic composition"
+        )
+        return cls.given(
+            epsilon=true * sensitivity / PROBABILITY_VECTOR_L1_SENSITIVITY,
+            sensitivity=sensitivity,
+            source=source,
+            budget=budget,
+        )
+
+    def understated(self) -> str | None:
+        """What the noise gives when the configured sensitivity is below the true one, else None."""
+        if self.sensitivity >= PROBABILITY_VECTOR_L1_SENSITIVITY:
+            return None
+        return (
+            f"evaluation.sensitivity={self.sensitivity:g} is below the L1 sensitivity of probability "
+            f"vectors ({PROBABILITY_VECTOR_L1_SENSITIVITY:g}): the noise scale {self.scale:.3g} gives "
+            f"epsilon {self.epsilon_per_report:.6g} per report, not the configured "
+            f"{self.configured_epsilon:.6g}; the results report {self.epsilon_per_report:.6g}"
+        )
+
+    @staticmethod
+    def clear_json(sensitivity: float) -> dict[str, Any]:
+        """:meth:`to_json` when the vectors are sent in the clear (no plan)."""
+        return {
+            "mechanism": "none: softmax vectors uploaded in the clear (no finite epsilon)",
+            "sensitivity_configured": sensitivity,
+            "sensitivity_true": PROBABILITY_VECTOR_L1_SENSITIVITY,
+            "laplace_eval_eps": None,
+            "epsilon_source": "none (clear reports)",
+            "budget": None,
+            "scale": None,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan's part of ``privacy.evaluation``."""
+        return {
+            "mechanism": "Laplace noise of scale b on every coordinate of each softmax vector, on the device",
+            "sensitivity_configured": self.sensitivity,
+            "sensitivity_true": PROBABILITY_VECTOR_L1_SENSITIVITY,
+            "laplace_eval_eps": self.configured_epsilon,
+            "epsilon_source": self.source,
+            "budget": self.budget,
+            "scale": self.scale,
+        }
+
+
+class EvaluationLedger:
+    """The evaluation's per-example and client-level accountants, and the run's total per client.
+
+    Parameters
+    ----------
+    population : Sequence[int]
+        Every client's id.
+    training_unit : str
+        The training strategy's privacy unit (the client-level ledger's).
+    epsilon_per_report : float or None
+        What one report costs (None: clear reports, no finite epsilon).
+    delta : float
+        The delta every epsilon is reported at.
+
+    """
+
+    def __init__(
+        self, *, population: Sequence[int], training_unit: str, epsilon_per_report: float | None, delta: float
+    ) -> None:
+        self.epsilon_per_report = epsilon_per_report
+        self.delta = delta
+        self.example_accountant = PrivacyAccountant(
+            population=population, unit=EVALUATION_UNIT, method=ACCOUNTANT_METHOD
+        )
+        self.client_accountant = PrivacyAccountant(
+            population=population, unit=training_unit, method=ACCOUNTANT_METHOD
+        )
+        self.evaluations: Counter[int] = Counter()
+        self._total: tuple[tuple[int, int], EpsilonReport | None] | None = None
+
+    def record(self, server_round: int, vectors: Sequence[tuple[int, int]]) -> None:
+        """One evaluation of every sampled client (failures included) as ``(client, vectors it owns)``."""
+        self.evaluations.update(client for client, _ in vectors)
+        if self.epsilon_per_report is None:
+            return
+        mechanism = Laplace(self.epsilon_per_report)
+        self.example_accountant.record(
+            PrivacyEvent(
+                server_round,
+                mechanism,
+                count=1,
+                participants=tuple(client for client, _ in vectors),
+                label="clustering evaluation: one Laplace report per local example",
+            )
+        )
+        for client, count in vectors:
+            self.client_accountant.record(
+                PrivacyEvent(
+                    server_round,
+                    mechanism,
+                    count=count,
+                    participants=(client,),
+                    label="clustering evaluation: the client's vectors (client level)",
+                )
+            )
+
+    def example_epsilon(self) -> float | None:
+        """Cumulative per-report epsilon of the most-evaluated client (0 before any; None: clear reports)."""
+        if not self.evaluations:
+            return 0.0
+        return (
+            None
+            if self.epsilon_per_report is None
+            else self.example_accountant.epsilon(delta=self.delta).epsilon
+        )
+
+    def client_epsilon(self) -> float | None:
+        """The evaluation's cumulative epsilon in the training unit (worst client; None: clear reports)."""
+        if not self.evaluations:
+            return 0.0
+        return (
+            None
+            if self.epsilon_per_report is None
+            else self.client_accountant.epsilon(delta=self.delta).epsilon
+        )
+
+    def total(
+        self, training: EpsilonReport | None, *, joint_with: PrivacyAccountant | None
+    ) -> EpsilonReport | None:
+        """Training and evaluation per client (None: training not private, or clear reports sent).
+
+        ``joint_with``: the training accountant whose worst client *is* the training epsilon (then the
+        events of both are also composed jointly); None when the training epsilon is computed otherwise.
+        """
+        if training is None or not self.evaluations:
+            return training
+        if self.epsilon_per_report is None:
+            return None
+        state = (len(joint_with.events) if joint_with else 0, len(self.client_accountant.events))
+        if self._total is None or self._total[0] != state:
+            joint = None
+            if joint_with is not None:
+                joint = combined_epsilon(
+                    accountants=[joint_with, self.client_accountant],
+                    delta=self.delta,
+                    method=ACCOUNTANT_METHOD,
+                )
+            pure = self.client_accountant.basic_epsilon()
+            assert pure is not None  # Laplace only
+            self._total = (state, sequential_stages(training=training, pure_epsilon=pure, joint=joint))
+        return self._total[1]
+
+    def summary(self) -> dict[str, Any]:
+        """The ledger's part of ``privacy.evaluation``."""
+        report = (
+            None if self.epsilon_per_report is None else self.example_accountant.epsilon(delta=self.delta)
+        )
+        return {
+            "epsilon_per_report": self.epsilon_per_report,
+            "epsilon_cumulative": self.example_epsilon(),
+            "epsilon_client_level": self.client_epsilon(),
+            "epsilon_cumulative_basic": None if report is None else report.basic,
+            "epsilon_cumulative_method": None if report is None else report.method,
+            "delta": self.delta,
+            "max_evaluations_per_client": max(self.evaluations.values(), default=0),
+            "accountant": (
+                f"{ACCOUNTANT_METHOD} (dp-accounting 0.6.0) and basic composition, per client, over one "
+                "Laplace event per evaluation round naming every sampled client (epsilon_cumulative: one "
+                "example's unit); epsilon_client_level charges each evaluated client n_c uses (its whole "
+                "data set, the training strategy's unit) and is composed with training into rounds[].epsilon "
+                "(the total per client); rounds[].epsilon_training is training alone"
+            ),
+            "disclosed": (
+                "which clients were evaluated and each one's number of local examples (the shape of its "
+                "upload; public in the roster); see privacy.randomness for whether the noise is secret"
+            ),
+        }
