@@ -47,13 +47,13 @@ themselves are the same operations, taken from :mod:`fl_app.privacy`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
-from omegaconf import DictConfig
 
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
@@ -62,11 +62,20 @@ from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
-from fl_app.validation import require_choice, require_positive
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
+from strategies.settings import StrategySettings, one_of, positive
 
 SAMPLINGS = ("poisson", "fixed")
+
+
+@dataclass(frozen=True)
+class DPFedAvgSettings(StrategySettings):
+    """``cfg.strategy`` of ``dp_fedavg`` (``conf/strategy/dp_fedavg.yaml`` explains each key)."""
+
+    clip: float = positive()
+    noise_multiplier: float | None = positive(optional=True)
+    sampling: str = one_of(SAMPLINGS)
 
 
 @register_strategy("dp_fedavg")
@@ -78,15 +87,18 @@ class DPFedAvgStrategy(FederatedStrategy):
     privacy_unit = "one client's entire data set (add or remove one client), central DP"
     mechanism_name = "Gaussian noise on the sum of clipped model updates"
 
-    def __init__(self, run: RunContext) -> None:
-        super().__init__(run)
-        settings = self.cfg.strategy
-        self.clip = float(settings.clip)
-        self.sampling = str(settings.sampling)
+    settings_type = DPFedAvgSettings
+    settings: DPFedAvgSettings
+
+    def __init__(self, run: RunContext, settings: DPFedAvgSettings | None = None) -> None:
+        super().__init__(run, settings)
+        settings = self.settings
+        self.clip = settings.clip
+        self.sampling = settings.sampling
         self.rate = run.clients_per_round / run.num_clients
         rounds = int(self.cfg.num_rounds)
         if settings.noise_multiplier is not None:
-            self.noise_multiplier = float(settings.noise_multiplier)
+            self.noise_multiplier = settings.noise_multiplier
         else:
             self.noise_multiplier = dp_fedavg_noise_multiplier(
                 epsilon=float(self.cfg.privacy.epsilon),
@@ -111,14 +123,6 @@ class DPFedAvgStrategy(FederatedStrategy):
             self.sampling,
             self.rate,
         )
-
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """``strategy.clip`` > 0, ``noise_multiplier`` null or > 0, known sampling."""
-        require_positive("strategy.clip", cfg.strategy.clip)
-        if cfg.strategy.noise_multiplier is not None:
-            require_positive("strategy.noise_multiplier", cfg.strategy.noise_multiplier)
-        require_choice("strategy.sampling", cfg.strategy.sampling, SAMPLINGS)
 
     def select_clients(self, server_round: int) -> list[ClientInfo]:
         """Poisson sampling (each client w.p. q, secret coins from ``run.noise``) or fixed-size sampling."""

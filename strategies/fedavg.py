@@ -19,19 +19,28 @@ average update ``Delta_t = avg_k w^k_{t+1} - w_t`` drives
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
-from omegaconf import DictConfig
 
 from fl_app import keys
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
-from fl_app.validation import require_choice, require_positive, require_range
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, ServerMomentum, arrays_like, mean_arrays
+from strategies.settings import StrategySettings, between, one_of, positive
 
 WEIGHTINGS = ("num_examples", "uniform")
+
+
+@dataclass(frozen=True)
+class FedAvgSettings(StrategySettings):
+    """``cfg.strategy`` of ``fedavg`` (``conf/strategy/fedavg.yaml`` explains each key)."""
+
+    weighting: str = field(default="num_examples", metadata=one_of(WEIGHTINGS).metadata)
+    server_lr: float = field(default=1.0, metadata=positive().metadata)
+    server_momentum: float = field(default=0.0, metadata=between(0.0, 1.0, high_open=True).metadata)
 
 
 @register_strategy("fedavg")
@@ -40,20 +49,13 @@ class FedAvgStrategy(FederatedStrategy):
 
     client_name = "fedavg"
 
-    def __init__(self, run: RunContext) -> None:
-        super().__init__(run)
-        self.server_optimizer = ServerMomentum(
-            lr=float(self.cfg.strategy.get("server_lr", 1.0)),
-            momentum=float(self.cfg.strategy.get("server_momentum", 0.0)),
-        )
+    settings_type = FedAvgSettings
+    settings: FedAvgSettings
 
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """``strategy.weighting`` known, ``server_lr`` > 0, ``server_momentum`` in [0, 1)."""
-        require_choice("strategy.weighting", cfg.strategy.get("weighting", "num_examples"), WEIGHTINGS)
-        require_positive("strategy.server_lr", cfg.strategy.get("server_lr", 1.0))
-        require_range(
-            "strategy.server_momentum", cfg.strategy.get("server_momentum", 0.0), 0.0, 1.0, high_open=True
+    def __init__(self, run: RunContext, settings: FedAvgSettings | None = None) -> None:
+        super().__init__(run, settings)
+        self.server_optimizer = ServerMomentum(
+            lr=self.settings.server_lr, momentum=self.settings.server_momentum
         )
 
     def server_step(self, average: ArrayRecord) -> ArrayRecord:
@@ -74,7 +76,7 @@ class FedAvgStrategy(FederatedStrategy):
         if not valid:
             return None, None
         examples = [float(m.content.metric_records[keys.METRICS][keys.NUM_EXAMPLES]) for _, m in valid]
-        uniform = self.cfg.strategy.get("weighting", "num_examples") == "uniform"
+        uniform = self.settings.weighting == "uniform"
         arrays = mean_arrays(
             [m.content.array_records[keys.ARRAYS] for _, m in valid], None if uniform else examples
         )

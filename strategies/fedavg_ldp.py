@@ -32,13 +32,13 @@ knows it was selected and the server sees who uploaded what).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.supercore import log
-from omegaconf import DictConfig
 
 from fl_app import keys
 from fl_app.privacy.accountant import PrivacyAccountant
@@ -48,9 +48,19 @@ from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import clip_l2, local_gaussian_update
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
-from fl_app.validation import require_choice, require_positive
 from strategies import register_strategy
 from strategies.base import SCHEDULES, FederatedStrategy, max_participations
+from strategies.settings import StrategySettings, flag, one_of, positive
+
+
+@dataclass(frozen=True)
+class FedAvgLDPSettings(StrategySettings):
+    """``cfg.strategy`` of ``fedavg_ldp`` (``conf/strategy/fedavg_ldp.yaml`` explains each key)."""
+
+    clip: float = positive()
+    noise_multiplier: float | None = positive(optional=True)
+    project: bool = flag()
+    schedule: str = one_of(SCHEDULES)
 
 
 @register_strategy("fedavg_ldp")
@@ -65,11 +75,14 @@ class FedAvgLDPStrategy(FederatedStrategy):
     )
     mechanism_name = "Gaussian noise on each client's clipped model update, added on the client"
 
-    def __init__(self, run: RunContext) -> None:
-        super().__init__(run)
-        settings = self.cfg.strategy
-        self.clip = float(settings.clip)
-        self.project = bool(settings.project)
+    settings_type = FedAvgLDPSettings
+    settings: FedAvgLDPSettings
+
+    def __init__(self, run: RunContext, settings: FedAvgLDPSettings | None = None) -> None:
+        super().__init__(run, settings)
+        settings = self.settings
+        self.clip = settings.clip
+        self.project = settings.project
         self.planned_cohorts = self.seeded_schedule(
             int(self.cfg.num_rounds), balanced=settings.schedule == "balanced"
         )
@@ -77,7 +90,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
         self.budget_scope = str(self.cfg.privacy.budget_scope)
         self.method = str(self.cfg.privacy.accountant)
         if settings.noise_multiplier is not None:
-            self.noise_multiplier = float(settings.noise_multiplier)
+            self.noise_multiplier = settings.noise_multiplier
         else:
             self.noise_multiplier = local_gaussian_noise_multiplier(
                 epsilon=float(self.cfg.privacy.epsilon),
@@ -103,14 +116,6 @@ class FedAvgLDPStrategy(FederatedStrategy):
             self.budget_scope,
             self.max_participations,
         )
-
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """``clip`` > 0, ``noise_multiplier`` null or > 0, a known schedule, no federated evaluation."""
-        require_positive("strategy.clip", cfg.strategy.clip)
-        require_choice("strategy.schedule", cfg.strategy.schedule, SCHEDULES)
-        if cfg.strategy.noise_multiplier is not None:
-            require_positive("strategy.noise_multiplier", cfg.strategy.noise_multiplier)
 
     def canary_participation_cap(self) -> int | None:
         """Canaries upload at most as often as the schedule's busiest client (the accounted one)."""

@@ -36,10 +36,10 @@ only for ``epsilon / L < 1``.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
@@ -65,9 +65,10 @@ from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
-from fl_app.validation import ConfigError, require_choice, require_int, require_positive, require_range
+from fl_app.validation import require_int, require_positive, require_range
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, mean_arrays
+from strategies.settings import StrategySettings, integer, non_negative, one_of, positive
 
 RECORD_UNIT = (
     "one record of a client's local data set (replace one record; sensitivity Delta s_U = 2C/m), "
@@ -81,12 +82,24 @@ CLIENT_UNIT = "one client's entire data set (any two clipped parameter vectors: 
 CLIENT_LEVEL_METHOD = "rdp"
 
 
-def _optional_nonnegative(key: str, value: Any) -> None:
-    """``null`` or a finite number >= 0."""
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-        raise ConfigError(key, value, "must be null or a number >= 0")
+@dataclass(frozen=True)
+class NbAFLSettings(StrategySettings):
+    """``cfg.strategy`` of ``nbafl`` (``conf/strategy/nbafl.yaml`` explains each key)."""
+
+    clip: float = positive()
+    k: int | None = integer(minimum=1, optional=True)
+    mu: float = non_negative()
+    calibration: str = one_of(NBAFL_CALIBRATIONS)
+    amplification: str = one_of(NBAFL_AMPLIFICATIONS)
+    sigma_up: float | None = non_negative(optional=True)
+    sigma_down: float | None = non_negative(optional=True)
+
+    def check(self, cfg: DictConfig) -> None:
+        """K at most N; the (epsilon, delta) the calibration targets."""
+        if self.k is not None:
+            require_int("strategy.k", self.k, minimum=1, maximum=int(cfg.num_clients))
+        require_positive("privacy.epsilon", cfg.privacy.epsilon)
+        require_range("privacy.delta", cfg.privacy.delta, 0.0, 1.0, low_open=True, high_open=True)
 
 
 @register_strategy("nbafl")
@@ -100,16 +113,19 @@ class NbAFLStrategy(FederatedStrategy):
         "Gaussian noise N(0, sigma_D^2) on the uniform average (downlink, if T exceeds the threshold)"
     )
 
-    def __init__(self, run: RunContext) -> None:
-        super().__init__(run)
-        settings = self.cfg.strategy
-        self.clip = float(settings.clip)
-        self.mu = float(settings.mu)
-        self.calibration = str(settings.calibration)
-        self.amplification = str(settings.amplification)
+    settings_type = NbAFLSettings
+    settings: NbAFLSettings
+
+    def __init__(self, run: RunContext, settings: NbAFLSettings | None = None) -> None:
+        super().__init__(run, settings)
+        settings = self.settings
+        self.clip = settings.clip
+        self.mu = settings.mu
+        self.calibration = settings.calibration
+        self.amplification = settings.amplification
         self.num_rounds = int(self.cfg.num_rounds)
         self.epsilon_target = float(self.cfg.privacy.epsilon)
-        self.k = int(settings.k) if settings.k is not None else run.clients_per_round
+        self.k = settings.k if settings.k is not None else run.clients_per_round
         if not 1 <= self.k <= run.num_clients:
             raise ValueError(f"K={self.k} clients per round is not in [1, N={run.num_clients}]")
         self.schedule = self._draw_schedule()
@@ -123,7 +139,7 @@ class NbAFLStrategy(FederatedStrategy):
         self.classic_bound_holds = self.per_exposure_epsilon < CLASSIC_GAUSSIAN_MAX_EPSILON
         self.range_warning: str | None = None
         if settings.sigma_up is not None:
-            self.sigma_up = float(settings.sigma_up)
+            self.sigma_up = settings.sigma_up
             self.sigma_up_source = "strategy.sigma_up (set by hand)"
         else:
             with warnings.catch_warnings(record=True) as caught:
@@ -154,7 +170,7 @@ class NbAFLStrategy(FederatedStrategy):
             amplification=self.amplification,
         )
         if settings.sigma_down is not None:
-            self.sigma_down = float(settings.sigma_down)
+            self.sigma_down = settings.sigma_down
             self.sigma_down_source = "strategy.sigma_down (set by hand)"
         else:
             self.sigma_down = nbafl_downlink_sigma(
@@ -182,23 +198,6 @@ class NbAFLStrategy(FederatedStrategy):
         self._log_setup()
 
     # ------------------------------------------------------------------ configuration
-
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """C > 0, 1 <= K <= N, mu >= 0, known calibration/amplification, epsilon > 0, delta in (0, 1)."""
-        settings = cfg.strategy
-        require_positive("strategy.clip", settings.clip)
-        if settings.k is not None:
-            require_int("strategy.k", settings.k, minimum=1, maximum=int(cfg.num_clients))
-        mu = settings.mu
-        if isinstance(mu, bool) or not isinstance(mu, int | float) or not math.isfinite(mu) or mu < 0:
-            raise ConfigError("strategy.mu", mu, "must be a number >= 0")
-        require_choice("strategy.calibration", settings.calibration, NBAFL_CALIBRATIONS)
-        require_choice("strategy.amplification", settings.amplification, NBAFL_AMPLIFICATIONS)
-        _optional_nonnegative("strategy.sigma_up", settings.sigma_up)
-        _optional_nonnegative("strategy.sigma_down", settings.sigma_down)
-        require_positive("privacy.epsilon", cfg.privacy.epsilon)
-        require_range("privacy.delta", cfg.privacy.delta, 0.0, 1.0, low_open=True, high_open=True)
 
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """C, sigma_U and mu for the clients."""
@@ -342,7 +341,7 @@ class NbAFLStrategy(FederatedStrategy):
 
     def _claim_status(self) -> str:
         """What the document's (epsilon, delta) claim amounts to for this run's calibration."""
-        if self.cfg.strategy.sigma_up is not None:
+        if self.settings.sigma_up is not None:
             return "sigma_U set by hand: the document's calibration does not apply; the accountant's does"
         if self.calibration == "accountant":
             return "(epsilon, delta) by the accountant's composition of the L uploads"

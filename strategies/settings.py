@@ -19,6 +19,7 @@ setting is checked in one place and the strategy reads typed values (no ``float(
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Self
@@ -52,6 +53,24 @@ def setting(check: Check, *, optional: bool = False) -> Any:
 def positive(*, optional: bool = False) -> Any:
     """A number > 0."""
     return setting(require_positive, optional=optional)
+
+
+def non_negative(*, optional: bool = False) -> Any:
+    """A finite number >= 0."""
+
+    def check(key: str, value: Any) -> float:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value < 0
+        ):
+            raise ConfigError(
+                key, value, "must be null or a number >= 0" if optional else "must be a number >= 0"
+            )
+        return float(value)
+
+    return setting(check, optional=optional)
 
 
 def between(
