@@ -75,6 +75,21 @@ class RunContext:
         """The run's target delta."""
         return float(self.cfg.privacy.delta)
 
+    @property
+    def epsilon(self) -> float:
+        """The run's target epsilon (``privacy.epsilon``; the training's share under an evaluation stage)."""
+        return float(self.cfg.privacy.epsilon)
+
+    @property
+    def num_rounds(self) -> int:
+        """T, the rounds of the run."""
+        return int(self.cfg.num_rounds)
+
+    @property
+    def accountant_method(self) -> str:
+        """``privacy.accountant``: the composition method of every accountant of the run."""
+        return str(self.cfg.privacy.accountant)
+
     def info(self, client_id: int) -> ClientInfo:
         """The roster entry of ``client_id``."""
         for entry in self.roster:

@@ -96,22 +96,22 @@ class DPFedAvgStrategy(FederatedStrategy):
         self.clip = settings.clip
         self.sampling = settings.sampling
         self.rate = run.clients_per_round / run.num_clients
-        rounds = int(self.cfg.num_rounds)
+        rounds = self.run.num_rounds
         if settings.noise_multiplier is not None:
             self.noise_multiplier = settings.noise_multiplier
         else:
             self.noise_multiplier = dp_fedavg_noise_multiplier(
-                epsilon=float(self.cfg.privacy.epsilon),
+                epsilon=self.run.epsilon,
                 delta=run.delta,
                 sampling_rate=self.rate if self.sampling == "poisson" else 1.0,
                 rounds=rounds,
-                method=str(self.cfg.privacy.accountant),
+                method=self.run.accountant_method,
             )
         self.denominator = (
             self.rate * run.num_clients if self.sampling == "poisson" else float(run.clients_per_round)
         )
         self.accountant = PrivacyAccountant(
-            population=run.client_ids, unit=self.privacy_unit, method=str(self.cfg.privacy.accountant)
+            population=run.client_ids, unit=self.privacy_unit, method=self.run.accountant_method
         )
         self.secret_cohort = self.sampling == "poisson"
         self._norms: dict[int, list[float]] = RecentRounds()

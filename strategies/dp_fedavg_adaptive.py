@@ -189,7 +189,7 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
         self.plan = noise_plan(self.cfg, self.settings)
         self.clip = self.settings.initial_clip
         self.accountant = PrivacyAccountant(
-            population=run.client_ids, unit=self.privacy_unit, method=str(self.cfg.privacy.accountant)
+            population=run.client_ids, unit=self.privacy_unit, method=self.run.accountant_method
         )
         self.server_optimizer = ServerMomentum(
             lr=self.settings.server_lr, momentum=self.settings.server_momentum

@@ -120,18 +120,18 @@ class DPFTRLStrategy(FederatedStrategy):
 
     def __init__(self, run: RunContext, settings: DPFTRLSettings | None = None) -> None:
         super().__init__(run, settings)
-        self.num_rounds = int(self.cfg.num_rounds)
+        self.num_rounds = self.run.num_rounds
         self.cohort_size = run.clients_per_round
         self.rounds_per_epoch = run.num_clients // self.cohort_size
         self.schedule = self._public_schedule()
-        self.method = str(self.cfg.privacy.accountant)
+        self.method = self.run.accountant_method
         self._leaves = self._leaves_by_client()
         worst = self._worst_histories()
         if self.settings.noise_multiplier is not None:
             self.noise_multiplier = self.settings.noise_multiplier
         else:
             self.noise_multiplier = noise_multiplier_for_histories(
-                epsilon=float(self.cfg.privacy.epsilon),
+                epsilon=self.run.epsilon,
                 delta=run.delta,
                 histories_of=worst,
                 method=self.method,

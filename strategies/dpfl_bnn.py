@@ -132,23 +132,23 @@ class DPFLBNNStrategy(FederatedStrategy):
         self.shapes = [tuple(p.shape) for p in parameters.values()]
         self.num_bits = int(sum(p.numel() for p in parameters.values()))
         self.noise = settings.noise == "rr"
-        self.rounds = int(self.cfg.num_rounds)
+        self.rounds = self.run.num_rounds
         self.ledger: BinaryRRLedger | None = None
         if self.noise:
             plan = GammaPlan.make(
                 gamma=settings.gamma,
                 calibration=settings.calibration,
-                epsilon=float(self.cfg.privacy.epsilon),
+                epsilon=self.run.epsilon,
                 delta=run.delta,
                 rounds=self.rounds,
                 num_bits=self.num_bits,
-                method=str(self.cfg.privacy.accountant),
+                method=self.run.accountant_method,
             )
             self.ledger = BinaryRRLedger(
                 plan=plan,
                 num_bits=self.num_bits,
                 population=run.client_ids,
-                method=str(self.cfg.privacy.accountant),
+                method=self.run.accountant_method,
                 delta=run.delta,
             )
             self.accountant = self.ledger.accountant
@@ -179,7 +179,7 @@ class DPFLBNNStrategy(FederatedStrategy):
         if self.ledger is None:
             log(INFO, "DPFL-BNN: noise-free BNN (no RR), d=%d binary weights: not private", self.num_bits)
             return
-        plan, target = self.ledger.plan, float(self.cfg.privacy.epsilon)
+        plan, target = self.ledger.plan, self.run.epsilon
         log(
             INFO,
             "DPFL-BNN: gamma=%.6g (flip probability %.6g; %s), d=%d bits per upload; epsilon after %d "
@@ -366,9 +366,7 @@ class DPFLBNNStrategy(FederatedStrategy):
             }
         )
         if self.ledger is not None:
-            summary.update(
-                self.ledger.summary(target_epsilon=float(self.cfg.privacy.epsilon), rounds=self.rounds)
-            )
+            summary.update(self.ledger.summary(target_epsilon=self.run.epsilon, rounds=self.rounds))
         if self.settings.local_eval_clients > 0:
             summary["diagnostics_outside_accounting"] = (
                 "outside_guarantee.rounds[].local_model_accuracy: clients report the test accuracy of "

@@ -84,16 +84,16 @@ class FedAvgLDPStrategy(FederatedStrategy):
         self.clip = settings.clip
         self.project = settings.project
         self.planned_cohorts = self.seeded_schedule(
-            int(self.cfg.num_rounds), balanced=settings.schedule == "balanced"
+            self.run.num_rounds, balanced=settings.schedule == "balanced"
         )
         self.max_participations = max_participations(self.planned_cohorts)
         self.budget_scope = str(self.cfg.privacy.budget_scope)
-        self.method = str(self.cfg.privacy.accountant)
+        self.method = self.run.accountant_method
         if settings.noise_multiplier is not None:
             self.noise_multiplier = settings.noise_multiplier
         else:
             self.noise_multiplier = local_gaussian_noise_multiplier(
-                epsilon=float(self.cfg.privacy.epsilon),
+                epsilon=self.run.epsilon,
                 delta=run.delta,
                 participations=max(self.max_participations, 1) if self.budget_scope == "total" else 1,
                 method=self.method,
@@ -181,7 +181,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
         return {
             **super().privacy_summary(),
             "budget_scope": self.budget_scope,
-            "epsilon_target": float(self.cfg.privacy.epsilon),
+            "epsilon_target": self.run.epsilon,
             "epsilon_per_round": self.epsilon_per_round,
             "epsilon_cumulative": None if cumulative is None else cumulative.epsilon,
             "noise_multiplier": self.noise_multiplier,

@@ -159,8 +159,8 @@ class KDDPStrategy(FederatedStrategy):
     def __init__(self, run: RunContext, settings: KDDPSettings | None = None) -> None:
         super().__init__(run, settings)
         settings = self.settings
-        self.num_rounds = int(self.cfg.num_rounds)
-        self.budget: KDDPBudget = settings.budget(float(self.cfg.privacy.epsilon))
+        self.num_rounds = self.run.num_rounds
+        self.budget: KDDPBudget = settings.budget(self.run.epsilon)
         self.teacher_rounds = settings.stage_rounds(self.num_rounds)
         large, general = self._groups()
         self.teacher_per_round = min(settings.teacher_clients_per_round or len(large), len(large))
@@ -179,7 +179,7 @@ class KDDPStrategy(FederatedStrategy):
             population=run.client_ids,
             budget=self.budget,
             num_classes=int(run.model_spec.num_classes),
-            method=str(self.cfg.privacy.accountant),
+            method=self.run.accountant_method,
             delta=run.delta,
         )
         self.accountant = self.ledger.accountant

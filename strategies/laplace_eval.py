@@ -377,9 +377,7 @@ class LaplaceEvalStage(EvaluationStage):
             "stage": STAGE_NAME,
             "privacy_eval_type": self.settings.privacy_eval_type,
             **(clear if plan is None else plan.to_json()),
-            "training_budget": None
-            if plan is None or plan.budget is None
-            else float(self.cfg.privacy.epsilon),
+            "training_budget": None if plan is None or plan.budget is None else self.run.epsilon,
             "evaluation_rounds": self.evaluation_rounds,
             **self.ledger.summary(),
             "ledger": None if plan is None else LEDGER_FILE,

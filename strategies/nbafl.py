@@ -123,8 +123,8 @@ class NbAFLStrategy(FederatedStrategy):
         self.mu = settings.mu
         self.calibration = settings.calibration
         self.amplification = settings.amplification
-        self.num_rounds = int(self.cfg.num_rounds)
-        self.epsilon_target = float(self.cfg.privacy.epsilon)
+        self.num_rounds = self.run.num_rounds
+        self.epsilon_target = self.run.epsilon
         self.k = settings.k if settings.k is not None else run.clients_per_round
         if not 1 <= self.k <= run.num_clients:
             raise ValueError(f"K={self.k} clients per round is not in [1, N={run.num_clients}]")
@@ -151,7 +151,7 @@ class NbAFLStrategy(FederatedStrategy):
                     min_dataset_size=self.min_dataset_size,
                     exposures=self.exposures,
                     calibration=self.calibration,
-                    method=str(self.cfg.privacy.accountant),
+                    method=self.run.accountant_method,
                 )
             self.sigma_up_source = f"calibration={self.calibration}"
             if caught:
@@ -188,7 +188,7 @@ class NbAFLStrategy(FederatedStrategy):
         self.client_accountant: PrivacyAccountant | None = None
         if self.sigma_up > 0:
             self.accountant = PrivacyAccountant(
-                population=run.client_ids, unit=RECORD_UNIT, method=str(self.cfg.privacy.accountant)
+                population=run.client_ids, unit=RECORD_UNIT, method=self.run.accountant_method
             )
             self.client_accountant = PrivacyAccountant(
                 population=run.client_ids, unit=CLIENT_UNIT, method=CLIENT_LEVEL_METHOD

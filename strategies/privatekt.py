@@ -176,13 +176,13 @@ class PrivateKTStrategy(FederatedStrategy):
         self.send_kt_data = not simulated if settings.send_kt_data is None else settings.send_kt_data
 
         self.planned_cohorts = self.seeded_schedule(
-            int(self.cfg.num_rounds), balanced=settings.schedule == "balanced"
+            self.run.num_rounds, balanced=settings.schedule == "balanced"
         )
         self.max_participations = max_participations(self.planned_cohorts)
         self.budget_scope = str(self.cfg.privacy.budget_scope)
-        self.method = str(self.cfg.privacy.accountant)
+        self.method = self.run.accountant_method
         self.epsilon_per_label = privatekt_epsilon_per_label(
-            epsilon=float(self.cfg.privacy.epsilon),
+            epsilon=self.run.epsilon,
             k=self.k,
             num_classes=self.num_classes,
             budget_scope=self.budget_scope,
@@ -368,7 +368,7 @@ class PrivateKTStrategy(FederatedStrategy):
         return {
             **super().privacy_summary(),
             "budget_scope": self.budget_scope,
-            "epsilon_target": float(self.cfg.privacy.epsilon),
+            "epsilon_target": self.run.epsilon,
             "epsilon_per_label": self.epsilon_per_label,
             "epsilon_per_round": self.epsilon_per_round,
             "epsilon_cumulative": cumulative.epsilon,
