@@ -1,0 +1,154 @@
+r"""Choose each arm's settings per budget on the validation split (never the test split).
+
+A tuning sweep runs every candidate setting of an arm with ``evaluation.split=validation``: the
+server evaluates on rows of the training split that belong to no client, and the test split is not
+read. This script reads such sweeps (``fl_app.report.load_runs``), scores every run by the mean
+validation accuracy of its last ``--last`` evaluated rounds (the model a user would ship, less
+noisy than the last round alone), and for every (arm, epsilon) picks the best candidate. It prints
+one markdown table per arm (every candidate's score, the choice in bold), the overrides of each
+choice (to run it again with ``evaluation.split=test``), and the grid's size and compute time.
+
+Choosing on data of the same distribution as the clients' is still a release: the validation rows
+stand for a held-out population; had they been clients' data, the choice itself would cost privacy
+that no epsilon here counts (Papernot & Steinke, "Hyperparameter Tuning with Renyi Differential
+Privacy", ICLR 2022).
+
+Usage::
+
+    python benchmarks/select_on_validation.py /tmp/tune/sweep/dp_fedavg /tmp/tune/sweep/dp_fedavg_e5 \
+        --out docs/benchmarks/cross_device/tuning.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fl_app.report import Run, load_runs
+
+#: The keys a tuning grid varies (shown per candidate); anything else must be equal within an arm.
+GRID_KEYS = (
+    "num_rounds",
+    "local_epochs",
+    "lr",
+    "strategy.server_lr",
+    "strategy.server_momentum",
+    "strategy.clip",
+)
+
+
+def score(run: Run, *, last: int) -> float:
+    """Mean validation accuracy of the last ``last`` evaluated rounds."""
+    accuracies = [r["accuracy"] for r in run.results["rounds"] if r.get("accuracy") is not None]
+    tail = accuracies[-last:]
+    return sum(tail) / len(tail)
+
+
+def candidate(run: Run, keys: Sequence[str]) -> str:
+    """The run's grid point, e.g. ``num_rounds=50 local_epochs=3``."""
+    settings = run.settings()
+    return " ".join(f"{key}={settings.get(key)}" for key in keys)
+
+
+def select(runs: Sequence[Run], *, last: int) -> dict[tuple[str, float], list[tuple[str, float, Run]]]:
+    """Per (arm, epsilon): every candidate (the grid keys varying within the arm), its score; best first."""
+    by_arm: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        by_arm[str(run.config["strategy"]["name"])].append(run)
+    table: dict[tuple[str, float], list[tuple[str, float, Run]]] = defaultdict(list)
+    for arm, members in by_arm.items():
+        keys = [k for k in GRID_KEYS if len({str(m.settings().get(k)) for m in members}) > 1]
+        for run in members:
+            epsilon = float(run.config["privacy"]["epsilon"])
+            table[(arm, epsilon)].append((candidate(run, keys), score(run, last=last), run))
+    return {key: sorted(entries, key=lambda entry: -entry[1]) for key, entries in sorted(table.items())}
+
+
+def markdown(chosen: dict[tuple[str, float], list[tuple[str, float, Run]]], *, last: int) -> list[str]:
+    """One table per arm: candidates as columns, budgets as rows, the choice in bold."""
+    lines: list[str] = []
+    arms = sorted({arm for arm, _ in chosen})
+    for arm in arms:
+        keys = [key for key in chosen if key[0] == arm]
+        columns = sorted({name for key in keys for name, _, _ in chosen[key]}, key=_numeric_order)
+        lines += [
+            f"#### {arm}: mean validation accuracy of the last {last} rounds",
+            "",
+            "| epsilon | " + " | ".join(f"`{c}`" for c in columns) + " |",
+            "|---|" + "---|" * len(columns),
+        ]
+        for key in keys:
+            best = chosen[key][0][0]
+            scores = {name: value for name, value, _ in chosen[key]}
+            cells = [
+                "-" if c not in scores else (f"**{scores[c]:.4f}**" if c == best else f"{scores[c]:.4f}")
+                for c in columns
+            ]
+            lines.append(f"| {key[1]:g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _numeric_order(name: str) -> tuple[tuple[int, float, str], ...]:
+    """``num_rounds=30 local_epochs=5`` sorts by 30, then 5 (numbers as numbers, before other values)."""
+    order = []
+    for part in name.split():
+        value = part.partition("=")[2]
+        try:
+            order.append((0, float(value), ""))
+        except ValueError:
+            order.append((1, 0.0, value))
+    return tuple(order)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Read the sweeps, refuse runs evaluated on the test split, print (and write) the choice."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("sweeps", nargs="+", type=Path, help="tuning sweep folders (results.json below)")
+    parser.add_argument("--last", type=int, default=10, help="rounds averaged for the score (default 10)")
+    parser.add_argument("--out", type=Path, help="also write the markdown here")
+    args = parser.parse_args(argv)
+    runs: list[Run] = []
+    for root in args.sweeps:
+        found, problems = load_runs(root)
+        for problem in problems:
+            print(f"skipped: {problem}", file=sys.stderr)
+        runs += found
+    tested = [run for run in runs if run.results["final"].get("evaluated_on", "test") != "validation"]
+    if tested:
+        print(
+            f"error: {len(tested)} runs were evaluated on the test split, e.g. {tested[0].path}",
+            file=sys.stderr,
+        )
+        return 2
+    if not runs:
+        print("error: no runs found", file=sys.stderr)
+        return 2
+    chosen = select(runs, last=args.last)
+    wall = sum(float(run.results["final"].get("wall_s") or 0.0) for run in runs)
+    lines = markdown(chosen, last=args.last)
+    lines += [
+        f"Grid: {len(runs)} runs, {wall / 60:.0f} min of run time (rounds only, start-up excluded).",
+        "",
+        "| arm | epsilon | chosen | validation score |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {arm} | {eps:g} | `{entries[0][0]}` | {entries[0][1]:.4f} |"
+        for (arm, eps), entries in chosen.items()
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
