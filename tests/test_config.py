@@ -35,6 +35,29 @@ def test_every_option_of_every_group_composes_and_validates(group):
             overrides.append("dataset.data_dir=/nonexistent")
         cfg = compose_config(overrides)
         validate_config(cfg, check_data=False)
+        own = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
+        missing = [key for key in own if key != "defaults" and key not in cfg[group]]
+        assert not missing, f"{group}={option}: keys of the file not in the composed config: {missing}"
+        if "name" in own:
+            assert cfg[group].name == own.name
+
+
+def test_every_strategy_declares_exactly_the_keys_of_its_conf_file():
+    """Settings read only the fields they declare: a conf key without a field would be silently ignored."""
+    import dataclasses
+
+    from strategies import STRATEGIES
+    from strategies.laplace_eval import LaplaceEvalSettings
+
+    for name in options("strategy"):
+        settings = STRATEGIES.get(name).settings_type
+        assert settings is not None, name
+        declared = {field.name for field in dataclasses.fields(settings)}
+        assert set(OmegaConf.load(CONF_DIR / "strategy" / f"{name}.yaml")) - {"name"} == declared, name
+    stage = set(OmegaConf.load(CONF_DIR / "evaluation" / "laplace_eval.yaml"))
+    plain = set(OmegaConf.load(CONF_DIR / "evaluation" / "default.yaml"))
+    declared = {field.name for field in dataclasses.fields(LaplaceEvalSettings)}
+    assert stage - plain - {"defaults"} == declared - {"epsilon_budget"}
 
 
 def test_every_experiment_preset_composes_and_validates():
@@ -292,3 +315,54 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         ["+experiment=compare_cross_device", "cross_device=fedavg", "privacy.epsilon=8"], multirun=True
     )
     assert [compose_config(j).strategy.name for j in reference] == ["fedavg"] * 3
+
+
+def test_declared_settings_read_check_and_name_the_key():
+    """strategies.settings: each field's check names its key; optional fields take null; cross-key check."""
+    from dataclasses import dataclass
+
+    from strategies.settings import StrategySettings, between, integer, names, one_of, positive
+
+    @dataclass(frozen=True)
+    class Example(StrategySettings):
+        budget_scopes = ("total",)
+        clip: float = positive()
+        k: int | None = integer(minimum=1, optional=True)
+        beta: float = between(0.0, 1.0, high_open=True)
+        mode: str = one_of(("a", "b"))
+        kinds: tuple[str, ...] = names(("x", "y"))
+
+        def check(self, cfg):
+            if self.mode == "b" and self.k is None:
+                raise ConfigError("strategy.k", None, "must be set with strategy.mode=b")
+
+    def cfg(**strategy):
+        values = {"clip": 1, "k": None, "beta": 0.5, "mode": "a", "kinds": "x", **strategy}
+        return OmegaConf.create({"strategy": values, "privacy": {"budget_scope": "total"}})
+
+    settings = Example.from_config(cfg(kinds=["x", "y"]))
+    assert settings == Example(clip=1.0, k=None, beta=0.5, mode="a", kinds=("x", "y"))
+    assert isinstance(settings.clip, float)
+    for bad, key in [
+        ({"clip": 0}, "strategy.clip"),
+        ({"k": 0}, "strategy.k"),
+        ({"k": 1.5}, "strategy.k"),
+        ({"beta": 1.0}, "strategy.beta"),
+        ({"mode": "c"}, "strategy.mode"),
+        ({"kinds": []}, "strategy.kinds"),
+        ({"kinds": ["x", "z"]}, "strategy.kinds"),
+        ({"mode": "b"}, "strategy.k"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            Example.from_config(cfg(**bad))
+        assert error.value.key == key, bad
+    per_round = cfg()
+    per_round.privacy.budget_scope = "per_round"
+    with pytest.raises(ConfigError) as error:
+        Example.from_config(per_round)
+    assert error.value.key == "privacy.budget_scope"
+    incomplete = cfg()
+    del incomplete.strategy["beta"]
+    with pytest.raises(ConfigError) as error:
+        Example.from_config(incomplete)
+    assert error.value.key == "strategy.beta"
