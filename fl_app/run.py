@@ -37,7 +37,13 @@ from fl_app.checkpoint import (
     rng_states,
     save_checkpoint,
 )
-from fl_app.config import RUN_CONFIG_OUTPUT_DIR, compose_config, freeze, overrides_from_run_config
+from fl_app.config import (
+    RUN_CONFIG_OUTPUT_DIR,
+    compose_config,
+    freeze,
+    overrides_from_run_config,
+    take_handed_over,
+)
 from fl_app.data.federated import DataSpec, FederatedData, federated_data
 from fl_app.lifecycle import (
     Outcome,
@@ -56,7 +62,7 @@ from fl_app.roster import ClientInfo, discover_roster, on_devices
 from fl_app.round_loop import check_round, run_rounds
 from fl_app.run_context import RunContext, output_path
 from fl_app.tracking import make_tracker
-from fl_app.validation import require_choice, validate_config
+from fl_app.validation import validate_config
 from strategies import EVALUATION_STAGES, STRATEGIES
 from strategies.base import FederatedStrategy
 
@@ -64,22 +70,19 @@ LOG_FILE = "run.log"
 
 
 def evaluation_stage(cfg: DictConfig) -> Any | None:
-    """The (validated) evaluation stage class ``evaluation.stage`` names, or None."""
+    """The evaluation stage class ``evaluation.stage`` names (checked by ``validate_config``), or None."""
     name = cfg.evaluation.get("stage")
-    if name is None:
-        return None
-    stage = EVALUATION_STAGES.get(require_choice("evaluation.stage", name, EVALUATION_STAGES.names()))
-    stage.validate_config(cfg)
-    return stage
+    return None if name is None else EVALUATION_STAGES.get(str(name))
 
 
 def run_federation(grid: Grid, context: Context) -> None:
     """ServerApp main: compose the configuration from the run config and execute it."""
     overrides = overrides_from_run_config(context.run_config)
     try:
-        cfg = compose_config(overrides)
-        validate_config(cfg)
-        evaluation_stage(cfg)
+        cfg = take_handed_over(context.run_id)  # a local simulation's job, composed and validated once
+        if cfg is None:
+            cfg = compose_config(overrides)
+            validate_config(cfg)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         # One line, nothing written. Under `flwr run` the ServerApp then raises, so that
         # `flwr ls` lists the run as failed (Flower adds its traceback to the run's log).

@@ -28,7 +28,7 @@ import psutil
 from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
-from fl_app.config import overrides_to_run_config
+from fl_app.config import hand_over, overrides_to_run_config, take_handed_over
 from fl_app.flower_engine import run_simulation_engine, start_ray
 from fl_app.lifecycle import (
     Outcome,
@@ -77,6 +77,7 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
     )
     backend = backend_config(cfg)
     watch = RayProcessWatch() if not cfg.simulation.ray_address else None
+    hand_over(context.run_id, cfg)
     with stop_on_signals():
         try:
             start_ray(backend["init_args"])
@@ -93,6 +94,7 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
                 max_actors=cfg.simulation.get("max_concurrent_clients"),
             )
         finally:
+            take_handed_over(context.run_id)  # not taken when the engine failed before the ServerApp ran
             shutdown_ray(watch)
     outcome = take_outcome()
     if outcome is None:  # the ServerApp refused the configuration or ended without a run

@@ -258,7 +258,10 @@ def check_partitions(cfg: DictConfig) -> None:
 
 
 def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
-    """Check everything: common keys, the strategy's own keys, and (optionally) the data and its split."""
+    """Check everything: common keys, the strategy's and the stage's, the output, the data and its split.
+
+    The one validation of a job (before any simulation starts); ``check_data=False`` skips the data.
+    """
     from strategies import STRATEGIES
 
     require_choice("strategy.name", cfg.strategy.name, STRATEGIES.names())
@@ -272,6 +275,12 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
             cfg.privacy.canaries,
             f"must be 0: strategy={cfg.strategy.name} {strategy.canaries_note}",
         )
+    stage = cfg.evaluation.get("stage")
+    if stage is not None:
+        from strategies import EVALUATION_STAGES
+
+        require_choice("evaluation.stage", stage, EVALUATION_STAGES.names())
+        EVALUATION_STAGES.get(stage).validate_config(cfg)
     check_output_dir(cfg)
     if cfg.get("resume") is not None:
         if not strategy.resumable:

@@ -264,6 +264,7 @@ def test_config_error_names_key_value_and_allowed():
         "clients_per_round=1000",
         "strategy=nope",
         "dataset=mnist dataset.data_dir=/nope dataset.download=false",
+        "evaluation=laplace_eval evaluation.sensitivity=0.5",  # the stage's keys, before Ray starts
     ],
 )
 def test_cli_exits_2_with_one_line_and_writes_nothing(override, tmp_path):

@@ -40,7 +40,7 @@ from fl_app.privacy.calibration import (
 from fl_app.privacy.mechanisms import probability_rows
 from fl_app.run import evaluation_stage
 from fl_app.training import model_to_arrays, predict_proba
-from fl_app.validation import ConfigError
+from fl_app.validation import ConfigError, validate_config
 from strategies.dp_fedavg import DPFedAvgStrategy
 from strategies.fedavg import FedAvgStrategy
 from strategies.laplace_eval import LaplaceEvalStage, SensitivityWarning, clustering_scores
@@ -311,7 +311,7 @@ def test_invalid_stage_settings_fail_in_one_line():
     }
     for override, key in cases.items():
         with pytest.raises(ConfigError) as caught:
-            evaluation_stage(compose_config([*STAGE, override]))
+            validate_config(compose_config([*STAGE, override]), check_data=False)
         assert caught.value.key == key
         assert "\n" not in str(caught.value)
 

@@ -35,7 +35,6 @@ from fl_app.roster import ClientInfo
 from fl_app.run import (
     describe_randomness,
     diagnostics_enabled,
-    evaluation_stage,
     make_run_context,
     noise_source,
     privacy_randomness,
@@ -330,7 +329,7 @@ def test_laplace_evaluation_default_fits_in_privacy_epsilon_and_enters_the_total
 )
 def test_bad_evaluation_budget_is_one_line(overrides, key):
     with pytest.raises(ConfigError) as caught:
-        evaluation_stage(compose_config([*DIGITS, "evaluation=laplace_eval", *overrides]))
+        validate_config(compose_config([*DIGITS, "evaluation=laplace_eval", *overrides]), check_data=False)
     assert caught.value.key == key
     assert "\n" not in str(caught.value)
 
