@@ -70,6 +70,7 @@ COLUMNS = (
     "empirical_high",
     "canaries",
     "delta",
+    "evaluated_on",
     "accuracy_mean",
     "accuracy_std",
     "seeds",
@@ -177,6 +178,7 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 # the largest estimate over seeds, with its interval: compared with the largest claim
                 **_largest_estimate(estimates),
                 "delta": first["final"].get("delta"),
+                "evaluated_on": first["final"].get("evaluated_on", "test"),
                 "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
                 "accuracy_std": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else None,
                 "seeds": len({m.config.get("seed") for m in members}),
@@ -276,6 +278,8 @@ def _table_lines(rows: Sequence[dict[str, Any]], *, canaries: bool) -> list[str]
         accuracy = "-" if row["accuracy_mean"] is None else f"{row['accuracy_mean']:.4f}"
         if row["accuracy_mean"] is not None and row["accuracy_std"] is not None:
             accuracy += f" ± {row['accuracy_std']:.4f}"
+        if row["accuracy_mean"] is not None and row["evaluated_on"] != "test":
+            accuracy += f" ({row['evaluated_on']})"  # a tuning run: not a test accuracy
         upload = (
             "-"
             if row["upload_bytes_per_client_round"] is None

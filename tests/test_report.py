@@ -21,6 +21,7 @@ def fake_results(
     accuracy: float,
     upload: int = 1000,
     clients: int = 4,
+    evaluated_on: str | None = None,
 ) -> None:
     directory.mkdir(parents=True)
     rounds = [
@@ -62,6 +63,9 @@ def fake_results(
         },
         "privacy": {"unit": "one client" if epsilon else "none", "mechanism": "x", "accountant": "y"},
     }
+    if evaluated_on is not None:  # older runs have no field: they were evaluated on the test split
+        results["final"]["evaluated_on"] = evaluated_on
+        results["config"]["evaluation"] = {"split": evaluated_on}
     (directory / "results.json").write_text(json.dumps(results))
 
 
@@ -200,3 +204,18 @@ def test_plot_lines_never_join_two_configurations(tmp_path):
     rows = report.summarise(runs)
     labels = {report._label(row) for row in rows}
     assert labels == {"privatekt (digits, strategy.k=2)", "privatekt (digits, strategy.k=4)"}
+
+
+def test_accuracies_read_on_the_validation_split_say_so(tmp_path):
+    fake_results(
+        tmp_path / "tune", strategy="dp_fedavg", epsilon=4.0, seed=1, accuracy=0.7, evaluated_on="validation"
+    )
+    fake_results(
+        tmp_path / "test", strategy="dp_fedavg", epsilon=4.0, seed=1, accuracy=0.6, evaluated_on="test"
+    )
+    assert main([str(tmp_path)]) == 0
+    lines = (tmp_path / "report.md").read_text().splitlines()
+    assert any("0.7000 (validation)" in line for line in lines)
+    assert any("| 0.6000 |" in line for line in lines)
+    rows = list(csv.DictReader((tmp_path / "report.csv").open()))
+    assert sorted(r["evaluated_on"] for r in rows) == ["test", "validation"]
