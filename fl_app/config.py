@@ -23,6 +23,31 @@ from fl_app.conf_dir import CONF_DIR, config_groups
 
 CONFIG_NAME = "config"
 
+
+def per_budget(epsilon: float, table: str) -> int | float:
+    """A setting chosen per privacy budget: ``${per_budget:${privacy.epsilon},"1:30, 2:50, 8:200"}``.
+
+    ``table`` lists ``budget:value`` pairs. The value is the one of the largest listed budget at or
+    below ``epsilon`` (the smallest listed budget's below all of them), so a budget between two
+    tuned ones gets the setting tuned for the smaller, the conservative side. Values are numbers.
+    """
+    pairs = []
+    for item in str(table).replace(",", " ").split():
+        budget, _, value = item.partition(":")
+        number = float(value)
+        pairs.append((float(budget), int(number) if number.is_integer() and "." not in value else number))
+    if not pairs:
+        raise ValueError(f"per_budget: empty table {table!r}")
+    pairs.sort()
+    chosen = pairs[0][1]
+    for budget, value in pairs:
+        if budget <= float(epsilon):
+            chosen = value
+    return chosen
+
+
+OmegaConf.register_new_resolver("per_budget", per_budget, replace=True)
+
 RUN_CONFIG_OVERRIDES = "overrides"
 RUN_CONFIG_OUTPUT_DIR = "output-dir"
 

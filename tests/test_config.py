@@ -294,6 +294,11 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
     arms = {"dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "fedavg_ldp", "privatekt"}
     assert sweep_grid(jobs) == budget_seed_grid("cross_device", arms)
     rules = {}
+    per_budget = {}  # dp_fedavg's rounds and local epochs, chosen per budget on the validation split
+    for job in (j for j in jobs if "seed=1" in j and "cross_device=dp_fedavg" in j):
+        cfg = compose_config(job)
+        per_budget[cfg.privacy.epsilon] = (cfg.num_rounds, cfg.local_epochs)
+    assert per_budget == {1: (30, 5), 2: (50, 5), 4: (100, 5), 8: (100, 5)}
     for job in (j for j in jobs if "seed=1" in j and "privacy.epsilon=1" in j):
         cfg = compose_config(job)
         validate_config(cfg, check_data=False)
@@ -306,7 +311,7 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         assert cfg.privacy.secure_rng is True and cfg.privacy.delta < 1 / cfg.num_clients
         rules[cfg.strategy.name] = (cfg.clients_per_round, cfg.num_rounds, cfg.strategy.get("schedule"))
     assert rules == {
-        "dp_fedavg": (100, 200, None),
+        "dp_fedavg": (100, 30, None),
         "dp_fedavg_adaptive": (100, 200, None),
         "dp_ftrl": (100, 200, None),
         "fedavg_ldp": (10, 100, "balanced"),  # one report per client: the whole budget on it
@@ -367,3 +372,22 @@ def test_declared_settings_read_check_and_name_the_key():
     with pytest.raises(ConfigError) as error:
         Example.from_config(incomplete)
     assert error.value.key == "strategy.beta"
+
+
+def test_per_budget_picks_the_setting_tuned_for_the_largest_budget_not_above_epsilon():
+    from fl_app.config import per_budget
+
+    table = "1:30, 2:50, 4:100, 8:200"
+    assert [per_budget(e, table) for e in (0.5, 1, 1.5, 2, 3.9, 4, 8, 16)] == [
+        30,
+        30,
+        30,
+        50,
+        50,
+        100,
+        200,
+        200,
+    ]
+    assert per_budget(2, "1:0.1 2:0.3") == 0.3 and isinstance(per_budget(2, "1:1 2:3"), int)
+    with pytest.raises(ValueError):
+        per_budget(1, "")
