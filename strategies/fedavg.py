@@ -19,7 +19,7 @@ average update ``Delta_t = avg_k w^k_{t+1} - w_t`` drives
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
@@ -38,9 +38,9 @@ WEIGHTINGS = ("num_examples", "uniform")
 class FedAvgSettings(StrategySettings):
     """``cfg.strategy`` of ``fedavg`` (``conf/strategy/fedavg.yaml`` explains each key)."""
 
-    weighting: str = field(default="num_examples", metadata=one_of(WEIGHTINGS).metadata)
-    server_lr: float = field(default=1.0, metadata=positive().metadata)
-    server_momentum: float = field(default=0.0, metadata=between(0.0, 1.0, high_open=True).metadata)
+    weighting: str = one_of(WEIGHTINGS, default="num_examples")
+    server_lr: float = positive(default=1.0)
+    server_momentum: float = between(0.0, 1.0, high_open=True, default=0.0)
 
 
 @register_strategy("fedavg")

@@ -41,18 +41,21 @@ CHECK = "check"
 Check = Callable[[str, Any], Any]
 
 
-def setting(check: Check, *, optional: bool = False) -> Any:
-    """A settings field whose value must pass ``check`` (``None`` also passes when ``optional``)."""
+def setting(check: Check, *, optional: bool = False, default: Any = MISSING) -> Any:
+    """A settings field whose value must pass ``check`` (``None`` also passes when ``optional``).
+
+    ``default``: the value when the config lacks the key (a run configured before it existed).
+    """
 
     def run(key: str, value: Any) -> Any:
         return None if optional and value is None else check(key, value)
 
-    return field(metadata={CHECK: run})
+    return field(default=default, metadata={CHECK: run})
 
 
-def positive(*, optional: bool = False) -> Any:
+def positive(*, optional: bool = False, default: Any = MISSING) -> Any:
     """A number > 0."""
-    return setting(require_positive, optional=optional)
+    return setting(require_positive, optional=optional, default=default)
 
 
 def non_negative(*, optional: bool = False) -> Any:
@@ -74,12 +77,19 @@ def non_negative(*, optional: bool = False) -> Any:
 
 
 def between(
-    low: float, high: float, *, low_open: bool = False, high_open: bool = False, optional: bool = False
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    optional: bool = False,
+    default: Any = MISSING,
 ) -> Any:
     """A number in ``[low, high]`` (``low_open``/``high_open``: the end excluded)."""
     return setting(
         lambda key, value: require_range(key, value, low, high, low_open=low_open, high_open=high_open),
         optional=optional,
+        default=default,
     )
 
 
@@ -90,10 +100,10 @@ def integer(*, minimum: int | None = None, maximum: int | None = None, optional:
     )
 
 
-def one_of(options: Iterable[str], *, optional: bool = False) -> Any:
+def one_of(options: Iterable[str], *, optional: bool = False, default: Any = MISSING) -> Any:
     """One of a fixed set of names."""
     allowed = tuple(options)
-    return setting(lambda key, value: require_choice(key, value, allowed), optional=optional)
+    return setting(lambda key, value: require_choice(key, value, allowed), optional=optional, default=default)
 
 
 def names(options: Iterable[str]) -> Any:
