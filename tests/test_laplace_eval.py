@@ -340,6 +340,7 @@ def test_simulation_in_both_modes(simulate):
     assert [r["cluster_eval_epsilon"] for r in noised["rounds"]] == pytest.approx([1.0, 2.0], rel=1e-4)
     assert noised["privacy"]["evaluation"]["epsilon_per_report"] == pytest.approx(1.0)
     assert clear["privacy"]["evaluation"]["epsilon_per_report"] is None
+    assert noised["privacy"]["evaluation"]["unit"].startswith("one local example's inference result")
     # the run writes the stage's ledger (every evaluation round's event) beside the training's
     ledger = json.loads((Path(noised["_output_dir"]) / "privacy_ledger_evaluation.json").read_text())
     assert [event["server_round"] for event in ledger["events"]] == [1, 2]

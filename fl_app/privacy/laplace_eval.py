@@ -268,6 +268,7 @@ class EvaluationLedger:
             None if self.epsilon_per_report is None else self.example_accountant.epsilon(delta=self.delta)
         )
         return {
+            "unit": EVALUATION_UNIT,
             "epsilon_per_report": self.epsilon_per_report,
             "epsilon_cumulative": self.example_epsilon(),
             "epsilon_client_level": self.client_epsilon(),
