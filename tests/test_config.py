@@ -299,6 +299,13 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         cfg = compose_config(job)
         per_budget[cfg.privacy.epsilon] = (cfg.num_rounds, cfg.local_epochs)
     assert per_budget == {1: (30, 5), 2: (50, 5), 4: (100, 5), 8: (100, 5)}
+    server_lr = {
+        e: compose_config(
+            ["+experiment=compare_cross_device", "cross_device=dp_fedavg_adaptive", f"privacy.epsilon={e}"]
+        ).strategy.server_lr
+        for e in (1, 2, 4, 8)
+    }
+    assert server_lr == {1: 0.1, 2: 0.1, 4: 0.3, 8: 0.3}
     for job in (j for j in jobs if "seed=1" in j and "privacy.epsilon=1" in j):
         cfg = compose_config(job)
         validate_config(cfg, check_data=False)
@@ -312,7 +319,7 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         rules[cfg.strategy.name] = (cfg.clients_per_round, cfg.num_rounds, cfg.strategy.get("schedule"))
     assert rules == {
         "dp_fedavg": (100, 30, None),
-        "dp_fedavg_adaptive": (100, 200, None),
+        "dp_fedavg_adaptive": (100, 100, None),
         "dp_ftrl": (100, 200, None),
         "fedavg_ldp": (10, 100, "balanced"),  # one report per client: the whole budget on it
         "privatekt": (10, 100, "balanced"),
