@@ -93,8 +93,16 @@ class Run:
         return self.results["config"]
 
     def settings(self) -> dict[str, Any]:
-        """The flat configuration without the seed and run-local paths."""
-        return {k: v for k, v in flatten(self.config).items() if k not in IGNORED_KEYS}
+        """The flat configuration without the seed and run-local paths.
+
+        A run made before ``evaluation.split`` existed was evaluated on the test split; the validation
+        fraction matters only with ``split=validation``.
+        """
+        flat = {k: v for k, v in flatten(self.config).items() if k not in IGNORED_KEYS}
+        flat.setdefault("evaluation.split", "test")
+        if flat["evaluation.split"] == "test":
+            flat.pop("evaluation.validation_fraction", None)
+        return flat
 
     def group_key(self) -> str:
         """Everything that defines the experiment except the seed (and run-local paths)."""

@@ -219,3 +219,16 @@ def test_accuracies_read_on_the_validation_split_say_so(tmp_path):
     assert any("| 0.6000 |" in line for line in lines)
     rows = list(csv.DictReader((tmp_path / "report.csv").open()))
     assert sorted(r["evaluated_on"] for r in rows) == ["test", "validation"]
+
+
+def test_a_run_from_before_the_validation_split_joins_a_test_split_run(tmp_path):
+    fake_results(tmp_path / "old", strategy="dp_fedavg", epsilon=4.0, seed=1, accuracy=0.7)
+    fake_results(
+        tmp_path / "new", strategy="dp_fedavg", epsilon=4.0, seed=2, accuracy=0.8, evaluated_on="test"
+    )
+    new = json.loads((tmp_path / "new" / "results.json").read_text())
+    new["config"]["evaluation"]["validation_fraction"] = 0.1
+    (tmp_path / "new" / "results.json").write_text(json.dumps(new))
+    assert main([str(tmp_path)]) == 0
+    [row] = list(csv.DictReader((tmp_path / "report.csv").open()))
+    assert int(row["seeds"]) == 2 and row["settings"] == ""
