@@ -59,6 +59,7 @@ def test_recorder_writes_the_contract(tmp_path):
     assert on_disk["final"] == {
         "accuracy": 0.7,
         "loss": 0.5,
+        "evaluated_on": "test",
         "best_accuracy": 0.7,
         "best_round": 2,
         "epsilon": None,
