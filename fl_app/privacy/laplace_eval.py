@@ -218,23 +218,16 @@ class EvaluationLedger:
 
     def example_epsilon(self) -> float | None:
         """Cumulative per-report epsilon of the most-evaluated client (0 before any; None: clear reports)."""
-        if not self.evaluations:
-            return 0.0
-        return (
-            None
-            if self.epsilon_per_report is None
-            else self.example_accountant.epsilon(delta=self.delta).epsilon
-        )
+        return self._worst(self.example_accountant)
 
     def client_epsilon(self) -> float | None:
         """The evaluation's cumulative epsilon in the training unit (worst client; None: clear reports)."""
+        return self._worst(self.client_accountant)
+
+    def _worst(self, accountant: PrivacyAccountant) -> float | None:
         if not self.evaluations:
             return 0.0
-        return (
-            None
-            if self.epsilon_per_report is None
-            else self.client_accountant.epsilon(delta=self.delta).epsilon
-        )
+        return None if self.epsilon_per_report is None else accountant.epsilon(delta=self.delta).epsilon
 
     def total(
         self, training: EpsilonReport | None, *, joint_with: PrivacyAccountant | None
