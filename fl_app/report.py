@@ -11,6 +11,8 @@ that differ only in their seed, and writes into ``<dir>`` (or ``--out``):
   heading naming it (epsilons in different units are not comparable);
 * ``accuracy_vs_epsilon.png`` (final accuracy against the reported cumulative epsilon, one line per
   arm: algorithm, data set and varying settings but the budget, never joining two configurations;
+  settings an arm's conf chooses per budget (``${per_budget:...}``, read from Hydra's saved
+  ``.hydra/config.yaml``) are its rule, so its budgets are one line;
   non-private runs as dashed horizontal references), ``accuracy_vs_round.png`` (mean over seeds) and
   ``accuracy_vs_upload.png`` (accuracy against cumulative upload bytes per client);
 * with canaries (``privacy.canaries``): the ``empirical_epsilon`` columns (the estimate, its interval,
@@ -40,6 +42,7 @@ import matplotlib.ticker
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+from omegaconf import OmegaConf
 
 REQUIRED_FIELDS = ("strategy", "dataset", "config", "rounds", "final", "privacy")
 #: Keys that never make two runs different experiments: the seed, run-local paths, and where and how a
@@ -108,6 +111,24 @@ class Run:
         """Everything that defines the experiment except the seed (and run-local paths)."""
         return json.dumps(self.settings(), sort_keys=True, default=str)
 
+    def budget_rules(self) -> list[str]:
+        """Keys the run's configuration sets per privacy budget (``${per_budget:...}``).
+
+        Read from the configuration Hydra saved beside the results (``.hydra/config.yaml``, not
+        resolved); a run without it has none. Runs of one arm that differ only in these keys and the
+        budget are one line in the plots: the arm's rule, not different configurations.
+        """
+        saved = self.path.parent / ".hydra" / "config.yaml"
+        if not saved.is_file():
+            return []
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(saved), resolve=False)
+        except Exception:  # an unreadable file only means no rules are known
+            return []
+        if not isinstance(raw, dict):
+            return []
+        return sorted(k for k, v in flatten(raw).items() if isinstance(v, str) and "${per_budget:" in v)
+
     def upload_per_client_round(self) -> float | None:
         """Mean over rounds of the round's upload bytes divided by its number of clients."""
         values = [
@@ -172,12 +193,18 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
         empirical = [m.results["privacy"].get("empirical_epsilon") for m in members]
         estimates = [e for e in empirical if e]
         private = bool(finite) and len(finite) == len(epsilons)
+        per_budget = members[0].budget_rules()
         rows.append(
             {
                 "algorithm": first["strategy"],
                 "dataset": first["dataset"],
                 "partition": first.get("partition", ""),
                 "settings": ", ".join(f"{k}={own[k]}" for k in varying if k in own),
+                # the arm: its settings but those it chooses per budget (one line in the plots)
+                "arm_settings": ", ".join(
+                    f"{k}={own[k]}" for k in varying if k in own and k not in per_budget
+                ),
+                "per_budget": ", ".join(k for k in per_budget if k in varying),
                 "clients": first["config"].get("num_clients"),
                 "rounds": len(first["rounds"]),
                 "epsilon_target": first["config"].get("privacy", {}).get("epsilon") if private else None,
@@ -199,7 +226,7 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
         key=lambda r: (
             r["dataset"],
             r["algorithm"],
-            r["settings"],
+            r["arm_settings"],  # an arm's budgets in order, whatever it chooses per budget
             r["epsilon"] is None,
             r["epsilon"] if r["epsilon"] is not None else math.inf,
         )
@@ -318,9 +345,17 @@ def _empirical_cell(row: dict[str, Any]) -> str:
 
 
 def _label(row: dict[str, Any]) -> str:
-    """One arm: algorithm, data set and its varying settings (the budget is never one of them)."""
-    settings = f", {row['settings']}" if row["settings"] else ""
-    return f"{row['algorithm']} ({row['dataset']}{settings})"
+    """One arm: algorithm, data set and its varying settings (the budget is never one of them).
+
+    Settings the arm's configuration chooses per budget (``${per_budget:...}``) are named as such, not
+    by value: one arm's rule is one line.
+    """
+    parts = [row["dataset"]]
+    if row.get("arm_settings", row["settings"]):
+        parts.append(row.get("arm_settings", row["settings"]))
+    if row.get("per_budget"):
+        parts.append(f"{row['per_budget']} per budget")
+    return f"{row['algorithm']} ({', '.join(parts)})"
 
 
 def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:

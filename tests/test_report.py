@@ -206,6 +206,44 @@ def test_plot_lines_never_join_two_configurations(tmp_path):
     assert labels == {"privatekt (digits, strategy.k=2)", "privatekt (digits, strategy.k=4)"}
 
 
+def test_an_arm_that_chooses_settings_per_budget_is_one_line(tmp_path):
+    """``num_rounds: ${per_budget:...}`` (Hydra's saved config) joins the budgets into one line; a
+    swept ``strategy.server_lr`` beside it still splits them, and without the saved rule the
+    different round counts are different configurations."""
+    from fl_app import report
+
+    rounds_for = {2.0: 30, 8.0: 100}
+    for lr in (0.1, 0.3):
+        for epsilon, rounds in rounds_for.items():
+            directory = tmp_path / "sweep" / f"lr{lr}e{epsilon}"
+            fake_results(directory, strategy="dp_fedavg", epsilon=epsilon, seed=1, accuracy=0.5)
+            results = json.loads((directory / "results.json").read_text())
+            results["config"].update(num_rounds=rounds, server_lr=lr)
+            results["config"]["privacy"]["epsilon"] = epsilon
+            (directory / "results.json").write_text(json.dumps(results))
+            (directory / ".hydra").mkdir()
+            (directory / ".hydra" / "config.yaml").write_text(
+                'num_rounds: ${per_budget:${privacy.epsilon},"2:30, 8:100"}\n'
+                f"server_lr: {lr}\nprivacy:\n  epsilon: {epsilon}\n"
+            )
+    runs, _ = report.load_runs(tmp_path / "sweep")
+    rows = report.summarise(runs)
+    assert sorted(r["settings"] for r in rows) == [
+        "num_rounds=100, server_lr=0.1",
+        "num_rounds=100, server_lr=0.3",
+        "num_rounds=30, server_lr=0.1",
+        "num_rounds=30, server_lr=0.3",
+    ]
+    assert {report._label(row) for row in rows} == {
+        "dp_fedavg (digits, server_lr=0.1, num_rounds per budget)",
+        "dp_fedavg (digits, server_lr=0.3, num_rounds per budget)",
+    }
+    for saved in (tmp_path / "sweep").rglob(".hydra/config.yaml"):
+        saved.unlink()
+    rows = report.summarise(report.load_runs(tmp_path / "sweep")[0])
+    assert len({report._label(row) for row in rows}) == 4
+
+
 def test_accuracies_read_on_the_validation_split_say_so(tmp_path):
     fake_results(
         tmp_path / "tune", strategy="dp_fedavg", epsilon=4.0, seed=1, accuracy=0.7, evaluated_on="validation"

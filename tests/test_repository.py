@@ -76,3 +76,73 @@ def test_benchmarks_md_and_readme_results_are_generated_not_hand_edited():
         check=False,
     )
     assert process.returncode == 0, process.stderr
+
+
+#: The core: privacy math, data, models, training and the algorithms' helpers. It must not import the
+#: app shell (run wiring, Flower apps, simulation, results, CLI, strategies, clients), so it can be
+#: tested and reused without Flower's or Hydra's machinery.
+CORE = (
+    "fl_app/privacy",
+    "fl_app/data",
+    "fl_app/models.py",
+    "fl_app/training.py",
+    "fl_app/bits.py",
+    "fl_app/knowledge.py",
+    "fl_app/clustering.py",
+    "fl_app/keys.py",
+)
+SHELL = (
+    "fl_app.__main__",
+    "fl_app.api",
+    "fl_app.checkpoint",
+    "fl_app.cli",
+    "fl_app.client_app",
+    "fl_app.config",
+    "fl_app.flower_engine",
+    "fl_app.lifecycle",
+    "fl_app.metering",
+    "fl_app.report",
+    "fl_app.results",
+    "fl_app.resume",
+    "fl_app.roster",
+    "fl_app.round_loop",
+    "fl_app.run",
+    "fl_app.run_context",
+    "fl_app.server_app",
+    "fl_app.simulation",
+    "fl_app.tracking",
+    "fl_app.validation",
+    "strategies",
+    "clients",
+)
+
+
+def imported_modules(path: Path) -> list[str]:
+    """Every module ``path`` imports, at module level or inside functions."""
+    import ast
+
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def test_the_core_imports_nothing_from_the_app_shell():
+    files = []
+    for entry in CORE:
+        path = ROOT / entry
+        assert path.exists(), entry
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    assert len(files) > 10
+    arrows = [
+        f"{file.relative_to(ROOT)} imports {name}"
+        for file in files
+        for name in imported_modules(file)
+        if any(name == shell or name.startswith(f"{shell}.") for shell in SHELL)
+    ]
+    assert arrows == []
+    # the check sees function-level imports too (the way an arrow back up usually sneaks in)
+    assert "fl_app.simulation" in imported_modules(ROOT / "fl_app" / "api.py")  # inside run_experiment
