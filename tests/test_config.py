@@ -306,6 +306,14 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         for e in (1, 2, 4, 8)
     }
     assert server_lr == {1: 0.1, 2: 0.1, 4: 0.3, 8: 0.3}
+    arm = ["+experiment=compare_cross_device", "cross_device=dp_ftrl"]
+    ftrl = {e: compose_config([*arm, f"privacy.epsilon={e}"]) for e in (1, 2, 4, 8)}
+    assert {e: (c.num_rounds, c.local_epochs, c.strategy.server_lr) for e, c in ftrl.items()} == {
+        1: (100, 5, 0.05),
+        2: (200, 5, 0.05),
+        4: (100, 5, 0.1),
+        8: (200, 5, 0.1),
+    }
     for job in (j for j in jobs if "seed=1" in j and "privacy.epsilon=1" in j):
         cfg = compose_config(job)
         validate_config(cfg, check_data=False)
@@ -317,10 +325,12 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         )
         assert cfg.privacy.secure_rng is True and cfg.privacy.delta < 1 / cfg.num_clients
         rules[cfg.strategy.name] = (cfg.clients_per_round, cfg.num_rounds, cfg.strategy.get("schedule"))
+        if cfg.strategy.name == "privatekt":
+            assert cfg.local_epochs == 5  # chosen on the validation split
     assert rules == {
         "dp_fedavg": (100, 30, None),
         "dp_fedavg_adaptive": (100, 100, None),
-        "dp_ftrl": (100, 200, None),
+        "dp_ftrl": (100, 100, None),
         "fedavg_ldp": (10, 100, "balanced"),  # one report per client: the whole budget on it
         "privatekt": (10, 100, "balanced"),
     }
