@@ -30,6 +30,7 @@ import csv
 import json
 import math
 import sys
+import textwrap
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -503,7 +504,7 @@ def plot_curves(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) 
                     axis.plot(*curve, lw=1, ls="--", color="tab:gray", label=reference)
             if log:
                 axis.set_xscale("log")
-            axis.set_title(label, fontsize=7)
+            axis.set_title("\n".join(textwrap.wrap(label, 60)), fontsize=7)  # long arms: no overlap
             axis.set_xlabel(xlabel, fontsize=8)
             axis.grid(alpha=0.3)
             axis.legend(fontsize=6)
