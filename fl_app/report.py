@@ -195,16 +195,15 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
         estimates = [e for e in empirical if e]
         private = bool(finite) and len(finite) == len(epsilons)
         per_budget = members[0].budget_rules()
+        shown = [k for k in varying if k in own]
         rows.append(
             {
                 "algorithm": first["strategy"],
                 "dataset": first["dataset"],
                 "partition": first.get("partition", ""),
-                "settings": ", ".join(f"{k}={own[k]}" for k in varying if k in own),
+                "settings": ", ".join(f"{k}={own[k]}" for k in shown),
                 # the arm: its settings but those it chooses per budget (one line in the plots)
-                "arm_settings": ", ".join(
-                    f"{k}={own[k]}" for k in varying if k in own and k not in per_budget
-                ),
+                "arm_settings": ", ".join(f"{k}={own[k]}" for k in shown if k not in per_budget),
                 "per_budget": ", ".join(k for k in per_budget if k in varying),
                 "clients": first["config"].get("num_clients"),
                 "rounds": len(first["rounds"]),
@@ -352,9 +351,9 @@ def _label(row: dict[str, Any]) -> str:
     by value: one arm's rule is one line.
     """
     parts = [row["dataset"]]
-    if row.get("arm_settings", row["settings"]):
-        parts.append(row.get("arm_settings", row["settings"]))
-    if row.get("per_budget"):
+    if row["arm_settings"]:
+        parts.append(row["arm_settings"])
+    if row["per_budget"]:
         parts.append(f"{row['per_budget']} per budget")
     return f"{row['algorithm']} ({', '.join(parts)})"
 
