@@ -3,7 +3,8 @@
 Usage::
 
     python benchmarks/overhead.py measure [--rows cross-silo:100 cross-device:1000 cross-device:5000]
-                                          [--rounds 10] [--out DIR] [--tree PATH --label before]
+                                          [--rounds 10] [--repeats 1] [--out DIR]
+                                          [--label after] [--tree PATH] [--compare LABEL=PATH ...]
     python benchmarks/overhead.py breakdown [--clients 1000] [--out DIR]
     python benchmarks/overhead.py section --main-job DIR --overhead DIR [DIR ...] [--write ...]
 
@@ -30,8 +31,8 @@ For each row ``measure``
 
 The ratio simulation/plain is what Flower, Ray and dpfl add per round. The plain replay runs right after
 its simulation in the same minutes; compare ratios. ``--tree`` runs the simulation from another checkout
-(e.g. ``git worktree add /tmp/before <commit>``) with Ray's default object transport, for a before/after
-table; the plain floor is the same code either way.
+(e.g. ``git worktree add /tmp/before <commit>``) with that checkout's Ray transport settings (Ray's
+defaults if it predates them), for a before/after table; the plain floor is the same code either way.
 
 ``breakdown`` times the parts of one client message and of the server's round in this process:
 client object construction, config/spec parsing, data lookup, model build and load, training, the
@@ -131,8 +132,9 @@ def run_simulation(
     """Launch one simulation, sample its memory, return start-up, round time and peak memory."""
     command = [sys.executable, "-m", "fl_app", *overrides, *(extra or []), f"hydra.run.dir={run_dir}"]
     env = dict(os.environ)
-    if tree is not None:
-        env.update(RAY_DEFAULT_TRANSPORT)
+    if tree is not None:  # the transport settings of that checkout (Ray's defaults if it has none)
+        settings = tree_environment(tree)
+        env.update({key: settings.get(key, value) for key, value in RAY_DEFAULT_TRANSPORT.items()})
     launched = time.time()
     process = subprocess.Popen(
         command, cwd=tree or ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -231,8 +233,21 @@ def run_plain(overrides: list[str]) -> float:
 
 
 def measure(args: argparse.Namespace) -> None:
-    """Run the overhead benchmark rows and print a Markdown table."""
+    """Run the overhead benchmark rows and print a Markdown table.
+
+    For every row and repeat, each checkout's simulation (this one as ``--label``, others from
+    ``--compare LABEL=PATH``) is followed at once by its plain replay, so that before/after and
+    simulation/plain are measured in the same minutes on this noisy machine; a row reports the
+    median over its repeats (``round_ratio``: the median of the per-repeat ratios, all of them in
+    ``round_ratios``).
+    """
     args.out.mkdir(parents=True, exist_ok=True)
+    trees: list[tuple[str, Path | None]] = [(args.label, args.tree)]
+    for item in args.compare:
+        label, _, path = item.partition("=")
+        if not label or not path:
+            raise SystemExit(f"--compare {item!r}: expected LABEL=PATH")
+        trees.append((label, Path(path)))
     rows = []
     for item in args.rows:
         shape, _, rest = item.partition(":")
@@ -240,22 +255,34 @@ def measure(args: argparse.Namespace) -> None:
         if shape not in SHAPES or not count.isdigit():
             raise SystemExit(f"--rows {item!r}: expected shape:N[:partition] with shape in {sorted(SHAPES)}")
         overrides = row_overrides(shape, int(count), args.rounds, partition)
-        run_dir = args.out / f"sim_{shape}_{count}{partition}"
-        simulated = run_simulation(overrides, run_dir, tree=args.tree, extra=args.extra)
-        plain = run_plain(overrides)
-        rows.append(
-            {
-                "label": args.label,
-                "shape": shape + (f" ({partition})" if partition else ""),
-                "clients": int(count),
-                "clients_per_round": int(compose_config(overrides).clients_per_round),
-                "command": "python -m fl_app " + " ".join([*overrides, *args.extra]),
-                **simulated,
-                "plain_round_s": plain,
-                "round_ratio": simulated["round_s"] / plain,
-            }
-        )
-        print(json.dumps(rows[-1]), flush=True)
+        runs: dict[str, list[tuple[dict[str, float], float]]] = {label: [] for label, _ in trees}
+        for repeat in range(args.repeats):
+            for label, tree in trees:
+                run_dir = args.out / f"sim_{label}_{shape}_{count}{partition}_{repeat}"
+                simulated = run_simulation(overrides, run_dir, tree=tree, extra=args.extra)
+                runs[label].append((simulated, run_plain(overrides)))
+                print(f"{label} {item} repeat {repeat}: {simulated['round_s']:.3f} s", flush=True)
+        for label, _ in trees:
+            measured = runs[label]
+            rows.append(
+                {
+                    "label": label,
+                    "shape": shape + (f" ({partition})" if partition else ""),
+                    "clients": int(count),
+                    "clients_per_round": int(compose_config(overrides).clients_per_round),
+                    "command": "python -m fl_app " + " ".join([*overrides, *args.extra]),
+                    "repeats": args.repeats,
+                    **{
+                        key: float(np.median([simulated[key] for simulated, _ in measured]))
+                        for key in ("startup_s", "round_s", "final_accuracy", "wall_s")
+                    },
+                    "peak_memory_gb": max(simulated["peak_memory_gb"] for simulated, _ in measured),
+                    "plain_round_s": float(np.median([plain for _, plain in measured])),
+                    "round_ratio": float(np.median([sim["round_s"] / plain for sim, plain in measured])),
+                    "round_ratios": [sim["round_s"] / plain for sim, plain in measured],
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     print(overhead_table(rows))
 
@@ -272,11 +299,15 @@ def timed(function: Callable[[int], Any], repeats: int) -> float:
     return (time.perf_counter() - started) / repeats * 1000
 
 
-def transport_ms(message: Any, context: Any, *, actors: int, depth: int = 1, count: int = 100) -> float:
+def transport_ms(
+    message: Any, context: Any, *, actors: int, depth: int = 1, batch: int = 1, count: int = 100
+) -> float:
     """Milliseconds per message through Flower's Ray actor pool with an echo ClientApp (throughput).
 
     ``depth`` > 1: each actor holds that many messages at once (dpfl's pipelined pool,
     :func:`fl_app.flower_engine.pipeline_pool`), with one sending thread per slot as in Flower.
+    ``batch`` > 1: each task carries up to that many messages (dpfl's batched workers,
+    :func:`fl_app.flower_engine.run_jobs`); the messages share their content, as a round's do.
     """
     import ray
     from flwr.app import Message, MetricRecord, RecordDict
@@ -293,8 +324,17 @@ def transport_ms(message: Any, context: Any, *, actors: int, depth: int = 1, cou
 
             return echo
 
+        actor_type = ClientAppActor
+        if batch > 1:
+            from fl_app.flower_engine import batching_actor_type
+
+            actor_type = batching_actor_type()
+        messages = [
+            Message(content=message.content, dst_node_id=5 + i, message_type=message.metadata.message_type)
+            for i in range(count)
+        ]
         pool = BasicActorPool(
-            actor_type=ClientAppActor, client_resources={"num_cpus": 1.0, "num_gpus": 0.0}, actor_kwargs={}
+            actor_type=actor_type, client_resources={"num_cpus": 1.0, "num_gpus": 0.0}, actor_kwargs={}
         )
         pool.add_actors_to_pool(pool.actors_capacity)
         if depth > 1:
@@ -311,9 +351,18 @@ def transport_ms(message: Any, context: Any, *, actors: int, depth: int = 1, cou
                 with lock:
                     if not todo:
                         return
-                    todo.pop()
+                    taken = [todo.pop() for _ in range(min(batch, len(todo)))]
+                if batch > 1:
+                    jobs = [(messages[i], context) for i in taken]
+                    future = pool.submit(
+                        lambda a, f, js, _cid, _c: a.run_batch.remote(f, js), (load_app, jobs, "", None)
+                    )
+                    ray.get(future)
+                    pool.add_actor_back_to_pool(future)
+                    continue
                 future = pool.submit(
-                    lambda a, f, m, cid, c: a.run.remote(f, m, cid, c), (load_app, message, "0", context)
+                    lambda a, f, m, cid, c: a.run.remote(f, m, cid, c),
+                    (load_app, messages[taken[0]], "0", context),
                 )
                 pool.fetch_result_and_return_actor_to_pool(future)
 
@@ -346,17 +395,24 @@ def transport(args: argparse.Namespace) -> None:
     context = Context(
         run_id=77, node_id=5, node_config={"partition-id": 1}, state=RecordDict(), run_config={}
     )
-    print(json.dumps({"ms": transport_ms(message, context, actors=args.actors, depth=args.depth)}))
+    ms = transport_ms(message, context, actors=args.actors, depth=args.depth, batch=args.batch)
+    print(json.dumps({"ms": ms}))
+
+
+def tree_environment(tree: Path) -> dict[str, str]:
+    """The environment switches of another checkout's ``dpfl_env.py`` (none if it has no such file)."""
+    import runpy
+
+    path = tree / "dpfl_env.py"
+    return dict(runpy.run_path(str(path)).get("FLOWER_ENVIRONMENT", {})) if path.is_file() else {}
 
 
 def dpfl_transport() -> dict[str, str]:
     """The Ray transport settings of this checkout's ``dpfl_env.py`` (also when timing another tree)."""
-    import runpy
-
-    return dict(runpy.run_path(str(ROOT / "dpfl_env.py"))["FLOWER_ENVIRONMENT"])
+    return tree_environment(ROOT)
 
 
-def transport_in_subprocess(setting: str, actors: int, depth: int = 1) -> float:
+def transport_in_subprocess(setting: str, actors: int, depth: int = 1, batch: int = 1) -> float:
     """:func:`transport` in a fresh process (Ray reads its settings once per process, at start)."""
     env = dict(os.environ)
     if setting == "store":
@@ -364,7 +420,7 @@ def transport_in_subprocess(setting: str, actors: int, depth: int = 1) -> float:
     else:
         env.update({key: dpfl_transport()[key] for key in RAY_DEFAULT_TRANSPORT})
     command = [sys.executable, str(Path(__file__).resolve()), "transport", "--setting", setting]
-    command += ["--actors", str(actors), "--depth", str(depth)]
+    command += ["--actors", str(actors), "--depth", str(depth), "--batch", str(batch)]
     output = subprocess.run(command, env=env, capture_output=True, text=True)
     if output.returncode != 0:
         raise RuntimeError(f"transport measurement failed: {output.stderr[-2000:]}")
@@ -504,6 +560,14 @@ def breakdown(args: argparse.Namespace) -> None:
         )
     except ImportError:
         pass
+    try:  # dpfl's batched workers (absent before they existed)
+        from fl_app.flower_engine import MAX_BATCH, PIPELINE_DEPTH
+
+        name = f"inline, {MAX_BATCH} messages per task, {PIPELINE_DEPTH} tasks per actor (dpfl)"
+        name += f", {args.actors} actors"
+        transport[name] = transport_in_subprocess("inline", args.actors, PIPELINE_DEPTH, MAX_BATCH)
+    except ImportError:
+        pass
     summary = {
         "clients": args.clients,
         "mean_examples_per_client": float(np.mean(data.client_sizes())),
@@ -541,14 +605,15 @@ def overhead_table(rows: list[dict]) -> str:
     """Markdown table of the overhead measurements."""
     lines = [
         "| code | shape | N | per round | start-up (s) | round, simulation (s) | round, plain PyTorch (s) "
-        "| ratio | peak memory, all processes (GB) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| ratio | ratio of each repeat | peak memory, all processes (GB) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
+        each = ", ".join(f"{ratio:.2f}" for ratio in row.get("round_ratios", [])) or "-"
         lines.append(
             f"| {row.get('label', '')} | {row.get('shape', 'cross-silo')} | {row['clients']} | "
             f"{row.get('clients_per_round', 10)} | {row['startup_s']:.1f} | {row['round_s']:.3f} | "
-            f"{row['plain_round_s']:.3f} | {row['round_ratio']:.2f} | {row['peak_memory_gb']:.2f} |"
+            f"{row['plain_round_s']:.3f} | {row['round_ratio']:.2f} | {each} | {row['peak_memory_gb']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -560,11 +625,9 @@ GOALS: dict[str, tuple[tuple[str, float, str, str], ...]] = {
 
 
 def goal_lines(rows: list[dict]) -> str:
-    """One line per goal and row of the current code: met or not, with the measured value."""
+    """One line per goal and row (of the current code): met or not, with the measured value."""
     lines = []
     for row in rows:
-        if row.get("label") not in ("", "after", None):
-            continue
         startup = 20.0 if row["clients"] <= 1000 else 30.0
         goals = (
             *GOALS[row.get("shape", "cross-silo").split(" ")[0]],
@@ -627,89 +690,95 @@ Accuracy per round: {curve}
 """
 
 
-#: Where the cross-device round's time went after the pipelined pool (a profile, not regenerated).
-REMAINING_GAP = """
-### Where the rest of the cross-device round goes (profile of 2026-11-22)
-
-```bash
-python -m fl_app strategy=fedavg dataset=fashion_mnist partition=dirichlet clients_per_round=100 model=mlp \\
-    local_epochs=1 batch_size=32 evaluation.test_subset=2000 num_clients=1000 num_rounds=60
-# CPU time per process (psutil, rounds ~25..50), per thread (/proc/PID/task), py-spy and perf on the
-# driver and one actor; thread CPU time around the ClientApp's train call, in the actor and alone
-```
-
-At N = 1000 the machine is saturated: driver 0.68-0.72 cores, each of the two actors 0.58-0.60 cores
-(1.88 of 2 cores). Per message, an actor spends 2.85 ms of CPU inside the ClientApp's train call and
-another 1.55 ms in Ray (task receipt, argument and reply serialisation, ~38 context switches per
-message); the same call in one process alone costs 1.45 ms (1.56 ms beside two busy processes). The
-driver spends ~2.4 ms of CPU per message, most of it in Ray's task submission and reply transfer (six
-submitting threads, 440 kB inline each way) and in four Python threads that pass every message on
-(dispatcher, submitter, reply store, server). Found and fixed on the way: the checkpoint written after
-every round pickled every earlier round's cohort (around round 170 of a 300-round run, 234 of the
-server thread's ~520 busy py-spy samples; it grew with the run), and each poll for replies walked
-all pending messages through Flower's checks. The ratio left is Ray's per-task cost on both sides of
-a 2-core machine: closing it needs several messages per Ray task (an actor method that trains a
-batch of clients), which Flower's engine does not have.
-"""
+#: The page's measured data: what ``record`` copies from a measurement, so the page can always be
+#: generated again (run directories in /tmp do not last).
+PAGE_DATA = ROOT / "docs" / "benchmarks" / "platform"
 
 
-def section(args: argparse.Namespace) -> None:
-    """Write the platform section of BENCHMARKS.md from the run files."""
-    from fl_app.flower_engine import PIPELINE_DEPTH
+def record(args: argparse.Namespace) -> None:
+    """Copy a measurement into :data:`PAGE_DATA` with the commands and words that go with it."""
+    PAGE_DATA.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().strftime("%Y-%m-%d")
+    if args.kind == "overhead":
+        data: Any = {
+            "title": args.title,
+            "recorded": stamp,
+            "current_label": args.current_label,
+            "commands": args.commands,
+            "description": args.description,
+            "rows": json.loads((args.source / "summary.json").read_text()),
+        }
+    elif args.kind == "breakdown":
+        data = [
+            {
+                "label": args.title,
+                "commit": args.commit,
+                "recorded": stamp,
+                "command": " ".join(args.commands),
+            }
+            | json.loads((args.source / "breakdown.json").read_text())
+        ]
+    else:  # the 100-round DP-FedAvg run
+        results = json.loads((args.source / "results.json").read_text())
+        wall = re.search(r"wall ([0-9.]+) s", args.wall_log.read_text())
+        if wall is None:
+            raise SystemExit(f"no 'wall <seconds> s' line in {args.wall_log}")
+        final = results["final"]
+        data = {
+            "recorded": stamp,
+            "command": " ".join(args.commands),
+            "description": args.description,
+            "rounds": final["rounds"],
+            "accuracy": final["accuracy"],
+            "epsilon": final["epsilon"],
+            "delta": final["delta"],
+            "run_wall_s": final["wall_s"],
+            "wall_s": float(wall.group(1)),
+        }
+    target = PAGE_DATA / f"{args.kind}_{args.name}.json"
+    target.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {target}")
 
-    head = main_job_text(args)
-    overhead: list[dict] = []
-    for directory in args.overhead:
-        overhead += json.loads((directory / "summary.json").read_text())
-    commands = "\n".join(args.overhead_command or [])
-    breakdown_text = ""
-    if args.breakdown:
-        summaries = {}
-        for item in args.breakdown:
-            label, _, directory = item.partition("=")
-            summaries[label] = json.loads((Path(directory) / "breakdown.json").read_text())
-        first = next(iter(summaries.values()))
-        breakdown_commands = "\n".join(args.breakdown_command or [])
-        breakdown_text = f"""
-### One message, part by part
 
-```bash
-{breakdown_commands}
-```
-
-Cross-device shape, N = {first["clients"]} (mean {first["mean_examples_per_client"]:.0f} examples per
-client), the MLP; one train message is {first["message_bytes"]:,} bytes. Client parts are means over 200
-calls in one process with one torch thread (as in a Ray actor holding one CPU); transport is Flower's
-actor pool with an echo ClientApp on the same message, per message at throughput with 2 actors, through
-Ray's object store (Ray's default), inline in the task's RPC (what `dpfl_env.py` sets), and inline with
-each actor holding several messages at once (dpfl's pipelined pool, `fl_app/flower_engine.py`); server
-parts are per round of 100 replies.
-
-{breakdown_table(summaries)}
-"""
-    dp_text = ""
-    if args.dp_run is not None:
-        dp = json.loads((args.dp_run / "results.json").read_text())
-        wall = re.search(r"wall ([0-9.]+) s", args.dp_wall_log.read_text())
-        assert wall is not None, f"no 'wall <seconds> s' line in {args.dp_wall_log}"
-        dp_text = f"""
-### A 100-round DP-FedAvg run at N = 1000
-
-```bash
-/usr/bin/time -f "wall %e s" {args.dp_run_command}
-```
-
-{dp["final"]["rounds"]} rounds, final accuracy {dp["final"]["accuracy"]:.4f} at epsilon
-{dp["final"]["epsilon"]:.3f} (delta {dp["final"]["delta"]:g}); **{float(wall.group(1)):.1f} s** from
-launch to exit, start-up included (goal: at most 90 s; {dp["final"]["wall_s"]:.1f} s from the run's
-first log line to its last).
-"""
-    text = f"""{head}
-## Overhead of Flower + Ray against plain PyTorch
+def _overhead_part(data: dict[str, Any], *, current: bool) -> str:
+    commands = "\n".join(data["commands"])
+    goals = ""
+    if current:
+        goals = "\n\n" + goal_lines([r for r in data["rows"] if r["label"] == data["current_label"]])
+    return f"""### {data["title"]}
 
 ```bash
 {commands}
 ```
+
+{data["description"]}
+
+{overhead_table(data["rows"])}{goals}
+"""
+
+
+def section(args: argparse.Namespace) -> None:
+    """Write ``docs/benchmarks/platform.md`` from :data:`PAGE_DATA` (and the main job's run)."""
+    head = main_job_text(args)
+    overheads = sorted(
+        (json.loads(path.read_text()) for path in PAGE_DATA.glob("overhead_*.json")),
+        key=lambda data: data["recorded"],
+    )
+    newest = overheads[-1]
+    parts = [_overhead_part(newest, current=True)]
+    parts += [_overhead_part(data, current=False) for data in reversed(overheads[:-1])]
+    summaries: dict[str, dict[str, Any]] = {}
+    breakdowns = [
+        summary for path in PAGE_DATA.glob("breakdown_*.json") for summary in json.loads(path.read_text())
+    ]
+    for summary in sorted(breakdowns, key=lambda summary: summary.get("recorded", "")):  # oldest first
+        summaries[f"{summary['label']} ({summary.get('commit') or summary['recorded']})"] = summary
+    profile = (PAGE_DATA / "profile.md").read_text().strip() if (PAGE_DATA / "profile.md").is_file() else ""
+    breakdown_commands = "\n".join(summary["command"] for summary in summaries.values())
+    first = next(iter(summaries.values()))
+    dp = json.loads((PAGE_DATA / "dp_run_n1000.json").read_text())
+    text = f"""{head}
+## Overhead of Flower + Ray against plain PyTorch
 
 *cross-silo*: FedAvg on Fashion-MNIST, 10 clients per round, the CNN, 2 local epochs. *cross-device*: 100
 clients per round, the MLP, 1 local epoch, batch 32, evaluation on 2,000 test images. Both with
@@ -719,21 +788,44 @@ PyTorch* is the same clients' local training, the same averaging and the same te
 back in one process (no Flower, no Ray), measured right after the simulation. *start-up* is from
 launching `python -m fl_app` until round 1 starts (imports, data, Ray, roster query). *peak memory* is the
 peak of the summed PSS of the launched process and all its descendants (Ray GCS, raylet, workers),
-sampled every {MEMORY_SAMPLE_S:g} s (the *after* rows; 0.25 s before: one sample costs ~50 ms of CPU, which
-slowed the run being measured).
-*before* is the code before the cross-device work (commit {args.before_commit}), *4e6c08c* the first
-round of that work (fast dispatch, inline transport, caches), *pipelined* the second (commit 2614831: the
-pipelined actor pool, each Ray actor holds {PIPELINE_DEPTH} messages at once, `fl_app/flower_engine.py`),
-*after* this code (per-round strategy state kept for the latest rounds only, so the checkpoint written
-after every round no longer grows with the run; the server pulls only the replies that arrived).
+sampled every {MEMORY_SAMPLE_S:g} s. With several repeats, each repeat runs every checkout's simulation
+followed by its plain replay, and the ratio is the median of the repeats' ratios (each is listed).
 Goals: ratio <= 1.5 cross-device (goal 1.2) and <= 1.2 cross-silo, start-up <= 20 s at N <= 1000 and
-<= 30 s at 5000, peak memory <= 3 GB.
+<= 30 s at 5000, peak memory <= 3 GB. The measured rows are kept in `docs/benchmarks/platform/`
+(`python benchmarks/overhead.py record ...`), from which `python benchmarks/overhead.py section` writes
+this page.
 
-{overhead_table(overhead)}
+{chr(10).join(parts)}
+{profile}
 
-{goal_lines(overhead)}
-{REMAINING_GAP}{breakdown_text}{dp_text}"""
-    args.write.write_text(text)
+### One message, part by part
+
+```bash
+{breakdown_commands}
+```
+
+Cross-device shape, N = {first["clients"]} (mean {first["mean_examples_per_client"]:.0f} examples per
+client), the MLP; one train message is {first["message_bytes"]:,} bytes. Client parts are means over 200
+calls in one process with one torch thread (as in a Ray actor holding one CPU); transport is Flower's
+actor pool with an echo ClientApp on the same message, per message at throughput with 2 actors: through
+Ray's object store (Ray's default), inline in the task's RPC (what `dpfl_env.py` sets), inline with each
+actor holding several messages at once (the pipelined pool), and inline with several messages per Ray
+task (the batched workers, `fl_app/flower_engine.py`); server parts are per round of 100 replies. Each
+column is one measurement at the commit named.
+
+{breakdown_table(summaries)}
+
+### A 100-round DP-FedAvg run at N = 1000
+
+```bash
+/usr/bin/time -f "wall %e s" {dp["command"]}
+```
+
+{dp["rounds"]} rounds, final accuracy {dp["accuracy"]:.4f} at epsilon {dp["epsilon"]:.3f} (delta
+{dp["delta"]:g}); **{dp["wall_s"]:.1f} s** from launch to exit, start-up included (goal: at most 90 s;
+{dp["run_wall_s"]:.1f} s from the run's first log line to its last). {dp.get("description", "")}
+"""
+    args.write.write_text(text.rstrip() + "\n")
     print(f"wrote {args.write}")
 
 
@@ -750,38 +842,58 @@ def main() -> None:
     run.add_argument("--rounds", type=int, default=10)
     run.add_argument("--out", type=Path, default=Path("/tmp/bench_platform/overhead"))
     run.add_argument("--tree", type=Path, default=None, help="run the simulation from this checkout")
+    run.add_argument(
+        "--compare", nargs="*", default=[], help="LABEL=PATH: also measure that checkout, interleaved"
+    )
+    run.add_argument("--repeats", type=int, default=1, help="simulation + plain pairs per row and checkout")
     run.add_argument("--label", default="after", help="the code's label in the table (before/after)")
     run.add_argument("--extra", nargs="*", default=[], help="extra overrides for the simulation only")
     echo = commands.add_parser("transport")
     echo.add_argument("--setting", choices=["store", "inline"], required=True)
     echo.add_argument("--actors", type=int, default=2)
     echo.add_argument("--depth", type=int, default=1, help="messages each actor holds at once")
+    echo.add_argument("--batch", type=int, default=1, help="messages per Ray task")
     parts = commands.add_parser("breakdown")
     parts.add_argument("--clients", type=int, default=1000)
     parts.add_argument("--actors", type=int, default=2)
     parts.add_argument("--out", type=Path, default=Path("/tmp/bench_platform/breakdown"))
     write = commands.add_parser("section")
     write.add_argument("--main-job", type=Path, default=None, help="default: keep the page's main-job part")
-    write.add_argument("--overhead", type=Path, nargs="+", required=True)
-    write.add_argument("--overhead-command", nargs="*", default=None)
-    write.add_argument(
-        "--breakdown", nargs="*", default=[], help="label=DIR of breakdown.json, e.g. before=..."
-    )
-    write.add_argument("--breakdown-command", nargs="*", default=None)
-    write.add_argument("--before-commit", default="48fef10")
-    write.add_argument("--dp-run", type=Path, default=None, help="output dir of the 100-round DP-FedAvg run")
-    write.add_argument("--dp-wall-log", type=Path, default=None, help="file with its `wall <s> s` line")
-    write.add_argument("--dp-run-command", default="")
     write.add_argument(
         "--main-job-command",
         default=None,
         help="the command that made --main-job, if not `python -m fl_app hydra.run.dir=<main-job>`",
     )
     write.add_argument("--write", type=Path, default=Path("docs/benchmarks/platform.md"))
-    args = parser.parse_args()
-    {"measure": measure, "breakdown": breakdown, "transport": transport, "section": section}[args.command](
-        args
+    keep = commands.add_parser("record")
+    keep.add_argument("kind", choices=["overhead", "breakdown", "dp_run"])
+    keep.add_argument("source", type=Path, help="the measurement's --out directory (dp_run: the run's)")
+    keep.add_argument(
+        "--name", required=True, help="file name part: docs/benchmarks/platform/<kind>_<name>.json"
     )
+    keep.add_argument(
+        "--title", default="", help="overhead: the section's title; breakdown: the column label"
+    )
+    keep.add_argument(
+        "--current-label", default="", help="overhead: the label of the code the goals apply to"
+    )
+    keep.add_argument(
+        "--command", dest="commands", nargs="*", default=[], help="the command(s) that made the measurement"
+    )
+    keep.add_argument("--commit", default="", help="breakdown: the commit measured")
+    keep.add_argument("--description", default="", help="what the labels mean")
+    keep.add_argument(
+        "--wall-log", type=Path, default=None, help="dp_run: the file with its `wall <s> s` line"
+    )
+    args = parser.parse_args()
+    commands_by_name = {
+        "measure": measure,
+        "breakdown": breakdown,
+        "transport": transport,
+        "section": section,
+        "record": record,
+    }
+    commands_by_name[args.command](args)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,13 @@ from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE, SUPERLINK_NO
 from flwr.serverapp import Grid
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fl_app.flower_engine import adaptive_interval, is_in_memory_grid, replied_ids
+from fl_app.flower_engine import (
+    MESSAGES_PUSHED,
+    REPLIES_STORED,
+    adaptive_interval,
+    is_in_memory_grid,
+    replied_ids,
+)
 from fl_app.lifecycle import raise_if_stopped
 
 
@@ -187,6 +193,7 @@ class MeteredGrid:
         wait at once.
         """
         order = list(self._grid.push_messages(messages))
+        MESSAGES_PUSHED.set()
         pending = set(order)
         deadline = None if timeout is None else time.monotonic() + timeout
         replies: list[Message] = []
@@ -194,6 +201,7 @@ class MeteredGrid:
         while pending:
             raise_if_stopped()  # SIGINT/SIGTERM: abandon the round
             started = time.perf_counter()
+            REPLIES_STORED.clear()  # a reply stored after this wakes the wait below
             # A pull costs time in proportion to the ids it names (Flower checks each): name only
             # the ids whose reply the engine has stored; every FULL_PULL_S, and at the deadline,
             # name all pending ids (at most PULL_WINDOW, oldest first, except at the deadline), so
@@ -212,7 +220,7 @@ class MeteredGrid:
             if not pending or expired:
                 break
             if not pulled:
-                time.sleep(adaptive_interval(time.perf_counter() - started, started - began))
+                REPLIES_STORED.wait(adaptive_interval(time.perf_counter() - started, started - began))
         return replies
 
     def take(self) -> dict[str, float]:

@@ -57,6 +57,7 @@ IGNORED_KEYS = {
     "simulation.timeout",
     "simulation.client_gpus",
     "simulation.max_concurrent_clients",
+    "simulation.messages_per_task",
     "tracking",
 }
 COLUMNS = (

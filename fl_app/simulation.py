@@ -29,7 +29,7 @@ from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
 from fl_app.config import hand_over, overrides_to_run_config, take_handed_over
-from fl_app.flower_engine import run_simulation_engine, start_ray
+from fl_app.flower_engine import MAX_BATCH, run_simulation_engine, start_ray
 from fl_app.lifecycle import (
     Outcome,
     RunFailed,
@@ -92,6 +92,7 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
                 server_app_context=context,
                 backend_config=backend,
                 max_actors=cfg.simulation.get("max_concurrent_clients"),
+                messages_per_task=int(cfg.simulation.get("messages_per_task", MAX_BATCH)),
             )
         finally:
             take_handed_over(context.run_id)  # not taken when the engine failed before the ServerApp ran

@@ -31,13 +31,18 @@ from fl_app.flower_engine import (
     BalancedSlots,
     actor_limit,
     adaptive_interval,
+    batch_size,
+    batched_worker,
     fast_add_messages_to_queue,
     flower_version,
     install_fast_dispatch,
     is_in_memory_grid,
     load_dpfl_client_app,
     pipeline_pool,
+    process_batch,
     replied_ids,
+    run_jobs,
+    take_batch,
     take_undelivered,
 )
 from fl_app.metering import MeteredGrid, content_bytes
@@ -421,3 +426,191 @@ def test_client_app_loader_travels_by_reference() -> None:
     assert load_dpfl_client_app() is app
     assert flower_engine._loads_dpfl_client_app(lambda: app)
     assert not flower_engine._loads_dpfl_client_app(lambda: object())
+
+
+# ---------------------------------------------------------------- batched workers
+
+
+def test_pins_the_worker_and_reply_store_it_replaces() -> None:
+    """``install_batched_workers`` and the reply store replace these by name, with these arguments."""
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
+
+    worker = flower_engine._original_worker or vce_api.worker
+    assert list(inspect.signature(worker).parameters) == [
+        "messageins_queue",
+        "messageres_queue",
+        "node_info_store",
+        "backend",
+        "f_stop",
+        "metrics",
+    ]
+    store = flower_engine._original_store or vce_api.put_message_into_state
+    assert list(inspect.signature(store).parameters) == ["state", "queue", "f_stop"]
+    assert "worker," in inspect.getsource(vce_api.run_api)  # looked up at call time, by name
+    build = flower_engine._original_build or raybackend.RayBackend.build
+    assert "actor_type=ClientAppActor" in inspect.getsource(build)
+    assert "app_fn, mssg, cid, context = job" in inspect.getsource(BasicActorPool.submit)
+
+
+@pytest.mark.parametrize("senders", [1, 2, 4, 6])
+@pytest.mark.parametrize("limit", [1, 8, 32])
+def test_batch_size_shares_the_queue_among_idle_senders(senders: int, limit: int) -> None:
+    for queued in range(1, 130):
+        size = batch_size(queued, senders, limit)
+        assert 1 <= size <= limit
+        assert size == min(limit, -(-queued // senders))
+        assert size * senders >= min(queued, limit * senders)  # the idle senders take it all (up to the cap)
+    assert batch_size(100, 4, 8) == 8 and batch_size(10, 4, 8) == 3 and batch_size(3, 4, 8) == 1
+    assert batch_size(5, 0, 8) == 5  # never divides by zero
+
+
+def _queued(nodes: list[int]) -> tuple[Queue[Message], list[Message]]:
+    queue: Queue[Message] = Queue()
+    messages = _messages(nodes, per_node=1)
+    for message in messages:
+        queue.put(message)
+    return queue, messages
+
+
+def test_take_batch_never_puts_two_messages_of_one_node_together() -> None:
+    queue, messages = _queued([11, 12, 13, 12, 14])
+    first = queue.get()
+    batch, carried = take_batch(queue, first, limit=8)
+    assert [m.metadata.dst_node_id for m in batch] == [11, 12, 13]
+    assert carried is messages[3]  # node 12 again: it starts the next batch
+    batch, carried = take_batch(queue, carried, limit=8)
+    assert [m.metadata.dst_node_id for m in batch] == [12, 14] and carried is None
+    queue, _ = _queued([1, 2, 3, 4, 5])
+    batch, carried = take_batch(queue, queue.get(), limit=2)
+    assert [m.metadata.dst_node_id for m in batch] == [1, 2] and carried is None and queue.qsize() == 3
+
+
+class _Store:
+    """A node's DeprecatedRunInfoStore, as the engine keeps it: one Context per run."""
+
+    def __init__(self, context: Any) -> None:
+        self.context, self.updates = context, 0
+
+    def retrieve_context(self, run_id: int) -> Any:
+        return self.context
+
+    def update_context(self, run_id: int, context: Any) -> None:
+        self.context, self.updates = context, self.updates + 1
+
+
+def _contexts(nodes: list[int]) -> dict[int, _Store]:
+    from flwr.app import Context
+
+    return {
+        node: _Store(Context(run_id=77, node_id=node, node_config={}, state=RecordDict(), run_config={}))
+        for node in nodes
+    }
+
+
+def _echo_app(message: Message, context: Any) -> Message:
+    """A ClientApp: counts its calls in the node's state; fails for config i == 99."""
+    if int(message.content.config_records["config"]["i"]) == 99:
+        raise ValueError("client code failed")
+    calls = context.state.config_records.get("calls", ConfigRecord({"n": 0}))
+    context.state["calls"] = ConfigRecord({"n": int(calls["n"]) + 1})
+    return Message(RecordDict({"config": ConfigRecord({"from": context.node_id})}), reply_to=message)
+
+
+def test_run_jobs_answers_each_message_with_its_own_context_and_errors() -> None:
+    from flwr.common.constant import ErrorCode
+
+    stores = _contexts([1, 2, 3])
+    messages = _messages([1, 2, 3], per_node=1)
+    messages[1] = Message(
+        content=RecordDict({"config": ConfigRecord({"i": 99})}), dst_node_id=2, message_type=MessageType.TRAIN
+    )
+    outcomes = run_jobs(lambda: _echo_app, [(m, stores[m.metadata.dst_node_id].context) for m in messages])
+    assert [o[0] for o in outcomes] == ["reply", "error", "reply"]
+    assert int(outcomes[0][1].content.config_records["config"]["from"]) == 1
+    assert int(outcomes[2][2].state.config_records["calls"]["n"]) == 1
+    _, code, reason, remote_traceback = outcomes[1]
+    assert code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    assert "ClientAppException" in reason and "client code failed" in reason
+    assert "ValueError" in remote_traceback
+
+    from flwr.clientapp.client_app import LoadClientAppError
+
+    def cannot_load() -> Any:
+        raise LoadClientAppError("no such app")
+
+    failed = run_jobs(cannot_load, [(m, None) for m in messages])
+    assert [o[:2] for o in failed] == [("error", ErrorCode.LOAD_CLIENT_APP_EXCEPTION)] * 3
+
+
+def test_process_batch_replies_to_every_message_as_flowers_worker_does() -> None:
+    from flwr.common.constant import ErrorCode
+
+    nodes = [1, 2, 3, 4]
+    stores = _contexts(nodes)
+    messages = _messages(nodes, per_node=1)
+    messages[2] = Message(
+        content=RecordDict({"config": ConfigRecord({"i": 99})}), dst_node_id=3, message_type=MessageType.TRAIN
+    )
+    replies = process_batch(messages, stores, lambda jobs: run_jobs(lambda: _echo_app, jobs))
+    assert [r.metadata.reply_to_message_id for r in replies] == [m.metadata.message_id for m in messages]
+    assert len({r.metadata.message_id for r in replies}) == 4 and all(r.metadata.message_id for r in replies)
+    assert [r.has_error() for r in replies] == [False, False, True, False]
+    assert replies[2].error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    assert [stores[n].updates for n in nodes] == [1, 1, 0, 1]  # a failed message leaves its Context
+    assert int(stores[4].context.state.config_records["calls"]["n"]) == 1
+
+    class ActorDiedError(Exception):
+        pass
+
+    def dead_actor(jobs: list[Any]) -> list[Any]:
+        raise ActorDiedError("The actor is dead")
+
+    lost = process_batch(_messages(nodes, per_node=1), stores, dead_actor)
+    assert all(r.has_error() and r.error.code == ErrorCode.UNKNOWN for r in lost)
+    assert all("ActorDiedError" in r.error.reason and "The actor is dead" in r.error.reason for r in lost)
+    short = process_batch(_messages(nodes, per_node=1), stores, lambda jobs: [])  # never a missing reply
+    assert len(short) == 4 and all(r.has_error() for r in short)
+
+
+def test_batched_worker_answers_every_message_in_batches_and_stops() -> None:
+    nodes = list(range(1, 41))
+    stores = _contexts(nodes)
+    queue, messages = _queued(nodes)
+    replies: Queue[Message] = Queue()
+    sizes: list[int] = []
+
+    def send(jobs: list[Any]) -> list[Any]:
+        sizes.append(len(jobs))
+        return run_jobs(lambda: _echo_app, jobs)
+
+    backend = type("Backend", (), {})()
+    setattr(backend, flower_engine.BATCHING_FLAG, flower_engine.Batching(send))
+    metrics = type("Metrics", (), {"add_clientapp_runtime": lambda self, seconds: None})()
+    stop = threading.Event()
+    threads = [
+        threading.Thread(target=batched_worker, args=(queue, replies, stores, backend, stop, metrics))
+        for _ in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    answered = {replies.get(timeout=10).metadata.reply_to_message_id for _ in messages}
+    stop.set()
+    for thread in threads:
+        thread.join(timeout=5)
+    assert answered == {m.metadata.message_id for m in messages} and replies.empty()
+    assert not any(thread.is_alive() for thread in threads)
+    assert sum(sizes) == 40 and max(sizes) <= flower_engine.MAX_BATCH and max(sizes) > 1
+
+
+@pytest.mark.simulation
+def test_results_do_not_depend_on_how_messages_are_batched(shared_simulation: Any) -> None:
+    """A cohort of 24 goes in batches of up to 8 or one message per task: the same run, round by round."""
+    fast = [item for item in FAST if not item.startswith(("num_clients=", "clients_per_round="))]
+    shape = [*fast, "num_clients=30", "clients_per_round=24", "strategy=dp_fedavg", "privacy.noise_seed=3"]
+    batched = shared_simulation([*shape, "simulation.messages_per_task=8"])
+    single = shared_simulation([*shape, "simulation.messages_per_task=1"])
+    fields = ("accuracy", "loss", "epsilon", "upload_bytes", "download_bytes", "clients", "failures")
+    assert [{k: r[k] for k in fields} for r in batched["rounds"]] == [
+        {k: r[k] for k in fields} for r in single["rounds"]
+    ]

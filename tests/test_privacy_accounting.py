@@ -150,6 +150,27 @@ def test_sampled_gaussian_matches_opacus_and_flower():
     assert ours.epsilon == pytest.approx(4.178, abs=0.01)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_vectorised_sampled_gaussian_rdp_is_dp_accountings_bit_for_bit(seed: int) -> None:
+    """``fl_app.privacy.rdp`` must give exactly dp-accounting's curve: every epsilon depends on it."""
+    from dp_accounting.rdp import rdp_privacy_accountant as reference
+
+    from fl_app.privacy.rdp import poisson_subsampled_gaussian_rdp
+
+    rng = np.random.default_rng(seed)
+    cases = [(0.0, 1.0), (1.0, 1.3), (0.5, 0.0), (1e-6, 0.7), (0.999, 40.0), (0.02, 0.05)]
+    cases += [(float(rng.uniform(1e-4, 0.999)), float(rng.uniform(0.1, 30.0))) for _ in range(6)]
+    orders = [*RDP_ORDERS, 1.5001, 7.3, 300.0, float("inf")]
+    for q, z in cases:
+        want = reference._compute_rdp_poisson_subsampled_gaussian(q, z, orders)
+        got = poisson_subsampled_gaussian_rdp(q=q, noise_multiplier=z, orders=orders)
+        assert np.array_equal(got, want), (q, z, np.flatnonzero(got != want))
+    with pytest.raises(ValueError, match="Sampling rate"):
+        poisson_subsampled_gaussian_rdp(q=1.5, noise_multiplier=1.0, orders=[2.0])
+    with pytest.raises(ValueError, match="non-negative"):
+        poisson_subsampled_gaussian_rdp(q=0.5, noise_multiplier=-1.0, orders=[2.0])
+
+
 def test_gaussian_composition_matches_exact_gaussian():
     """T Gaussians with multiplier z compose exactly to one Gaussian with z / sqrt(T)."""
     import dp_accounting

