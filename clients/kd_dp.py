@@ -41,6 +41,7 @@ from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
 from fl_app.models import ModelSpec
+from fl_app.optim import SGD
 from fl_app.privacy.dp_sgd import dp_sgd_train
 from fl_app.privacy.events import RandomizedResponse
 from fl_app.privacy.mechanisms import randomized_response_labels
@@ -243,7 +244,7 @@ class SpecialPseudoClient:
                 rng=rng,
             )
         model.train()
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        optimizer = SGD(model.parameters(), lr=lr, momentum=momentum)
         inputs, targets = to_tensor(self.x), torch.from_numpy(self.labels)
         log_keep, log_uniform = math.log(beta), math.log((1.0 - beta) / self.num_classes)
         total, batches = 0.0, 0

@@ -12,10 +12,17 @@ the simulation process and each Ray worker) before anything else imports
    first lets transforms, models and file-based datasets import; ops such as
    ``torchvision.ops.nms`` and image decoding still do not work.
 
-The package ``fl_app`` imports this module first.
+The package ``fl_app`` imports this module first. The shim is installed by a meta-path hook
+right before ``torchvision`` is first imported (:class:`ShimBeforeTorchvision`), not at once: defining
+it imports torch (1.2 s of CPU), which a process that never touches torch or torchvision (``flwr
+run`` checking the app's references, a deployment's roster answer) should not pay.
 """
 
 from __future__ import annotations
+
+import importlib.abc
+import sys
+from typing import Any
 
 from dpfl_env import apply_flower_environment
 
@@ -51,5 +58,25 @@ def install_torchvision_op_shim() -> None:
     _torchvision_library = library
 
 
+class ShimBeforeTorchvision(importlib.abc.MetaPathFinder):
+    """Installs the shim when ``torchvision`` is about to be imported, then leaves ``sys.meta_path``."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> None:
+        """Install the shim before ``torchvision`` loads; let the usual finders find every module."""
+        if fullname == "torchvision":
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            install_torchvision_op_shim()
+        return None
+
+
+def install_shim_hook() -> None:
+    """Arrange for the shim to be installed before ``torchvision`` is imported (idempotent)."""
+    if "torchvision" in sys.modules:
+        install_torchvision_op_shim()
+    elif not any(isinstance(finder, ShimBeforeTorchvision) for finder in sys.meta_path):
+        sys.meta_path.insert(0, ShimBeforeTorchvision())
+
+
 apply_flower_environment()
-install_torchvision_op_shim()
+install_shim_hook()

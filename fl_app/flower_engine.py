@@ -67,6 +67,8 @@ import flwr
 
 #: The Flower release whose private APIs this module was written against.
 FLOWER_VERSION = "1.41.0"
+#: The simulation engine's module (imported by every process that runs the engine).
+SIMULATION_ENGINE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"
 
 #: Bounds of the dispatcher's polling interval (seconds).
 MIN_POLL_S = 0.002

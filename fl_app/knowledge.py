@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - the conventional name
 
+from fl_app.optim import SGD
 from fl_app.training import seeded_dropout, to_tensor
 
 #: Ways of turning the Eq. 3 estimate into targets (``strategy.knowledge``).
@@ -75,7 +76,7 @@ def fit_targets(
     if steps <= 0 or len(x) == 0:
         return math.nan
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = SGD(model.parameters(), lr=lr)
     inputs = to_tensor(x)
     soft = torch.from_numpy(np.asarray(targets, dtype=np.float32))
     size = len(x) if batch_size is None else min(batch_size, len(x))

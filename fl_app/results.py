@@ -66,10 +66,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 import numpy as np
 from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
@@ -251,6 +247,10 @@ class RunRecorder:
         shows the configured budget (``privacy.epsilon``) as a line when it is a total budget.
         A non-private run's epsilon.png says so instead of drawing empty axes.
         """
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
 
         evaluated = [r for r in self.rounds if r.get("accuracy") is not None]

@@ -1,13 +1,18 @@
 """The Flower ServerApp (``fl_app.server_app:app``): thin wiring to :func:`fl_app.run.run_federation`."""
 
+import sys
+
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fl_app.flower_engine import install_engine_patches
+from fl_app.flower_engine import SIMULATION_ENGINE_MODULE, install_engine_patches
 from fl_app.run import run_federation
 
-# Under `flwr run` the simulation engine runs in the process that loads this module.
-install_engine_patches()
+# Under `flwr run` with a simulation federation, the engine runs in the process that loads this
+# module (``flwr-simulation``, which has imported the engine already). A deployment's ServerApp
+# process and `flwr run`'s check of the app's references have no engine to patch.
+if SIMULATION_ENGINE_MODULE in sys.modules:
+    install_engine_patches()
 
 app = ServerApp()
 

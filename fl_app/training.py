@@ -14,6 +14,8 @@ from flwr.app import Array, ArrayRecord
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - the conventional name
 
+from fl_app.optim import SGD
+
 EVAL_BATCH = 1024
 
 
@@ -185,7 +187,7 @@ def train_local(
     if proximal_mu > 0 and reference is None:
         raise ValueError("proximal_mu > 0 needs the reference parameters")
     model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    optimizer = SGD(model.parameters(), lr=lr, momentum=momentum)
     device = model_device(model)
     inputs = to_tensor(x).to(device)
     targets = torch.from_numpy(np.asarray(y, dtype=np.int64)).to(device)

@@ -6,6 +6,7 @@ Usage::
                                              [--connection NAME] [key=value ...]
     python scripts/local_deployment.py status [--dir DIR]
     python scripts/local_deployment.py stop [--dir DIR]
+    python scripts/local_deployment.py stage TARGET
 
 ``start`` does what docs/deploy.md does by hand: it writes one data file per
 SuperNode (``scripts/make_device_data.py`` with the given Hydra overrides,
@@ -22,7 +23,9 @@ SuperNode's public key before the SuperNode starts. Then::
     flwr run . dpfl-local --stream --run-config 'overrides="dataset=digits partition=iid num_clients=3"'
 
 ``stop`` ends every process ``start`` started (and their children), by process
-id. The module is also what ``tests/test_deploy.py`` uses.
+id. ``stage`` copies the app without its ``.venv`` (:func:`stage_app`): ``flwr run TARGET``
+then submits the same FAB without first listing the 50,000 files of the environment (7 s of CPU
+per submission). The module is also what ``tests/test_deploy.py`` uses.
 """
 
 from __future__ import annotations
@@ -535,6 +538,43 @@ def start(
 # ---------------------------------------------------------------------------- command line
 
 
+def stage_app(root: Path, target: Path) -> Path:
+    """Copy the Flower app at ``root`` (the files its ``.gitignore`` keeps) into ``target``; return it.
+
+    ``flwr run DIR`` builds the app's FAB from DIR by listing *every* file below it and only then
+    dropping what ``.gitignore`` excludes (flwr 1.41, ``flwr.cli.utils.collect_files``): with the
+    virtual environment inside the project (``.venv``, about 50,000 files) each ``flwr run .``
+    costs 7 s of CPU before it submits anything. This copy skips ignored folders without entering
+    them, so ``flwr run <target>`` submits the same FAB, byte for byte (tested), at once. Stage
+    again after changing the code.
+    """
+    import pathspec
+
+    root = root.resolve()
+    ignore_file = root / ".gitignore"
+    patterns = ignore_file.read_text().splitlines() if ignore_file.is_file() else []
+    ignored = pathspec.GitIgnoreSpec.from_lines([*patterns, "/.git/"])
+    if target.exists():
+        shutil.rmtree(target)
+    for folder, subfolders, files in os.walk(root, followlinks=False):
+        relative = Path(folder).relative_to(root)
+        subfolders[:] = [
+            name
+            for name in subfolders
+            if not (Path(folder) / name).is_symlink()
+            and not ignored.match_file(f"{(relative / name).as_posix()}/")
+        ]
+        for name in files:
+            source = Path(folder) / name
+            path = (relative / name).as_posix()
+            if source.is_symlink() or ignored.match_file(path):
+                continue
+            destination = target / path
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination)
+    return target
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -548,6 +588,8 @@ def _parser() -> argparse.ArgumentParser:
     begin.add_argument("overrides", nargs="*", help="Hydra overrides for the device data files")
     for command in ("status", "stop"):
         commands.add_parser(command, help=f"{command} the deployment")
+    stage = commands.add_parser("stage", help="copy the app without its .venv, for a fast `flwr run <copy>`")
+    stage.add_argument("target", type=Path, help="folder to (re)write")
     for sub in commands.choices.values():
         sub.add_argument(
             "--dir", type=Path, default=DEFAULT_DIR, help=f"state folder (default {DEFAULT_DIR})"
@@ -558,6 +600,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     """Command line entry point."""
     args = _parser().parse_args(argv)
+    if args.command == "stage":
+        staged = stage_app(SCRIPTS_DIR.parent, args.target.expanduser().resolve())
+        print(
+            f"staged the app in {staged}: flwr run {staged} <connection> ... (stage again after code changes)"
+        )
+        return 0
     directory: Path = args.dir.expanduser().resolve()
     existing = LocalDeployment.load(directory)
     if args.command == "stop":

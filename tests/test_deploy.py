@@ -157,6 +157,7 @@ class Federation:
 
     mode: str
     root: Path
+    app: Path
     deployment: Any
     cli_env: dict[str, str]
     submissions: dict[str, Submission] = field(default_factory=dict)
@@ -169,7 +170,13 @@ class Federation:
         run_config = f"overrides={json.dumps(shlex.join(overrides))} output-dir={json.dumps(str(output_dir))}"
         answer = local_deployment.json_output(
             self.flwr(
-                "run", str(ROOT), self.deployment.connection, "--run-config", run_config, "--format", "json"
+                "run",
+                str(self.app),
+                self.deployment.connection,
+                "--run-config",
+                run_config,
+                "--format",
+                "json",
             )
         )
         assert answer["success"], answer
@@ -217,9 +224,25 @@ def device_files(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     return make_device_data.write_device_files(tmp_path_factory.mktemp("devices"), DATA)
 
 
+@pytest.fixture(scope="module")
+def staged_app(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The app as `flwr run` submits it, staged once (each `flwr run .` would list all of .venv)."""
+    return local_deployment.stage_app(ROOT, tmp_path_factory.mktemp("app") / "dpfl")
+
+
+def test_the_staged_app_is_the_fab_flwr_run_builds_from_the_project(staged_app: Path) -> None:
+    from flwr.cli.build import build_fab_from_disk
+
+    assert build_fab_from_disk(staged_app) == build_fab_from_disk(ROOT)
+    assert not (staged_app / ".venv").exists() and (staged_app / "pyproject.toml").is_file()
+
+
 @pytest.fixture(scope="module", params=MODES)
 def federation(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, device_files: list[Path]
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    device_files: list[Path],
+    staged_app: Path,
 ) -> Iterator[Federation]:
     """A SuperLink and three SuperNodes (insecure, or TLS + SuperNode authentication)."""
     mode = request.param
@@ -239,7 +262,7 @@ def federation(
         supernode_env={"PYTHONPATH": python_path},
         die_with_parent=True,
     )
-    federation = Federation(mode, root, deployment, cli_env)
+    federation = Federation(mode, root, staged_app, deployment, cli_env)
     try:
         yield federation
     finally:

@@ -614,3 +614,22 @@ def test_results_do_not_depend_on_how_messages_are_batched(shared_simulation: An
     assert [{k: r[k] for k in fields} for r in batched["rounds"]] == [
         {k: r[k] for k in fields} for r in single["rounds"]
     ]
+
+
+def test_the_server_app_patches_the_engine_only_where_the_engine_runs() -> None:
+    """``flwr-simulation`` loads the engine before the ServerApp; a deployment's ServerApp never does."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n{prelude}import fl_app.server_app\n"
+        "from fl_app import flower_engine\n"
+        "print(flower_engine.SIMULATION_ENGINE_MODULE in sys.modules, flower_engine._workers_installed)\n"
+    )
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", probe.format(prelude=prelude)], capture_output=True, text=True, check=True
+        ).stdout.split()
+        for prelude in ("", "import flwr.simulation.run_simulation\n")
+    ]
+    assert outputs == [["False", "False"], ["True", "True"]]

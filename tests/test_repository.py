@@ -146,3 +146,19 @@ def test_the_core_imports_nothing_from_the_app_shell():
     assert arrows == []
     # the check sees function-level imports too (the way an arrow back up usually sneaks in)
     assert "fl_app.simulation" in imported_modules(ROOT / "fl_app" / "api.py")  # inside run_experiment
+
+
+def test_fl_app_defers_torch_and_shims_torchvision_before_it_loads():
+    """``import fl_app`` alone costs no torch import; torchvision still imports after it (the shim)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, fl_app\n"
+        "print('torch' in sys.modules)\n"
+        "import torchvision.transforms\n"
+        "import torch\n"
+        "print(hasattr(torch.ops.torchvision, 'nms'))\n"
+    )
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert output.stdout.split() == ["False", "True"]

@@ -43,6 +43,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F  # noqa: N812 - the conventional name
 
+from fl_app.optim import SGD
 from fl_app.privacy.events import Gaussian, Mechanism, SampledGaussian
 from fl_app.privacy.mechanisms import gaussian_mechanism
 
@@ -226,7 +227,7 @@ def dp_sgd_train(
     _check_model(model)
     inputs, targets = to_tensor(x), torch.from_numpy(np.asarray(y, dtype=np.int64))
     parameters = list(model.parameters())
-    optimizer = torch.optim.SGD(parameters, lr=lr, momentum=momentum)
+    optimizer = SGD(parameters, lr=lr, momentum=momentum)
     denominator = sampling_rate * count
     sigma = noise_multiplier * clip
     model.train()
