@@ -29,7 +29,7 @@ SUITE_ROUNDS: dict[str, int] = {
     "privatekt": 10,
     "kd_dp": 5,
     "nbafl": 4,
-    "dpfl_bnn": 5,
+    "dpfl_bnn": 3,
 }
 #: Fashion-MNIST has 10 balanced classes: chance is 0.1 on the seeded test subset.
 BEATS_CHANCE = 0.3

@@ -560,26 +560,44 @@ def gaussian_epsilon(
     return compose_epsilon({mechanism: rounds}, delta=delta, method=method).epsilon
 
 
-def smallest_noise_multiplier(eps_of: Callable[[float], float], *, epsilon: float) -> float:
+def bisect(
+    meets: Callable[[float], bool], *, bad: float, good: float, done: Callable[[float, float], bool]
+) -> float:
+    """The one root finder of every calibration: bisection on a monotone condition.
+
+    ``meets(good)`` holds and ``meets(bad)`` does not (``bad`` may lie on either side of
+    ``good``); the bracket is halved until ``done(bad, good)`` and the last parameter that meets
+    the condition is returned, so the calibrated value is always on the safe side.
+    """
+    while not done(bad, good):
+        middle = 0.5 * (bad + good)
+        if meets(middle):
+            good = middle
+        else:
+            bad = middle
+    return good
+
+
+def smallest_noise_multiplier(
+    eps_of: Callable[[float], float], *, epsilon: float, relative_width: float = 1e-4
+) -> float:
     """Smallest noise multiplier z with ``eps_of(z) <= epsilon`` (``eps_of`` decreasing in z).
 
-    Doubling from 1, then bisection to a relative width of 1e-4; returns the
-    upper end of the final bracket, so the epsilon it reaches never exceeds the
-    target. Raises ``ValueError`` when no z <= 1e6 reaches it.
+    Doubling from 1, then :func:`bisect` to a relative width of ``relative_width``; returns the
+    upper end of the final bracket, so the epsilon it reaches never exceeds the target. Raises
+    ``ValueError`` when no z <= 1e6 reaches it.
     """
     high = 1.0
     while eps_of(high) > epsilon:
         high *= 2.0
         if high > 1e6:
             raise ValueError(f"no noise multiplier <= 1e6 reaches epsilon={epsilon}")
-    low = 0.0
-    while high - low > 1e-4 * high:
-        middle = 0.5 * (low + high)
-        if eps_of(middle) > epsilon:
-            low = middle
-        else:
-            high = middle
-    return high
+    return bisect(
+        lambda z: eps_of(z) <= epsilon,
+        bad=0.0,
+        good=high,
+        done=lambda bad, good: good - bad <= relative_width * good,
+    )
 
 
 def dp_fedavg_noise_multiplier(
@@ -633,21 +651,20 @@ def _largest_meeting(
 ) -> float:
     """Largest x in [low, high] with ``function(x) <= target``, for increasing ``function``.
 
-    Bisects until the bracket is narrower than ``tolerance * max(1, high)`` and
-    returns its lower end (the safe side).
+    :func:`bisect` until the bracket is narrower than ``tolerance * max(1, high)``; returns its
+    lower end (the safe side).
     """
     low_x = max(low, floor)
     if function(low_x) > target:
         raise ValueError(f"even the smallest parameter {low_x} exceeds the target {target}")
     if function(high) <= target:
         return high
-    while high - low_x > tolerance * max(1.0, high):
-        middle = 0.5 * (low_x + high)
-        if function(middle) <= target:
-            low_x = middle
-        else:
-            high = middle
-    return low_x
+    return bisect(
+        lambda x: function(x) <= target,
+        bad=high,
+        good=low_x,
+        done=lambda bad, good: bad - good <= tolerance * max(1.0, bad),
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -673,9 +690,7 @@ def dp_sgd_noise_multiplier(
     Searches ``z`` against the accountant's own RDP composition
     (:func:`dp_sgd_epsilon`): a bracket ``[low, high]`` with
     ``epsilon(low) > target >= epsilon(high)`` is found by doubling or halving
-    from 1, then narrowed by the Illinois variant of regula falsi on
-    ``log epsilon`` against ``log z`` (superlinear, and the bracket is kept, so
-    the search can never step outside it). The upper end is returned, so
+    from 1, then narrowed by :func:`bisect`. The upper end is returned, so
     ``dp_sgd_epsilon(z) <= epsilon`` always holds. RDP is enough for any
     ``privacy.accountant``: the accountant reports the smallest of the bounds it
     computes, RDP among them. Results are cached per argument tuple.
@@ -691,47 +706,28 @@ def dp_sgd_noise_multiplier(
     if key in _DP_SGD_CACHE:
         return _DP_SGD_CACHE[key]
 
-    def excess(z: float) -> float:
-        """``log(epsilon(z) / target)``: > 0 means too little noise."""
+    def meets(z: float) -> bool:
         spent = dp_sgd_epsilon(noise_multiplier=z, sampling_rate=sampling_rate, steps=int(steps), delta=delta)
-        return math.log(max(spent, 1e-300) / epsilon)
+        return spent <= epsilon
 
-    high, f_high = 1.0, excess(1.0)
-    if f_high > 0:
-        while f_high > 0:
-            low, f_low = high, f_high
-            high *= 2.0
-            if high > 1e6:
+    if meets(1.0):  # the bracket: halve from 1 while the target is still met
+        good = 1.0
+        while meets(good / 2.0):
+            good /= 2.0
+            if good < 1e-6:
+                _DP_SGD_CACHE[key] = good
+                return good
+        bad = good / 2.0
+    else:  # or double from 1 until it is met
+        bad = 1.0
+        while not meets(2.0 * bad):
+            bad *= 2.0
+            if bad > 1e6:
                 raise ValueError(f"no noise multiplier <= 1e6 reaches epsilon={epsilon}")
-            f_high = excess(high)
-    else:
-        low, f_low = 0.5, excess(0.5)
-        while f_low <= 0:
-            high, f_high = low, f_low
-            low /= 2.0
-            if low < 1e-6:
-                _DP_SGD_CACHE[key] = high
-                return high
-            f_low = excess(low)
-    retained = 0
-    while high - low > tolerance * high:
-        a, b = math.log(low), math.log(high)
-        x = b - f_high * (b - a) / (f_high - f_low)
-        x = min(max(x, a + 0.02 * (b - a)), b - 0.02 * (b - a))  # stay strictly inside the bracket
-        z = math.exp(x)
-        f_z = excess(z)
-        if f_z > 0:
-            low, f_low = z, f_z
-            if retained == -1:  # high retained twice in a row: Illinois step
-                f_high /= 2.0
-            retained = -1
-        else:
-            high, f_high = z, f_z
-            if retained == 1:
-                f_low /= 2.0
-            retained = 1
-    _DP_SGD_CACHE[key] = high
-    return high
+        good = 2.0 * bad
+    result = bisect(meets, bad=bad, good=good, done=lambda bad, good: good - bad <= tolerance * good)
+    _DP_SGD_CACHE[key] = result
+    return result
 
 
 # --------------------------------------------------------------------------------------
