@@ -74,7 +74,7 @@ def sweep_grid(jobs: list[list[str]]) -> set[tuple[str, ...]]:
 def budget_seed_grid(arm_key: str, arms: set[str]) -> set[tuple[str, ...]]:
     """Every arm at total epsilon 1, 2, 4, 8 and seeds 1, 2, 3."""
     return {
-        (f"{arm_key}={a}", f"privacy.epsilon={e}", f"seed={s}")
+        tuple(sorted((f"{arm_key}={a}", f"privacy.epsilon={e}", f"seed={s}")))
         for a in arms
         for e in (1, 2, 4, 8)
         for s in (1, 2, 3)
@@ -338,6 +338,39 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         ["+experiment=compare_cross_device", "cross_device=fedavg", "privacy.epsilon=8"], multirun=True
     )
     assert [compose_config(j).strategy.name for j in reference] == ["fedavg"] * 3
+
+
+def test_compare_record_level_sweeps_the_record_level_arms_apart():
+    """36 jobs (3 arms x 4 budgets x 3 seeds) in the cross-device shape, every job validates, each
+    budget is the accountant's total per example, and the arms' job directories differ."""
+    from fl_app.__main__ import expand_jobs
+
+    jobs = expand_jobs(["+experiment=compare_record_level"], multirun=True)
+    assert sweep_grid(jobs) == budget_seed_grid("record_level", {"kd_dp", "fed_dp_sgd", "nbafl"})
+    seen = {}
+    for job in (j for j in jobs if "seed=1" in j):
+        cfg = compose_config(job)
+        validate_config(cfg, check_data=False)
+        assert (cfg.num_clients, cfg.dataset.name, cfg.partition.alpha, cfg.model, cfg.batch_size) == (
+            1000,
+            "fashion_mnist",
+            0.5,
+            "mlp",
+            32,
+        )
+        assert cfg.privacy.secure_rng is True and cfg.privacy.delta < 1 / cfg.num_clients
+        arm = next(o.split("=")[1] for o in job if o.startswith("record_level="))
+        strategy = cfg.strategy
+        seen[(arm, cfg.privacy.epsilon)] = (
+            strategy.name,
+            strategy.get("teacher_rounds"),
+            strategy.get("epsilon_special"),
+            strategy.get("calibration"),
+        )
+    for epsilon in (1, 2, 4, 8):
+        assert seen[("fed_dp_sgd", epsilon)] == ("kd_dp", 0, None, None)  # no teacher, no labels
+        assert seen[("kd_dp", epsilon)] == ("kd_dp", None, epsilon / 2, None)  # the total stays epsilon
+        assert seen[("nbafl", epsilon)] == ("nbafl", None, None, "accountant")  # equal, composed budget
 
 
 def test_declared_settings_read_check_and_name_the_key():

@@ -233,6 +233,8 @@ def test_actor_limit_caps_flowers_pool_size_and_restores_it(monkeypatch) -> None
         assert ray_actor.pool_size_from_resources({"num_cpus": 1}) == 8
     with pytest.raises(ConfigError, match=r"simulation\.max_concurrent_clients=0"):
         validate_common(compose_config(["dataset=digits", "simulation.max_concurrent_clients=0"]))
+    with pytest.raises(ConfigError, match=r"simulation\.messages_per_task=0: must be an integer >= 1"):
+        validate_common(compose_config(["dataset=digits", "simulation.messages_per_task=0"]))
 
 
 def test_array_values_equals_numpy_for_every_layout() -> None:
