@@ -27,21 +27,21 @@ skipped. Epsilons of the privacy table come from
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import sys
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.tables, with or without -P
+
+from benchmarks.tables import Run, completed_runs, fmt, markdown_table, replace_generated_block, series
 from fl_app.bits import packed_length
 from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
 from fl_app.privacy.events import BinaryRandomizedResponse
 
-Run = dict[str, Any]
 DATASETS = {"mnist": "MNIST", "fashion_mnist": "Fashion-MNIST"}
 PARTITIONS = {100: "IID (alpha = 100)", 1: "non-IID (alpha = 1)"}
 GAMMAS = (0.1, 0.2, 0.3, 0.4)
@@ -51,13 +51,9 @@ BEGIN, END = "<!-- BEGIN dpfl_bnn_tables.md -->", "<!-- END dpfl_bnn_tables.md -
 MNIST_BITS = 144 + 2304 + 784 * 100 + 1000  # BinaryCNN on 28x28 images, 10 classes
 
 
-def load(root: Path, name: str) -> Run | None:
-    """The completed run in ``root / name``, or None."""
-    path = root / name / "results.json"
-    if not path.is_file():
-        return None
-    run = json.loads(path.read_text())
-    return run if run.get("status") == "completed" else None
+def load_runs(root: Path) -> dict[str, Run]:
+    """The completed runs ``root/<name>/results.json`` by ``<name>`` (runs deeper down are not read)."""
+    return {Path(run["_path"]).name: run for run in completed_runs(root) if Path(run["_path"]).parent == root}
 
 
 def variants() -> list[tuple[str, str]]:
@@ -65,7 +61,7 @@ def variants() -> list[tuple[str, str]]:
     return [("noisefree", "BNN (no noise)")] + [(f"g{g}", f"gamma = {g}") for g in GAMMAS]
 
 
-def accuracy_figure(root: Path, out: Path) -> bool:
+def accuracy_figure(runs: dict[str, Run], out: Path) -> bool:
     """Test accuracy of Sign(W~) per round: one panel per data set and partition."""
     figure, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
     found = False
@@ -73,16 +69,16 @@ def accuracy_figure(root: Path, out: Path) -> bool:
         for col, alpha in enumerate(PARTITIONS):
             axis = axes[row][col]
             for suffix, label in variants():
-                run = load(root, f"{dataset}_a{alpha}_{suffix}")
+                run = runs.get(f"{dataset}_a{alpha}_{suffix}")
                 if run is None:
                     continue
                 found = True
-                rounds = [0] + [r["round"] for r in run["rounds"] if r["accuracy"] is not None]
-                accuracy = [run["initial"]["accuracy"]] + [
-                    r["accuracy"] for r in run["rounds"] if r["accuracy"] is not None
-                ]
                 axis.plot(
-                    rounds, accuracy, marker="o", ms=3, label=label, ls="--" if suffix == "noisefree" else "-"
+                    *series(run, "accuracy"),
+                    marker="o",
+                    ms=3,
+                    label=label,
+                    ls="--" if suffix == "noisefree" else "-",
                 )
             axis.set_title(f"{DATASETS[dataset]}, {PARTITIONS[alpha]}")
             axis.set_xlabel("round")
@@ -99,21 +95,21 @@ def accuracy_figure(root: Path, out: Path) -> bool:
     return found
 
 
-def final_figure(root: Path, out: Path) -> bool:
+def final_figure(runs: dict[str, Run], out: Path) -> bool:
     """Final accuracy against gamma (the noise-free BNN as a horizontal line)."""
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     found = False
     for col, dataset in enumerate(DATASETS):
         axis = axes[col]
         for alpha, color in zip(PARTITIONS, ("tab:blue", "tab:orange"), strict=True):
-            points = [(g, load(root, f"{dataset}_a{alpha}_g{g}")) for g in GAMMAS]
+            points = [(g, runs.get(f"{dataset}_a{alpha}_g{g}")) for g in GAMMAS]
             points = [(g, r["final"]["accuracy"]) for g, r in points if r is not None]
             if points:
                 found = True
                 axis.plot(
                     *zip(*points, strict=True), "o-", color=color, label=f"DPFL-BNN, {PARTITIONS[alpha]}"
                 )
-            baseline = load(root, f"{dataset}_a{alpha}_noisefree")
+            baseline = runs.get(f"{dataset}_a{alpha}_noisefree")
             if baseline is not None:
                 axis.axhline(baseline["final"]["accuracy"], color=color, ls="--", label="BNN (no noise)")
         axis.set_title(DATASETS[dataset])
@@ -129,49 +125,54 @@ def final_figure(root: Path, out: Path) -> bool:
     return found
 
 
-def _fmt(value: float | None, digits: int = 4) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    return f"{value:.{digits}g}"
-
-
-def results_table(root: Path) -> list[str]:
+def results_table(runs: dict[str, Run]) -> list[str]:
     """One row per run: accuracies, both epsilons, upload bytes."""
-    lines = [
-        "| data set | partition | variant | T | lr | final acc. Sign(W~) | best acc. "
-        "| local-model acc. (diagnostic) | epsilon client level | epsilon per coordinate "
-        "| upload B/client/round | failed uploads | wall |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        "data set",
+        "partition",
+        "variant",
+        "T",
+        "lr",
+        "final acc. Sign(W~)",
+        "best acc.",
+        "local-model acc. (diagnostic)",
+        "epsilon client level",
+        "epsilon per coordinate",
+        "upload B/client/round",
+        "failed uploads",
+        "wall",
     ]
+    rows = []
     for dataset in DATASETS:
         for alpha in PARTITIONS:
             for suffix, label in variants():
-                run = load(root, f"{dataset}_a{alpha}_{suffix}")
+                run = runs.get(f"{dataset}_a{alpha}_{suffix}")
                 if run is None:
                     continue
                 accuracies = [r["accuracy"] for r in run["rounds"] if r["accuracy"] is not None]
                 final = run["final"]
                 epsilon = final["epsilon"]
-                cells = [
-                    DATASETS[dataset],
-                    PARTITIONS[alpha],
-                    label,
-                    str(run["config"]["num_rounds"]),
-                    f"{run['config']['lr']:g}",
-                    _fmt(final["accuracy"]),
-                    _fmt(max(accuracies)),
-                    _fmt(local_model_accuracy(run)),
-                    "null (not private)" if epsilon is None else _fmt(epsilon, 6),
-                    _fmt(final.get("epsilon_per_coordinate")),
-                    _fmt(final.get("upload_bytes_per_client"), 6),
-                    str(sum(r["failures"] for r in run["rounds"])),
-                    f"{final['wall_s'] / 60:.0f} min",
-                ]
-                lines.append("| " + " | ".join(cells) + " |")
-    return lines
+                rows.append(
+                    [
+                        DATASETS[dataset],
+                        PARTITIONS[alpha],
+                        label,
+                        run["config"]["num_rounds"],
+                        f"{run['config']['lr']:g}",
+                        fmt(final["accuracy"]),
+                        fmt(max(accuracies)),
+                        fmt(local_model_accuracy(run)),
+                        "null (not private)" if epsilon is None else fmt(epsilon, 6),
+                        fmt(final.get("epsilon_per_coordinate")),
+                        fmt(final.get("upload_bytes_per_client"), 6),
+                        sum(r["failures"] for r in run["rounds"]),
+                        f"{final['wall_s'] / 60:.0f} min",
+                    ]
+                )
+    return markdown_table(header, rows)
 
 
-def local_model_accuracy(run: dict[str, Any]) -> float | None:
+def local_model_accuracy(run: Run) -> float | None:
     """The last local-model diagnostic: ``outside_guarantee`` (older results: ``final``)."""
     outside = [r for r in run.get("outside_guarantee", {}).get("rounds", []) if "local_model_accuracy" in r]
     if outside:
@@ -179,67 +180,76 @@ def local_model_accuracy(run: dict[str, Any]) -> float | None:
     return run["final"].get("local_model_accuracy")
 
 
-def comparison_table(root: Path) -> list[str]:
+def comparison_table(runs: dict[str, Run]) -> list[str]:
     """Per data set and partition: each gamma's final accuracy minus the noise-free BNN's (Fig. 3, 4)."""
-    lines = [
-        "| data set | partition | BNN (no noise) | "
-        + " | ".join(f"gamma = {g}: acc. (minus BNN)" for g in GAMMAS)
-        + " | best variant |",
-        "|---" * (4 + len(GAMMAS)) + "|",
+    header = [
+        "data set",
+        "partition",
+        "BNN (no noise)",
+        *(f"gamma = {g}: acc. (minus BNN)" for g in GAMMAS),
+        "best variant",
     ]
+    rows = []
     for dataset in DATASETS:
         for alpha in PARTITIONS:
-            runs = {suffix: load(root, f"{dataset}_a{alpha}_{suffix}") for suffix, _ in variants()}
-            if all(r is None for r in runs.values()):
+            accuracy = {
+                suffix: run["final"]["accuracy"]
+                for suffix, _ in variants()
+                if (run := runs.get(f"{dataset}_a{alpha}_{suffix}")) is not None
+            }
+            if not accuracy:
                 continue
-            accuracy = {k: r["final"]["accuracy"] for k, r in runs.items() if r is not None}
             base = accuracy.get("noisefree")
-            cells = [DATASETS[dataset], PARTITIONS[alpha], _fmt(base) if base is not None else "not run"]
+            cells = [DATASETS[dataset], PARTITIONS[alpha], fmt(base, missing="not run")]
             for g in GAMMAS:
                 value = accuracy.get(f"g{g}")
                 if value is None:
                     cells.append("not run")
                 elif base is None:
-                    cells.append(_fmt(value))
+                    cells.append(fmt(value))
                 else:
-                    cells.append(f"{_fmt(value)} ({value - base:+.3f})")
+                    cells.append(f"{fmt(value)} ({value - base:+.3f})")
             best = max(accuracy, key=accuracy.get)
             cells.append(dict(variants())[best] + ("" if len(accuracy) == 5 else " (of the runs done)"))
-            lines.append("| " + " | ".join(cells) + " |")
-    return lines
+            rows.append(cells)
+    return markdown_table(header, rows)
 
 
-def upload_table(root: Path) -> list[str]:
+def upload_table(runs: dict[str, Run]) -> list[str]:
     """Measured bytes of one client's train reply: DPFL-BNN against float32 FedAvg."""
     bnn = [
         r["final"]["upload_bytes_per_client"]
         for dataset in DATASETS
         for alpha in PARTITIONS
         for suffix, _ in variants()
-        if (r := load(root, f"{dataset}_a{alpha}_{suffix}")) is not None
+        if (r := runs.get(f"{dataset}_a{alpha}_{suffix}")) is not None
     ]
     if not bnn:
         return []
     per_client = sorted(set(bnn))
     size = per_client[0]
     ratios: list[tuple[str, float]] = []
-    lines = [
-        "| upload of one client per round | bytes (measured message) | ratio to DPFL-BNN |",
-        "|---|---|---|",
-        f"| DPFL-BNN, d = {MNIST_BITS} packed bits (payload {packed_length(MNIST_BITS)} B) | "
-        f"{', '.join(f'{b:.0f}' for b in per_client)} | 1 |",
+    rows = [
+        [
+            f"DPFL-BNN, d = {MNIST_BITS} packed bits (payload {packed_length(MNIST_BITS)} B)",
+            ", ".join(f"{b:.0f}" for b in per_client),
+            1,
+        ]
     ]
     for name, label in (
         ("fedavg_float32_bnn_cnn", "FedAvg, float32, the same network (bnn_cnn latent weights)"),
         ("fedavg_float32_cnn", "FedAvg, float32, the platform's CNN (model=cnn)"),
     ):
-        run = load(root, name)
+        run = runs.get(name)
         if run is None:
             continue
         record = run["rounds"][0]
         fedavg = record["upload_bytes"] / record["clients"]
-        lines.append(f"| {label} | {fedavg:.0f} | {fedavg / size:.1f}x |")
+        rows.append([label, f"{fedavg:.0f}", f"{fedavg / size:.1f}x"])
         ratios.append((label, fedavg / max(per_client)))
+    lines = markdown_table(
+        ["upload of one client per round", "bytes (measured message)", "ratio to DPFL-BNN"], rows
+    )
     if ratios:
         lines.append("")
         for label, ratio in ratios:
@@ -258,45 +268,42 @@ def upload_table(root: Path) -> list[str]:
 
 def privacy_table(rounds: tuple[int, ...] = (10, 100), bits: int = MNIST_BITS) -> list[str]:
     """Epsilon of each gamma under both accountings (the accountant's RDP composition)."""
-    lines = [
-        "| gamma | flip prob. | epsilon of one bit (pure) | "
-        + " | ".join(f"per coordinate, T = {t}" for t in rounds)
-        + " | "
-        + " | ".join(f"client level, T = {t} (d = {bits})" for t in rounds)
-        + " |",
-        "|---" * (3 + 2 * len(rounds)) + "|",
+    header = [
+        "gamma",
+        "flip prob.",
+        "epsilon of one bit (pure)",
+        *(f"per coordinate, T = {t}" for t in rounds),
+        *(f"client level, T = {t} (d = {bits})" for t in rounds),
     ]
+    rows = []
     for gamma in GAMMAS:
         per_bit = BinaryRandomizedResponse(gamma).pure_epsilon
         coordinate = [binary_rr_epsilon(gamma=gamma, delta=DELTA, rounds=t) for t in rounds]
         client = [binary_rr_epsilon(gamma=gamma, delta=DELTA, rounds=t, bits_per_round=bits) for t in rounds]
-        lines.append(
-            f"| {gamma} | {0.5 - gamma:.1f} | {per_bit:.4f} | "
-            + " | ".join(f"{e:.4g}" for e in coordinate)
-            + " | "
-            + " | ".join(f"{e:.4g}" for e in client)
-            + " |"
+        rows.append(
+            [gamma, f"{0.5 - gamma:.1f}", f"{per_bit:.4f}", *(f"{e:.4g}" for e in coordinate + client)]
         )
-    return lines
+    return markdown_table(header, rows)
 
 
 def calibration_table(epsilons: tuple[float, ...] = (1.0, 4.0, 8.0), rounds: int = 100) -> list[str]:
     """Gamma for a target epsilon: Theorem 1's fixed order vs optimised, per coordinate vs client level."""
-    lines = [
-        f"| epsilon (delta = {DELTA:g}, T = {rounds}) | "
-        "gamma, Theorem 1 (order 1 + 2 log(1/delta)/epsilon) | "
-        "gamma, per coordinate (optimised order) | gamma, client level (d = "
-        f"{MNIST_BITS}) | flip prob. at client level |",
-        "|---|---|---|---|---|",
+    header = [
+        f"epsilon (delta = {DELTA:g}, T = {rounds})",
+        "gamma, Theorem 1 (order 1 + 2 log(1/delta)/epsilon)",
+        "gamma, per coordinate (optimised order)",
+        f"gamma, client level (d = {MNIST_BITS})",
+        "flip prob. at client level",
     ]
+    rows = []
     for epsilon in epsilons:
         theorem = bnn_gamma_theorem1(epsilon=epsilon, delta=DELTA, rounds=rounds)
         coordinate = bnn_gamma(epsilon=epsilon, delta=DELTA, rounds=rounds)
         client = bnn_gamma(epsilon=epsilon, delta=DELTA, rounds=rounds, bits_per_round=MNIST_BITS)
-        lines.append(
-            f"| {epsilon:g} | {theorem:.4f} | {coordinate:.4f} | {client:.3g} | {0.5 - client:.6f} |"
+        rows.append(
+            [f"{epsilon:g}", f"{theorem:.4f}", f"{coordinate:.4f}", f"{client:.3g}", f"{0.5 - client:.6f}"]
         )
-    return lines
+    return markdown_table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,12 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    accuracy_figure(args.root, args.out)
-    final_figure(args.root, args.out)
+    runs = load_runs(args.root)
+    accuracy_figure(runs, args.out)
+    final_figure(runs, args.out)
     sections = [
-        ("Runs", results_table(args.root)),
-        ("Final accuracy against the noise-free BNN", comparison_table(args.root)),
-        ("Upload size", upload_table(args.root)),
+        ("Runs", results_table(runs)),
+        ("Final accuracy against the noise-free BNN", comparison_table(runs)),
+        ("Upload size", upload_table(runs)),
         ("Epsilon of each gamma, both accountings", privacy_table()),
         ("gamma for a target epsilon", calibration_table()),
     ]
@@ -331,21 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "dpfl_bnn_tables.md").write_text("\n".join(text) + "\n")
     print("\n".join(text))
     page = args.page if args.page is not None else args.out.parent / "dpfl_bnn.md"
-    if page.is_file():
-        update_page(page, text[1:])
+    if replace_generated_block(page, [*text, "", ""], begin=BEGIN, end=END):  # a blank line before END
+        print(f"updated the generated block of {page}")
+    elif args.page is not None or page.is_file():
+        print(f"{page}: no file or no {BEGIN} ... {END} block; not updated", file=sys.stderr)
+        return 1
     return 0
-
-
-def update_page(page: Path, lines: list[str]) -> None:
-    """Replace the block between the BEGIN/END markers of ``page`` with the generated tables."""
-    content = page.read_text()
-    if BEGIN not in content or END not in content:
-        return
-    head, rest = content.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    block = "\n".join([BEGIN, "<!-- generated by benchmarks/dpfl_bnn.py; do not edit -->", *lines, "", END])
-    page.write_text(head + block + tail)
-    print(f"updated the generated block of {page}")
 
 
 if __name__ == "__main__":

@@ -25,16 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-Run = dict[str, Any]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.tables, with or without -P
+
+from benchmarks.tables import Run, completed_runs, fmt, markdown_table, replace_generated_block, series
 
 #: Folder prefix -> label, in table order.
 METHODS: dict[str, str] = {
@@ -52,30 +54,24 @@ UNITS: dict[str, str] = {
     "nbafl": "record (modelling assumption)",
 }
 FOLDER = re.compile(r"^(?P<method>[a-z_]+)_eps(?P<epsilon>[0-9.]+)$")
+BEGIN, END = "<!-- BEGIN GENERATED: figures/kd_dp_tables.md -->", "<!-- END GENERATED -->"
 
 
 def load_runs(root: Path) -> dict[str, dict[str, dict[float, Run]]]:
-    """``{dataset: {method: {epsilon: results}}}`` for every completed run below ``root``."""
+    """``{dataset: {method: {epsilon: results}}}`` for every completed run ``root/<dataset>/<folder>``.
+
+    ``<folder>`` is ``<method>_eps<epsilon>`` with ``<method>`` one of :data:`METHODS`; other folders are
+    not runs of this benchmark.
+    """
     runs: dict[str, dict[str, dict[float, Run]]] = {}
-    for path in sorted(root.glob("*/*/results.json")):
-        match = FOLDER.match(path.parent.name)
-        if match is None or match["method"] not in METHODS:
+    for result in completed_runs(root):
+        path = Path(result["_path"])
+        match = FOLDER.match(path.name)
+        if path.parent.parent != root or match is None or match["method"] not in METHODS:
             continue
-        result = json.loads(path.read_text())
-        if result.get("status") != "completed":
-            continue
-        result["_path"] = str(path.parent)
-        dataset = path.parent.parent.name
-        runs.setdefault(dataset, {}).setdefault(match["method"], {})[float(match["epsilon"])] = result
+        by_epsilon = runs.setdefault(path.parent.name, {}).setdefault(match["method"], {})
+        by_epsilon[float(match["epsilon"])] = result
     return runs
-
-
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.3g}"
-    return str(value)
 
 
 def _best(run: Run) -> float:
@@ -96,20 +92,16 @@ def method_epsilon_table(
     """
     ran = [m for m in names if m in methods]
     epsilons = sorted({e for m in ran for e in methods[m]})
-    unit_head, unit_rule = ("unit | ", "---|") if with_unit else ("", "")
-    lines = [
-        title,
-        "",
-        f"| method | {unit_head}" + " | ".join(f"epsilon = {e:g}" for e in epsilons) + " |",
-        f"|---|{unit_rule}" + "---|" * len(epsilons),
-    ]
-    for method in ran:
-        cells = [
-            "-" if methods[method].get(e) is None else cell(method, methods[method][e]) for e in epsilons
+    header = ["method", *(["unit"] if with_unit else []), *(f"epsilon = {e:g}" for e in epsilons)]
+    rows = [
+        [
+            METHODS[method],
+            *([UNITS[method]] if with_unit else []),
+            *("-" if methods[method].get(e) is None else cell(method, methods[method][e]) for e in epsilons),
         ]
-        unit = f"{UNITS[method]} | " if with_unit else ""
-        lines.append(f"| {METHODS[method]} | {unit}" + " | ".join(cells) + " |")
-    return lines
+        for method in ran
+    ]
+    return [title, "", *markdown_table(header, rows)]
 
 
 def accuracy_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
@@ -117,7 +109,7 @@ def accuracy_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[s
     return method_epsilon_table(
         f"**{dataset}**: final test accuracy (reported epsilon at delta = 1e-5)",
         methods,
-        lambda _, run: f"{run['final']['accuracy']:.4f} ({_fmt(run['final']['epsilon'])})",
+        lambda _, run: f"{run['final']['accuracy']:.4f} ({fmt(run['final']['epsilon'], 3)})",
         with_unit=True,
     )
 
@@ -138,26 +130,33 @@ def _versus(run: Run, others: list[Run]) -> list[str]:
 
 def claim_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
     """Markdown: KD-DP's final accuracy against the traditional baselines at each total epsilon."""
-    lines = [
-        f"**{dataset}**: the claim (KD-DP more accurate than traditional DP-FL at equal total epsilon)",
-        "",
-        "| epsilon | KD-DP final acc. | best of DP-FedAvg, NbAFL (final) | margin | KD-DP ahead "
-        "| their best acc. in any round | federated DP-SGD, same unit (final) | margin | KD-DP ahead |",
-        "|---|---|---|---|---|---|---|---|---|",
+    header = [
+        "epsilon",
+        "KD-DP final acc.",
+        "best of DP-FedAvg, NbAFL (final)",
+        "margin",
+        "KD-DP ahead",
+        "their best acc. in any round",
+        "federated DP-SGD, same unit (final)",
+        "margin",
+        "KD-DP ahead",
     ]
+    rows = []
     for epsilon, run in sorted(methods.get("kd_dp", {}).items()):
         named = [methods[m][epsilon] for m in TRADITIONAL if epsilon in methods.get(m, {})]
         ablation = [methods[ABLATION][epsilon]] if epsilon in methods.get(ABLATION, {}) else []
         best_any = f"{max(_best(b) for b in named):.4f}" if named else "-"
-        cells = [
-            f"{epsilon:g}",
-            f"{run['final']['accuracy']:.4f}",
-            *_versus(run, named),
-            best_any,
-            *_versus(run, ablation),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(
+            [
+                f"{epsilon:g}",
+                f"{run['final']['accuracy']:.4f}",
+                *_versus(run, named),
+                best_any,
+                *_versus(run, ablation),
+            ]
+        )
+    title = f"**{dataset}**: the claim (KD-DP more accurate than traditional DP-FL at equal total epsilon)"
+    return [title, "", *markdown_table(header, rows)]
 
 
 def _global_noise_cell(method: str, run: Run) -> str:
@@ -166,7 +165,7 @@ def _global_noise_cell(method: str, run: Run) -> str:
         std = privacy["noise_multiplier"] * privacy["clip"] / privacy["denominator"]
     else:
         std = (privacy["sigma_up"] ** 2 / privacy["K"] + privacy.get("sigma_down", 0.0) ** 2) ** 0.5
-    return f"z = {_fmt(privacy['noise_multiplier'])}, std {_fmt(std)}"
+    return f"z = {fmt(privacy['noise_multiplier'], 3)}, std {fmt(std, 3)}"
 
 
 def baseline_noise_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
@@ -190,19 +189,26 @@ def cpu_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
     return method_epsilon_table(
         f"**{dataset}**: CPU seconds (all processes of the run) / wall minutes",
         methods,
-        lambda _, run: f"{_fmt(run.get('_cpu_s'))} / {run['final']['wall_s'] / 60:.1f}",
+        lambda _, run: f"{fmt(run.get('_cpu_s'), 3)} / {run['final']['wall_s'] / 60:.1f}",
     )
 
 
 def kd_dp_detail_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[str]:
     """Markdown: KD-DP's stages and each group's epsilon."""
-    lines = [
-        f"**{dataset}**: KD-DP runs in detail",
-        "",
-        "| run | epsilon | teacher acc. (end of stage) | final acc. | best acc. | label agreement "
-        "| eps large (teacher only) | eps general | eps special | overall | CPU s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        "run",
+        "epsilon",
+        "teacher acc. (end of stage)",
+        "final acc.",
+        "best acc.",
+        "label agreement",
+        "eps large (teacher only)",
+        "eps general",
+        "eps special",
+        "overall",
+        "CPU s",
     ]
+    rows = []
     for method in ("kd_dp", "kd_dp_pp", "fed_dp_sgd"):
         for epsilon, run in sorted(methods.get(method, {}).items()):
             privacy = run["privacy"]
@@ -210,14 +216,22 @@ def kd_dp_detail_table(dataset: str, methods: dict[str, dict[float, Run]]) -> li
             teacher_accuracy = run["rounds"][teacher_rounds - 1]["accuracy"] if teacher_rounds > 0 else None
             groups = privacy["epsilon_by_group"]
             special = privacy["special_client"]
-            lines.append(
-                f"| {method} | {epsilon:g} | {_fmt(teacher_accuracy, 4)} | {run['final']['accuracy']:.4f} "
-                f"| {_best(run):.4f} | {_fmt(special['label_agreement_with_teacher'], 3)} "
-                f"| {_fmt(groups['large'])} ({_fmt(groups['large_teacher_only'])}) "
-                f"| {_fmt(groups['general'])} | {_fmt(groups['special'])} "
-                f"| {_fmt(privacy['epsilon_overall'])} | {_fmt(run.get('_cpu_s'))} |"
+            rows.append(
+                [
+                    method,
+                    f"{epsilon:g}",
+                    fmt(teacher_accuracy, 4),
+                    f"{run['final']['accuracy']:.4f}",
+                    f"{_best(run):.4f}",
+                    fmt(special["label_agreement_with_teacher"], 3),
+                    f"{fmt(groups['large'], 3)} ({fmt(groups['large_teacher_only'], 3)})",
+                    fmt(groups["general"], 3),
+                    fmt(groups["special"], 3),
+                    fmt(privacy["epsilon_overall"], 3),
+                    fmt(run.get("_cpu_s"), 3),
+                ]
             )
-    return lines
+    return [f"**{dataset}**: KD-DP runs in detail", "", *markdown_table(header, rows)]
 
 
 def plot_accuracy(dataset: str, methods: dict[str, dict[float, Run]], out: Path) -> Path:
@@ -252,10 +266,11 @@ def plot_rounds(dataset: str, methods: dict[str, dict[float, Run]], out: Path) -
             run = methods.get(method, {}).get(epsilon)
             if run is None:
                 continue
-            rounds = [0] + [r["round"] for r in run["rounds"]]
-            accuracy = [run["initial"]["accuracy"]] + [r["accuracy"] for r in run["rounds"]]
             axis.plot(
-                rounds, accuracy, style, color=colours[i % len(colours)], label=f"{method}, eps={epsilon:g}"
+                *series(run, "accuracy"),
+                style,
+                color=colours[i % len(colours)],
+                label=f"{method}, eps={epsilon:g}",
             )
     teacher_rounds = next(
         (
@@ -282,7 +297,7 @@ def plot_rounds(dataset: str, methods: dict[str, dict[float, Run]], out: Path) -
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     """Read the runs below ``--root``, write figures and tables into ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path("/tmp/bench_kd_dp/runs"))
@@ -324,19 +339,12 @@ def main(argv: list[str] | None = None) -> None:
     table.write_text("\n".join(lines) + "\n")
     print(f"wrote {table}")
     if args.doc is not None:
-        splice(args.doc, lines[2:])
+        if not replace_generated_block(args.doc, lines[2:], begin=BEGIN, end=END):
+            print(f"{args.doc}: no file or no {BEGIN} ... {END} block; not updated", file=sys.stderr)
+            return 1
         print(f"updated {args.doc}")
-
-
-BEGIN, END = "<!-- BEGIN GENERATED: figures/kd_dp_tables.md -->", "<!-- END GENERATED -->"
-
-
-def splice(doc: Path, lines: list[str]) -> None:
-    """Replace the text between the ``BEGIN``/``END`` markers of ``doc`` with ``lines``."""
-    text = doc.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    doc.write_text(text[:start] + "\n" + "\n".join(lines).strip() + "\n" + text[end:])
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -31,10 +31,10 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,22 +45,28 @@ import matplotlib.pyplot as plt
 import numpy as np
 from scipy import stats
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.tables, with or without -P
+
+from benchmarks.tables import completed_runs, fmt, markdown_table, replace_generated_block
+
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "figures"
 CLEAR = "NOT_ENCRYPT"
 BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
 #: Pearson correlation with the clear curve from which a protected curve is said to follow its trend.
 FOLLOWS = 0.9
+#: A number for a table cell, ``cell(value, digits=3)``: "null" for None (a clear run's epsilon),
+#: "-" for NaN (a correlation that cannot be computed).
+cell = partial(fmt, digits=3, missing="null", nan="-")
 
 
 def load_runs(folder: Path) -> list[dict[str, Any]]:
-    """Every ``results.json`` below ``folder`` that has a clustering evaluation, with its run name."""
+    """The completed runs ``folder/<name>/results.json`` with a clustering evaluation, and their name."""
     runs = []
-    for path in sorted(folder.glob("*/results.json")):
-        results = json.loads(path.read_text())
-        evaluation = results.get("privacy", {}).get("evaluation")
-        if evaluation is None:
+    for results in completed_runs(folder):
+        path = Path(results["_path"])
+        if path.parent != folder or results["privacy"].get("evaluation") is None:
             continue
-        results["name"] = path.parent.name
+        results["name"] = path.name
         runs.append(results)
     return runs
 
@@ -151,25 +157,22 @@ def table(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def _fmt(value: Any, digits: int = 3) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "-"
-        return f"{value:.{digits}g}"
-    return str(value)
-
-
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The benchmark table as Markdown."""
-    header = (
-        "| strategy | mode | scale b | eps per report | eps cumulative | silhouette first / last / mean "
-        "| Pearson r (Spearman) silhouette vs clear | r of round-to-round changes vs clear "
-        "| Pearson r (Spearman) CH vs clear "
-        "| r(silhouette, train loss) | max train-loss diff vs clear | follows the clear trend |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
-    )
+    header = [
+        "strategy",
+        "mode",
+        "scale b",
+        "eps per report",
+        "eps cumulative",
+        "silhouette first / last / mean",
+        "Pearson r (Spearman) silhouette vs clear",
+        "r of round-to-round changes vs clear",
+        "Pearson r (Spearman) CH vs clear",
+        "r(silhouette, train loss)",
+        "max train-loss diff vs clear",
+        "follows the clear trend",
+    ]
     lines = []
     for row in rows:
         pearson = row.get("pearson_silhouette", math.nan)
@@ -180,18 +183,23 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         else:
             follows = "yes" if pearson >= FOLLOWS else "no"
         lines.append(
-            f"| {row['strategy']} | {row['mode']} | {_fmt(row['scale'])} "
-            f"| {_fmt(row['epsilon_per_report'], 6)} | {_fmt(row['epsilon_cumulative'], 6)} "
-            f"| {_fmt(row['silhouette_first'])} / {_fmt(row['silhouette_last'])} "
-            f"/ {_fmt(row['silhouette_mean'])} "
-            f"| {_fmt(pearson)} ({_fmt(row.get('spearman_silhouette', math.nan))}) "
-            f"| {_fmt(row.get('pearson_silhouette_changes', math.nan))} "
-            f"| {_fmt(row.get('pearson_calinski_harabasz', math.nan))} "
-            f"({_fmt(row.get('spearman_calinski_harabasz', math.nan))}) "
-            f"| {_fmt(row['r_silhouette_train_loss'])} | {_fmt(row.get('max_train_loss_diff', math.nan), 2)} "
-            f"| {follows} |"
+            [
+                row["strategy"],
+                row["mode"],
+                cell(row["scale"]),
+                cell(row["epsilon_per_report"], digits=6),
+                cell(row["epsilon_cumulative"], digits=6),
+                " / ".join(cell(row[f"silhouette_{which}"]) for which in ("first", "last", "mean")),
+                f"{cell(pearson)} ({cell(row.get('spearman_silhouette', math.nan))})",
+                cell(row.get("pearson_silhouette_changes", math.nan)),
+                f"{cell(row.get('pearson_calinski_harabasz', math.nan))} "
+                f"({cell(row.get('spearman_calinski_harabasz', math.nan))})",
+                cell(row["r_silhouette_train_loss"]),
+                cell(row.get("max_train_loss_diff", math.nan), digits=2),
+                follows,
+            ]
         )
-    return header + "\n".join(lines) + "\n"
+    return "\n".join(markdown_table(header, lines)) + "\n"
 
 
 def plot(runs: list[dict[str, Any]], key: str, ylabel: str, path: Path, *, log: bool = False) -> None:
@@ -250,11 +258,19 @@ def _seconds(value: Any) -> str:
 
 def runs_table(runs: list[dict[str, Any]]) -> str:
     """The runs as Markdown: size, failures, final accuracy and wall time, from ``results.json``."""
-    lines = [
-        "| run | strategy | mode | rounds | clients evaluated per round | vectors per round (mean) "
-        "| failed train / evaluation replies | final accuracy | training epsilon | wall time |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        "run",
+        "strategy",
+        "mode",
+        "rounds",
+        "clients evaluated per round",
+        "vectors per round (mean)",
+        "failed train / evaluation replies",
+        "final accuracy",
+        "training epsilon",
+        "wall time",
     ]
+    rows = []
     for results in sorted(runs, key=lambda r: (r["strategy"], _epsilon_order(r))):
         rounds = results["rounds"]
         _, reports = series(results, "cluster_eval_reports")
@@ -262,14 +278,21 @@ def runs_table(runs: list[dict[str, Any]]) -> str:
         train_failures = sum(int(r.get("failures") or 0) for r in rounds)
         eval_failures = sum(int(r.get("cluster_eval_failures") or 0) for r in rounds)
         final = results["final"]
-        lines.append(
-            f"| {results['name']} | {results['strategy']} | {mode_label(results)} | {len(rounds)} "
-            f"| {_fmt(float(np.max(clients)) if len(clients) else math.nan)} "
-            f"| {_fmt(float(np.mean(reports)) if len(reports) else math.nan, 4)} "
-            f"| {train_failures} / {eval_failures} | {_fmt(final.get('accuracy'))} "
-            f"| {_fmt(final.get('epsilon'))} | {_seconds(final.get('wall_s'))} |"
+        rows.append(
+            [
+                results["name"],
+                results["strategy"],
+                mode_label(results),
+                len(rounds),
+                cell(float(np.max(clients)) if len(clients) else math.nan),
+                cell(float(np.mean(reports)) if len(reports) else math.nan, digits=4),
+                f"{train_failures} / {eval_failures}",
+                cell(final.get("accuracy")),
+                cell(final.get("epsilon")),
+                _seconds(final.get("wall_s")),
+            ]
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(markdown_table(header, rows)) + "\n"
 
 
 def follows_down_to(rows: list[dict[str, Any]]) -> str:
@@ -295,19 +318,21 @@ def follows_down_to(rows: list[dict[str, Any]]) -> str:
         failing = [row for row in protected if row["pearson_silhouette"] < FOLLOWS]
         verdict = (
             f"follows the clear silhouette trend (Pearson r >= {FOLLOWS:g}) at every tested epsilon "
-            f"down to {_fmt(lowest['epsilon_per_report'], 6)} (r = {_fmt(lowest['pearson_silhouette'])})"
+            f"down to {cell(lowest['epsilon_per_report'], digits=6)} "
+            f"(r = {cell(lowest['pearson_silhouette'])})"
             if lowest is not None
             else f"does not follow the clear trend (Pearson r >= {FOLLOWS:g}) at any tested epsilon"
         )
         if lowest is not None:
             tracked = [row for row in protected if row["epsilon_per_report"] >= lowest["epsilon_per_report"]]
             verdict += "; round-to-round changes r = " + ", ".join(
-                f"{_fmt(row['pearson_silhouette_changes'])} (epsilon {_fmt(row['epsilon_per_report'], 6)})"
+                f"{cell(row['pearson_silhouette_changes'])} "
+                f"(epsilon {cell(row['epsilon_per_report'], digits=6)})"
                 for row in tracked
             )
         if failing:
             verdict += "; not at " + ", ".join(
-                f"epsilon {_fmt(row['epsilon_per_report'], 6)} (r = {_fmt(row['pearson_silhouette'])})"
+                f"epsilon {cell(row['epsilon_per_report'], digits=6)} (r = {cell(row['pearson_silhouette'])})"
                 for row in failing
             )
         lines.append(f"* {strategy}: {verdict}")
@@ -326,19 +351,6 @@ def generated(runs: list[dict[str, Any]]) -> str:
         + "\nVerdict (silhouette, Pearson r against the clear curve):\n\n"
         + follows_down_to(rows)
     )
-
-
-def update_page(page: Path, text: str) -> bool:
-    """Replace the generated block of ``page`` (between the markers); False if it has none."""
-    if not page.exists():
-        return False
-    content = page.read_text()
-    if BEGIN not in content or END not in content:
-        return False
-    head, rest = content.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    page.write_text(f"{head}{BEGIN}\n{text}{END}{tail}")
-    return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -369,9 +381,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = generated(runs)
     (args.out / "laplace_eval_table.md").write_text(text)
     page = args.page if args.page is not None else args.out.parent / "laplace_eval.md"
-    if update_page(page, text):
-        print(f"updated the generated block of {page}", file=sys.stderr)
     print(text)
+    if replace_generated_block(page, text, begin=BEGIN, end=END):
+        print(f"updated the generated block of {page}", file=sys.stderr)
+    elif args.page is not None or page.is_file():
+        print(f"{page}: no file or no {BEGIN} ... {END} block; not updated", file=sys.stderr)
+        return 1
     return 0
 
 

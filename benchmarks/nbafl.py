@@ -29,31 +29,18 @@ are skipped.
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-Run = dict[str, Any]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.tables, with or without -P
 
-
-def load_sweep(root: Path, name: str) -> list[Run]:
-    """All completed runs (``results.json``) below ``root / name``."""
-    folder = root / name
-    if not folder.is_dir():
-        return []
-    runs = []
-    for path in sorted(folder.rglob("results.json")):
-        run = json.loads(path.read_text())
-        if run.get("status") == "completed":
-            run["_path"] = str(path.parent)
-            runs.append(run)
-    return runs
+from benchmarks.tables import Run, completed_runs, fmt, markdown_table, series
 
 
 def epsilon_of(run: Run) -> float:
@@ -64,21 +51,6 @@ def epsilon_of(run: Run) -> float:
 def k_of(run: Run) -> int:
     """Clients per round actually scheduled."""
     return int(run["privacy"].get("K", run["rounds"][0]["clients"]))
-
-
-def series(run: Run, key: str) -> tuple[list[int], list[float]]:
-    """Round numbers and values of ``key`` (round 0 = the initial model)."""
-    rounds = [0] + [r["round"] for r in run["rounds"] if r.get(key) is not None]
-    values = [run["initial"][key]] + [r[key] for r in run["rounds"] if r.get(key) is not None]
-    return rounds, values
-
-
-def _fmt(value: Any, digits: int = 4) -> str:
-    if value is None:
-        return "inf"
-    if isinstance(value, float):
-        return f"{value:.{digits}g}"
-    return str(value)
 
 
 def plot_curves(
@@ -149,41 +121,52 @@ def plot_final(
 
 
 def table(runs: list[Run], *, title: str, baseline: list[Run] | None = None) -> str:
-    """A markdown table of the runs' settings, epsilons and final metrics."""
-    lines = [
-        f"### {title}",
-        "",
-        "| strategy | N | K | T | L | m | epsilon (document) | epsilon (accountant, record) "
-        "| epsilon (client level) | sigma_U | sigma_D | final loss | final accuracy | wall s | run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    """A markdown table of the runs' settings, epsilons and final metrics (None: ``inf``)."""
+    header = [
+        "strategy",
+        "N",
+        "K",
+        "T",
+        "L",
+        "m",
+        "epsilon (document)",
+        "epsilon (accountant, record)",
+        "epsilon (client level)",
+        "sigma_U",
+        "sigma_D",
+        "final loss",
+        "final accuracy",
+        "wall s",
+        "run",
     ]
+    rows = []
+
+    def cell(value: object) -> str:
+        return fmt(value, missing="inf")
+
     for run in [*(baseline or []), *runs]:
         privacy, final, config = run["privacy"], run["final"], run["config"]
         private = run["strategy"] == "nbafl"
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    run["strategy"],
-                    str(config["num_clients"]),
-                    str(k_of(run)) if private else str(run["rounds"][0]["clients"]),
-                    str(config["num_rounds"]),
-                    _fmt(privacy.get("L")) if private else "-",
-                    _fmt(privacy.get("m")) if private else "-",
-                    _fmt(epsilon_of(run)) if private else "-",
-                    _fmt(final["epsilon"]),
-                    _fmt(final.get("epsilon_client_level")) if private else "inf",
-                    _fmt(privacy.get("sigma_up")) if private else "-",
-                    _fmt(privacy.get("sigma_down")) if private else "-",
-                    _fmt(final["loss"]),
-                    _fmt(final["accuracy"]),
-                    f"{final['wall_s']:.0f}",
-                    Path(run["_path"]).name,
-                ]
-            )
-            + " |"
+        rows.append(
+            [
+                run["strategy"],
+                config["num_clients"],
+                k_of(run) if private else run["rounds"][0]["clients"],
+                config["num_rounds"],
+                cell(privacy.get("L")) if private else "-",
+                cell(privacy.get("m")) if private else "-",
+                cell(epsilon_of(run)) if private else "-",
+                cell(final["epsilon"]),
+                cell(final.get("epsilon_client_level")) if private else "inf",
+                cell(privacy.get("sigma_up")) if private else "-",
+                cell(privacy.get("sigma_down")) if private else "-",
+                cell(final["loss"]),
+                cell(final["accuracy"]),
+                f"{final['wall_s']:.0f}",
+                Path(run["_path"]).name,
+            ]
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([f"### {title}", "", *markdown_table(header, rows)]) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -200,7 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return f"epsilon = {epsilon_of(run):g} (accountant {run['final']['epsilon']:.3g})"
 
     for dataset in ("mnist", "fashion_mnist"):
-        runs, baseline = load_sweep(args.root, f"{dataset}_eps"), load_sweep(args.root, f"{dataset}_fedavg")
+        runs, baseline = (
+            completed_runs(args.root / f"{dataset}_eps"),
+            completed_runs(args.root / f"{dataset}_fedavg"),
+        )
         if not runs:
             continue
         path = args.out / f"nbafl_{dataset}_epsilon.png"
@@ -220,8 +206,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     groups = [
         (label, runs)
         for label, runs in (
-            ("m = 960 fixed (more clients, more data)", load_sweep(args.root, "mnist_n")),
-            ("48000 examples split over N (m = 48000/N)", load_sweep(args.root, "mnist_n_total")),
+            ("m = 960 fixed (more clients, more data)", completed_runs(args.root / "mnist_n")),
+            ("48000 examples split over N (m = 48000/N)", completed_runs(args.root / "mnist_n_total")),
         )
         if runs
     ]
@@ -257,7 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sweep = "mnist_t" if name == "rounds" else "mnist_k"
         curves: list[tuple[str, list[Run]]] = []
         for folder, kind in ((sweep, "classic"), (f"{sweep}_accountant", "accountant")):
-            runs = load_sweep(args.root, folder)
+            runs = completed_runs(args.root / folder)
             for epsilon in sorted({epsilon_of(r) for r in runs}):
                 subset = sorted((r for r in runs if epsilon_of(r) == epsilon), key=x)
                 label = (
@@ -272,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plot_final(curves, x=x, xlabel=xlabel, title=title, path=path)
             written.append(path.name)
 
-    runs = load_sweep(args.root, "mnist_calibration")
+    runs = completed_runs(args.root / "mnist_calibration")
     if runs:
         tables.append(table(sorted(runs, key=epsilon_of), title="MNIST: strategy.calibration=accountant"))
 

@@ -27,7 +27,8 @@ Writes ``privatekt_curves.png``, ``privatekt_equal_budget.png`` and
 from __future__ import annotations
 
 import argparse
-import json
+import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,11 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.tables, with or without -P
+
+from benchmarks.tables import Run, completed_runs, fmt, markdown_table
 from fl_app.data.federated import DataSpec, federated_data
 
-Run = dict[str, Any]
 PER_ROUND = {
     "MNIST": "mnist_per_round",
     "Fashion-MNIST": "fmnist_per_round",
@@ -47,19 +50,14 @@ PER_ROUND = {
 }
 METHODS = {"privatekt": "PrivateKT", "fedavg_ldp": "FedAvg+LDP", "fedavg": "FedAvg (non-private)"}
 PROBES = ("probe_mlp_soft_0.0", "probe_mlp_hard_0.0", "probe_mlp_soft_0.2")
+#: A number for a table cell, ``cell(value, digits)``: ``digits`` decimals below 100 (a column of
+#: accuracies lines up: 0.4530), significant digits from 100 on; '-' when missing.
+cell = partial(fmt, fixed_below=100)
 
 
 def load_runs(folder: Path) -> list[Run]:
     """All completed runs (``results.json``) at or below ``folder``, sorted by epsilon."""
-    if not folder.is_dir():
-        return []
-    runs = []
-    for path in sorted(folder.rglob("results.json")):
-        run = json.loads(path.read_text())
-        if run.get("status") == "completed":
-            run["_path"] = str(path.parent)
-            runs.append(run)
-    return sorted(runs, key=lambda run: float(run["config"]["privacy"]["epsilon"]))
+    return sorted(completed_runs(folder), key=lambda run: float(run["config"]["privacy"]["epsilon"]))
 
 
 def evaluated(run: Run) -> list[dict[str, Any]]:
@@ -133,44 +131,50 @@ def best_cell(run: Run | None) -> str:
     return f"{best['accuracy']:.4f} ({best['round']})"
 
 
-def fmt(value: float | None, digits: int = 3) -> str:
-    """Number for a table cell ('-' when missing)."""
-    return "-" if value is None else f"{value:.{digits}g}" if abs(value) >= 100 else f"{value:.{digits}f}"
-
-
 def per_round_section(root: Path) -> tuple[list[str], dict[str, Run]]:
     """Table of the per-round (paper-reading) runs."""
     runs = {name: found[0] for name, folder in PER_ROUND.items() if (found := load_runs(root / folder))}
-    lines = [
-        "| data set | model | rounds | clients/round | local epochs | eps per round | final acc. "
-        "| best acc. (round) | knowledge acc. first / last 20 rounds | ideal knowledge acc. "
-        "| cumulative eps (accountant) "
-        "| basic composition | failed client-rounds | wall time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        "data set",
+        "model",
+        "rounds",
+        "clients/round",
+        "local epochs",
+        "eps per round",
+        "final acc.",
+        "best acc. (round)",
+        "knowledge acc. first / last 20 rounds",
+        "ideal knowledge acc.",
+        "cumulative eps (accountant)",
+        "basic composition",
+        "failed client-rounds",
+        "wall time",
     ]
+    rows = []
     for name, run in runs.items():
         cfg, final, privacy = run["config"], run["final"], run["privacy"]
         local = cfg["strategy"]["local_epochs"] or cfg["local_epochs"]
         best = max(evaluated(run), key=lambda r: r["accuracy"])
         first, last = knowledge_accuracy(run, slice(None, 20)), knowledge_accuracy(run, slice(-20, None))
-        cells = [
-            name,
-            str(cfg["model"]),
-            str(final["rounds"]),
-            str(cfg["clients_per_round"]),
-            str(local),
-            fmt(privacy["epsilon_per_round"], 4),
-            f"{final['accuracy']:.4f}",
-            f"{best['accuracy']:.4f} ({best['round']})",
-            f"{fmt(first, 2)} / {fmt(last, 2)}",
-            fmt(ideal_knowledge_accuracy(run), 2),
-            fmt(privacy["epsilon_cumulative"], 4),
-            fmt(privacy["epsilon_basic_composition"], 4),
-            str(failures(run)),
-            f"{final['wall_s'] / 60:.0f} min",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines, runs
+        rows.append(
+            [
+                name,
+                cfg["model"],
+                final["rounds"],
+                cfg["clients_per_round"],
+                local,
+                cell(privacy["epsilon_per_round"], 4),
+                f"{final['accuracy']:.4f}",
+                f"{best['accuracy']:.4f} ({best['round']})",
+                f"{cell(first, 2)} / {cell(last, 2)}",
+                cell(ideal_knowledge_accuracy(run), 2),
+                cell(privacy["epsilon_cumulative"], 4),
+                cell(privacy["epsilon_basic_composition"], 4),
+                failures(run),
+                f"{final['wall_s'] / 60:.0f} min",
+            ]
+        )
+    return markdown_table(header, rows), runs
 
 
 def comparison_section(root: Path) -> tuple[list[str], dict[str, list[Run]]]:
@@ -181,78 +185,99 @@ def comparison_section(root: Path) -> tuple[list[str], dict[str, list[Run]]]:
         method: {float(r["config"]["privacy"]["epsilon"]): r for r in runs[method]}
         for method in ("privatekt", "fedavg_ldp")
     }
-    lines = [
-        "| total eps | PrivateKT acc. | PrivateKT best acc. (round) | PrivateKT eps spent "
-        "| eps per label | beta "
-        "| knowledge acc. | ideal knowledge acc. | FedAvg+LDP acc. | FedAvg+LDP final loss "
-        "| FedAvg+LDP eps spent "
-        "| noise multiplier | FedAvg acc. | gap closed "
-        "| failed client-rounds (PrivateKT / FedAvg+LDP / FedAvg) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        "total eps",
+        "PrivateKT acc.",
+        "PrivateKT best acc. (round)",
+        "PrivateKT eps spent",
+        "eps per label",
+        "beta",
+        "knowledge acc.",
+        "ideal knowledge acc.",
+        "FedAvg+LDP acc.",
+        "FedAvg+LDP final loss",
+        "FedAvg+LDP eps spent",
+        "noise multiplier",
+        "FedAvg acc.",
+        "gap closed",
+        "failed client-rounds (PrivateKT / FedAvg+LDP / FedAvg)",
     ]
+    rows = []
     for epsilon in sorted(set(by_eps["privatekt"]) | set(by_eps["fedavg_ldp"])):
         kt, ldp = by_eps["privatekt"].get(epsilon), by_eps["fedavg_ldp"].get(epsilon)
         closed = None
         if kt and ldp and fedavg is not None and fedavg > ldp["final"]["accuracy"]:
             gap = fedavg - ldp["final"]["accuracy"]
             closed = (kt["final"]["accuracy"] - ldp["final"]["accuracy"]) / gap
-        cells = [
-            f"{epsilon:g}",
-            fmt(kt and kt["final"]["accuracy"], 4),
-            best_cell(kt),
-            fmt(kt and kt["final"]["epsilon"], 4),
-            fmt(kt and kt["privacy"]["epsilon_per_label"], 4),
-            fmt(kt and kt["privacy"]["beta"], 4),
-            fmt(kt and knowledge_accuracy(kt), 2),
-            fmt(kt and ideal_knowledge_accuracy(kt), 2),
-            fmt(ldp and ldp["final"]["accuracy"], 4),
-            "-"
-            if not ldp
-            else "nan (diverged)"
-            if ldp["final"]["loss"] is None
-            else f"{ldp['final']['loss']:.3f}",
-            fmt(ldp and ldp["final"]["epsilon"], 4),
-            fmt(ldp and ldp["privacy"]["noise_multiplier"], 4),
-            fmt(fedavg, 4),
-            "-" if closed is None else f"{100 * closed:.0f}%",
-            " / ".join(
-                str(failures(r)) if r else "-"
-                for r in (kt, ldp, runs["fedavg"][0] if runs["fedavg"] else None)
-            ),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines, runs
+        rows.append(
+            [
+                f"{epsilon:g}",
+                cell(kt and kt["final"]["accuracy"], 4),
+                best_cell(kt),
+                cell(kt and kt["final"]["epsilon"], 4),
+                cell(kt and kt["privacy"]["epsilon_per_label"], 4),
+                cell(kt and kt["privacy"]["beta"], 4),
+                cell(kt and knowledge_accuracy(kt), 2),
+                cell(kt and ideal_knowledge_accuracy(kt), 2),
+                cell(ldp and ldp["final"]["accuracy"], 4),
+                "-"
+                if not ldp
+                else "nan (diverged)"
+                if ldp["final"]["loss"] is None
+                else f"{ldp['final']['loss']:.3f}",
+                cell(ldp and ldp["final"]["epsilon"], 4),
+                cell(ldp and ldp["privacy"]["noise_multiplier"], 4),
+                cell(fedavg, 4),
+                "-" if closed is None else f"{100 * closed:.0f}%",
+                " / ".join(
+                    str(failures(r)) if r else "-"
+                    for r in (kt, ldp, runs["fedavg"][0] if runs["fedavg"] else None)
+                ),
+            ]
+        )
+    return markdown_table(header, rows), runs
 
 
 def probe_section(root: Path) -> list[str]:
     """Table of the self-training probes (MNIST, per-round epsilon 5)."""
-    lines = [
-        "| run | self-training targets | input dropout | rounds | clients/round | local epochs | test images "
-        "| final acc. "
-        "| best acc. (round) | knowledge acc. first / last 10 rounds | wall time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+    header = [
+        "run",
+        "self-training targets",
+        "input dropout",
+        "rounds",
+        "clients/round",
+        "local epochs",
+        "test images",
+        "final acc.",
+        "best acc. (round)",
+        "knowledge acc. first / last 10 rounds",
+        "wall time",
     ]
+    rows = []
     for folder in PROBES:
         found = load_runs(root / folder)
         if not found:
             continue
         run = found[0]
         cfg, strategy = run["config"], run["config"]["strategy"]
-        cells = [
-            folder,
-            str(strategy["self_train_targets"]),
-            str(strategy.get("self_train_dropout", 0.0)),
-            str(run["final"]["rounds"]),
-            str(cfg["clients_per_round"]),
-            str(strategy["local_epochs"] or cfg["local_epochs"]),
-            str(cfg["evaluation"]["test_subset"] or "all"),
-            f"{run['final']['accuracy']:.4f}",
-            best_cell(run),
-            " / ".join(fmt(knowledge_accuracy(run, part), 2) for part in (slice(None, 10), slice(-10, None))),
-            f"{run['final']['wall_s'] / 60:.0f} min",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(
+            [
+                folder,
+                strategy["self_train_targets"],
+                strategy.get("self_train_dropout", 0.0),
+                run["final"]["rounds"],
+                cfg["clients_per_round"],
+                strategy["local_epochs"] or cfg["local_epochs"],
+                cfg["evaluation"]["test_subset"] or "all",
+                f"{run['final']['accuracy']:.4f}",
+                best_cell(run),
+                " / ".join(
+                    cell(knowledge_accuracy(run, part), 2) for part in (slice(None, 10), slice(-10, None))
+                ),
+                f"{run['final']['wall_s'] / 60:.0f} min",
+            ]
+        )
+    return markdown_table(header, rows)
 
 
 def plot_curves(runs: dict[str, Run], out: Path) -> None:

@@ -1,0 +1,353 @@
+"""benchmarks/tables.py, and the benchmark scripts' tables from fake sweep trees (no simulation, no plots)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's benchmarks, not opacus'
+
+from benchmarks import kd_dp, nbafl, privatekt
+from benchmarks.tables import completed_runs, fmt, markdown_table, replace_generated_block, series
+
+
+def write_run(
+    directory: Path,
+    *,
+    strategy: str = "nbafl",
+    status: str = "completed",
+    accuracies: tuple[float | None, ...] = (0.3, 0.5, 0.6),
+    epsilon: float | None = 4.0,
+    config: dict[str, Any] | None = None,
+    privacy: dict[str, Any] | None = None,
+    final: dict[str, Any] | None = None,
+    per_round: dict[str, Any] | None = None,
+) -> None:
+    """``directory/results.json`` in the shape of ``fl_app.results``, with the fields the scripts read."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rounds = [
+        {
+            "round": r,
+            "accuracy": accuracy,
+            "loss": 2.0 - r / 4,
+            "epsilon": None if epsilon is None else epsilon * r / len(accuracies),
+            "clients": 5,
+            "failures": 0,
+            **(per_round or {}),
+        }
+        for r, accuracy in enumerate(accuracies, start=1)
+    ]
+    results = {
+        "status": status,
+        "strategy": strategy,
+        "dataset": "mnist",
+        "config": {
+            "strategy": {"name": strategy},
+            "num_clients": 10,
+            "clients_per_round": 5,
+            "num_rounds": len(accuracies),
+            "local_epochs": 1,
+            "seed": 1,
+            "privacy": {"epsilon": epsilon},
+            **(config or {}),
+        },
+        "initial": {"accuracy": 0.1, "loss": 2.3},
+        "rounds": rounds,
+        "final": {
+            "accuracy": [a for a in accuracies if a is not None][-1],
+            "loss": rounds[-1]["loss"],
+            "epsilon": epsilon,
+            "wall_s": 125.0,
+            "rounds": len(accuracies),
+            **(final or {}),
+        },
+        "privacy": {"unit": "record", **(privacy or {})},
+    }
+    (directory / "results.json").write_text(json.dumps(results))
+
+
+# ------------------------------------------------------------------------------------------------ fmt
+@pytest.mark.parametrize(
+    ("args", "kwargs", "expected"),
+    [
+        ((None,), {}, "-"),
+        ((math.nan,), {}, "-"),
+        ((None,), {"missing": "inf"}, "inf"),
+        ((None,), {"missing": "null", "nan": "-"}, "null"),
+        ((math.nan,), {"missing": "null", "nan": "-"}, "-"),
+        ((0.123456,), {}, "0.1235"),
+        ((0.123456, 2), {}, "0.12"),
+        ((np.float64(0.5),), {}, "0.5"),
+        ((1447470.0, 6), {}, "1.44747e+06"),
+        ((48000,), {}, "48000"),  # ints are not rounded
+        (("soft",), {}, "soft"),
+        ((5, 4), {"fixed_below": 100}, "5.0000"),
+        ((0.45, 2), {"fixed_below": 100}, "0.45"),
+        ((0.4, 4), {"fixed_below": 100}, "0.4000"),
+        ((234.81, 4), {"fixed_below": 100}, "234.8"),
+        ((None, 4), {"fixed_below": 100}, "-"),
+    ],
+)
+def test_fmt(args, kwargs, expected):
+    assert fmt(*args, **kwargs) == expected
+
+
+# ------------------------------------------------------------------------------------- markdown_table
+def test_markdown_table_header_rule_and_rows():
+    assert markdown_table(["a", "b c"], [[1, None], ["x", fmt(0.25)]]) == [
+        "| a | b c |",
+        "|---|---|",
+        "| 1 | None |",
+        "| x | 0.25 |",
+    ]
+    assert markdown_table(["only"], []) == ["| only |", "|---|"]
+
+
+# ---------------------------------------------------------------------------- replace_generated_block
+BEGIN, END = "<!-- BEGIN GENERATED -->", "<!-- END GENERATED -->"
+
+
+def test_replace_generated_block_keeps_the_text_outside_byte_for_byte(tmp_path):
+    page = tmp_path / "page.md"
+    head, tail = "# Title\r\n\r\nbefore  \n\n", "\n\nafter \t\n<!-- BEGIN GENERATED -->\nnot a block\n"
+    page.write_bytes(f"{head}{BEGIN}\nold\nlines\n{END}{tail}".encode())
+    assert replace_generated_block(page, ["| a |", "|---|"], begin=BEGIN, end=END)
+    assert page.read_bytes() == f"{head}{BEGIN}\n| a |\n|---|\n{END}{tail}".encode()
+    assert replace_generated_block(page, "text\n\n", begin=BEGIN, end=END)  # as given, blank line kept
+    assert page.read_bytes() == f"{head}{BEGIN}\ntext\n\n{END}{tail}".encode()
+    assert replace_generated_block(page, [], begin=BEGIN, end=END)
+    assert page.read_bytes() == f"{head}{BEGIN}\n\n{END}{tail}".encode()
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["no markers\n", f"only {BEGIN}\n", f"{END} before {BEGIN}\n"],
+    ids=["none", "no end", "end first"],
+)
+def test_replace_generated_block_without_the_markers_leaves_the_page_alone(tmp_path, text):
+    page = tmp_path / "page.md"
+    page.write_text(text)
+    assert not replace_generated_block(page, "new\n", begin=BEGIN, end=END)
+    assert page.read_text() == text
+    missing = tmp_path / "missing.md"
+    assert not replace_generated_block(missing, "new\n", begin=BEGIN, end=END)
+    assert not missing.exists()
+
+
+# -------------------------------------------------------------------------------- completed_runs, series
+def test_completed_runs_keeps_runs_whose_every_round_ran_sorted_with_their_path(tmp_path):
+    write_run(tmp_path / "b", accuracies=(0.2, 0.7))
+    write_run(tmp_path / "a" / "0")
+    write_run(tmp_path / "a" / "1", status="interrupted")
+    write_run(tmp_path / "a" / "2", status="failed")
+    write_run(tmp_path / "c", status="completed_with_failures")
+    runs = completed_runs(tmp_path)
+    assert [run["_path"] for run in runs] == [str(tmp_path / p) for p in ("a/0", "b", "c")]
+    assert runs[1]["final"]["accuracy"] == 0.7
+    assert completed_runs(tmp_path / "b")[0]["_path"] == str(tmp_path / "b")  # a run directory itself
+
+
+def test_completed_runs_reports_a_broken_file_instead_of_raising(tmp_path, capsys):
+    write_run(tmp_path / "good")
+    (tmp_path / "truncated").mkdir()
+    (tmp_path / "truncated" / "results.json").write_text('{"status": "compl')
+    (tmp_path / "no_rounds").mkdir()
+    (tmp_path / "no_rounds" / "results.json").write_text(json.dumps({"status": "completed"}))
+    runs = completed_runs(tmp_path)
+    assert [Path(run["_path"]).name for run in runs] == ["good"]
+    err = capsys.readouterr().err
+    assert f"skipped {tmp_path / 'truncated' / 'results.json'}: unreadable" in err
+    assert f"skipped {tmp_path / 'no_rounds' / 'results.json'}: missing fields" in err
+
+
+def test_completed_runs_of_a_missing_folder_is_empty(tmp_path):
+    assert completed_runs(tmp_path / "not_there") == []
+    (tmp_path / "file").write_text("")
+    assert completed_runs(tmp_path / "file") == []
+
+
+def test_series_starts_at_the_initial_model_and_skips_rounds_without_the_value(tmp_path):
+    write_run(tmp_path, accuracies=(0.3, None, 0.6))
+    (run,) = completed_runs(tmp_path)
+    assert series(run, "accuracy") == ([0, 1, 3], [0.1, 0.3, 0.6])
+    assert series(run, "loss") == ([0, 1, 2, 3], [2.3, 1.75, 1.5, 1.25])
+
+
+# ------------------------------------------------------------------------------------ the scripts
+def section(text: str, title: str) -> list[str]:
+    """The table lines under ``title`` in a generated Markdown file."""
+    lines = text.split("\n")
+    start = lines.index(title) + 2
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return lines[start:end]
+
+
+def nbafl_run(directory: Path, *, epsilon: float, n: int = 50, k: int = 50, **kwargs: Any) -> None:
+    write_run(
+        directory,
+        epsilon=epsilon * 0.9,
+        accuracies=(0.2, 0.3, 0.4 + epsilon / 1000),
+        config={"num_clients": n, "privacy": {"epsilon": epsilon}},
+        privacy={"K": k, "L": 1.0, "m": 960, "sigma_up": 0.123456, "sigma_down": 0.0},
+        per_round={"clients": k},
+        **kwargs,
+    )
+
+
+def test_nbafl_tables_from_a_fake_sweep(tmp_path, monkeypatch, capsys):
+    plots: list[str] = []
+    monkeypatch.setattr(nbafl, "plot_curves", lambda *a, **k: plots.append(k["path"].name))
+    monkeypatch.setattr(nbafl, "plot_final", lambda *a, **k: plots.append(k["path"].name))
+    root = tmp_path / "runs"
+    for i, epsilon in enumerate((60.0, 5.0)):
+        nbafl_run(root / "mnist_eps" / str(i), epsilon=epsilon, final={"epsilon_client_level": epsilon * 3})
+    nbafl_run(root / "mnist_eps" / "2", epsilon=7.0, status="interrupted")
+    (root / "mnist_eps" / "3").mkdir()
+    (root / "mnist_eps" / "3" / "results.json").write_text("{")
+    write_run(root / "mnist_fedavg", strategy="fedavg", epsilon=None, per_round={"clients": 50})
+    for i, k in enumerate((10, 30)):
+        nbafl_run(root / "mnist_k" / str(i), epsilon=60.0, k=k)
+    nbafl_run(root / "mnist_calibration" / "0", epsilon=2.0, final={"loss": None})
+
+    assert nbafl.main(["--root", str(root), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "nbafl_tables.md").read_text()
+    assert section(text, "### mnist: epsilon sweep") == [
+        "| strategy | N | K | T | L | m | epsilon (document) | epsilon (accountant, record) "
+        "| epsilon (client level) | sigma_U | sigma_D | final loss | final accuracy | wall s | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fedavg | 10 | 50 | 3 | - | - | - | inf | inf | - | - | 1.25 | 0.6 | 125 | mnist_fedavg |",
+        "| nbafl | 50 | 50 | 3 | 1 | 960 | 5 | 4.5 | 15 | 0.1235 | 0 | 1.25 | 0.405 | 125 | 1 |",
+        "| nbafl | 50 | 50 | 3 | 1 | 960 | 60 | 54 | 180 | 0.1235 | 0 | 1.25 | 0.46 | 125 | 0 |",
+    ]
+    k_sweep = section(text, "### mnist_k: document epsilon = 60 (classic calibration)")[2:]
+    assert [row.split(" | ")[2] for row in k_sweep] == ["10", "30"]  # the K column, by K
+    (calibration,) = section(text, "### MNIST: strategy.calibration=accountant")[2:]
+    assert "| 2 | 1.8 | inf | 0.1235 | 0 | inf | 0.402 |" in calibration  # no loss: inf
+    assert "fashion_mnist" not in text
+    assert plots == ["nbafl_mnist_epsilon.png", "nbafl_mnist_k.png"]
+    assert f"skipped {root / 'mnist_eps' / '3' / 'results.json'}: unreadable" in capsys.readouterr().err
+
+
+def test_privatekt_tables_from_a_fake_sweep(tmp_path, monkeypatch):
+    # The public split's true labels 0, 1, 9, 9: kt labels 0, 1, 2, 3 are half right.
+    data = SimpleNamespace(
+        arrays=SimpleNamespace(y_train=np.array([9, 0, 1, 9, 9])), public_rows=np.array([1, 2, 3, 4])
+    )
+    monkeypatch.setattr(privatekt, "federated_data", lambda spec: data)
+    monkeypatch.setattr(privatekt, "plot_curves", lambda runs, out: None)
+    monkeypatch.setattr(privatekt, "plot_comparison", lambda runs, out: None)
+    config = {
+        "dataset": {"name": "fake"},
+        "partition": {"name": "iid"},
+        "model": "mlp",
+        "evaluation": {"test_subset": None},
+        "strategy": {"name": "privatekt", "local_epochs": None, "self_train_targets": "soft"},
+    }
+    privacy = {
+        "epsilon_per_round": 5,
+        "epsilon_cumulative": 96.96273,
+        "epsilon_basic_composition": 110.0,
+        "epsilon_per_label": 0.08,
+        "beta": 0.0083,
+        "num_classes": 10,
+        "noise_multiplier": 18.97456,
+    }
+    kt = {"kt_indices": [0, 1, 2, 3], "kt_labels": [0, 1, 2, 3]}
+
+    def run(path: Path, strategy: str = "privatekt", epsilon: float = 5.0, **kwargs: Any) -> None:
+        write_run(
+            path,
+            strategy=strategy,
+            epsilon=epsilon,
+            accuracies=(0.2, 0.45, 0.4),
+            config={**config, "privacy": {"epsilon": epsilon}},
+            privacy=privacy,
+            per_round=kt if strategy == "privatekt" else {},
+            **kwargs,
+        )
+
+    root = tmp_path / "runs"
+    run(root / "mnist_per_round")
+    for i, epsilon in enumerate((2.0, 1.0)):
+        run(root / "compare" / "privatekt" / str(i), epsilon=epsilon)
+        run(
+            root / "compare" / "fedavg_ldp" / str(i),
+            "fedavg_ldp",
+            epsilon,
+            final={"accuracy": 0.098, "loss": None if epsilon == 1.0 else 2.5},
+        )
+    run(root / "compare" / "privatekt" / "2", epsilon=4.0, status="failed")
+    run(root / "compare" / "fedavg", "fedavg", final={"accuracy": 0.9426})
+
+    assert privatekt.main(["--root", str(root), "--out", str(tmp_path / "out")]) == 0
+    text = (tmp_path / "out" / "privatekt_tables.md").read_text()
+    (per_round,) = section(text, "### Per-round budget (the paper's reading)")[2:]
+    assert per_round.startswith("| MNIST | mlp | 3 | 5 | 1 | 5.0000 | 0.4000 | 0.4500 (2) | 0.50 / 0.50 | ")
+    assert per_round.endswith(" | 96.9627 | 110 | 0 | 2 min |")
+    compare = section(text, "### Equal total budget per client")[2:]
+    assert [row.split(" | ")[0] for row in compare] == ["| 1", "| 2"]  # the failed run at 4 is left out
+    # (0.4 - 0.098) / (0.9426 - 0.098) = 36% of the gap closed; no final loss: diverged
+    assert "| 0.0980 | nan (diverged) | 1.0000 | 18.9746 | 0.9426 | 36% | 0 / 0 / 0 |" in compare[0]
+    assert "| 0.0980 | 2.500 | 2.0000 |" in compare[1]
+    assert section(text, "### Self-training probes (MNIST, epsilon 5 per round)") == [
+        "| run | self-training targets | input dropout | rounds | clients/round | local epochs | test images "
+        "| final acc. | best acc. (round) | knowledge acc. first / last 10 rounds | wall time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+
+def test_kd_dp_tables_and_doc_block(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(kd_dp, "plot_accuracy", lambda dataset, methods, out: out / "a.png")
+    monkeypatch.setattr(kd_dp, "plot_rounds", lambda dataset, methods, out: out / "r.png")
+    root = tmp_path / "runs"
+    groups = {"large": 1.0, "large_teacher_only": 0.5, "general": 1.0, "special": 0.5}
+    kd_privacy = {
+        "stages": {"teacher_rounds": 2},
+        "epsilon_by_group": groups,
+        "special_client": {"label_agreement_with_teacher": 0.1534},
+        "epsilon_overall": 1.0,
+    }
+    write_run(root / "mnist" / "kd_dp_eps1", strategy="kd_dp", epsilon=1.0, privacy=kd_privacy)
+    write_run(root / "mnist" / "kd_dp_eps2", strategy="kd_dp", epsilon=2.0, status="interrupted")
+    write_run(root / "mnist" / "notes", strategy="kd_dp", privacy=kd_privacy)  # not <method>_eps<epsilon>
+    write_run(
+        root / "mnist" / "old" / "kd_dp_eps4", strategy="kd_dp", epsilon=4.0, privacy=kd_privacy
+    )  # too deep
+    write_run(
+        root / "mnist" / "dp_fedavg_eps1",
+        strategy="dp_fedavg",
+        epsilon=1.0,
+        accuracies=(0.12, 0.1245, 0.107),
+        privacy={"noise_multiplier": 18.97, "clip": 1.0, "denominator": 5.0},
+    )
+    (root / "mnist" / "kd_dp_eps1.cpu.json").write_text(json.dumps({"cpu_s": 1234.5}))
+    doc = tmp_path / "kd_dp.md"
+    doc.write_text(f"intro\n{kd_dp.BEGIN}\nold\n{kd_dp.END}\noutro\n")
+
+    out = tmp_path / "out"
+    assert kd_dp.main(["--root", str(root), "--out", str(out), "--doc", str(doc)]) == 0
+    text = (out / "kd_dp_tables.md").read_text()
+    assert section(text, "**mnist**: final test accuracy (reported epsilon at delta = 1e-5)") == [
+        "| method | unit | epsilon = 1 |",
+        "|---|---|---|",
+        "| KD-DP (epsilon_special = epsilon/2) | record | 0.6000 (1) |",
+        "| DP-FedAvg | client | 0.1070 (1) |",
+    ]
+    (detail,) = section(text, "**mnist**: KD-DP runs in detail")[2:]
+    assert detail == "| kd_dp | 1 | 0.5 | 0.6000 | 0.6000 | 0.153 | 1 (0.5) | 1 | 0.5 | 1 | 1.23e+03 |"
+    assert (
+        doc.read_text()
+        == f"intro\n{kd_dp.BEGIN}\n" + text.split("\n", 2)[2].rstrip("\n") + f"\n{kd_dp.END}\noutro\n"
+    )
+
+    doc.write_text("no markers\n")
+    assert kd_dp.main(["--root", str(root), "--out", str(out), "--doc", str(doc)]) == 1
+    assert doc.read_text() == "no markers\n"
+    assert f"{doc}: no file or no {kd_dp.BEGIN}" in capsys.readouterr().err
