@@ -2,9 +2,11 @@ r"""Choose each arm's settings per budget on the validation split (never the tes
 
 A tuning sweep runs every candidate setting of an arm with ``evaluation.split=validation``: the
 server evaluates on rows of the training split that belong to no client, and the test split is not
-read. This script reads such sweeps (``fl_app.report.load_runs``), scores every run by the mean
-validation accuracy of its last ``--last`` evaluated rounds (the model a user would ship, less
-noisy than the last round alone), and for every (arm, epsilon) picks the best candidate. It prints
+read. This script reads such sweeps (``fl_app.report.load_runs``), scores every run whose every
+round ran by the mean validation accuracy of its last ``--last`` evaluated rounds (the model a user
+would ship, less noisy than the last round alone), and for every (arm, epsilon) picks the best
+candidate. Arms are told apart by strategy and by any setting outside the grid (two arms of one
+strategy, such as KD-DP and federated DP-SGD, are two tables). It prints
 one markdown table per arm (every candidate's score, the choice in bold), the overrides of each
 choice (to run it again with ``evaluation.split=test``), and the grid's size and compute time.
 
@@ -22,6 +24,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -29,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.tables import COMPLETED
 from fl_app.report import Run, load_runs
 
 #: The keys a tuning grid varies (shown per candidate); anything else must be equal within an arm.
@@ -55,13 +59,41 @@ def candidate(run: Run, keys: Sequence[str]) -> str:
     return " ".join(f"{key}={settings.get(key)}" for key in keys)
 
 
+def _arm_settings(run: Run) -> dict[str, object]:
+    """What makes the run's arm: its settings without the grid keys, the budget and per-budget rules."""
+    ignored = {*GRID_KEYS, "privacy.epsilon", *run.budget_rules()}
+    return {key: value for key, value in run.settings().items() if key not in ignored}
+
+
+def arms(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """The runs by arm, each named by its strategy and what sets it apart from the strategy's other arms.
+
+    Two arms of one strategy (e.g. KD-DP and federated DP-SGD, both ``strategy=kd_dp``) differ in
+    settings outside the grid; their name lists those, e.g. ``kd_dp (strategy.teacher_rounds=0)``.
+    """
+    groups: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        groups[json.dumps(_arm_settings(run), sort_keys=True, default=str)].append(run)
+    by_strategy: dict[str, list[dict[str, object]]] = defaultdict(list)
+    for members in groups.values():
+        settings = _arm_settings(members[0])
+        by_strategy[str(settings["strategy.name"])].append(settings)
+    named: dict[str, list[Run]] = {}
+    for members in groups.values():
+        settings = _arm_settings(members[0])
+        siblings = by_strategy[str(settings["strategy.name"])]
+        differing = sorted(k for k in settings if len({str(s.get(k)) for s in siblings}) > 1)
+        name = str(settings["strategy.name"])
+        if differing:
+            name += " (" + ", ".join(f"{k}={settings[k]}" for k in differing) + ")"
+        named[name] = members
+    return named
+
+
 def select(runs: Sequence[Run], *, last: int) -> dict[tuple[str, float], list[tuple[str, float, Run]]]:
     """Per (arm, epsilon): every candidate (the grid keys varying within the arm), its score; best first."""
-    by_arm: dict[str, list[Run]] = defaultdict(list)
-    for run in runs:
-        by_arm[str(run.config["strategy"]["name"])].append(run)
     table: dict[tuple[str, float], list[tuple[str, float, Run]]] = defaultdict(list)
-    for arm, members in by_arm.items():
+    for arm, members in arms(runs).items():
         keys = [k for k in GRID_KEYS if len({str(m.settings().get(k)) for m in members}) > 1]
         for run in members:
             epsilon = float(run.config["privacy"]["epsilon"])
@@ -119,6 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for problem in problems:
             print(f"skipped: {problem}", file=sys.stderr)
         runs += found
+    unfinished = [run for run in runs if run.results.get("status") not in COMPLETED]
+    for run in unfinished:
+        print(f"skipped: {run.path}: status {run.results.get('status')}", file=sys.stderr)
+    runs = [run for run in runs if run.results.get("status") in COMPLETED]
     tested = [run for run in runs if run.results["final"].get("evaluated_on", "test") != "validation"]
     if tested:
         print(

@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's benchmarks, not opacus'
 
-from benchmarks import kd_dp, nbafl, privatekt
+from benchmarks import kd_dp, nbafl, privatekt, select_on_validation
 from benchmarks.tables import completed_runs, fmt, markdown_table, replace_generated_block, series
 
 
@@ -351,3 +351,42 @@ def test_kd_dp_tables_and_doc_block(tmp_path, monkeypatch, capsys):
     assert kd_dp.main(["--root", str(root), "--out", str(out), "--doc", str(doc)]) == 1
     assert doc.read_text() == "no markers\n"
     assert f"{doc}: no file or no {kd_dp.BEGIN}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ select_on_validation
+def _tuning_run(directory: Path, *, teacher_rounds: int, lr: float, epsilon: float, last: float, **kw: Any):
+    write_run(
+        directory,
+        strategy="kd_dp",
+        epsilon=epsilon,
+        accuracies=(0.1, 0.2, last),
+        config={"lr": lr, "strategy": {"name": "kd_dp", "teacher_rounds": teacher_rounds}},
+        final={"evaluated_on": "validation"},
+        **kw,
+    )
+
+
+def test_select_on_validation_keeps_two_arms_of_one_strategy_apart_and_skips_unfinished_runs(
+    tmp_path, capsys
+):
+    """KD-DP and federated DP-SGD are both strategy=kd_dp: one table each, each choice from its own runs;
+    a failed run never wins, however high its score."""
+    for eps in (1.0, 8.0):
+        _tuning_run(tmp_path / f"fed-{eps}-a", teacher_rounds=0, lr=0.1, epsilon=eps, last=0.40)
+        _tuning_run(tmp_path / f"fed-{eps}-b", teacher_rounds=0, lr=0.3, epsilon=eps, last=0.50)
+        _tuning_run(tmp_path / f"kd-{eps}-a", teacher_rounds=5, lr=0.1, epsilon=eps, last=0.45)
+        _tuning_run(tmp_path / f"kd-{eps}-b", teacher_rounds=5, lr=0.3, epsilon=eps, last=0.10)
+    _tuning_run(tmp_path / "kd-8-c", teacher_rounds=5, lr=0.3, epsilon=8.0, last=0.99, status="failed")
+    assert select_on_validation.main([str(tmp_path), "--last", "1"]) == 0
+    out, err = capsys.readouterr()
+    assert "kd-8-c" in err and "status failed" in err
+    assert "| kd_dp (strategy.teacher_rounds=0) | 1 | `lr=0.3` | 0.5000 |" in out
+    assert "| kd_dp (strategy.teacher_rounds=5) | 8 | `lr=0.1` | 0.4500 |" in out
+    assert out.count("#### kd_dp (") == 2
+
+
+def test_select_on_validation_refuses_runs_evaluated_on_the_test_split(tmp_path, capsys):
+    _tuning_run(tmp_path / "a", teacher_rounds=0, lr=0.1, epsilon=1.0, last=0.4)
+    write_run(tmp_path / "b", strategy="kd_dp", config={"lr": 0.3}, final={"evaluated_on": "test"})
+    assert select_on_validation.main([str(tmp_path)]) == 2
+    assert "evaluated on the test split" in capsys.readouterr().err
