@@ -9,6 +9,8 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
   reading of that table (no numbers of its own);
 * ``docs/benchmarks/cross_device.md`` with ``docs/benchmarks/cross_device/report.md``:
   ``python -m fl_app.report <sweep dir> --out docs/benchmarks/cross_device``;
+* ``docs/benchmarks/record_level.md`` with ``docs/benchmarks/record_level/report.md``:
+  ``python -m fl_app.report <sweep dir> --out docs/benchmarks/record_level``;
 * ``docs/benchmarks/empirical_privacy.md`` with ``docs/benchmarks/empirical_privacy/report.md``:
   ``python -m fl_app.report multirun/canaries --out docs/benchmarks/empirical_privacy``;
 * ``docs/benchmarks/<algorithm>.md``: each algorithm's benchmark script.
@@ -37,6 +39,7 @@ ORDER = (
     "platform",
     "partition_cache",
     "cross_device",
+    "record_level",
     "compare_all",
     "empirical_privacy",
     "nbafl",

@@ -366,11 +366,13 @@ def test_compare_record_level_sweeps_the_record_level_arms_apart():
             strategy.get("teacher_rounds"),
             strategy.get("epsilon_special"),
             strategy.get("calibration"),
+            cfg.lr,
         )
     for epsilon in (1, 2, 4, 8):
-        assert seen[("fed_dp_sgd", epsilon)] == ("kd_dp", 0, None, None)  # no teacher, no labels
-        assert seen[("kd_dp", epsilon)] == ("kd_dp", None, epsilon / 2, None)  # the total stays epsilon
-        assert seen[("nbafl", epsilon)] == ("nbafl", None, None, "accountant")  # equal, composed budget
+        # no teacher, no labels; lr chosen on validation (the arm's rule overrides the preset's 0.1)
+        assert seen[("fed_dp_sgd", epsilon)] == ("kd_dp", 0, None, None, 0.3)
+        assert seen[("kd_dp", epsilon)] == ("kd_dp", None, epsilon / 2, None, 0.3)  # the total stays epsilon
+        assert seen[("nbafl", epsilon)] == ("nbafl", None, None, "accountant", 0.1)  # equal, composed budget
 
 
 def test_declared_settings_read_check_and_name_the_key():
