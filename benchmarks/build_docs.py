@@ -32,6 +32,10 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.tables, with or without -P
+
+from benchmarks.tables import with_generated_block
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "benchmarks"
 #: Pages in BENCHMARKS.md order (missing pages are listed as missing, not skipped silently).
@@ -112,17 +116,16 @@ def readme_text(readme: str) -> str:
     That is the comparison in the regime client-level DP is meant for (``+experiment=compare_cross_device``);
     the N = 20 ``compare_all`` preset is the quick demo and stays on its own page.
     """
-    if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"README.md: the markers {BEGIN} and {END} are missing")
     table = PAGES / "cross_device" / "report.md"
     body = (
         table.read_text().strip()
         if table.is_file()
         else "(not yet measured: run the commands above, then `python -P benchmarks/build_docs.py`)"
     )
-    head, rest = readme.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{body}\n{END}{tail}"
+    text = with_generated_block(readme, body, begin=BEGIN, end=END)
+    if text is None:
+        raise SystemExit(f"README.md: the markers {BEGIN} and {END} are missing")
+    return text
 
 
 def main() -> int:

@@ -71,16 +71,16 @@ def arms(runs: Sequence[Run]) -> dict[str, list[Run]]:
     Two arms of one strategy (e.g. KD-DP and federated DP-SGD, both ``strategy=kd_dp``) differ in
     settings outside the grid; their name lists those, e.g. ``kd_dp (strategy.teacher_rounds=0)``.
     """
-    groups: dict[str, list[Run]] = defaultdict(list)
+    groups: dict[str, tuple[dict[str, object], list[Run]]] = {}
     for run in runs:
-        groups[json.dumps(_arm_settings(run), sort_keys=True, default=str)].append(run)
+        settings = _arm_settings(run)
+        key = json.dumps(settings, sort_keys=True, default=str)
+        groups.setdefault(key, (settings, []))[1].append(run)
     by_strategy: dict[str, list[dict[str, object]]] = defaultdict(list)
-    for members in groups.values():
-        settings = _arm_settings(members[0])
+    for settings, _ in groups.values():
         by_strategy[str(settings["strategy.name"])].append(settings)
     named: dict[str, list[Run]] = {}
-    for members in groups.values():
-        settings = _arm_settings(members[0])
+    for settings, members in groups.values():
         siblings = by_strategy[str(settings["strategy.name"])]
         differing = sorted(k for k in settings if len({str(s.get(k)) for s in siblings}) > 1)
         name = str(settings["strategy.name"])

@@ -154,12 +154,42 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> l
     return [line(header), "|" + "---|" * len(header), *(line(row) for row in rows)]
 
 
-def replace_generated_block(page: Path, content: str | Sequence[str], *, begin: str, end: str) -> bool:
-    """Replace the text between the first ``begin`` marker of ``page`` and the ``end`` marker after it.
+def with_generated_block(text: str, content: str | Sequence[str], *, begin: str, end: str) -> str | None:
+    """``text`` with the part between its first ``begin`` marker and the ``end`` marker after it replaced.
 
-    The markers stay, each on its own line: the page becomes everything up to and including
-    ``begin``, a newline, ``content``, a newline if ``content`` does not end with one, then ``end``
-    and everything after it, byte for byte.
+    The markers stay, each on its own line: the result is everything up to and including ``begin``, a
+    newline, ``content``, a newline if ``content`` does not end with one, then ``end`` and everything
+    after it, unchanged.
+
+    Parameters
+    ----------
+    text : str
+        A Markdown page's text.
+    content : str or Sequence[str]
+        The new block: a text, or lines (joined with newlines).
+    begin, end : str
+        The markers, e.g. ``"<!-- BEGIN GENERATED -->"`` and ``"<!-- END GENERATED -->"``.
+
+    Returns
+    -------
+    str or None
+        The new text, or None if ``text`` lacks either marker.
+
+    """
+    head, found, rest = text.partition(begin)
+    if not found or end not in rest:
+        return None
+    _, _, tail = rest.partition(end)
+    body = content if isinstance(content, str) else "\n".join(content)
+    if not body.endswith("\n"):
+        body += "\n"
+    return f"{head}{begin}\n{body}{end}{tail}"
+
+
+def replace_generated_block(page: Path, content: str | Sequence[str], *, begin: str, end: str) -> bool:
+    """Rewrite ``page`` with its generated block replaced (:func:`with_generated_block`).
+
+    Everything outside the block stays byte for byte.
 
     Parameters
     ----------
@@ -168,7 +198,7 @@ def replace_generated_block(page: Path, content: str | Sequence[str], *, begin: 
     content : str or Sequence[str]
         The new block: a text, or lines (joined with newlines).
     begin, end : str
-        The markers, e.g. ``"<!-- BEGIN GENERATED -->"`` and ``"<!-- END GENERATED -->"``.
+        The markers.
 
     Returns
     -------
@@ -180,12 +210,8 @@ def replace_generated_block(page: Path, content: str | Sequence[str], *, begin: 
     if not page.is_file():
         return False
     text = page.read_bytes().decode("utf-8")  # not read_text: its newline translation would rewrite \r\n
-    head, found, rest = text.partition(begin)
-    if not found or end not in rest:
+    new = with_generated_block(text, content, begin=begin, end=end)
+    if new is None:
         return False
-    _, _, tail = rest.partition(end)
-    body = content if isinstance(content, str) else "\n".join(content)
-    if not body.endswith("\n"):
-        body += "\n"
-    page.write_bytes(f"{head}{begin}\n{body}{end}{tail}".encode())
+    page.write_bytes(new.encode())
     return True

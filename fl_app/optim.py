@@ -2,7 +2,7 @@
 
 :class:`SGD` computes exactly what ``torch.optim.SGD(params, lr=lr, momentum=momentum)`` computes
 on CPU tensors (its single-tensor path: no weight decay, dampening 0, no Nesterov; bit for bit,
-``tests/test_training.py``). Why not ``torch.optim``: its ``Optimizer`` methods are wrapped in
+``tests/test_results_models.py``). Why not ``torch.optim``: its ``Optimizer`` methods are wrapped in
 ``torch._disable_dynamo``, whose first call imports ``torch._dynamo``, 1.6 s of CPU here. Every Ray
 actor of a simulation and every ClientApp process of a deployment (Flower starts one per message)
 paid it before its first training step.
