@@ -14,9 +14,18 @@ comparison with FedAvg+LDP and non-private FedAvg. The runs (commands in
     compare/fedavg/             non-private FedAvg
     probe_mlp_<targets>_<dropout>/  MNIST per-round probes of the self-training targets
 
+and, below ``--demo-root``, the authors' demo as they run it (``+experiment=privatekt_demo``: their
+CNN, partition and self-training; one folder per seed)::
+
+    demo_seed<k>/               finished (results.json) or still running / stopped (metrics.csv)
+
 Usage::
 
     python -P benchmarks/privatekt.py --root /tmp/bench_privatekt --out docs/benchmarks/figures
+    python -P benchmarks/privatekt.py --demo-root /work/s32_runs --out docs/benchmarks/figures
+
+With ``--demo-root`` only the demo reproduction is written: ``privatekt_demo_vs_authors.png`` and its
+table, spliced into ``docs/benchmarks/privatekt.md`` between the ``DEMO_BEGIN``/``DEMO_END`` markers.
 
 (``-P`` keeps ``benchmarks/`` off ``sys.path``.)
 
@@ -27,7 +36,10 @@ Writes ``privatekt_curves.png``, ``privatekt_equal_budget.png`` and
 from __future__ import annotations
 
 import argparse
+import csv
+import statistics
 import sys
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,7 +52,9 @@ import matplotlib.pyplot as plt
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.tables, with or without -P
 
-from benchmarks.tables import Run, completed_runs, fmt, markdown_table
+import yaml
+
+from benchmarks.tables import Run, completed_runs, fmt, markdown_table, replace_generated_block
 from fl_app.data.federated import DataSpec, federated_data
 
 PER_ROUND = {
@@ -53,6 +67,20 @@ PROBES = ("probe_mlp_soft_0.0", "probe_mlp_hard_0.0", "probe_mlp_soft_0.2")
 #: A number for a table cell, ``cell(value, digits)``: ``digits`` decimals below 100 (a column of
 #: accuracies lines up: 0.4530), significant digits from 100 on; '-' when missing.
 cell = partial(fmt, fixed_below=100)
+
+#: The authors' log of their demo (taoqi98/PrivateKT, ``Code/main.ipynb``: MNIST, 80 clients, 40 per
+#: round, epsilon 5 per round, K = 2, B = 25): test accuracy after these rounds.
+AUTHORS_LOG: dict[int, float] = {
+    10: 0.298,
+    20: 0.473,
+    30: 0.610,
+    50: 0.761,
+    100: 0.894,
+    200: 0.929,
+    500: 0.951,
+}
+DEMO_PAGE = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "privatekt.md"
+DEMO_BEGIN, DEMO_END = "<!-- DEMO_BEGIN (benchmarks/privatekt.py --demo-root) -->", "<!-- DEMO_END -->"
 
 
 def load_runs(folder: Path) -> list[Run]:
@@ -333,13 +361,160 @@ def plot_comparison(runs: dict[str, list[Run]], out: Path) -> None:
     plt.close(figure)
 
 
+@dataclass
+class DemoCurve:
+    """One seed of the demo: its evaluated rounds, whether it finished, the privacy it spent."""
+
+    seed: int
+    planned_rounds: int
+    accuracy: dict[int, float] = field(default_factory=dict)
+    #: Worst client's cumulative epsilon (accountant) and by basic composition, after each round.
+    epsilon: dict[int, float] = field(default_factory=dict)
+    epsilon_basic: dict[int, float] = field(default_factory=dict)
+    round_s: list[float] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def last_round(self) -> int:
+        """The last round that ran."""
+        return max(self.epsilon, default=0)
+
+
+def read_demo_run(folder: Path) -> DemoCurve | None:
+    """A demo run's curve: from ``results.json`` if it finished, else from ``metrics.csv`` so far.
+
+    ``metrics.csv`` is written after every round, so a run still going (or stopped, to be continued with
+    ``resume=``) is shown up to its last round and marked as such.
+    """
+    config_file = folder / "config.yaml"
+    if not config_file.is_file():
+        return None
+    config = yaml.safe_load(config_file.read_text())
+    curve = DemoCurve(seed=int(config["seed"]), planned_rounds=int(config["num_rounds"]))
+    finished = completed_runs(folder)
+    if finished:
+        rows = finished[0]["rounds"]
+        curve.finished = True
+    elif (folder / "metrics.csv").is_file():
+        with (folder / "metrics.csv").open(newline="") as handle:
+            rows = [
+                {key: value for key, value in row.items() if value != ""} for row in csv.DictReader(handle)
+            ]
+    else:
+        return None
+    for row in rows:
+        server_round = int(row["round"])
+        if row.get("accuracy") is not None:
+            curve.accuracy[server_round] = float(row["accuracy"])
+        curve.epsilon[server_round] = float(row["epsilon"])
+        curve.epsilon_basic[server_round] = float(row["epsilon_basic"])
+        curve.round_s.append(float(row["round_s"]))
+    return curve
+
+
+def demo_curves(root: Path) -> list[DemoCurve]:
+    """The demo runs ``demo_seed*`` below ``root``, by seed."""
+    curves = [curve for folder in sorted(root.glob("demo_seed*")) if (curve := read_demo_run(folder))]
+    return sorted(curves, key=lambda curve: curve.seed)
+
+
+def demo_section(curves: list[DemoCurve]) -> list[str]:
+    """The table of the demo runs at the authors' logged rounds, with the epsilon spent by then."""
+    if not curves:
+        return []
+    checkpoints = [r for r in AUTHORS_LOG if any(r in curve.accuracy for curve in curves)]
+    header = [
+        "round",
+        "authors' log",
+        *(f"seed {curve.seed}" for curve in curves),
+        "mean (seeds)",
+        "mean - authors",
+        "cumulative eps, worst client (accountant / basic composition)",
+    ]
+    rows = []
+    for server_round in checkpoints:
+        values = [curve.accuracy.get(server_round) for curve in curves]
+        reached = [value for value in values if value is not None]
+        mean = statistics.fmean(reached)
+        spent = [curve for curve in curves if server_round in curve.epsilon]  # non-empty: it was evaluated
+        rows.append(
+            [
+                server_round,
+                f"{AUTHORS_LOG[server_round]:.3f}",
+                *(cell(value, 3) for value in values),
+                f"{mean:.3f} ({len(reached)})",
+                f"{mean - AUTHORS_LOG[server_round]:+.3f}",
+                f"{cell(max(c.epsilon[server_round] for c in spent), 4)} / "
+                f"{cell(max(c.epsilon_basic[server_round] for c in spent), 4)}",
+            ]
+        )
+    lines = markdown_table(header, rows)
+    lines.append("")
+    for curve in curves:
+        state = "finished" if curve.finished else f"stopped after round {curve.last_round} (resumable)"
+        lines.append(
+            f"- seed {curve.seed}: {curve.last_round} of {curve.planned_rounds} rounds, {state}; "
+            f"median round {statistics.median(curve.round_s):.0f} s"
+        )
+    return lines
+
+
+def plot_demo(curves: list[DemoCurve], out: Path) -> None:
+    """Our seeds' test accuracy beside the authors' log, with the cumulative epsilon."""
+    if not curves:
+        return
+    figure, axis = plt.subplots(figsize=(7, 4.2))
+    rounds = sorted(AUTHORS_LOG)
+    axis.plot(rounds, [AUTHORS_LOG[r] for r in rounds], "k^--", label="authors' log (Keras)")
+    for curve in curves:
+        points = sorted(curve.accuracy.items())
+        axis.plot(*zip(*points, strict=True), "o-", ms=4, label=f"dpfl, seed {curve.seed}")
+    last = max(curve.last_round for curve in curves)
+    axis.set_xlim(0, max(last, 100) * 1.05)
+    axis.set_ylim(0, 1)
+    axis.set_xlabel("round")
+    axis.set_ylabel("test accuracy (MNIST, 10,000 images)")
+    axis.legend(loc="upper left", fontsize=8)
+    twin = axis.twinx()
+    worst = max(curves, key=lambda curve: curve.last_round)
+    twin.plot(*zip(*sorted(worst.epsilon.items()), strict=True), ":", color="tab:red", lw=1)
+    twin.set_ylabel(f"cumulative epsilon, worst client (seed {worst.seed})", color="tab:red")
+    axis.set_title("PrivateKT demo (+experiment=privatekt_demo): epsilon 5 per round")
+    figure.tight_layout()
+    figure.savefig(out / "privatekt_demo_vs_authors.png", dpi=110)
+    plt.close(figure)
+
+
+def write_demo(root: Path, out: Path, page: Path) -> int:
+    """Figure and table of the demo runs below ``root``; the table spliced into ``page``."""
+    curves = demo_curves(root)
+    if not curves:
+        print(f"--demo-root {root}: no demo_seed* run with config.yaml and metrics.csv", file=sys.stderr)
+        return 1
+    plot_demo(curves, out)
+    lines = [
+        "<!-- generated by benchmarks/privatekt.py --demo-root; do not edit -->",
+        "",
+        *demo_section(curves),
+    ]
+    print("\n".join(lines))
+    if not replace_generated_block(page, [*lines, ""], begin=DEMO_BEGIN, end=DEMO_END):
+        print(f"{page}: no file or no {DEMO_BEGIN} ... {DEMO_END} block; not updated", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Read the runs below ``--root``, write figures and tables into ``--out``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--root", type=Path, default=Path("/tmp/bench_privatekt"))
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/figures"))
+    parser.add_argument("--demo-root", type=Path, default=None, help="write only the demo reproduction")
+    parser.add_argument("--page", type=Path, default=DEMO_PAGE, help="page of the demo's generated block")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.demo_root is not None:
+        return write_demo(args.demo_root, args.out, args.page)
     per_round_lines, per_round_runs = per_round_section(args.root)
     comparison_lines, comparison_runs = comparison_section(args.root)
     plot_curves(per_round_runs, args.out)

@@ -77,7 +77,7 @@ from fl_app.privacy.events import PrivacyEvent, RandomizedResponse
 from fl_app.privacy.mechanisms import debias_label_average
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
-from fl_app.training import load_arrays, model_to_arrays, predict_proba
+from fl_app.training import has_dropout, load_arrays, model_to_arrays, predict_proba
 from fl_app.validation import ConfigError
 from strategies import register_strategy
 from strategies.base import SCHEDULES, FederatedStrategy, RecentRounds, max_participations
@@ -89,6 +89,8 @@ FIRST_DRAWS = ("entropy", "uniform")
 PRIVATEKT_MODEL = "privatekt_cnn"
 #: Self-training size when ``strategy.self_train`` is null: the authors' code's ratio of the public split.
 SELF_TRAIN_RATIO = 0.1
+#: Input dropout of self-training for a model without dropout layers (``self_train_dropout: null``).
+SELF_TRAIN_INPUT_DROPOUT = 0.2
 #: Labels travel as uint8 class indices.
 MAX_CLASSES = 256
 
@@ -119,7 +121,7 @@ class PrivateKTSettings(StrategySettings):
     buffer_size: int = integer(minimum=1)
     self_train: int | None = integer(minimum=0, optional=True)
     self_train_targets: str = one_of(SELF_TRAIN_TARGETS)
-    self_train_dropout: float = between(0.0, 1.0, high_open=True)
+    self_train_dropout: float | None = between(0.0, 1.0, high_open=True, optional=True)
     first_draw: str = one_of(FIRST_DRAWS)
     server_steps: int = integer(minimum=0)
     local_epochs: int | None = integer(minimum=1, optional=True)
@@ -164,6 +166,10 @@ class PrivateKTStrategy(FederatedStrategy):
         self.num_public = len(self.public_x)
         default_self_train = round(SELF_TRAIN_RATIO * self.num_public)
         self.self_train = default_self_train if settings.self_train is None else settings.self_train
+        if settings.self_train_dropout is not None:
+            self.self_train_dropout = settings.self_train_dropout
+        else:  # the authors' CNN brings its own dropout; a model without any needs input dropout
+            self.self_train_dropout = 0.0 if has_dropout(run.model_spec.build()) else SELF_TRAIN_INPUT_DROPOUT
         if self.num_classes > MAX_CLASSES:
             raise ConfigError(
                 "dataset", self.num_classes, f"PrivateKT sends labels as uint8: <= {MAX_CLASSES}"
@@ -204,7 +210,8 @@ class PrivateKTStrategy(FederatedStrategy):
         log(
             INFO,
             "PrivateKT: K=%d, B=%d, M=%d, C=%d, %s budget: epsilon per label %.4g (beta %.4g), "
-            "per round %.4g; most-selected client takes part in %d rounds; KT data sent as %s",
+            "per round %.4g; most-selected client takes part in %d rounds; KT data sent as %s; "
+            "self-training input dropout %g",
             self.k,
             self.buffer.size,
             self.self_train,
@@ -215,6 +222,7 @@ class PrivateKTStrategy(FederatedStrategy):
             self.epsilon_per_round,
             self.max_participations,
             "samples" if self.send_kt_data else "indices",
+            self.self_train_dropout,
         )
 
     # ------------------------------------------------------------------ configuration
@@ -335,7 +343,7 @@ class PrivateKTStrategy(FederatedStrategy):
                 batch_size=batch,
                 lr=lr,
                 rng=rng,
-                input_dropout=self.settings.self_train_dropout,
+                input_dropout=self.self_train_dropout,
             )
         stats.update(
             buffer_rounds=len(self.buffer),

@@ -390,3 +390,113 @@ def test_select_on_validation_refuses_runs_evaluated_on_the_test_split(tmp_path,
     write_run(tmp_path / "b", strategy="kd_dp", config={"lr": 0.3}, final={"evaluated_on": "test"})
     assert select_on_validation.main([str(tmp_path)]) == 2
     assert "evaluated on the test split" in capsys.readouterr().err
+
+
+def demo_folder(directory: Path, *, seed: int, planned: int) -> None:
+    directory.mkdir(parents=True)
+    (directory / "config.yaml").write_text(f"seed: {seed}\nnum_rounds: {planned}\n")
+
+
+def test_privatekt_demo_table_and_figure_from_a_finished_and_a_stopped_seed(tmp_path, capsys):
+    root = tmp_path / "runs"
+    # seed 1 finished 20 rounds (results.json, evaluated every 10 rounds); seed 2 stopped after round
+    # 12 (metrics.csv only, as a run that is still going or waits for resume=).
+    demo_folder(root / "demo_seed1", seed=1, planned=20)
+    accuracies = tuple(0.3 if r == 10 else 0.5 if r == 20 else None for r in range(1, 21))
+    write_run(
+        root / "demo_seed1",
+        strategy="privatekt",
+        accuracies=accuracies,
+        epsilon=40.0,
+        per_round={"round_s": 100.0},
+    )
+    results = json.loads((root / "demo_seed1" / "results.json").read_text())
+    for r in results["rounds"]:
+        r["epsilon_basic"] = 5.0 * r["round"]
+    (root / "demo_seed1" / "results.json").write_text(json.dumps(results))
+    demo_folder(root / "demo_seed2", seed=2, planned=100)
+    lines = ["round,accuracy,loss,epsilon,epsilon_basic,round_s"]
+    lines += [f"{r},{0.2 if r == 10 else ''},,{1.5 * r},{5 * r},{90 + r}" for r in range(1, 13)]
+    (root / "demo_seed2" / "metrics.csv").write_text("\n".join(lines) + "\n")
+    page = tmp_path / "page.md"
+    page.write_text(f"before\n{privatekt.DEMO_BEGIN}\nold\n{privatekt.DEMO_END}\nafter\n")
+    out = tmp_path / "out"
+    out.mkdir()
+
+    assert privatekt.main(["--demo-root", str(root), "--out", str(out), "--page", str(page)]) == 0
+
+    text = page.read_text()
+    assert text.startswith(f"before\n{privatekt.DEMO_BEGIN}\n") and text.endswith(
+        f"{privatekt.DEMO_END}\nafter\n"
+    )
+    rows = {
+        line.split(" | ")[0].strip("| "): line.split(" | ")
+        for line in text.splitlines()
+        if line[:3] in ("| 1", "| 2")
+    }
+    # round 10: both seeds, mean 0.25 against the authors' 0.298; the worst client's epsilon is
+    # the larger of the two seeds' (accountant 20.0 from seed 1's 40 * 10 / 20; basic 50).
+    assert rows["10"][1:6] == ["0.298", "0.300", "0.200", "0.250 (2)", "-0.048"]
+    assert rows["10"][6].startswith("20.0000 / 50.0000")
+    # round 20: only seed 1 got there.
+    assert rows["20"][1:6] == ["0.473", "0.500", "-", "0.500 (1)", "+0.027"]
+    assert "round" in text and "| 30 |" not in text
+    assert "seed 1: 20 of 20 rounds, finished; median round 100 s" in text
+    assert "seed 2: 12 of 100 rounds, stopped after round 12 (resumable); median round 96 s" in text
+    assert (out / "privatekt_demo_vs_authors.png").stat().st_size > 10_000
+
+
+def test_privatekt_demo_without_runs_says_so(tmp_path, capsys):
+    assert privatekt.main(["--demo-root", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
+    assert "no demo_seed* run" in capsys.readouterr().err
+
+
+def test_privatekt_speed_tables_from_recorded_measurements(tmp_path, capsys):
+    from benchmarks import privatekt_speed
+
+    levers = [
+        {
+            "threads": 1,
+            "layout": "contiguous",
+            "compile": False,
+            "work": "client training (5 epochs)",
+            "seconds": 4.0,
+            "warm_up_s": 0.1,
+            "rows": 600,
+        },
+        {
+            "threads": 2,
+            "layout": "channels_last",
+            "compile": False,
+            "batch": 256,
+            "work": "public-split inference",
+            "seconds": 2.0,
+            "rows": 12000,
+        },
+    ]
+    summary = {
+        "plain_contiguous": {
+            "client_phase_s": 95.0,
+            "client_work_s": 90.0,
+            "server_s": 12.0,
+            "round_s": 102.0,
+        },
+        "simulation": {"round_s": 107.1, "round_times": [113.0, 104.0, 107.1, 121.0]},
+        "ratio_to_plain_contiguous": 107.1 / 102.0,
+    }
+    (tmp_path / "levers.json").write_text(json.dumps(levers))
+    (tmp_path / "round.json").write_text(json.dumps(summary))
+    privatekt_speed.main_with(["tables", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    # 600 images x 5 epochs in 4 s; 12,000 images in 2 s
+    assert "| client training (5 epochs) | 1 | contiguous | no | - | 4.00 | 750 |" in out
+    assert "| public-split inference | 2 | channels_last | no | 256 | 2.00 | 6000 |" in out
+    assert "| plain PyTorch (contiguous) | 90.0 s | 12.0 s | 102.0 s | - |" in out
+    assert "| simulation (median of rounds 2..4; all: 113, 104, 107, 121 s) | - | - | 107.1 s | 1.05 |" in out
+
+
+def test_privatekt_speed_tables_without_measurements_says_so(tmp_path):
+    from benchmarks import privatekt_speed
+
+    with pytest.raises(SystemExit, match=r"neither levers\.json nor round\.json"):
+        privatekt_speed.main_with(["tables", "--out", str(tmp_path)])

@@ -395,10 +395,11 @@ def test_self_training_moves_the_model_by_default_and_is_a_no_op_without_dropout
     """Training on the model's own soft predictions has zero gradient unless something (dropout)
     makes the training-time prediction differ from the target: the default must move the weights."""
     import copy
-    import dataclasses
 
     strategy = _strategy(tmp_path)
-    assert strategy.self_train > 0 and strategy.settings.self_train_dropout > 0
+    assert (
+        strategy.self_train > 0 and strategy.self_train_dropout == 0.2
+    )  # null -> 0.2: the MLP has no dropout
     arrays = strategy.initial_arrays()
     messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid=None))
     replies = [_labels_reply(m, [1] * strategy.k) for m in messages]
@@ -406,7 +407,7 @@ def test_self_training_moves_the_model_by_default_and_is_a_no_op_without_dropout
     for name, changes in {
         "default": {},
         "no self-training": {"self_train": 0},
-        "no dropout": {"settings": dataclasses.replace(strategy.settings, self_train_dropout=0.0)},
+        "no dropout": {"self_train_dropout": 0.0},
     }.items():
         variant = copy.deepcopy(strategy)
         for attribute, value in changes.items():
@@ -416,6 +417,20 @@ def test_self_training_moves_the_model_by_default_and_is_a_no_op_without_dropout
     fine_tuned_only = models["no self-training"]
     assert np.abs(models["default"] - fine_tuned_only).max() > 1e-4
     assert np.abs(models["no dropout"] - fine_tuned_only).max() < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([], 0.2),  # the MLP on digits: no dropout of its own, input dropout makes self-training move
+        (["model=privatekt_cnn", "dataset=fashion_mnist"], 0.0),  # the authors' CNN: its own dropout only
+        (["model=privatekt_cnn", "dataset=fashion_mnist", "strategy.self_train_dropout=0.1"], 0.1),
+        (["strategy.self_train_dropout=0.0"], 0.0),
+    ],
+)
+def test_self_training_input_dropout_is_the_authors_for_their_cnn(tmp_path, overrides, expected):
+    strategy = _strategy(tmp_path, *overrides)
+    assert strategy.self_train_dropout == expected
 
 
 @pytest.mark.parametrize("first_draw", ["entropy", "uniform"])
