@@ -62,9 +62,13 @@ def demo_data(data_dir: str | None) -> Any:
     """The demo's federated data (equal-size Dirichlet partition, 20 % public split)."""
     from fl_app.config import compose_config
     from fl_app.data.federated import DataSpec, federated_data
+    from fl_app.data.sources import DataNotFoundError
 
     overrides = [*DEMO] + ([f"dataset.data_dir={data_dir}"] if data_dir else [])
-    return federated_data(DataSpec.from_config(compose_config(overrides)))
+    try:
+        return federated_data(DataSpec.from_config(compose_config(overrides)))
+    except DataNotFoundError as error:
+        raise SystemExit(f"{error} (--data-dir)") from None
 
 
 LAYOUTS = ("contiguous", "channels_last", "channels_last_input")
@@ -389,6 +393,8 @@ def main_with(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     import fl_app  # noqa: F401  (process set-up)
 
+    if args.command != "tables":
+        demo_data(args.data_dir)  # a missing data set: one line here, before any worker starts
     {"levers": levers, "round": round_benchmark, "tables": tables}[args.command](args)
 
 

@@ -455,16 +455,63 @@ def test_pins_the_worker_and_reply_store_it_replaces() -> None:
     assert "app_fn, mssg, cid, context = job" in inspect.getsource(BasicActorPool.submit)
 
 
-@pytest.mark.parametrize("senders", [1, 2, 4, 6])
+@pytest.mark.parametrize("sharers", [1, 2, 4, 6])
 @pytest.mark.parametrize("limit", [1, 8, 32])
-def test_batch_size_shares_the_queue_among_idle_senders(senders: int, limit: int) -> None:
+def test_batch_size_shares_the_queue(sharers: int, limit: int) -> None:
     for queued in range(1, 130):
-        size = batch_size(queued, senders, limit)
+        size = batch_size(queued, sharers, limit)
         assert 1 <= size <= limit
-        assert size == min(limit, -(-queued // senders))
-        assert size * senders >= min(queued, limit * senders)  # the idle senders take it all (up to the cap)
+        assert size == min(limit, -(-queued // sharers))
+        assert size * sharers >= min(queued, limit * sharers)  # the sharers take it all (up to the cap)
     assert batch_size(100, 4, 8) == 8 and batch_size(10, 4, 8) == 3 and batch_size(3, 4, 8) == 1
     assert batch_size(5, 0, 8) == 5  # never divides by zero
+
+
+def test_heavy_messages_are_shared_among_all_slots_cheap_ones_among_the_idle_senders() -> None:
+    batching = flower_engine.Batching(lambda jobs: [], slots=4)
+    assert batching.sharers(1) == 4  # nothing measured yet: heavy until shown otherwise
+    batching.record(8, 0.02)  # 2.5 ms a message: a cross-device client
+    assert batching.sharers(1) == 1 and batching.sharers(3) == 3
+    batching.record(5, 5 * 4.4)  # a PrivateKT demo client
+    assert batching.sharers(1) == 4
+    batching.record(0, 0.0)  # an empty batch does not divide by zero
+    assert batching.message_s == 0.0
+
+
+def _burst(message_s: float, queued: int = 40) -> list[int]:
+    """Messages each of 2 actors (2 slots each) runs in one round of ``queued`` equal messages.
+
+    Four senders wait when the round's messages arrive and take in turn, each counting the senders
+    still waiting; then each takes again when its task ends. An actor runs its tasks one after
+    another (the second actor 1 % slower, as no two are equally fast); a task goes to the actor
+    with fewer tasks in flight.
+    """
+    import heapq
+
+    batching = flower_engine.Batching(lambda jobs: [], slots=4)
+    batching.record(1, message_s)
+    senders = [(0.0, sender) for sender in range(4)]
+    actor_of: dict[int, int] = {}
+    ends, work = [0.0, 0.0], [0, 0]
+    while queued:
+        now, sender = heapq.heappop(senders)
+        waiting = 1 + sum(1 for at, _ in senders if at <= now)
+        size = batch_size(queued, batching.sharers(waiting), 8)
+        queued -= size
+        busy = [sum(1 for at, s in senders if at > now and actor_of.get(s) == a) for a in (0, 1)]
+        actor = 0 if busy[0] <= busy[1] else 1
+        ends[actor] = max(now, ends[actor]) + size * (1.0, 1.01)[actor]
+        actor_of[sender] = actor
+        work[actor] += size
+        heapq.heappush(senders, (ends[actor], sender))
+    return work
+
+
+def test_a_round_of_heavy_messages_ends_balanced_over_the_actors() -> None:
+    """40 clients of 4.4 s: 20 per actor. Shared among the idle senders (right for cheap messages,
+    fewer tasks), the last sender of the burst takes the remainder: 24 and 16 (the round 20 % longer)."""
+    assert _burst(message_s=4.4) == [20, 20]
+    assert sorted(_burst(message_s=0.002)) == [16, 24]
 
 
 def _queued(nodes: list[int]) -> tuple[Queue[Message], list[Message]]:
@@ -587,7 +634,7 @@ def test_batched_worker_answers_every_message_in_batches_and_stops() -> None:
         return run_jobs(lambda: _echo_app, jobs)
 
     backend = type("Backend", (), {})()
-    setattr(backend, flower_engine.BATCHING_FLAG, flower_engine.Batching(send))
+    setattr(backend, flower_engine.BATCHING_FLAG, flower_engine.Batching(send, slots=2))
     metrics = type("Metrics", (), {"add_clientapp_runtime": lambda self, seconds: None})()
     stop = threading.Event()
     threads = [
