@@ -451,7 +451,7 @@ def demo_section(curves: list[DemoCurve]) -> list[str]:
     lines = markdown_table(header, rows)
     lines.append("")
     for curve in curves:
-        state = "finished" if curve.finished else f"stopped after round {curve.last_round} (resumable)"
+        state = "finished" if curve.finished else "not finished (a stopped run continues with resume=)"
         lines.append(
             f"- seed {curve.seed}: {curve.last_round} of {curve.planned_rounds} rounds, {state}; "
             f"median round {statistics.median(curve.round_s):.0f} s"
@@ -474,12 +474,19 @@ def plot_demo(curves: list[DemoCurve], out: Path) -> None:
     axis.set_ylim(0, 1)
     axis.set_xlabel("round")
     axis.set_ylabel("test accuracy (MNIST, 10,000 images)")
-    axis.legend(loc="upper left", fontsize=8)
     twin = axis.twinx()
     worst = max(curves, key=lambda curve: curve.last_round)
-    twin.plot(*zip(*sorted(worst.epsilon.items()), strict=True), ":", color="tab:red", lw=1)
-    twin.set_ylabel(f"cumulative epsilon, worst client (seed {worst.seed})", color="tab:red")
-    axis.set_title("PrivateKT demo (+experiment=privatekt_demo): epsilon 5 per round")
+    twin.plot(
+        *zip(*sorted(worst.epsilon.items()), strict=True),
+        ":",
+        color="tab:red",
+        lw=1,
+        label=f"cumulative epsilon, worst client (seed {worst.seed}; right axis)",
+    )
+    twin.set_ylabel("cumulative epsilon, worst client", color="tab:red")
+    handles = [*axis.get_legend_handles_labels()[0], *twin.get_legend_handles_labels()[0]]
+    axis.legend(handles=handles, loc="upper left", fontsize=8)
+    axis.set_title("PrivateKT demo (+experiment=privatekt_demo), epsilon 5 per round", fontsize=10)
     figure.tight_layout()
     figure.savefig(out / "privatekt_demo_vs_authors.png", dpi=110)
     plt.close(figure)

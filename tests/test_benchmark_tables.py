@@ -442,7 +442,10 @@ def test_privatekt_demo_table_and_figure_from_a_finished_and_a_stopped_seed(tmp_
     assert rows["20"][1:6] == ["0.473", "0.500", "-", "0.500 (1)", "+0.027"]
     assert "round" in text and "| 30 |" not in text
     assert "seed 1: 20 of 20 rounds, finished; median round 100 s" in text
-    assert "seed 2: 12 of 100 rounds, stopped after round 12 (resumable); median round 96 s" in text
+    assert (
+        "seed 2: 12 of 100 rounds, not finished (a stopped run continues with resume=); median round 96 s"
+        in text
+    )
     assert (out / "privatekt_demo_vs_authors.png").stat().st_size > 10_000
 
 
