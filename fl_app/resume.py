@@ -38,6 +38,16 @@ def run_overrides(overrides: Sequence[str]) -> list[str]:
     return [o for o in overrides if override_key(o) not in (RESUME_KEY, "output_dir")]
 
 
+def checkpoint_overrides(overrides: Sequence[str]) -> list[str]:
+    """What a run's checkpoint saves: the overrides its configuration was composed from.
+
+    For a resumed run that is its checkpoint's overrides plus the allowed changes
+    (:func:`expand_resume`), not ``resume=DIR`` alone: saving only that made a second ``resume=``
+    of the same directory compose the defaults and refuse ("the configuration files changed").
+    """
+    return run_overrides(expand_resume(overrides))
+
+
 def expand_resume(overrides: Sequence[str]) -> list[str]:
     """``overrides`` as given, or, with ``resume=DIR``, the checkpoint's overrides plus the allowed changes.
 

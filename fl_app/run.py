@@ -57,7 +57,7 @@ from fl_app.metering import MeteredGrid
 from fl_app.models import ModelSpec
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
 from fl_app.results import LEDGER_FILE, RunRecorder, short_unit, write_json
-from fl_app.resume import run_overrides
+from fl_app.resume import checkpoint_overrides
 from fl_app.roster import ClientInfo, discover_roster, on_devices
 from fl_app.round_loop import check_round, run_rounds
 from fl_app.run_context import RunContext, output_path
@@ -408,7 +408,7 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
         num_rounds=int(cfg.num_rounds),
         every=int(cfg.evaluation.every),
         max_failure_fraction=float(cfg.simulation.max_failure_fraction),
-        overrides=run_overrides(overrides),
+        overrides=checkpoint_overrides(overrides),
         fingerprint=config_fingerprint(cfg, ignore=("num_rounds",)),
     )
     if resumed is not None:

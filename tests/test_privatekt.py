@@ -363,6 +363,12 @@ def test_demo_preset_composes():
     assert cfg.privacy.budget_scope == "per_round"
     assert cfg.dataset.name == "mnist"
     assert cfg.partition.alpha == 0.5
+    # the authors' partition and network; self-training through the CNN's own dropout only
+    assert (cfg.partition.name, cfg.model, cfg.strategy.self_train_dropout) == (
+        "equal_size_dirichlet",
+        "auto",
+        None,
+    )
 
 
 # ----------------------------------------------------------------------------- real simulation

@@ -388,3 +388,15 @@ def test_a_gone_supernode_is_reported_as_that_client_failing():
     attribute_link_errors([message], [reply, healthy])
     assert reply.metadata.src_node_id == 1005
     assert healthy.metadata.src_node_id == 1006
+
+
+def test_a_resumed_run_saves_the_overrides_it_was_composed_from(tmp_path, monkeypatch):
+    """Saving ``resume=DIR`` alone made a second resume of the same run compose the defaults."""
+    from fl_app import checkpoint
+    from fl_app.resume import checkpoint_overrides
+
+    header = {"overrides": ["strategy=fedavg", "seed=3", f"output_dir={tmp_path}"]}
+    monkeypatch.setattr(checkpoint, "read_header", lambda directory: header)
+    saved = checkpoint_overrides([f"resume={tmp_path}", "simulation.num_cpus=2"])
+    assert saved == ["strategy=fedavg", "seed=3", "simulation.num_cpus=2"]
+    assert checkpoint_overrides(["strategy=fedavg", f"output_dir={tmp_path}"]) == ["strategy=fedavg"]
