@@ -56,6 +56,7 @@ import yaml
 
 from benchmarks.tables import Run, completed_runs, fmt, markdown_table, replace_generated_block
 from fl_app.data.federated import DataSpec, federated_data
+from fl_app.results import METRICS_FILE
 
 PER_ROUND = {
     "MNIST": "mnist_per_round",
@@ -395,8 +396,8 @@ def read_demo_run(folder: Path) -> DemoCurve | None:
     if finished:
         rows = finished[0]["rounds"]
         curve.finished = True
-    elif (folder / "metrics.csv").is_file():
-        with (folder / "metrics.csv").open(newline="") as handle:
+    elif (folder / METRICS_FILE).is_file():
+        with (folder / METRICS_FILE).open(newline="") as handle:
             rows = [
                 {key: value for key, value in row.items() if value != ""} for row in csv.DictReader(handle)
             ]

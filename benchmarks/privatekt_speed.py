@@ -21,7 +21,8 @@ split, under each lever: torch threads (1 or 2), memory layout (contiguous or ch
 
 1. *plain, 2 processes*: 2 worker processes with 1 thread each (what the simulation runs: 2 Ray actors of
    one CPU) train 20 clients each with a bare PyTorch loop (``torch.optim.SGD``, no Flower, no Ray, no
-   dpfl), then this process (2 threads) does the server's work with the same bare calls;
+   dpfl), then this process (2 threads) does the server's work with the same bare calls, at the
+   inference batch the simulation's server uses (``fl_app.training.EVAL_BATCH``);
 2. the same with the levers ``levers`` found helpful (``--plain-channels-last``);
 3. the simulation: ``python -m fl_app +experiment=privatekt_demo num_rounds=R`` (median ``round_s`` of
    rounds 2..R).
@@ -41,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -232,25 +234,15 @@ def plain_round(data_dir: str | None, layout: str) -> dict[str, float]:
     import torch
     from torch.nn.functional import cross_entropy
 
+    from fl_app.training import EVAL_BATCH  # the inference batch the simulation's server uses
+
     clients = list(range(CLIENTS_PER_ROUND))
     started = time.perf_counter()
-    workers = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-P",
-                __file__,
-                "_worker",
-                json.dumps({"clients": clients[i::2], "layout": layout, "data_dir": data_dir}),
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            cwd=ROOT,
-        )
-        for i in range(2)
+    specs = [
+        {"clients": clients[i::2], "layout": layout, "data_dir": data_dir, "threads": 1} for i in range(2)
     ]
-    outputs = [json.loads(w.communicate()[0].strip().splitlines()[-1]) for w in workers]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the two workers run at the same time
+        outputs = list(pool.map(lambda spec: run_child("_worker", spec), specs))
     client_s = time.perf_counter() - started  # includes the workers' interpreter and data start-up
     client_work_s = max(o["seconds"] for o in outputs)
     torch.set_num_threads(2)
@@ -268,7 +260,7 @@ def plain_round(data_dir: str | None, layout: str) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
         cross_entropy(model(public[rows]), targets).backward()
         optimizer.step()
-    probabilities = predict_plain(model, public, 1024)
+    probabilities = predict_plain(model, public, EVAL_BATCH)
     chosen = torch.multinomial(torch.ones(len(public)), SELF_TRAIN, generator=generator)
     model.train()
     for start in range(0, SELF_TRAIN, BATCH):
@@ -276,8 +268,8 @@ def plain_round(data_dir: str | None, layout: str) -> dict[str, float]:
         optimizer.zero_grad(set_to_none=True)
         cross_entropy(model(public[index]), probabilities[index]).backward()
         optimizer.step()
-    predict_plain(model, public, 1024)
-    predict_plain(model, x_test, 1024)
+    predict_plain(model, public, EVAL_BATCH)
+    predict_plain(model, x_test, EVAL_BATCH)
     server_s = time.perf_counter() - started
     return {
         "client_phase_s": client_s,

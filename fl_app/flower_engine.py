@@ -357,7 +357,7 @@ HEAVY_MESSAGE_S = 0.05
 class Batching:
     """What the batched workers of one Ray backend share: how to send a batch, who waits for work."""
 
-    def __init__(self, send: Sender, slots: int = 1) -> None:
+    def __init__(self, send: Sender, slots: int) -> None:
         self.send = send
         self.slots = slots
         self.waiting_count = 0
