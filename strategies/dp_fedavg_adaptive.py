@@ -86,7 +86,8 @@ from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext, resolve_clients_per_round
 from fl_app.validation import ConfigError
 from strategies import register_strategy
-from strategies.base import FederatedStrategy, ServerMomentum, arrays_like
+from strategies.arrays import ServerMomentum, arrays_like
+from strategies.base import FederatedStrategy
 from strategies.settings import StrategySettings, between, positive
 
 

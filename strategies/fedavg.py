@@ -28,7 +28,8 @@ from fl_app import keys
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
 from strategies import register_strategy
-from strategies.base import FederatedStrategy, ServerMomentum, arrays_like, mean_arrays
+from strategies.arrays import ServerMomentum, arrays_like, mean_arrays
+from strategies.base import FederatedStrategy
 from strategies.settings import StrategySettings, between, one_of, positive
 
 WEIGHTINGS = ("num_examples", "uniform")

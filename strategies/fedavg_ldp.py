@@ -49,7 +49,8 @@ from fl_app.privacy.mechanisms import clip_l2, local_gaussian_update
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
 from strategies import register_strategy
-from strategies.base import SCHEDULES, FederatedStrategy, max_participations
+from strategies.base import FederatedStrategy
+from strategies.cohorts import SCHEDULES, max_participations
 from strategies.settings import StrategySettings, flag, one_of, positive
 
 

@@ -59,7 +59,9 @@ from fl_app.run_context import RunContext
 from fl_app.training import load_arrays
 from fl_app.validation import ConfigError, require_int
 from strategies import register_strategy
-from strategies.base import FederatedStrategy, RecentRounds, arrays_mismatch, echo_mismatch, mean_arrays
+from strategies.arrays import mean_arrays
+from strategies.base import FederatedStrategy, RecentRounds
+from strategies.replies import arrays_mismatch, echo_mismatch
 from strategies.settings import StrategySettings, between, integer, one_of, positive
 
 STUDENT_INITS = ("teacher", "fresh")

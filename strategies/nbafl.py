@@ -67,7 +67,8 @@ from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.validation import require_int, require_positive, require_range
 from strategies import register_strategy
-from strategies.base import FederatedStrategy, mean_arrays
+from strategies.arrays import mean_arrays
+from strategies.base import FederatedStrategy
 from strategies.settings import StrategySettings, integer, non_negative, one_of, positive
 
 RECORD_UNIT = (

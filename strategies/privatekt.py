@@ -80,7 +80,8 @@ from fl_app.run_context import RunContext
 from fl_app.training import has_dropout, load_arrays, model_to_arrays, predict_proba
 from fl_app.validation import ConfigError
 from strategies import register_strategy
-from strategies.base import SCHEDULES, FederatedStrategy, RecentRounds, max_participations
+from strategies.base import FederatedStrategy, RecentRounds
+from strategies.cohorts import SCHEDULES, max_participations
 from strategies.settings import StrategySettings, between, flag, integer, one_of
 
 SELF_TRAIN_TARGETS = ("soft", "hard")

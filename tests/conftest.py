@@ -47,6 +47,18 @@ FAST = [
 ]
 
 
+#: Fixtures that start (or join) a Ray-backed simulation: a test using one is marked ``simulation``,
+#: so ``pytest -m "not simulation and not deploy and not audit"`` is the quick layer.
+SIMULATION_FIXTURES = frozenset({"simulate", "ray_instance", "shared_simulation"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that uses a :data:`SIMULATION_FIXTURES` fixture ``simulation``."""
+    for item in items:
+        if SIMULATION_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.simulation)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def partition_cache_of_the_test_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The partition cache (:mod:`fl_app.data.partition_cache`) of this test run, not the user's.

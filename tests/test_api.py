@@ -13,6 +13,7 @@ from fl_app.validation import ConfigError
 TINY = ["dataset=digits", "num_clients=4", "clients_per_round=2", "num_rounds=2", "model=mlp"]
 
 
+@pytest.mark.simulation
 def test_run_experiment_returns_the_results_it_wrote(tmp_path: Path) -> None:
     from fl_app import run_experiment
 

@@ -31,7 +31,7 @@ from fl_app.privacy.canaries import (
 from fl_app.privacy.rng import RandomSource
 from fl_app.validation import ConfigError, validate_config
 from strategies import STRATEGIES
-from strategies.base import flat_vector, split_vector
+from strategies.arrays import flat_vector, split_vector
 
 # --------------------------------------------------------------------------- the estimator
 
@@ -144,6 +144,7 @@ def canary_run(name: str, tmp_path: Path, *, mutate: Any = None, canaries: int =
     return empirical, float(strategy.epsilon().epsilon)
 
 
+@pytest.mark.audit
 @pytest.mark.parametrize("name", ["dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "fedavg_ldp"])
 def test_a_correct_mechanism_is_not_caught(name, tmp_path):
     empirical, claimed = canary_run(name, tmp_path)
@@ -153,6 +154,7 @@ def test_a_correct_mechanism_is_not_caught(name, tmp_path):
     assert empirical["low"] <= claimed, empirical  # not significantly above the claim
 
 
+@pytest.mark.audit
 def test_noise_switched_off_is_caught_far_above_the_claim(tmp_path, monkeypatch):
     import strategies.dp_fedavg as module
 
@@ -161,6 +163,7 @@ def test_noise_switched_off_is_caught_far_above_the_claim(tmp_path, monkeypatch)
     assert empirical["low"] > 5 * claimed, empirical  # measured: 19.3 (17.4..21.5) at a claim of 2
 
 
+@pytest.mark.audit
 def test_a_clip_twice_the_accounted_one_is_caught(tmp_path):
     def double_the_clip(strategy: Any) -> None:
         clipped_sum = strategy.clipped_update_sum

@@ -47,7 +47,7 @@ from fl_app.flower_engine import (
 )
 from fl_app.metering import MeteredGrid, content_bytes
 from fl_app.training import array_values
-from strategies.base import mean_arrays
+from strategies.arrays import mean_arrays
 from tests.conftest import FAST
 
 GOLDEN = Path(__file__).parent / "data" / "golden_rounds.json"

@@ -62,7 +62,7 @@ from fl_app.roster import ClientInfo
 from fl_app.run import make_run_context
 from fl_app.run_context import RunContext
 from strategies import STRATEGIES
-from strategies.base import flat_vector
+from strategies.arrays import flat_vector
 from strategies.laplace_eval import LaplaceEvalStage
 
 #: Digits (8x8) with the MLP: one SGD step of lr 1 on at most 10 examples (batch 16).
@@ -566,6 +566,7 @@ AUDITS: dict[str, tuple[Callable[[Path, dict[int, ClientDataset], int], Audited]
 # ------------------------------------------------------------------------------ tests
 
 
+@pytest.mark.audit
 @pytest.mark.parametrize("name", list(AUDITS))
 def test_one_round_of_each_private_strategy_meets_the_epsilon_it_reports(name, tmp_path, held):
     function, trials, power = AUDITS[name]
@@ -579,6 +580,7 @@ def test_one_round_of_each_private_strategy_meets_the_epsilon_it_reports(name, t
 # ------------------------------------------------------------------------------ the audit catches bugs
 
 
+@pytest.mark.audit
 def test_audit_catches_fedavg_ldp_calibrated_with_sensitivity_c_instead_of_2c(tmp_path, held, monkeypatch):
     """Mutant 1: the noise std z C instead of z 2C; the strategy still reports Gaussian(z)."""
     monkeypatch.setattr(calibration, "local_update_sensitivity", lambda *, clip: clip)
@@ -587,6 +589,7 @@ def test_audit_catches_fedavg_ldp_calibrated_with_sensitivity_c_instead_of_2c(tm
     assert audited.result.epsilon_lower_bound > 1.2 * audited.reported, audited
 
 
+@pytest.mark.audit
 @pytest.mark.parametrize("name", ["privatekt", "laplace_eval"])
 def test_audit_catches_an_accountant_that_halves_the_rdp_epsilon(name, tmp_path, held, monkeypatch):
     """Mutant 2: RDP epsilons halved, in the accountant and hence in every calibration against it.

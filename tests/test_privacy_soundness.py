@@ -43,7 +43,7 @@ from fl_app.run import (
 from fl_app.run_context import RunContext
 from fl_app.validation import ConfigError, validate_config
 from strategies import STRATEGIES
-from strategies.base import flat_vector
+from strategies.arrays import flat_vector
 from strategies.dp_fedavg import DPFedAvgStrategy
 from strategies.dpfl_bnn import DPFLBNNStrategy
 from strategies.laplace_eval import LaplaceEvalStage

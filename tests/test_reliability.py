@@ -121,6 +121,7 @@ def interrupt(tmp_path: Path, name: str, args: list[str], signum: int, *, group:
 # --------------------------------------------------------------------------- simulations
 
 
+@pytest.mark.simulation
 def test_ctrl_c_stops_within_seconds_keeps_the_ledger_and_resume_matches_an_uninterrupted_run(
     tmp_path, simulate
 ):
@@ -160,6 +161,7 @@ def test_ctrl_c_stops_within_seconds_keeps_the_ledger_and_resume_matches_an_unin
     )
 
 
+@pytest.mark.simulation
 def test_sigterm_stops_the_run_and_leaves_nothing_running(tmp_path):
     _, took = interrupt(tmp_path, "terminated", [*RUN, "strategy=fedavg"], signal.SIGTERM, group=False)
     assert took < 30
@@ -171,6 +173,7 @@ def test_sigterm_stops_the_run_and_leaves_nothing_running(tmp_path):
     assert cfg.num_rounds == 9 and cfg.strategy.name == "fedavg" and cfg.dataset.name == "digits"
 
 
+@pytest.mark.simulation
 def test_a_killed_worker_fails_the_run_with_one_line_never_completed(tmp_path):
     out = tmp_path / "killed"
     run = Run([*RUN, "strategy=fedavg", "num_rounds=6", f"output_dir={out}"], tmp_path)

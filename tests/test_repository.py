@@ -162,3 +162,29 @@ def test_fl_app_defers_torch_and_shims_torchvision_before_it_loads():
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert output.stdout.split() == ["False", "True"]
+
+
+#: The modules of ``strategies/`` every algorithm may import (the base and its parts); the rest
+#: are algorithms, one per module, and none imports another.
+STRATEGY_PLUMBING = {"base", "arrays", "cohorts", "replies", "reporting", "settings", "stage"}
+#: Longest module allowed in ``strategies/`` and ``clients/`` (an algorithm, not its boilerplate).
+MAX_MODULE_LINES = 400
+
+
+def test_algorithm_modules_are_small_and_no_strategy_imports_another():
+    modules = sorted((ROOT / "strategies").glob("*.py")) + sorted((ROOT / "clients").glob("*.py"))
+    too_long = [
+        f"{m.relative_to(ROOT)}: {n} lines"
+        for m in modules
+        if (n := len(m.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert too_long == []
+    algorithms = {m.stem for m in (ROOT / "strategies").glob("*.py")} - STRATEGY_PLUMBING - {"__init__"}
+    assert {"privatekt", "kd_dp", "nbafl", "dpfl_bnn", "dp_ftrl"} <= algorithms
+    arrows = [
+        f"strategies/{m.stem}.py imports {name}"
+        for m in sorted((ROOT / "strategies").glob("*.py"))
+        for name in imported_modules(m)
+        if name.startswith("strategies.") and name.split(".")[1] in algorithms
+    ]
+    assert arrows == []

@@ -1,0 +1,117 @@
+"""Replies in, failures out: which clients answered, which failed and why, malformed replies.
+
+:class:`ReplyTriage` is mixed into :class:`strategies.base.FederatedStrategy`. A failed or
+missing reply is logged and left out (the round goes on); privacy events still name every
+selected client, so a failure never makes the accounting optimistic. With a secret cohort the
+log does not name the failed client.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from logging import WARNING
+
+from flwr.app import ArrayRecord, Message
+from flwr.supercore import log
+
+from fl_app import keys
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext
+
+
+class ReplyTriage:
+    """Reply handling for a strategy (see the module docstring)."""
+
+    run: RunContext
+    #: True when the privacy accounting relies on the cohort being secret (amplification by
+    #: sampling): failures are then logged without naming the client.
+    secret_cohort: bool = False
+    _selected: dict[int, list[ClientInfo]]
+    _failed: dict[int, list[int]]
+    _failure_reasons: dict[int, list[str]]
+
+    def selected(self, server_round: int) -> list[ClientInfo]:
+        """The clients sent a train message in ``server_round``."""
+        return self._selected.get(server_round, [])
+
+    def split_replies(
+        self, server_round: int, replies: Iterable[Message], *, stage: str = "train"
+    ) -> tuple[list[tuple[ClientInfo, Message]], list[ClientInfo]]:
+        """Separate good replies from failures (logged), mapped to roster entries."""
+        by_node = {info.node_id: info for info in self.run.roster}
+        valid: list[tuple[ClientInfo, Message]] = []
+        failed: list[ClientInfo] = []
+        reasons: list[str] = []
+        for reply in replies:
+            info = by_node.get(int(reply.metadata.src_node_id))
+            if info is None:
+                log(WARNING, "%s: reply from unknown node %s ignored", stage, reply.metadata.src_node_id)
+                continue
+            if reply.has_error():
+                failed.append(info)
+                reasons.append(reply.error.reason or "?")
+                reason = reply.error.reason.strip().splitlines()[-1] if reply.error.reason else "?"
+                secret = self.secret_cohort and stage == "train"
+                log(
+                    WARNING,
+                    "%s round %d: client %s failed: %s",
+                    stage,
+                    server_round,
+                    "(secret cohort)" if secret else info.client_id,
+                    "(reason withheld)" if secret else reason[:300],
+                )
+            else:
+                valid.append((info, reply))
+        # Replies arrive in an order that depends on timing: aggregate them by client id, so a
+        # seeded run sums its floating-point updates in the same order every time.
+        valid.sort(key=lambda pair: pair[0].client_id)
+        if stage == "train":
+            expected = {c.client_id for c in self.selected(server_round)}
+            answered = {info.client_id for info, _ in valid} | {info.client_id for info in failed}
+            failed += [self.run.info(c) for c in sorted(expected - answered)]
+            self._failed[server_round] = sorted(info.client_id for info in failed)
+            self._failure_reasons[server_round] = reasons
+            if expected - answered:
+                log(
+                    WARNING,
+                    "train round %d: %d clients did not reply in time",
+                    server_round,
+                    len(expected - answered),
+                )
+        return valid, failed
+
+    def round_failures(self, server_round: int) -> list[int]:
+        """Ids of the clients that failed in ``server_round``."""
+        return self._failed.get(server_round, [])
+
+    def round_failure_reasons(self, server_round: int) -> list[str]:
+        """The error reasons of the train replies that failed in ``server_round`` (for the health check)."""
+        return self._failure_reasons.get(server_round, [])
+
+
+def echo_mismatch(reply: Message, expected: dict[str, float | int]) -> str:
+    """Empty when the reply's metrics echo every ``expected`` mechanism parameter, else what differs.
+
+    A client that applied other parameters than it was sent (an old client, a tampered config)
+    would release under another guarantee than the one accounted: its reply is rejected.
+    """
+    metrics = reply.content.metric_records.get(keys.METRICS)
+    if metrics is None:
+        return "no metrics"
+    for key, value in expected.items():
+        if key not in metrics or not math.isclose(float(metrics[key]), float(value), rel_tol=1e-9):
+            return f"{key}={metrics.get(key)!r}, expected {float(value)!r}"
+    return ""
+
+
+def arrays_mismatch(reply: Message, like: ArrayRecord) -> str:
+    """Empty when the reply holds arrays with the names and shapes of ``like``, else what is wrong."""
+    if keys.ARRAYS not in reply.content.array_records:
+        return "no arrays"
+    received = reply.content.array_records[keys.ARRAYS]
+    if list(received.keys()) != list(like.keys()) or any(
+        tuple(received[k].shape) != tuple(like[k].shape) for k in like
+    ):
+        return "arrays do not match the model"
+    return ""

@@ -1,0 +1,120 @@
+"""What a strategy reports: its epsilon by stage, ledgers, per-round and final fields, its summary.
+
+:class:`ReportingHooks` is mixed into :class:`strategies.base.FederatedStrategy`. The platform
+(:mod:`fl_app.run`, :mod:`fl_app.results`) reads these hooks once per round and at the end; a
+strategy overrides the ones where it has more to say. Un-noised statistics go only to
+:meth:`~ReportingHooks.diagnostics` (written outside the guarantee, never on devices).
+"""
+
+from __future__ import annotations
+
+from logging import INFO
+from typing import Any, ClassVar
+
+import numpy as np
+from flwr.app import ArrayRecord
+from flwr.supercore import log
+from omegaconf import DictConfig
+
+from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.composition import EpsilonReport
+from fl_app.run_context import RunContext
+from fl_app.training import evaluate, load_arrays
+
+
+class ReportingHooks:
+    """Reporting for a strategy (see the module docstring)."""
+
+    run: RunContext
+    cfg: DictConfig
+    accountant: PrivacyAccountant | None
+    privacy_unit: ClassVar[str]
+    mechanism_name: ClassVar[str]
+
+    @classmethod
+    def is_private(cls, cfg: DictConfig) -> bool:
+        """Whether a run of this strategy with ``cfg`` claims a finite epsilon (override if configurable)."""
+        return cls.privacy_unit != "none"
+
+    def cohort_text(self) -> str:
+        """How many clients a round selects, for :meth:`summary`."""
+        return f"{self.run.clients_per_round} of {self.run.num_clients} clients per round"
+
+    def summary(self) -> None:
+        """Log the strategy's configuration, the privacy unit and the budget asked for."""
+        log(INFO, "\t├──> %s: %s", type(self).__name__, self.cohort_text())
+        for key, value in self.cfg.strategy.items():
+            log(INFO, "\t│\t├── strategy.%s = %s", key, value)
+        budget = f", {self.budget_text()}" if self.is_private(self.cfg) else ""
+        log(INFO, "\t└──> privacy: unit=%s, mechanism=%s%s", self.privacy_unit, self.mechanism_name, budget)
+
+    def budget_text(self) -> str:
+        """The budget asked for, for :meth:`summary` (override where it is not in :attr:`privacy_unit`)."""
+        privacy = self.cfg.privacy
+        return (
+            f"budget epsilon={float(privacy.epsilon):g} delta={float(privacy.delta):g} "
+            f"(privacy.budget_scope={privacy.budget_scope})"
+        )
+
+    def evaluate_global(self, arrays: ArrayRecord, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """Loss and accuracy of the global model on ``(x, y)`` (override for e.g. BNNs)."""
+        model = self.run.model_spec.build()
+        load_arrays(model, arrays)
+        return evaluate(model, x, y)
+
+    def epsilon(self) -> EpsilonReport | None:
+        """Cumulative epsilon of the worst client at ``privacy.delta`` (None: not private).
+
+        The platform's ``rounds[].epsilon``: it must cover everything the run released about a client
+        (an evaluation stage composes its own cost into it).
+        """
+        if self.accountant is None:
+            return None
+        return self.accountant.epsilon(delta=self.run.delta)
+
+    def training_epsilon(self) -> EpsilonReport | None:
+        """The training stage's epsilon alone (``rounds[].epsilon_training``)."""
+        return self.epsilon()
+
+    def stage_epsilons(self) -> dict[str, float | None]:
+        """Each stage's cumulative epsilon in the unit of :attr:`privacy_unit` (``privacy.total``)."""
+        training = self.training_epsilon()
+        return {"training": None if training is None else training.epsilon}
+
+    def extra_ledgers(self) -> dict[str, dict[str, Any]]:
+        """Ledgers beyond :attr:`accountant`'s ``privacy_ledger.json``: file name -> accountant state."""
+        return {}
+
+    def released_stages(self) -> list[str]:
+        """What the total epsilon covers (``privacy.total.covers``)."""
+        return ["training: the released models (and, under local DP, every client's upload)"]
+
+    def cohort_randomness(self) -> str:
+        """Where the clients of a round come from (``privacy.randomness.cohort``)."""
+        return (
+            "public: drawn from `seed` (reproducible; the accounting names every selected client and "
+            "credits no amplification by sampling)"
+        )
+
+    def diagnostics(self, server_round: int) -> dict[str, Any]:
+        """Statistics of un-noised client data (``outside_guarantee``; simulation-only, opt-in; override)."""
+        return {}
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """Per-round fields for the results file beyond the platform's (override)."""
+        return {}
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """The results file's ``privacy`` object (override to add details)."""
+        accountant = "none"
+        if self.accountant is not None:
+            accountant = (
+                f"{self.accountant.method} (dp-accounting 0.6.0): per-client composition of the "
+                "recorded events (each names the clients whose data it touched, or all clients); "
+                "min with basic composition for pure-epsilon mechanisms; the worst client is reported"
+            )
+        return {"unit": self.privacy_unit, "mechanism": self.mechanism_name, "accountant": accountant}
+
+    def final_extras(self) -> dict[str, Any]:
+        """Extra fields for the results file's ``final`` object (override)."""
+        return {}
