@@ -65,6 +65,7 @@ from fl_app.tracking import make_tracker
 from fl_app.validation import validate_config
 from strategies import EVALUATION_STAGES, STRATEGIES
 from strategies.base import FederatedStrategy
+from strategies.reporting import round_report
 
 LOG_FILE = "run.log"
 
@@ -600,8 +601,7 @@ class RoundReporter:
         loss, accuracy = (
             self.strategy.evaluate_global(arrays, self.x_test, self.y_test) if evaluate else (None, None)
         )
-        epsilon = self.strategy.epsilon()
-        training = self.strategy.training_epsilon()
+        report = round_report(self.strategy, server_round)
         traffic = self.grid.take()
         now = time.monotonic()
         self.durations.append(now - self.last)
@@ -609,27 +609,22 @@ class RoundReporter:
             "round": server_round,
             "accuracy": accuracy,
             "loss": loss,
-            "epsilon": None if epsilon is None else epsilon.epsilon,
-            "epsilon_method": None if epsilon is None else epsilon.method,
-            "epsilon_rdp": None if epsilon is None else epsilon.rdp,
-            "epsilon_pld": None if epsilon is None else epsilon.pld,
-            "epsilon_basic": None if epsilon is None else epsilon.basic,
-            "epsilon_training": None if training is None else training.epsilon,
+            **report.privacy_fields(),
             "upload_bytes": int(traffic.get("train_upload_bytes", 0)),
             "download_bytes": int(traffic.get("train_download_bytes", 0)),
             "upload_array_bytes": int(traffic.get("train_upload_array_bytes", 0)),
             "download_array_bytes": int(traffic.get("train_download_array_bytes", 0)),
-            "clients": len(self.strategy.selected(server_round)),
-            "failures": len(self.strategy.round_failures(server_round)),
+            "clients": report.clients,
+            "failures": len(report.failures),
             "wall_s": self.elapsed(),
             "round_s": now - self.last,
         }
         if traffic.get("evaluate_messages"):
             record["evaluate_upload_bytes"] = int(traffic.get("evaluate_upload_bytes", 0))
             record["evaluate_download_bytes"] = int(traffic.get("evaluate_download_bytes", 0))
-        record.update(self.strategy.round_extras(server_round))
+        record.update(report.extras)
         self.recorder.add_round(record)
-        self.recorder.add_diagnostics(server_round, self.strategy.diagnostics(server_round))
+        self.recorder.add_diagnostics(server_round, report.diagnostics)
         self.last = now
         self.completed_round = server_round
         self.last_arrays = arrays
@@ -638,7 +633,7 @@ class RoundReporter:
             server_round,
             clients=record["clients"],
             failures=record["failures"],
-            reasons=self.strategy.round_failure_reasons(server_round),
+            reasons=list(report.failure_reasons),
             max_failure_fraction=self.max_failure_fraction,
         )
         remaining = float(np.mean(self.durations)) * (self.num_rounds - server_round)

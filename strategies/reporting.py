@@ -1,15 +1,17 @@
 """What a strategy reports: its epsilon by stage, ledgers, per-round and final fields, its summary.
 
-:class:`ReportingHooks` is mixed into :class:`strategies.base.FederatedStrategy`. The platform
-(:mod:`fl_app.run`, :mod:`fl_app.results`) reads these hooks once per round and at the end; a
-strategy overrides the ones where it has more to say. Un-noised statistics go only to
+:class:`ReportingHooks` is mixed into :class:`strategies.base.FederatedStrategy`; a strategy
+overrides the hooks where it has more to say. The platform (:mod:`fl_app.run`) reads a round as
+one typed :class:`RoundReport` (:func:`round_report`) and the end of the run from the remaining
+hooks. Un-noised statistics go only to
 :meth:`~ReportingHooks.diagnostics` (written outside the guarantee, never on devices).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from logging import INFO
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from flwr.app import ArrayRecord
@@ -20,6 +22,75 @@ from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.run_context import RunContext
 from fl_app.training import evaluate, load_arrays
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What a strategy reports about one completed round, read once by the platform after it.
+
+    Attributes
+    ----------
+    clients : int
+        Clients sent a train message.
+    failures : tuple[int, ...]
+        Ids of the clients whose train reply failed or did not come.
+    failure_reasons : tuple[str, ...]
+        The error reasons of the failed replies (the round's health check reads them).
+    epsilon : EpsilonReport | None
+        The worst client's cumulative epsilon over everything released so far (None: not private).
+    training_epsilon : EpsilonReport | None
+        The training stage's alone.
+    extras : dict[str, Any]
+        The strategy's own per-round fields (all of them functions of released values).
+    diagnostics : dict[str, Any]
+        Statistics of un-noised client data: written only to the ``outside_guarantee`` block.
+
+    """
+
+    clients: int
+    failures: tuple[int, ...]
+    failure_reasons: tuple[str, ...]
+    epsilon: EpsilonReport | None
+    training_epsilon: EpsilonReport | None
+    extras: dict[str, Any]
+    diagnostics: dict[str, Any]
+
+    def privacy_fields(self) -> dict[str, Any]:
+        """The round's epsilon fields of ``results.json`` (``None`` throughout when not private)."""
+        total, training = self.epsilon, self.training_epsilon
+        return {
+            "epsilon": None if total is None else total.epsilon,
+            "epsilon_method": None if total is None else total.method,
+            "epsilon_rdp": None if total is None else total.rdp,
+            "epsilon_pld": None if total is None else total.pld,
+            "epsilon_basic": None if total is None else total.basic,
+            "epsilon_training": None if training is None else training.epsilon,
+        }
+
+
+class ReportsRounds(Protocol):
+    """The hooks a round report is read from (a strategy, or an evaluation stage wrapping one)."""
+
+    def selected(self, server_round: int) -> list[Any]: ...  # noqa: D102
+    def round_failures(self, server_round: int) -> list[int]: ...  # noqa: D102
+    def round_failure_reasons(self, server_round: int) -> list[str]: ...  # noqa: D102
+    def epsilon(self) -> EpsilonReport | None: ...  # noqa: D102
+    def training_epsilon(self) -> EpsilonReport | None: ...  # noqa: D102
+    def round_extras(self, server_round: int) -> dict[str, Any]: ...  # noqa: D102
+    def diagnostics(self, server_round: int) -> dict[str, Any]: ...  # noqa: D102
+
+
+def round_report(strategy: ReportsRounds, server_round: int) -> RoundReport:
+    """Read ``strategy``'s report of ``server_round`` (after its ``aggregate_train``)."""
+    return RoundReport(
+        clients=len(strategy.selected(server_round)),
+        failures=tuple(strategy.round_failures(server_round)),
+        failure_reasons=tuple(strategy.round_failure_reasons(server_round)),
+        epsilon=strategy.epsilon(),
+        training_epsilon=strategy.training_epsilon(),
+        extras=dict(strategy.round_extras(server_round)),
+        diagnostics=dict(strategy.diagnostics(server_round)),
+    )
 
 
 class ReportingHooks:

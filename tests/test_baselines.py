@@ -19,6 +19,7 @@ from fl_app import keys
 from fl_app.privacy.calibration import gaussian_epsilon
 from strategies.dp_fedavg import DPFedAvgStrategy
 from strategies.fedavg import FedAvgStrategy
+from strategies.reporting import round_report
 
 DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=4"]
 
@@ -170,6 +171,20 @@ def test_dp_fedavg_clips_noises_and_accounts(tmp_path):
         expected_rounds = 1 if client in selected else 0
         assert strategy.accountant.rounds_participated(client) == expected_rounds
     assert report.epsilon > 0
+
+    # The platform reads the round as one typed report: the failed client named, the accountant's
+    # epsilon, no un-noised statistic among the released fields.
+    typed = round_report(strategy, 1)
+    assert typed.clients == 3 and typed.failures == (selected[2],)
+    assert typed.failure_reasons == ("client crashed",)
+    assert typed.epsilon == report and typed.privacy_fields()["epsilon"] == report.epsilon
+    assert typed.privacy_fields()["epsilon_training"] == report.epsilon
+    assert not any("norm" in key or "loss" in key for key in typed.extras)
+    assert round_report(
+        FedAvgStrategy(build_run_context(DIGITS, tmp_path)), 1
+    ).privacy_fields() == dict.fromkeys(
+        ("epsilon", "epsilon_method", "epsilon_rdp", "epsilon_pld", "epsilon_basic", "epsilon_training")
+    )
 
 
 def test_dp_fedavg_calibration_meets_budget(tmp_path):
