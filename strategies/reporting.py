@@ -3,8 +3,8 @@
 :class:`ReportingHooks` is mixed into :class:`strategies.base.FederatedStrategy`; a strategy
 overrides the hooks where it has more to say. The platform (:mod:`fl_app.run`) reads a round as
 one typed :class:`RoundReport` (:func:`round_report`) and the end of the run from the remaining
-hooks. Un-noised statistics go only to
-:meth:`~ReportingHooks.diagnostics` (written outside the guarantee, never on devices).
+hooks. Un-noised statistics go only to :meth:`~ReportingHooks.diagnostics` (written outside the
+guarantee, never on devices).
 """
 
 from __future__ import annotations
