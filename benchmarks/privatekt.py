@@ -489,7 +489,7 @@ def plot_demo(curves: list[DemoCurve], out: Path) -> None:
     )
     twin.set_ylabel("cumulative epsilon, worst client", color="tab:red")
     handles = [*axis.get_legend_handles_labels()[0], *twin.get_legend_handles_labels()[0]]
-    axis.legend(handles=handles, loc="upper left", fontsize=8)
+    axis.legend(handles=handles, loc="lower right", fontsize=8)
     axis.set_title("PrivateKT demo (+experiment=privatekt_demo), epsilon 5 per round", fontsize=10)
     figure.tight_layout()
     figure.savefig(out / "privatekt_demo_vs_authors.png", dpi=110)
