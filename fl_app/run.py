@@ -65,7 +65,7 @@ from fl_app.tracking import make_tracker
 from fl_app.validation import validate_config
 from strategies import EVALUATION_STAGES, STRATEGIES
 from strategies.base import FederatedStrategy
-from strategies.reporting import round_report
+from strategies.reporting import privacy_report, round_report
 
 LOG_FILE = "run.log"
 
@@ -287,24 +287,6 @@ def describe_randomness(randomness: dict[str, Any]) -> str:
     return f"privacy randomness from OS entropy: {SECURE_NOTE}"
 
 
-def total_privacy(strategy: FederatedStrategy) -> dict[str, Any]:
-    """The results' ``privacy.total``: one epsilon per client covering everything released, by stage."""
-    total = strategy.epsilon()
-    return {
-        "epsilon": None if total is None else total.epsilon,
-        "delta": strategy.run.delta,
-        "method": None if total is None else total.method,
-        "unit": strategy.privacy_unit,
-        "worst_client": "the reported epsilon is the largest over the clients",
-        "per_stage": strategy.stage_epsilons(),
-        "covers": strategy.released_stages(),
-        "not_covered": [
-            "each client's number of examples (treated as public: the roster reports it)",
-            "the outside_guarantee block of results.json, when privacy.diagnostics=true (simulation only)",
-        ],
-    }
-
-
 def one_line_console(record: logging.LogRecord) -> bool:
     """Console filter: a failing client is one line (Flower logs its exception and traceback).
 
@@ -447,12 +429,10 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
     failures = sum(int(r.get("failures", 0)) for r in recorder.rounds)
     if status == "completed" and failures:
         status = "completed_with_failures"
-    privacy = dict(strategy.privacy_summary())
-    privacy["randomness"] = randomness
-    privacy["total"] = total_privacy(strategy)
-    empirical = strategy.empirical_privacy(arrays)
+    report = privacy_report(strategy, randomness=randomness, final=arrays)
+    privacy = report.as_dict()
+    empirical = report.empirical_epsilon
     if empirical is not None:
-        privacy["empirical_epsilon"] = empirical
         log(
             INFO,
             "dpfl: empirical epsilon %.3g (%d%% interval %.3g..%.3g) from %d canaries, beside the "
@@ -462,7 +442,7 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
             empirical["low"],
             empirical["high"],
             empirical["canaries"],
-            _fmt(privacy["total"]["epsilon"], "inf"),
+            _fmt(report.total.epsilon, "inf"),
         )
     for name, ledger in strategy.extra_ledgers().items():
         write_json(output_dir / name, ledger)
@@ -472,7 +452,7 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
         privacy=privacy,
         final_extras={
             **strategy.final_extras(),
-            "epsilon_training": privacy["total"]["per_stage"].get("training"),
+            "epsilon_training": report.total.per_stage.get("training"),
             "setup_bytes": int(
                 setup_traffic.get("query_download_bytes", 0) + setup_traffic.get("query_upload_bytes", 0)
             ),

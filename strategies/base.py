@@ -56,7 +56,7 @@ from fl_app.privacy.canaries import CanaryPopulation
 from fl_app.privacy.mechanisms import sum_clipped_updates
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
-from fl_app.training import array_values, model_to_arrays, torch_seed
+from fl_app.training import array_values, evaluate, load_arrays, model_to_arrays, torch_seed
 from fl_app.validation import ConfigError
 from strategies.arrays import flat_vector, split_vector
 from strategies.cohorts import CohortSampling
@@ -171,6 +171,12 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
             torch.manual_seed(seed)
             model = self.run.model_spec.build()
         return model_to_arrays(model)
+
+    def evaluate_global(self, arrays: ArrayRecord, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """Loss and accuracy of the global model on ``(x, y)`` (override for e.g. BNNs)."""
+        model = self.run.model_spec.build()
+        load_arrays(model, arrays)
+        return evaluate(model, x, y)
 
     def base_config(self, server_round: int) -> ConfigRecord:
         """The train ConfigRecord every client reads."""

@@ -2,9 +2,9 @@
 
 :class:`ReportingHooks` is mixed into :class:`strategies.base.FederatedStrategy`; a strategy
 overrides the hooks where it has more to say. The platform (:mod:`fl_app.run`) reads a round as
-one typed :class:`RoundReport` (:func:`round_report`) and the end of the run from the remaining
-hooks. Un-noised statistics go only to :meth:`~ReportingHooks.diagnostics` (written outside the
-guarantee, never on devices).
+one typed :class:`RoundReport` (:func:`round_report`) and the end of the run's privacy as one
+typed :class:`PrivacyReport` (:func:`privacy_report`). Un-noised statistics go only to
+:meth:`~ReportingHooks.diagnostics` (written outside the guarantee, never on devices).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from logging import INFO
 from typing import Any, ClassVar, Protocol
 
-import numpy as np
 from flwr.app import ArrayRecord
 from flwr.supercore import log
 from omegaconf import DictConfig
@@ -21,7 +20,6 @@ from omegaconf import DictConfig
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.run_context import RunContext
-from fl_app.training import evaluate, load_arrays
 
 
 @dataclass(frozen=True)
@@ -93,6 +91,124 @@ def round_report(strategy: ReportsRounds, server_round: int) -> RoundReport:
     )
 
 
+#: What no epsilon of a run covers (``privacy.total.not_covered``).
+NOT_COVERED = (
+    "each client's number of examples (treated as public: the roster reports it)",
+    "the outside_guarantee block of results.json, when privacy.diagnostics=true (simulation only)",
+)
+
+
+@dataclass(frozen=True)
+class PrivacyTotal:
+    """One epsilon per client covering everything a run released, and its parts by stage.
+
+    Attributes
+    ----------
+    epsilon : float | None
+        The worst client's cumulative epsilon (None: not private).
+    delta : float
+        The delta it holds at.
+    method : str | None
+        Which bound gave it (``rdp``, ``pld``, ``basic``).
+    unit : str
+        What one epsilon protects (record, client, report).
+    per_stage : dict[str, float | None]
+        Each stage's own epsilon (training, an evaluation stage).
+    covers : tuple[str, ...]
+        What the epsilon covers.
+
+    """
+
+    epsilon: float | None
+    delta: float
+    method: str | None
+    unit: str
+    per_stage: dict[str, float | None]
+    covers: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """The results' ``privacy.total`` object."""
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "method": self.method,
+            "unit": self.unit,
+            "worst_client": "the reported epsilon is the largest over the clients",
+            "per_stage": dict(self.per_stage),
+            "covers": list(self.covers),
+            "not_covered": list(NOT_COVERED),
+        }
+
+
+@dataclass(frozen=True)
+class PrivacyReport:
+    """A run's privacy, read once at its end and written as the results' ``privacy`` object.
+
+    Attributes
+    ----------
+    summary : dict[str, Any]
+        The strategy's own account: unit, mechanism, accountant and the algorithm's parameters
+        (:meth:`ReportingHooks.privacy_summary`).
+    randomness : dict[str, Any]
+        Where the privacy noise and the cohorts came from (seeded or OS entropy).
+    total : PrivacyTotal
+        The epsilon the run promises, by stage.
+    empirical_epsilon : dict[str, Any] | None
+        The canary estimate beside it (None: not measured for this run).
+
+    """
+
+    summary: dict[str, Any]
+    randomness: dict[str, Any]
+    total: PrivacyTotal
+    empirical_epsilon: dict[str, Any] | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The results' ``privacy`` object (the strategy's summary first, then the platform's fields)."""
+        privacy = {**self.summary, "randomness": self.randomness, "total": self.total.as_dict()}
+        if self.empirical_epsilon is not None:
+            privacy["empirical_epsilon"] = self.empirical_epsilon
+        return privacy
+
+
+class ReportsPrivacy(Protocol):
+    """The hooks a privacy report is read from (a strategy, or an evaluation stage wrapping one)."""
+
+    run: RunContext
+    privacy_unit: str
+
+    def epsilon(self) -> EpsilonReport | None: ...  # noqa: D102
+    def stage_epsilons(self) -> dict[str, float | None]: ...  # noqa: D102
+    def released_stages(self) -> list[str]: ...  # noqa: D102
+    def privacy_summary(self) -> dict[str, Any]: ...  # noqa: D102
+    def empirical_privacy(self, final: ArrayRecord) -> dict[str, Any] | None: ...  # noqa: D102
+
+
+def privacy_total(strategy: ReportsPrivacy) -> PrivacyTotal:
+    """``strategy``'s epsilon over everything released so far, by stage."""
+    total = strategy.epsilon()
+    return PrivacyTotal(
+        epsilon=None if total is None else total.epsilon,
+        delta=strategy.run.delta,
+        method=None if total is None else total.method,
+        unit=strategy.privacy_unit,
+        per_stage=dict(strategy.stage_epsilons()),
+        covers=tuple(strategy.released_stages()),
+    )
+
+
+def privacy_report(
+    strategy: ReportsPrivacy, *, randomness: dict[str, Any], final: ArrayRecord
+) -> PrivacyReport:
+    """Read ``strategy``'s privacy at the end of a run whose released model is ``final``."""
+    return PrivacyReport(
+        summary=dict(strategy.privacy_summary()),
+        randomness=randomness,
+        total=privacy_total(strategy),
+        empirical_epsilon=strategy.empirical_privacy(final),
+    )
+
+
 class ReportingHooks:
     """Reporting for a strategy (see the module docstring)."""
 
@@ -126,12 +242,6 @@ class ReportingHooks:
             f"budget epsilon={float(privacy.epsilon):g} delta={float(privacy.delta):g} "
             f"(privacy.budget_scope={privacy.budget_scope})"
         )
-
-    def evaluate_global(self, arrays: ArrayRecord, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        """Loss and accuracy of the global model on ``(x, y)`` (override for e.g. BNNs)."""
-        model = self.run.model_spec.build()
-        load_arrays(model, arrays)
-        return evaluate(model, x, y)
 
     def epsilon(self) -> EpsilonReport | None:
         """Cumulative epsilon of the worst client at ``privacy.delta`` (None: not private).

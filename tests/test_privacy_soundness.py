@@ -38,7 +38,6 @@ from fl_app.run import (
     make_run_context,
     noise_source,
     privacy_randomness,
-    total_privacy,
 )
 from fl_app.run_context import RunContext
 from fl_app.validation import ConfigError, validate_config
@@ -47,6 +46,7 @@ from strategies.arrays import flat_vector
 from strategies.dp_fedavg import DPFedAvgStrategy
 from strategies.dpfl_bnn import DPFLBNNStrategy
 from strategies.laplace_eval import LaplaceEvalStage
+from strategies.reporting import privacy_report
 
 DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=4"]
 
@@ -311,10 +311,14 @@ def test_laplace_evaluation_default_fits_in_privacy_epsilon_and_enters_the_total
     assert stage.ledger.client_accountant.basic_epsilon() == pytest.approx(0.4, rel=1e-6)  # the calibration
     assert 0 < evaluation <= 0.4  # the accountant's (RDP) bound may be smaller
     assert training < total <= 4.0
-    summary = total_privacy(stage)
-    assert summary["epsilon"] == total
-    assert summary["per_stage"] == {"training": training, "clustering_evaluation": evaluation}
-    assert any("clustering" in item for item in summary["covers"])
+    report = privacy_report(stage, randomness={"source": "seeded"}, final=arrays)
+    privacy = report.as_dict()  # the results' privacy object
+    assert privacy["total"]["epsilon"] == report.total.epsilon == total
+    assert privacy["total"]["per_stage"] == {"training": training, "clustering_evaluation": evaluation}
+    assert any("clustering" in item for item in privacy["total"]["covers"])
+    assert privacy["evaluation"] == stage.privacy_summary()["evaluation"]  # the stage's own account
+    assert privacy["randomness"] == {"source": "seeded"}
+    assert "empirical_epsilon" not in privacy  # not measured for this run
     # The MindSpore document's value stays available by name.
     assert compose_config(["+experiment=laplace_eval"]).evaluation.laplace_eval_eps == 230260
 
