@@ -447,8 +447,8 @@ def demo_section(curves: list[DemoCurve]) -> list[str]:
                 *(cell(value, 3) for value in values),
                 f"{mean:.3f} ({len(reached)})",
                 f"{mean - AUTHORS_LOG[server_round]:+.3f}",
-                f"{cell(max(c.epsilon[server_round] for c in spent), 4)} / "
-                f"{cell(max(c.epsilon_basic[server_round] for c in spent), 4)}",
+                f"{fmt(max(c.epsilon[server_round] for c in spent))} / "
+                f"{fmt(max(c.epsilon_basic[server_round] for c in spent))}",
             ]
         )
     lines = markdown_table(header, rows)
@@ -472,7 +472,10 @@ def plot_demo(curves: list[DemoCurve], out: Path) -> None:
     axis.plot(rounds, authors, "k-", lw=0.8, label="authors' log (Keras), every round")
     for curve in curves:
         points = sorted(curve.accuracy.items())
-        axis.plot(*zip(*points, strict=True), "o-", ms=4, label=f"dpfl, seed {curve.seed}")
+        if not points:  # a run that has not evaluated yet (an empty plot() would drop the axis' ticks)
+            continue
+        reached = "" if curve.finished else f", to round {curve.last_round}"
+        axis.plot(*zip(*points, strict=True), "o-", ms=4, label=f"dpfl, seed {curve.seed}{reached}")
     last = max(curve.last_round for curve in curves)
     axis.set_xlim(0, max(last, 100) * 1.05)
     axis.set_ylim(0, 1)

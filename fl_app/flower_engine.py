@@ -44,7 +44,11 @@ the version this was written against) says what broke:
   reply, with the codes and reasons Flower's worker gives; a batch never holds
   two messages for one node. The reply store signals each burst of stored
   replies (:data:`REPLIES_STORED`) and the server signals its pushes
-  (:data:`MESSAGES_PUSHED`), so neither side waits for its next poll.
+  (:data:`MESSAGES_PUSHED`), so neither side waits for its next poll. When the
+  run stops (the ServerApp ended, e.g. on Ctrl-C), a worker waiting for a batch
+  abandons it (:class:`AbandonedBatchError`) instead of waiting for the actor to finish
+  it: Flower then ends the actors, and a stopped run exits in seconds rather than
+  after the batch (a PrivateKT demo batch: about a minute of CNN training).
 
 These run in the process that runs the simulation engine: the driver of
 ``python -m fl_app`` and the ``flwr-simulation`` process of ``flwr run`` (the
@@ -92,6 +96,9 @@ WAIT_FACTOR = 0.02
 
 #: Messages each Ray actor may hold at once (1 is Flower's own behaviour).
 PIPELINE_DEPTH = 2
+
+#: How often a worker waiting for a batch looks whether the run has stopped (seconds).
+STOP_POLL_S = 0.5
 
 _pool_installed = False
 _original_build: Callable[..., None] | None = None
@@ -306,7 +313,9 @@ def install_pipelined_pool(depth: int = PIPELINE_DEPTH) -> None:
         raybackend.ClientAppActor = batching_actor_type()  # the actor class Flower's build creates
         original_build(self, app_fn)
         pipeline_pool(self.pool, depth)
-        setattr(self, BATCHING_FLAG, Batching(ray_batch_sender(self), slots=self.pool.num_actors))
+        batching = Batching(None, slots=self.pool.num_actors)
+        batching.send = ray_batch_sender(self, stopped=batching.stopped)
+        setattr(self, BATCHING_FLAG, batching)
 
     RayBackend.build = build
     _pool_installed = True
@@ -357,9 +366,11 @@ HEAVY_MESSAGE_S = 0.05
 class Batching:
     """What the batched workers of one Ray backend share: how to send a batch, who waits for work."""
 
-    def __init__(self, send: Sender, slots: int) -> None:
-        self.send = send
+    def __init__(self, send: Sender | None, slots: int) -> None:
+        self.send: Sender = send if send is not None else _no_sender
         self.slots = slots
+        #: The engine's stop event, handed over by the first worker (:meth:`stopped` reads it).
+        self.stop_event: threading.Event | None = None
         self.waiting_count = 0
         #: Wall seconds per message of the last batch sent (None before the first).
         self.message_s: float | None = None
@@ -393,6 +404,14 @@ class Batching:
     def record(self, messages: int, seconds: float) -> None:
         """Note the wall time of a batch of ``messages`` (what :meth:`sharers` decides on)."""
         self.message_s = seconds / max(1, messages)
+
+    def stopped(self) -> bool:
+        """Whether the engine is stopping (its ServerApp ended): batches in flight are abandoned."""
+        return self.stop_event is not None and self.stop_event.is_set()
+
+
+def _no_sender(jobs: list[Job]) -> list[Outcome]:
+    raise RuntimeError("Batching.send was not set")
 
 
 def client_app_error(ex: BaseException) -> tuple[int, str]:
@@ -476,12 +495,17 @@ def batching_actor_type() -> Any:
     return _batching_actor
 
 
-def ray_batch_sender(backend: Any) -> Sender:
+class AbandonedBatchError(Exception):
+    """The run stopped while a batch was at an actor: nobody waits for its replies any more."""
+
+
+def ray_batch_sender(backend: Any, stopped: Callable[[], bool] = lambda: False) -> Sender:
     """Send a batch of jobs to an actor of ``backend``'s pool and wait for its outcomes.
 
     Uses the pool as Flower's ``process_message`` does (``submit`` lends an actor; it goes
     back to the pool afterwards, also when the task failed). Raises what ``ray.get`` raises
-    when the whole task failed (e.g. the actor died).
+    when the whole task failed (e.g. the actor died), and :class:`AbandonedBatchError` when
+    ``stopped()`` turns true before the batch is done (looked at every :data:`STOP_POLL_S`).
     """
     import ray
 
@@ -492,6 +516,9 @@ def ray_batch_sender(backend: Any) -> Sender:
             (backend.app_fn, jobs, "", None),
         )
         try:
+            while not ray.wait([future], timeout=STOP_POLL_S)[0]:
+                if stopped():
+                    raise AbandonedBatchError(f"the run stopped with {len(jobs)} messages at an actor")
             return list(ray.get(future))
         finally:
             pool.add_actor_back_to_pool(future)
@@ -538,6 +565,8 @@ def process_batch(
         outcomes = send(jobs)
         if len(outcomes) != len(batch):
             raise RuntimeError(f"{len(outcomes)} outcomes for a batch of {len(batch)} messages")
+    except AbandonedBatchError:  # the run stopped: no replies, no error (the caller ends)
+        raise
     except Exception as ex:  # the whole task failed: every message gets its error reply
         log(ERROR, ex)
         log(ERROR, traceback.format_exc())
@@ -576,6 +605,8 @@ def batched_worker(
         assert _original_worker is not None
         _original_worker(messageins_queue, messageres_queue, node_info_store, backend, f_stop, metrics)
         return
+    if batching.stop_event is None:
+        batching.stop_event = f_stop  # one engine run per backend: its workers share one stop event
     carried = None
     while not f_stop.is_set():
         if carried is None:
@@ -591,7 +622,10 @@ def batched_worker(
         limit = batch_size(messageins_queue.qsize() + 1, batching.sharers(senders), _messages_per_task)
         batch, carried = take_batch(messageins_queue, first, limit)
         started = time.perf_counter()
-        replies = process_batch(batch, node_info_store, batching.send)
+        try:
+            replies = process_batch(batch, node_info_store, batching.send)
+        except AbandonedBatchError:
+            return
         elapsed = time.perf_counter() - started
         batching.record(len(batch), elapsed)
         metrics.add_clientapp_runtime(elapsed)

@@ -652,6 +652,63 @@ def test_batched_worker_answers_every_message_in_batches_and_stops() -> None:
     assert sum(sizes) == 40 and max(sizes) <= flower_engine.MAX_BATCH and max(sizes) > 1
 
 
+def test_a_batch_in_flight_is_abandoned_when_the_run_stops(monkeypatch) -> None:
+    """A stopped run does not wait for an actor's batch (a demo batch: a minute of CNN training)."""
+    import ray
+
+    class Pool:
+        def __init__(self) -> None:
+            self.returned: list[str] = []
+
+        def submit(self, fn: Any, job: tuple[Any, ...]) -> str:
+            return "future"
+
+        def add_actor_back_to_pool(self, future: str) -> None:
+            self.returned.append(future)
+
+    backend = type("Backend", (), {"pool": Pool(), "app_fn": None})()
+    polls: list[float] = []
+    finished = [False]
+
+    def wait(futures: list[str], timeout: float) -> tuple[list[str], list[str]]:
+        polls.append(timeout)
+        return (futures, []) if finished[0] else ([], futures)
+
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(ray, "get", lambda future: [("reply", "message", "context")])
+    stop = threading.Event()
+    send = flower_engine.ray_batch_sender(backend, stopped=stop.is_set)
+    finished[0] = True
+    assert send([("m", "c")]) == [("reply", "message", "context")]  # a finished batch: its outcomes
+    finished[0], polls[:] = False, []
+    threading.Timer(1.2, stop.set).start()
+    with pytest.raises(flower_engine.AbandonedBatchError):
+        send([("m", "c")])
+    assert len(polls) >= 2 and set(polls) == {flower_engine.STOP_POLL_S}  # it waited, then gave up
+    assert backend.pool.returned == ["future", "future"]  # the actor goes back to the pool either way
+
+    # The worker that sent it ends without replies or error replies for the abandoned messages.
+    nodes = [1, 2, 3]
+    queue, _ = _queued(nodes)
+    replies: Queue[Message] = Queue()
+    worker_stop = threading.Event()
+
+    def abandoned(jobs: list[Any]) -> list[Any]:
+        worker_stop.set()
+        raise flower_engine.AbandonedBatchError("stopped")
+
+    batching = flower_engine.Batching(abandoned, slots=1)
+    setattr(backend, flower_engine.BATCHING_FLAG, batching)
+    metrics = type("Metrics", (), {"add_clientapp_runtime": lambda self, seconds: None})()
+    thread = threading.Thread(
+        target=batched_worker, args=(queue, replies, _contexts(nodes), backend, worker_stop, metrics)
+    )
+    thread.start()
+    thread.join(timeout=5)
+    assert not thread.is_alive() and replies.empty()
+    assert batching.stop_event is worker_stop and batching.stopped()
+
+
 @pytest.mark.simulation
 def test_results_do_not_depend_on_how_messages_are_batched(shared_simulation: Any) -> None:
     """A cohort of 24 goes in batches of up to 8 or one message per task: the same run, round by round."""
