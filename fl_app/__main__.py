@@ -10,7 +10,10 @@ then exits with status 1.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import pickle
 import shutil
 import sys
 import time
@@ -23,7 +26,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config, sweep_params
+from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config, is_hydra_override, sweep_params
+from fl_app.hydra_adapter import sweep_fixed, sweep_jobs
 from fl_app.lifecycle import RunFailed
 from fl_app.validation import check_output_dir, validate_config
 
@@ -83,18 +87,10 @@ def split_command_line(argv: list[str]) -> tuple[list[str], bool, bool]:
 
 
 def expand_jobs(overrides: list[str], *, multirun: bool) -> list[list[str]]:
-    """The override list of every job the command will run (sweeps expanded)."""
+    """The override list of every job the command will run (sweeps expanded, as Hydra will)."""
     if not multirun:
         return [overrides]
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    # Like Hydra's BasicSweeper: the preset's hydra.sweeper.params first, the command line wins.
-    parser = OverridesParser.create()
-    parsed = parser.parse_overrides(overrides)
-    fixed = [o.input_line for o in parsed if not o.is_sweep_override() and o.input_line]
-    preset = parser.parse_overrides(sweep_params(fixed))
-    return [job for batch in BasicSweeper.split_arguments(preset + parsed, None) for job in batch]
+    return sweep_jobs(sweep_params(sweep_fixed(overrides)), overrides)
 
 
 #: Environment variable naming the sweep's state directory (set by :func:`main`, inherited by
@@ -170,13 +166,37 @@ class SweepState:
             f"elapsed {format_duration(elapsed)}, remaining ~{format_duration(remaining)}"
         )
 
+    def _job_file(self, overrides: list[str]) -> Path:
+        run_overrides = [item for item in overrides if not is_hydra_override(item)]
+        digest = hashlib.sha256(json.dumps(run_overrides).encode()).hexdigest()[:32]
+        return self.directory / "jobs" / f"{digest}.pickle"
+
+    def keep_config(self, overrides: list[str], cfg: DictConfig) -> None:
+        """Keep a job's composed and validated configuration for the job itself (:meth:`composed`)."""
+        path = self._job_file(overrides)
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(pickle.dumps(cfg))
+
+    def composed(self, overrides: list[str]) -> DictConfig | None:
+        """The configuration :func:`preflight` composed and validated for the job of ``overrides``.
+
+        Read from the state directory, so that a job run by a parallel launcher in another process
+        gets it too. None for a job the preflight did not see.
+        """
+        path = self._job_file(overrides)
+        return pickle.loads(path.read_bytes()) if path.is_file() else None  # written by keep_config
+
     def remove(self) -> None:
         """Delete the state directory."""
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def preflight(argv: list[str]) -> list[str]:
-    """Compose and validate every job; return one error line per bad job."""
+    """Compose and validate every job; return one error line per bad job.
+
+    Each job's configuration is kept for the job itself (:meth:`SweepState.composed`): composed and
+    validated once.
+    """
     overrides, multirun, informational = split_command_line(argv)
     if informational:
         return []
@@ -184,11 +204,13 @@ def preflight(argv: list[str]) -> list[str]:
         jobs = expand_jobs(overrides, multirun=multirun)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         return [_one_line(error)]
-    SweepState.create(len(jobs) if multirun else 1)
+    state = SweepState.create(len(jobs) if multirun else 1)
     errors: list[str] = []
     for job in jobs:
         try:
-            validate_config(compose_config(job))
+            cfg = compose_config(job)
+            validate_config(cfg)
+            state.keep_config(job, cfg)
         except (HydraException, OmegaConfBaseException, ValueError) as error:
             prefix = f"[{' '.join(job)}] " if multirun and len(jobs) > 1 else ""
             errors.append(prefix + _one_line(error))
@@ -215,19 +237,23 @@ def _job(_: DictConfig) -> None:
 
 
 def _run_job() -> None:
-    """Compose (the same function as ``flwr run``), validate, simulate."""
+    """Simulate the job with the configuration the preflight composed and validated."""
     from fl_app.simulation import run_in_simulation
 
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     output_dir = Path(hydra_cfg.runtime.output_dir)
-    cfg = compose_config(overrides)
-    if cfg.output_dir is not None:
-        output_dir = Path(cfg.output_dir).expanduser().resolve()
+    state = SweepState.current()
+    cfg = state.composed(overrides) if state is not None else None
     try:
-        validate_config(cfg)
-        if cfg.output_dir is None:  # Hydra's run directory (hydra.run.dir=... may name an old one)
-            check_output_dir(OmegaConf.merge(cfg, {"output_dir": str(output_dir)}))
+        if cfg is None:  # a job the preflight did not see (a launcher of its own): the same functions
+            cfg = compose_config(overrides)
+            validate_config(cfg)
+        if cfg.output_dir is not None:
+            output_dir = Path(cfg.output_dir).expanduser().resolve()
+        # checked now, not only in the preflight: an earlier job of the sweep may have written there
+        # (and Hydra's run directory, hydra.run.dir=..., may name an old one)
+        check_output_dir(OmegaConf.merge(cfg, {"output_dir": str(output_dir)}))
     except ValueError as error:
         _discard_if_empty(Path(hydra_cfg.runtime.output_dir))
         print(f"error: {error}", file=sys.stderr)

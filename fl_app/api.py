@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fl_app.config import compose_config
+from fl_app.config import compose_config, with_values
 from fl_app.results import RESULTS_FILE
 from fl_app.validation import check_output_dir, validate_config
 
@@ -56,8 +56,9 @@ def run_experiment(*overrides: str, output_dir: str | Path | None = None) -> dic
     cfg = compose_config(items)
     if cfg.output_dir is None:  # the default directory is named by the composed strategy
         stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        items.append(f"output_dir={(DEFAULT_ROOT / f'{stamp}-{cfg.strategy.name}').resolve()}")
-        cfg = compose_config(items)
+        directory = (DEFAULT_ROOT / f"{stamp}-{cfg.strategy.name}").resolve()
+        items.append(f"output_dir={directory}")
+        cfg = with_values(cfg, {"output_dir": str(directory)})
     validate_config(cfg)
     check_output_dir(cfg)
     directory = Path(str(cfg.output_dir))

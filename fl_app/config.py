@@ -13,13 +13,11 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
-from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from omegaconf import DictConfig, OmegaConf
 
 from fl_app.conf_dir import CONF_DIR, config_groups
+from fl_app.hydra_adapter import compose_fresh
 
 CONFIG_NAME = "config"
 
@@ -71,7 +69,7 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     """
     from fl_app.resume import expand_resume
 
-    run_overrides = [item for item in expand_resume(overrides) if not _is_hydra_override(item)]
+    run_overrides = [item for item in expand_resume(overrides) if not is_hydra_override(item)]
     try:
         cfg = _compose(run_overrides)
     except HydraException as error:
@@ -90,15 +88,7 @@ _MISSING = object()
 
 
 def _compose(overrides: Sequence[str], *, with_hydra: bool = False) -> DictConfig:
-    # Inside a `python -m fl_app` job Hydra is already initialised: set its
-    # state aside, compose afresh from conf/, and put it back.
-    backup = get_gh_backup()
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose(config_name=CONFIG_NAME, overrides=list(overrides), return_hydra_config=with_hydra)
-    finally:
-        restore_gh_from_backup(backup)
+    return compose_fresh(CONF_DIR, CONFIG_NAME, overrides, with_hydra=with_hydra)
 
 
 def override_key(item: str) -> str:
@@ -166,7 +156,7 @@ def sweep_params(overrides: Sequence[str] = ()) -> list[str]:
     Experiment presets declare their sweep axes there; ``python -m fl_app -m`` sweeps them (values
     given on the command line for the same key win).
     """
-    cfg = _compose([item for item in overrides if not _is_hydra_override(item)], with_hydra=True)
+    cfg = _compose([item for item in overrides if not is_hydra_override(item)], with_hydra=True)
     params = cfg.hydra.sweeper.get("params") or {}
     return [f"{key}={value}" for key, value in params.items()]
 
@@ -180,6 +170,14 @@ def freeze(cfg: DictConfig) -> DictConfig:
     OmegaConf.set_readonly(frozen, True)
     OmegaConf.set_struct(frozen, True)
     return frozen
+
+
+def with_values(cfg: DictConfig, values: Mapping[str, Any]) -> DictConfig:
+    """A frozen copy of the composed ``cfg`` with ``values`` (dotted key -> value) set, not recomposed."""
+    copy = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    for key, value in values.items():
+        OmegaConf.update(copy, key, value, merge=False)
+    return freeze(copy)
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:
@@ -221,6 +219,7 @@ def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
     return shlex.split(str(run_config.get(RUN_CONFIG_OVERRIDES, "") or ""))
 
 
-def _is_hydra_override(item: str) -> bool:
+def is_hydra_override(item: str) -> bool:
+    """Whether an override steers Hydra (``hydra.*``, ``hydra/launcher=...``), not the run."""
     key = override_key(item)
     return key == "hydra" or key.startswith("hydra.") or key.startswith("hydra/")

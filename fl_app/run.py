@@ -40,9 +40,9 @@ from fl_app.checkpoint import (
 from fl_app.config import (
     RUN_CONFIG_OUTPUT_DIR,
     compose_config,
-    freeze,
     overrides_from_run_config,
     take_handed_over,
+    with_values,
 )
 from fl_app.data.federated import DataSpec, FederatedData, federated_data
 from fl_app.lifecycle import (
@@ -206,11 +206,7 @@ def with_secure_noise(cfg: DictConfig) -> DictConfig:
     """
     if cfg.privacy.noise_seed is not None:
         log(WARNING, "privacy.noise_seed=%s ignored: real devices use OS entropy", cfg.privacy.noise_seed)
-    container = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(container, dict)
-    container["privacy"]["secure_rng"] = True
-    container["privacy"]["noise_seed"] = None
-    return freeze(OmegaConf.create(container))
+    return with_values(cfg, {"privacy.secure_rng": True, "privacy.noise_seed": None})
 
 
 def effective_config(cfg: DictConfig, roster: list[ClientInfo]) -> DictConfig:

@@ -48,12 +48,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 from flwr.supercore import log
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from clients.laplace_eval import LAPLACE, PRIVACY_EVAL_TYPES, reported_vectors
 from fl_app import keys
 from fl_app.clustering import EVAL_TYPES, ClusteringScores, clustering_scores
-from fl_app.config import freeze
+from fl_app.config import with_values
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.privacy.laplace_eval import (
     EvaluationLedger,
@@ -175,11 +175,9 @@ class LaplaceEvalStage(EvaluationStage):
         if not settings.calibrated:
             return cfg
         budget = settings.budget(cfg)
-        container = OmegaConf.to_container(cfg, resolve=True)
-        assert isinstance(container, dict)
-        container["privacy"]["epsilon"] = float(cfg.privacy.epsilon) - budget
-        container["evaluation"]["epsilon_budget"] = budget
-        return freeze(OmegaConf.create(container))
+        return with_values(
+            cfg, {"privacy.epsilon": float(cfg.privacy.epsilon) - budget, "evaluation.epsilon_budget": budget}
+        )
 
     def summary(self) -> None:
         """The training strategy's summary, then the stage's settings."""

@@ -181,6 +181,67 @@ def test_multirun_expansion():
     assert ["privacy.epsilon=2", "strategy=dp_fedavg"] in jobs
 
 
+def test_pins_the_hydra_release_whose_internals_it_uses():
+    """A Hydra upgrade must revisit fl_app/hydra_adapter.py (this test names the reason)."""
+    import tomllib
+
+    from fl_app import hydra_adapter
+
+    assert hydra_adapter.hydra_version() == hydra_adapter.HYDRA_VERSION
+    pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"hydra-core=={hydra_adapter.HYDRA_VERSION}" in pins
+    # the basic sweeper's split: preset axes first, the command line wins for the same key
+    jobs = hydra_adapter.sweep_jobs(["seed=1,2", "lr=0.1"], ["seed=3,4", "strategy=fedavg"])
+    assert jobs == [["seed=3", "lr=0.1", "strategy=fedavg"], ["seed=4", "lr=0.1", "strategy=fedavg"]]
+    assert hydra_adapter.sweep_fixed(["seed=1,2", "lr=0.1", "+experiment=quick"]) == ["lr=0.1", "+experiment=quick"]
+    # nothing else imports Hydra's internals
+    users = [
+        path.relative_to(ROOT).as_posix()
+        for folder in ("fl_app", "strategies", "clients", "scripts", "benchmarks")
+        for path in (ROOT / folder).rglob("*.py")
+        if "hydra._internal" in path.read_text() or "hydra.initialize import" in path.read_text()
+    ]
+    assert users == ["fl_app/hydra_adapter.py"]
+
+
+def test_a_multirun_composes_and_validates_each_job_once(tmp_path, monkeypatch):
+    """`python -m fl_app -m`: the preflight composes and validates each job; the job runs that object."""
+    import fl_app.__main__ as command
+    from fl_app import simulation
+    from fl_app.lifecycle import Outcome
+
+    composed: list[list[str]] = []
+    validated: list[object] = []
+    ran: list[tuple[object, list[str]]] = []
+
+    def compose(overrides):
+        composed.append(list(overrides))
+        return compose_config(overrides)
+
+    def validate(cfg, **kwargs):
+        validated.append(cfg)
+        return validate_config(cfg, **kwargs)
+
+    def run(cfg, overrides, output_dir):
+        ran.append((cfg, list(overrides)))
+        return Outcome("completed", 0, "", str(output_dir))
+
+    monkeypatch.setattr(command, "compose_config", compose)
+    monkeypatch.setattr(command, "validate_config", validate)
+    monkeypatch.setattr(simulation, "run_in_simulation", run)
+    monkeypatch.chdir(tmp_path)
+    jobs = ["strategy=fedavg", "dataset=digits", "num_clients=6", "clients_per_round=3", "seed=1,2"]
+    monkeypatch.setattr(sys, "argv", ["fl_app", "-m", *jobs, f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert command.main() == 0
+    assert len(composed) == len(validated) == 2
+    assert [cfg.seed for cfg, _ in ran] == [1, 2]
+    for (cfg, overrides), composed_for in zip(ran, composed, strict=True):
+        # the job's own overrides, composed by the preflight (which also saw the hydra.* ones)
+        assert overrides == [item for item in composed_for if not item.startswith("hydra.")]
+        assert cfg == compose_config(overrides)
+        assert OmegaConf.is_readonly(cfg)
+
+
 BAD_VALUES = [
     ("privacy.epsilon=-1", "privacy.epsilon"),
     ("privacy.epsilon=0", "privacy.epsilon"),
