@@ -85,6 +85,59 @@ class RunContext:
         """T, the rounds of the run."""
         return int(self.cfg.num_rounds)
 
+    # The run-wide settings a strategy reads, typed here once (checked by
+    # ``fl_app.validation.validate_common`` before any run starts).
+
+    @property
+    def seed(self) -> int:
+        """``seed``: public randomness (initialisation, seeded schedules, data order)."""
+        return int(self.cfg.seed)
+
+    @property
+    def lr(self) -> float:
+        """``lr``: the clients' learning rate (also the server's where an algorithm trains there)."""
+        return float(self.cfg.lr)
+
+    @property
+    def lr_decay(self) -> float:
+        """``lr_decay``: the clients' learning rate is ``lr * lr_decay ** (round - 1)``."""
+        return float(self.cfg.lr_decay)
+
+    @property
+    def momentum(self) -> float:
+        """``momentum`` of the clients' SGD."""
+        return float(self.cfg.momentum)
+
+    @property
+    def batch_size(self) -> int:
+        """``batch_size`` of local training."""
+        return int(self.cfg.batch_size)
+
+    @property
+    def local_epochs(self) -> int:
+        """``local_epochs`` per round."""
+        return int(self.cfg.local_epochs)
+
+    @property
+    def budget_scope(self) -> str:
+        """``privacy.budget_scope``: ``total`` (the whole run) or ``per_round``."""
+        return str(self.cfg.privacy.budget_scope)
+
+    @property
+    def canaries(self) -> int:
+        """``privacy.canaries``: simulated canary clients of the empirical estimate (0: none)."""
+        return int(self.cfg.privacy.get("canaries", 0) or 0)
+
+    @property
+    def federated_fraction(self) -> float:
+        """``evaluation.federated_fraction``: share of clients evaluating the model each round."""
+        return float(self.cfg.evaluation.federated_fraction)
+
+    @property
+    def client_gpus(self) -> float:
+        """``simulation.client_gpus``: GPU share per simulated client (0: CPU)."""
+        return float(self.cfg.simulation.get("client_gpus", 0.0))
+
     @property
     def accountant_method(self) -> str:
         """``privacy.accountant``: the composition method of every accountant of the run."""

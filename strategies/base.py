@@ -180,24 +180,24 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
 
     def base_config(self, server_round: int) -> ConfigRecord:
         """The train ConfigRecord every client reads."""
-        cfg = self.cfg
+        run = self.run
         record = ConfigRecord(
             {
                 keys.ALGORITHM: self.client_name,
                 keys.SERVER_ROUND: server_round,
-                keys.DATA_SPEC: self.run.data_spec.to_json(),
-                keys.MODEL_SPEC: self.run.model_spec.to_json(),
-                keys.LOCAL_EPOCHS: int(cfg.local_epochs),
-                keys.BATCH_SIZE: int(cfg.batch_size),
-                keys.LR: float(cfg.lr) * float(cfg.lr_decay) ** (server_round - 1),
-                keys.MOMENTUM: float(cfg.momentum),
-                keys.SEED: int(cfg.seed),
-                keys.SECURE_RNG: bool(self.run.noise.secure),
+                keys.DATA_SPEC: run.data_spec.to_json(),
+                keys.MODEL_SPEC: run.model_spec.to_json(),
+                keys.LOCAL_EPOCHS: run.local_epochs,
+                keys.BATCH_SIZE: run.batch_size,
+                keys.LR: run.lr * run.lr_decay ** (server_round - 1),
+                keys.MOMENTUM: run.momentum,
+                keys.SEED: run.seed,
+                keys.SECURE_RNG: bool(run.noise.secure),
             }
         )
-        if not self.run.noise.secure and self.run.noise.seed is not None:
-            record[keys.NOISE_SEED] = int(self.run.noise.seed)
-        if float(cfg.simulation.get("client_gpus", 0.0)) > 0:
+        if not run.noise.secure and run.noise.seed is not None:
+            record[keys.NOISE_SEED] = int(run.noise.seed)
+        if run.client_gpus > 0:
             record[keys.DEVICE] = "cuda"
         return record
 
@@ -221,7 +221,7 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
     ) -> Iterable[Message]:
         """Sample clients and send each the global arrays and the train config."""
         self._round_global = arrays
-        count = int(self.cfg.privacy.get("canaries", 0) or 0)
+        count = self.run.canaries
         if self._initial_vector is None and count and self.supports_canaries:
             self._initial_vector = flat_vector(arrays)  # the canaries' cosines are against the total change
             self.canaries = CanaryPopulation(
@@ -326,7 +326,7 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Federated evaluation on ``evaluation.federated_fraction`` of the clients (0: none)."""
-        fraction = float(self.cfg.evaluation.federated_fraction)
+        fraction = self.run.federated_fraction
         if fraction <= 0:
             return []
         rng = self.run.randomness.generator("evaluate-sampling", server_round=server_round)

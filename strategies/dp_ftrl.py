@@ -311,7 +311,7 @@ class DPFTRLStrategy(FederatedStrategy):
             "clip": self.settings.clip,
             "restart": self.settings.restart,
             "schedule": (
-                f"public and seeded (seed {int(self.cfg.seed)}): per epoch a permutation of the "
+                f"public and seeded (seed {self.run.seed}): per epoch a permutation of the "
                 f"{self.run.num_clients} clients cut into {self.rounds_per_epoch} cohorts of "
                 f"{self.cohort_size}; no sampling amplification"
             ),

@@ -231,8 +231,8 @@ class DPFLBNNStrategy(FederatedStrategy):
         """``lr * lr_decay ** floor((t - 1) / lr_decay_every)`` (0.1 every 40 rounds in the document)."""
         every = self.settings.lr_decay_every
         if every is None:
-            return float(self.cfg.lr)
-        return float(self.cfg.lr) * self.settings.lr_decay ** ((server_round - 1) // every)
+            return self.run.lr
+        return self.run.lr * self.settings.lr_decay ** ((server_round - 1) // every)
 
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """gamma, beta, local steps, Adam, d and the decayed learning rate."""

@@ -88,7 +88,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
             self.run.num_rounds, balanced=settings.schedule == "balanced"
         )
         self.max_participations = max_participations(self.planned_cohorts)
-        self.budget_scope = str(self.cfg.privacy.budget_scope)
+        self.budget_scope = self.run.budget_scope
         self.method = self.run.accountant_method
         if settings.noise_multiplier is not None:
             self.noise_multiplier = settings.noise_multiplier

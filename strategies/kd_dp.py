@@ -212,8 +212,8 @@ class KDDPStrategy(FederatedStrategy):
                 name,
                 {client: self.run.info(client).num_examples for client in ids},
                 epsilon=epsilon,
-                batch_size=int(self.cfg.batch_size),
-                local_epochs=int(self.cfg.local_epochs),
+                batch_size=self.run.batch_size,
+                local_epochs=self.run.local_epochs,
             )
         except ValueError as error:
             raise ConfigError("num_clients", self.run.num_clients, str(error)) from error

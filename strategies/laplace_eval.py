@@ -136,7 +136,7 @@ class LaplaceEvalStage(EvaluationStage):
         super().__init__(strategy)
         run = strategy.run
         self.settings = settings = LaplaceEvalSettings.from_config(run.cfg)
-        self.num_rounds = int(run.cfg.num_rounds)
+        self.num_rounds = run.num_rounds
         self.clients_per_evaluation = min(settings.cluster_client_num, run.num_clients)
         self.evaluation_rounds = sum(1 for t in range(1, self.num_rounds + 1) if self.evaluates(t))
         self.plan = LaplaceReportPlan.for_settings(

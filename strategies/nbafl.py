@@ -387,7 +387,7 @@ class NbAFLStrategy(FederatedStrategy):
             log(WARNING, "NbAFL: %s", self.range_warning)
         if self.sigma_up <= 0:
             log(WARNING, "NbAFL: sigma_U = 0: uploads are not noised, epsilon is reported as null (infinite)")
-        if float(self.cfg.evaluation.federated_fraction) > 0:
+        if self.run.federated_fraction > 0:
             log(
                 WARNING,
                 "NbAFL: federated evaluation sends un-noised local metrics; they are outside the guarantee",

@@ -176,9 +176,7 @@ class PrivateKTStrategy(FederatedStrategy):
                 "dataset", self.num_classes, f"PrivateKT sends labels as uint8: <= {MAX_CLASSES}"
             )
         self.buffer = KnowledgeBuffer(settings.buffer_size)
-        self.local_epochs = (
-            int(self.cfg.local_epochs) if settings.local_epochs is None else settings.local_epochs
-        )
+        self.local_epochs = self.run.local_epochs if settings.local_epochs is None else settings.local_epochs
         simulated = simulated_roster(run.roster)
         self.send_kt_data = not simulated if settings.send_kt_data is None else settings.send_kt_data
 
@@ -186,7 +184,7 @@ class PrivateKTStrategy(FederatedStrategy):
             self.run.num_rounds, balanced=settings.schedule == "balanced"
         )
         self.max_participations = max_participations(self.planned_cohorts)
-        self.budget_scope = str(self.cfg.privacy.budget_scope)
+        self.budget_scope = self.run.budget_scope
         self.method = self.run.accountant_method
         self.epsilon_per_label = privatekt_epsilon_per_label(
             epsilon=self.run.epsilon,
@@ -316,7 +314,7 @@ class PrivateKTStrategy(FederatedStrategy):
 
         model = self.run.model_spec.build()
         load_arrays(model, global_arrays)
-        lr = float(self.cfg.lr)
+        lr = self.run.lr
         rows, targets = self.buffer.fetch()
         finetune_loss = fit_targets(
             model,
@@ -335,7 +333,7 @@ class PrivateKTStrategy(FederatedStrategy):
             pseudo = probabilities[chosen]
             if self.settings.self_train_targets == "hard":
                 pseudo = np.eye(self.num_classes)[pseudo.argmax(axis=1)]
-            batch = int(self.cfg.batch_size)
+            batch = self.run.batch_size
             self_train_loss = fit_targets(
                 model,
                 self.public_x[chosen],

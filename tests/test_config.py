@@ -193,7 +193,8 @@ def test_pins_the_hydra_release_whose_internals_it_uses():
     # the basic sweeper's split: preset axes first, the command line wins for the same key
     jobs = hydra_adapter.sweep_jobs(["seed=1,2", "lr=0.1"], ["seed=3,4", "strategy=fedavg"])
     assert jobs == [["seed=3", "lr=0.1", "strategy=fedavg"], ["seed=4", "lr=0.1", "strategy=fedavg"]]
-    assert hydra_adapter.sweep_fixed(["seed=1,2", "lr=0.1", "+experiment=quick"]) == ["lr=0.1", "+experiment=quick"]
+    fixed = hydra_adapter.sweep_fixed(["seed=1,2", "lr=0.1", "+experiment=quick"])
+    assert fixed == ["lr=0.1", "+experiment=quick"]
     # nothing else imports Hydra's internals
     users = [
         path.relative_to(ROOT).as_posix()
