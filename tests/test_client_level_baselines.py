@@ -11,7 +11,7 @@ import math
 import dp_accounting as dpa
 import numpy as np
 import pytest
-from conftest import FAST, build_run_context, reply_to
+from conftest import build_run_context, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fl_app import keys
@@ -476,27 +476,3 @@ def test_bad_settings_are_one_line_config_errors(overrides, key):
 def test_the_defaults_validate():
     for name in ("dp_fedavg_adaptive", "dp_ftrl"):
         validate_config(compose_config([f"strategy={name}"]), check_data=False)
-
-
-# ----------------------------------------------------------------------------- simulations
-
-
-@pytest.mark.simulation
-def test_dp_fedavg_adaptive_simulation(simulate):
-    results = simulate([*FAST, "strategy=dp_fedavg_adaptive", "strategy.bit_noise=1.0", "privacy.epsilon=8"])
-    assert results["status"] == "completed"
-    assert math.isfinite(results["final"]["accuracy"])
-    assert 0 < results["final"]["epsilon"] <= 8.0
-    assert [r["epsilon"] for r in results["rounds"]] == sorted(r["epsilon"] for r in results["rounds"])
-    assert results["rounds"][0]["clip_norm"] == pytest.approx(0.1)
-    assert results["privacy"]["bit_noise"] == 1.0
-
-
-@pytest.mark.simulation
-def test_dp_ftrl_simulation(simulate):
-    results = simulate([*FAST, "strategy=dp_ftrl", "privacy.epsilon=8"])
-    assert results["status"] == "completed"
-    assert math.isfinite(results["final"]["accuracy"])
-    assert 0 < results["final"]["epsilon"] <= 8.0
-    assert all(r["clients"] == 3 for r in results["rounds"])
-    assert results["privacy"]["restart"] == "epoch"

@@ -1,14 +1,13 @@
-"""DPFL-BNN (Liu et al. 2023): binary network, RR_gamma, bit packing, upload size, accounting, simulation."""
+"""DPFL-BNN (Liu et al. 2023): binary network, RR_gamma, bit packing, upload size, accounting."""
 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, build_run_context, client_for, error_reply, make_context, make_message, reply_to
+from conftest import build_run_context, client_for, error_reply, make_context, make_message, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
 from fl_app import keys
@@ -20,7 +19,6 @@ from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
 from fl_app.privacy.events import BinaryRandomizedResponse, PrivacyEvent
 from fl_app.privacy.mechanisms import binary_randomized_response
-from fl_app.results import load_model_arrays
 from fl_app.validation import ConfigError, validate_config
 from strategies.dpfl_bnn import DPFLBNNStrategy
 
@@ -382,46 +380,3 @@ def test_validation_accepts_gamma_zero_noise_free_and_auto_model(tmp_path):
         validate_config(
             compose_config([*DIGITS, "strategy.noise=none", "strategy.gamma=0.1"]), check_data=False
         )
-
-
-# ---------------------------------------------------------------------------- simulation
-
-
-@pytest.mark.simulation
-def test_dpfl_bnn_simulation(simulate):
-    results = simulate(
-        [
-            *FAST,  # model=auto: the strategy's resolve_model picks the binary CNN
-            "strategy=dpfl_bnn",
-            "strategy.gamma=0.4",
-            "strategy.local_steps=5",
-            "strategy.local_eval_clients=2",
-            "strategy.local_eval_every=2",
-            "privacy.diagnostics=true",  # the local-model accuracy is outside the guarantee
-            "num_rounds=2",
-        ]
-    )
-    assert results["status"] == "completed"
-    assert results["config"]["model"] == "auto"
-    spec, arrays = load_model_arrays(Path(results["_output_dir"]) / "final_model.npz")
-    assert spec.name == "bnn_cnn"
-    assert all(np.all(np.abs(a) <= 1) for a in arrays.values())  # W~: a mean of +-1 uploads
-    rounds = results["rounds"]
-    d = results["privacy"]["bits_per_upload"]
-    epsilons = [r["epsilon"] for r in rounds]
-    assert epsilons == sorted(epsilons)
-    assert epsilons[-1] == pytest.approx(
-        binary_rr_epsilon(gamma=0.4, delta=DELTA, rounds=2, bits_per_round=d)
-    )
-    assert rounds[-1]["epsilon_per_coordinate"] == pytest.approx(
-        binary_rr_epsilon(gamma=0.4, delta=DELTA, rounds=2)
-    )
-    for r in rounds:
-        assert r["clients"] == 3
-        assert r["uploads_aggregated"] == 3
-        assert d / 8 * 3 <= r["upload_bytes"] <= (d / 8 + 700) * 3
-    assert all("local_model_accuracy" not in r for r in rounds)  # un-noised local models: not in rounds
-    outside = results["outside_guarantee"]
-    assert "NOT covered" in outside["note"]
-    assert 0 <= outside["rounds"][-1]["local_model_accuracy"] <= 1
-    assert results["final"]["accuracy"] is not None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import (
-    FAST,
     build_run_context,
     client_for,
     error_reply,
@@ -132,29 +131,6 @@ def test_validation(override, key):
     with pytest.raises(ConfigError) as error:
         validate_config(compose_config([*DIGITS, override]), check_data=False)
     assert error.value.key == key
-
-
-# ----------------------------------------------------------------------------- real simulation
-
-
-@pytest.mark.simulation
-def test_fedavg_ldp_simulation(simulate):
-    results = simulate([*FAST, "simulation.num_cpus=2", "strategy=fedavg_ldp", "privacy.epsilon=4"])
-    rounds = results["rounds"]
-    assert results["status"] == "completed"
-    assert [r["round"] for r in rounds] == [1, 2]
-    assert all(r["reports"] == 3 and r["failures"] == 0 for r in rounds)
-    privacy = results["privacy"]
-    assert privacy["budget_scope"] == "total"
-    assert privacy["noise_multiplier"] > 0
-    assert privacy["noise_std"] == pytest.approx(2 * privacy["clip"] * privacy["noise_multiplier"])
-    epsilons = [r["epsilon"] for r in rounds]
-    assert epsilons == sorted(epsilons)
-    # Calibrated to the most-selected client's uploads: the whole budget, and no more, is spent.
-    assert 3.9 < results["final"]["epsilon"] <= 4.0 + 1e-9
-    # Each client uploads one model-sized update (no metrics): as many array bytes as it downloads.
-    assert all(r["upload_array_bytes"] == r["download_array_bytes"] > 0 for r in rounds)
-    assert results["final"]["accuracy"] is not None
 
 
 @pytest.mark.parametrize("strategy_name", ["fedavg_ldp", "privatekt"])

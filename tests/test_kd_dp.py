@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
-    FAST,
     build_run_context,
     client_for,
     error_reply,
@@ -583,36 +582,3 @@ def test_svhn_fails_clearly_offline_and_loads_mat_files(tmp_path: Path):
     assert arrays.x_test.shape == (3, 3, 32, 32)
     raw = images  # the test file: channel c of image 0 is X[:, :, c, 0]
     assert np.array_equal(arrays.x_test[0, 1], raw[:, :, 1, 0])
-
-
-# ----------------------------------------------------------------------------- a real simulation
-
-
-@pytest.mark.simulation
-def test_kd_dp_simulation(simulate):
-    result = simulate(
-        [
-            *FAST,
-            "strategy=kd_dp",
-            "partition=linear",
-            "num_rounds=2",
-            "strategy.teacher_rounds=1",
-            "clients_per_round=2",
-            "batch_size=512",  # q = 1: full-batch DP-SGD, whose calibration is fast (sampling: unit tests)
-            "privacy.epsilon=4",
-            "strategy.epsilon_special=1",
-            "simulation.num_cpus=2",
-        ]
-    )
-    assert result["status"] == "completed"
-    assert [r["stage"] for r in result["rounds"]] == ["teacher", "student"]
-    epsilons = [r["epsilon"] for r in result["rounds"]]
-    assert epsilons == sorted(epsilons)
-    assert 3.9 < result["final"]["epsilon"] <= 4.0
-    privacy = result["privacy"]
-    groups = privacy["epsilon_by_group"]
-    assert groups["large"] == pytest.approx(groups["large_teacher_only"] + groups["special"])
-    assert privacy["epsilon_overall"] == pytest.approx(max(groups["large"], groups["general"]))
-    assert result["final"]["epsilon"] == pytest.approx(privacy["epsilon_overall"])
-    assert privacy["groups"]["large"]["ids"] == [4, 5]
-    assert all(r["rejected"] == 0 and r["failures"] == 0 for r in result["rounds"])

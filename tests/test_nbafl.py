@@ -9,7 +9,6 @@ from collections import Counter
 import numpy as np
 import pytest
 from conftest import (
-    FAST,
     build_run_context,
     client_for,
     error_reply,
@@ -288,28 +287,3 @@ def test_validation_rejects_bad_settings():
         with pytest.raises(ConfigError) as error:
             check(bad)
         assert error.value.key == key
-
-
-# ---------------------------------------------------------------------------------- simulation
-
-
-@pytest.mark.simulation
-def test_nbafl_simulation(simulate):
-    results = simulate([*FAST, "strategy=nbafl", "privacy.epsilon=50", "privacy.delta=0.01"])
-    assert results["status"] == "completed"
-    rounds = results["rounds"]
-    assert [r["round"] for r in rounds] == [1, 2]
-    assert all(r["clients"] == 3 and r["uploads"] == 3 for r in rounds)
-    epsilons = [r["epsilon"] for r in rounds]
-    assert epsilons == sorted(epsilons)
-    assert epsilons[-1] > 0
-    privacy = results["privacy"]
-    z = privacy["noise_multiplier"]
-    assert z == pytest.approx(C_DELTA * privacy["L"] / 50.0)
-    assert results["final"]["epsilon"] == pytest.approx(
-        compose_epsilon({Gaussian(z): privacy["L"]}, delta=0.01).epsilon, rel=1e-9
-    )
-    assert results["final"]["epsilon_client_level"] > results["final"]["epsilon"]
-    assert privacy["unit"].startswith("one record")
-    assert privacy["document_claim"]["epsilon"] == 50.0
-    assert results["final"]["accuracy"] is not None

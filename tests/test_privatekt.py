@@ -1,4 +1,4 @@
-"""PrivateKT: Lemma 1, Eq. 3, buffer, Eq. 4/5 sampling, the client's reply, accounting, a real simulation."""
+"""PrivateKT: Lemma 1, Eq. 3, buffer, Eq. 4/5 sampling, the client's reply, accounting."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
-    FAST,
     build_run_context,
     client_for,
     error_reply,
@@ -369,28 +368,6 @@ def test_demo_preset_composes():
         "auto",
         None,
     )
-
-
-# ----------------------------------------------------------------------------- real simulation
-
-
-@pytest.mark.simulation
-def test_privatekt_simulation(simulate):
-    results = simulate(
-        [*FAST, "simulation.num_cpus=2", "strategy=privatekt", "strategy.self_train=40", "privacy.epsilon=4"]
-    )
-    rounds = results["rounds"]
-    assert results["status"] == "completed"
-    assert [r["round"] for r in rounds] == [1, 2]
-    assert all(r["reports"] == 3 and r["failures"] == 0 for r in rounds)
-    epsilons = [r["epsilon"] for r in rounds]
-    assert epsilons == sorted(epsilons)
-    assert 0 < epsilons[-1] <= 4.0
-    assert all(r["upload_array_bytes"] == 3 * 2 for r in rounds)  # 3 clients x K=2 one-byte labels
-    privacy = results["privacy"]
-    assert privacy["epsilon_cumulative"] == pytest.approx(results["final"]["epsilon"])
-    assert privacy["kt_data_sent_as"] == "indices"
-    assert results["final"]["accuracy"] is not None
 
 
 def _flat_record(arrays) -> np.ndarray:
