@@ -1,56 +1,30 @@
-"""The base of every client: data, model, randomness and replies from a real Message.
+"""The base of every client that trains: the node's machinery plus the network, from a real Message.
 
 A client object lives for one message: the ClientApp builds it from the
 incoming :class:`~flwr.app.Message` and the node's :class:`~flwr.app.Context`,
-calls :meth:`FederatedClient.train` (or ``evaluate``/``describe``) and returns
-the reply. Everything it needs arrives in the message (hyperparameters under
-the keys of :mod:`fl_app.keys`) or lives in the context (``node_config`` for
-the data, ``state`` for what must persist across rounds); the data set of a
-simulated client is loaded once per process and reused (see
-:func:`fl_app.data.federated.federated_data`).
-
-Privacy noise is drawn from OS entropy when the message asks for it or when the
-client does not run in a simulation (a real device ignores any seed the server
-sends, so the server can never reproduce a device's noise).
+calls :meth:`FederatedClient.train` (or ``evaluate``) and returns the reply.
+Identity, data, randomness, replies and the roster answer are
+:class:`clients.node.NodeClient`'s (no torch); this class adds the model (built
+once per process, :func:`process_model`), local SGD and evaluation.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-import time
 from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, Context, Message
 from torch import nn
 
+from clients.node import NodeClient, parse_model_spec
 from fl_app import keys
-from fl_app.data.federated import ClientDataset, DataSpec, federated_data
-from fl_app.data.local import check_local_dataset, load_local_dataset
-from fl_app.models import ModelSpec
-from fl_app.privacy.rng import RandomSource, make_generator
 from fl_app.training import evaluate, load_arrays, train_local
-
-#: Fault injection for failure-handling tests: ``DPFL_INJECT_FAILURES="3,5@2"``
-#: makes client 3 raise in every round and client 5 in round 2 (train and
-#: evaluate messages). Unset in normal use.
-INJECT_FAILURES_ENV = "DPFL_INJECT_FAILURES"
-#: ``DPFL_INJECT_DELAY="0.5"``: every client message of a round > 0 takes that many seconds more
-#: (interrupt tests need rounds that last). Unset in normal use.
-INJECT_DELAY_ENV = "DPFL_INJECT_DELAY"
-
 
 #: Built models of this process, by model spec and device (see :func:`process_model`).
 _PROCESS_MODELS: dict[tuple[str, str], nn.Module] = {}
 _MAX_PROCESS_MODELS = 4
-
-
-@functools.lru_cache(maxsize=8)
-def parse_model_spec(text: str) -> ModelSpec:
-    """The :class:`ModelSpec` of a message's JSON (parsed once per process)."""
-    return ModelSpec.from_json(text)
 
 
 def process_model(spec_text: str, device: torch.device | None = None) -> nn.Module:
@@ -72,21 +46,8 @@ def process_model(spec_text: str, device: torch.device | None = None) -> nn.Modu
     return model
 
 
-class InjectedFailureError(RuntimeError):
-    """Raised by a client named in ``DPFL_INJECT_FAILURES``."""
-
-
-def injected_failure(client_id: int, server_round: int) -> bool:
-    """Whether ``DPFL_INJECT_FAILURES`` asks this client to fail in this round."""
-    for item in filter(None, os.environ.get(INJECT_FAILURES_ENV, "").replace(" ", "").split(",")):
-        client, _, round_text = item.partition("@")
-        if int(client) == client_id and (not round_text or int(round_text) == server_round):
-            return True
-    return False
-
-
-class FederatedClient:
-    """Common machinery of all clients; subclasses implement :meth:`train`.
+class FederatedClient(NodeClient):
+    """Common machinery of all training clients; subclasses implement :meth:`train`.
 
     ``simulation.client_gpus > 0`` asks clients to train on CUDA (:attr:`device`): the model of
     :meth:`global_model` is then placed there, and :func:`fl_app.training.train_local`,
@@ -106,63 +67,12 @@ class FederatedClient:
     uses_gpu: bool = True
 
     def __init__(self, message: Message, context: Context) -> None:
-        self.message = message
-        self.context = context
-        content = message.content
-        self.config: ConfigRecord = (
-            content.config_records[keys.CONFIG] if keys.CONFIG in content.config_records else ConfigRecord()
-        )
         threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         if threads > 0 and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
-        delay = float(os.environ.get(INJECT_DELAY_ENV, "0") or 0)
-        if self.server_round > 0 and delay > 0:
-            time.sleep(delay)
-        if self.server_round > 0 and injected_failure(self.client_id, self.server_round):
-            raise InjectedFailureError(
-                f"client {self.client_id} fails in round {self.server_round} ({INJECT_FAILURES_ENV})"
-            )
+        super().__init__(message, context)
 
-    # ------------------------------------------------------------------ identity
-
-    @property
-    def in_simulation(self) -> bool:
-        """True for a simulated node (it has a ``partition-id``)."""
-        return keys.NODE_PARTITION_ID in self.context.node_config
-
-    @property
-    def client_id(self) -> int:
-        """Stable id: the partition id in simulation, the node id on a device."""
-        if self.in_simulation:
-            return int(self.context.node_config[keys.NODE_PARTITION_ID])
-        return int(self.context.node_id)
-
-    @property
-    def server_round(self) -> int:
-        """The round this message belongs to (0 outside rounds)."""
-        return int(self.config.get(keys.SERVER_ROUND, 0))
-
-    # ------------------------------------------------------------------ data and model
-
-    def local_data(self) -> ClientDataset:
-        """Return the labelled training data of this client.
-
-        Simulation: the partition ``partition-id`` of the split described by the
-        message's data spec (cached per process). Device: the file or folder in
-        ``node_config["data-path"]``, checked against the server's model when
-        the message names one.
-        """
-        if self.in_simulation:
-            spec = DataSpec.from_json(str(self.config[keys.DATA_SPEC]))
-            return federated_data(spec).client(self.client_id)
-        if keys.NODE_DATA_PATH not in self.context.node_config:
-            raise ValueError("this SuperNode has no data: start it with --node-config 'data-path=\"<file>\"'")
-        path = str(self.context.node_config[keys.NODE_DATA_PATH])
-        data = load_local_dataset(path)
-        if keys.MODEL_SPEC in self.config:
-            model = self.model_spec()
-            check_local_dataset(data, path, input_shape=model.input_shape, num_classes=model.num_classes)
-        return data
+    # ------------------------------------------------------------------ model
 
     @property
     def device(self) -> torch.device:
@@ -173,10 +83,6 @@ class FederatedClient:
         """
         wanted = str(self.config.get(keys.DEVICE, "cpu")) == "cuda"
         return torch.device("cuda" if wanted and self.uses_gpu and torch.cuda.is_available() else "cpu")
-
-    def model_spec(self) -> ModelSpec:
-        """The architecture the server asked for."""
-        return parse_model_spec(str(self.config[keys.MODEL_SPEC]))
 
     def incoming_arrays(self) -> ArrayRecord:
         """The ArrayRecord the server sent."""
@@ -211,48 +117,6 @@ class FederatedClient:
             **extra,
         )
 
-    # ------------------------------------------------------------------ randomness
-
-    def generator(self, purpose: str) -> np.random.Generator:
-        """Non-privacy randomness (data order), derived from the run seed."""
-        return make_generator(
-            seed=int(self.config.get(keys.SEED, 0)),
-            secure=False,
-            purpose=purpose,
-            client=self.client_id,
-            server_round=self.server_round,
-        )
-
-    @property
-    def noise_source(self) -> RandomSource:
-        """Where privacy noise comes from: OS entropy unless a seeded simulation."""
-        secure = bool(self.config.get(keys.SECURE_RNG, False)) or not self.in_simulation
-        if secure or keys.NOISE_SEED not in self.config:
-            return RandomSource(seed=None, secure=True)
-        return RandomSource(seed=int(self.config[keys.NOISE_SEED]), secure=False)
-
-    def noise_generator(self, purpose: str) -> np.random.Generator:
-        """Privacy-noise randomness for ``purpose`` in this round."""
-        return self.noise_source.generator(purpose, client=self.client_id, server_round=self.server_round)
-
-    # ------------------------------------------------------------------ replies
-
-    def reply(
-        self,
-        *,
-        arrays: ArrayRecord | None = None,
-        metrics: dict[str, Any] | None = None,
-        configs: dict[str, ConfigRecord] | None = None,
-    ) -> Message:
-        """Reply with (optionally) arrays, metrics and extra config records."""
-        content = RecordDict()
-        if arrays is not None:
-            content[keys.ARRAYS] = arrays
-        content[keys.METRICS] = MetricRecord(metrics or {})
-        for name, record in (configs or {}).items():
-            content[name] = record
-        return Message(content=content, reply_to=self.message)
-
     # ------------------------------------------------------------------ entry points
 
     def train(self) -> Message:
@@ -266,12 +130,3 @@ class FederatedClient:
         return self.reply(
             metrics={keys.NUM_EXAMPLES: len(data), keys.EVAL_LOSS: loss, keys.EVAL_ACCURACY: accuracy}
         )
-
-    def describe(self) -> Message:
-        """Answer the server's roster query: partition id and data set size.
-
-        Data set sizes are treated as public (NbAFL's m and KD-DP's grouping
-        need them, and FedAvg weights by them).
-        """
-        partition = self.client_id if self.in_simulation else -1
-        return self.reply(metrics={keys.PARTITION_ID: partition, keys.NUM_EXAMPLES: len(self.local_data())})

@@ -1,16 +1,25 @@
 """The Flower ClientApp (``fl_app.client_app:app``): thin wiring to the client registry.
 
 The train/evaluate config names the client class (``algorithm``); the roster
-query is answered by the base class. No Hydra, no shared disk: everything
-arrives in the message or lives in the node's context.
+query is answered by :class:`clients.node.NodeClient`, which needs no torch (a
+device's roster query process never imports it: the client classes, and torch with
+them, are imported with the first train or evaluate message). No Hydra, no shared
+disk: everything arrives in the message or lives in the node's context.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message
 from flwr.clientapp import ClientApp
 
 from clients import CLIENTS
-from clients.base import FederatedClient
+from clients.node import NodeClient
 from fl_app import keys
+
+if TYPE_CHECKING:
+    from clients.base import FederatedClient
 
 app = ClientApp()
 
@@ -36,4 +45,4 @@ def evaluate(message: Message, context: Context) -> Message:
 @app.query(keys.QUERY_ROSTER)
 def roster(message: Message, context: Context) -> Message:
     """Report this client's partition id and data set size."""
-    return FederatedClient(message, context).describe()
+    return NodeClient(message, context).describe()

@@ -7,12 +7,12 @@ clients in the train message so that they build the same architecture.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from fl_app.model_spec import ModelSpec as ModelSpec  # re-exported: the spec of these networks
 
 ModelFactory = Callable[[tuple[int, ...], int], nn.Module]
 MODELS: dict[str, ModelFactory] = {}
@@ -28,31 +28,6 @@ def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
         return factory
 
     return decorator
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which architecture to build, for which input and number of classes."""
-
-    name: str
-    input_shape: tuple[int, ...]
-    num_classes: int
-
-    def to_json(self) -> str:
-        """Serialise for a ConfigRecord."""
-        return json.dumps(
-            {"name": self.name, "input_shape": list(self.input_shape), "num_classes": self.num_classes}
-        )
-
-    @classmethod
-    def from_json(cls, text: str) -> ModelSpec:
-        """Inverse of :meth:`to_json`."""
-        raw = json.loads(text)
-        return cls(raw["name"], tuple(raw["input_shape"]), int(raw["num_classes"]))
-
-    def build(self) -> nn.Module:
-        """Instantiate the (randomly initialised) network."""
-        return build_model(self.name, self.input_shape, self.num_classes)
 
 
 def resolve_model_name(name: str, input_shape: tuple[int, ...]) -> str:
