@@ -34,7 +34,9 @@ from fl_app.run import noise_source
 from fl_app.run_context import RunContext
 from strategies import STRATEGIES
 
-#: Small, fast settings for simulations in tests (digits data, few clients).
+#: Small, fast settings for simulations in tests (digits data, few clients, one client actor: a
+#: second one costs each run about 3.5 s of CPU for 3 clients of digits; the quick examples of
+#: tests/test_simulations.py and the tests named in TWO_ACTORS run as many as the CPUs allow).
 FAST = [
     "dataset=digits",
     "num_clients=6",
@@ -44,7 +46,10 @@ FAST = [
     "batch_size=16",
     "local_epochs=1",
     "simulation.client_cpus=1",
+    "simulation.max_concurrent_clients=1",
 ]
+#: Appended to FAST where a test needs two client actors (concurrency, a worker to kill, two nodes).
+TWO_ACTORS = "simulation.max_concurrent_clients=null"
 
 
 #: Fixtures that start (or join) a Ray-backed simulation: a test using one is marked ``simulation``,

@@ -48,7 +48,7 @@ from fl_app.flower_engine import (
 from fl_app.metering import MeteredGrid, content_bytes
 from fl_app.training import array_values
 from strategies.arrays import mean_arrays
-from tests.conftest import FAST
+from tests.conftest import FAST, TWO_ACTORS
 
 GOLDEN = Path(__file__).parent / "data" / "golden_rounds.json"
 
@@ -713,7 +713,8 @@ def test_a_batch_in_flight_is_abandoned_when_the_run_stops(monkeypatch) -> None:
 def test_results_do_not_depend_on_how_messages_are_batched(shared_simulation: Any) -> None:
     """A cohort of 24 goes in batches of up to 8 or one message per task: the same run, round by round."""
     fast = [item for item in FAST if not item.startswith(("num_clients=", "clients_per_round="))]
-    shape = [*fast, "num_clients=30", "clients_per_round=24", "strategy=dp_fedavg", "privacy.noise_seed=3"]
+    shape = [*fast, TWO_ACTORS, "num_clients=30", "clients_per_round=24", "strategy=dp_fedavg"]
+    shape.append("privacy.noise_seed=3")
     batched = shared_simulation([*shape, "simulation.messages_per_task=8"])
     single = shared_simulation([*shape, "simulation.messages_per_task=1"])
     fields = ("accuracy", "loss", "epsilon", "upload_bytes", "download_bytes", "clients", "failures")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FEDAVG_RUN, ray_process_ids
+from conftest import FEDAVG_RUN, TWO_ACTORS, ray_process_ids
 
 from fl_app.flower_engine import BatchingActor
 
@@ -57,6 +57,7 @@ def test_simulation_on_a_two_node_cluster_uses_both_nodes_and_matches_one_node(t
                 "-m",
                 "fl_app",
                 *FEDAVG_RUN,
+                TWO_ACTORS,
                 f"simulation.ray_address={cluster.address}",
                 "simulation.client_cpus=1",
                 f"output_dir={output}",

@@ -28,7 +28,7 @@ from fl_app.round_loop import check_round
 from fl_app.run import one_line_console
 from fl_app.validation import ConfigError, check_output_dir, validate_config
 from strategies import STRATEGIES
-from tests.conftest import FAST, build_run_context, wait_until
+from tests.conftest import FAST, TWO_ACTORS, build_run_context, wait_until
 
 RUN = [*FAST, "num_rounds=4", "simulation.num_cpus=2"]
 ROUND_KEYS = ("round", "accuracy", "loss", "epsilon", "upload_bytes", "download_bytes", "clients", "failures")
@@ -176,7 +176,7 @@ def test_sigterm_stops_the_run_and_leaves_nothing_running(tmp_path):
 @pytest.mark.simulation
 def test_a_killed_worker_fails_the_run_with_one_line_never_completed(tmp_path):
     out = tmp_path / "killed"
-    run = Run([*RUN, "strategy=fedavg", "num_rounds=6", f"output_dir={out}"], tmp_path)
+    run = Run([*RUN, TWO_ACTORS, "strategy=fedavg", "num_rounds=6", f"output_dir={out}"], tmp_path)
     run.wait_for("dpfl round 1/")
     actors = [p for p in run.descendants() if BatchingActor.__name__ in p.name()]
     assert len(actors) == 2
