@@ -1,16 +1,15 @@
 """Deployment: the same ClientApp on "devices" behind a real SuperLink (``pytest -k deploy``).
 
-The integration tests start a real SuperLink and two SuperNodes on 127.0.0.1
-(free ports, a private ``FLWR_HOME`` per process in ``tmp_path``, each
-SuperNode with its own ``.npz`` data file), once insecure and once with TLS and
-SuperNode authentication, submit one round of every registered algorithm (two where a device
-carries state from round to round or the rounds differ, :data:`TWO_ROUNDS`), each on one of the two
-(:data:`SECURE_ALGORITHMS` over TLS, the others insecure), with
-``flwr run`` (all at once: a SuperNode runs one ClientApp process per message,
-so the runs share the two SuperNodes), and check each run's
-``results.json``. Every process is started in its own process group by
-``scripts/local_deployment.py`` and stopped (children included) when the
-module's tests of a mode are done, also on failure.
+The integration tests start one federation: a real SuperLink and two SuperNodes on 127.0.0.1 with
+TLS and SuperNode authentication, as a real deployment runs (free ports, a private ``FLWR_HOME`` per
+process in ``tmp_path``, each SuperNode with its own ``.npz`` data file), submit one round of every
+registered algorithm (two where a device carries state from round to round or the rounds differ,
+:data:`TWO_ROUNDS`) and three jobs that must fail, with ``flwr run`` (all at once: a SuperNode runs
+one ClientApp process per message, so the runs share the two SuperNodes), and check each run's
+``results.json``; a SuperNode with an unregistered key and one without TLS are refused. Every
+process is started in its own process group by ``scripts/local_deployment.py`` and stopped
+(children included) when the module's tests are done, also on failure. (The insecure mode,
+``dpfl deploy start`` without ``--secure``, differs only in the flags the same script passes.)
 
 The SuperNodes run with a guard (``sitecustomize`` on their ``PYTHONPATH``)
 that makes ``fl_app.data.sources.load_dataset`` and ``fl_app.config.compose_config``
@@ -79,12 +78,8 @@ ALGORITHM_SETTINGS: dict[str, list[str]] = {
     # 2 devices: the paper's bit noise m/20 cannot carry the effective noise multiplier (docs)
     "dp_fedavg_adaptive": ["strategy.bit_noise=1.0"],
 }
-MODES = ["insecure", "secure"]
-#: The algorithms run over TLS with SuperNode authentication; every other one runs on the insecure
-#: federation. The transport is independent of the algorithm (the same Messages travel either way),
-#: so each algorithm runs once: DPFL-BNN carries the secure federation, with two rounds of bit-packed
-#: uploads and per-device state kept between them.
-SECURE_ALGORITHMS = ("dpfl_bnn",)
+#: The federation's mode: TLS and SuperNode authentication.
+MODE = "secure"
 RUN_DEADLINE_S = 1800.0
 STATUS_POLL_S = 30.0  # `flwr ls` costs a second of CPU; results.json is checked every second
 
@@ -238,15 +233,14 @@ def test_the_staged_app_is_the_fab_flwr_run_builds_from_the_project(staged_app: 
     assert not (staged_app / ".venv").exists() and (staged_app / "pyproject.toml").is_file()
 
 
-@pytest.fixture(scope="module", params=MODES)
+@pytest.fixture(scope="module")
 def federation(
-    request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
     device_files: list[Path],
     staged_app: Path,
 ) -> Iterator[Federation]:
-    """A SuperLink and two SuperNodes (insecure, or TLS + SuperNode authentication)."""
-    mode = request.param
+    """A SuperLink and two SuperNodes, with TLS and SuperNode authentication."""
+    mode = MODE
     root = tmp_path_factory.mktemp(f"deploy-{mode}")
     guard = root / "device-guard"
     guard.mkdir()
@@ -256,7 +250,7 @@ def federation(
     deployment = local_deployment.start(
         root / "federation",
         data_files=device_files,
-        secure=mode == "secure",
+        secure=True,
         port=local_deployment.free_port(),
         connection=f"dpfl-test-{mode}",
         cli_env=cli_env,
@@ -274,18 +268,11 @@ def federation(
 
 @pytest.fixture(scope="module")
 def submitted(federation: Federation) -> dict[str, Submission]:
-    """This federation's algorithms (and, insecure, the three bad jobs) submitted at once."""
-    secure = federation.mode == "secure"
-    names = [name for name in STRATEGIES.names() if (name in SECURE_ALGORITHMS) == secure]
-    jobs = {name: algorithm_overrides(name) for name in names}
-    if federation.mode == "insecure":
-        jobs["too-few-clients"] = [*algorithm_overrides("fedavg"), "num_clients=1", "clients_per_round=1"]
-        jobs["too-many-clients"] = [
-            *algorithm_overrides("fedavg"),
-            "num_clients=3",
-            "simulation.timeout=4",
-        ]
-        jobs["bad-value"] = [*algorithm_overrides("fedavg"), "privacy.epsilon=-1"]
+    """Every algorithm and the three bad jobs, submitted at once."""
+    jobs = {name: algorithm_overrides(name) for name in STRATEGIES.names()}
+    jobs["too-few-clients"] = [*algorithm_overrides("fedavg"), "num_clients=1", "clients_per_round=1"]
+    jobs["too-many-clients"] = [*algorithm_overrides("fedavg"), "num_clients=3", "simulation.timeout=4"]
+    jobs["bad-value"] = [*algorithm_overrides("fedavg"), "privacy.epsilon=-1"]
     with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(federation.submit, name, overrides) for name, overrides in jobs.items()}
         federation.submissions = {name: future.result() for name, future in futures.items()}
@@ -297,9 +284,6 @@ def submitted(federation: Federation) -> dict[str, Submission]:
 def test_deploy_each_algorithm(
     federation: Federation, submitted: dict[str, Submission], algorithm: str
 ) -> None:
-    if algorithm not in submitted:
-        other = "insecure" if federation.mode == "secure" else "secure"
-        pytest.skip(f"runs on the {other} federation (over TLS: {', '.join(SECURE_ALGORITHMS)})")
     submission = submitted[algorithm]
     status, results = federation.wait(submission)
     if results is None:
@@ -334,8 +318,6 @@ def test_deploy_each_algorithm(
 def test_deploy_num_clients_must_match_the_supernodes(
     federation: Federation, submitted: dict[str, Submission]
 ) -> None:
-    if federation.mode != "insecure":
-        pytest.skip("checked once, on the insecure federation")
     expected = {
         "too-few-clients": "num_clients=1, but the federation has 2 SuperNodes",
         "too-many-clients": "num_clients=3, but only 2 SuperNodes connected within 4 s",
@@ -354,8 +336,6 @@ def test_deploy_num_clients_must_match_the_supernodes(
 def test_deploy_refuses_unregistered_and_plaintext_supernodes(
     federation: Federation, device_files: list[Path], submitted: dict[str, Submission]
 ) -> None:
-    if federation.mode != "secure":
-        pytest.skip("SuperNode authentication and TLS exist only on the secure federation")
     deployment = federation.deployment
     intruder_key = federation.root / "intruder"
     subprocess.run(
