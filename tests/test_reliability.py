@@ -2,7 +2,7 @@
 
 The simulations here run ``python -m fl_app`` as a user does (a subprocess in its own
 process group, so a signal reaches it as a Ctrl-C in a terminal would) with
-``DPFL_INJECT_DELAY`` making every client take a second, so a signal lands mid-run.
+``DPFL_INJECT_DELAY`` making every client take half a second, so a signal lands mid-run.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ ROUND_KEYS = ("round", "accuracy", "loss", "epsilon", "upload_bytes", "download_
 class Run:
     """A ``python -m fl_app`` subprocess whose output is read as it comes."""
 
-    def __init__(self, args: list[str], cwd: Path, *, delay: float = 1.0) -> None:
+    def __init__(self, args: list[str], cwd: Path, *, delay: float = 0.5) -> None:
         env = {**os.environ, "DPFL_INJECT_DELAY": str(delay)}
         self.process = subprocess.Popen(
             [sys.executable, "-m", "fl_app", *args],
@@ -310,9 +310,34 @@ def test_a_new_run_refuses_a_directory_with_an_earlier_run(tmp_path):
 
 
 def cli(*args: str, module: str = "fl_app", cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m <module> args`` in a new process (as a user runs it)."""
     return subprocess.run(
         [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120, cwd=cwd
     )
+
+
+def preflight_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``python -m fl_app args`` run in this process, for input the preflight refuses.
+
+    The command's own code from ``main()`` on, without a new interpreter (about 3 s of CPU each:
+    ``tests/test_config.py`` runs the real process for a sample of bad values).
+    """
+    import contextlib
+    import io
+
+    from fl_app.__main__ import main
+
+    out, err = io.StringIO(), io.StringIO()
+    argv, here = sys.argv, Path.cwd()
+    sys.argv = ["fl_app", *args]
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main()
+    finally:
+        sys.argv = argv
+        os.chdir(here)
+    return subprocess.CompletedProcess(["fl_app", *args], code, out.getvalue(), err.getvalue())
 
 
 def assert_one_line(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -327,17 +352,18 @@ def assert_one_line(result: subprocess.CompletedProcess[str], *fragments: str) -
 def test_bad_output_dirs_are_refused_before_anything_starts(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
-    result = cli(*FAST, f"output_dir={blocker / 'run'}", cwd=tmp_path)
+    result = preflight_cli(*FAST, f"output_dir={blocker / 'run'}", cwd=tmp_path)
     assert_one_line(result, "output_dir=", "is a file, not a directory")
     assert not (tmp_path / "outputs").exists()  # nothing half-written (no Hydra directory either)
     if os.geteuid() != 0:  # root may write anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
-        assert_one_line(cli(*FAST, f"output_dir={locked / 'run'}", cwd=tmp_path), "no write permission")
+        result = preflight_cli(*FAST, f"output_dir={locked / 'run'}", cwd=tmp_path)
+        assert_one_line(result, "no write permission")
 
 
 def test_iid_partition_with_more_clients_than_examples_is_one_line(tmp_path):
-    result = cli(*FAST, "partition=iid", "num_clients=5000", "clients_per_round=3", cwd=tmp_path)
+    result = preflight_cli(*FAST, "partition=iid", "num_clients=5000", "clients_per_round=3", cwd=tmp_path)
     assert_one_line(result, "num_clients=5000", "too many clients")
 
 
@@ -350,7 +376,8 @@ def test_a_truncated_data_file_is_one_line(tmp_path):
     (folder / "train-images-idx3-ubyte.gz").write_bytes(images[: len(images) // 2])
     for stem in ("train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
         (folder / f"{stem}.gz").write_bytes(gzip.compress(b"\0\0\x08\x01\0\0\0\0"))
-    result = cli("dataset=mnist", f"dataset.data_dir={folder}", "dataset.download=false", cwd=tmp_path)
+    data = ("dataset=mnist", f"dataset.data_dir={folder}", "dataset.download=false")
+    result = preflight_cli(*data, cwd=tmp_path)
     assert_one_line(result, "dataset.data_dir=", "truncated or corrupt", "fl_app.data.fetch")
 
 
@@ -365,7 +392,7 @@ def test_a_truncated_data_file_is_one_line(tmp_path):
     ],
 )
 def test_unknown_keys_and_names_are_one_line_with_a_did_you_mean(tmp_path, argument, fragments):
-    assert_one_line(cli(argument, cwd=tmp_path), *fragments)
+    assert_one_line(preflight_cli(argument, cwd=tmp_path), *fragments)
     assert not (tmp_path / "outputs").exists()
 
 

@@ -39,7 +39,7 @@ SUITE_ROUNDS: dict[str, int] = {
     "dp_ftrl": 15,
     "fedavg_ldp": 10,
     "privatekt": 10,
-    "kd_dp": 5,
+    "kd_dp": 4,
     "nbafl": 4,
     "dpfl_bnn": 3,
 }
