@@ -108,6 +108,7 @@ def clear_privacy_caches() -> None:
     """Forget memoised epsilons and calibrations (a mutant must not leak into other tests)."""
     accountant_module._compose.cache_clear()
     calibration._DP_SGD_CACHE.clear()
+    calibration._gaussian_epsilon.cache_clear()
 
 
 @pytest.fixture(autouse=True)
