@@ -54,7 +54,6 @@ from fl_app.bits import unpack_signs
 from fl_app.config import compose_config
 from fl_app.data.federated import ClientDataset, DataSpec, federated_data
 from fl_app.models import MODELS, ModelSpec
-from fl_app.privacy import accountant as accountant_module
 from fl_app.privacy import calibration, composition
 from fl_app.privacy.audit import AuditResult, audit_epsilon
 from fl_app.privacy.rng import RandomSource
@@ -106,9 +105,8 @@ class AuditLinear(nn.Module):
 
 def clear_privacy_caches() -> None:
     """Forget memoised epsilons and calibrations (a mutant must not leak into other tests)."""
-    accountant_module._compose.cache_clear()
+    composition._compose.cache_clear()
     calibration._DP_SGD_CACHE.clear()
-    calibration._gaussian_epsilon.cache_clear()
 
 
 @pytest.fixture(autouse=True)

@@ -15,12 +15,11 @@ descriptor is normalised by the sensitivity for that unit.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from fl_app.privacy.composition import METHODS, EpsilonReport, basic_epsilon, compose_epsilon
+from fl_app.privacy.composition import METHODS, EpsilonReport, basic_epsilon, compose_epsilon, history_key
 from fl_app.privacy.events import Mechanism, PrivacyEvent
 
 _STATE_VERSION = 1
@@ -95,27 +94,29 @@ class PrivacyAccountant:
         if client is not None:
             if int(client) not in self._members:
                 raise ValueError(f"client {client} is not in the population")
-            return _compose(_key(self.history(client)), delta, self.method)
-        reports = [_compose(key, delta, self.method) for key in self._distinct_histories()]
+            return compose_epsilon(self.history(client), delta=delta, method=self.method)
+        reports = [
+            compose_epsilon(dict(key), delta=delta, method=self.method) for key in self._distinct_histories()
+        ]
         return max(reports, key=lambda report: report.epsilon)
 
     def epsilon_by_client(self, *, delta: float) -> dict[int, float]:
         """Epsilon of every client of the population."""
         return {
-            client: _compose(_key(self.history(client)), delta, self.method).epsilon
+            client: compose_epsilon(self.history(client), delta=delta, method=self.method).epsilon
             for client in self.population
         }
 
     def basic_epsilon(self, client: int | None = None) -> float | None:
         """Basic-composition epsilon (worst client by default), or None if not all pure."""
-        keys = [_key(self.history(client))] if client is not None else self._distinct_histories()
+        keys = [history_key(self.history(client))] if client is not None else self._distinct_histories()
         values = [basic_epsilon(dict(key)) for key in keys]
         return None if any(v is None for v in values) else max(v for v in values if v is not None)
 
     def _distinct_histories(self) -> list[tuple[tuple[Mechanism, int], ...]]:
-        keys = {_key(self.history(client)) for client in self._personal}
+        keys = {history_key(self.history(client)) for client in self._personal}
         if len(self._personal) < len(self.population):
-            keys.add(_key(dict(self._common)))
+            keys.add(history_key(dict(self._common)))
         return sorted(keys, key=repr)
 
     # ----------------------------------------------------------------- state
@@ -169,12 +170,3 @@ def combined_epsilon(
     for accountant in accountants:
         joint.record_all(accountant.events)
     return joint.epsilon(delta=delta)
-
-
-def _key(history: dict[Mechanism, int]) -> tuple[tuple[Mechanism, int], ...]:
-    return tuple(sorted(((m, c) for m, c in history.items() if c), key=repr))
-
-
-@functools.lru_cache(maxsize=8192)
-def _compose(key: tuple[tuple[Mechanism, int], ...], delta: float, method: str) -> EpsilonReport:
-    return compose_epsilon(dict(key), delta=delta, method=method)

@@ -10,7 +10,6 @@ All functions are keyword-only and validate their arguments.
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -555,18 +554,6 @@ def gaussian_epsilon(
     require_positive_int("rounds", rounds)
     if not 0 < sampling_rate <= 1:
         raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
-    return _gaussian_epsilon(float(noise_multiplier), float(sampling_rate), int(rounds), float(delta), method)
-
-
-@functools.lru_cache(maxsize=16384)
-def _gaussian_epsilon(
-    noise_multiplier: float, sampling_rate: float, rounds: int, delta: float, method: str
-) -> float:
-    """:func:`gaussian_epsilon`, memoised.
-
-    A calibration asks the same points again for every strategy built with the same budget (the
-    end-to-end privacy audits build thousands).
-    """
     mechanism = (
         Gaussian(noise_multiplier) if sampling_rate == 1 else SampledGaussian(noise_multiplier, sampling_rate)
     )

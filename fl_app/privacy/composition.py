@@ -252,11 +252,24 @@ def compose_epsilon(history: History, *, delta: float, method: str = "rdp") -> E
     Returns
     -------
     EpsilonReport
-        The smallest sound epsilon and all bounds computed.
+        The smallest sound epsilon and all bounds computed. Memoised on the history's uses
+        (:func:`history_key`): accountants and calibrations ask for the same histories again.
 
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    _validate(history, delta)
+    return _compose(history_key(history), float(delta), method)
+
+
+def history_key(history: History) -> tuple[tuple[Mechanism, int], ...]:
+    """A hashable, order-free form of a history: its non-zero uses, sorted."""
+    return tuple(sorted(((m, int(c)) for m, c in history.items() if c), key=repr))
+
+
+@functools.lru_cache(maxsize=16384)
+def _compose(key: tuple[tuple[Mechanism, int], ...], delta: float, method: str) -> EpsilonReport:
+    history = dict(key)
     rdp, order = rdp_epsilon(history, delta=delta)
     pld = None
     if method == "pld" and sum(int(c) for c in history.values()) <= PLD_MAX_COMPOSITIONS:
