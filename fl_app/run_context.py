@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,80 +66,80 @@ class RunContext:
         """Ids of all clients, in roster order."""
         return [info.client_id for info in self.roster]
 
-    @property
+    @functools.cached_property
     def clients_per_round(self) -> int:
         """Clients sampled per round (the configured count or fraction)."""
         return resolve_clients_per_round(self.cfg.clients_per_round, self.num_clients)
 
-    @property
+    @functools.cached_property
     def delta(self) -> float:
         """The run's target delta."""
         return float(self.cfg.privacy.delta)
 
-    @property
+    @functools.cached_property
     def epsilon(self) -> float:
         """The run's target epsilon (``privacy.epsilon``; the training's share under an evaluation stage)."""
         return float(self.cfg.privacy.epsilon)
 
-    @property
+    @functools.cached_property
     def num_rounds(self) -> int:
         """T, the rounds of the run."""
         return int(self.cfg.num_rounds)
 
-    # The run-wide settings a strategy reads, typed here once (checked by
-    # ``fl_app.validation.validate_common`` before any run starts).
+    # The run-wide settings a strategy reads, typed here once and kept (the configuration is
+    # read-only; checked by ``fl_app.validation.validate_common`` before any run starts).
 
-    @property
+    @functools.cached_property
     def seed(self) -> int:
         """``seed``: public randomness (initialisation, seeded schedules, data order)."""
         return int(self.cfg.seed)
 
-    @property
+    @functools.cached_property
     def lr(self) -> float:
         """``lr``: the clients' learning rate (also the server's where an algorithm trains there)."""
         return float(self.cfg.lr)
 
-    @property
+    @functools.cached_property
     def lr_decay(self) -> float:
         """``lr_decay``: the clients' learning rate is ``lr * lr_decay ** (round - 1)``."""
         return float(self.cfg.lr_decay)
 
-    @property
+    @functools.cached_property
     def momentum(self) -> float:
         """``momentum`` of the clients' SGD."""
         return float(self.cfg.momentum)
 
-    @property
+    @functools.cached_property
     def batch_size(self) -> int:
         """``batch_size`` of local training."""
         return int(self.cfg.batch_size)
 
-    @property
+    @functools.cached_property
     def local_epochs(self) -> int:
         """``local_epochs`` per round."""
         return int(self.cfg.local_epochs)
 
-    @property
+    @functools.cached_property
     def budget_scope(self) -> str:
         """``privacy.budget_scope``: ``total`` (the whole run) or ``per_round``."""
         return str(self.cfg.privacy.budget_scope)
 
-    @property
+    @functools.cached_property
     def canaries(self) -> int:
         """``privacy.canaries``: simulated canary clients of the empirical estimate (0: none)."""
         return int(self.cfg.privacy.get("canaries", 0) or 0)
 
-    @property
+    @functools.cached_property
     def federated_fraction(self) -> float:
         """``evaluation.federated_fraction``: share of clients evaluating the model each round."""
         return float(self.cfg.evaluation.federated_fraction)
 
-    @property
+    @functools.cached_property
     def client_gpus(self) -> float:
         """``simulation.client_gpus``: GPU share per simulated client (0: CPU)."""
         return float(self.cfg.simulation.get("client_gpus", 0.0))
 
-    @property
+    @functools.cached_property
     def accountant_method(self) -> str:
         """``privacy.accountant``: the composition method of every accountant of the run."""
         return str(self.cfg.privacy.accountant)
