@@ -60,10 +60,39 @@ def test_every_strategy_declares_exactly_the_keys_of_its_conf_file():
     assert stage - plain - {"defaults"} == declared - {"epsilon_budget"}
 
 
-def test_every_experiment_preset_composes_and_validates():
+def _leaves(node: object, prefix: str = "") -> list[tuple[str, object]]:
+    """Dotted key -> value of every scalar of a YAML file's mapping (lists as values)."""
+    if not isinstance(node, dict):
+        return [(prefix, node)]
+    return [leaf for key, value in node.items() for leaf in _leaves(value, f"{prefix}{key}.")]
+
+
+def test_every_experiment_preset_composes_validates_and_sets_its_values():
     for option in options("experiment"):
         cfg = compose_config([f"+experiment={option}"])
         validate_config(cfg, check_data=False)
+        own = yaml.safe_load((CONF_DIR / "experiment" / f"{option}.yaml").read_text())
+        for entry in own.get("defaults", []):  # override /group: option -> that group's option is composed
+            for target, choice in entry.items() if isinstance(entry, dict) else []:
+                group = target.split()[-1].strip("/")
+                if group in ("strategy", "dataset", "partition") and isinstance(choice, str):
+                    assert cfg[group].name == choice, (option, group)
+        # an arm listed after _self_ (compare_cross_device's /cross_device: ...) wins over the preset
+        later = set()
+        for entry in own.get("defaults", []):
+            for target, choice in entry.items() if isinstance(entry, dict) else []:
+                if not target.startswith("override") and "_self_" in own["defaults"]:
+                    arm = yaml.safe_load((CONF_DIR / target.strip("/") / f"{choice}.yaml").read_text())
+                    later |= {key.rstrip(".") for key, _ in _leaves(arm) if key != "defaults."}
+        settings = {key: value for key, value in own.items() if key not in ("defaults", "hydra")}
+        checked = 0
+        for key, value in _leaves(settings):
+            key = key.rstrip(".")
+            if key in later or (isinstance(value, str) and "${" in value):
+                continue  # set by a later arm, or a rule such as ${per_budget:...} resolved per job
+            assert OmegaConf.select(cfg, key) == value, (option, key)
+            checked += 1
+        assert checked or not settings, option
 
 
 def sweep_grid(jobs: list[list[str]]) -> set[tuple[str, ...]]:
