@@ -17,12 +17,15 @@ comparison with FedAvg+LDP and non-private FedAvg. The runs (commands in
 and, below ``--demo-root``, the authors' demo as they run it (``+experiment=privatekt_demo``: their
 CNN, partition and self-training; one folder per seed)::
 
-    demo_seed<k>/               finished (results.json) or still running / stopped (metrics.csv)
+    demo_seed<k>/               finished (results.json) or still running / stopped (metrics.csv);
+                                config.yaml and metrics.csv are enough (the recorded runs:
+                                docs/benchmarks/privatekt_demo/runs/)
 
 Usage::
 
     python -P benchmarks/privatekt.py --root /tmp/bench_privatekt --out docs/benchmarks/figures
-    python -P benchmarks/privatekt.py --demo-root /work/s32_runs --out docs/benchmarks/figures
+    python -P benchmarks/privatekt.py --demo-root docs/benchmarks/privatekt_demo/runs \
+        --out docs/benchmarks/figures
 
 With ``--demo-root`` only the demo reproduction is written: ``privatekt_demo_vs_authors.png`` and its
 table, spliced into ``docs/benchmarks/privatekt.md`` between the ``DEMO_BEGIN``/``DEMO_END`` markers.

@@ -449,6 +449,20 @@ def test_privatekt_demo_table_and_figure_from_a_finished_and_a_stopped_seed(tmp_
     assert (out / "privatekt_demo_vs_authors.png").stat().st_size > 10_000
 
 
+def test_the_privatekt_pages_demo_table_is_generated_from_the_recorded_runs(tmp_path, capsys):
+    """The committed page's demo block is what the recorded runs (config.yaml, metrics.csv) give."""
+    recorded = privatekt.DEMO_PAGE.parent / "privatekt_demo" / "runs"
+    page = tmp_path / "page.md"
+    page.write_text(privatekt.DEMO_PAGE.read_text())
+    out = tmp_path / "out"
+    out.mkdir()
+
+    assert privatekt.main(["--demo-root", str(recorded), "--out", str(out), "--page", str(page)]) == 0
+
+    assert page.read_text() == privatekt.DEMO_PAGE.read_text()
+    assert sorted(folder.name for folder in recorded.iterdir()) == ["demo_seed1", "demo_seed2", "demo_seed3"]
+
+
 def test_privatekt_demo_without_runs_says_so(tmp_path, capsys):
     assert privatekt.main(["--demo-root", str(tmp_path), "--out", str(tmp_path / "out")]) == 1
     assert "no demo_seed* run" in capsys.readouterr().err
