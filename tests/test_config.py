@@ -408,16 +408,19 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
     for job in (j for j in jobs if "seed=1" in j and "privacy.epsilon=1" in j):
         cfg = compose_config(job)
         validate_config(cfg, check_data=False)
+        # PrivateKT runs its authors' network (model=auto -> privatekt_cnn) at their lr; the rest the MLP
+        model = "auto" if cfg.strategy.name == "privatekt" else "mlp"
         assert (cfg.num_clients, cfg.dataset.name, cfg.partition.alpha, cfg.model) == (
             1000,
             "fashion_mnist",
             0.5,
-            "mlp",
+            model,
         )
         assert cfg.privacy.secure_rng is True and cfg.privacy.delta < 1 / cfg.num_clients
         rules[cfg.strategy.name] = (cfg.clients_per_round, cfg.num_rounds, cfg.strategy.get("schedule"))
         if cfg.strategy.name == "privatekt":
             assert cfg.local_epochs == 5  # chosen on the validation split
+            assert cfg.lr == 0.05  # the authors'
     assert rules == {
         "dp_fedavg": (100, 30, None),
         "dp_fedavg_adaptive": (100, 100, None),
