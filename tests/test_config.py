@@ -72,17 +72,17 @@ def test_every_experiment_preset_composes_validates_and_sets_its_values():
         cfg = compose_config([f"+experiment={option}"])
         validate_config(cfg, check_data=False)
         own = yaml.safe_load((CONF_DIR / "experiment" / f"{option}.yaml").read_text())
-        for entry in own.get("defaults", []):  # override /group: option -> that group's option is composed
+        defaults = own.get("defaults", [])
+        after_self = defaults.index("_self_") + 1 if "_self_" in defaults else len(defaults)
+        later = set()  # keys set by an arm listed after _self_ (compare_cross_device's /cross_device: ...)
+        for position, entry in enumerate(defaults):
             for target, choice in entry.items() if isinstance(entry, dict) else []:
                 group = target.split()[-1].strip("/")
-                if group in ("strategy", "dataset", "partition") and isinstance(choice, str):
-                    assert cfg[group].name == choice, (option, group)
-        # an arm listed after _self_ (compare_cross_device's /cross_device: ...) wins over the preset
-        later = set()
-        for entry in own.get("defaults", []):
-            for target, choice in entry.items() if isinstance(entry, dict) else []:
-                if not target.startswith("override") and "_self_" in own["defaults"]:
-                    arm = yaml.safe_load((CONF_DIR / target.strip("/") / f"{choice}.yaml").read_text())
+                if target.startswith("override"):  # override /group: option -> that option is composed
+                    if group in ("strategy", "dataset", "partition") and isinstance(choice, str):
+                        assert cfg[group].name == choice, (option, group)
+                elif position >= after_self:  # the arm wins over the preset's own values
+                    arm = yaml.safe_load((CONF_DIR / group / f"{choice}.yaml").read_text())
                     later |= {key.rstrip(".") for key, _ in _leaves(arm) if key != "defaults."}
         settings = {key: value for key, value in own.items() if key not in ("defaults", "hydra")}
         checked = 0
