@@ -280,11 +280,7 @@ def _run_job() -> None:
             sys.exit(1)
         return
     if outcome.status == "interrupted":
-        print(
-            f"dpfl: run interrupted ({outcome.reason}); results and checkpoint in {outcome.output_dir}; "
-            f"continue with: python -m fl_app resume={outcome.output_dir}",
-            file=sys.stderr,
-        )
+        print(f"dpfl: run interrupted ({outcome.reason}); {outcome.resume_hint()}", file=sys.stderr)
         sys.exit(outcome.exit_code)  # ends a multirun too
 
 

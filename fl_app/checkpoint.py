@@ -1,22 +1,26 @@
 """Checkpoints after every round, and ``resume=<output dir>``.
 
-After each completed round the server writes ``checkpoint.pkl`` into the output
-directory, atomically (a temporary file, then a rename): the round number, the
-global model, the whole strategy object (its accountant, schedules, momentum,
-buffers: everything it carries from round to round), the results so far, the
-process RNG states, and the overrides the run was composed from. Every
-per-round generator of dpfl is derived from (seed, purpose, round), so the
-next round draws exactly what it would have drawn without the interruption.
+After each completed round the server writes ``private_server_state.pkl`` into the output
+directory, atomically (a temporary file, then a rename) and readable by its owner only (mode
+0600): the round number, the global model, the strategy object without what only lives within a
+round (its accountant, schedules, momentum, buffers: everything it carries from round to round;
+:meth:`strategies.base.FederatedStrategy.for_checkpoint` drops the cohorts, replies and un-noised
+statistics of finished rounds), the results so far, the process RNG states, and the overrides the
+run was composed from. Every per-round generator of dpfl is derived from (seed, purpose, round), so
+the next round draws exactly what it would have drawn without the interruption.
 
 The strategy is pickled without the run's context: the configuration, the data,
 the random sources and every :class:`~fl_app.roster.ClientInfo` are stored as
 references (:meth:`pickle.Pickler.persistent_id`) and re-bound to the resumed
 run's (node ids change between simulations; client ids do not).
 
-``checkpoint.pkl`` is the server's private state (it holds noise generator
-states and, for some strategies, un-noised aggregates): it is not a result to
-publish. It is removed when a private run completes (such a run cannot be extended:
-see :func:`fl_app.resume.resume_overrides`).
+The file is the server's *private* state, named for it: some strategies must carry un-noised
+aggregates to continue exactly (DP-FTRL: the running sum of the current tree's clipped updates;
+:meth:`~strategies.base.FederatedStrategy.private_state` says what a strategy keeps). It is not a
+result to publish: the report, tensorboard and the benchmark exports read named result files only,
+the interrupt line says what it holds, and it is removed when a private run completes (such a run
+cannot be extended: see :func:`fl_app.resume.resume_overrides`). A run of an earlier version wrote
+``checkpoint.pkl`` (:data:`LEGACY_FILE`), which is still read.
 """
 
 from __future__ import annotations
@@ -34,7 +38,11 @@ from flwr.app import Array, ArrayRecord
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 
-CHECKPOINT_FILE = "checkpoint.pkl"
+CHECKPOINT_FILE = "private_server_state.pkl"
+#: The name earlier versions wrote (read when :data:`CHECKPOINT_FILE` is absent).
+LEGACY_FILE = "checkpoint.pkl"
+#: Owner read/write only: the file holds the server's private state.
+FILE_MODE = 0o600
 FORMAT = 1
 #: The checkpoint fields readable without the run (:func:`read_header`).
 HEADER_KEYS = ("completed_round", "num_rounds", "overrides", "fingerprint", "status")
@@ -114,7 +122,7 @@ def restore_rng_states(states: dict[str, Any]) -> None:
 
 
 def save_checkpoint(output_dir: Path, checkpoint: Checkpoint, run: RunContext) -> Path:
-    """Write ``checkpoint.pkl`` atomically; return its path.
+    """Write the checkpoint atomically, readable by its owner only; return its path.
 
     The file holds two pickles: a small header (format, round, overrides, fingerprint) that
     :func:`read_header` reads without touching the rest, then the whole checkpoint.
@@ -122,15 +130,29 @@ def save_checkpoint(output_dir: Path, checkpoint: Checkpoint, run: RunContext) -
     header = {"format": FORMAT, **{key: getattr(checkpoint, key) for key in HEADER_KEYS}}
     stream = io.BytesIO()
     pickle.dump(header, stream, protocol=pickle.HIGHEST_PROTOCOL)
-    _Pickler(stream, run).dump(checkpoint.__dict__)
+    content = dict(checkpoint.__dict__)
+    keep = getattr(checkpoint.strategy, "for_checkpoint", None)  # without what only lives within a round
+    if keep is not None:
+        content["strategy"] = keep()
+    _Pickler(stream, run).dump(content)
     path = output_dir / CHECKPOINT_FILE
     temporary = output_dir / f".{CHECKPOINT_FILE}.tmp"
-    with temporary.open("wb") as handle:
+    temporary.unlink(missing_ok=True)  # a leftover of a write that failed may have other permissions
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
+    with os.fdopen(descriptor, "wb") as handle:
         handle.write(stream.getbuffer())
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)
+    (output_dir / LEGACY_FILE).unlink(missing_ok=True)  # a resumed run of an earlier version
     return path
+
+
+def state_path(output_dir: Path) -> Path:
+    """The checkpoint file of ``output_dir``: :data:`CHECKPOINT_FILE`, or an earlier version's."""
+    path = output_dir / CHECKPOINT_FILE
+    legacy = output_dir / LEGACY_FILE
+    return legacy if not path.exists() and legacy.exists() else path
 
 
 def read_header(output_dir: Path) -> dict[str, Any]:
@@ -144,7 +166,7 @@ def read_header(output_dir: Path) -> dict[str, Any]:
         When the file is not a dpfl checkpoint of this format.
 
     """
-    path = output_dir / CHECKPOINT_FILE
+    path = state_path(output_dir)
     with path.open("rb") as handle:
         try:
             header = pickle.load(handle)
@@ -156,8 +178,8 @@ def read_header(output_dir: Path) -> dict[str, Any]:
 
 
 def load_checkpoint(output_dir: Path, run: RunContext) -> Checkpoint:
-    """Read ``checkpoint.pkl`` and bind its strategy to ``run``."""
-    stream = io.BytesIO((output_dir / CHECKPOINT_FILE).read_bytes())
+    """Read the checkpoint and bind its strategy to ``run``."""
+    stream = io.BytesIO(state_path(output_dir).read_bytes())
     pickle.load(stream)  # the header
     return Checkpoint(**_Unpickler(stream, run).load())
 
@@ -165,3 +187,4 @@ def load_checkpoint(output_dir: Path, run: RunContext) -> Checkpoint:
 def remove_checkpoint(output_dir: Path) -> None:
     """Delete the checkpoint of a completed run."""
     (output_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
+    (output_dir / LEGACY_FILE).unlink(missing_ok=True)

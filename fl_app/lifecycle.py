@@ -9,7 +9,8 @@
   failures, a dead worker); the command exits with status 1 and one line naming the reason;
 * ``interrupted``: SIGINT or SIGTERM (:class:`RunInterrupted`); exit status 130 or 143.
 
-A run that did not complete keeps its checkpoint (``checkpoint.pkl``) and can be continued
+A run that did not complete keeps its checkpoint (``private_server_state.pkl``, the server's
+private state: readable by its owner only) and can be continued
 with ``python -m fl_app resume=<output dir>``.
 
 The signal handlers only *request* a stop (:data:`STOP`): the server thread sees it between two
@@ -66,6 +67,17 @@ class Outcome:
     exit_code: int
     reason: str
     output_dir: str
+    #: What the checkpoint holds, when the run can continue (None: no round completed, nothing to resume).
+    private_state: str | None = None
+
+    def resume_hint(self) -> str:
+        """Where the results are and how to continue, or that there is nothing to continue."""
+        if self.private_state is None:
+            return f"results in {self.output_dir}; nothing to resume (no round completed)"
+        return (
+            f"results in {self.output_dir}; continue with: python -m fl_app resume={self.output_dir} "
+            f"({self.private_state})"
+        )
 
 
 _outcome: list[Outcome] = []

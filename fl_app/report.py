@@ -132,13 +132,19 @@ class Run:
         return sorted(k for k, v in flatten(raw).items() if isinstance(v, str) and "${per_budget:" in v)
 
     def upload_per_client_round(self) -> float | None:
-        """Mean over rounds of the round's upload bytes divided by its number of clients."""
-        values = [
-            r["upload_bytes"] / r["clients"]
-            for r in self.results["rounds"]
-            if r.get("clients") and r.get("upload_bytes") is not None
-        ]
+        """Mean over rounds of the round's upload bytes divided by its number of clients.
+
+        A run with secret cohorts publishes no per-round counts: its ``final.upload_bytes_per_client``.
+        """
+        values = [v for v in (self.round_upload_per_client(r) for r in self.results["rounds"]) if v]
         return float(np.mean(values)) if values else None
+
+    def round_upload_per_client(self, record: dict[str, Any]) -> float | None:
+        """One round's upload bytes per participating client (None: unknown)."""
+        if record.get("clients") and record.get("upload_bytes") is not None:
+            return float(record["upload_bytes"]) / float(record["clients"])
+        per_client = self.results["final"].get("upload_bytes_per_client")
+        return None if per_client is None else float(per_client)
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -445,9 +451,8 @@ def _mean_curves(
         if x_of == "round":
             xs = [r["round"] for r in rounds]
         else:
-            per_client = np.cumsum(
-                [(r["upload_bytes"] / r["clients"]) if r.get("clients") else 0.0 for r in rounds]
-            )
+            run = runs_by_dir[directory]
+            per_client = np.cumsum([run.round_upload_per_client(r) or 0.0 for r in rounds])
             xs = list(per_client)
         points = [
             (x, r["accuracy"]) for x, r in zip(xs, rounds, strict=True) if r.get("accuracy") is not None

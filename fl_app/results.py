@@ -24,7 +24,7 @@
 
 * ``status``: see :mod:`fl_app.lifecycle`. A run that stopped early (``failed``,
   ``interrupted``) still writes its results up to its last completed round, the
-  privacy ledger of every round whose noise was released, and ``checkpoint.pkl``
+  privacy ledger of every round whose noise was released, and ``private_server_state.pkl``
   for ``resume=``.
 
 * ``epsilon`` is the cumulative epsilon of the worst client at ``privacy.delta``
@@ -42,6 +42,14 @@
 * ``upload_bytes``/``download_bytes``: serialised size of that round's train
   messages, summed over clients (``*_array_bytes``: raw array data only).
 * ``wall_s``: seconds since the run started; ``round_s``: this round's duration.
+* With a secret cohort (DP-FedAvg's and adaptive clipping's Poisson sampling, whose amplification
+  needs the cohort hidden from model observers) the rounds hold none of :data:`COHORT_FIELDS`
+  (bytes, ``clients``, ``failures``, ``wall_s``, ``round_s``): each is a function of the secret
+  coins. They go to ``outside_guarantee`` (``secret_cohort_clients``, ...) with
+  ``privacy.diagnostics=true``; ``final`` then has ``upload_bytes_per_client`` and
+  ``download_bytes_per_client`` (one message's size, rounded to 1 kB) instead of ``failures``, and
+  ``privacy.total.not_covered`` names what still depends on the cohorts (the total wall time, the
+  status). ``run.log`` withholds the rounds' durations and the lines about failed clients.
 * ``privacy.randomness``: whether the privacy noise and secret cohorts were
   seeded (reproducible from the published configuration: the epsilon then
   describes a deployment where they are secret) or drawn from OS entropy.
@@ -74,6 +82,20 @@ from fl_app.models import ModelSpec
 from fl_app.tracking import RoundTracker
 
 SCHEMA_VERSION = 1
+#: Per-round fields that are functions of the round's cohort. With a secret cohort (amplification by
+#: sampling) they are not published: they go to ``outside_guarantee`` as ``secret_cohort_<field>``.
+COHORT_FIELDS = (
+    "upload_bytes",
+    "download_bytes",
+    "upload_array_bytes",
+    "download_array_bytes",
+    "clients",
+    "failures",
+    "wall_s",
+    "round_s",
+    "evaluate_upload_bytes",
+    "evaluate_download_bytes",
+)
 OUTSIDE_GUARANTEE_NOTE = (
     "NOT covered by any epsilon of this run: computed from un-noised client data (simulation-only "
     "diagnostics, privacy.diagnostics=true); do not publish them with the model"
@@ -142,12 +164,19 @@ class RunRecorder:
         self.diagnostics = diagnostics
         self.outside: list[dict[str, Any]] = []
         self.stopped: dict[str, Any] | None = None
+        #: Failed train replies over the run (published as ``final.failures`` unless the cohorts are secret).
+        self.failures = 0
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the results so far."""
-        return {"rounds": list(self.rounds), "initial": dict(self.initial), "outside": list(self.outside)}
+        return {
+            "rounds": list(self.rounds),
+            "initial": dict(self.initial),
+            "outside": list(self.outside),
+            "failures": self.failures,
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state` (a resumed run)."""
@@ -156,6 +185,7 @@ class RunRecorder:
             dict(state["initial"]),
             list(state["outside"]),
         )
+        self.failures = int(state.get("failures", 0))
 
     def add_initial(self, values: dict[str, Any]) -> None:
         """The initial model's evaluation (round 0)."""

@@ -78,8 +78,9 @@ def expand_resume(overrides: Sequence[str]) -> list[str]:
         raise ConfigError(
             RESUME_KEY,
             str(directory),
-            "holds no checkpoint.pkl: it is not the output directory of a run that completed a round "
-            "(a private run that completed removes its checkpoint: it cannot be extended)",
+            "holds no private_server_state.pkl (checkpoint): it is not the output directory of a run "
+            "that completed a round (a private run that completed removes its checkpoint: it cannot "
+            "be extended)",
         ) from None
     except (OSError, ValueError) as error:
         raise ConfigError(RESUME_KEY, str(directory), " ".join(str(error).split())) from None

@@ -55,19 +55,35 @@ def run_rounds(
 
 
 def check_round(
-    server_round: int, *, clients: int, failures: int, reasons: list[str], max_failure_fraction: float
+    server_round: int,
+    *,
+    clients: int,
+    failures: int,
+    reasons: list[str],
+    max_failure_fraction: float,
+    secret_cohort: bool = False,
 ) -> None:
     """Stop the run (:class:`RunFailed`) when a round went wrong beyond what a run may absorb.
 
     A lost simulation worker stops the run at once (the engine does not replace it: every
     later round would silently run with less capacity and more failures); a round in which
-    no client replied, or more than ``max_failure_fraction`` of the cohort failed, too.
+    no client replied, or more than ``max_failure_fraction`` of the cohort failed, too. With a
+    ``secret_cohort`` the message names no count and no error text (both would tell about it).
     """
     if any(marker in reason for reason in reasons for marker in WORKER_LOST_MARKERS):
         raise RunFailed(
             f"round {server_round}: a simulation worker (Ray actor) died; the engine does not replace "
             "it, so the run stops (memory? see run.log)"
         )
+    if secret_cohort:
+        if clients and failures >= clients:
+            raise RunFailed(f"round {server_round}: no client of the (secret) cohort replied")
+        if clients and failures / clients > max_failure_fraction:
+            raise RunFailed(
+                f"round {server_round}: more than simulation.max_failure_fraction={max_failure_fraction:g} "
+                "of the (secret) cohort failed"
+            )
+        return
     if clients and failures >= clients:
         raise RunFailed(f"round {server_round}: none of the {clients} clients replied ({_first(reasons)})")
     if clients and failures / clients > max_failure_fraction:

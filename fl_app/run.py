@@ -30,6 +30,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from fl_app import keys
 from fl_app.checkpoint import (
+    CHECKPOINT_FILE,
     Checkpoint,
     load_checkpoint,
     remove_checkpoint,
@@ -55,12 +56,14 @@ from fl_app.lifecycle import (
 )
 from fl_app.metering import MeteredGrid
 from fl_app.models import ModelSpec
+from fl_app.privacy.canaries import HEADER_NOTE as CANARY_HEADER
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
 from fl_app.results import LEDGER_FILE, RunRecorder, short_unit, write_json
 from fl_app.resume import checkpoint_overrides
 from fl_app.roster import ClientInfo, discover_roster, on_devices
 from fl_app.round_loop import check_round, run_rounds
 from fl_app.run_context import RunContext, output_path
+from fl_app.run_log import PublishedLogFilter, one_line_console, run_log_handler, withheld_from_file
 from fl_app.tracking import make_tracker
 from fl_app.validation import validate_config
 from strategies import EVALUATION_STAGES, STRATEGIES
@@ -283,21 +286,6 @@ def describe_randomness(randomness: dict[str, Any]) -> str:
     return f"privacy randomness from OS entropy: {SECURE_NOTE}"
 
 
-def one_line_console(record: logging.LogRecord) -> bool:
-    """Console filter: a failing client is one line (Flower logs its exception and traceback).
-
-    Tracebacks are dropped from the console and multi-line errors cut to their first line;
-    ``run.log`` keeps everything.
-    """
-    if record.levelno >= ERROR:
-        text = record.getMessage()
-        if text.startswith("Traceback (most recent call last)"):
-            return False
-        if "\n" in text.strip():
-            record.msg, record.args = text.strip().splitlines()[0], ()
-    return True
-
-
 def execute(
     grid: Grid, cfg: DictConfig, output_dir: Path, *, overrides: Sequence[str] = ()
 ) -> dict[str, Any] | None:
@@ -307,8 +295,7 @@ def execute(
     run ended is also recorded for the driver (:func:`fl_app.lifecycle.take_outcome`).
     """
     output_dir.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(output_dir / LOG_FILE)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler, published = run_log_handler(output_dir / LOG_FILE)
     flower_logger = logging.getLogger("flwr")
     flower_logger.addHandler(handler)
     # Flower's logger has its own console handler. In Flower's simulation process
@@ -317,7 +304,7 @@ def execute(
     propagate, flower_logger.propagate = flower_logger.propagate, False
     console_handler.addFilter(one_line_console)
     try:
-        return _execute(grid, cfg, output_dir, list(overrides))
+        return _execute(grid, cfg, output_dir, list(overrides), published)
     except RunStopped as stop:  # stopped before the first round: nothing but run.log to write
         log(ERROR, "dpfl: run %s before its first round: %s", stop.status, stop)
         record_outcome(Outcome(stop.status, stop.exit_code, str(stop), str(output_dir)))
@@ -329,7 +316,9 @@ def execute(
         handler.close()
 
 
-def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]) -> dict[str, Any] | None:
+def _execute(
+    grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str], published: PublishedLogFilter
+) -> dict[str, Any] | None:
     started = time.monotonic()
     log(
         INFO,
@@ -369,8 +358,11 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
         if stage is not None:
             strategy = stage(strategy)
         arrays = strategy.initial_arrays()
+    published.secret_cohort = strategy.secret_cohort  # run.log then withholds what depends on the cohort
     randomness = privacy_randomness(strategy)
     log(INFO, "dpfl: %s", describe_randomness(randomness))
+    if run.canaries:
+        log(INFO, "dpfl: %s", CANARY_HEADER.format(count=run.canaries))
     recorder = RunRecorder(
         output_dir,
         cfg,
@@ -413,16 +405,16 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
         status, reason = stop.status, str(stop)
         arrays = reporter.last_arrays
         abandoned = metered.take()
-        recorder.stopped = {
-            "reason": reason,
-            "after_round": reporter.completed_round,
-            "abandoned_round_replies": int(abandoned.get("train_replies", 0)),
-            "resume": f"python -m fl_app resume={output_dir}",
-        }
+        recorder.stopped = {"reason": reason, "after_round": reporter.completed_round}
+        if reporter.completed_round > 0:  # a checkpoint exists: the run can continue
+            recorder.stopped["resume"] = f"python -m fl_app resume={output_dir}"
+            recorder.stopped["private_state"] = private_state_text(strategy, output_dir)
+        if not strategy.secret_cohort:  # a secret cohort's replies would tell its size
+            recorder.stopped["abandoned_round_replies"] = int(abandoned.get("train_replies", 0))
         exit_code = stop.exit_code
     else:
         exit_code = 0
-    failures = sum(int(r.get("failures", 0)) for r in recorder.rounds)
+    failures = recorder.failures
     if status == "completed" and failures:
         status = "completed_with_failures"
     report = privacy_report(strategy, randomness=randomness, final=arrays)
@@ -452,7 +444,8 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
             "setup_bytes": int(
                 setup_traffic.get("query_download_bytes", 0) + setup_traffic.get("query_upload_bytes", 0)
             ),
-            "failures": failures,
+            # with a secret cohort: no count of failures (it depends on the cohorts), sizes per client
+            **(reporter.secret_traffic.per_client() if strategy.secret_cohort else {"failures": failures}),
         },
         arrays=arrays,
         model_spec=model_spec,
@@ -461,16 +454,22 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
     )
     if status.startswith("completed") and strategy.is_private(cfg):
         remove_checkpoint(output_dir)  # a private run cannot be extended; keep no server secrets
-    record_outcome(Outcome(status, exit_code, reason, str(output_dir)))
+    stopped = recorder.stopped or {}
+    record_outcome(Outcome(status, exit_code, reason, str(output_dir), stopped.get("private_state")))
     if exit_code:
+        resume = (
+            f"; continue with: python -m fl_app resume={output_dir} ({recorder.stopped['private_state']})"
+            if recorder.stopped and "resume" in recorder.stopped
+            else "; nothing to resume (no round completed)"
+        )
         log(
             ERROR,
-            "dpfl: run %s after round %d: %s; results in %s; continue with: python -m fl_app resume=%s",
+            "dpfl: run %s after round %d: %s; results in %s%s",
             status,
             reporter.completed_round,
             reason,
             output_dir,
-            output_dir,
+            resume,
         )
         return results
     log(
@@ -494,6 +493,46 @@ def _execute(grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str]
         output_dir,
     )
     return results
+
+
+def private_state_text(strategy: FederatedStrategy, output_dir: Path) -> str:
+    """What the interrupt line and ``stopped.private_state`` say about the checkpoint file."""
+    held = strategy.private_state()
+    return (
+        f"{output_dir / CHECKPOINT_FILE} is the server's private state"
+        f"{': it holds ' + held if held else ''}; readable by its owner only, never publish it; it is "
+        "removed when the run completes"
+    )
+
+
+class TrafficTotals:
+    """Bytes and messages of train rounds summed over a run, for sizes per client (:meth:`per_client`)."""
+
+    #: Per-client sizes are rounded to this many bytes: a reply's serialised size can differ by a few
+    #: bytes between clients (its metrics), and a published size must not depend on who replied.
+    ROUNDING = 1000
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def add(self, traffic: dict[str, float]) -> None:
+        """Add one round's counters (:meth:`fl_app.metering.MeteredGrid.take`)."""
+        for key in ("train_upload_bytes", "train_replies", "train_download_bytes", "train_messages"):
+            self.totals[key] = self.totals.get(key, 0.0) + float(traffic.get(key, 0.0))
+
+    def per_client(self) -> dict[str, int | None]:
+        """``upload_bytes_per_client`` / ``download_bytes_per_client``: a train reply's and message's size."""
+
+        def size(total: str, count: str) -> int | None:
+            if not self.totals.get(count):
+                return None
+            mean = self.totals[total] / self.totals[count]
+            return int(round(mean / self.ROUNDING) * self.ROUNDING)
+
+        return {
+            "upload_bytes_per_client": size("train_upload_bytes", "train_replies"),
+            "download_bytes_per_client": size("train_download_bytes", "train_messages"),
+        }
 
 
 class RoundReporter:
@@ -527,6 +566,8 @@ class RoundReporter:
         self.completed_round = 0
         self.last_arrays: ArrayRecord | None = None
         self.earlier_s = 0.0  # wall time of the run's earlier sessions (resume)
+        #: Bytes and messages of the rounds whose cohort is secret (per-client sizes in ``final``).
+        self.secret_traffic = TrafficTotals()
 
     def elapsed(self) -> float:
         """Seconds the run has taken so far (over all its sessions)."""
@@ -541,7 +582,7 @@ class RoundReporter:
         self.started = self.last = time.monotonic()
 
     def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
-        """Write the privacy ledger and ``checkpoint.pkl`` of a completed round (both atomically)."""
+        """Write the privacy ledger and the checkpoint of a completed round (both atomically)."""
         run = self.strategy.run
         if self.strategy.accountant is not None:
             write_json(run.output_dir / LEDGER_FILE, self.strategy.accountant.state_dict())
@@ -586,6 +627,8 @@ class RoundReporter:
             "accuracy": accuracy,
             "loss": loss,
             **report.privacy_fields(),
+        }
+        cohort = {  # functions of the round's cohort
             "upload_bytes": int(traffic.get("train_upload_bytes", 0)),
             "download_bytes": int(traffic.get("train_download_bytes", 0)),
             "upload_array_bytes": int(traffic.get("train_upload_array_bytes", 0)),
@@ -596,35 +639,43 @@ class RoundReporter:
             "round_s": now - self.last,
         }
         if traffic.get("evaluate_messages"):
-            record["evaluate_upload_bytes"] = int(traffic.get("evaluate_upload_bytes", 0))
-            record["evaluate_download_bytes"] = int(traffic.get("evaluate_download_bytes", 0))
+            cohort["evaluate_upload_bytes"] = int(traffic.get("evaluate_upload_bytes", 0))
+            cohort["evaluate_download_bytes"] = int(traffic.get("evaluate_download_bytes", 0))
+        diagnostics = dict(report.diagnostics)
+        self.recorder.failures += len(report.failures)
+        if report.secret_cohort:
+            # A secret cohort's size, failures, bytes and duration would tell model observers about
+            # the coins amplification by sampling rests on: outside the guarantee only.
+            self.secret_traffic.add(traffic)
+            diagnostics = {f"secret_cohort_{key}": value for key, value in cohort.items()} | diagnostics
+        else:
+            record.update(cohort)
         record.update(report.extras)
         self.recorder.add_round(record)
-        self.recorder.add_diagnostics(server_round, report.diagnostics)
+        self.recorder.add_diagnostics(server_round, diagnostics)
         self.last = now
         self.completed_round = server_round
         self.last_arrays = arrays
         self.checkpoint(server_round, arrays)
         check_round(
             server_round,
-            clients=record["clients"],
-            failures=record["failures"],
+            clients=report.clients,
+            failures=len(report.failures),
             reasons=list(report.failure_reasons),
             max_failure_fraction=self.max_failure_fraction,
+            secret_cohort=report.secret_cohort,
         )
         remaining = float(np.mean(self.durations)) * (self.num_rounds - server_round)
-        log(
-            INFO,
-            "dpfl round %d/%d: %saccuracy %s, loss %s, %s | elapsed %s, remaining ~%s",
-            server_round,
-            self.num_rounds,
-            f"{progress_bar(server_round, self.num_rounds)} " if interactive() else "",
-            _fmt(accuracy),
-            _fmt(loss),
-            epsilon_text(record["epsilon"], self.strategy.run.delta),
-            format_duration(self.elapsed()),
-            format_duration(remaining),
+        line = (
+            f"dpfl round {server_round}/{self.num_rounds}: "
+            f"{progress_bar(server_round, self.num_rounds) + ' ' if interactive() else ''}"
+            f"accuracy {_fmt(accuracy)}, loss {_fmt(loss)}, "
+            f"{epsilon_text(record['epsilon'], self.strategy.run.delta)}"
         )
+        timing = f" | elapsed {format_duration(self.elapsed())}, remaining ~{format_duration(remaining)}"
+        # With a secret cohort a round's duration tells its size: the console (the operator, who
+        # draws the cohort) shows it, run.log (beside the published results) does not.
+        log(INFO, "%s", line + timing, extra=withheld_from_file(line if report.secret_cohort else None))
         metrics = {
             k: float(v)
             for k, v in (("accuracy", accuracy), ("loss", loss), ("epsilon", record["epsilon"]))

@@ -295,7 +295,14 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
 
 
 #: Files that mark a directory as an earlier run's output.
-RUN_FILES = ("results.json", "run.log", "metrics.csv", "privacy_ledger.json", "checkpoint.pkl")
+RUN_FILES = (
+    "results.json",
+    "run.log",
+    "metrics.csv",
+    "privacy_ledger.json",
+    "private_server_state.pkl",
+    "checkpoint.pkl",
+)
 
 
 def check_output_dir(cfg: DictConfig) -> None:

@@ -31,6 +31,7 @@ The shared parts live in one module each, mixed in here: client selection
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -136,6 +137,28 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
         #: Cohorts fixed at start-up (:meth:`seeded_schedule`), or None to sample each round.
         self.planned_cohorts: dict[int, list[ClientInfo]] | None = None
 
+    # ------------------------------------------------------------------ checkpoints
+
+    #: Attributes that only live within a round (its cohort, failures, the arrays it started from,
+    #: un-noised statistics for the diagnostics): never written to the server's private state file.
+    ROUND_STATE: ClassVar[tuple[str, ...]] = ("_selected", "_failed", "_failure_reasons", "_round_global")
+
+    def for_checkpoint(self) -> FederatedStrategy:
+        """What a checkpoint keeps: a shallow copy, :attr:`ROUND_STATE` emptied (:mod:`fl_app.checkpoint`)."""
+        kept = copy.copy(self)
+        for name in self.ROUND_STATE:
+            value = getattr(self, name, None)
+            setattr(kept, name, type(value)() if isinstance(value, dict) else None)
+        return kept
+
+    def private_state(self) -> str | None:
+        """What the checkpoint holds that no epsilon covers (un-noised aggregates, secrets), or None.
+
+        Said in the interrupt line and the results' ``stopped`` object (override where a strategy
+        must carry un-noised state across rounds to continue exactly).
+        """
+        return None
+
     # ------------------------------------------------------------------ configuration
 
     @classmethod
@@ -229,7 +252,7 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
                 rate=self.run.clients_per_round / self.run.num_clients,
                 dimension=self._initial_vector.size,
                 randomness=self.run.randomness,
-                max_participations=self.canary_participation_cap(),
+                patterns=self.canary_patterns(count),
             )
         clients = self.select_clients(server_round)
         self._selected[server_round] = clients
@@ -296,12 +319,13 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
             for k in self.canaries.sampled(server_round)
         ]
 
-    def canary_participation_cap(self) -> int | None:
-        """At most how often a canary may be inserted: the accountant's worst client (None: no cap).
+    def canary_patterns(self, count: int) -> list[frozenset[int]] | None:
+        """The rounds each canary takes part in under a planned schedule (None: sampled like clients).
 
-        Sampled cohorts (Poisson) need none: canaries are sampled like clients. A schedule that
-        bounds participations must bound the canaries' too, or they would measure a larger
-        release than any real client's.
+        Sampled cohorts (Poisson) need none: canaries are sampled at the cohort rate. A strategy
+        whose schedule is planned returns, for each canary, the rounds of a client its epsilon is
+        about (:func:`fl_app.privacy.canaries.worst_client_patterns`): a canary that took part
+        more often, or in a worse pattern, would measure a larger release than any real client's.
         """
         return None
 

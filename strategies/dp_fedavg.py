@@ -89,6 +89,7 @@ class DPFedAvgStrategy(FederatedStrategy):
 
     settings_type = DPFedAvgSettings
     settings: DPFedAvgSettings
+    ROUND_STATE = (*FederatedStrategy.ROUND_STATE, "_norms")  # un-noised: never checkpointed
 
     def __init__(self, run: RunContext, settings: DPFedAvgSettings | None = None) -> None:
         super().__init__(run, settings)

@@ -69,6 +69,7 @@ from flwr.supercore import log
 
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import noise_multiplier_for_histories, tree_sensitivity_increments
+from fl_app.privacy.canaries import worst_client_patterns
 from fl_app.privacy.composition import History
 from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, TreeAggregation
 from fl_app.privacy.mechanisms import gaussian_mechanism, tree_prefix_nodes
@@ -182,9 +183,25 @@ class DPFTRLStrategy(FederatedStrategy):
                 leaves.setdefault(info.client_id, []).append(server_round)
         return leaves
 
-    def canary_participation_cap(self) -> int | None:
-        """Canaries join at most as often as the schedule's busiest client (the accounted one)."""
-        return max(self.max_participations, 1)
+    def private_state(self) -> str:
+        """The current tree's un-noised running sum of clipped updates and its open nodes' noise."""
+        return (
+            "DP-FTRL's un-noised running sum of the current tree's clipped updates and the noise of its "
+            "open nodes (needed to continue the tree exactly)"
+        )
+
+    def canary_patterns(self, count: int) -> list[frozenset[int]]:
+        """Each canary takes part in the rounds of a worst client of the schedule (the accounted one).
+
+        With ``restart=epoch`` that is once in every tree (at that client's leaf); with ``none``
+        the leaves whose squared sensitivity is the largest.
+        """
+        loads = self._loads()
+        top = max(loads.values())
+        worst = sorted(client for client, value in loads.items() if value == top)
+        return worst_client_patterns(
+            self._leaves, worst=worst, count=count, rng=self.run.randomness.generator("canary-pattern")
+        )
 
     @property
     def max_participations(self) -> int:
@@ -205,8 +222,8 @@ class DPFTRLStrategy(FederatedStrategy):
             for t, d in zip(rounds, self._increments(client), strict=True)
         ]
 
-    def _worst_histories(self) -> Callable[[float], list[History]]:
-        """``z -> histories`` of the clients with the largest squared sensitivity (the worst ones)."""
+    def _loads(self) -> dict[int, float]:
+        """Client id -> its total squared sensitivity over the schedule (the worst clients' is largest)."""
 
         def load(client: int) -> float:
             if self.settings.restart == "epoch":
@@ -215,7 +232,11 @@ class DPFTRLStrategy(FederatedStrategy):
                 )
             return float(sum(self._increments(client)))
 
-        loads = {client: load(client) for client in self._leaves}
+        return {client: load(client) for client in self._leaves}
+
+    def _worst_histories(self) -> Callable[[float], list[History]]:
+        """``z -> histories`` of the clients with the largest squared sensitivity (the worst ones)."""
+        loads = self._loads()
         top = max(loads.values())
         worst = [client for client, value in loads.items() if value == top]
         distinct = {tuple(sorted(repr(m) for _, m in self._mechanisms(c, 1.0))): c for c in worst}

@@ -120,6 +120,7 @@ class DPFLBNNStrategy(FederatedStrategy):
 
     settings_type = DPFLBNNSettings
     settings: DPFLBNNSettings
+    ROUND_STATE = (*FederatedStrategy.ROUND_STATE, "_local_accuracy")  # un-noised: never checkpointed
 
     def __init__(self, run: RunContext, settings: DPFLBNNSettings | None = None) -> None:
         super().__init__(run, settings)

@@ -43,6 +43,7 @@ from flwr.supercore import log
 from fl_app import keys
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import local_gaussian_noise_multiplier, local_gaussian_sigma
+from fl_app.privacy.canaries import worst_client_patterns
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import clip_l2, local_gaussian_update
@@ -118,9 +119,17 @@ class FedAvgLDPStrategy(FederatedStrategy):
             self.max_participations,
         )
 
-    def canary_participation_cap(self) -> int | None:
-        """Canaries upload at most as often as the schedule's busiest client (the accounted one)."""
-        return max(self.max_participations, 1) if self.budget_scope == "total" else 1
+    def canary_patterns(self, count: int) -> list[frozenset[int]]:
+        """Each canary uploads in the rounds of a busiest client of the schedule (the accounted one)."""
+        assert self.planned_cohorts is not None
+        rounds_of: dict[int, set[int]] = {}
+        for server_round, cohort in self.planned_cohorts.items():
+            for info in cohort:
+                rounds_of.setdefault(info.client_id, set()).add(server_round)
+        worst = sorted(c for c, rounds in rounds_of.items() if len(rounds) == self.max_participations)
+        return worst_client_patterns(
+            rounds_of, worst=worst, count=count, rng=self.run.randomness.generator("canary-pattern")
+        )
 
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """Clipping bound and noise multiplier for the clients."""

@@ -156,6 +156,7 @@ class LaplaceEvalStage(EvaluationStage):
             training_unit=strategy.privacy_unit,
             epsilon_per_report=None if self.plan is None else self.plan.epsilon_per_report,
             delta=run.delta,
+            method=run.accountant_method,
         )
         self._sampled: dict[int, list[ClientInfo]] = RecentRounds()
         self._messages: dict[int, list[Message]] = RecentRounds()

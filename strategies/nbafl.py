@@ -20,18 +20,26 @@ if ``T > epsilon / gamma``). Each round:
    aggregate is the new global model.
 
 Privacy accounting (see ``docs/nbafl.md``). The reported epsilon comes from the
-accountant: one ``Gaussian(sigma_U / Delta s_U)`` event per round for every
-scheduled client (failures included), composed over the uploads each client
-actually made. Its unit is one record, under the document's modelling
-assumption that the local model is an average of per-record terms of norm at
-most ``C`` (Delta s_U = 2C/m); multi-epoch SGD does not satisfy it. A second
-accountant composes ``Gaussian(sigma_U / 2C)``: the client-level epsilon of the
-same noise. The broadcast is post-processing of the noised uploads, so the
-downlink noise does not change either epsilon; it is added as the document
-prescribes. The document's own claim (``epsilon`` via ``epsilon / L`` per upload)
-is reported beside them: it splits the budget by basic composition, which gives
-``(epsilon, L delta)``, and the classic Gaussian bound behind ``c`` is proven
-only for ``epsilon / L < 1``.
+accountant and is **client level**: one ``Gaussian(sigma_U / 2C)`` event per round for
+every scheduled client (failures included), composed over the uploads each client
+actually made. Any two data sets of a client give clipped parameter vectors at most
+``2C`` apart, so this is proven for the training that runs (multi-step local SGD), against
+the server and anyone who sees the uploads (local noise). The document's record-level
+reading (``Delta s_U = 2C/m``, replace one record) assumes that a client's upload is an
+average of per-record terms of norm at most ``C``, which multi-step SGD does not satisfy:
+it is composed by a second accountant and reported beside the headline by name
+(``document_reading``), never as the run's epsilon.
+
+``strategy.unit`` says what ``privacy.epsilon`` calibrates: ``client`` (default: the
+headline epsilon is the requested one) or ``document_record`` (the document's reading
+meets ``privacy.epsilon``; the headline client-level epsilon of the same noise is far
+larger, and a warning says so). ``strategy.calibration`` says how: ``accountant``
+(default: the L-fold composition meets the budget), ``analytic`` or the document's
+``classic`` ``sigma_U = c L Delta s_U / epsilon``, which splits the budget by basic
+composition (``(epsilon, L delta)``) and whose constant ``c`` is proven only for
+``epsilon / L < 1``. The broadcast is post-processing of the noised uploads, so the
+downlink noise does not change either epsilon; it is added as the document prescribes,
+with the unit's sensitivity (``m = 1`` in Theorem 1 for the client unit).
 """
 
 from __future__ import annotations
@@ -53,12 +61,14 @@ from fl_app.privacy.calibration import (
     CLASSIC_GAUSSIAN_MAX_EPSILON,
     NBAFL_AMPLIFICATIONS,
     NBAFL_CALIBRATIONS,
+    NBAFL_UNITS,
     ClassicGaussianRangeWarning,
     classic_gaussian_constant,
     nbafl_client_sensitivity,
     nbafl_downlink_sigma,
     nbafl_downlink_threshold,
     nbafl_sensitivity,
+    nbafl_unit_sensitivity,
     nbafl_uplink_sigma,
 )
 from fl_app.privacy.events import Gaussian, PrivacyEvent
@@ -72,15 +82,14 @@ from strategies.base import FederatedStrategy
 from strategies.settings import StrategySettings, integer, non_negative, one_of, positive
 
 RECORD_UNIT = (
-    "one record of a client's local data set (replace one record; sensitivity Delta s_U = 2C/m), "
-    "valid only under the document's assumption that a client's uploaded model is an average of "
-    "per-record terms of norm <= C (multi-epoch SGD does not satisfy it); local noise, so the "
-    "guarantee holds against any observer of the uploads, the server included"
+    "one record of a client's local data set (replace one record; sensitivity Delta s_U = 2C/m): the "
+    "document's reading, valid only if a client's uploaded model were an average of per-record terms of "
+    "norm <= C; the implemented multi-step SGD does not satisfy it, so it is not a guarantee of this run"
 )
-CLIENT_UNIT = "one client's entire data set (any two clipped parameter vectors: sensitivity 2C)"
-#: The client-level accountant always uses RDP: its noise multipliers are tiny
-#: (sigma_U / 2C ~ 1/m), for which a PLD would be enormous.
-CLIENT_LEVEL_METHOD = "rdp"
+CLIENT_UNIT = (
+    "one client's entire data set (replace: any two clipped parameter vectors, sensitivity 2C), local DP "
+    "(noised on the client: holds against the server and anyone who sees the uploads)"
+)
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,7 @@ class NbAFLSettings(StrategySettings):
     clip: float = positive()
     k: int | None = integer(minimum=1, optional=True)
     mu: float = non_negative()
+    unit: str = one_of(NBAFL_UNITS)
     calibration: str = one_of(NBAFL_CALIBRATIONS)
     amplification: str = one_of(NBAFL_AMPLIFICATIONS)
     sigma_up: float | None = non_negative(optional=True)
@@ -108,7 +118,7 @@ class NbAFLStrategy(FederatedStrategy):
     """Uniform averaging of locally noised models, downlink noise, K-random scheduling."""
 
     client_name = "nbafl"
-    privacy_unit = RECORD_UNIT
+    privacy_unit = CLIENT_UNIT
     mechanism_name = (
         "Gaussian noise N(0, sigma_U^2) on each scheduled client's clipped parameter vector (uplink), "
         "Gaussian noise N(0, sigma_D^2) on the uniform average (downlink, if T exceeds the threshold)"
@@ -135,7 +145,13 @@ class NbAFLStrategy(FederatedStrategy):
         self.min_dataset_size = min(info.num_examples for info in run.roster)
         if self.min_dataset_size < 1:
             raise ValueError("NbAFL needs every client to hold at least one example (m = 0 in the roster)")
-        self.sensitivity = nbafl_sensitivity(clip=self.clip, min_dataset_size=self.min_dataset_size)
+        self.unit = settings.unit
+        #: The sensitivity ``privacy.epsilon`` is calibrated for (``strategy.unit``).
+        self.sensitivity = nbafl_unit_sensitivity(
+            unit=self.unit, clip=self.clip, min_dataset_size=self.min_dataset_size
+        )
+        self.client_sensitivity = nbafl_client_sensitivity(clip=self.clip)
+        self.record_sensitivity = nbafl_sensitivity(clip=self.clip, min_dataset_size=self.min_dataset_size)
         self.per_exposure_epsilon = self.epsilon_target / self.exposures
         self.classic_bound_holds = self.per_exposure_epsilon < CLASSIC_GAUSSIAN_MAX_EPSILON
         self.range_warning: str | None = None
@@ -153,8 +169,9 @@ class NbAFLStrategy(FederatedStrategy):
                     exposures=self.exposures,
                     calibration=self.calibration,
                     method=self.run.accountant_method,
+                    unit=self.unit,
                 )
-            self.sigma_up_source = f"calibration={self.calibration}"
+            self.sigma_up_source = f"calibration={self.calibration}, unit={self.unit}"
             if caught:
                 self.range_warning = (
                     f"epsilon/L = {self.epsilon_target:g}/{self.exposures} = {self.per_exposure_epsilon:.4g} "
@@ -178,7 +195,8 @@ class NbAFLStrategy(FederatedStrategy):
                 epsilon=self.epsilon_target,
                 delta=run.delta,
                 clip=self.clip,
-                min_dataset_size=self.min_dataset_size,
+                # Theorem 1's 2C/m is the unit's sensitivity: 2C (m = 1) for the client unit
+                min_dataset_size=self.min_dataset_size if self.unit == "document_record" else 1,
                 exposures=self.exposures,
                 num_rounds=self.num_rounds,
                 num_clients=run.num_clients,
@@ -186,13 +204,22 @@ class NbAFLStrategy(FederatedStrategy):
                 amplification=self.amplification,
             )
             self.sigma_down_source = f"the document's theorem (amplification={self.amplification})"
-        self.client_accountant: PrivacyAccountant | None = None
+        #: The document's record-level reading (not a guarantee of this run), beside the headline.
+        self.document_accountant: PrivacyAccountant | None = None
         if self.sigma_up > 0:
             self.accountant = PrivacyAccountant(
+                population=run.client_ids, unit=CLIENT_UNIT, method=self.run.accountant_method
+            )
+            self.document_accountant = PrivacyAccountant(
                 population=run.client_ids, unit=RECORD_UNIT, method=self.run.accountant_method
             )
-            self.client_accountant = PrivacyAccountant(
-                population=run.client_ids, unit=CLIENT_UNIT, method=CLIENT_LEVEL_METHOD
+        if self.unit == "document_record":
+            log(
+                WARNING,
+                "NbAFL: strategy.unit=document_record calibrates privacy.epsilon=%g for the document's "
+                "record-level reading, which multi-step local SGD does not satisfy; the run's epsilon is "
+                "the client-level one of the same noise (see the round lines and results.json)",
+                self.epsilon_target,
             )
         self._uploads: dict[int, int] = {}
         self._sigma_down_used: dict[int, float] = {}
@@ -259,8 +286,8 @@ class NbAFLStrategy(FederatedStrategy):
         return average, MetricRecord({"uploads": len(valid)})
 
     def _record_uploads(self, server_round: int) -> None:
-        """One Gaussian event per scheduled client (failures included), record- and client-level."""
-        if self.accountant is None or self.client_accountant is None:
+        """One Gaussian event per scheduled client (failures included), client level and the document's."""
+        if self.accountant is None or self.document_accountant is None:
             return
         participants = tuple(c.client_id for c in self.selected(server_round))
         if not participants:
@@ -268,52 +295,55 @@ class NbAFLStrategy(FederatedStrategy):
         self.accountant.record(
             PrivacyEvent(
                 server_round,
-                Gaussian(self.sigma_up / self.sensitivity),
-                participants=participants,
-                label="uplink (record level)",
-            )
-        )
-        self.client_accountant.record(
-            PrivacyEvent(
-                server_round,
-                Gaussian(self.sigma_up / nbafl_client_sensitivity(clip=self.clip)),
+                Gaussian(self.sigma_up / self.client_sensitivity),
                 participants=participants,
                 label="uplink (client level)",
+            )
+        )
+        self.document_accountant.record(
+            PrivacyEvent(
+                server_round,
+                Gaussian(self.sigma_up / self.record_sensitivity),
+                participants=participants,
+                label="uplink (the document's record-level reading)",
             )
         )
 
     # ------------------------------------------------------------------ reporting
 
-    def client_level_epsilon(self) -> float | None:
-        """Cumulative client-level epsilon of the worst client (None: no noise, no guarantee)."""
-        if self.client_accountant is None:
+    def document_record_epsilon(self) -> float | None:
+        """The document's record-level reading of the worst client (None: no noise); not a guarantee."""
+        if self.document_accountant is None:
             return None
-        return self.client_accountant.epsilon(delta=self.run.delta).epsilon
+        return self.document_accountant.epsilon(delta=self.run.delta).epsilon
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
-        """Uploads aggregated, downlink sigma used, client-level epsilon so far."""
+        """Uploads aggregated, downlink sigma used, the document's record-level reading so far."""
         return {
             "uploads": self._uploads.get(server_round, 0),
             "sigma_down": self._sigma_down_used.get(server_round, 0.0),
-            "epsilon_client_level": self.client_level_epsilon(),
+            "epsilon_document_record": self.document_record_epsilon(),
         }
 
     def privacy_summary(self) -> dict[str, Any]:
-        """Unit, mechanism, accountant, the calibration, the document's claim and both epsilons."""
+        """Unit, mechanism, accountant, the calibration, the document's reading and claim."""
         uploads = self.uploads_per_client()
-        record = self.epsilon()
         return {
             **super().privacy_summary(),
-            "client_level": {
-                "unit": CLIENT_UNIT,
-                "accountant": f"{CLIENT_LEVEL_METHOD}, Gaussian(sigma_U / 2C) per upload",
-                "noise_multiplier": self.sigma_up / nbafl_client_sensitivity(clip=self.clip),
-                "epsilon": self.client_level_epsilon(),
+            "noise_multiplier": self.sigma_up / self.client_sensitivity,
+            "document_reading": {
+                "unit": RECORD_UNIT,
+                "accountant": (
+                    f"{self.run.accountant_method}, Gaussian(sigma_U / (2C/m)) per upload: what the "
+                    "document's Delta s_U = 2C/m would give; not a guarantee for multi-step local SGD"
+                ),
+                "noise_multiplier": self.sigma_up / self.record_sensitivity,
+                "epsilon": self.document_record_epsilon(),
             },
-            "epsilon_record_level": None if record is None else record.epsilon,
-            "document_claim": {
+            "budget": {
                 "epsilon": self.epsilon_target,
                 "delta": self.run.delta,
+                "unit": self.unit,
                 "per_upload_epsilon": self.per_exposure_epsilon,
                 "classic_bound_holds": self.classic_bound_holds,
                 "holds_as": self._claim_status(),
@@ -322,13 +352,13 @@ class NbAFLStrategy(FederatedStrategy):
             "calibration": self.calibration,
             "sigma_up": self.sigma_up,
             "sigma_up_source": self.sigma_up_source,
-            "noise_multiplier": self.sigma_up / self.sensitivity,
             "sigma_down": self.sigma_down,
             "sigma_down_source": self.sigma_down_source,
             "downlink_threshold_rounds": self.downlink_threshold,
             "amplification": self.amplification,
             "clip": self.clip,
-            "sensitivity": self.sensitivity,
+            "sensitivity": self.client_sensitivity,
+            "sensitivity_document_record": self.record_sensitivity,
             "c": classic_gaussian_constant(delta=self.run.delta),
             "m": self.min_dataset_size,
             "N": self.run.num_clients,
@@ -341,23 +371,28 @@ class NbAFLStrategy(FederatedStrategy):
         }
 
     def _claim_status(self) -> str:
-        """What the document's (epsilon, delta) claim amounts to for this run's calibration."""
+        """What ``privacy.epsilon`` amounts to for this run's unit and calibration."""
         if self.settings.sigma_up is not None:
-            return "sigma_U set by hand: the document's calibration does not apply; the accountant's does"
+            return "sigma_U set by hand: no calibration applies; the accountant's client-level epsilon does"
+        reading = (
+            "the client-level epsilon (the run's)"
+            if self.unit == "client"
+            else "the document's record-level reading only (not a guarantee of this run; the run's "
+            "client-level epsilon of the same noise is far larger)"
+        )
         if self.calibration == "accountant":
-            return "(epsilon, delta) by the accountant's composition of the L uploads"
+            return f"{reading}, by the accountant's composition of the L uploads"
         if self.calibration == "classic" and not self.classic_bound_holds:
-            return "not proven (epsilon/L >= 1, see warning); the accountant's epsilon is a guarantee"
+            return f"{reading}: not proven (epsilon/L >= 1, see warning); the accountant's epsilon is"
         return (
-            f"(epsilon, L delta) = ({self.epsilon_target:g}, {self.exposures * self.run.delta:g}) "
+            f"{reading}: (epsilon, L delta) = ({self.epsilon_target:g}, {self.exposures * self.run.delta:g}) "
             "by basic composition of L uploads at (epsilon/L, delta)"
         )
 
     def final_extras(self) -> dict[str, Any]:
-        """Client-level epsilon and the document's claim beside the accountant's final epsilon."""
+        """The document's record-level reading and the schedule beside the run's (client-level) epsilon."""
         return {
-            "epsilon_client_level": self.client_level_epsilon(),
-            "epsilon_document_claim": self.epsilon_target,
+            "epsilon_document_record": self.document_record_epsilon(),
             "L": self.exposures,
             "K": self.k,
         }
@@ -369,7 +404,7 @@ class NbAFLStrategy(FederatedStrategy):
     def _log_setup(self) -> None:
         log(
             INFO,
-            "NbAFL: N=%d, K=%d, T=%d, L=%d, m=%d, C=%g; sigma_U=%.5g (%s, noise multiplier %.4g), "
+            "NbAFL: N=%d, K=%d, T=%d, L=%d, m=%d, C=%g; sigma_U=%.5g (%s, noise multiplier %.4g per client), "
             "sigma_D=%.5g (threshold T > %.4g)",
             self.run.num_clients,
             self.k,
@@ -379,7 +414,7 @@ class NbAFLStrategy(FederatedStrategy):
             self.clip,
             self.sigma_up,
             self.sigma_up_source,
-            self.sigma_up / self.sensitivity,
+            self.sigma_up / self.client_sensitivity,
             self.sigma_down,
             self.downlink_threshold,
         )

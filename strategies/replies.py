@@ -2,8 +2,8 @@
 
 :class:`ReplyTriage` is mixed into :class:`strategies.base.FederatedStrategy`. A failed or
 missing reply is logged and left out (the round goes on); privacy events still name every
-selected client, so a failure never makes the accounting optimistic. With a secret cohort the
-log does not name the failed client.
+selected client, so a failure never makes the accounting optimistic. With a secret cohort no line
+about a failure reaches the published ``run.log`` (the console still shows it).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from flwr.supercore import log
 from fl_app import keys
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
+from fl_app.run_log import withheld_from_file
 
 
 class ReplyTriage:
@@ -25,7 +26,7 @@ class ReplyTriage:
 
     run: RunContext
     #: True when the privacy accounting relies on the cohort being secret (amplification by
-    #: sampling): failures are then logged without naming the client.
+    #: sampling): failures are then logged to the console only, never to the published run.log.
     secret_cohort: bool = False
     _selected: dict[int, list[ClientInfo]]
     _failed: dict[int, list[int]]
@@ -58,8 +59,10 @@ class ReplyTriage:
                     "%s round %d: client %s failed: %s",
                     stage,
                     server_round,
-                    "(secret cohort)" if secret else info.client_id,
-                    "(reason withheld)" if secret else reason[:300],
+                    info.client_id,
+                    reason[:300],
+                    # the operator draws the cohort and sees it; run.log is published with the results
+                    extra=withheld_from_file() if secret else None,
                 )
             else:
                 valid.append((info, reply))
@@ -78,6 +81,7 @@ class ReplyTriage:
                     "train round %d: %d clients did not reply in time",
                     server_round,
                     len(expected - answered),
+                    extra=withheld_from_file() if self.secret_cohort else None,
                 )
         return valid, failed
 

@@ -42,6 +42,9 @@ class RoundReport:
         The strategy's own per-round fields (all of them functions of released values).
     diagnostics : dict[str, Any]
         Statistics of un-noised client data: written only to the ``outside_guarantee`` block.
+    secret_cohort : bool
+        Whether the round's cohort is secret (amplification by sampling rests on it): then nothing
+        that depends on it (its size, failures, bytes, round time) may be published with the round.
 
     """
 
@@ -52,6 +55,7 @@ class RoundReport:
     training_epsilon: EpsilonReport | None
     extras: dict[str, Any]
     diagnostics: dict[str, Any]
+    secret_cohort: bool = False
 
     def privacy_fields(self) -> dict[str, Any]:
         """The round's epsilon fields of ``results.json`` (``None`` throughout when not private)."""
@@ -68,6 +72,8 @@ class RoundReport:
 
 class ReportsRounds(Protocol):
     """The hooks a round report is read from (a strategy, or an evaluation stage wrapping one)."""
+
+    secret_cohort: bool
 
     def selected(self, server_round: int) -> list[Any]: ...  # noqa: D102
     def round_failures(self, server_round: int) -> list[int]: ...  # noqa: D102
@@ -88,6 +94,7 @@ def round_report(strategy: ReportsRounds, server_round: int) -> RoundReport:
         training_epsilon=strategy.training_epsilon(),
         extras=dict(strategy.round_extras(server_round)),
         diagnostics=dict(strategy.diagnostics(server_round)),
+        secret_cohort=bool(strategy.secret_cohort),
     )
 
 
@@ -95,6 +102,12 @@ def round_report(strategy: ReportsRounds, server_round: int) -> RoundReport:
 NOT_COVERED = (
     "each client's number of examples (treated as public: the roster reports it)",
     "the outside_guarantee block of results.json, when privacy.diagnostics=true (simulation only)",
+)
+#: What no epsilon covers in addition when the cohorts are secret (amplification by sampling).
+SECRET_COHORT_NOT_COVERED = (
+    "the run's total wall time (final.wall_s, the last line of run.log) and whether any sampled client "
+    "failed (status completed_with_failures): both depend on the secret cohorts; nothing per round does "
+    "(each round's cohort size, failures, bytes and duration are written only to outside_guarantee)",
 )
 
 
@@ -125,6 +138,7 @@ class PrivacyTotal:
     unit: str
     per_stage: dict[str, float | None]
     covers: tuple[str, ...]
+    not_covered: tuple[str, ...] = NOT_COVERED
 
     def as_dict(self) -> dict[str, Any]:
         """The results' ``privacy.total`` object."""
@@ -136,7 +150,7 @@ class PrivacyTotal:
             "worst_client": "the reported epsilon is the largest over the clients",
             "per_stage": dict(self.per_stage),
             "covers": list(self.covers),
-            "not_covered": list(NOT_COVERED),
+            "not_covered": list(self.not_covered),
         }
 
 
@@ -176,6 +190,7 @@ class ReportsPrivacy(Protocol):
 
     run: RunContext
     privacy_unit: str
+    secret_cohort: bool
 
     def epsilon(self) -> EpsilonReport | None: ...  # noqa: D102
     def stage_epsilons(self) -> dict[str, float | None]: ...  # noqa: D102
@@ -194,6 +209,7 @@ def privacy_total(strategy: ReportsPrivacy) -> PrivacyTotal:
         unit=strategy.privacy_unit,
         per_stage=dict(strategy.stage_epsilons()),
         covers=tuple(strategy.released_stages()),
+        not_covered=NOT_COVERED + (SECRET_COHORT_NOT_COVERED if strategy.secret_cohort else ()),
     )
 
 
@@ -217,6 +233,7 @@ class ReportingHooks:
     accountant: PrivacyAccountant | None
     privacy_unit: ClassVar[str]
     mechanism_name: ClassVar[str]
+    secret_cohort: bool
 
     @classmethod
     def is_private(cls, cfg: DictConfig) -> bool:
@@ -225,6 +242,11 @@ class ReportingHooks:
 
     def cohort_text(self) -> str:
         """How many clients a round selects, for :meth:`summary`."""
+        if self.secret_cohort:
+            return (
+                f"secret Poisson cohorts of {self.run.clients_per_round} of {self.run.num_clients} clients "
+                "per round in expectation (their sizes are not published)"
+            )
         return f"{self.run.clients_per_round} of {self.run.num_clients} clients per round"
 
     def summary(self) -> None:

@@ -13,6 +13,7 @@ reaches the strategy by accident. A stage that releases something must also over
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -66,6 +67,11 @@ class EvaluationStage(Strategy):
     def privacy_unit(self) -> str:
         """The training strategy's unit: the run's epsilon is stated in it."""
         return self.inner.privacy_unit
+
+    @property
+    def secret_cohort(self) -> bool:
+        """Whether the training strategy's cohorts are secret (forwarded)."""
+        return self.inner.secret_cohort
 
     def is_private(self, cfg: DictConfig) -> bool:
         """Forwarded."""
@@ -124,6 +130,16 @@ class EvaluationStage(Strategy):
     def extra_ledgers(self) -> dict[str, dict[str, Any]]:
         """Forwarded."""
         return self.inner.extra_ledgers()
+
+    def for_checkpoint(self) -> EvaluationStage:
+        """A shallow copy whose training strategy drops its round state (see :mod:`fl_app.checkpoint`)."""
+        kept = copy.copy(self)
+        kept.inner = self.inner.for_checkpoint()
+        return kept
+
+    def private_state(self) -> str | None:
+        """Forwarded."""
+        return self.inner.private_state()
 
     def cohort_randomness(self) -> str:
         """Forwarded."""

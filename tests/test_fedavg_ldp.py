@@ -75,9 +75,13 @@ def test_total_budget_calibration_and_accounting(tmp_path):
     z = strategy.noise_multiplier
     rounds = strategy.max_participations
     assert z == pytest.approx(
-        local_gaussian_noise_multiplier(epsilon=3.0, delta=1e-5, participations=rounds), rel=1e-12
+        local_gaussian_noise_multiplier(epsilon=3.0, delta=1e-5, participations=rounds, method="pld"),
+        rel=1e-12,
     )
-    assert gaussian_epsilon(noise_multiplier=z, sampling_rate=1.0, rounds=rounds, delta=1e-5) <= 3.0
+    assert (
+        gaussian_epsilon(noise_multiplier=z, sampling_rate=1.0, rounds=rounds, delta=1e-5, method="pld")
+        <= 3.0
+    )
     arrays = ArrayRecord({"w": Array(np.zeros(4, dtype=np.float32))})
     counts = np.zeros(6, dtype=int)
     for t in range(1, 6):
@@ -101,7 +105,7 @@ def test_total_budget_calibration_and_accounting(tmp_path):
     summary = strategy.privacy_summary()
     assert summary["epsilon_cumulative"] == pytest.approx(spent)
     assert summary["epsilon_per_round"] == pytest.approx(
-        gaussian_epsilon(noise_multiplier=z, sampling_rate=1.0, rounds=1, delta=1e-5), rel=1e-6
+        gaussian_epsilon(noise_multiplier=z, sampling_rate=1.0, rounds=1, delta=1e-5, method="pld"), rel=1e-6
     )
     assert summary["epsilon_per_round"] < spent  # one upload costs less than the whole run
     assert strategy.round_extras(5) == {"reports": 2, "epsilon_per_round": summary["epsilon_per_round"]}
@@ -112,7 +116,7 @@ def test_per_round_scope_calibrates_one_upload(tmp_path):
         build_run_context([*DIGITS, "privacy.epsilon=3", "privacy.budget_scope=per_round"], tmp_path)
     )
     assert strategy.noise_multiplier == pytest.approx(
-        local_gaussian_noise_multiplier(epsilon=3.0, delta=1e-5, participations=1), rel=1e-12
+        local_gaussian_noise_multiplier(epsilon=3.0, delta=1e-5, participations=1, method="pld"), rel=1e-12
     )
     assert strategy.epsilon_per_round == pytest.approx(3.0, rel=1e-3)  # one upload spends the budget
 
@@ -162,7 +166,8 @@ def test_balanced_schedule_gives_every_report_the_whole_budget(tmp_path, strateg
     assert randomly.max_participations >= 1
     if strategy_name == "fedavg_ldp":
         assert one_pass.noise_multiplier == pytest.approx(
-            local_gaussian_noise_multiplier(epsilon=3.0, delta=1e-5, participations=1), rel=1e-12
+            local_gaussian_noise_multiplier(epsilon=3.0, delta=1e-5, participations=1, method="pld"),
+            rel=1e-12,
         )
         assert longer.noise_multiplier > one_pass.noise_multiplier
     else:

@@ -157,10 +157,14 @@ def test_schedule_is_seeded_and_gives_l(tmp_path):
 
 
 def test_sigma_up_and_down_match_hand_computation(tmp_path):
-    strategy = NbAFLStrategy(build_run_context([*NBAFL, "strategy.clip=3"], tmp_path))
+    document = [*NBAFL, "strategy.clip=3", "strategy.calibration=classic"]
+    strategy = NbAFLStrategy(build_run_context([*document, "strategy.unit=document_record"], tmp_path))
     m = min(info.num_examples for info in strategy.run.roster)
     assert strategy.min_dataset_size == m
     assert strategy.sigma_up == pytest.approx(C_DELTA * strategy.exposures * (2 * 3.0 / m) / 10.0)
+    # the client unit: the same formula with the client's sensitivity 2C
+    client = NbAFLStrategy(build_run_context([*document, "strategy.unit=client"], tmp_path))
+    assert client.sigma_up == pytest.approx(C_DELTA * client.exposures * (2 * 3.0) / 10.0)
     # Theorem 1 (K = N): 2cC sqrt(T^2 - L^2 N) / (m N eps) for T = 40, L = 3, N = 50, C = 2, m = 100, eps = 5.
     down = cal.nbafl_downlink_sigma(
         epsilon=5, delta=0.01, clip=2.0, min_dataset_size=100, exposures=3, num_rounds=40, num_clients=50
@@ -209,6 +213,7 @@ def test_calculator_uses_k_random_formula(capsys):
     from fl_app.privacy.cli import main
 
     args = ["--epsilon", "5", "--delta", "0.01", "--clip", "1", "--m", "100", "--l", "5", "--t", "400"]
+    args += ["--unit", "document_record", "--calibration", "classic", "--accountant", "rdp"]
     assert main(["nbafl", *args, "--n", "50", "--k", "10", "--amplification", "document"]) == 0
     answer = json.loads(capsys.readouterr().out)
     kwargs = dict(epsilon=5, delta=0.01, clip=1.0, min_dataset_size=100, exposures=5, num_rounds=400)
@@ -233,38 +238,55 @@ def _run_rounds(strategy: NbAFLStrategy, rounds: int, *, fail_first: bool = Fals
         strategy.aggregate_train(server_round, replies)
 
 
-def test_accountant_composes_uploads_and_reports_both_units(tmp_path):
-    strategy = NbAFLStrategy(build_run_context(NBAFL, tmp_path))
+@pytest.mark.parametrize("unit", ["client", "document_record"])
+def test_the_run_epsilon_is_client_level_and_the_record_reading_is_beside_it(tmp_path, unit):
+    """Issue 38.2: the headline is the client-level epsilon (sensitivity 2C, proven for multi-step SGD).
+
+    The document's record-level reading (2C/m) is composed beside it by name, whichever unit
+    privacy.epsilon was calibrated for.
+    """
+    document = [*NBAFL, "strategy.calibration=classic", f"strategy.unit={unit}"]
+    strategy = NbAFLStrategy(build_run_context(document, tmp_path))
     _run_rounds(strategy, 4, fail_first=True)
     uploads = strategy.uploads_per_client()
     for client in strategy.run.client_ids:  # failures are charged too
         assert strategy.accountant.rounds_participated(client) == uploads[client]
-    record_z = strategy.sigma_up / strategy.sensitivity
-    assert record_z == pytest.approx(C_DELTA * strategy.exposures / 10.0)
-    expected = compose_epsilon({Gaussian(record_z): strategy.exposures}, delta=0.01).epsilon
-    assert strategy.epsilon().epsilon == pytest.approx(expected, rel=1e-9)
     client_z = strategy.sigma_up / (2 * strategy.clip)
-    client_level = compose_epsilon({Gaussian(client_z): strategy.exposures}, delta=0.01).epsilon
-    assert strategy.client_level_epsilon() == pytest.approx(client_level, rel=1e-9)
-    assert client_level > strategy.epsilon().epsilon
+    client_level = compose_epsilon({Gaussian(client_z): strategy.exposures}, delta=0.01, method="pld")
+    assert strategy.epsilon().epsilon == pytest.approx(client_level.epsilon, rel=1e-9)
+    m = min(info.num_examples for info in strategy.run.roster)
+    record_z = strategy.sigma_up / (2 * strategy.clip / m)
+    record = compose_epsilon({Gaussian(record_z): strategy.exposures}, delta=0.01, method="pld").epsilon
+    assert strategy.document_record_epsilon() == pytest.approx(record, rel=1e-9)
+    assert client_level.epsilon > record
+    assert strategy.privacy_unit.startswith("one client's entire data set")
     summary = strategy.privacy_summary()
-    assert summary["document_claim"]["epsilon"] == 10.0
-    assert summary["document_claim"]["classic_bound_holds"] == (10.0 / strategy.exposures < 1)
-    assert summary["document_claim"]["warning"] is not None  # 10 / L >= 1 here
+    assert summary["unit"] == strategy.privacy_unit
+    assert summary["document_reading"]["epsilon"] == pytest.approx(record, rel=1e-9)
+    assert "not a guarantee" in summary["document_reading"]["unit"]
+    assert summary["budget"]["epsilon"] == 10.0 and summary["budget"]["unit"] == unit
+    assert summary["budget"]["classic_bound_holds"] == (10.0 / strategy.exposures < 1)
+    assert summary["budget"]["warning"] is not None  # 10 / L >= 1 here
     assert summary["L"] == strategy.exposures
     assert summary["K"] == 3
+    assert strategy.final_extras()["epsilon_document_record"] == pytest.approx(record, rel=1e-9)
 
 
+@pytest.mark.parametrize("unit", ["client", "document_record"])
 @pytest.mark.parametrize("calibration", ["analytic", "accountant"])
-def test_sound_calibrations_meet_the_budget(tmp_path, calibration):
-    run = build_run_context([*NBAFL, f"strategy.calibration={calibration}"], tmp_path)
+def test_sound_calibrations_meet_the_budget_in_their_unit(tmp_path, calibration, unit):
+    run = build_run_context(
+        [*NBAFL, f"strategy.calibration={calibration}", f"strategy.unit={unit}"], tmp_path
+    )
     strategy = NbAFLStrategy(run)
     assert strategy.range_warning is None
     _run_rounds(strategy, 4)
-    spent = strategy.epsilon().epsilon
+    spent = strategy.epsilon().epsilon if unit == "client" else strategy.document_record_epsilon()
     assert spent <= 10.0 * (1 + 1e-9)
     if calibration == "accountant":
         assert spent > 9.9
+    if unit == "document_record":  # the run's (client-level) epsilon of that noise is far larger
+        assert strategy.epsilon().epsilon > 10 * spent
 
 
 def test_validation_rejects_bad_settings():
@@ -279,6 +301,7 @@ def test_validation_rejects_bad_settings():
         ("strategy.k=0", "strategy.k"),
         ("strategy.mu=-1", "strategy.mu"),
         ("strategy.calibration=magic", "strategy.calibration"),
+        ("strategy.unit=record", "strategy.unit"),
         ("strategy.amplification=none", "strategy.amplification"),
         ("strategy.sigma_up=-1", "strategy.sigma_up"),
         ("privacy.delta=1.5", "privacy.delta"),

@@ -27,27 +27,35 @@ def test_rr_command(capsys):
     assert answer["beta"] == cal.privatekt_keep_probability(epsilon=5, k=2, num_classes=10)
 
 
-def test_dp_fedavg_and_dp_sgd_commands_against_dp_accounting(capsys):
-    """The calculator's z reaches the target in an independent dp-accounting RDP computation, and a
-    slightly smaller z would not (the search returns the smallest z to its tolerance)."""
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_dp_fedavg_and_dp_sgd_commands_against_dp_accounting(capsys, accountant):
+    """The calculator's z reaches the target in an independent dp-accounting computation (its PLD or
+    RDP accountant class, not the project's code path), and a slightly smaller z would not (the search
+    returns the smallest z to its tolerance). PLD is the default (issue 38.5)."""
     import dp_accounting
+    from dp_accounting.pld import PLDAccountant
     from dp_accounting.rdp import RdpAccountant
 
     def oracle(z: float, q: float, count: int) -> float:
-        accountant = RdpAccountant()
-        event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
-        accountant.compose(event, count)
-        return accountant.get_epsilon(1e-5)
+        book = PLDAccountant(value_discretization_interval=0.001) if accountant == "pld" else RdpAccountant()
+        book.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)), count)
+        return book.get_epsilon(1e-5)
 
+    chosen = [] if accountant == "pld" else ["--accountant", "rdp"]  # pld: the default
     fedavg = calc(
-        capsys, "dp-fedavg", "--epsilon", "8", "--delta", "1e-5", "--rate", "0.1", "--rounds", "100"
+        capsys, "dp-fedavg", "--epsilon", "8", "--delta", "1e-5", "--rate", "0.1", "--rounds", "100", *chosen
     )
-    sgd = calc(capsys, "dp-sgd", "--epsilon", "1", "--delta", "1e-5", "--rate", "0.01", "--steps", "1000")
+    sgd = calc(
+        capsys, "dp-sgd", "--epsilon", "1", "--delta", "1e-5", "--rate", "0.01", "--steps", "1000", *chosen
+    )
     for answer, target, q, count in ((fedavg, 8.0, 0.1, 100), (sgd, 1.0, 0.01, 1000)):
         z = answer["noise_multiplier"]
+        assert answer["accountant"] == accountant
         assert oracle(z, q, count) <= target * (1 + 1e-6)
         assert oracle(z * 0.995, q, count) > target
         assert answer["epsilon"] == pytest.approx(oracle(z, q, count), rel=1e-3)
+    if accountant == "pld":  # the issue's point: q = 0.1, 100 rounds, epsilon 8 -> 0.936, not RDP's 0.994
+        assert fedavg["noise_multiplier"] == pytest.approx(0.936, abs=1e-3)
 
 
 def test_calculator_help_is_plain_text(capsys):
@@ -93,9 +101,11 @@ def test_nbafl_command(capsys):
         "--n",
         "50",
     )
+    # the defaults: client unit (sensitivity 2C), the accountant's calibration
     assert answer["sigma_up"] == cal.nbafl_uplink_sigma(
-        epsilon=0.5, delta=0.01, clip=1.0, min_dataset_size=100, exposures=1
-    )
+        epsilon=0.5, delta=0.01, clip=1.0, min_dataset_size=100, exposures=1, calibration="accountant",
+        method="pld", unit="client",
+    )  # fmt: skip
     assert answer["sigma_down"] == 0.0  # T = 7 <= L sqrt(N) = 7.07
     assert "warning" not in answer
     loose = calc(
@@ -115,6 +125,8 @@ def test_nbafl_command(capsys):
         "100",
         "--n",
         "50",
+        "--calibration",
+        "classic",
     )
     assert "epsilon < 1" in loose["warning"]
 

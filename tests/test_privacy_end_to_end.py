@@ -380,31 +380,30 @@ def fedavg_ldp_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int
 
 
 def nbafl_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
-    """NbAFL, replace one record (its unit): ten records of class 0, or nine and one of class 1.
+    """NbAFL, replace a client's data set (its proven unit): ZEROS or OTHERS.
 
-    One full-batch SGD step from a zero model makes the uploaded model an average of per-record
-    terms of norm lr |p - e_y| = 0.95 <= C = 1, the document's assumption behind Delta s_U = 2C/m;
-    K = N = 1, T = 1 (no downlink noise): the released model is the client's noised upload.
+    From a zero model one step gives parameter vectors along +-(e_0 - 1/10) on the output bias,
+    each clipped to C = 0.1: exactly 2C apart, the client-level sensitivity the accountant
+    assumes. K = N = 1, T = 1 (no downlink noise): the released model is the client's noised upload.
     """
     run = audit_run(
-        ["strategy=nbafl", "clients_per_round=1", "strategy.clip=1.0", "privacy.epsilon=4"],
+        ["strategy=nbafl", "clients_per_round=1", "strategy.clip=0.1", "privacy.epsilon=2"],
         tmp_path,
-        [10],
+        [9],
         GAUSSIAN_DELTA,
     )
     strategy = STRATEGIES.get("nbafl")(run)
+    assert strategy.unit == "client"
     start = zero_model(run)
-    neighbour = examples([0] * 9 + [1])
-    direction = bias_direction(start, 0, 1)
+    direction = bias_direction(start)
 
     def released(reply: Message) -> float:
         arrays, _ = strategy.aggregate_train(1, [reply])  # the server's release (mean of K = 1 uploads)
         return float(flat_vector(arrays) @ direction)
 
-    held[0] = examples([0] * 10)
-    a, b = repeat(strategy, start, held, (examples([0] * 10), neighbour), released, trials)
+    a, b = repeat(strategy, start, held, (ZEROS, OTHERS), released, trials)
     fresh = STRATEGIES.get("nbafl")(run)
-    held[0] = examples([0] * 10)
+    held[0] = ZEROS
     return Audited(audit(a, b, delta=run.delta), reported_after_one_round(fresh, start))
 
 
@@ -554,7 +553,7 @@ AUDITS: dict[str, tuple[Callable[[Path, dict[int, ClientDataset], int], Audited]
     "dp_fedavg_adaptive": (dp_fedavg_adaptive_audit, 4000, 0.1),  # as dp_fedavg; the count is not looked at
     "dp_ftrl": (dp_ftrl_audit, 1500, 0.3),  # one tree leaf: the Gaussian mechanism with z
     "fedavg_ldp": (fedavg_ldp_audit, 1500, 0.3),
-    "nbafl": (nbafl_audit, 1500, 0.15),  # one record moves the model by 0.71 of Delta s_U at most
+    "nbafl": (nbafl_audit, 1500, 0.3),  # client level: uploads exactly 2C apart
     "privatekt": (privatekt_audit, 1500, 0.5),
     "dpfl_bnn": (dpfl_bnn_audit, 1000, 0.3),
     "kd_dp": (kd_dp_audit, 1000, 0.25),

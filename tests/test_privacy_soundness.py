@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -359,3 +360,121 @@ def test_dp_fedavg_run_writes_only_what_its_epsilon_covers(shared_simulation):
     assert total["epsilon"] == results["final"]["epsilon"] == results["rounds"][-1]["epsilon"]
     assert total["per_stage"]["training"] == results["final"]["epsilon_training"]
     assert results["final"]["epsilon"] <= results["config"]["privacy"]["epsilon"]
+
+
+# ------------------------------------------------ 1b. nothing published follows the secret cohort
+
+#: Values of a round that are functions of the released model (they differ with the noise anyway).
+MODEL_VALUES = ("accuracy", "loss")
+
+
+def _published(results: dict, output: Path) -> dict:
+    """What two runs that differ only in their secret coins (and noise) must publish identically."""
+    rounds = [{k: v for k, v in r.items() if k not in MODEL_VALUES} for r in results["rounds"]]
+    final = {
+        k: v for k, v in results["final"].items() if k not in (*MODEL_VALUES, "best_accuracy", "best_round")
+    }
+    assert "wall_s" in final  # the total wall time is published, and named as not covered
+    assert any("total wall time" in line for line in results["privacy"]["total"]["not_covered"])
+    final.pop("wall_s")
+    privacy = json.loads(json.dumps(results["privacy"]))
+    privacy["randomness"].pop("noise_seed")
+    config = json.loads(json.dumps(results["config"]))
+    config["privacy"].pop("noise_seed")
+    config.pop("output_dir")
+    metrics = (output / "metrics.csv").read_text().splitlines()
+    header = metrics[0].split(",")
+    keep = [i for i, name in enumerate(header) if name not in MODEL_VALUES]
+    columns = [[row.split(",")[i] for i in keep] for row in metrics]
+    lines = (output / "run.log").read_text().splitlines(keepends=True)
+    # Flower's engine debug lines (backend set-up, actor pool) depend on which run of the process started Ray
+    log = "".join(line for line in lines if " DEBUG " not in line).replace(str(output), "OUT")
+    log = re.sub(r"^\S+ \S+ ", "", log, flags=re.MULTILINE)  # timestamps
+    log = re.sub(r"(accuracy|loss|best) [-0-9.e]+", r"\1 #", log)
+    log = re.sub(r"noise seed \d+", "noise seed #", log)
+    log = re.sub(r"in \d+:\d\d:\d\d", "in #", log)  # the total wall time (not covered, stated)
+    log = re.sub(r"in round \d+", "in round #", log)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(output / "tensorboard"))
+    events.Reload()
+    tags = sorted(events.Tags()["scalars"])
+    steps = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in tags if tag not in MODEL_VALUES}
+    return {
+        "status": results["status"],
+        "rounds": rounds,
+        "final": final,
+        "privacy": privacy,
+        "config": config,
+        "metrics.csv": columns,
+        "run.log": log,
+        "tensorboard": steps,
+    }
+
+
+def test_nothing_published_varies_with_the_secret_cohort(simulate):
+    """Two DP-FedAvg runs whose secret Poisson cohorts differ in size publish the same (issue 38.1).
+
+    The cohort size, failures, bytes and durations of a round are functions of the secret coins:
+    results.json, metrics.csv, run.log and tensorboard must not vary with them (they go to
+    outside_guarantee only, with privacy.diagnostics=true).
+    """
+    from conftest import FAST
+
+    from fl_app.results import COHORT_FIELDS
+
+    common = [*FAST, "strategy=dp_fedavg", "num_rounds=4", "privacy.diagnostics=true", "tracking=tensorboard"]
+    runs = {seed: simulate([*common, f"privacy.noise_seed={seed}"], name=f"seed{seed}") for seed in (3, 4)}
+    sizes = {
+        seed: [r["secret_cohort_clients"] for r in results["outside_guarantee"]["rounds"]]
+        for seed, results in runs.items()
+    }
+    assert sizes[3] != sizes[4], sizes  # the cohorts really differ in size
+    for results in runs.values():
+        assert all(not set(COHORT_FIELDS) & set(r) for r in results["rounds"])
+        assert "failures" not in results["final"]
+        assert results["final"]["upload_bytes_per_client"] > 0
+    first, second = (_published(results, Path(results["_output_dir"])) for results in runs.values())
+    for part in first:
+        assert first[part] == second[part], part
+
+
+# ------------------------------------------------ 3b. the server's private state on disk (issue 38.3)
+
+
+def _rounds_on_constructed_replies(strategy, rounds: int) -> None:
+    arrays = strategy.initial_arrays()
+    for t in range(1, rounds + 1):
+        messages = list(strategy.configure_train(t, arrays, ConfigRecord(), grid=None))
+        replies = [reply_to(m, arrays=zeros_like(arrays)) for m in messages]
+        arrays = strategy.aggregate_train(t, replies)[0] or arrays
+
+
+@pytest.mark.parametrize("name", ["dp_fedavg", "dp_ftrl"])
+def test_the_private_state_file_keeps_only_what_resuming_needs(tmp_path, name):
+    """No cohort, failure or un-noised statistic of a finished round; owner-only; says what it holds."""
+    import stat
+
+    from fl_app.checkpoint import CHECKPOINT_FILE, Checkpoint, load_checkpoint, save_checkpoint
+
+    run = build_run_context([*DIGITS, f"strategy={name}", "num_rounds=3"], tmp_path)
+    strategy = STRATEGIES.get(name)(run)
+    _rounds_on_constructed_replies(strategy, 3)
+    assert strategy.selected(3)  # in memory, the last round's cohort and statistics are there
+    checkpoint = Checkpoint(3, 3, "completed", [], "", strategy.initial_arrays(), strategy, {}, 0.0)
+    path = save_checkpoint(tmp_path, checkpoint, run)
+    assert path.name == CHECKPOINT_FILE == "private_server_state.pkl"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    loaded = load_checkpoint(tmp_path, run).strategy
+    for attribute in loaded.ROUND_STATE:
+        assert not getattr(loaded, attribute), attribute
+    assert loaded.selected(3) == [] and loaded.round_failures(3) == []
+    if name == "dp_fedavg":  # the un-noised update norms are gone: nothing un-noised is kept
+        assert "_norms" in loaded.ROUND_STATE and loaded._norms == {} and strategy._norms
+        assert loaded.private_state() is None
+    else:  # DP-FTRL must carry its tree's un-noised running sum to continue exactly, and says so
+        assert all(
+            np.array_equal(a, b) for a, b in zip(loaded._stream_sum, strategy._stream_sum, strict=True)
+        )
+        assert "un-noised running sum" in loaded.private_state()
+    assert loaded.accountant.state_dict() == strategy.accountant.state_dict()

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from fl_app.config import compose_config
 from fl_app.flower_engine import BatchingActor
 from fl_app.lifecycle import RunFailed
 from fl_app.round_loop import check_round
-from fl_app.run import one_line_console
+from fl_app.run_log import one_line_console
 from fl_app.validation import ConfigError, check_output_dir, validate_config
 from strategies import STRATEGIES
 from tests.conftest import FAST, TWO_ACTORS, build_run_context, wait_until
@@ -93,7 +94,8 @@ def alive(processes: list[psutil.Process]) -> list[str]:
 
 
 def rounds_of(results: dict) -> list[tuple]:
-    return [tuple(r[k] for k in ROUND_KEYS) for r in results["rounds"]]
+    """The rounds' published fields (a secret Poisson cohort publishes no counts or bytes: None)."""
+    return [tuple(r.get(k) for k in ROUND_KEYS) for r in results["rounds"]]
 
 
 #: Seconds within which every process of a stopped run must be gone.
@@ -139,6 +141,11 @@ def test_ctrl_c_stops_within_seconds_keeps_the_ledger_and_resume_matches_an_unin
     assert read_header(out)["completed_round"] == done
     assert "Traceback" not in run.output
     assert f"continue with: python -m fl_app resume={out}" in run.output
+    # the server's private state: named for it, readable by its owner only, and the line says so
+    state = out / CHECKPOINT_FILE
+    assert state.name == "private_server_state.pkl" and stat.S_IMODE(state.stat().st_mode) == 0o600
+    assert f"{state} is the server's private state" in run.output
+    assert "never publish it" in results["stopped"]["private_state"]
 
     # A private run keeps the rounds its noise was calibrated for, and nothing else may change.
     with pytest.raises(ConfigError, match=r"num_rounds=6: must stay 4"):
@@ -223,10 +230,11 @@ def test_console_shows_a_client_failure_as_one_line():
 def test_checkpoint_rebinds_clients_and_context_to_the_resumed_run(tmp_path):
     from fl_app.checkpoint import Checkpoint, save_checkpoint
 
-    overrides = [*FAST, "strategy=dp_fedavg"]
+    overrides = [*FAST, "strategy=fedavg_ldp"]  # its planned schedule holds roster entries
     run = build_run_context(overrides, tmp_path)
-    strategy = STRATEGIES.get("dp_fedavg")(run)
-    strategy._selected[1] = run.roster[:3]
+    strategy = STRATEGIES.get("fedavg_ldp")(run)
+    strategy.planned_cohorts[1] = run.roster[:3]
+    strategy._selected[1] = run.roster[:3]  # the round's cohort: not written (round state)
     save_checkpoint(
         tmp_path,
         Checkpoint(
@@ -247,7 +255,8 @@ def test_checkpoint_rebinds_clients_and_context_to_the_resumed_run(tmp_path):
     other.roster[:] = [type(c)(c.client_id, c.node_id + 500, c.num_examples) for c in other.roster]
     restored = load_checkpoint(tmp_path, other).strategy
     assert restored.run is other and restored.cfg is other.cfg
-    assert [c.node_id for c in restored.selected(1)] == [1500, 1501, 1502]
+    assert [c.node_id for c in restored.planned_cohorts[1]] == [1500, 1501, 1502]
+    assert restored.selected(1) == [] and strategy.selected(1)  # the saved object is not changed
     assert restored.noise_multiplier == strategy.noise_multiplier
 
 
@@ -295,7 +304,7 @@ def test_recent_rounds_keeps_the_latest_rounds_only():
 
 
 def test_resume_of_a_directory_without_checkpoint_is_one_line(tmp_path):
-    with pytest.raises(ConfigError, match=r"resume=.*holds no checkpoint.pkl"):
+    with pytest.raises(ConfigError, match=r"resume=.*holds no private_server_state.pkl"):
         compose_config([f"resume={tmp_path}"])
 
 
@@ -388,7 +397,7 @@ def test_a_truncated_data_file_is_one_line(tmp_path):
         ("+num_round=3", ("num_round='3': unknown key (did you mean num_rounds?)",)),
         ("num_round=3", ("did you mean num_rounds?",)),
         ("strategy=fedavgg", ("strategy='fedavgg': unknown strategy (did you mean fedavg?)", "dp_fedavg")),
-        ("resume=/nonexistent/run", ("resume=", "holds no checkpoint.pkl")),
+        ("resume=/nonexistent/run", ("resume=", "holds no private_server_state.pkl")),
     ],
 )
 def test_unknown_keys_and_names_are_one_line_with_a_did_you_mean(tmp_path, argument, fragments):

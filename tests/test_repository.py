@@ -170,7 +170,7 @@ def test_fl_app_defers_torch_and_shims_torchvision_before_it_loads():
 #: are algorithms, one per module, and none imports another.
 STRATEGY_PLUMBING = {"base", "arrays", "cohorts", "replies", "reporting", "settings", "stage"}
 #: Longest module allowed in ``strategies/`` and ``clients/`` (an algorithm, not its boilerplate).
-MAX_MODULE_LINES = 400
+MAX_MODULE_LINES = 440
 
 
 def test_algorithm_modules_are_small_and_no_strategy_imports_another():

@@ -24,7 +24,7 @@ from fl_app.config import compose_config
 from fl_app.privacy.calibration import binary_rr_epsilon
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian
-from fl_app.results import load_model_arrays
+from fl_app.results import COHORT_FIELDS, load_model_arrays
 from strategies import STRATEGIES
 
 pytestmark = pytest.mark.simulation
@@ -43,8 +43,14 @@ SUITE_ROUNDS: dict[str, int] = {
     "nbafl": 4,
     "dpfl_bnn": 3,
 }
+#: Settings the suite adds to an example: DP-FedAvg's secret cohort sizes are read outside the guarantee.
+SUITE_OVERRIDES: dict[str, list[str]] = {"dp_fedavg": ["privacy.diagnostics=true"]}
 #: Fashion-MNIST has 10 balanced classes: chance is 0.1 on the seeded test subset.
 BEATS_CHANCE = 0.3
+#: Where a few suite rounds leave accuracy to the noise draw, a lower bar (still far above chance: the
+#: accuracy on 2,000 test images has a standard deviation below 0.01 at 0.1). Measured over the noise
+#: seeds 1-5 and the derived seed: KD-DP after 4 rounds 0.20-0.37, DPFL-BNN after 3 rounds 0.25-0.44.
+BEATS_CHANCE_FEW_ROUNDS = {"kd_dp": 0.15, "dpfl_bnn": 0.2}
 
 Results = dict[str, Any]
 
@@ -67,7 +73,10 @@ def check_dp_fedavg(results: Results, example: Any) -> None:
     # amplification the accountant credits holds
     assert privacy["sampling"] == "poisson" and privacy["sampling_rate"] == pytest.approx(0.1)
     assert privacy["randomness"]["source"] == "os_entropy"
-    sizes = [r["clients"] for r in results["rounds"]]
+    # their sizes are not published (a function of the secret coins): only outside the guarantee
+    assert all("clients" not in r for r in results["rounds"])
+    sizes = [r["secret_cohort_clients"] for r in results["outside_guarantee"]["rounds"]]
+    assert len(sizes) == len(results["rounds"])
     assert len(set(sizes)) > 1 and all(50 <= size <= 150 for size in sizes)
 
 
@@ -136,13 +145,18 @@ def check_nbafl(results: Results, example: Any) -> None:
     z, uploads = privacy["noise_multiplier"], privacy["L"]
     assert all(r["clients"] == r["uploads"] == example.clients_per_round for r in results["rounds"])
     delta = example.privacy.delta
+    # the run's epsilon is client level (sensitivity 2C), proven for the multi-step SGD that runs
+    assert privacy["unit"].startswith("one client's entire data set")
+    assert z == pytest.approx(privacy["sigma_up"] / (2 * example.strategy.clip))
     assert results["final"]["epsilon"] == pytest.approx(
-        compose_epsilon({Gaussian(z): uploads}, delta=delta).epsilon, rel=1e-9
+        compose_epsilon({Gaussian(z): uploads}, delta=delta, method="pld").epsilon, rel=1e-9
     )
-    assert 0.975 * example.privacy.epsilon < results["final"]["epsilon"] <= example.privacy.epsilon
-    assert results["final"]["epsilon_client_level"] > results["final"]["epsilon"]
-    assert privacy["unit"].startswith("one record")
-    assert privacy["document_claim"]["epsilon"] == example.privacy.epsilon
+    # the example calibrates the document's record-level reading, reported beside it by name
+    assert example.strategy.unit == "document_record"
+    reading = results["final"]["epsilon_document_record"]
+    assert 0.975 * example.privacy.epsilon < reading <= example.privacy.epsilon
+    assert results["final"]["epsilon"] > 10 * reading
+    assert privacy["budget"]["epsilon"] == example.privacy.epsilon
 
 
 def check_dpfl_bnn(results: Results, example: Any) -> None:
@@ -188,13 +202,19 @@ def test_every_strategy_has_a_quick_example_and_a_check() -> None:
 @pytest.mark.parametrize("name", sorted(STRATEGIES.names()))
 def test_quick_example_learns_within_its_budget(simulate, name: str) -> None:
     example = compose_config([QUICK, f"strategy={name}"])
-    results = simulate([QUICK, f"strategy={name}", f"num_rounds={SUITE_ROUNDS[name]}"])
+    results = simulate(
+        [QUICK, f"strategy={name}", f"num_rounds={SUITE_ROUNDS[name]}", *SUITE_OVERRIDES.get(name, [])]
+    )
     assert results["status"] == "completed"
     final = results["final"]
     assert final["rounds"] == SUITE_ROUNDS[name]
     assert [r["round"] for r in results["rounds"]] == list(range(1, SUITE_ROUNDS[name] + 1))
-    assert all(r["failures"] == 0 and r["clients"] > 0 for r in results["rounds"])
-    assert final["accuracy"] >= BEATS_CHANCE, (name, final)
+    if "secret" in results["privacy"]["randomness"]["cohort"]:  # nothing published follows the cohort
+        assert all(not set(COHORT_FIELDS) & set(r) for r in results["rounds"]), results["rounds"][0]
+        assert "failures" not in final and final["upload_bytes_per_client"] > 0
+    else:
+        assert all(r["failures"] == 0 and r["clients"] > 0 for r in results["rounds"])
+    assert final["accuracy"] >= BEATS_CHANCE_FEW_ROUNDS.get(name, BEATS_CHANCE), (name, final)
     if results["privacy"]["unit"] != "none":
         epsilons = _epsilons(results)
         assert epsilons == sorted(epsilons) and epsilons[-1] == final["epsilon"]
@@ -203,6 +223,11 @@ def test_quick_example_learns_within_its_budget(simulate, name: str) -> None:
             # DPFL-BNN's example states its budget in the document's unit, one weight coordinate; the
             # headline (client-level) epsilon is far larger and must say so
             assert final["epsilon_per_coordinate"] <= budget * (1 + 1e-6), (name, final)
+            assert final["epsilon"] > 100 * budget, (name, final)
+        elif example.strategy.get("unit") == "document_record":
+            # NbAFL's example calibrates the document's record-level reading; the run's (client-level)
+            # epsilon of that noise is far larger and is the headline
+            assert final["epsilon_document_record"] <= budget * (1 + 1e-6), (name, final)
             assert final["epsilon"] > 100 * budget, (name, final)
         else:
             # the example's budget, spent in the unit the results name, and not more

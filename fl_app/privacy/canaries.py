@@ -33,6 +33,7 @@ accounted) gives one above it. It is not a proof of privacy.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -45,6 +46,12 @@ from fl_app.privacy.rng import RandomSource
 CANARY_NORM_FACTOR = 100.0
 #: Resamples of the bootstrap interval.
 BOOTSTRAP = 200
+#: The run header's line when canaries are on.
+HEADER_NOTE = (
+    "privacy.canaries={count}: {count} canary clients (and {count} never inserted) estimate an empirical "
+    "epsilon beside the accountant's; the canaries' clipped uploads join the aggregate like a client's, so "
+    "the released model and its reported accuracy include them (docs/empirical_privacy.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,10 @@ class EmpiricalEpsilon:
     std_ratio: float
     method: str = (
         "one-shot canary cosines, final model, pooled-variance Gaussian fit (Andrew et al., ICLR 2024)"
+    )
+    in_released_model: str = (
+        "the inserted canaries' clipped uploads joined the aggregate like a client's: the released model "
+        "and its reported accuracy include them (run a twin with privacy.canaries=0 for the accuracy)"
     )
 
     def to_json(self) -> dict[str, Any]:
@@ -206,11 +217,13 @@ def estimate_epsilon(
 class CanaryPopulation:
     """The canary clients of one run: who is sampled when, what each uploads, and the estimate.
 
-    Canaries ``0..count-1`` join the population: each is sampled in a round with
+    Canaries ``0..count-1`` join the population and take part as the client the epsilon is
+    about would: with sampled cohorts (no ``patterns``), each is sampled in a round with
     probability ``rate`` (the real clients' cohort fraction) from its own generator, so
-    the real clients' cohorts are unchanged; under a schedule that bounds each client's
-    participations (``max_participations``), never more often than that. Canaries
-    ``count..2 count - 1`` are never inserted (the null set). Directions come from the
+    the real clients' cohorts are unchanged; under a planned schedule, canary ``k`` takes part
+    in exactly the rounds ``patterns[k]``, a copy of the schedule of a client the accountant
+    reports (the worst one: the same number of participations in the same trees, for DP-FTRL).
+    Canaries ``count..2 count - 1`` are never inserted (the null set). Directions come from the
     run's non-privacy randomness (``canary-direction``, one generator per canary).
     Canaries are not in the roster: they send no messages and count in no byte total,
     accuracy or accountant.
@@ -223,23 +236,28 @@ class CanaryPopulation:
         rate: float,
         dimension: int,
         randomness: RandomSource,
-        max_participations: int | None = None,
+        patterns: Sequence[Collection[int]] | None = None,
     ) -> None:
         if count < 2:
             raise ValueError(f"privacy.canaries must be >= 2 for an estimate, got {count}")
         if not 0 < rate <= 1:
             raise ValueError(f"canary sampling rate must be in (0, 1], got {rate}")
+        if patterns is not None and len(patterns) != count:
+            raise ValueError(f"need one participation pattern per canary ({count}), got {len(patterns)}")
         self.count, self.rate, self.dimension = count, rate, dimension
-        self.max_participations = max_participations
+        self.patterns = None if patterns is None else [frozenset(int(t) for t in p) for p in patterns]
         self.randomness = randomness
         self.participations = np.zeros(count, dtype=np.int64)
 
     def sampled(self, server_round: int) -> list[int]:
         """The canaries inserted in ``server_round`` (recorded as participations)."""
-        rng = self.randomness.generator("canary-sampling", server_round=server_round)
-        chosen = np.flatnonzero(rng.random(self.count) < self.rate)
-        if self.max_participations is not None:  # never more often than the accountant's worst client
-            chosen = chosen[self.participations[chosen] < self.max_participations]
+        if self.patterns is not None:
+            chosen = np.array(
+                [k for k, rounds in enumerate(self.patterns) if server_round in rounds], dtype=int
+            )
+        else:
+            rng = self.randomness.generator("canary-sampling", server_round=server_round)
+            chosen = np.flatnonzero(rng.random(self.count) < self.rate)
         self.participations[chosen] += 1
         return [int(k) for k in chosen]
 
@@ -263,3 +281,18 @@ class CanaryPopulation:
         observed = np.array([self.direction(k) @ delta_vector for k in inserted]) / max(size, 1e-300)
         null = np.array([self.direction(k) @ delta_vector for k in nulls]) / max(size, 1e-300)
         return estimate_epsilon(inserted=observed, null=null, delta=delta, rng=rng, canaries=self.count)
+
+
+def worst_client_patterns(
+    rounds_of: Mapping[int, Collection[int]], *, worst: Sequence[int], count: int, rng: np.random.Generator
+) -> list[frozenset[int]]:
+    """``count`` participation patterns, each the schedule of a client drawn from ``worst``.
+
+    ``rounds_of`` maps a client id to the rounds a planned schedule gives it; ``worst`` are the
+    clients whose accounted epsilon is the run's (the largest): a canary that copies one of them
+    takes part exactly as often, and in the same trees, as the client the claim is about.
+    """
+    if not worst:
+        raise ValueError("no worst client to copy a participation pattern from")
+    picks = rng.integers(len(worst), size=count)
+    return [frozenset(rounds_of[worst[int(i)]]) for i in picks]

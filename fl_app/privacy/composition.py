@@ -7,7 +7,7 @@ this code path.
 
 Backends (Google's dp-accounting 0.6.0):
 
-* **RDP** (default): each mechanism's Renyi-DP curve over :data:`RDP_ORDERS`,
+* **RDP**: each mechanism's Renyi-DP curve over :data:`RDP_ORDERS`,
   summed over the history and converted to (epsilon, delta) with
   dp-accounting's conversion (Canonne, Kamath, Steinke 2020). Randomized
   response is evaluated under ``REPLACE_ONE`` (the LDP relation: any input may
@@ -16,13 +16,16 @@ Backends (Google's dp-accounting 0.6.0):
   which for a sensitivity-1 mechanism is the plain two-Gaussian (two-Laplace)
   comparison. Poisson-sampled Gaussians use the add-or-remove amplification
   analysis (Mironov, Talwar, Zhang 2019).
-* **PLD** (``method="pld"``): privacy-loss distributions with pessimistic
-  discretisation (a sound upper bound), composed object by object.
+* **PLD** (``method="pld"``, the default of ``privacy.accountant``): privacy-loss
+  distributions with pessimistic discretisation (a sound upper bound, tighter than
+  RDP: for a Poisson-sampled Gaussian at q = 0.1 over 100 rounds, epsilon 8 needs
+  noise multiplier 0.936 under PLD against 0.994 under RDP), composed object by object.
   dp-accounting 0.6.0's ``PLDAccountant`` ignores ``count`` for randomized
   response (it composes the event once), so this module never uses that class:
   it builds each mechanism's PLD and calls ``self_compose(count)`` itself.
-  Histories with more than :data:`PLD_MAX_COMPOSITIONS` uses fall back to RDP
-  (reported in :attr:`EpsilonReport.method`).
+  Histories with more than :data:`PLD_MAX_COMPOSITIONS` uses, or whose RDP
+  epsilon is above :data:`PLD_MAX_EPSILON`, are bounded by RDP alone (reported in
+  :attr:`EpsilonReport.method`).
 * **Basic composition** for pure-epsilon mechanisms (randomized response,
   Laplace): ``sum(count * epsilon)``, a valid (epsilon, 0) bound.
 
@@ -70,6 +73,10 @@ RDP_ORDERS: tuple[float, ...] = tuple(
 )
 PLD_VALUE_DISCRETIZATION = 1e-3
 PLD_MAX_COMPOSITIONS = 1_000_000
+#: PLD is not computed for a history whose RDP epsilon is above this: its grid grows with epsilon
+#: (35 s for 25 Gaussians of noise multiplier 0.01, epsilon 1.3e5), while the two bounds differ by
+#: a few percent there (0.2 % at that point, 1.6 % at epsilon 1.5e3).
+PLD_MAX_EPSILON = 250.0
 METHODS: tuple[str, ...] = ("rdp", "pld")
 
 History = Mapping[Mechanism, int]
@@ -272,7 +279,11 @@ def _compose(key: tuple[tuple[Mechanism, int], ...], delta: float, method: str) 
     history = dict(key)
     rdp, order = rdp_epsilon(history, delta=delta)
     pld = None
-    if method == "pld" and sum(int(c) for c in history.values()) <= PLD_MAX_COMPOSITIONS:
+    if (
+        method == "pld"
+        and rdp <= PLD_MAX_EPSILON
+        and sum(int(c) for c in history.values()) <= PLD_MAX_COMPOSITIONS
+    ):
         pld = pld_epsilon(history, delta=delta)
     basic = basic_epsilon(history)
     candidates = {"rdp": rdp}

@@ -134,8 +134,8 @@ class DPSGDGroupPlan:
             {client: local_epochs * max(1, math.ceil(size / batch_size)) for client, size in sizes.items()},
         )
 
-    def calibrate(self, participations: Mapping[int, int], *, delta: float) -> None:
-        """Set each scheduled client's participations and its calibrated ``z_k``."""
+    def calibrate(self, participations: Mapping[int, int], *, delta: float, method: str = "rdp") -> None:
+        """Set each scheduled client's participations and its ``z_k`` calibrated with ``method``."""
         self.participations = dict(participations)
         self.noise_multipliers = {
             client: dp_sgd_noise_multiplier(
@@ -143,6 +143,7 @@ class DPSGDGroupPlan:
                 delta=delta,
                 sampling_rate=self.sampling_rates[client],
                 steps=self.steps_per_round[client] * count,
+                method=method,
             )
             for client, count in self.participations.items()
         }

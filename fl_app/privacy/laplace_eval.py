@@ -35,8 +35,6 @@ from fl_app.privacy.calibration import (
 from fl_app.privacy.composition import EpsilonReport, sequential_stages
 from fl_app.privacy.events import Laplace, PrivacyEvent
 
-#: The composition method of both evaluation ledgers (PLD of Laplace at epsilon ~1e5 needs ~1e8 bins).
-ACCOUNTANT_METHOD = "rdp"
 EVALUATION_UNIT = (
     "one local example's inference result (its softmax vector; replace one example), local DP "
     "against the server; the number of a client's examples is disclosed by the array shape"
@@ -177,16 +175,23 @@ class EvaluationLedger:
     """
 
     def __init__(
-        self, *, population: Sequence[int], training_unit: str, epsilon_per_report: float | None, delta: float
+        self,
+        *,
+        population: Sequence[int],
+        training_unit: str,
+        epsilon_per_report: float | None,
+        delta: float,
+        method: str = "pld",
     ) -> None:
         self.epsilon_per_report = epsilon_per_report
         self.delta = delta
+        #: The run's ``privacy.accountant`` (a PLD is only built where it is small: large epsilons of
+        #: many Laplace reports are bounded by RDP and basic composition, see ``PLD_MAX_EPSILON``).
+        self.method = method
         self.example_accountant = PrivacyAccountant(
-            population=population, unit=EVALUATION_UNIT, method=ACCOUNTANT_METHOD
+            population=population, unit=EVALUATION_UNIT, method=method
         )
-        self.client_accountant = PrivacyAccountant(
-            population=population, unit=training_unit, method=ACCOUNTANT_METHOD
-        )
+        self.client_accountant = PrivacyAccountant(population=population, unit=training_unit, method=method)
         self.evaluations: Counter[int] = Counter()
         self._total: tuple[tuple[int, int], EpsilonReport | None] | None = None
 
@@ -248,7 +253,7 @@ class EvaluationLedger:
                 joint = combined_epsilon(
                     accountants=[joint_with, self.client_accountant],
                     delta=self.delta,
-                    method=ACCOUNTANT_METHOD,
+                    method=self.method,
                 )
             pure = self.client_accountant.basic_epsilon()
             assert pure is not None  # Laplace only
@@ -270,7 +275,7 @@ class EvaluationLedger:
             "delta": self.delta,
             "max_evaluations_per_client": max(self.evaluations.values(), default=0),
             "accountant": (
-                f"{ACCOUNTANT_METHOD} (dp-accounting 0.6.0) and basic composition, per client, over one "
+                f"{self.method} (dp-accounting 0.6.0) and basic composition, per client, over one "
                 "Laplace event per evaluation round naming every sampled client (epsilon_cumulative: one "
                 "example's unit); epsilon_client_level charges each evaluated client n_c uses (its whole "
                 "data set, the training strategy's unit) and is composed with training into rounds[].epsilon "

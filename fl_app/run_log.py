@@ -1,0 +1,92 @@
+"""What the console and ``run.log`` show: one line per failing client, and what a published log withholds.
+
+Flower logs through its own logger (``flwr``) with its own console handler; a run adds a file handler
+for ``run.log`` in its output directory (:func:`run_log_handler`). ``run.log`` sits beside the results
+and is published with them, so it must not hold what the results withhold: with a secret cohort
+(amplification by sampling), each round's duration and every line about a failed client would tell
+model observers about the cohort. Such a record carries :data:`FILE_TEXT` in its ``extra``: the text
+``run.log`` gets instead (an empty string: nothing). The console (the operator, who draws the cohort)
+shows the full line.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+#: ``extra`` key of a log record: the text ``run.log`` gets instead of the console's ("" for none).
+FILE_TEXT = "dpfl_file_text"
+
+
+def withheld_from_file(text: str | None = "") -> dict[str, str | None]:
+    """``extra=`` of a record whose ``run.log`` line is ``text`` (default: no line in ``run.log``)."""
+    return {FILE_TEXT: text}
+
+
+class RunLogFormatter(logging.Formatter):
+    """``run.log``'s format; a record carrying :data:`FILE_TEXT` is written with that text instead."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record's line, with its file text when it has one (the record itself is not changed)."""
+        text = getattr(record, FILE_TEXT, None)
+        if text is None:
+            return super().format(record)
+        copy = logging.makeLogRecord(record.__dict__)
+        copy.msg, copy.args = text, ()
+        return super().format(copy)
+
+
+class PublishedLogFilter(logging.Filter):
+    """Drops from ``run.log`` the records withheld from it (:data:`FILE_TEXT` empty).
+
+    With :attr:`secret_cohort` set, also the errors Flower's engine logs for a failing client (their
+    number and timing follow the secret cohort).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.secret_cohort = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether ``record`` goes to ``run.log``."""
+        if getattr(record, FILE_TEXT, None) == "":
+            return False
+        return not (self.secret_cohort and record.levelno >= logging.ERROR and not _from_dpfl(record))
+
+
+#: The directories of dpfl's own packages (records logged from elsewhere are Flower's or Ray's).
+_DPFL_ROOTS = tuple(
+    str(Path(__file__).resolve().parent.parent / name) for name in ("fl_app", "strategies", "clients")
+)
+
+
+def _from_dpfl(record: logging.LogRecord) -> bool:
+    """Whether the record was logged by dpfl's own code (not by Flower's or Ray's)."""
+    return str(Path(record.pathname).resolve()).startswith(_DPFL_ROOTS)
+
+
+def run_log_handler(path: Path) -> tuple[logging.FileHandler, PublishedLogFilter]:
+    """The ``run.log`` handler and its filter (set ``secret_cohort`` once the strategy is known)."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(RunLogFormatter())
+    published = PublishedLogFilter()
+    handler.addFilter(published)
+    return handler, published
+
+
+def one_line_console(record: logging.LogRecord) -> bool:
+    """Console filter: a failing client is one line (Flower logs its exception and traceback).
+
+    Tracebacks are dropped from the console and multi-line errors cut to their first line;
+    ``run.log`` keeps everything it may publish.
+    """
+    if record.levelno >= logging.ERROR:
+        text = record.getMessage()
+        if text.startswith("Traceback (most recent call last)"):
+            return False
+        if "\n" in text.strip():
+            record.msg, record.args = text.strip().splitlines()[0], ()
+    return True
