@@ -34,19 +34,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from fl_app import keys
-from fl_app.config import compose_config
-from fl_app.data.federated import DataSpec, federated_data
-from fl_app.models import ModelSpec
-from fl_app.privacy.rng import RandomSource
-from fl_app.roster import ClientInfo
-from fl_app.run import noise_source
-from fl_app.run_context import RunContext
+from fl_app.harness import random_update_rounds, run_context_for
 from strategies import STRATEGIES
-from strategies.arrays import flat_vector, split_vector
 
 SHAPE = ["dataset=digits", "num_clients=20", "clients_per_round=10", "num_rounds=5", "privacy.epsilon=2"]
 SETTINGS = {"dp_fedavg_adaptive": ["strategy.bit_noise=3.0"]}
@@ -80,56 +71,14 @@ def under_noised(name: str, factor: float) -> Iterator[None]:
         setattr(module, function, original)
 
 
-def run_context(overrides: list[str], output: Path) -> RunContext:
-    """The RunContext the strategy tests build (composed config, real data, a synthetic roster)."""
-    cfg = compose_config(overrides)
-    spec = DataSpec.from_config(cfg)
-    data = federated_data(spec)
-    roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
-    model = ModelSpec(
-        STRATEGIES.get(str(cfg.strategy.name)).resolve_model(cfg, data.input_shape),
-        data.input_shape,
-        data.num_classes,
-    )
-    return RunContext(
-        cfg=cfg,
-        roster=roster,
-        data=data,
-        data_spec=spec,
-        model_spec=model,
-        randomness=RandomSource(seed=int(cfg.seed)),
-        noise=noise_source(cfg),
-        output_dir=output,
-    )
-
-
-def reply(message: Message, arrays: ArrayRecord) -> Message:
-    """A client's reply carrying ``arrays``."""
-    content = RecordDict({keys.ARRAYS: arrays, keys.METRICS: MetricRecord({keys.NUM_EXAMPLES: 10})})
-    return Message(content, reply_to=message)
-
-
 def canary_run(name: str, *, canaries: int, factor: float, seed: int) -> dict[str, float]:
     """One run of the suite's shape: the estimate, the claim and the mutant's true epsilon."""
     overrides = [*SHAPE, f"strategy={name}", f"privacy.canaries={canaries}", f"seed={seed}"]
     overrides += [f"privacy.noise_seed={seed + 1}", *SETTINGS.get(name, [])]
     with tempfile.TemporaryDirectory() as output:
-        strategy = STRATEGIES.get(name)(run_context(overrides, Path(output)))
-        arrays = strategy.initial_arrays()
-        rng = np.random.default_rng(seed)
+        strategy = STRATEGIES.get(name)(run_context_for(overrides, Path(output)))
         with under_noised(name, factor):
-            for server_round in range(1, 6):
-                base = flat_vector(arrays)
-                like = [arrays[n].numpy() for n in arrays]
-                replies = []
-                for message in strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None):
-                    step = rng.standard_normal(base.size)
-                    parts = split_vector(base + 2.0 * step / np.linalg.norm(step), like)
-                    record = ArrayRecord(
-                        {n: Array(p.astype(np.float32)) for n, p in zip(arrays.keys(), parts, strict=True)}
-                    )
-                    replies.append(reply(message, record))
-                arrays, _ = strategy.aggregate_train(server_round, replies)
+            arrays = random_update_rounds(strategy, 5, norm=2.0, seed=seed)
         empirical = strategy.empirical_privacy(arrays)
         claim = float(strategy.epsilon().epsilon)
     assert empirical is not None
@@ -150,7 +99,7 @@ def true_epsilon(name: str, factor: float) -> float:
 
     with tempfile.TemporaryDirectory() as output:
         overrides = [*SHAPE, f"strategy={name}", *SETTINGS.get(name, [])]
-        strategy = STRATEGIES.get(name)(run_context(overrides, Path(output)))
+        strategy = STRATEGIES.get(name)(run_context_for(overrides, Path(output)))
     rounds, delta = 5, 1e-5
     if name == "dp_fedavg":
         history = {SampledGaussian(strategy.noise_multiplier / factor, strategy.rate): rounds}

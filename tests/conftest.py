@@ -27,10 +27,8 @@ import fl_app  # noqa: F401  (process set-up first)
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
+from fl_app.harness import run_context_for
 from fl_app.models import ModelSpec
-from fl_app.privacy.rng import RandomSource
-from fl_app.roster import ClientInfo
-from fl_app.run import noise_source
 from fl_app.run_context import RunContext
 from strategies import STRATEGIES
 
@@ -146,27 +144,10 @@ def error_reply(message: Message, reason: str = "client crashed") -> Message:
 def build_run_context(overrides: Sequence[str], tmp_path: Path) -> RunContext:
     """A RunContext for strategy tests: composed config, real data, a synthetic roster.
 
-    Node ids are ``1000 + partition id`` and sizes are the real partition sizes.
+    Node ids are ``1000 + partition id`` and sizes are the real partition sizes
+    (:func:`fl_app.harness.run_context_for`).
     """
-    cfg = compose_config(list(overrides))
-    spec = DataSpec.from_config(cfg)
-    data = federated_data(spec)
-    roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
-    model_spec = ModelSpec(
-        STRATEGIES.get(str(cfg.strategy.name)).resolve_model(cfg, data.input_shape),
-        data.input_shape,
-        data.num_classes,
-    )
-    return RunContext(
-        cfg=cfg,
-        roster=roster,
-        data=data,
-        data_spec=spec,
-        model_spec=model_spec,
-        randomness=RandomSource(seed=int(cfg.seed)),
-        noise=noise_source(cfg),  # as the platform: seeded from seed and the configuration
-        output_dir=tmp_path,
-    )
+    return run_context_for(overrides, tmp_path)
 
 
 def client_for(message: Message, context: Context) -> Any:

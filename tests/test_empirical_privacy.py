@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import build_run_context, reply_to
-from flwr.app import Array, ArrayRecord, ConfigRecord
+from conftest import build_run_context
+from flwr.app import ConfigRecord
 
 from fl_app.config import compose_config
+from fl_app.harness import random_update_rounds
 from fl_app.privacy.canaries import (
     CanaryPopulation,
     estimate_epsilon,
@@ -31,7 +32,6 @@ from fl_app.privacy.canaries import (
 from fl_app.privacy.rng import RandomSource
 from fl_app.validation import ConfigError, validate_config
 from strategies import STRATEGIES
-from strategies.arrays import flat_vector, split_vector
 
 # --------------------------------------------------------------------------- the estimator
 
@@ -163,20 +163,7 @@ def canary_run(name: str, tmp_path: Path, *, mutate: Any = None, canaries: int =
     strategy = STRATEGIES.get(name)(run)
     if mutate is not None:
         mutate(strategy)
-    arrays = strategy.initial_arrays()
-    rng = np.random.default_rng(0)
-    for server_round in range(1, 6):
-        base = flat_vector(arrays)
-        like = [arrays[n].numpy() for n in arrays]
-        replies = []
-        for message in strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None):
-            step = rng.standard_normal(base.size)
-            parts = split_vector(base + 2.0 * step / np.linalg.norm(step), like)
-            record = ArrayRecord(
-                {n: Array(p.astype(np.float32)) for n, p in zip(arrays.keys(), parts, strict=True)}
-            )
-            replies.append(reply_to(message, arrays=record))
-        arrays, _ = strategy.aggregate_train(server_round, replies)
+    arrays = random_update_rounds(strategy, 5, norm=2.0)
     empirical = strategy.empirical_privacy(arrays)
     assert empirical is not None
     return empirical, float(strategy.epsilon().epsilon)

@@ -1,0 +1,83 @@
+"""A strategy outside a simulation: its run context and rounds on constructed replies.
+
+Strategy tests, privacy audits and benchmarks (``benchmarks/canary_power.py``) build a strategy the
+way the platform does, with the real data set and a synthetic roster (node id ``1000 + client id``,
+the partitions' real sizes), and drive its server code with replies they construct, without Ray or
+Flower's engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from fl_app import keys
+from fl_app.config import compose_config
+from fl_app.data.federated import DataSpec, federated_data
+from fl_app.model_spec import ModelSpec
+from fl_app.privacy.rng import RandomSource
+from fl_app.roster import ClientInfo
+from fl_app.run import noise_source
+from fl_app.run_context import RunContext
+from strategies import STRATEGIES
+from strategies.arrays import flat_vector, split_vector
+
+
+def run_context_for(overrides: Sequence[str], output_dir: Path) -> RunContext:
+    """The RunContext of ``overrides``: composed config, real data, a synthetic roster.
+
+    Node ids are ``1000 + partition id`` and sizes are the real partition sizes; the privacy
+    randomness is the platform's (:func:`fl_app.run.noise_source`).
+    """
+    cfg = compose_config(list(overrides))
+    spec = DataSpec.from_config(cfg)
+    data = federated_data(spec)
+    roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
+    model_spec = ModelSpec(
+        STRATEGIES.get(str(cfg.strategy.name)).resolve_model(cfg, data.input_shape),
+        data.input_shape,
+        data.num_classes,
+    )
+    return RunContext(
+        cfg=cfg,
+        roster=roster,
+        data=data,
+        data_spec=spec,
+        model_spec=model_spec,
+        randomness=RandomSource(seed=int(cfg.seed)),
+        noise=noise_source(cfg),
+        output_dir=output_dir,
+    )
+
+
+def reply_with(message: Message, arrays: ArrayRecord, metrics: dict[str, Any] | None = None) -> Message:
+    """A client's reply to ``message`` carrying ``arrays`` (as the ClientApp returns it)."""
+    content = RecordDict({keys.ARRAYS: arrays, keys.METRICS: MetricRecord(metrics or {})})
+    return Message(content=content, reply_to=message)
+
+
+def random_update_rounds(strategy: Any, rounds: int, *, norm: float, seed: int = 0) -> ArrayRecord:
+    """``rounds`` rounds in which every selected client returns the model moved by ``norm`` at random.
+
+    Each reply is the round's global model plus a vector of L2 norm ``norm`` in a uniformly random
+    direction (with ``norm`` above the clip, every update is clipped). Returns the last model.
+    """
+    arrays = strategy.initial_arrays()
+    rng = np.random.default_rng(seed)
+    for server_round in range(1, rounds + 1):
+        base = flat_vector(arrays)
+        like = [arrays[n].numpy() for n in arrays]
+        replies = []
+        for message in strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None):
+            step = rng.standard_normal(base.size)
+            parts = split_vector(base + norm * step / np.linalg.norm(step), like)
+            record = ArrayRecord(
+                {n: Array(p.astype(np.float32)) for n, p in zip(arrays.keys(), parts, strict=True)}
+            )
+            replies.append(reply_with(message, record))
+        arrays, _ = strategy.aggregate_train(server_round, replies)
+    return arrays
