@@ -34,8 +34,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from flwr.supercore.task_identity import TaskIdentity
 
+from fl_app.engine.messages import set_task_identity
 from fl_app.harness import random_update_rounds, run_context_for
 from strategies import STRATEGIES
 
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="markdown table")
     parser.add_argument("--json", type=Path, default=None, help="every run's numbers")
     args = parser.parse_args(argv)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1  # messages built outside a run
+    set_task_identity(run_id=1)  # messages built outside a run
     rows: list[dict[str, Any]] = []
     started = time.monotonic()
     for name in args.strategies:

@@ -65,7 +65,8 @@ import torch
 import fl_app  # noqa: F401  (process set-up)
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
-from fl_app.models import ModelSpec, resolve_model_name
+from fl_app.model_spec import ModelSpec
+from fl_app.models import resolve_model_name
 from fl_app.privacy.rng import RandomSource
 from fl_app.training import evaluate, load_arrays, model_to_arrays, train_local
 
@@ -305,13 +306,14 @@ def transport_ms(
     """Milliseconds per message through Flower's Ray actor pool with an echo ClientApp (throughput).
 
     ``depth`` > 1: each actor holds that many messages at once (dpfl's pipelined pool,
-    :func:`fl_app.flower_engine.pipeline_pool`), with one sending thread per slot as in Flower.
+    :func:`fl_app.engine.pool.pipeline_pool`), with one sending thread per slot as in Flower.
     ``batch`` > 1: each task carries up to that many messages (dpfl's batched workers,
-    :func:`fl_app.flower_engine.run_jobs`); the messages share their content, as a round's do.
+    :func:`fl_app.engine.batching.run_jobs`); the messages share their content, as a round's do.
     """
     import ray
     from flwr.app import Message, MetricRecord, RecordDict
-    from flwr.simulation.ray_transport.ray_actor import BasicActorPool, ClientAppActor
+
+    from fl_app.engine.pool import standalone_actor_pool
 
     ray.init(address="local", num_cpus=actors, include_dashboard=False, logging_level="ERROR")
     try:
@@ -324,25 +326,11 @@ def transport_ms(
 
             return echo
 
-        actor_type = ClientAppActor
-        if batch > 1:
-            from fl_app.flower_engine import batching_actor_type
-
-            actor_type = batching_actor_type()
         messages = [
             Message(content=message.content, dst_node_id=5 + i, message_type=message.metadata.message_type)
             for i in range(count)
         ]
-        pool = BasicActorPool(
-            actor_type=actor_type, client_resources={"num_cpus": 1.0, "num_gpus": 0.0}, actor_kwargs={}
-        )
-        pool.add_actors_to_pool(pool.actors_capacity)
-        if depth > 1:
-            from fl_app.flower_engine import pipeline_pool
-
-            pool_actors = pool.num_actors
-            pipeline_pool(pool, depth)
-            assert pool.num_actors == depth * pool_actors
+        pool = standalone_actor_pool(batching=batch > 1, depth=depth)
         todo = list(range(count))
         lock = threading.Lock()
 
@@ -386,9 +374,10 @@ def transport_ms(
 def transport(args: argparse.Namespace) -> None:
     """Print the echo transport time of a 109k-parameter MLP message (run in a fresh process)."""
     from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-    from flwr.supercore.task_identity import TaskIdentity
 
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 77, 0, 1
+    from fl_app.engine.messages import set_task_identity
+
+    set_task_identity(run_id=77)
     arrays = model_to_arrays(ModelSpec("mlp", (28, 28), 10).build())
     content = RecordDict({"arrays": arrays, "config": ConfigRecord({"server-round": 3})})
     message = Message(content=content, dst_node_id=5, message_type=MessageType.TRAIN)
@@ -430,18 +419,17 @@ def transport_in_subprocess(setting: str, actors: int, depth: int = 1, batch: in
 def breakdown(args: argparse.Namespace) -> None:
     """Time the parts of one client message and of the server side; write breakdown.json."""
     from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
-    from flwr.supercore.task_identity import TaskIdentity
 
     from clients.base import FederatedClient
     from fl_app import keys
     from fl_app.client_app import app
-    from fl_app.metering import content_bytes
+    from fl_app.engine.messages import content_bytes, set_reply_source, set_task_identity
     from fl_app.roster import ClientInfo
     from fl_app.run import noise_source
     from fl_app.run_context import RunContext
     from strategies import STRATEGIES
 
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 77, 0, 1
+    set_task_identity(run_id=77)
     torch.set_num_threads(1)  # as in a Ray actor holding one CPU (Ray sets OMP_NUM_THREADS=1)
     overrides = row_overrides("cross-device", args.clients, 10)
     cfg = compose_config(overrides)
@@ -509,7 +497,7 @@ def breakdown(args: argparse.Namespace) -> None:
     replies = []
     for index in range(100):
         answer = app(message=message, context=context(index))
-        answer.metadata.__dict__["_src_node_id"] = 1000 + index
+        set_reply_source(answer, 1000 + index)
         replies.append(answer)
     roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
     for name in ("fedavg", "dp_fedavg"):
@@ -553,7 +541,7 @@ def breakdown(args: argparse.Namespace) -> None:
         f"inline (dpfl_env.py), {args.actors} actors": transport_in_subprocess("inline", args.actors),
     }
     try:  # dpfl's pipelined actor pool (absent before it existed)
-        from fl_app.flower_engine import PIPELINE_DEPTH
+        from fl_app.engine.pool import PIPELINE_DEPTH
 
         transport[f"inline, {PIPELINE_DEPTH} messages per actor (dpfl), {args.actors} actors"] = (
             transport_in_subprocess("inline", args.actors, PIPELINE_DEPTH)
@@ -561,7 +549,8 @@ def breakdown(args: argparse.Namespace) -> None:
     except ImportError:
         pass
     try:  # dpfl's batched workers (absent before they existed)
-        from fl_app.flower_engine import MAX_BATCH, PIPELINE_DEPTH
+        from fl_app.engine.batching import MAX_BATCH
+        from fl_app.engine.pool import PIPELINE_DEPTH
 
         name = f"inline, {MAX_BATCH} messages per task, {PIPELINE_DEPTH} tasks per actor (dpfl)"
         name += f", {args.actors} actors"
@@ -810,7 +799,7 @@ calls in one process with one torch thread (as in a Ray actor holding one CPU); 
 actor pool with an echo ClientApp on the same message, per message at throughput with 2 actors: through
 Ray's object store (Ray's default), inline in the task's RPC (what `dpfl_env.py` sets), inline with each
 actor holding several messages at once (the pipelined pool), and inline with several messages per Ray
-task (the batched workers, `fl_app/flower_engine.py`); server parts are per round of 100 replies. Each
+task (the batched workers, `fl_app/engine/batching.py`); server parts are per round of 100 replies. Each
 column is one measurement at the commit named.
 
 {breakdown_table(summaries)}

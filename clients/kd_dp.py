@@ -40,7 +40,7 @@ from torch.nn import functional as F  # noqa: N812 - the conventional name
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
-from fl_app.models import ModelSpec
+from fl_app.model_spec import ModelSpec
 from fl_app.optim import SGD
 from fl_app.privacy.dp_sgd import dp_sgd_train
 from fl_app.privacy.events import RandomizedResponse

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config, is_hydra_override, sweep_params
-from fl_app.hydra_adapter import sweep_fixed, sweep_jobs
+from fl_app.engine.hydra import sweep_fixed, sweep_jobs
 from fl_app.lifecycle import RunFailed
 from fl_app.validation import check_output_dir, validate_config
 

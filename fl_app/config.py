@@ -17,7 +17,10 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from fl_app.conf_dir import CONF_DIR, config_groups
-from fl_app.hydra_adapter import compose_fresh
+from fl_app.config_checks import ConfigError
+from fl_app.engine.hydra import compose_fresh
+from fl_app.overrides import is_hydra_override, override_key
+from fl_app.resume import expand_resume
 
 CONFIG_NAME = "config"
 
@@ -67,8 +70,6 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
         The resolved configuration, read-only, without the ``hydra`` node.
 
     """
-    from fl_app.resume import expand_resume
-
     run_overrides = [item for item in expand_resume(overrides) if not is_hydra_override(item)]
     try:
         cfg = _compose(run_overrides)
@@ -91,11 +92,6 @@ def _compose(overrides: Sequence[str], *, with_hydra: bool = False) -> DictConfi
     return compose_fresh(CONF_DIR, CONFIG_NAME, overrides, with_hydra=with_hydra)
 
 
-def override_key(item: str) -> str:
-    """The key an override sets: ``privacy.epsilon`` of ``+privacy.epsilon=4`` (also ``++``, ``~``)."""
-    return item.lstrip("+~").split("=", 1)[0]
-
-
 def _adds_key(item: str) -> bool:
     """A ``+key=value`` override that adds a plain key (``+group=option`` selects a group: allowed)."""
     if not item.startswith("+") or item.startswith("++"):
@@ -116,8 +112,6 @@ def dotted_keys(cfg: Any, prefix: str = "") -> list[str]:
 
 def unknown_key(key: str, cfg: DictConfig, *, given: str) -> ValueError:
     """The one-line error for a key the configuration does not have, with a did-you-mean."""
-    from fl_app.validation import ConfigError
-
     known = [k for k in dotted_keys(cfg) if k != "hydra" and not k.startswith("hydra.")]
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(close)}?" if close else "see python -m fl_app --cfg job for the keys"
@@ -128,8 +122,6 @@ def unknown_key(key: str, cfg: DictConfig, *, given: str) -> ValueError:
 
 def explain_composition_error(error: Exception, overrides: Sequence[str]) -> Exception:
     """Hydra's composition errors as one line naming the key, the value and what is allowed."""
-    from fl_app.validation import ConfigError
-
     text = " ".join(str(error).split())
     missing = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
     if missing:
@@ -217,9 +209,3 @@ def overrides_to_run_config(overrides: Sequence[str], output_dir: str = "") -> d
 def overrides_from_run_config(run_config: Mapping[str, Any]) -> list[str]:
     """Decode the Hydra overrides carried by a Flower run config."""
     return shlex.split(str(run_config.get(RUN_CONFIG_OVERRIDES, "") or ""))
-
-
-def is_hydra_override(item: str) -> bool:
-    """Whether an override steers Hydra (``hydra.*``, ``hydra/launcher=...``), not the run."""
-    key = override_key(item)
-    return key == "hydra" or key.startswith("hydra.") or key.startswith("hydra/")

@@ -13,27 +13,17 @@ from collections.abc import Iterable
 from typing import Any
 
 from flwr.app import ArrayRecord, Message
-from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE, SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
-from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
-from fl_app.flower_engine import (
+from fl_app.engine.dispatch import (
     MESSAGES_PUSHED,
     REPLIES_STORED,
     adaptive_interval,
     is_in_memory_grid,
     replied_ids,
 )
+from fl_app.engine.messages import LINK_NODE_ID, MAX_ARRAY_CHUNK_BYTES, content_bytes, set_reply_source
 from fl_app.lifecycle import raise_if_stopped
-
-
-def content_bytes(message: Message) -> int:
-    """Serialised size of a message's content (0 for error replies)."""
-    if not message.has_content():
-        return 0
-    objects = get_all_nested_objects(message.content)
-    return sum(len(obj.deflate()) for obj in objects.values())
-
 
 #: Most message ids named in one pull of the in-memory grid (see ``MeteredGrid._exchange``).
 PULL_WINDOW = 128
@@ -49,7 +39,7 @@ def content_layout(message: Message) -> tuple[Any, ...]:
     """Everything the serialised size of a message's content depends on, cheaply.
 
     Flower serialises a content as its distinct nested objects (records,
-    arrays, array chunks of at most ``FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE``
+    arrays, array chunks of at most ``MAX_ARRAY_CHUNK_BYTES``
     bytes); an object refers to its children by fixed-length SHA-256 ids, so
     the total length is fixed by: the record names and kinds, each array's
     name, dtype, shape, serialisation type and data length, which chunks are
@@ -67,8 +57,8 @@ def content_layout(message: Message) -> tuple[Any, ...]:
             for key, array in record.items():
                 view = memoryview(array.data).cast("B")
                 chunks = []
-                for start in range(0, len(view), FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE):
-                    chunk = view[start : start + FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE]
+                for start in range(0, len(view), MAX_ARRAY_CHUNK_BYTES):
+                    chunk = view[start : start + MAX_ARRAY_CHUNK_BYTES]
                     bucket = groups.setdefault((len(chunk), bytes(chunk[:32]), bytes(chunk[-32:])), [])
                     group = next((gid for gid, other in bucket if other == chunk), None)
                     if group is None:
@@ -117,16 +107,16 @@ def attribute_link_errors(outgoing: list[Message], replies: list[Message]) -> li
     with a "node unavailable" error whose sender is the SuperLink (node id
     ``SUPERLINK_NODE_ID``), not the node. The strategy must see that the *client* failed (one
     log line naming it), not a reply from an unknown node plus a client that "did not reply
-    in time". Flower's ``Metadata`` has no setter for the sender: its attribute is set
-    directly (flwr 1.41; pinned in :mod:`fl_app.flower_engine`).
+    in time". Flower's ``Metadata`` has no setter for the sender
+    (:func:`fl_app.engine.messages.set_reply_source`).
     """
     destination = {message.metadata.message_id: message.metadata.dst_node_id for message in outgoing}
     for reply in replies:
         metadata = reply.metadata
-        if metadata.src_node_id == SUPERLINK_NODE_ID and reply.has_error():
+        if metadata.src_node_id == LINK_NODE_ID and reply.has_error():
             node = destination.get(metadata.reply_to_message_id)
             if node is not None:
-                metadata.__dict__["_src_node_id"] = node
+                set_reply_source(reply, node)
     return replies
 
 
@@ -186,7 +176,7 @@ class MeteredGrid:
         0.25 s cross-device round was a large share of the round; each pull names
         at most ``PULL_WINDOW`` ids (a 5000-client roster query named all 5000 in
         every pull, which then took most of the server's time), and between full
-        pulls only the ids whose reply has arrived (:func:`fl_app.flower_engine.replied_ids`:
+        pulls only the ids whose reply has arrived (:func:`fl_app.engine.dispatch.replied_ids`:
         a pull of 100 pending ids every few milliseconds was a fifth of the server's
         time in a cross-device round). Each reply is metered as it arrives, while the other
         clients still train. A stop request (:mod:`fl_app.lifecycle`) abandons the

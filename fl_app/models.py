@@ -12,8 +12,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fl_app.model_spec import ModelSpec as ModelSpec  # re-exported: the spec of these networks
-
 ModelFactory = Callable[[tuple[int, ...], int], nn.Module]
 MODELS: dict[str, ModelFactory] = {}
 

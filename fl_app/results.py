@@ -78,7 +78,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
 
-from fl_app.models import ModelSpec
+from fl_app.model_spec import ModelSpec
 from fl_app.tracking import RoundTracker
 
 SCHEMA_VERSION = 1

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from fl_app.config import override_key
+from fl_app.config_checks import ConfigError
+from fl_app.fingerprint import config_fingerprint
+from fl_app.overrides import override_key
 
 RESUME_KEY = "resume"
 #: Keys a resumed run may change (a prefix ends with a dot).
@@ -61,7 +63,6 @@ def expand_resume(overrides: Sequence[str]) -> list[str]:
     if directory is None:
         return list(overrides)
     from fl_app.checkpoint import read_header
-    from fl_app.validation import ConfigError
 
     given = [o for o in overrides if override_key(o) != RESUME_KEY]
     refused = [o for o in given if not override_key(o).startswith(CHANGEABLE)]
@@ -101,8 +102,6 @@ def validate_resume(cfg: DictConfig, *, is_private: bool) -> None:
 
     """
     from fl_app.checkpoint import read_header
-    from fl_app.run import config_fingerprint
-    from fl_app.validation import ConfigError
 
     directory = Path(str(cfg.resume))
     header = read_header(directory)

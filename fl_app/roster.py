@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from logging import INFO
 
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.supercore import log
 
 from fl_app import keys
 

@@ -8,8 +8,6 @@ ServerApp with the overrides in its run config.
 from __future__ import annotations
 
 import datetime as dt
-import hashlib
-import json
 import logging
 import math
 import sys
@@ -21,9 +19,8 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, MetricRecord
-from flwr.common.logger import console_handler
+from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.supercore import log
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -46,6 +43,8 @@ from fl_app.config import (
     with_values,
 )
 from fl_app.data.federated import DataSpec, FederatedData, federated_data
+from fl_app.engine.logs import console_filter
+from fl_app.fingerprint import config_fingerprint
 from fl_app.lifecycle import (
     Outcome,
     RunFailed,
@@ -55,7 +54,7 @@ from fl_app.lifecycle import (
     take_outcome,
 )
 from fl_app.metering import MeteredGrid
-from fl_app.models import ModelSpec
+from fl_app.model_spec import ModelSpec
 from fl_app.privacy.canaries import HEADER_NOTE as CANARY_HEADER
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
 from fl_app.results import LEDGER_FILE, RunRecorder, short_unit, write_json
@@ -110,20 +109,6 @@ def run_federation(grid: Grid, context: Context) -> None:
             raise RunFailed(f"run {outcome.status}: {outcome.reason} (results in {outcome.output_dir})")
 
 
-#: Keys that do not change what a run computes from the data (resources, output, evaluation
-#: schedule, the randomness switches themselves): left out of :func:`config_fingerprint`.
-FINGERPRINT_IGNORES: tuple[str, ...] = (
-    "output_dir",
-    "resume",
-    "simulation",
-    "privacy.noise_seed",
-    "privacy.secure_rng",
-    "privacy.diagnostics",
-    "evaluation.every",
-    "evaluation.test_subset",
-)
-
-
 def evaluation_arrays(
     data: FederatedData, *, subset: int | None, randomness: RandomSource
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -156,21 +141,6 @@ SECURE_NOTE = (
     "OS entropy: every privacy noise draw (server and clients) and every secret client sample come "
     "from the operating system's CSPRNG; nothing published predicts them and the run is not reproducible"
 )
-
-
-def config_fingerprint(cfg: DictConfig, *, ignore: Sequence[str] = ()) -> str:
-    """A hex digest of the resolved configuration without :data:`FINGERPRINT_IGNORES` (and ``ignore``)."""
-    container = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(container, dict)
-    for dotted in (*FINGERPRINT_IGNORES, *ignore):
-        node: Any = container
-        *parents, leaf = dotted.split(".")
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.pop(leaf, None)
-    text = json.dumps(container, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def noise_seed_origin(cfg: DictConfig) -> str | None:
@@ -302,16 +272,15 @@ def execute(
     # something also configures the root logger (seen under `flwr run`: every line
     # again as "INFO:flwr:..."), so keep Flower's records off the root while we run.
     propagate, flower_logger.propagate = flower_logger.propagate, False
-    console_handler.addFilter(one_line_console)
     try:
-        return _execute(grid, cfg, output_dir, list(overrides), published)
+        with console_filter(one_line_console):
+            return _execute(grid, cfg, output_dir, list(overrides), published)
     except RunStopped as stop:  # stopped before the first round: nothing but run.log to write
         log(ERROR, "dpfl: run %s before its first round: %s", stop.status, stop)
         record_outcome(Outcome(stop.status, stop.exit_code, str(stop), str(output_dir)))
         return None
     finally:
         flower_logger.propagate = propagate
-        console_handler.removeFilter(one_line_console)
         flower_logger.removeHandler(handler)
         handler.close()
 

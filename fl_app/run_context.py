@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from fl_app.data.federated import DataSpec, FederatedData
-from fl_app.models import ModelSpec
+from fl_app.model_spec import ModelSpec
 from fl_app.privacy.rng import RandomSource
 from fl_app.roster import ClientInfo
 

@@ -5,7 +5,8 @@ import sys
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fl_app.flower_engine import SIMULATION_ENGINE_MODULE, install_engine_patches
+from fl_app.engine import SIMULATION_ENGINE_MODULE
+from fl_app.engine.launch import install_engine_patches
 from fl_app.run import run_federation
 
 # Under `flwr run` with a simulation federation, the engine runs in the process that loads this

@@ -3,7 +3,7 @@
 This starts exactly what ``flwr run .`` starts in a local simulation federation:
 the ServerApp ``fl_app.server_app:app`` and the ClientApp
 ``fl_app.client_app:app`` under Flower's simulation engine, with the Hydra
-overrides in the run config. It goes through :mod:`fl_app.flower_engine`, the one adapter to
+overrides in the run config. It goes through :mod:`fl_app.engine`, the one seam to
 Flower's private simulation APIs (the public ``run_simulation`` passes an empty
 run config). Ray is shut down when the run
 ends, also on failure, so nothing is left running.
@@ -29,7 +29,8 @@ from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
 from fl_app.config import hand_over, overrides_to_run_config, take_handed_over
-from fl_app.flower_engine import MAX_BATCH, run_simulation_engine, start_ray
+from fl_app.engine.batching import MAX_BATCH
+from fl_app.engine.launch import run_simulation_engine, start_ray
 from fl_app.lifecycle import (
     Outcome,
     RunFailed,

@@ -276,10 +276,11 @@ def flwr_home(env: Mapping[str, str] | None = None) -> Path:
 def write_connection(home: Path, name: str, address: str, *, root_certificates: Path | None) -> Path:
     """Add (or replace) the SuperLink connection ``name`` in ``home/config.toml``."""
     import tomli_w
-    from flwr.cli.constant import DEFAULT_FLOWER_CONFIG_TOML
+
+    from fl_app.engine.tooling import default_flower_config
 
     path = home / "config.toml"
-    text = path.read_text() if path.is_file() else DEFAULT_FLOWER_CONFIG_TOML
+    text = path.read_text() if path.is_file() else default_flower_config()
     config: dict[str, Any] = tomllib.loads(text)
     connection: dict[str, Any] = {"address": address}
     if root_certificates is None:

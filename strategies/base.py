@@ -51,6 +51,7 @@ from flwr.serverapp.strategy import Strategy
 from omegaconf import DictConfig
 
 from fl_app import keys
+from fl_app.config_checks import ConfigError
 from fl_app.models import resolve_model_name
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.canaries import CanaryPopulation
@@ -58,7 +59,6 @@ from fl_app.privacy.mechanisms import sum_clipped_updates
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import array_values, evaluate, load_arrays, model_to_arrays, torch_seed
-from fl_app.validation import ConfigError
 from strategies.arrays import flat_vector, split_vector
 from strategies.cohorts import CohortSampling
 from strategies.replies import ReplyTriage

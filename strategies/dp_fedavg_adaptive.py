@@ -70,9 +70,10 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
-from flwr.supercore import log
+from flwr.common import log
 from omegaconf import DictConfig
 
+from fl_app.config_checks import ConfigError
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import (
     adaptive_clipping_default_bit_noise,
@@ -84,7 +85,6 @@ from fl_app.privacy.events import PrivacyEvent, SampledGaussian
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext, resolve_clients_per_round
-from fl_app.validation import ConfigError
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
 from strategies.base import FederatedStrategy

@@ -65,7 +65,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
-from flwr.supercore import log
+from flwr.common import log
 
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import noise_multiplier_for_histories, tree_sensitivity_increments

@@ -48,17 +48,17 @@ from typing import Any
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.supercore import log
 from omegaconf import DictConfig
 
 from fl_app import keys
 from fl_app.bits import packed_length, signs_of, split_vector, unpack_signs
+from fl_app.config_checks import ConfigError
 from fl_app.metering import content_bytes
 from fl_app.privacy.bnn import CALIBRATIONS, CLIENT_UNIT, BinaryRRLedger, GammaPlan
 from fl_app.run_context import RunContext
 from fl_app.training import evaluate, load_arrays
-from fl_app.validation import ConfigError
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
 from strategies.settings import StrategySettings, between, integer, one_of

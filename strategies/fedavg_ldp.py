@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
-from flwr.supercore import log
+from flwr.common import log
 
 from fl_app import keys
 from fl_app.privacy.accountant import PrivacyAccountant

@@ -38,12 +38,13 @@ from logging import INFO, WARNING
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.supercore import log
 from omegaconf import DictConfig
 
 from clients.kd_dp import STUDENT_STAGE, TEACHER_STAGE, SpecialPseudoClient
 from fl_app import keys
+from fl_app.config_checks import ConfigError, require_int
 from fl_app.privacy.budget import KDDPBudget, split_kd_dp_budget
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.privacy.kd_dp import (
@@ -57,7 +58,6 @@ from fl_app.privacy.kd_dp import (
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import load_arrays
-from fl_app.validation import ConfigError, require_int
 from strategies import register_strategy
 from strategies.arrays import mean_arrays
 from strategies.base import FederatedStrategy, RecentRounds

@@ -45,22 +45,22 @@ from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
-from flwr.supercore import log
 from omegaconf import DictConfig
 
 from clients.laplace_eval import LAPLACE, PRIVACY_EVAL_TYPES, reported_vectors
 from fl_app import keys
 from fl_app.clustering import EVAL_TYPES, ClusteringScores, clustering_scores
 from fl_app.config import with_values
+from fl_app.config_checks import ConfigError
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.privacy.laplace_eval import (
     EvaluationLedger,
     LaplaceReportPlan,
 )
 from fl_app.roster import ClientInfo
-from fl_app.validation import ConfigError
 from strategies import STRATEGIES, register_evaluation_stage
 from strategies.base import FederatedStrategy, RecentRounds
 from strategies.settings import StrategySettings, between, integer, names, one_of, positive

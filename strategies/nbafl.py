@@ -52,10 +52,11 @@ from logging import INFO, WARNING
 from typing import Any
 
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
-from flwr.supercore import log
+from flwr.common import log
 from omegaconf import DictConfig
 
 from fl_app import keys
+from fl_app.config_checks import require_int, require_positive, require_range
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import (
     CLASSIC_GAUSSIAN_MAX_EPSILON,
@@ -75,7 +76,6 @@ from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
-from fl_app.validation import require_int, require_positive, require_range
 from strategies import register_strategy
 from strategies.arrays import mean_arrays
 from strategies.base import FederatedStrategy

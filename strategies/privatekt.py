@@ -53,12 +53,13 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
+from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.supercore import log
 from omegaconf import DictConfig
 
 from clients.privatekt import decode_labels
 from fl_app import keys
+from fl_app.config_checks import ConfigError
 from fl_app.data.federated import DataSpec, federated_data
 from fl_app.knowledge import (
     KNOWLEDGE_MODES,
@@ -78,7 +79,6 @@ from fl_app.privacy.mechanisms import debias_label_average
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import has_dropout, load_arrays, model_to_arrays, predict_proba
-from fl_app.validation import ConfigError
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
 from strategies.cohorts import SCHEDULES, max_participations

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from logging import WARNING
 
 from flwr.app import ArrayRecord, Message
-from flwr.supercore import log
+from flwr.common import log
 
 from fl_app import keys
 from fl_app.roster import ClientInfo

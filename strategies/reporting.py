@@ -14,7 +14,7 @@ from logging import INFO
 from typing import Any, ClassVar, Protocol
 
 from flwr.app import ArrayRecord
-from flwr.supercore import log
+from flwr.common import log
 from omegaconf import DictConfig
 
 from fl_app.privacy.accountant import PrivacyAccountant

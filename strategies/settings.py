@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Self
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fl_app.validation import (
+from fl_app.config_checks import (
     ConfigError,
     require_bool,
     require_choice,

@@ -21,14 +21,14 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
-from flwr.supercore.task_identity import TaskIdentity
 
 import fl_app  # noqa: F401  (process set-up first)
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
+from fl_app.engine.messages import task_identity as engine_task_identity
 from fl_app.harness import run_context_for
-from fl_app.models import ModelSpec
+from fl_app.model_spec import ModelSpec
 from fl_app.run_context import RunContext
 from strategies import STRATEGIES
 
@@ -86,10 +86,8 @@ def partition_cache_of_the_test_run(tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(autouse=True)
 def task_identity() -> Iterator[None]:
     """Give this process a Flower task identity (as the simulation does) so Messages can be built."""
-    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 77, 0, 1
-    yield
-    TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+    with engine_task_identity(run_id=77):
+        yield
 
 
 def make_context(

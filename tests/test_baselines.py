@@ -124,7 +124,7 @@ def test_train_config_carries_hyperparameters(tmp_path):
 
 def test_fedavg_client_trains_on_its_partition():
     config = {**spec_config(DIGITS), keys.ALGORITHM: "fedavg"}
-    from fl_app.models import ModelSpec
+    from fl_app.model_spec import ModelSpec
     from fl_app.training import model_to_arrays
 
     model = ModelSpec.from_json(config[keys.MODEL_SPEC]).build()

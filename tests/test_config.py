@@ -211,10 +211,10 @@ def test_multirun_expansion():
 
 
 def test_pins_the_hydra_release_whose_internals_it_uses():
-    """A Hydra upgrade must revisit fl_app/hydra_adapter.py (this test names the reason)."""
+    """A Hydra upgrade must revisit fl_app/engine/hydra.py (this test names the reason)."""
     import tomllib
 
-    from fl_app import hydra_adapter
+    from fl_app.engine import hydra as hydra_adapter
 
     assert hydra_adapter.hydra_version() == hydra_adapter.HYDRA_VERSION
     pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
@@ -231,7 +231,7 @@ def test_pins_the_hydra_release_whose_internals_it_uses():
         for path in (ROOT / folder).rglob("*.py")
         if "hydra._internal" in path.read_text() or "hydra.initialize import" in path.read_text()
     ]
-    assert users == ["fl_app/hydra_adapter.py"]
+    assert users == ["fl_app/engine/hydra.py"]
 
 
 def test_a_multirun_composes_and_validates_each_job_once(tmp_path, monkeypatch):

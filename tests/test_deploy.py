@@ -228,9 +228,9 @@ def staged_app(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_the_staged_app_is_the_fab_flwr_run_builds_from_the_project(staged_app: Path) -> None:
-    from flwr.cli.build import build_fab_from_disk
+    from fl_app.engine.tooling import build_fab
 
-    assert build_fab_from_disk(staged_app) == build_fab_from_disk(ROOT)
+    assert build_fab(staged_app) == build_fab(ROOT)
     assert not (staged_app / ".venv").exists() and (staged_app / "pyproject.toml").is_file()
 
 
@@ -450,10 +450,10 @@ def test_a_devices_roster_answer_does_not_import_torch(tmp_path: Path) -> None:
     probe = f"""
 import sys
 from flwr.app import ConfigRecord, Context, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 from fl_app import keys
 from fl_app.client_app import roster
-TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 5, 1
+from fl_app.engine.messages import set_task_identity
+set_task_identity(run_id=1, node_id=5)
 context = Context(run_id=1, node_id=5, node_config={{keys.NODE_DATA_PATH: {str(path)!r}}}, state=RecordDict(),
                   run_config={{}})
 content = RecordDict({{keys.CONFIG: ConfigRecord({{keys.SEED: 1}})}})
@@ -564,7 +564,7 @@ def test_server_noise_is_secure_once_devices_are_seen() -> None:
 
 def _device_strategy(name: str, overrides: list[str], tmp_path: Path) -> Any:
     """A strategy as the SuperLink builds it for three real devices (ClientInfo(device=True))."""
-    from fl_app.models import ModelSpec
+    from fl_app.model_spec import ModelSpec
 
     cfg = compose_config([*DATA, f"strategy={name}", *overrides])
     spec = DataSpec.from_config(cfg)

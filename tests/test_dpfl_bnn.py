@@ -14,7 +14,8 @@ from fl_app import keys
 from fl_app.bits import pack_signs, packed_length, signs_of, unpack_signs
 from fl_app.config import compose_config
 from fl_app.metering import content_bytes
-from fl_app.models import BinaryCNN, BinaryLinear, ModelSpec, binarize
+from fl_app.model_spec import ModelSpec
+from fl_app.models import BinaryCNN, BinaryLinear, binarize
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
 from fl_app.privacy.events import BinaryRandomizedResponse, PrivacyEvent

@@ -17,7 +17,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fl_app import keys
 from fl_app.config import compose_config
-from fl_app.models import ModelSpec
+from fl_app.model_spec import ModelSpec
 from fl_app.privacy.calibration import (
     gaussian_epsilon,
     local_gaussian_noise_multiplier,

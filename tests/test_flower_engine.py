@@ -25,26 +25,19 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
-from fl_app import flower_engine
-from fl_app.flower_engine import (
-    FLOWER_VERSION,
-    BalancedSlots,
-    actor_limit,
+from fl_app.engine import FLOWER_VERSION, dispatch, flower_version, pool
+from fl_app.engine import batching as batching_module
+from fl_app.engine.batching import batch_size, batched_worker, process_batch, run_jobs, take_batch
+from fl_app.engine.dispatch import (
     adaptive_interval,
-    batch_size,
-    batched_worker,
     fast_add_messages_to_queue,
-    flower_version,
     install_fast_dispatch,
     is_in_memory_grid,
-    load_dpfl_client_app,
-    pipeline_pool,
-    process_batch,
     replied_ids,
-    run_jobs,
-    take_batch,
     take_undelivered,
 )
+from fl_app.engine.launch import actor_limit
+from fl_app.engine.pool import BalancedSlots, load_dpfl_client_app, pipeline_pool
 from fl_app.metering import MeteredGrid, content_bytes
 from fl_app.training import array_values
 from strategies.arrays import mean_arrays
@@ -54,11 +47,11 @@ GOLDEN = Path(__file__).parent / "data" / "golden_rounds.json"
 
 
 def test_pins_the_flower_release_whose_private_apis_it_uses() -> None:
-    """A Flower upgrade must revisit fl_app/flower_engine.py (this test names the reason)."""
+    """A Flower upgrade must revisit fl_app/engine/ (this test names the reason)."""
     assert flower_version() == FLOWER_VERSION
     parameters = list(inspect.signature(vce_api.add_messages_to_queue).parameters)
     if vce_api.add_messages_to_queue is fast_add_messages_to_queue:
-        parameters = list(inspect.signature(flower_engine._original_dispatch).parameters)
+        parameters = list(inspect.signature(dispatch._original_dispatch).parameters)
     assert parameters == ["state", "queue", "nodes_mapping", "f_stop"]
     from flwr.simulation.run_simulation import _run_simulation
 
@@ -81,18 +74,18 @@ def test_install_replaces_the_dispatcher_once() -> None:
     install_fast_dispatch()
     install_fast_dispatch()
     assert vce_api.add_messages_to_queue is fast_add_messages_to_queue
-    assert flower_engine._original_dispatch is not fast_add_messages_to_queue
+    assert dispatch._original_dispatch is not fast_add_messages_to_queue
 
 
 @pytest.mark.parametrize("cost", [0.0, 1e-5, 1e-4, 1e-3, 0.01, 1.0])
 def test_adaptive_interval_is_bounded_and_grows_with_cost(cost: float) -> None:
     interval = adaptive_interval(cost)
-    assert flower_engine.MIN_POLL_S <= interval <= flower_engine.MAX_POLL_S
+    assert dispatch.MIN_POLL_S <= interval <= dispatch.MAX_POLL_S
     assert adaptive_interval(cost * 2 + 1e-4) >= interval
     # a long wait polls less often, but never adds more than ~2 % latency or exceeds the cap
     assert adaptive_interval(cost, 1.0) >= interval
-    assert adaptive_interval(0.0, 0.5) == pytest.approx(max(flower_engine.MIN_POLL_S, 0.01))
-    assert adaptive_interval(0.0, 100.0) == flower_engine.MAX_POLL_S
+    assert adaptive_interval(0.0, 0.5) == pytest.approx(max(dispatch.MIN_POLL_S, 0.01))
+    assert adaptive_interval(0.0, 100.0) == dispatch.MAX_POLL_S
 
 
 @pytest.fixture(autouse=True)
@@ -427,8 +420,8 @@ def test_client_app_loader_travels_by_reference() -> None:
 
     assert len(ray.cloudpickle.dumps(load_dpfl_client_app)) < 200  # a name, not code
     assert load_dpfl_client_app() is app
-    assert flower_engine._loads_dpfl_client_app(lambda: app)
-    assert not flower_engine._loads_dpfl_client_app(lambda: object())
+    assert pool._loads_dpfl_client_app(lambda: app)
+    assert not pool._loads_dpfl_client_app(lambda: object())
 
 
 # ---------------------------------------------------------------- batched workers
@@ -439,7 +432,7 @@ def test_pins_the_worker_and_reply_store_it_replaces() -> None:
     from flwr.server.superlink.fleet.vce.backend import raybackend
     from flwr.simulation.ray_transport.ray_actor import BasicActorPool
 
-    worker = flower_engine._original_worker or vce_api.worker
+    worker = batching_module._original_worker or vce_api.worker
     assert list(inspect.signature(worker).parameters) == [
         "messageins_queue",
         "messageres_queue",
@@ -448,10 +441,10 @@ def test_pins_the_worker_and_reply_store_it_replaces() -> None:
         "f_stop",
         "metrics",
     ]
-    store = flower_engine._original_store or vce_api.put_message_into_state
+    store = dispatch._original_store or vce_api.put_message_into_state
     assert list(inspect.signature(store).parameters) == ["state", "queue", "f_stop"]
     assert "worker," in inspect.getsource(vce_api.run_api)  # looked up at call time, by name
-    build = flower_engine._original_build or raybackend.RayBackend.build
+    build = pool._original_build or raybackend.RayBackend.build
     assert "actor_type=ClientAppActor" in inspect.getsource(build)
     assert "app_fn, mssg, cid, context = job" in inspect.getsource(BasicActorPool.submit)
 
@@ -469,7 +462,7 @@ def test_batch_size_shares_the_queue(sharers: int, limit: int) -> None:
 
 
 def test_heavy_messages_are_shared_among_all_slots_cheap_ones_among_the_idle_senders() -> None:
-    batching = flower_engine.Batching(lambda jobs: [], slots=4)
+    batching = batching_module.Batching(lambda jobs: [], slots=4)
     assert batching.sharers(1) == 4  # nothing measured yet: heavy until shown otherwise
     batching.record(8, 0.02)  # 2.5 ms a message: a cross-device client
     assert batching.sharers(1) == 1 and batching.sharers(3) == 3
@@ -489,7 +482,7 @@ def _burst(message_s: float, queued: int = 40) -> list[int]:
     """
     import heapq
 
-    batching = flower_engine.Batching(lambda jobs: [], slots=4)
+    batching = batching_module.Batching(lambda jobs: [], slots=4)
     batching.record(1, message_s)
     senders = [(0.0, sender) for sender in range(4)]
     actor_of: dict[int, int] = {}
@@ -635,7 +628,7 @@ def test_batched_worker_answers_every_message_in_batches_and_stops() -> None:
         return run_jobs(lambda: _echo_app, jobs)
 
     backend = type("Backend", (), {})()
-    setattr(backend, flower_engine.BATCHING_FLAG, flower_engine.Batching(send, slots=2))
+    setattr(backend, batching_module.BATCHING_FLAG, batching_module.Batching(send, slots=2))
     metrics = type("Metrics", (), {"add_clientapp_runtime": lambda self, seconds: None})()
     stop = threading.Event()
     threads = [
@@ -650,7 +643,7 @@ def test_batched_worker_answers_every_message_in_batches_and_stops() -> None:
         thread.join(timeout=5)
     assert answered == {m.metadata.message_id for m in messages} and replies.empty()
     assert not any(thread.is_alive() for thread in threads)
-    assert sum(sizes) == 40 and max(sizes) <= flower_engine.MAX_BATCH and max(sizes) > 1
+    assert sum(sizes) == 40 and max(sizes) <= batching_module.MAX_BATCH and max(sizes) > 1
 
 
 def test_a_batch_in_flight_is_abandoned_when_the_run_stops(monkeypatch) -> None:
@@ -678,14 +671,14 @@ def test_a_batch_in_flight_is_abandoned_when_the_run_stops(monkeypatch) -> None:
     monkeypatch.setattr(ray, "wait", wait)
     monkeypatch.setattr(ray, "get", lambda future: [("reply", "message", "context")])
     stop = threading.Event()
-    send = flower_engine.ray_batch_sender(backend, stopped=stop.is_set)
+    send = batching_module.ray_batch_sender(backend, stopped=stop.is_set)
     finished[0] = True
     assert send([("m", "c")]) == [("reply", "message", "context")]  # a finished batch: its outcomes
     finished[0], polls[:] = False, []
     threading.Timer(1.2, stop.set).start()
-    with pytest.raises(flower_engine.AbandonedBatchError):
+    with pytest.raises(batching_module.AbandonedBatchError):
         send([("m", "c")])
-    assert len(polls) >= 2 and set(polls) == {flower_engine.STOP_POLL_S}  # it waited, then gave up
+    assert len(polls) >= 2 and set(polls) == {batching_module.STOP_POLL_S}  # it waited, then gave up
     assert backend.pool.returned == ["future", "future"]  # the actor goes back to the pool either way
 
     # The worker that sent it ends without replies or error replies for the abandoned messages.
@@ -696,10 +689,10 @@ def test_a_batch_in_flight_is_abandoned_when_the_run_stops(monkeypatch) -> None:
 
     def abandoned(jobs: list[Any]) -> list[Any]:
         worker_stop.set()
-        raise flower_engine.AbandonedBatchError("stopped")
+        raise batching_module.AbandonedBatchError("stopped")
 
-    batching = flower_engine.Batching(abandoned, slots=1)
-    setattr(backend, flower_engine.BATCHING_FLAG, batching)
+    batching = batching_module.Batching(abandoned, slots=1)
+    setattr(backend, batching_module.BATCHING_FLAG, batching)
     metrics = type("Metrics", (), {"add_clientapp_runtime": lambda self, seconds: None})()
     thread = threading.Thread(
         target=batched_worker, args=(queue, replies, _contexts(nodes), backend, worker_stop, metrics)
@@ -732,8 +725,9 @@ def test_the_server_app_patches_the_engine_only_where_the_engine_runs() -> None:
 
     probe = (
         "import sys\n{prelude}import fl_app.server_app\n"
-        "from fl_app import flower_engine\n"
-        "print(flower_engine.SIMULATION_ENGINE_MODULE in sys.modules, flower_engine._workers_installed)\n"
+        "from fl_app import engine\n"
+        "from fl_app.engine import batching\n"
+        "print(engine.SIMULATION_ENGINE_MODULE in sys.modules, batching._workers_installed)\n"
     )
     outputs = [
         subprocess.run(

@@ -14,7 +14,7 @@ from clients.fedavg import FedAvgClient
 from clients.kd_dp import KDDPTeacherClient
 from fl_app import keys
 from fl_app.config import compose_config
-from fl_app.models import ModelSpec
+from fl_app.model_spec import ModelSpec
 from fl_app.simulation import backend_config
 from fl_app.training import model_to_arrays
 from fl_app.validation import ConfigError, validate_common

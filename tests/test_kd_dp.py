@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from fl_app import keys
-from fl_app.models import ModelSpec
+from fl_app.model_spec import ModelSpec
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.budget import (
     charged_report,

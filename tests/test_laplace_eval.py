@@ -31,7 +31,8 @@ from clients.laplace_eval import LaplaceEvalClient
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
-from fl_app.models import ModelSpec
+from fl_app.engine.messages import set_message_id
+from fl_app.model_spec import ModelSpec
 from fl_app.privacy.calibration import (
     PROBABILITY_VECTOR_L1_SENSITIVITY,
     laplace_epsilon_for_scale,
@@ -283,7 +284,7 @@ def test_stage_keeps_federated_evaluation_and_routes_replies(tmp_path):
     assert algorithms == ["fedavg"] * 3 + ["laplace_eval"] * 3
     assert messages[-1].content.array_records[keys.ARRAYS] is marker
     for message in messages:  # as the grid does when it sends them
-        message.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+        set_message_id(message, uuid.uuid4().hex)
     federated = [
         reply_to(m, metrics={keys.NUM_EXAMPLES: 10, keys.EVAL_LOSS: 1.0, keys.EVAL_ACCURACY: 0.5})
         for m in messages[:3]

@@ -21,7 +21,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fl_app import keys
 from fl_app.config import compose_config
-from fl_app.models import ModelSpec
+from fl_app.model_spec import ModelSpec
 from fl_app.privacy import calibration as cal
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian

@@ -53,7 +53,8 @@ from fl_app import keys
 from fl_app.bits import unpack_signs
 from fl_app.config import compose_config
 from fl_app.data.federated import ClientDataset, DataSpec, federated_data
-from fl_app.models import MODELS, ModelSpec
+from fl_app.model_spec import ModelSpec
+from fl_app.models import MODELS
 from fl_app.privacy import calibration, composition
 from fl_app.privacy.audit import AuditResult, audit_epsilon
 from fl_app.privacy.rng import RandomSource

@@ -27,7 +27,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
-from fl_app.models import ModelSpec
+from fl_app.model_spec import ModelSpec
 from fl_app.privacy import cli
 from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma
 from fl_app.privacy.rng import RandomSource

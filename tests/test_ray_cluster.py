@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import FEDAVG_RUN, TWO_ACTORS, ray_process_ids
 
-from fl_app.flower_engine import BatchingActor
+from fl_app.engine.batching import BatchingActor
 
 pytestmark = pytest.mark.simulation
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,7 +23,7 @@ import pytest
 
 from fl_app.checkpoint import CHECKPOINT_FILE, load_checkpoint, read_header
 from fl_app.config import compose_config
-from fl_app.flower_engine import BatchingActor
+from fl_app.engine.batching import BatchingActor
 from fl_app.lifecycle import RunFailed
 from fl_app.round_loop import check_round
 from fl_app.run_log import one_line_console
@@ -414,15 +414,14 @@ def test_the_calculator_prints_strict_json_or_one_line():
 
 def test_a_gone_supernode_is_reported_as_that_client_failing():
     # The SuperLink answers a message for a vanished SuperNode itself (sender: the SuperLink).
-    from flwr.common.constant import SUPERLINK_NODE_ID
-
+    from fl_app.engine.messages import LINK_NODE_ID, set_message_id, set_reply_source
     from fl_app.metering import attribute_link_errors
     from tests.conftest import error_reply, make_message
 
     message = make_message({}, node_id=1005)
-    message.metadata.__dict__["_message_id"] = "m-1005"
+    set_message_id(message, "m-1005")
     reply = error_reply(message, "node unavailable")
-    reply.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+    set_reply_source(reply, LINK_NODE_ID)
     healthy = error_reply(make_message({}, node_id=1006), "client crashed")
     attribute_link_errors([message], [reply, healthy])
     assert reply.metadata.src_node_id == 1005

@@ -99,8 +99,7 @@ SHELL = (
     "fl_app.cli",
     "fl_app.client_app",
     "fl_app.config",
-    "fl_app.flower_engine",
-    "fl_app.hydra_adapter",
+    "fl_app.engine",
     "fl_app.lifecycle",
     "fl_app.metering",
     "fl_app.report",
@@ -190,3 +189,135 @@ def test_algorithm_modules_are_small_and_no_strategy_imports_another():
         if name.startswith("strategies.") and name.split(".")[1] in algorithms
     ]
     assert arrows == []
+
+
+#: Flower's public API (its documented modules); any other ``flwr`` module is private to Flower.
+FLOWER_PUBLIC = ("flwr.app", "flwr.serverapp", "flwr.serverapp.strategy", "flwr.clientapp", "flwr.common",
+                 "flwr.simulation", "flwr.client.mod")  # fmt: skip
+#: Hydra's non-public modules.
+HYDRA_PRIVATE = ("hydra._internal", "hydra.initialize", "hydra.core.global_hydra")
+#: Test modules allowed Flower's internals: the engine's own tests (they drive the patched engine),
+#: and the oracle tests that compare dpfl's DP arithmetic with Flower's own functions.
+PRIVATE_API_TESTS = ("test_flower_engine.py", "test_baselines.py", "test_client_level_baselines.py")
+
+
+def private_api_uses(path: Path) -> list[str]:
+    """Flower and Hydra internals ``path`` imports, and private Flower attributes it writes."""
+    uses = []
+    for name in imported_modules(path):
+        flower = (name == "flwr" or name.startswith("flwr.")) and name not in FLOWER_PUBLIC
+        if flower or name.startswith(HYDRA_PRIVATE):
+            uses.append(name)
+    uses += re.findall(r"metadata\.__dict__\[[^]]*\]", path.read_text())
+    return uses
+
+
+def test_flower_and_hydra_internals_only_in_the_engine_seam():
+    """Issue 37: every private Flower/Hydra API (imports, private attributes) lives in fl_app/engine/."""
+    folders = ("fl_app", "strategies", "clients", "benchmarks", "scripts", "tests")
+    outside = {
+        path.relative_to(ROOT).as_posix(): uses
+        for folder in folders
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if not path.relative_to(ROOT).as_posix().startswith("fl_app/engine/")
+        and path.name not in PRIVATE_API_TESTS
+        and (uses := private_api_uses(path))
+    }
+    assert outside == {}
+    inside = {p.name: private_api_uses(p) for p in sorted((ROOT / "fl_app" / "engine").glob("*.py"))}
+    assert inside["dispatch.py"] and inside["messages.py"] and inside["hydra.py"]  # the check sees them
+
+
+def import_graph(files: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports: module level, inside functions, in package ``__init__``.
+
+    ``from package import name`` is an arrow to ``package.name`` when that is a module, else to the
+    package; imports under ``if TYPE_CHECKING:`` are not executed and do not count.
+    """
+    import ast
+
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for inner in ast.walk(node)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [
+                    f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in files else node.module
+                    for alias in node.names
+                ]
+            graph[name] |= {target for target in targets if target in files and target != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    import sys
+
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for target in graph[module]:
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in on_stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for module in graph:
+        if module not in index:
+            visit(module)
+    return cycles
+
+
+def project_modules() -> dict[str, Path]:
+    """Dotted name -> file of every module of fl_app, strategies and clients."""
+    modules = {}
+    for package in ("fl_app", "strategies", "clients"):
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+def test_no_import_cycles_among_the_projects_modules(tmp_path):
+    """Issue 37: no cycle, counting function-level imports and package ``__init__`` imports."""
+    modules = project_modules()
+    assert len(modules) > 80
+    assert import_cycles(import_graph(modules)) == []
+    # the check finds a cycle hidden in a function and one through a package __init__
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("def later():\n    from pkg.b import x\n")
+    (tmp_path / "pkg" / "a.py").write_text("def f():\n    import pkg.b\n")
+    (tmp_path / "pkg" / "b.py").write_text("from pkg import a\nimport pkg\nx = 1\n")
+    files = {"pkg": tmp_path / "pkg" / "__init__.py", "pkg.a": tmp_path / "pkg" / "a.py"}
+    files["pkg.b"] = tmp_path / "pkg" / "b.py"
+    assert import_cycles(import_graph(files)) == [["pkg", "pkg.a", "pkg.b"]]

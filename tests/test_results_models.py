@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fl_app.config import compose_config
-from fl_app.models import MODELS, ModelSpec, build_model, resolve_model_name
+from fl_app.model_spec import ModelSpec
+from fl_app.models import MODELS, build_model, resolve_model_name
 from fl_app.registry import Registry
 from fl_app.results import RunRecorder, json_safe, load_model_arrays
 from fl_app.training import evaluate, load_arrays, model_to_arrays, predict_proba, train_local

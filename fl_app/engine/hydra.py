@@ -1,4 +1,4 @@
-"""The one adapter to Hydra's non-public APIs (hydra-core 1.3.8; ``tests/test_config.py`` pins it).
+"""Hydra's non-public APIs (hydra-core 1.3.8; ``tests/test_config.py`` pins it).
 
 dpfl composes a job's configuration itself, before Hydra creates any directory, so that a bad value
 is one line and nothing is written. Two things it needs are not in Hydra's public API:
@@ -9,7 +9,8 @@ is one line and nothing is written. Two things it needs are not in Hydra's publi
 * :func:`sweep_jobs`: the override list of every job of a multirun, as Hydra's basic sweeper
   makes them (``hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments``).
 
-A Hydra upgrade must revisit this module; nothing else in dpfl imports Hydra's internals.
+A Hydra upgrade must revisit this module; nothing else in dpfl imports Hydra's internals
+(``tests/test_repository.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,110 @@
+"""Starting Flower's simulation engine in this process, with dpfl's patches (flwr 1.41 private APIs).
+
+* :func:`run_simulation_engine` wraps ``flwr.simulation.run_simulation._run_simulation``, the
+  function ``flwr-simulation`` calls: the public ``run_simulation`` passes an empty run config, and
+  dpfl's overrides travel in the run config.
+* :func:`start_ray` starts Ray with the arguments Flower's Ray backend would use (which then finds it
+  running), so the driver can handle SIGTERM itself.
+* :func:`actor_limit` caps the actor pool (Flower sizes it from the whole Ray cluster).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from fl_app.engine import batching
+from fl_app.engine.batching import MAX_BATCH, install_batched_workers
+from fl_app.engine.dispatch import install_fast_dispatch
+from fl_app.engine.pool import install_pipelined_pool
+
+
+def install_engine_patches() -> None:
+    """Install the fast dispatcher, batched workers and the pipelined actor pool (idempotent)."""
+    install_fast_dispatch()
+    install_batched_workers()
+    install_pipelined_pool()
+
+
+@contextlib.contextmanager
+def actor_limit(limit: int | None) -> Any:
+    """Build Flower's actor pool with at most ``limit`` actors (None: as many as the cluster holds).
+
+    Flower sizes the pool from the CPUs of the whole Ray cluster (``pool_size_from_resources``):
+    on a cluster shared by the jobs of a parallel sweep, every job would ask for all of it, and the
+    jobs would queue for the same actors instead of running side by side.
+    """
+    if limit is None:
+        yield
+        return
+    from flwr.simulation.ray_transport import ray_actor
+
+    original = ray_actor.pool_size_from_resources
+
+    def capped(client_resources: dict[str, int | float]) -> int:
+        return min(original(client_resources), limit)
+
+    ray_actor.pool_size_from_resources = capped
+    try:
+        yield
+    finally:
+        ray_actor.pool_size_from_resources = original
+
+
+def run_simulation_engine(
+    *,
+    num_supernodes: int,
+    server_app_attr: str,
+    client_app_attr: str,
+    app_dir: str,
+    server_app_context: Any,
+    backend_config: dict[str, Any],
+    max_actors: int | None = None,
+    messages_per_task: int = MAX_BATCH,
+) -> None:
+    """Run a ServerApp and ClientApp in Flower's Ray-backed simulation engine, in this process.
+
+    ``max_actors`` caps the number of client actors (:func:`actor_limit`); ``messages_per_task``
+    is the most messages one Ray task carries to an actor (1: one per task, as Flower sends them).
+    """
+    from flwr.simulation.run_simulation import _run_simulation
+    from flwr.supercore.telemetry import EventType
+
+    if messages_per_task < 1:
+        raise ValueError(f"messages_per_task must be >= 1, got {messages_per_task}")
+    batching.set_messages_per_task(messages_per_task)
+    install_engine_patches()
+    with actor_limit(max_actors):
+        _run_simulation(
+            num_supernodes=num_supernodes,
+            exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
+            server_app_attr=server_app_attr,
+            client_app_attr=client_app_attr,
+            app_dir=app_dir,
+            server_app_context=server_app_context,
+            backend_config=backend_config,
+        )
+
+
+def start_ray(init_args: dict[str, Any]) -> None:
+    """Start (or join) Ray exactly as Flower's Ray backend would, before the engine does.
+
+    ``RayBackend.init_ray`` (flwr 1.41) skips ``ray.init`` when Ray is already up; starting it
+    here lets the caller install its own SIGTERM handler afterwards (``ray.init`` replaces the
+    driver's with one that exits at once). Same arguments as Flower's: the backend's
+    ``init_args``, no dashboard, and this process's ``sys.path`` as the workers' ``PYTHONPATH``.
+    """
+    import os
+    import sys
+
+    import ray
+
+    if ray.is_initialized():
+        return
+    pythonpath = os.pathsep.join(sys.path)
+    if os.environ.get("PYTHONPATH"):
+        pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
+    os.environ["PYTHONPATH"] = pythonpath
+    ray.init(
+        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **{"include_dashboard": False, **init_args}
+    )
