@@ -45,7 +45,7 @@ SETTINGS = {"dp_fedavg_adaptive": ["strategy.bit_noise=3.0"]}
 NOISE_FUNCTION = {
     "dp_fedavg": ("strategies.dp_fedavg", "gaussian_mechanism"),
     "dp_fedavg_adaptive": ("strategies.dp_fedavg_adaptive", "gaussian_mechanism"),
-    "dp_ftrl": ("strategies.dp_ftrl", "gaussian_mechanism"),
+    "dp_ftrl": ("strategies.dp_ftrl.strategy", "gaussian_mechanism"),
     "fedavg_ldp": ("strategies.fedavg_ldp", "local_gaussian_update"),
 }
 

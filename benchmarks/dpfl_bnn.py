@@ -38,9 +38,9 @@ import matplotlib.pyplot as plt
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.tables, with or without -P
 
 from benchmarks.tables import Run, completed_runs, fmt, markdown_table, replace_generated_block, series
-from fl_app.bits import packed_length
-from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
+from clients.dpfl_bnn import packed_length
 from fl_app.privacy.events import BinaryRandomizedResponse
+from strategies.dpfl_bnn.privacy import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
 
 DATASETS = {"mnist": "MNIST", "fashion_mnist": "Fashion-MNIST"}
 PARTITIONS = {100: "IID (alpha = 100)", 1: "non-IID (alpha = 1)"}

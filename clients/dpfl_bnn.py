@@ -21,8 +21,8 @@ Differential Privacy", 2023, Algorithm 1 (client side), Eq. (5)-(6), Definition 
    full-precision value.
 
 The latent weights and the Adam moments persist across rounds in
-``context.state`` (ArrayRecords :data:`fl_app.keys.BNN_STATE_LATENT` and
-:data:`fl_app.keys.BNN_STATE_ADAM`); they never leave the client.
+``context.state`` (ArrayRecords :data:`fl_app.BNN_STATE_LATENT` and
+:data:`fl_app.BNN_STATE_ADAM`); they never leave the client.
 
 ``evaluate()`` answers the strategy's optional diagnostic (the document's
 metric: accuracy of the client's own merged local model on the test split),
@@ -32,6 +32,7 @@ labelled so by the strategy.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -43,11 +44,119 @@ from torch.nn import functional as F  # noqa: N812 - the conventional name
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
-from fl_app.bits import flatten_arrays, pack_signs, signs_of
 from fl_app.data.federated import DataSpec, federated_data
 from fl_app.privacy.mechanisms import binary_randomized_response
 from fl_app.privacy.rng import make_generator
 from fl_app.training import evaluate, to_tensor
+
+# ---------------------------------------------------------------- the wire format: 8 signs per byte
+
+# ---------------------------------------------------------------- wire protocol: this algorithm's keys
+BNN_NOISE = "bnn-noise"  # bool: apply RR_gamma to the uploaded bits (false: the noise-free BNN baseline)
+BNN_GAMMA = "bnn-gamma"  # RR_gamma: keep each bit w.p. 1/2 + gamma (only with bnn-noise)
+BNN_BETA = "bnn-beta"  # beta: weight of the aggregate in W^i = beta W~ + (1 - beta) W-bar^i
+BNN_LOCAL_STEPS = "bnn-local-steps"  # Adam steps per round (0: local-epochs passes over the data)
+BNN_ADAM_BETA1 = "bnn-adam-beta1"  # Adam's first-moment coefficient (the document's "momentum")
+BNN_ADAM_BETA2 = "bnn-adam-beta2"
+BNN_NUM_BITS = "bnn-num-bits"  # d: binary weights per upload (the client checks its model against it)
+BNN_EVAL_TEST_SUBSET = "bnn-eval-test-subset"  # local-model diagnostic: test examples (0: all)
+BNN_PACKED_SIGNS = "packed-signs"  # ArrayRecord key of the uploaded uint8 bits
+BNN_STATE_LATENT = "dpfl-bnn-latent"  # context.state ArrayRecord: latent weights W-bar^i
+BNN_STATE_ADAM = "dpfl-bnn-adam"  # context.state ArrayRecord: Adam moments and step count
+BNN_LOCAL_ACCURACY = "local-model-accuracy"  # metric: the client's own model on the test split
+
+
+BITORDER = "big"
+
+
+def packed_length(count: int) -> int:
+    """Number of bytes that hold ``count`` packed bits: ``ceil(count / 8)``."""
+    if isinstance(count, bool) or int(count) != count or count < 0:
+        raise ValueError(f"count must be an integer >= 0, got {count!r}")
+    return (int(count) + 7) // 8
+
+
+def pack_signs(signs: np.ndarray) -> np.ndarray:
+    """Pack a vector of ``-1``/``+1`` values into bytes (``+1 -> 1``, ``-1 -> 0``).
+
+    Parameters
+    ----------
+    signs : np.ndarray
+        Values in ``{-1, +1}`` (any numeric dtype, any shape; flattened in C order).
+
+    Returns
+    -------
+    np.ndarray
+        ``uint8`` array of length ``ceil(signs.size / 8)``; unused bits of the last byte are 0.
+
+    Raises
+    ------
+    ValueError
+        If ``signs`` holds a value other than -1 and +1.
+
+    """
+    flat = np.asarray(signs).ravel()
+    if flat.size and not np.all((flat == 1) | (flat == -1)):
+        raise ValueError("signs must contain only -1 and +1")
+    return np.packbits(flat > 0, bitorder=BITORDER)
+
+
+def unpack_signs(packed: np.ndarray, count: int, *, dtype: np.dtype | type = np.float32) -> np.ndarray:
+    """Inverse of :func:`pack_signs`: ``count`` values in ``{-1, +1}``.
+
+    Parameters
+    ----------
+    packed : np.ndarray
+        ``uint8`` array of exactly ``ceil(count / 8)`` bytes.
+    count : int
+        Number of signs packed.
+    dtype : numpy dtype
+        Dtype of the result.
+
+    Raises
+    ------
+    ValueError
+        If the dtype, the length or the padding bits do not match ``count``.
+
+    """
+    data = np.asarray(packed)
+    if data.dtype != np.uint8:
+        raise ValueError(f"packed signs must be uint8, got {data.dtype}")
+    if data.ndim != 1 or data.size != packed_length(count):
+        raise ValueError(
+            f"packed signs must be a 1-D array of {packed_length(count)} bytes for {count} signs, "
+            f"got shape {data.shape}"
+        )
+    bits = np.unpackbits(data, bitorder=BITORDER)
+    if np.any(bits[count:]):
+        raise ValueError("padding bits of the packed signs must be zero")
+    return np.where(bits[:count] == 1, 1, -1).astype(dtype)
+
+
+def signs_of(values: np.ndarray) -> np.ndarray:
+    """``Sign`` with ties to +1 as ``int8`` (the binarization of :class:`fl_app.models.SignSTE`)."""
+    return np.where(np.asarray(values) >= 0, 1, -1).astype(np.int8)
+
+
+def flatten_arrays(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """Concatenate arrays (each flattened in C order) into one vector."""
+    if not arrays:
+        return np.zeros(0)
+    return np.concatenate([np.asarray(a).ravel() for a in arrays])
+
+
+def split_vector(vector: np.ndarray, shapes: Sequence[tuple[int, ...]]) -> list[np.ndarray]:
+    """Inverse of :func:`flatten_arrays`: cut ``vector`` into arrays of ``shapes``."""
+    flat = np.asarray(vector).ravel()
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+    if sum(sizes) != flat.size:
+        raise ValueError(f"vector has {flat.size} entries, the shapes need {sum(sizes)}")
+    out, start = [], 0
+    for shape, size in zip(shapes, sizes, strict=True):
+        out.append(flat[start : start + size].reshape(shape))
+        start += size
+    return out
+
 
 STATE_STEP = "__step__"
 
@@ -75,9 +184,9 @@ class DPFLBNNClient(FederatedClient):
 
     def _latent_state(self) -> dict[str, np.ndarray] | None:
         state = self.context.state
-        if keys.BNN_STATE_LATENT not in state.array_records:
+        if BNN_STATE_LATENT not in state.array_records:
             return None
-        record = state.array_records[keys.BNN_STATE_LATENT]
+        record = state.array_records[BNN_STATE_LATENT]
         return {name: record[name].numpy().astype(np.float32) for name in record}
 
     def _received(self) -> dict[str, np.ndarray]:
@@ -94,7 +203,7 @@ class DPFLBNNClient(FederatedClient):
         latent = self._latent_state()
         if latent is not None and {n: a.shape for n, a in latent.items()} != expected:
             raise ValueError("the stored latent weights do not match the model; was the model changed?")
-        merged = merge_latent(received, latent, float(self.config[keys.BNN_BETA]))
+        merged = merge_latent(received, latent, float(self.config[BNN_BETA]))
         model.load_state_dict({name: torch.from_numpy(value) for name, value in merged.items()})
         return model, merged
 
@@ -102,11 +211,11 @@ class DPFLBNNClient(FederatedClient):
         optimizer = torch.optim.Adam(
             model.parameters(),
             lr=float(self.config[keys.LR]),
-            betas=(float(self.config[keys.BNN_ADAM_BETA1]), float(self.config[keys.BNN_ADAM_BETA2])),
+            betas=(float(self.config[BNN_ADAM_BETA1]), float(self.config[BNN_ADAM_BETA2])),
         )
         state = self.context.state
-        if keys.BNN_STATE_ADAM in state.array_records:
-            record = state.array_records[keys.BNN_STATE_ADAM]
+        if BNN_STATE_ADAM in state.array_records:
+            record = state.array_records[BNN_STATE_ADAM]
             saved = optimizer.state_dict()
             step = torch.tensor(float(record[STATE_STEP].numpy()))
             saved["state"] = {
@@ -123,7 +232,7 @@ class DPFLBNNClient(FederatedClient):
     def _save_state(self, model: nn.Module, optimizer: torch.optim.Adam) -> None:
         """Keep ``W-bar^i`` and the Adam moments in ``context.state`` (they never leave the client)."""
         parameters = dict(model.named_parameters())
-        self.context.state[keys.BNN_STATE_LATENT] = ArrayRecord(
+        self.context.state[BNN_STATE_LATENT] = ArrayRecord(
             {name: Array(p.detach().cpu().numpy().copy()) for name, p in parameters.items()}
         )
         entries = [optimizer.state.get(p, {}) for p in parameters.values()]
@@ -134,7 +243,7 @@ class DPFLBNNClient(FederatedClient):
             moments[f"{name}.exp_avg"] = Array(entry["exp_avg"].detach().cpu().numpy().copy())
             moments[f"{name}.exp_avg_sq"] = Array(entry["exp_avg_sq"].detach().cpu().numpy().copy())
         moments[STATE_STEP] = Array(np.asarray(float(entries[0]["step"]), dtype=np.float64))
-        self.context.state[keys.BNN_STATE_ADAM] = ArrayRecord(moments)
+        self.context.state[BNN_STATE_ADAM] = ArrayRecord(moments)
 
     # ------------------------------------------------------------------ training
 
@@ -143,7 +252,7 @@ class DPFLBNNClient(FederatedClient):
         if len(y) == 0:
             return float("nan")
         batch = int(self.config[keys.BATCH_SIZE])
-        steps = int(self.config[keys.BNN_LOCAL_STEPS])
+        steps = int(self.config[BNN_LOCAL_STEPS])
         if steps <= 0:
             steps = int(self.config[keys.LOCAL_EPOCHS]) * -(-len(y) // batch)
         rng = self.generator("data-order")
@@ -169,7 +278,7 @@ class DPFLBNNClient(FederatedClient):
         """One round of Algorithm 1 on this client: merge, train, randomize, upload packed bits."""
         data = self.local_data()
         model, _ = self._local_model()
-        num_bits, expected = sum(p.numel() for p in model.parameters()), int(self.config[keys.BNN_NUM_BITS])
+        num_bits, expected = sum(p.numel() for p in model.parameters()), int(self.config[BNN_NUM_BITS])
         if num_bits != expected:
             raise ValueError(f"the model has {num_bits} binary weights, the server expects {expected}")
         optimizer = self._optimizer(model)
@@ -177,13 +286,13 @@ class DPFLBNNClient(FederatedClient):
         self._save_state(model, optimizer)
         latent = [p.detach().cpu().numpy() for p in model.parameters()]
         signs = signs_of(flatten_arrays(latent))
-        if bool(self.config[keys.BNN_NOISE]):
+        if bool(self.config[BNN_NOISE]):
             signs = binary_randomized_response(
-                signs=signs, gamma=float(self.config[keys.BNN_GAMMA]), rng=self.noise_generator("bnn-uplink")
+                signs=signs, gamma=float(self.config[BNN_GAMMA]), rng=self.noise_generator("bnn-uplink")
             )
         # The reply holds the packed bits and nothing else (no metrics: a training loss
         # would leave the client outside the accounting, and the mean needs no sizes).
-        content = RecordDict({keys.ARRAYS: ArrayRecord({keys.BNN_PACKED_SIGNS: Array(pack_signs(signs))})})
+        content = RecordDict({keys.ARRAYS: ArrayRecord({BNN_PACKED_SIGNS: Array(pack_signs(signs))})})
         return Message(content=content, reply_to=self.message)
 
     # ------------------------------------------------------------------ diagnostic
@@ -199,7 +308,7 @@ class DPFLBNNClient(FederatedClient):
         model, _ = self._local_model()
         test = federated_data(DataSpec.from_json(str(self.config[keys.DATA_SPEC]))).evaluation()
         x, y = test.x, test.y
-        subset = int(self.config.get(keys.BNN_EVAL_TEST_SUBSET, 0))
+        subset = int(self.config.get(BNN_EVAL_TEST_SUBSET, 0))
         if 0 < subset < len(y):
             rows = np.sort(
                 make_generator(
@@ -212,6 +321,6 @@ class DPFLBNNClient(FederatedClient):
             keys.NUM_EXAMPLES: len(y),
             keys.EVAL_LOSS: loss,
             keys.EVAL_ACCURACY: accuracy,
-            keys.BNN_LOCAL_ACCURACY: accuracy,
+            BNN_LOCAL_ACCURACY: accuracy,
         }
         return self.reply(metrics=metrics)

@@ -20,6 +20,10 @@ from fl_app import keys
 from fl_app.privacy.mechanisms import local_gaussian_update
 from fl_app.training import model_to_arrays
 
+# ---------------------------------------------------------------- wire protocol: this algorithm's keys
+LDP_CLIP = "ldp-clip"  # C: L2 bound of a client's model update
+LDP_NOISE_MULTIPLIER = "ldp-noise-multiplier"  # z: Gaussian std = z * 2C per coordinate
+
 
 @register_client("fedavg_ldp")
 class FedAvgLDPClient(FederatedClient):
@@ -27,7 +31,7 @@ class FedAvgLDPClient(FederatedClient):
 
     def train(self) -> Message:
         """One round: train, clip, noise, reply with the noisy update only."""
-        clip = float(self.config[keys.LDP_CLIP])
+        clip = float(self.config[LDP_CLIP])
         received = self.incoming_arrays()
         names = list(received.keys())
         data = self.local_data()
@@ -43,7 +47,7 @@ class FedAvgLDPClient(FederatedClient):
         noised = local_gaussian_update(
             update=update,
             clip=clip,
-            noise_multiplier=float(self.config[keys.LDP_NOISE_MULTIPLIER]),
+            noise_multiplier=float(self.config[LDP_NOISE_MULTIPLIER]),
             rng=self.noise_generator("ldp-update-noise"),
         )
         arrays = ArrayRecord(

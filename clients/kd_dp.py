@@ -47,6 +47,14 @@ from fl_app.privacy.events import RandomizedResponse
 from fl_app.privacy.mechanisms import randomized_response_labels
 from fl_app.training import load_arrays, model_to_arrays, predict_proba, to_tensor, train_local
 
+# ---------------------------------------------------------------- wire protocol: this algorithm's keys
+KDDP_NOISE_MULTIPLIER = "kd-dp-noise-multiplier"  # z of local DP-SGD (noise std z * C on the sum)
+KDDP_SAMPLING_RATE = "kd-dp-sampling-rate"  # q: Poisson sampling rate of every local example per step
+KDDP_STEPS = "kd-dp-steps"  # DP-SGD steps this round
+KDDP_CLIP = "kd-dp-clip"  # C: per-example L2 clip norm
+KDDP_STAGE = "kd-dp-stage"  # "teacher" | "student"; replies echo the four mechanism keys above
+
+
 TEACHER_STAGE = "teacher"
 STUDENT_STAGE = "student"
 
@@ -60,13 +68,13 @@ class KDDPClient(FederatedClient):
 
     def train(self) -> Message:
         """Run the round's DP-SGD steps and return the model (and public numbers only)."""
-        stage = str(self.config.get(keys.KDDP_STAGE, ""))
+        stage = str(self.config.get(KDDP_STAGE, ""))
         if stage != self.stage:
             raise ValueError(f"{type(self).__name__} runs in the {self.stage!r} stage, got {stage!r}")
-        noise_multiplier = float(self.config[keys.KDDP_NOISE_MULTIPLIER])
-        sampling_rate = float(self.config[keys.KDDP_SAMPLING_RATE])
-        steps = int(self.config[keys.KDDP_STEPS])
-        clip = float(self.config[keys.KDDP_CLIP])
+        noise_multiplier = float(self.config[KDDP_NOISE_MULTIPLIER])
+        sampling_rate = float(self.config[KDDP_SAMPLING_RATE])
+        steps = int(self.config[KDDP_STEPS])
+        clip = float(self.config[KDDP_CLIP])
         data = self.local_data()
         model = self.global_model()
         dp_sgd_train(
@@ -85,10 +93,10 @@ class KDDPClient(FederatedClient):
             arrays=model_to_arrays(model),
             metrics={
                 keys.NUM_EXAMPLES: len(data),
-                keys.KDDP_NOISE_MULTIPLIER: noise_multiplier,
-                keys.KDDP_SAMPLING_RATE: sampling_rate,
-                keys.KDDP_STEPS: steps,
-                keys.KDDP_CLIP: clip,
+                KDDP_NOISE_MULTIPLIER: noise_multiplier,
+                KDDP_SAMPLING_RATE: sampling_rate,
+                KDDP_STEPS: steps,
+                KDDP_CLIP: clip,
             },
         )
 

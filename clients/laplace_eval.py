@@ -27,9 +27,15 @@ from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from clients import register_client
 from clients.base import FederatedClient
-from fl_app import keys
 from fl_app.privacy.mechanisms import laplace_mechanism, probability_rows
 from fl_app.training import predict_proba
+
+# ---------------------------------------------------------------- wire protocol: this algorithm's keys
+PRIVACY_EVAL_TYPE = "privacy-eval-type"  # NOT_ENCRYPT | LAPLACE
+LAPLACE_EVAL_EPS = "laplace-eval-eps"  # epsilon of the Laplace mechanism per report (as configured)
+EVAL_SENSITIVITY = "eval-sensitivity"  # L1 sensitivity the client calibrates its noise with
+INFERENCE_REPORTS = "inference-reports"  # reply ArrayRecord: the (noised) softmax vectors, nothing else
+
 
 NOT_ENCRYPT = "NOT_ENCRYPT"
 LAPLACE = "LAPLACE"
@@ -68,30 +74,28 @@ class LaplaceEvalClient(FederatedClient):
             the vectors unchanged (``NOT_ENCRYPT``).
 
         """
-        mode = str(self.config[keys.PRIVACY_EVAL_TYPE])
+        mode = str(self.config[PRIVACY_EVAL_TYPE])
         if mode == NOT_ENCRYPT:
             return vectors
         if mode != LAPLACE:
-            raise ValueError(
-                f"{keys.PRIVACY_EVAL_TYPE}={mode!r}: must be one of {', '.join(PRIVACY_EVAL_TYPES)}"
-            )
+            raise ValueError(f"{PRIVACY_EVAL_TYPE}={mode!r}: must be one of {', '.join(PRIVACY_EVAL_TYPES)}")
         return laplace_mechanism(
             values=vectors,
-            sensitivity=float(self.config[keys.EVAL_SENSITIVITY]),
-            epsilon=float(self.config[keys.LAPLACE_EVAL_EPS]),
+            sensitivity=float(self.config[EVAL_SENSITIVITY]),
+            epsilon=float(self.config[LAPLACE_EVAL_EPS]),
             rng=self.noise_generator("laplace-eval-noise"),
         )
 
     def evaluate(self) -> Message:
         """Infer, protect, and reply with the vectors alone."""
         reports = self.protect(self.inference_results())
-        content = RecordDict({keys.INFERENCE_REPORTS: ArrayRecord({REPORTS_ARRAY: Array(reports)})})
+        content = RecordDict({INFERENCE_REPORTS: ArrayRecord({REPORTS_ARRAY: Array(reports)})})
         return Message(content=content, reply_to=self.message)
 
 
 def reported_vectors(reply: Message, *, num_classes: int) -> tuple[np.ndarray | None, int]:
     """The ``(n, num_classes)`` vectors of an evaluation reply (None if malformed) and its row count."""
-    record = reply.content.array_records.get(keys.INFERENCE_REPORTS)
+    record = reply.content.array_records.get(INFERENCE_REPORTS)
     vectors = None if record is None or REPORTS_ARRAY not in record else record[REPORTS_ARRAY].numpy()
     rows = int(vectors.shape[0]) if vectors is not None and vectors.ndim >= 1 else 0
     if vectors is None or vectors.ndim != 2 or vectors.shape[1] != num_classes:

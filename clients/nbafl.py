@@ -25,6 +25,11 @@ from fl_app import keys
 from fl_app.privacy.mechanisms import clip_l2, gaussian_mechanism
 from fl_app.training import model_to_arrays, numpy_to_arrays
 
+# ---------------------------------------------------------------- wire protocol: this algorithm's keys
+NBAFL_CLIP = "nbafl-clip"  # C: L2 bound of a client's whole uploaded parameter vector
+NBAFL_SIGMA_UP = "nbafl-sigma-up"  # sigma_U: std of the uplink Gaussian noise per coordinate
+NBAFL_MU = "nbafl-mu"  # FedProx proximal coefficient mu of local training (0: plain SGD)
+
 
 @register_client("nbafl")
 class NbAFLClient(FederatedClient):
@@ -32,9 +37,9 @@ class NbAFLClient(FederatedClient):
 
     def train(self) -> Message:
         """One round: local (proximal) SGD, clip, noise, upload."""
-        clip = float(self.config[keys.NBAFL_CLIP])
-        sigma = float(self.config[keys.NBAFL_SIGMA_UP])
-        mu = float(self.config.get(keys.NBAFL_MU, 0.0))
+        clip = float(self.config[NBAFL_CLIP])
+        sigma = float(self.config[NBAFL_SIGMA_UP])
+        mu = float(self.config.get(NBAFL_MU, 0.0))
         data = self.local_data()
         model = self.global_model()
         if mu > 0:

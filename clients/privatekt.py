@@ -31,6 +31,15 @@ from fl_app.privacy.events import RandomizedResponse
 from fl_app.privacy.mechanisms import randomized_response_labels
 from fl_app.training import predict_proba
 
+# ---------------------------------------------------------------- wire protocol: this algorithm's keys
+KT_INDICES = "privatekt-kt-indices"  # list[int]: the round's KT samples as rows of the public split
+KT_SAMPLES = "privatekt-kt-samples"  # RecordDict key: ArrayRecord with the KT samples themselves
+KT_SAMPLES_ARRAY = "x"  # the array inside KT_SAMPLES, shape (K, *input_shape)
+KT_LABEL_EPSILON = "privatekt-label-epsilon"  # per-label randomized-response epsilon
+KT_LABELS = "privatekt-labels"  # reply RecordDict key: ArrayRecord holding only the K perturbed labels
+KT_LABELS_ARRAY = "labels"  # the array inside KT_LABELS: uint8, shape (K,), K raw bytes
+KT_LABELS_STYPE = "raw"  # its serialisation type: the bytes are the labels (no .npy header)
+
 
 def encode_labels(labels: np.ndarray) -> Array:
     """K class indices as a uint8 Array whose data are exactly K bytes (stype ``raw``)."""
@@ -40,14 +49,14 @@ def encode_labels(labels: np.ndarray) -> Array:
     return Array(
         dtype="uint8",
         shape=(int(values.size),),
-        stype=keys.KT_LABELS_STYPE,
+        stype=KT_LABELS_STYPE,
         data=values.astype(np.uint8).tobytes(),
     )
 
 
 def decode_labels(array: Array, *, k: int, num_classes: int) -> np.ndarray:
     """Inverse of :func:`encode_labels`, checked: K uint8 class indices below ``num_classes``."""
-    if array.stype != keys.KT_LABELS_STYPE or array.dtype != "uint8" or tuple(array.shape) != (k,):
+    if array.stype != KT_LABELS_STYPE or array.dtype != "uint8" or tuple(array.shape) != (k,):
         raise ValueError(
             f"expected {k} raw uint8 labels, got stype={array.stype!r}, dtype={array.dtype!r}, "
             f"shape={array.shape}"
@@ -67,16 +76,16 @@ class PrivateKTClient(FederatedClient):
     def kt_samples(self) -> np.ndarray:
         """The round's KT samples: sent in the message, or rebuilt from indices in a simulation."""
         records = self.message.content.array_records
-        if keys.KT_SAMPLES in records:
-            return records[keys.KT_SAMPLES][keys.KT_SAMPLES_ARRAY].numpy()
-        if keys.KT_INDICES not in self.config:
+        if KT_SAMPLES in records:
+            return records[KT_SAMPLES][KT_SAMPLES_ARRAY].numpy()
+        if KT_INDICES not in self.config:
             raise ValueError("PrivateKT: the train message carries no knowledge-transfer samples")
         if not self.in_simulation:
             raise ValueError(
                 "PrivateKT: the server sent only indices into its public split, which this device "
                 "cannot rebuild; run the server with strategy.send_kt_data=true (or leave it null)"
             )
-        indices = np.asarray(list(self.config[keys.KT_INDICES]), dtype=np.int64)
+        indices = np.asarray(list(self.config[KT_INDICES]), dtype=np.int64)
         public = federated_data(DataSpec.from_json(str(self.config[keys.DATA_SPEC]))).public_x()
         if indices.size == 0 or indices.min() < 0 or indices.max() >= len(public):
             raise ValueError(f"PrivateKT: KT indices outside the public split of {len(public)} rows")
@@ -86,7 +95,7 @@ class PrivateKTClient(FederatedClient):
         """Local training, predictions on the KT samples, Eq. 2, reply with the K labels only."""
         samples = self.kt_samples()
         num_classes = self.model_spec().num_classes
-        mechanism = RandomizedResponse(float(self.config[keys.KT_LABEL_EPSILON]), num_classes)
+        mechanism = RandomizedResponse(float(self.config[KT_LABEL_EPSILON]), num_classes)
         if num_classes > 256:
             raise ValueError(f"PrivateKT: {num_classes} classes do not fit a uint8 label")
         data = self.local_data()
@@ -99,5 +108,5 @@ class PrivateKTClient(FederatedClient):
             num_classes=num_classes,
             rng=self.noise_generator("privatekt-randomized-response"),
         )
-        labels = ArrayRecord({keys.KT_LABELS_ARRAY: encode_labels(perturbed)})
-        return Message(content=RecordDict({keys.KT_LABELS: labels}), reply_to=self.message)
+        labels = ArrayRecord({KT_LABELS_ARRAY: encode_labels(perturbed)})
+        return Message(content=RecordDict({KT_LABELS: labels}), reply_to=self.message)

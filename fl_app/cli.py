@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return report_main(rest)
     if command == "privacy":
-        from fl_app.privacy.cli import main as privacy_main
+        from fl_app.calculator import main as privacy_main
 
         return privacy_main(rest)
     if command == "deploy":

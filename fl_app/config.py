@@ -172,32 +172,6 @@ def with_values(cfg: DictConfig, values: Mapping[str, Any]) -> DictConfig:
     return freeze(copy)
 
 
-def to_plain(cfg: DictConfig) -> dict[str, Any]:
-    """Return ``cfg`` as plain, JSON-ready Python containers."""
-    container = OmegaConf.to_container(cfg, resolve=True)
-    assert isinstance(container, dict)
-    return {str(key): value for key, value in container.items()}
-
-
-#: Configurations this process composed and validated for a run it starts in-process (by run id).
-_HANDED_OVER: dict[int, DictConfig] = {}
-
-
-def hand_over(run_id: int, cfg: DictConfig) -> None:
-    """Give the ServerApp of run ``run_id``, started in this process, the configuration already validated.
-
-    A local simulation composes and validates a job once, before Ray starts; its ServerApp (which
-    runs in the same process) takes the object instead of composing the run config's overrides again.
-    Under ``flwr run`` and on a deployment nothing is handed over and the ServerApp composes them.
-    """
-    _HANDED_OVER[run_id] = cfg
-
-
-def take_handed_over(run_id: int) -> DictConfig | None:
-    """The configuration handed over for ``run_id`` (once), or None."""
-    return _HANDED_OVER.pop(run_id, None)
-
-
 def overrides_to_run_config(overrides: Sequence[str], output_dir: str = "") -> dict[str, str]:
     """Encode Hydra overrides as the app's Flower run config (``[tool.flwr.app.config]``)."""
     return {

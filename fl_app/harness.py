@@ -38,7 +38,7 @@ def run_context_for(overrides: Sequence[str], output_dir: Path) -> RunContext:
     data = federated_data(spec)
     roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
     model_spec = ModelSpec(
-        STRATEGIES.get(str(cfg.strategy.name)).resolve_model(cfg, data.input_shape),
+        STRATEGIES.get(str(cfg.strategy.name)).declaration.model_name(cfg, data.input_shape),
         data.input_shape,
         data.num_classes,
     )

@@ -16,6 +16,9 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
+#: The top-level packages whose modules a ``module:attribute`` reference may name (the app's own).
+PLUGIN_PACKAGES = ("strategies", "clients", "tests")
+
 
 class Registry(Generic[T]):
     """Classes registered by name, discovered by importing every module of a package."""
@@ -48,8 +51,23 @@ class Registry(Generic[T]):
         self._discovered = True
 
     def get(self, name: str) -> T:
-        """Return the entry registered as ``name``."""
+        """Return the entry registered as ``name``, or the one a ``module:attribute`` reference names.
+
+        A reference (``tests.test_plugin:ShrinkClient``) lets an algorithm defined outside the
+        package, a user's module or a test module, be found in a process that has not imported it
+        (a simulation's actor): its module is imported, whose decorator registers it. Only modules
+        of the app's own packages (:data:`PLUGIN_PACKAGES`) may be named, so a message cannot make a
+        device import anything else that happens to be installed.
+        """
         self.discover()
+        if name not in self._entries and ":" in name:
+            module, _, attribute = name.partition(":")
+            if module.split(".")[0] not in PLUGIN_PACKAGES:
+                raise KeyError(
+                    f"{self.kind} {name!r}: only modules of {', '.join(PLUGIN_PACKAGES)} may be named"
+                )
+            entry = getattr(importlib.import_module(module), attribute)
+            self._entries.setdefault(name, entry)
         if name not in self._entries:
             raise KeyError(f"{self.kind} {name!r} is unknown; allowed: {', '.join(self.names())}")
         return self._entries[name]

@@ -79,6 +79,7 @@ from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
 
 from fl_app.model_spec import ModelSpec
+from fl_app.privacy.accountant import LEDGER_FILE
 from fl_app.tracking import RoundTracker
 
 SCHEMA_VERSION = 1
@@ -103,7 +104,6 @@ OUTSIDE_GUARANTEE_NOTE = (
 RESULTS_FILE = "results.json"
 METRICS_FILE = "metrics.csv"
 MODEL_FILE = "final_model.npz"
-LEDGER_FILE = "privacy_ledger.json"
 
 
 def json_safe(value: Any) -> Any:

@@ -39,7 +39,6 @@ from fl_app.config import (
     RUN_CONFIG_OUTPUT_DIR,
     compose_config,
     overrides_from_run_config,
-    take_handed_over,
     with_values,
 )
 from fl_app.data.federated import DataSpec, FederatedData, federated_data
@@ -66,8 +65,7 @@ from fl_app.run_log import PublishedLogFilter, one_line_console, run_log_handler
 from fl_app.tracking import make_tracker
 from fl_app.validation import validate_config
 from strategies import EVALUATION_STAGES, STRATEGIES
-from strategies.base import FederatedStrategy
-from strategies.reporting import privacy_report, round_report
+from strategies.contract import Strategy
 
 LOG_FILE = "run.log"
 
@@ -78,11 +76,15 @@ def evaluation_stage(cfg: DictConfig) -> Any | None:
     return None if name is None else EVALUATION_STAGES.get(str(name))
 
 
-def run_federation(grid: Grid, context: Context) -> None:
-    """ServerApp main: compose the configuration from the run config and execute it."""
+def run_federation(grid: Grid, context: Context, composed: DictConfig | None = None) -> None:
+    """ServerApp main: execute the run's configuration.
+
+    ``composed``: a local simulation's job, composed and validated once (``python -m fl_app``);
+    otherwise (``flwr run``, deployments) it is composed from the run config's overrides.
+    """
     overrides = overrides_from_run_config(context.run_config)
     try:
-        cfg = take_handed_over(context.run_id)  # a local simulation's job, composed and validated once
+        cfg = composed
         if cfg is None:
             cfg = compose_config(overrides)
             validate_config(cfg)
@@ -131,34 +133,12 @@ def evaluation_arrays(
     return x, y
 
 
-SEEDED_NOTE = (
-    "seeded simulation: the client sampling and every noise draw (server and clients) are reproducible "
-    "from the published configuration (config.yaml), so anyone holding it can regenerate and subtract "
-    "the noise; the epsilon describes a deployment in which they are secret (privacy.secure_rng=true, "
-    "always on real devices)"
-)
-SECURE_NOTE = (
-    "OS entropy: every privacy noise draw (server and clients) and every secret client sample come "
-    "from the operating system's CSPRNG; nothing published predicts them and the run is not reproducible"
-)
-
-
-def noise_seed_origin(cfg: DictConfig) -> str | None:
-    """Where a run's noise seed comes from (None: OS entropy)."""
-    if cfg.privacy.secure_rng:
-        return None
-    if cfg.privacy.noise_seed is not None:
-        return "privacy.noise_seed"
-    return "derived from seed and the whole configuration (fl_app.privacy.rng.derive_noise_seed)"
-
-
 def noise_source(cfg: DictConfig) -> RandomSource:
     """Privacy randomness of a run: OS entropy, ``privacy.noise_seed``, or a seed derived from the config.
 
     The default (``privacy.noise_seed: null``) is not ``seed`` itself: it is derived from ``seed`` *and*
     the configuration, so that two runs of a sweep never share a noise stream. It is still
-    reproducible from the published configuration, which the results say
-    (:func:`privacy_randomness`).
+    reproducible from the published configuration, which the results say (``privacy.randomness``).
     """
     if cfg.privacy.secure_rng:
         return RandomSource(seed=None, secure=True)
@@ -223,37 +203,12 @@ def make_run_context(
     )
 
 
-def privacy_randomness(strategy: FederatedStrategy) -> dict[str, Any]:
-    """The results' ``privacy.randomness``: where the privacy noise and the cohorts came from."""
-    run = strategy.run
-    noise = run.noise
-    origin = noise_seed_origin(run.cfg)
-    return {
-        "source": "os_entropy" if noise.secure else "seeded",
-        "noise_seed": None if noise.secure else noise.seed,
-        "noise_seed_origin": origin,
-        "devices": on_devices(run.roster),
-        "cohort": strategy.cohort_randomness(),
-        "note": SECURE_NOTE if noise.secure else SEEDED_NOTE,
-    }
-
-
 def diagnostics_enabled(cfg: DictConfig, *, devices: bool) -> bool:
     """Whether the run writes its ``outside_guarantee`` block: ``privacy.diagnostics``, never on devices."""
     wanted = bool(cfg.privacy.get("diagnostics", False))
     if wanted and devices:
         log(WARNING, "privacy.diagnostics=true ignored: nothing outside the guarantee is written on devices")
     return wanted and not devices
-
-
-def describe_randomness(randomness: dict[str, Any]) -> str:
-    """One line for the run's header: where privacy noise and cohorts come from."""
-    if randomness["source"] == "seeded":
-        return (
-            f"privacy randomness SEEDED (noise seed {randomness['noise_seed']}, "
-            f"{randomness['noise_seed_origin']}): {SEEDED_NOTE}"
-        )
-    return f"privacy randomness from OS entropy: {SECURE_NOTE}"
 
 
 def execute(
@@ -301,7 +256,7 @@ def _execute(
     data = federated_data(data_spec)
     strategy_class = STRATEGIES.get(str(cfg.strategy.name))
     model_spec = ModelSpec(
-        strategy_class.resolve_model(cfg, data.input_shape), data.input_shape, data.num_classes
+        strategy_class.declaration.model_name(cfg, data.input_shape), data.input_shape, data.num_classes
     )
     metered = MeteredGrid(grid)
     roster = discover_roster(
@@ -327,15 +282,15 @@ def _execute(
         if stage is not None:
             strategy = stage(strategy)
         arrays = strategy.initial_arrays()
-    published.secret_cohort = strategy.secret_cohort  # run.log then withholds what depends on the cohort
-    randomness = privacy_randomness(strategy)
-    log(INFO, "dpfl: %s", describe_randomness(randomness))
+    randomness = strategy.randomness()
+    published.secret_cohort = randomness.secret_cohort  # run.log then withholds what depends on the cohort
+    log(INFO, "dpfl: %s", randomness.describe())
     if run.canaries:
         log(INFO, "dpfl: %s", CANARY_HEADER.format(count=run.canaries))
     recorder = RunRecorder(
         output_dir,
         cfg,
-        diagnostics=diagnostics_enabled(cfg, devices=randomness["devices"]),
+        diagnostics=diagnostics_enabled(cfg, devices=randomness.devices),
         tracker=make_tracker(str(cfg.tracking), output_dir, config_text=OmegaConf.to_yaml(cfg)),
     )
     x_test, y_test = evaluation_arrays(data, subset=cfg.evaluation.test_subset, randomness=run.randomness)
@@ -356,7 +311,7 @@ def _execute(
         reporter.resume_after(resumed.completed_round, arrays, elapsed_s=resumed.elapsed_s)
         first_round = resumed.completed_round + 1
     else:
-        strategy.summary()
+        strategy.describe()
         reporter(0, arrays)
         first_round = 1
     status, reason = "completed", ""
@@ -378,7 +333,7 @@ def _execute(
         if reporter.completed_round > 0:  # a checkpoint exists: the run can continue
             recorder.stopped["resume"] = f"python -m fl_app resume={output_dir}"
             recorder.stopped["private_state"] = private_state_text(strategy, output_dir)
-        if not strategy.secret_cohort:  # a secret cohort's replies would tell its size
+        if not randomness.secret_cohort:  # a secret cohort's replies would tell its size
             recorder.stopped["abandoned_round_replies"] = int(abandoned.get("train_replies", 0))
         exit_code = stop.exit_code
     else:
@@ -386,7 +341,8 @@ def _execute(
     failures = recorder.failures
     if status == "completed" and failures:
         status = "completed_with_failures"
-    report = privacy_report(strategy, randomness=randomness, final=arrays)
+    run_report = strategy.report_run(arrays)
+    report = run_report.privacy
     privacy = report.as_dict()
     empirical = report.empirical_epsilon
     if empirical is not None:
@@ -401,27 +357,28 @@ def _execute(
             empirical["canaries"],
             _fmt(report.total.epsilon, "inf"),
         )
-    for name, ledger in strategy.extra_ledgers().items():
+    ledgers = strategy.ledgers()
+    for name, ledger in ledgers.items():
         write_json(output_dir / name, ledger)
     results = recorder.finalize(
         strategy=str(cfg.strategy.name),
         status=status,
         privacy=privacy,
         final_extras={
-            **strategy.final_extras(),
+            **run_report.final,
             "epsilon_training": report.total.per_stage.get("training"),
             "setup_bytes": int(
                 setup_traffic.get("query_download_bytes", 0) + setup_traffic.get("query_upload_bytes", 0)
             ),
             # with a secret cohort: no count of failures (it depends on the cohorts), sizes per client
-            **(reporter.secret_traffic.per_client() if strategy.secret_cohort else {"failures": failures}),
+            **(reporter.secret_traffic.per_client() if randomness.secret_cohort else {"failures": failures}),
         },
         arrays=arrays,
         model_spec=model_spec,
-        ledger=None if strategy.accountant is None else strategy.accountant.state_dict(),
+        ledger=ledgers.get(LEDGER_FILE),
         wall_s=reporter.elapsed(),
     )
-    if status.startswith("completed") and strategy.is_private(cfg):
+    if status.startswith("completed") and strategy.declaration.is_private(cfg):
         remove_checkpoint(output_dir)  # a private run cannot be extended; keep no server secrets
     stopped = recorder.stopped or {}
     record_outcome(Outcome(status, exit_code, reason, str(output_dir), stopped.get("private_state")))
@@ -452,11 +409,11 @@ def _execute(
         epsilon_text(
             results["final"]["epsilon"],
             run.delta,
-            per=short_unit(strategy.privacy_unit),
+            per=short_unit(report.total.unit),
             note=(
-                "seeded simulation: reproducible from the published config"
-                if randomness["source"] == "seeded"
-                else "privacy randomness from OS entropy"
+                "privacy randomness from OS entropy"
+                if randomness.secure
+                else "seeded simulation: reproducible from the published config"
             ),
         ),
         output_dir,
@@ -464,7 +421,7 @@ def _execute(
     return results
 
 
-def private_state_text(strategy: FederatedStrategy, output_dir: Path) -> str:
+def private_state_text(strategy: Strategy, output_dir: Path) -> str:
     """What the interrupt line and ``stopped.private_state`` say about the checkpoint file."""
     held = strategy.private_state()
     return (
@@ -509,7 +466,7 @@ class RoundReporter:
 
     def __init__(
         self,
-        strategy: FederatedStrategy,
+        strategy: Strategy,
         grid: MeteredGrid,
         recorder: RunRecorder,
         x_test: np.ndarray,
@@ -553,9 +510,7 @@ class RoundReporter:
     def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
         """Write the privacy ledger and the checkpoint of a completed round (both atomically)."""
         run = self.strategy.run
-        if self.strategy.accountant is not None:
-            write_json(run.output_dir / LEDGER_FILE, self.strategy.accountant.state_dict())
-        for name, ledger in self.strategy.extra_ledgers().items():
+        for name, ledger in self.strategy.ledgers().items():
             write_json(run.output_dir / name, ledger)
         save_checkpoint(
             run.output_dir,
@@ -587,7 +542,7 @@ class RoundReporter:
         loss, accuracy = (
             self.strategy.evaluate_global(arrays, self.x_test, self.y_test) if evaluate else (None, None)
         )
-        report = round_report(self.strategy, server_round)
+        report = self.strategy.report_round(server_round)
         traffic = self.grid.take()
         now = time.monotonic()
         self.durations.append(now - self.last)

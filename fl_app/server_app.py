@@ -4,6 +4,7 @@ import sys
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
+from omegaconf import DictConfig
 
 from fl_app.engine import SIMULATION_ENGINE_MODULE
 from fl_app.engine.launch import install_engine_patches
@@ -22,3 +23,18 @@ app = ServerApp()
 def main(grid: Grid, context: Context) -> None:
     """Compose the configuration from the run config and run the configured strategy."""
     run_federation(grid, context)
+
+
+def server_app_for(cfg: DictConfig) -> ServerApp:
+    """A ServerApp that runs ``cfg``, composed and validated already (``python -m fl_app``'s jobs).
+
+    The configuration travels in the object, not in a module global: the local simulation hands
+    this ServerApp to Flower's engine, which runs it in the same process.
+    """
+    composed = ServerApp()
+
+    @composed.main()
+    def run_composed(grid: Grid, context: Context) -> None:
+        run_federation(grid, context, composed=cfg)
+
+    return composed

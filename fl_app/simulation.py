@@ -28,7 +28,7 @@ import psutil
 from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
-from fl_app.config import hand_over, overrides_to_run_config, take_handed_over
+from fl_app.config import overrides_to_run_config
 from fl_app.engine.batching import MAX_BATCH
 from fl_app.engine.launch import run_simulation_engine, start_ray
 from fl_app.lifecycle import (
@@ -39,9 +39,9 @@ from fl_app.lifecycle import (
     stop_requested,
     take_outcome,
 )
+from fl_app.server_app import server_app_for
 
 PROJECT_ROOT: Path = Path(__file__).resolve().parent.parent
-SERVER_APP = "fl_app.server_app:app"
 CLIENT_APP = "fl_app.client_app:app"
 
 
@@ -78,7 +78,6 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
     )
     backend = backend_config(cfg)
     watch = RayProcessWatch() if not cfg.simulation.ray_address else None
-    hand_over(context.run_id, cfg)
     with stop_on_signals():
         try:
             start_ray(backend["init_args"])
@@ -87,7 +86,7 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
                 watch.start()
             run_simulation_engine(
                 num_supernodes=int(cfg.num_clients),
-                server_app_attr=SERVER_APP,
+                server_app=server_app_for(cfg),
                 client_app_attr=CLIENT_APP,
                 app_dir=str(PROJECT_ROOT),
                 server_app_context=context,
@@ -96,7 +95,6 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
                 messages_per_task=int(cfg.simulation.get("messages_per_task", MAX_BATCH)),
             )
         finally:
-            take_handed_over(context.run_id)  # not taken when the engine failed before the ServerApp ran
             shutdown_ray(watch)
     outcome = take_outcome()
     if outcome is None:  # the ServerApp refused the configuration or ended without a run

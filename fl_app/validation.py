@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
@@ -31,6 +32,9 @@ from fl_app.data.sources import (
 from fl_app.models import MODELS
 from fl_app.privacy.composition import METHODS
 from fl_app.tracking import TRACKERS, tracker_available
+
+if TYPE_CHECKING:
+    from strategies.contract import Declaration
 
 BUDGET_SCOPES = ("total", "per_round")
 EVALUATION_SPLITS = ("test", "validation")
@@ -197,6 +201,21 @@ def check_partitions(cfg: DictConfig) -> None:
     _CHECKED_SPLITS.add(key)
 
 
+def validate_releases(declaration: Declaration, cfg: DictConfig) -> None:
+    """The platform's release rule: a private run refuses federated evaluation.
+
+    Clients' evaluation replies (local loss and accuracy) are un-noised functions of their data: no
+    epsilon covers them.
+    """
+    if declaration.is_private(cfg) and float(cfg.evaluation.federated_fraction) > 0:
+        raise ConfigError(
+            "evaluation.federated_fraction",
+            cfg.evaluation.federated_fraction,
+            f"must be 0 with strategy={cfg.strategy.name}: clients' evaluation metrics are un-noised "
+            f"functions of their data, outside the reported epsilon{declaration.release_hint}",
+        )
+
+
 def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
     """Check everything: common keys, the strategy's and the stage's, the output, the data and its split.
 
@@ -206,14 +225,14 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
 
     require_choice("strategy.name", cfg.strategy.name, STRATEGIES.names())
     validate_common(cfg)
-    strategy = STRATEGIES.get(cfg.strategy.name)
-    strategy.validate_config(cfg)
-    strategy.validate_releases(cfg)
-    if cfg.privacy.get("canaries", 0) and not strategy.supports_canaries:
+    declaration = STRATEGIES.get(cfg.strategy.name).declaration
+    declaration.validate(cfg)
+    validate_releases(declaration, cfg)
+    if cfg.privacy.get("canaries", 0) and declaration.canaries is not None:
         raise ConfigError(
             "privacy.canaries",
             cfg.privacy.canaries,
-            f"must be 0: strategy={cfg.strategy.name} {strategy.canaries_note}",
+            f"must be 0: strategy={cfg.strategy.name} {declaration.canaries}",
         )
     stage = cfg.evaluation.get("stage")
     if stage is not None:
@@ -223,11 +242,11 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
         EVALUATION_STAGES.get(stage).validate_config(cfg)
     check_output_dir(cfg)
     if cfg.get("resume") is not None:
-        if not strategy.resumable:
-            raise ConfigError("resume", cfg.resume, f"strategy={cfg.strategy.name} {strategy.resumable_note}")
+        if declaration.resume is not None:
+            raise ConfigError("resume", cfg.resume, f"strategy={cfg.strategy.name} {declaration.resume}")
         from fl_app.resume import validate_resume
 
-        validate_resume(cfg, is_private=strategy.is_private(cfg))
+        validate_resume(cfg, is_private=declaration.is_private(cfg))
     if check_data:
         locate_data(cfg)
         check_partitions(cfg)

@@ -23,4 +23,24 @@ register_strategy = STRATEGIES.register
 EVALUATION_STAGES: Registry[Any] = Registry("evaluation stage", __name__)
 register_evaluation_stage = EVALUATION_STAGES.register
 
-__all__ = ["EVALUATION_STAGES", "STRATEGIES", "register_evaluation_stage", "register_strategy"]
+
+
+def store_strategy_config(name: str, **defaults: Any) -> None:
+    """Make ``strategy=<name>`` compose without a ``conf/strategy/<name>.yaml``: its defaults, in Hydra's store.
+
+    An algorithm defined outside this package (a user's module, a test module) declares its settings'
+    defaults here, as FLSim puts each algorithm's typed config in Hydra's ConfigStore; the run's
+    composition finds the option beside the files of ``conf/strategy/``.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="strategy", name=name, node={"name": name, **defaults})
+
+
+__all__ = [
+    "EVALUATION_STAGES",
+    "STRATEGIES",
+    "register_evaluation_stage",
+    "register_strategy",
+    "store_strategy_config",
+]

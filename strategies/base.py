@@ -1,32 +1,23 @@
-"""The base of every strategy: Flower's hooks plus the plumbing all algorithms share.
+"""The usual implementation of the strategy contract: cohorts, replies, one accountant, reports.
 
-A strategy implements Flower's hooks (``configure_train``, ``aggregate_train``,
-``configure_evaluate``, ``aggregate_evaluate``, ``summary``) and leaves the round
-loop to :meth:`flwr.serverapp.strategy.Strategy.start`. This base adds what
-every algorithm of the project needs:
+:class:`FederatedStrategy` satisfies :class:`strategies.contract.Strategy` for an algorithm whose
+round is "select a cohort, send the model and a train config, aggregate the replies, account".
+It composes collaborators instead of inheriting their state:
 
-* seeded client sampling over the roster (reproducible, unlike Flower's global
-  ``random.sample``), or a schedule planned at start-up (uniform or balanced,
-  :meth:`seeded_schedule`) that a local-DP calibration can count exactly;
-* the train ``ConfigRecord`` every client reads (:meth:`base_config`, keys in
-  :mod:`fl_app.keys`);
-* failure handling: replies with errors are logged and left out, the round goes
-  on (:meth:`split_replies`); privacy events name every *selected* client, so
-  a failure never makes the accounting optimistic;
-* reporting hooks for the results file (:meth:`round_extras`,
-  :meth:`privacy_summary`, :meth:`final_extras`) and the accountant
-  (:attr:`accountant`), read once per round by the platform;
-* the release rule of private runs: nothing computed from un-noised client
-  data leaves them (federated evaluation is refused, :meth:`validate_releases`;
-  un-noised statistics go to :meth:`diagnostics`, written only outside the
-  guarantee and never on devices).
+* ``self.cohorts`` (:class:`~strategies.cohorts.Cohorts`): seeded samples, planned schedules that
+  a local-DP calibration can count exactly, secret Poisson cohorts;
+* ``self.replies`` (:class:`~strategies.replies.ReplyBook`): who was asked, who answered, who failed
+  (logged, left out; privacy events still name every *selected* client, so a failure never makes
+  the accounting optimistic);
+* ``self.accountant`` (:class:`~fl_app.privacy.accountant.PrivacyAccountant`, or None when not
+  private): the events the strategy records, composed per client;
 
-Subclasses override :meth:`aggregate_train` (and whatever else differs) and set
-the class attributes naming their privacy unit and mechanism.
-
-The shared parts live in one module each, mixed in here: client selection
-(:mod:`strategies.cohorts`), reply triage (:mod:`strategies.replies`), the reporting hooks
-(:mod:`strategies.reporting`); array arithmetic is in :mod:`strategies.arrays`.
+and builds the typed reports the platform reads (:meth:`report_round`, :meth:`report_run`) from
+hooks a subclass overrides where it has more to say: :meth:`round_extras`, :meth:`diagnostics`
+(un-noised statistics: written only outside the guarantee, never on devices),
+:meth:`privacy_summary`, :meth:`final_extras`, :meth:`stage_epsilons`, :meth:`released_stages`,
+:meth:`cohort_randomness`, :meth:`extra_ledgers`. A subclass implements :meth:`aggregate_train`
+and declares its algorithm in the class attribute ``declaration``.
 """
 
 from __future__ import annotations
@@ -34,6 +25,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Iterable
+from logging import INFO
 from typing import Any, ClassVar
 
 import numpy as np
@@ -46,146 +38,119 @@ from flwr.app import (
     MetricRecord,
     RecordDict,
 )
+from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
 from omegaconf import DictConfig
 
 from fl_app import keys
-from fl_app.config_checks import ConfigError
-from fl_app.models import resolve_model_name
-from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.accountant import LEDGER_FILE, PrivacyAccountant
 from fl_app.privacy.canaries import CanaryPopulation
+from fl_app.privacy.composition import EpsilonReport
 from fl_app.privacy.mechanisms import sum_clipped_updates
-from fl_app.roster import ClientInfo
+from fl_app.roster import ClientInfo, on_devices
 from fl_app.run_context import RunContext
 from fl_app.training import array_values, evaluate, load_arrays, model_to_arrays, torch_seed
 from strategies.arrays import flat_vector, split_vector
-from strategies.cohorts import CohortSampling
-from strategies.replies import ReplyTriage
-from strategies.reporting import ReportingHooks
+from strategies.cohorts import Cohorts
+from strategies.contract import JSON, Declaration
+from strategies.replies import RecentRounds, ReplyBook
+from strategies.reporting import (
+    NOT_COVERED,
+    SECRET_COHORT_NOT_COVERED,
+    PrivacyReport,
+    PrivacyTotal,
+    Randomness,
+    RoundReport,
+    RunReport,
+)
 from strategies.settings import StrategySettings
 
-
-class RecentRounds(dict):  # type: ignore[type-arg]
-    """A per-round store that keeps only the latest :attr:`KEEP` rounds.
-
-    Strategies keep per-round state (the cohort, the arrays a round started from, norms for the
-    diagnostics) until the round is reported. A plain dict grows with every round, and the whole
-    strategy is checkpointed after every round, so the checkpoint grew with the run: at 1000
-    clients, 100 per round, round 170 pickled 17,000 cohort entries (writing the checkpoint was 234
-    of the server thread's ~520 busy py-spy samples there).
-    Setting a round's entry drops the entries older than the latest ``KEEP`` rounds.
-    """
-
-    KEEP = 2
-
-    def __setitem__(self, server_round: int, value: Any) -> None:
-        super().__setitem__(server_round, value)
-        for old in [r for r in self if r <= server_round - self.KEEP]:
-            del self[old]
+__all__ = ["FederatedStrategy", "RecentRounds", "base_train_config"]
 
 
-class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
-    """Shared plumbing; see the module docstring.
+def base_train_config(run: RunContext, *, client: str, server_round: int) -> ConfigRecord:
+    """The train ConfigRecord every client reads: its class, the data and model, local SGD, randomness."""
+    record = ConfigRecord(
+        {
+            keys.ALGORITHM: client,
+            keys.SERVER_ROUND: server_round,
+            keys.DATA_SPEC: run.data_spec.to_json(),
+            keys.MODEL_SPEC: run.model_spec.to_json(),
+            keys.LOCAL_EPOCHS: run.local_epochs,
+            keys.BATCH_SIZE: run.batch_size,
+            keys.LR: run.lr * run.lr_decay ** (server_round - 1),
+            keys.MOMENTUM: run.momentum,
+            keys.SEED: run.seed,
+            keys.SECURE_RNG: bool(run.noise.secure),
+        }
+    )
+    if not run.noise.secure and run.noise.seed is not None:
+        record[keys.NOISE_SEED] = int(run.noise.seed)
+    if run.client_gpus > 0:
+        record[keys.DEVICE] = "cuda"
+    return record
 
-    Class attributes
-    ----------------
-    client_name : str
-        Registry name of the client class (``algorithm`` in the train config).
-    privacy_unit : str
-        What a neighbouring pair is for the reported epsilon ("none" if not private).
-    mechanism_name : str
-        Human-readable mechanism ("none" if not private).
-    """
 
-    client_name: ClassVar[str] = ""
-    privacy_unit: ClassVar[str] = "none"
-    mechanism_name: ClassVar[str] = "none"
-    #: The typed settings of ``cfg.strategy`` (:mod:`strategies.settings`); None: no settings of its own.
-    settings_type: ClassVar[type[StrategySettings] | None] = None
-
-    #: Whether ``privacy.canaries`` applies: canary clients whose updates join the clipped sum
-    #: (:meth:`clipped_update_sum`) or the local-DP uploads (see :mod:`fl_app.privacy.canaries`).
-    supports_canaries: ClassVar[bool] = False
-    #: Why not, or what the analogue is, when it does not (completes "strategy=<name> ...").
-    canaries_note: ClassVar[str] = (
-        "has no model-update upload that a canary direction could ride on (see docs/empirical_privacy.md)"
+def randomness_of(run: RunContext, *, cohort: str, secret_cohort: bool = False) -> Randomness:
+    """Where ``run``'s privacy noise comes from, and its cohorts (``cohort``: the strategy's words)."""
+    noise = run.noise
+    origin = None
+    if not noise.secure:
+        origin = (
+            "privacy.noise_seed"
+            if run.cfg.privacy.noise_seed is not None
+            else "derived from seed and the whole configuration (fl_app.privacy.rng.derive_noise_seed)"
+        )
+    return Randomness(
+        secure=bool(noise.secure),
+        noise_seed=None if noise.secure else noise.seed,
+        noise_seed_origin=origin,
+        devices=on_devices(run.roster),
+        cohort=cohort,
+        secret_cohort=secret_cohort,
     )
 
-    #: Whether ``resume=`` can continue a run of this strategy exactly (see :mod:`fl_app.checkpoint`).
-    resumable: ClassVar[bool] = True
-    #: Why not, when it cannot (completes "strategy=<name> ...").
-    resumable_note: ClassVar[str] = ""
 
-    #: Appended to the release rule's refusal of federated evaluation (what to use instead).
-    release_hint: ClassVar[str] = ""
+class FederatedStrategy:
+    """The contract's usual implementation (see the module docstring)."""
+
+    #: The algorithm (name, paper, unit, mechanism, client, settings, ...): set by every subclass.
+    declaration: ClassVar[Declaration]
+
+    #: Attributes that only live within a round (the arrays it started from, un-noised statistics for
+    #: the diagnostics): never written to the server's private state file (:meth:`for_checkpoint`).
+    ROUND_STATE: ClassVar[tuple[str, ...]] = ("_round_global",)
 
     def __init__(self, run: RunContext, settings: StrategySettings | None = None) -> None:
         self.run = run
         self.cfg: DictConfig = run.cfg
-        if settings is None and self.settings_type is not None:
-            settings = self.settings_type.from_config(run.cfg)
-        #: The checked ``cfg.strategy`` (an instance of :attr:`settings_type`).
+        settings_type = self.declaration.settings
+        if settings is None and settings_type is not None:
+            settings = settings_type.from_config(run.cfg)
+        #: The checked ``cfg.strategy`` (an instance of the declaration's settings type).
         self.settings = settings
+        #: The unit and mechanism of this run (the declaration's; a noise-free variant says "none").
+        self.privacy_unit: str = self.declaration.unit
+        self.mechanism_name: str = self.declaration.mechanism
+        self.cohorts = Cohorts(run)
+        self.replies = ReplyBook(run)
         self.accountant: PrivacyAccountant | None = None
-        self._selected: dict[int, list[ClientInfo]] = RecentRounds()
-        self._round_global: ArrayRecord | None = None
-        self._failed: dict[int, list[int]] = {}
-        self._failure_reasons: dict[int, list[str]] = RecentRounds()
-        self._initial_vector: np.ndarray | None = None
         self.canaries: CanaryPopulation | None = None
-        #: Cohorts fixed at start-up (:meth:`seeded_schedule`), or None to sample each round.
-        self.planned_cohorts: dict[int, list[ClientInfo]] | None = None
+        self._round_global: ArrayRecord | None = None
+        self._initial_vector: np.ndarray | None = None
 
-    # ------------------------------------------------------------------ checkpoints
+    # ------------------------------------------------------------------ declared facts
 
-    #: Attributes that only live within a round (its cohort, failures, the arrays it started from,
-    #: un-noised statistics for the diagnostics): never written to the server's private state file.
-    ROUND_STATE: ClassVar[tuple[str, ...]] = ("_selected", "_failed", "_failure_reasons", "_round_global")
+    @property
+    def secret_cohort(self) -> bool:
+        """Whether the accounting relies on the cohort being secret (amplification by sampling)."""
+        return self.replies.secret_cohort
 
-    def for_checkpoint(self) -> FederatedStrategy:
-        """What a checkpoint keeps: a shallow copy, :attr:`ROUND_STATE` emptied (:mod:`fl_app.checkpoint`)."""
-        kept = copy.copy(self)
-        for name in self.ROUND_STATE:
-            value = getattr(self, name, None)
-            setattr(kept, name, type(value)() if isinstance(value, dict) else None)
-        return kept
+    @secret_cohort.setter
+    def secret_cohort(self, value: bool) -> None:
+        self.replies.secret_cohort = bool(value)
 
-    def private_state(self) -> str | None:
-        """What the checkpoint holds that no epsilon covers (un-noised aggregates, secrets), or None.
-
-        Said in the interrupt line and the results' ``stopped`` object (override where a strategy
-        must carry un-noised state across rounds to continue exactly).
-        """
-        return None
-
-    # ------------------------------------------------------------------ configuration
-
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """Check this strategy's own keys (its :attr:`settings_type`); raise ``ConfigError``."""
-        if cls.settings_type is not None:
-            cls.settings_type.from_config(cfg)
-
-    @classmethod
-    def validate_releases(cls, cfg: DictConfig) -> None:
-        """The platform's release rule: a private run refuses federated evaluation.
-
-        Clients' evaluation replies (local loss and accuracy) are un-noised functions of
-        their data: no epsilon covers them.
-        """
-        if cls.is_private(cfg) and float(cfg.evaluation.federated_fraction) > 0:
-            raise ConfigError(
-                "evaluation.federated_fraction",
-                cfg.evaluation.federated_fraction,
-                f"must be 0 with strategy={cfg.strategy.name}: clients' evaluation metrics are un-noised "
-                f"functions of their data, outside the reported epsilon{cls.release_hint}",
-            )
-
-    @classmethod
-    def resolve_model(cls, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:
-        """The model to train: ``model`` unless ``auto`` (override to pick the algorithm's own)."""
-        return resolve_model_name(str(cfg.model), input_shape)
+    # ------------------------------------------------------------------ the model
 
     def initial_arrays(self) -> ArrayRecord:
         """The initial global model (seeded initialisation)."""
@@ -201,31 +166,18 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
         load_arrays(model, arrays)
         return evaluate(model, x, y)
 
+    def arrays_for_evaluation(self, arrays: ArrayRecord) -> ArrayRecord:
+        """What clients evaluate (override when the global arrays need transforming)."""
+        return arrays
+
+    # ------------------------------------------------------------------ train messages
+
     def base_config(self, server_round: int) -> ConfigRecord:
-        """The train ConfigRecord every client reads."""
-        run = self.run
-        record = ConfigRecord(
-            {
-                keys.ALGORITHM: self.client_name,
-                keys.SERVER_ROUND: server_round,
-                keys.DATA_SPEC: run.data_spec.to_json(),
-                keys.MODEL_SPEC: run.model_spec.to_json(),
-                keys.LOCAL_EPOCHS: run.local_epochs,
-                keys.BATCH_SIZE: run.batch_size,
-                keys.LR: run.lr * run.lr_decay ** (server_round - 1),
-                keys.MOMENTUM: run.momentum,
-                keys.SEED: run.seed,
-                keys.SECURE_RNG: bool(run.noise.secure),
-            }
-        )
-        if not run.noise.secure and run.noise.seed is not None:
-            record[keys.NOISE_SEED] = int(run.noise.seed)
-        if run.client_gpus > 0:
-            record[keys.DEVICE] = "cuda"
-        return record
+        """The train ConfigRecord every client reads (:func:`base_train_config`)."""
+        return base_train_config(self.run, client=self.declaration.client, server_round=server_round)
 
     def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
-        """The full train config: base keys, what ``Strategy.start`` passed, and extras."""
+        """The full train config: base keys, what the round loop passed, and extras."""
         record = self.base_config(server_round)
         for key, value in config.items():
             record[key] = value
@@ -237,15 +189,21 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
         """Algorithm-specific hyperparameters for the clients (override)."""
         return {}
 
-    # ------------------------------------------------------------------ Flower hooks
+    def select_clients(self, server_round: int) -> list[ClientInfo]:
+        """The round's cohort (override; default: the planned schedule, else a seeded sample)."""
+        return self.cohorts.select(server_round)
+
+    def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+        """What the clients receive (override, e.g. to add downlink noise)."""
+        return arrays
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Sample clients and send each the global arrays and the train config."""
+        """Select the cohort and send each client the global arrays and the train config."""
         self._round_global = arrays
         count = self.run.canaries
-        if self._initial_vector is None and count and self.supports_canaries:
+        if self._initial_vector is None and count and self.declaration.canaries is None:
             self._initial_vector = flat_vector(arrays)  # the canaries' cosines are against the total change
             self.canaries = CanaryPopulation(
                 count=count,
@@ -255,7 +213,7 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
                 patterns=self.canary_patterns(count),
             )
         clients = self.select_clients(server_round)
-        self._selected[server_round] = clients
+        self.replies.record_selected(server_round, clients)
         content = RecordDict(
             {
                 keys.ARRAYS: self.arrays_for_clients(server_round, arrays),
@@ -266,10 +224,6 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
             Message(content=content, dst_node_id=c.node_id, message_type=MessageType.TRAIN) for c in clients
         ]
 
-    def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
-        """What the clients receive (override, e.g. to add downlink noise)."""
-        return arrays
-
     @property
     def round_global(self) -> ArrayRecord:
         """The global model of the current round, as ``configure_train`` received it.
@@ -279,6 +233,14 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
         if self._round_global is None:
             raise RuntimeError("aggregate_train before configure_train")
         return self._round_global
+
+    # ------------------------------------------------------------------ aggregation helpers
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Aggregate the round (subclasses implement)."""
+        raise NotImplementedError
 
     def clipped_update_sum(
         self, valid: list[tuple[ClientInfo, Message]], *, max_norm: float, server_round: int | None = None
@@ -329,22 +291,7 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
         """
         return None
 
-    def empirical_privacy(self, final: ArrayRecord) -> dict[str, Any] | None:
-        """``privacy.empirical_epsilon``: the canaries' one-shot estimate from the final model (None: off)."""
-        if self.canaries is None or self._initial_vector is None:
-            return None
-        estimate = self.canaries.estimate(
-            flat_vector(final) - self._initial_vector,
-            delta=self.run.delta,
-            rng=self.run.randomness.generator("canary-bootstrap"),
-        )
-        return estimate.to_json()
-
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
-    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Aggregate the round (subclasses implement)."""
-        raise NotImplementedError
+    # ------------------------------------------------------------------ federated evaluation
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -366,13 +313,9 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
             for c in clients
         ]
 
-    def arrays_for_evaluation(self, arrays: ArrayRecord) -> ArrayRecord:
-        """What clients evaluate (override when the global arrays need transforming)."""
-        return arrays
-
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Example-weighted mean of the clients' evaluation metrics."""
-        valid, _ = self.split_replies(server_round, replies, stage="evaluate")
+        valid, _ = self.replies.split(server_round, replies, stage="evaluate")
         if not valid:
             return None
         weights = np.array(
@@ -383,3 +326,163 @@ class FederatedStrategy(CohortSampling, ReplyTriage, ReportingHooks, Strategy):
             values = np.array([float(m.content.metric_records[keys.METRICS][name]) for _, m in valid])
             result[f"federated-{name}"] = float(np.average(values, weights=weights))
         return result
+
+    # ------------------------------------------------------------------ the contract's reports
+
+    def report_round(self, server_round: int) -> RoundReport:
+        """The round's report, from the hooks below (after ``aggregate_train``)."""
+        return RoundReport(
+            clients=len(self.replies.selected(server_round)),
+            failures=tuple(self.replies.failures(server_round)),
+            failure_reasons=tuple(self.replies.failure_reasons(server_round)),
+            epsilon=self.epsilon(),
+            training_epsilon=self.training_epsilon(),
+            extras=dict(self.round_extras(server_round)),
+            diagnostics=dict(self.diagnostics(server_round)),
+            secret_cohort=self.secret_cohort,
+        )
+
+    def report_run(self, final: ArrayRecord) -> RunReport:
+        """The run's privacy (summary, randomness, total by stage, canary estimate) and final fields."""
+        total = self.epsilon()
+        privacy = PrivacyReport(
+            summary=dict(self.privacy_summary()),
+            randomness=self.randomness(),
+            total=PrivacyTotal(
+                epsilon=None if total is None else total.epsilon,
+                delta=self.run.delta,
+                method=None if total is None else total.method,
+                unit=self.privacy_unit,
+                per_stage=dict(self.stage_epsilons()),
+                covers=tuple(self.released_stages()),
+                not_covered=NOT_COVERED + (SECRET_COHORT_NOT_COVERED if self.secret_cohort else ()),
+            ),
+            empirical_epsilon=self.empirical_privacy(final),
+        )
+        return RunReport(privacy=privacy, final=dict(self.final_extras()))
+
+    def randomness(self) -> Randomness:
+        """Where the privacy noise comes from (the run's) and the cohorts (:meth:`cohort_randomness`)."""
+        return randomness_of(self.run, cohort=self.cohort_randomness(), secret_cohort=self.secret_cohort)
+
+    def ledgers(self) -> dict[str, dict[str, JSON]]:
+        """``privacy_ledger.json`` (the accountant's events) and :meth:`extra_ledgers`."""
+        main = {} if self.accountant is None else {LEDGER_FILE: self.accountant.state_dict()}
+        return {**main, **self.extra_ledgers()}
+
+    def for_checkpoint(self) -> FederatedStrategy:
+        """A shallow copy without what only lives within a round (:attr:`ROUND_STATE`, the replies)."""
+        kept = copy.copy(self)
+        kept.replies = self.replies.forget()
+        for name in self.ROUND_STATE:
+            value = getattr(self, name, None)
+            setattr(kept, name, type(value)() if isinstance(value, dict) else None)
+        return kept
+
+    def private_state(self) -> str | None:
+        """What the checkpoint holds that no epsilon covers (un-noised aggregates, secrets), or None.
+
+        Said in the interrupt line and the results' ``stopped`` object (override where a strategy
+        must carry un-noised state across rounds to continue exactly).
+        """
+        return None
+
+    def describe(self) -> None:
+        """Log the strategy's configuration, the privacy unit and the budget asked for."""
+        log(INFO, "\t├──> %s: %s", type(self).__name__, self.cohort_text())
+        for key, value in self.cfg.strategy.items():
+            log(INFO, "\t│\t├── strategy.%s = %s", key, value)
+        budget = f", {self.budget_text()}" if self.privacy_unit != "none" else ""
+        log(
+            INFO,
+            "\t└──> privacy: unit=%s, mechanism=%s%s",
+            self.privacy_unit,
+            self.mechanism_name,
+            budget,
+        )
+
+    # ------------------------------------------------------------------ hooks of the reports
+
+    def cohort_text(self) -> str:
+        """How many clients a round selects, for :meth:`describe`."""
+        if self.secret_cohort:
+            return (
+                f"secret Poisson cohorts of {self.run.clients_per_round} of {self.run.num_clients} clients "
+                "per round in expectation (their sizes are not published)"
+            )
+        return f"{self.run.clients_per_round} of {self.run.num_clients} clients per round"
+
+    def budget_text(self) -> str:
+        """The budget asked for, for :meth:`describe` (override where it is not in the unit)."""
+        privacy = self.cfg.privacy
+        return (
+            f"budget epsilon={self.run.epsilon:g} delta={self.run.delta:g} "
+            f"(privacy.budget_scope={privacy.budget_scope})"
+        )
+
+    def epsilon(self) -> EpsilonReport | None:
+        """Cumulative epsilon of the worst client at ``privacy.delta`` (None: not private).
+
+        The rounds' ``epsilon``: it must cover everything the run released about a client.
+        """
+        if self.accountant is None:
+            return None
+        return self.accountant.epsilon(delta=self.run.delta)
+
+    def training_epsilon(self) -> EpsilonReport | None:
+        """The training stage's epsilon alone (``rounds[].epsilon_training``)."""
+        return self.epsilon()
+
+    def stage_epsilons(self) -> dict[str, float | None]:
+        """Each stage's cumulative epsilon in the strategy's unit (``privacy.total.per_stage``)."""
+        training = self.training_epsilon()
+        return {"training": None if training is None else training.epsilon}
+
+    def released_stages(self) -> list[str]:
+        """What the total epsilon covers (``privacy.total.covers``)."""
+        return ["training: the released models (and, under local DP, every client's upload)"]
+
+    def cohort_randomness(self) -> str:
+        """Where the clients of a round come from (``privacy.randomness.cohort``)."""
+        return (
+            "public: drawn from `seed` (reproducible; the accounting names every selected client and "
+            "credits no amplification by sampling)"
+        )
+
+    def extra_ledgers(self) -> dict[str, dict[str, JSON]]:
+        """Ledgers beyond the accountant's ``privacy_ledger.json``: file name -> accountant state."""
+        return {}
+
+    def round_extras(self, server_round: int) -> dict[str, JSON]:
+        """Per-round fields for the results file beyond the platform's (override)."""
+        return {}
+
+    def diagnostics(self, server_round: int) -> dict[str, JSON]:
+        """Statistics of un-noised client data (``outside_guarantee``; simulation-only, opt-in; override)."""
+        return {}
+
+    def privacy_summary(self) -> dict[str, JSON]:
+        """The results file's ``privacy`` object: unit, mechanism, accountant (override to add details)."""
+        accountant = "none"
+        if self.accountant is not None:
+            accountant = (
+                f"{self.accountant.method} (dp-accounting 0.6.0): per-client composition of the "
+                "recorded events (each names the clients whose data it touched, or all clients); "
+                "min with basic composition for pure-epsilon mechanisms; the worst client is reported"
+            )
+        return {"unit": self.privacy_unit, "mechanism": self.mechanism_name, "accountant": accountant}
+
+    def final_extras(self) -> dict[str, JSON]:
+        """Extra fields for the results file's ``final`` object (override)."""
+        return {}
+
+    def empirical_privacy(self, final: ArrayRecord) -> dict[str, JSON] | None:
+        """``privacy.empirical_epsilon``: the canaries' one-shot estimate from the final model (None: off)."""
+        if self.canaries is None or self._initial_vector is None:
+            return None
+        estimate = self.canaries.estimate(
+            flat_vector(final) - self._initial_vector,
+            delta=self.run.delta,
+            rng=self.run.randomness.generator("canary-bootstrap"),
+        )
+        return estimate.to_json()

@@ -1,9 +1,9 @@
 """Which clients a round selects: seeded samples, planned schedules, Poisson cohorts.
 
-:class:`CohortSampling` is mixed into :class:`strategies.base.FederatedStrategy`; its methods
-read the strategy's ``run`` (roster, seeded ``randomness``, secret ``noise``) and
-``planned_cohorts``. A public (seeded) cohort never carries amplification by sampling; a Poisson
-cohort draws its coins from the privacy randomness, so that it can.
+:class:`Cohorts` is a strategy's collaborator (``strategy.cohorts``): it reads the run (roster,
+seeded ``randomness``, secret ``noise``) and holds the schedule planned at start-up, if any. A
+public (seeded) cohort never carries amplification by sampling; a Poisson cohort draws its coins
+from the privacy randomness, so that it can.
 """
 
 from __future__ import annotations
@@ -13,36 +13,49 @@ from collections import Counter
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 
+#: Values of a planned schedule (``strategy.schedule``; :meth:`Cohorts.seeded_schedule`).
+SCHEDULES = ("random", "balanced")
 
-class CohortSampling:
-    """Client selection for a strategy (see the module docstring)."""
 
-    run: RunContext
-    #: Cohorts fixed at start-up (:meth:`seeded_schedule`), or None to sample each round.
-    planned_cohorts: dict[int, list[ClientInfo]] | None
+class Cohorts:
+    """Client selection for one run (see the module docstring).
 
-    def select_clients(self, server_round: int) -> list[ClientInfo]:
-        """The cohort of ``server_round``: the planned schedule if there is one, else a seeded sample.
+    Parameters
+    ----------
+    run : RunContext
+        The run whose roster and randomness the cohorts come from.
 
-        Without a plan: ``clients_per_round`` clients uniformly without replacement (seeded).
-        """
-        if self.planned_cohorts is not None:
-            if server_round not in self.planned_cohorts:
+    """
+
+    def __init__(self, run: RunContext) -> None:
+        self.run = run
+        #: Cohorts fixed at start-up (:meth:`plan`), or None to sample each round.
+        self.planned: dict[int, list[ClientInfo]] | None = None
+
+    def plan(self, schedule: dict[int, list[ClientInfo]]) -> dict[int, list[ClientInfo]]:
+        """Fix the cohorts of rounds 1..T at start-up (returned, for the strategy's calibration)."""
+        self.planned = schedule
+        return schedule
+
+    def select(self, server_round: int) -> list[ClientInfo]:
+        """The cohort of ``server_round``: the planned schedule if there is one, else a seeded sample."""
+        if self.planned is not None:
+            if server_round not in self.planned:
                 raise RuntimeError(
-                    f"round {server_round} is beyond num_rounds={len(self.planned_cohorts)}, which the "
+                    f"round {server_round} is beyond num_rounds={len(self.planned)}, which the "
                     "privacy calibration assumed"
                 )
-            return self.planned_cohorts[server_round]
-        return self.uniform_cohort(server_round)
+            return self.planned[server_round]
+        return self.uniform(server_round)
 
-    def uniform_cohort(self, server_round: int) -> list[ClientInfo]:
+    def uniform(self, server_round: int) -> list[ClientInfo]:
         """``clients_per_round`` clients uniformly without replacement, from the run seed."""
         rng = self.run.randomness.generator("client-sampling", server_round=server_round)
         count = self.run.clients_per_round
         chosen = rng.choice(len(self.run.roster), size=count, replace=False)
         return [self.run.roster[i] for i in sorted(chosen)]
 
-    def epoch_cohorts(self, num_rounds: int, *, purpose: str = "epoch-schedule") -> list[list[int]]:
+    def epochs(self, num_rounds: int, *, purpose: str = "epoch-schedule") -> list[list[int]]:
         """Roster indices of rounds 1..``num_rounds``, each client at most once per epoch.
 
         Each epoch is a permutation of the roster, seeded by the run seed and the epoch, cut
@@ -65,22 +78,21 @@ class CohortSampling:
         return cohorts[:num_rounds]
 
     def seeded_schedule(self, num_rounds: int, *, balanced: bool = False) -> dict[int, list[ClientInfo]]:
-        """The cohorts of rounds 1..``num_rounds``, fixed at start-up from the run seed.
+        """The cohorts of rounds 1..``num_rounds``, from the run seed (not yet :meth:`plan` ned).
 
-        ``balanced=False``: each round a uniform sample (:meth:`uniform_cohort`); some clients
-        then take part more often than others. ``balanced=True``: :meth:`epoch_cohorts`. Local-DP
-        strategies plan their schedule so that calibration can count the busiest client's
-        participations exactly (:func:`max_participations`).
+        ``balanced=False``: each round a uniform sample (:meth:`uniform`); some clients then take
+        part more often than others. ``balanced=True``: :meth:`epochs`. Local-DP strategies plan
+        their schedule so that calibration can count the busiest client's participations exactly
+        (:func:`max_participations`).
         """
         if balanced:
             roster = self.run.roster
             return {
-                t: [roster[i] for i in cohort]
-                for t, cohort in enumerate(self.epoch_cohorts(num_rounds), start=1)
+                t: [roster[i] for i in cohort] for t, cohort in enumerate(self.epochs(num_rounds), start=1)
             }
-        return {t: self.uniform_cohort(t) for t in range(1, num_rounds + 1)}
+        return {t: self.uniform(t) for t in range(1, num_rounds + 1)}
 
-    def poisson_cohort(self, server_round: int, rate: float) -> list[ClientInfo]:
+    def poisson(self, server_round: int, rate: float) -> list[ClientInfo]:
         """Every client joins independently with probability ``rate`` (Poisson sampling).
 
         The coins come from the privacy randomness (``run.noise``: OS entropy with
@@ -92,11 +104,16 @@ class CohortSampling:
         return [info for info, joined in zip(self.run.roster, joins, strict=True) if joined]
 
 
-#: Values of a planned schedule (``strategy.schedule``; :meth:`FederatedStrategy.seeded_schedule`).
-SCHEDULES = ("random", "balanced")
-
-
 def max_participations(schedule: dict[int, list[ClientInfo]]) -> int:
     """Rounds the most-selected client of ``schedule`` takes part in."""
     counts = Counter(info.client_id for clients in schedule.values() for info in clients)
     return max(counts.values()) if counts else 0
+
+
+def rounds_by_client(schedule: dict[int, list[ClientInfo]]) -> dict[int, set[int]]:
+    """Client id -> the rounds ``schedule`` gives it."""
+    rounds: dict[int, set[int]] = {}
+    for server_round, cohort in schedule.items():
+        for info in cohort:
+            rounds.setdefault(info.client_id, set()).add(server_round)
+    return rounds

@@ -64,6 +64,7 @@ from fl_app.run_context import RunContext
 from fl_app.training import array_values
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
+from strategies.contract import Declaration
 from strategies.settings import StrategySettings, one_of, positive
 
 SAMPLINGS = ("poisson", "fixed")
@@ -82,12 +83,15 @@ class DPFedAvgSettings(StrategySettings):
 class DPFedAvgStrategy(FederatedStrategy):
     """Central-DP FedAvg with server-side fixed clipping and seeded Gaussian noise."""
 
-    client_name = "dp_fedavg"
-    supports_canaries = True
-    privacy_unit = "one client's entire data set (add or remove one client), central DP"
-    mechanism_name = "Gaussian noise on the sum of clipped model updates"
-
-    settings_type = DPFedAvgSettings
+    declaration = Declaration(
+        name="dp_fedavg",
+        paper="McMahan, Ramage, Talwar, Zhang, ICLR 2018 (DP-FedAvg, Algorithm 1)",
+        unit="one client's entire data set (add or remove one client), central DP",
+        mechanism="Gaussian noise on the sum of clipped model updates",
+        client="fedavg",  # plain local training: clipping and noise run on the server
+        settings=DPFedAvgSettings,
+        canaries=None,
+    )
     settings: DPFedAvgSettings
     ROUND_STATE = (*FederatedStrategy.ROUND_STATE, "_norms")  # un-noised: never checkpointed
 
@@ -129,13 +133,13 @@ class DPFedAvgStrategy(FederatedStrategy):
         """Poisson sampling (each client w.p. q, secret coins from ``run.noise``) or fixed-size sampling."""
         if self.sampling == "fixed":
             return super().select_clients(server_round)
-        return self.poisson_cohort(server_round, self.rate)
+        return self.cohorts.poisson(server_round, self.rate)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Clip each update, add noise to the sum, divide by the fixed denominator."""
-        valid, _ = self.split_replies(server_round, replies)
+        valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
         names, reference, total, norms = self.clipped_update_sum(
             valid, max_norm=self.clip, server_round=server_round
@@ -167,7 +171,7 @@ class DPFedAvgStrategy(FederatedStrategy):
                 server_round,
                 Gaussian(self.noise_multiplier),
                 label="central release",
-                participants=tuple(c.client_id for c in self.selected(server_round)),
+                participants=tuple(c.client_id for c in self.replies.selected(server_round)),
             )
         self.accountant.record(event)
 

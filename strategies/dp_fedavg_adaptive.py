@@ -75,20 +75,66 @@ from omegaconf import DictConfig
 
 from fl_app.config_checks import ConfigError
 from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.calibration import (
-    adaptive_clipping_default_bit_noise,
-    adaptive_clipping_effective_noise_multiplier,
-    adaptive_clipping_update_noise_multiplier,
-    dp_fedavg_noise_multiplier,
+from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
+from fl_app.privacy.checks import require_positive
+from fl_app.privacy.events import (
+    PrivacyEvent,
+    SampledGaussian,
 )
-from fl_app.privacy.events import PrivacyEvent, SampledGaussian
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext, resolve_clients_per_round
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
 from strategies.base import FederatedStrategy
+from strategies.contract import Declaration
 from strategies.settings import StrategySettings, between, positive
+
+# --------------------------------------------------------------------------------------
+# Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021)
+# --------------------------------------------------------------------------------------
+
+
+def adaptive_clipping_default_bit_noise(*, expected_clients: float) -> float:
+    """The paper's default std of the noise on the clipped-count sum: ``sigma_b = m / 20``.
+
+    ``m`` is the expected number of clients per round; the noisy fraction then
+    has std 0.05 (Andrew et al. 2021, Section 3).
+    """
+    require_positive("expected_clients", expected_clients)
+    return expected_clients / 20.0
+
+
+def adaptive_clipping_effective_noise_multiplier(
+    *, update_noise_multiplier: float, bit_noise: float
+) -> float:
+    """``z = (z_Delta^-2 + (2 sigma_b)^-2)^(-1/2)`` (Andrew et al. 2021, Theorem 1).
+
+    One round releases the noised sum of updates clipped to C (noise std
+    ``z_Delta C``, sensitivity C) and the noised sum of the centred bits
+    ``b_k - 1/2`` (noise std ``sigma_b``, sensitivity 1/2): jointly the Gaussian
+    mechanism with noise multiplier ``z`` (add or remove one client).
+    """
+    require_positive("update_noise_multiplier", update_noise_multiplier)
+    require_positive("bit_noise", bit_noise)
+    return (update_noise_multiplier**-2 + (2.0 * bit_noise) ** -2) ** -0.5
+
+
+def adaptive_clipping_update_noise_multiplier(*, noise_multiplier: float, bit_noise: float) -> float:
+    """``z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)``: the update noise that makes the round's release ``z``.
+
+    Inverse of :func:`adaptive_clipping_effective_noise_multiplier`. Possible
+    only when ``z < 2 sigma_b`` (the bit release alone must already be at least
+    as private as the whole round); raises ``ValueError`` otherwise.
+    """
+    require_positive("noise_multiplier", noise_multiplier)
+    require_positive("bit_noise", bit_noise)
+    if noise_multiplier >= 2.0 * bit_noise:
+        raise ValueError(
+            f"noise_multiplier={noise_multiplier} needs bit_noise > {noise_multiplier / 2} "
+            f"(z < 2 sigma_b), got {bit_noise}"
+        )
+    return (noise_multiplier**-2 - (2.0 * bit_noise) ** -2) ** -0.5
 
 
 @dataclass(frozen=True)
@@ -172,21 +218,23 @@ def noise_plan(cfg: DictConfig, settings: AdaptiveClippingSettings) -> NoisePlan
 class DPFedAvgAdaptiveStrategy(FederatedStrategy):
     """Central-DP FedAvg with server momentum and a privately adapted clip norm."""
 
-    client_name = "dp_fedavg_adaptive"
-    supports_canaries = True
-    #: amplification by sampling needs the cohort secret (failures are logged without names)
-    secret_cohort = True
-    privacy_unit = "one client's entire data set (add or remove one client), central DP"
-    mechanism_name = (
-        "Gaussian noise on the sum of clipped model updates and on the count of unclipped updates "
-        "(adaptive clipping), Poisson-sampled cohorts"
+    declaration = Declaration(
+        name="dp_fedavg_adaptive",
+        paper="Andrew, Thakkar, McMahan, Ramaswamy, NeurIPS 2021 (DP-FedAvgM with adaptive clipping)",
+        unit="one client's entire data set (add or remove one client), central DP",
+        mechanism=(
+            "Gaussian noise on the sum of clipped model updates and on the count of unclipped updates "
+            "(adaptive clipping), Poisson-sampled cohorts"
+        ),
+        client="fedavg",  # plain local training: the bits, the clipping and the noise run on the server
+        settings=AdaptiveClippingSettings,
+        canaries=None,
     )
-
-    settings_type = AdaptiveClippingSettings
     settings: AdaptiveClippingSettings
 
     def __init__(self, run: RunContext, settings: AdaptiveClippingSettings | None = None) -> None:
         super().__init__(run, settings)
+        self.secret_cohort = True  # amplification by sampling needs the cohort secret
         self.plan = noise_plan(self.cfg, self.settings)
         self.clip = self.settings.initial_clip
         self.accountant = PrivacyAccountant(
@@ -209,13 +257,13 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
 
     def select_clients(self, server_round: int) -> list[ClientInfo]:
         """Poisson sampling with rate q; secret coins from the privacy randomness."""
-        return self.poisson_cohort(server_round, self.plan.sampling_rate)
+        return self.cohorts.poisson(server_round, self.plan.sampling_rate)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Clip, noise the update sum and the unclipped count, step with momentum, adapt C."""
-        valid, _ = self.split_replies(server_round, replies)
+        valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
         clip = self.clip
         _, reference, total, norms = self.clipped_update_sum(valid, max_norm=clip, server_round=server_round)

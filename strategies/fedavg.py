@@ -30,6 +30,7 @@ from fl_app.training import array_values
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like, mean_arrays
 from strategies.base import FederatedStrategy
+from strategies.contract import Declaration
 from strategies.settings import StrategySettings, between, one_of, positive
 
 WEIGHTINGS = ("num_examples", "uniform")
@@ -48,9 +49,15 @@ class FedAvgSettings(StrategySettings):
 class FedAvgStrategy(FederatedStrategy):
     """Federated averaging of the clients' locally trained models."""
 
-    client_name = "fedavg"
-
-    settings_type = FedAvgSettings
+    declaration = Declaration(
+        name="fedavg",
+        paper="McMahan, Moore, Ramage, Hampson, Aguera y Arcas, AISTATS 2017 (FedAvg)",
+        unit="none",
+        mechanism="none",
+        client="fedavg",
+        settings=FedAvgSettings,
+        canaries="is not private: there is no claim to check (the estimate would be large, as it should)",
+    )
     settings: FedAvgSettings
 
     def __init__(self, run: RunContext, settings: FedAvgSettings | None = None) -> None:
@@ -73,7 +80,7 @@ class FedAvgStrategy(FederatedStrategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Average the returned models (by examples or uniformly)."""
-        valid, _ = self.split_replies(server_round, replies)
+        valid, _ = self.replies.split(server_round, replies)
         if not valid:
             return None, None
         examples = [float(m.content.metric_records[keys.METRICS][keys.NUM_EXAMPLES]) for _, m in valid]

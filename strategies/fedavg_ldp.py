@@ -40,6 +40,7 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.common import log
 
+from clients.fedavg_ldp import LDP_CLIP, LDP_NOISE_MULTIPLIER
 from fl_app import keys
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import local_gaussian_noise_multiplier, local_gaussian_sigma
@@ -52,6 +53,7 @@ from fl_app.training import array_values
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
 from strategies.cohorts import SCHEDULES, max_participations
+from strategies.contract import Declaration
 from strategies.settings import StrategySettings, flag, one_of, positive
 
 
@@ -69,15 +71,18 @@ class FedAvgLDPSettings(StrategySettings):
 class FedAvgLDPStrategy(FederatedStrategy):
     """FedAvg of client-side clipped and Gaussian-noised model updates."""
 
-    client_name = "fedavg_ldp"
-    supports_canaries = True
-    privacy_unit = (
-        "one client's entire local data set (local DP: any two data sets of one client; "
-        "each upload is protected against the server)"
+    declaration = Declaration(
+        name="fedavg_ldp",
+        paper="FedAvg with local DP on each upload: PrivateKT's equal-budget baseline (Qi, Wu et al. 2023)",
+        unit=(
+            "one client's entire local data set (local DP: any two data sets of one client; "
+            "each upload is protected against the server)"
+        ),
+        mechanism="Gaussian noise on each client's clipped model update, added on the client",
+        client="fedavg_ldp",
+        settings=FedAvgLDPSettings,
+        canaries=None,
     )
-    mechanism_name = "Gaussian noise on each client's clipped model update, added on the client"
-
-    settings_type = FedAvgLDPSettings
     settings: FedAvgLDPSettings
 
     def __init__(self, run: RunContext, settings: FedAvgLDPSettings | None = None) -> None:
@@ -85,10 +90,10 @@ class FedAvgLDPStrategy(FederatedStrategy):
         settings = self.settings
         self.clip = settings.clip
         self.project = settings.project
-        self.planned_cohorts = self.seeded_schedule(
-            self.run.num_rounds, balanced=settings.schedule == "balanced"
+        self.cohorts.plan(
+            self.cohorts.seeded_schedule(self.run.num_rounds, balanced=settings.schedule == "balanced")
         )
-        self.max_participations = max_participations(self.planned_cohorts)
+        self.max_participations = max_participations(self.cohorts.planned)
         self.budget_scope = self.run.budget_scope
         self.method = self.run.accountant_method
         if settings.noise_multiplier is not None:
@@ -121,9 +126,9 @@ class FedAvgLDPStrategy(FederatedStrategy):
 
     def canary_patterns(self, count: int) -> list[frozenset[int]]:
         """Each canary uploads in the rounds of a busiest client of the schedule (the accounted one)."""
-        assert self.planned_cohorts is not None
+        assert self.cohorts.planned is not None
         rounds_of: dict[int, set[int]] = {}
-        for server_round, cohort in self.planned_cohorts.items():
+        for server_round, cohort in self.cohorts.planned.items():
             for info in cohort:
                 rounds_of.setdefault(info.client_id, set()).add(server_round)
         worst = sorted(c for c, rounds in rounds_of.items() if len(rounds) == self.max_participations)
@@ -133,20 +138,20 @@ class FedAvgLDPStrategy(FederatedStrategy):
 
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """Clipping bound and noise multiplier for the clients."""
-        return {keys.LDP_CLIP: self.clip, keys.LDP_NOISE_MULTIPLIER: self.noise_multiplier}
+        return {LDP_CLIP: self.clip, LDP_NOISE_MULTIPLIER: self.noise_multiplier}
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """``w_{t+1} = w_t + mean of the noisy updates``; one Gaussian event for every selected client."""
-        valid, _ = self.split_replies(server_round, replies)
+        valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
         assert self.accountant is not None
         self.accountant.record(
             PrivacyEvent(
                 server_round,
                 Gaussian(self.noise_multiplier),
-                participants=tuple(c.client_id for c in self.selected(server_round)),
+                participants=tuple(c.client_id for c in self.replies.selected(server_round)),
                 label="noisy model update",
             )
         )

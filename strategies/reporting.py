@@ -1,25 +1,23 @@
-"""What a strategy reports: its epsilon by stage, ledgers, per-round and final fields, its summary.
+"""What a strategy reports, as data: each round, the run's privacy and final fields, its randomness.
 
-:class:`ReportingHooks` is mixed into :class:`strategies.base.FederatedStrategy`; a strategy
-overrides the hooks where it has more to say. The platform (:mod:`fl_app.run`) reads a round as
-one typed :class:`RoundReport` (:func:`round_report`) and the end of the run's privacy as one
-typed :class:`PrivacyReport` (:func:`privacy_report`). Un-noised statistics go only to
-:meth:`~ReportingHooks.diagnostics` (written outside the guarantee, never on devices).
+The platform (:mod:`fl_app.run`) reads a round as one :class:`RoundReport`
+(:meth:`~strategies.contract.Strategy.report_round`), the end of a run as one :class:`RunReport`
+(:meth:`~strategies.contract.Strategy.report_run`: the :class:`PrivacyReport` and the final
+fields) and where the privacy randomness comes from as one :class:`Randomness`. Un-noised
+statistics go only to :attr:`RoundReport.diagnostics` (written outside the guarantee, never on
+devices).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from logging import INFO
-from typing import Any, ClassVar, Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
-from flwr.app import ArrayRecord
-from flwr.common import log
-from omegaconf import DictConfig
-
-from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
-from fl_app.run_context import RunContext
+
+#: A value ``results.json`` can hold.
+JSON = Any
 
 
 @dataclass(frozen=True)
@@ -38,9 +36,9 @@ class RoundReport:
         The worst client's cumulative epsilon over everything released so far (None: not private).
     training_epsilon : EpsilonReport | None
         The training stage's alone.
-    extras : dict[str, Any]
+    extras : Mapping[str, JSON]
         The strategy's own per-round fields (all of them functions of released values).
-    diagnostics : dict[str, Any]
+    diagnostics : Mapping[str, JSON]
         Statistics of un-noised client data: written only to the ``outside_guarantee`` block.
     secret_cohort : bool
         Whether the round's cohort is secret (amplification by sampling rests on it): then nothing
@@ -53,11 +51,11 @@ class RoundReport:
     failure_reasons: tuple[str, ...]
     epsilon: EpsilonReport | None
     training_epsilon: EpsilonReport | None
-    extras: dict[str, Any]
-    diagnostics: dict[str, Any]
+    extras: Mapping[str, JSON] = field(default_factory=dict)
+    diagnostics: Mapping[str, JSON] = field(default_factory=dict)
     secret_cohort: bool = False
 
-    def privacy_fields(self) -> dict[str, Any]:
+    def privacy_fields(self) -> dict[str, float | str | None]:
         """The round's epsilon fields of ``results.json`` (``None`` throughout when not private)."""
         total, training = self.epsilon, self.training_epsilon
         return {
@@ -68,34 +66,6 @@ class RoundReport:
             "epsilon_basic": None if total is None else total.basic,
             "epsilon_training": None if training is None else training.epsilon,
         }
-
-
-class ReportsRounds(Protocol):
-    """The hooks a round report is read from (a strategy, or an evaluation stage wrapping one)."""
-
-    secret_cohort: bool
-
-    def selected(self, server_round: int) -> list[Any]: ...  # noqa: D102
-    def round_failures(self, server_round: int) -> list[int]: ...  # noqa: D102
-    def round_failure_reasons(self, server_round: int) -> list[str]: ...  # noqa: D102
-    def epsilon(self) -> EpsilonReport | None: ...  # noqa: D102
-    def training_epsilon(self) -> EpsilonReport | None: ...  # noqa: D102
-    def round_extras(self, server_round: int) -> dict[str, Any]: ...  # noqa: D102
-    def diagnostics(self, server_round: int) -> dict[str, Any]: ...  # noqa: D102
-
-
-def round_report(strategy: ReportsRounds, server_round: int) -> RoundReport:
-    """Read ``strategy``'s report of ``server_round`` (after its ``aggregate_train``)."""
-    return RoundReport(
-        clients=len(strategy.selected(server_round)),
-        failures=tuple(strategy.round_failures(server_round)),
-        failure_reasons=tuple(strategy.round_failure_reasons(server_round)),
-        epsilon=strategy.epsilon(),
-        training_epsilon=strategy.training_epsilon(),
-        extras=dict(strategy.round_extras(server_round)),
-        diagnostics=dict(strategy.diagnostics(server_round)),
-        secret_cohort=bool(strategy.secret_cohort),
-    )
 
 
 #: What no epsilon of a run covers (``privacy.total.not_covered``).
@@ -125,10 +95,12 @@ class PrivacyTotal:
         Which bound gave it (``rdp``, ``pld``, ``basic``).
     unit : str
         What one epsilon protects (record, client, report).
-    per_stage : dict[str, float | None]
+    per_stage : Mapping[str, float | None]
         Each stage's own epsilon (training, an evaluation stage).
     covers : tuple[str, ...]
         What the epsilon covers.
+    not_covered : tuple[str, ...]
+        What no epsilon of the run covers.
 
     """
 
@@ -136,11 +108,11 @@ class PrivacyTotal:
     delta: float
     method: str | None
     unit: str
-    per_stage: dict[str, float | None]
+    per_stage: Mapping[str, float | None]
     covers: tuple[str, ...]
     not_covered: tuple[str, ...] = NOT_COVERED
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, JSON]:
         """The results' ``privacy.total`` object."""
         return {
             "epsilon": self.epsilon,
@@ -154,170 +126,99 @@ class PrivacyTotal:
         }
 
 
+SEEDED_NOTE = (
+    "seeded simulation: the client sampling and every noise draw (server and clients) are reproducible "
+    "from the published configuration (config.yaml), so anyone holding it can regenerate and subtract "
+    "the noise; the epsilon describes a deployment in which they are secret (privacy.secure_rng=true, "
+    "always on real devices)"
+)
+SECURE_NOTE = (
+    "OS entropy: every privacy noise draw (server and clients) and every secret client sample come "
+    "from the operating system's CSPRNG; nothing published predicts them and the run is not reproducible"
+)
+
+
+@dataclass(frozen=True)
+class Randomness:
+    """Where a run's privacy noise and cohorts come from (the results' ``privacy.randomness``).
+
+    Attributes
+    ----------
+    secure : bool
+        OS entropy (True) or a seed reproducible from the published configuration.
+    noise_seed : int | None
+        The seed of the privacy noise (None with OS entropy).
+    noise_seed_origin : str | None
+        Where that seed comes from.
+    devices : bool
+        Whether the clients are real devices.
+    cohort : str
+        How the strategy draws its cohorts (public or secret).
+    secret_cohort : bool
+        Whether the accounting relies on the cohorts being secret (amplification by sampling): then
+        nothing that depends on them is published (:class:`RoundReport`).
+
+    """
+
+    secure: bool
+    noise_seed: int | None
+    noise_seed_origin: str | None
+    devices: bool
+    cohort: str
+    secret_cohort: bool = False
+
+    def as_dict(self) -> dict[str, JSON]:
+        """The results' ``privacy.randomness`` object."""
+        return {
+            "source": "os_entropy" if self.secure else "seeded",
+            "noise_seed": None if self.secure else self.noise_seed,
+            "noise_seed_origin": self.noise_seed_origin,
+            "devices": self.devices,
+            "cohort": self.cohort,
+            "note": SECURE_NOTE if self.secure else SEEDED_NOTE,
+        }
+
+    def describe(self) -> str:
+        """One line for the run's header."""
+        if not self.secure:
+            origin = f"noise seed {self.noise_seed}, {self.noise_seed_origin}"
+            return f"privacy randomness SEEDED ({origin}): {SEEDED_NOTE}"
+        return f"privacy randomness from OS entropy: {SECURE_NOTE}"
+
+
 @dataclass(frozen=True)
 class PrivacyReport:
     """A run's privacy, read once at its end and written as the results' ``privacy`` object.
 
     Attributes
     ----------
-    summary : dict[str, Any]
-        The strategy's own account: unit, mechanism, accountant and the algorithm's parameters
-        (:meth:`ReportingHooks.privacy_summary`).
-    randomness : dict[str, Any]
-        Where the privacy noise and the cohorts came from (seeded or OS entropy).
+    summary : Mapping[str, JSON]
+        The strategy's own account: unit, mechanism, accountant and the algorithm's parameters.
+    randomness : Randomness
+        Where the privacy noise and the cohorts came from.
     total : PrivacyTotal
         The epsilon the run promises, by stage.
-    empirical_epsilon : dict[str, Any] | None
+    empirical_epsilon : Mapping[str, JSON] | None
         The canary estimate beside it (None: not measured for this run).
 
     """
 
-    summary: dict[str, Any]
-    randomness: dict[str, Any]
+    summary: Mapping[str, JSON]
+    randomness: Randomness
     total: PrivacyTotal
-    empirical_epsilon: dict[str, Any] | None
+    empirical_epsilon: Mapping[str, JSON] | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, JSON]:
         """The results' ``privacy`` object (the strategy's summary first, then the platform's fields)."""
-        privacy = {**self.summary, "randomness": self.randomness, "total": self.total.as_dict()}
+        privacy = {**self.summary, "randomness": self.randomness.as_dict(), "total": self.total.as_dict()}
         if self.empirical_epsilon is not None:
-            privacy["empirical_epsilon"] = self.empirical_epsilon
+            privacy["empirical_epsilon"] = dict(self.empirical_epsilon)
         return privacy
 
 
-class ReportsPrivacy(Protocol):
-    """The hooks a privacy report is read from (a strategy, or an evaluation stage wrapping one)."""
+@dataclass(frozen=True)
+class RunReport:
+    """What a strategy reports at the end of a run: its privacy and its own fields of ``final``."""
 
-    run: RunContext
-    privacy_unit: str
-    secret_cohort: bool
-
-    def epsilon(self) -> EpsilonReport | None: ...  # noqa: D102
-    def stage_epsilons(self) -> dict[str, float | None]: ...  # noqa: D102
-    def released_stages(self) -> list[str]: ...  # noqa: D102
-    def privacy_summary(self) -> dict[str, Any]: ...  # noqa: D102
-    def empirical_privacy(self, final: ArrayRecord) -> dict[str, Any] | None: ...  # noqa: D102
-
-
-def privacy_total(strategy: ReportsPrivacy) -> PrivacyTotal:
-    """``strategy``'s epsilon over everything released so far, by stage."""
-    total = strategy.epsilon()
-    return PrivacyTotal(
-        epsilon=None if total is None else total.epsilon,
-        delta=strategy.run.delta,
-        method=None if total is None else total.method,
-        unit=strategy.privacy_unit,
-        per_stage=dict(strategy.stage_epsilons()),
-        covers=tuple(strategy.released_stages()),
-        not_covered=NOT_COVERED + (SECRET_COHORT_NOT_COVERED if strategy.secret_cohort else ()),
-    )
-
-
-def privacy_report(
-    strategy: ReportsPrivacy, *, randomness: dict[str, Any], final: ArrayRecord
-) -> PrivacyReport:
-    """Read ``strategy``'s privacy at the end of a run whose released model is ``final``."""
-    return PrivacyReport(
-        summary=dict(strategy.privacy_summary()),
-        randomness=randomness,
-        total=privacy_total(strategy),
-        empirical_epsilon=strategy.empirical_privacy(final),
-    )
-
-
-class ReportingHooks:
-    """Reporting for a strategy (see the module docstring)."""
-
-    run: RunContext
-    cfg: DictConfig
-    accountant: PrivacyAccountant | None
-    privacy_unit: ClassVar[str]
-    mechanism_name: ClassVar[str]
-    secret_cohort: bool
-
-    @classmethod
-    def is_private(cls, cfg: DictConfig) -> bool:
-        """Whether a run of this strategy with ``cfg`` claims a finite epsilon (override if configurable)."""
-        return cls.privacy_unit != "none"
-
-    def cohort_text(self) -> str:
-        """How many clients a round selects, for :meth:`summary`."""
-        if self.secret_cohort:
-            return (
-                f"secret Poisson cohorts of {self.run.clients_per_round} of {self.run.num_clients} clients "
-                "per round in expectation (their sizes are not published)"
-            )
-        return f"{self.run.clients_per_round} of {self.run.num_clients} clients per round"
-
-    def summary(self) -> None:
-        """Log the strategy's configuration, the privacy unit and the budget asked for."""
-        log(INFO, "\t├──> %s: %s", type(self).__name__, self.cohort_text())
-        for key, value in self.cfg.strategy.items():
-            log(INFO, "\t│\t├── strategy.%s = %s", key, value)
-        budget = f", {self.budget_text()}" if self.is_private(self.cfg) else ""
-        log(INFO, "\t└──> privacy: unit=%s, mechanism=%s%s", self.privacy_unit, self.mechanism_name, budget)
-
-    def budget_text(self) -> str:
-        """The budget asked for, for :meth:`summary` (override where it is not in :attr:`privacy_unit`)."""
-        privacy = self.cfg.privacy
-        return (
-            f"budget epsilon={float(privacy.epsilon):g} delta={float(privacy.delta):g} "
-            f"(privacy.budget_scope={privacy.budget_scope})"
-        )
-
-    def epsilon(self) -> EpsilonReport | None:
-        """Cumulative epsilon of the worst client at ``privacy.delta`` (None: not private).
-
-        The platform's ``rounds[].epsilon``: it must cover everything the run released about a client
-        (an evaluation stage composes its own cost into it).
-        """
-        if self.accountant is None:
-            return None
-        return self.accountant.epsilon(delta=self.run.delta)
-
-    def training_epsilon(self) -> EpsilonReport | None:
-        """The training stage's epsilon alone (``rounds[].epsilon_training``)."""
-        return self.epsilon()
-
-    def stage_epsilons(self) -> dict[str, float | None]:
-        """Each stage's cumulative epsilon in the unit of :attr:`privacy_unit` (``privacy.total``)."""
-        training = self.training_epsilon()
-        return {"training": None if training is None else training.epsilon}
-
-    def extra_ledgers(self) -> dict[str, dict[str, Any]]:
-        """Ledgers beyond :attr:`accountant`'s ``privacy_ledger.json``: file name -> accountant state."""
-        return {}
-
-    def released_stages(self) -> list[str]:
-        """What the total epsilon covers (``privacy.total.covers``)."""
-        return ["training: the released models (and, under local DP, every client's upload)"]
-
-    def cohort_randomness(self) -> str:
-        """Where the clients of a round come from (``privacy.randomness.cohort``)."""
-        return (
-            "public: drawn from `seed` (reproducible; the accounting names every selected client and "
-            "credits no amplification by sampling)"
-        )
-
-    def diagnostics(self, server_round: int) -> dict[str, Any]:
-        """Statistics of un-noised client data (``outside_guarantee``; simulation-only, opt-in; override)."""
-        return {}
-
-    def round_extras(self, server_round: int) -> dict[str, Any]:
-        """Per-round fields for the results file beyond the platform's (override)."""
-        return {}
-
-    def privacy_summary(self) -> dict[str, Any]:
-        """The results file's ``privacy`` object (override to add details)."""
-        accountant = "none"
-        if self.accountant is not None:
-            accountant = (
-                f"{self.accountant.method} (dp-accounting 0.6.0): per-client composition of the "
-                "recorded events (each names the clients whose data it touched, or all clients); "
-                "min with basic composition for pure-epsilon mechanisms; the worst client is reported"
-            )
-        return {"unit": self.privacy_unit, "mechanism": self.mechanism_name, "accountant": accountant}
-
-    def final_extras(self) -> dict[str, Any]:
-        """Extra fields for the results file's ``final`` object (override)."""
-        return {}
+    privacy: PrivacyReport
+    final: Mapping[str, JSON] = field(default_factory=dict)

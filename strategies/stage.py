@@ -1,47 +1,50 @@
-"""The base of an evaluation stage: a training strategy wrapped, every platform hook forwarded by name.
+"""The base of an evaluation stage: a training strategy wrapped, the strategy contract forwarded.
 
 An evaluation stage (``evaluation.stage=<name>``, registered with
 :func:`strategies.register_evaluation_stage`) adds releases of its own to any training strategy:
 the platform builds the strategy, wraps it (``stage(strategy)``) and then talks only to the
-wrapper. :class:`EvaluationStage` forwards each hook the platform calls (the round hooks of
-Flower's ``Strategy`` and the reporting hooks of :class:`~strategies.base.FederatedStrategy`) to
-the wrapped strategy, explicitly, so a stage overrides exactly the hooks it changes and nothing
-reaches the strategy by accident. A stage that releases something must also override
-:meth:`epsilon` (the total per client), :meth:`stage_epsilons`, :meth:`released_stages` and
-:meth:`extra_ledgers`, so that its cost is in the run's one epsilon and its events in the run's ledgers.
+wrapper, through the contract (:class:`strategies.contract.Strategy`). :class:`EvaluationStage`
+forwards each member of the contract to the wrapped strategy, explicitly, so a stage overrides
+exactly what it changes and reaches the strategy only through the contract. A stage that releases
+something composes its cost into the reports (:meth:`report_round`'s ``epsilon``, the run report's
+total and stages) and adds its ledger to :meth:`ledgers`.
+
+Class-level hooks the platform calls before a run: ``validate_config(cfg)`` and
+``training_config(cfg)`` (the configuration the training strategy is built with, e.g. with a
+share of the budget taken out).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
 from omegaconf import DictConfig
 
-from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.composition import EpsilonReport
-from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
-from strategies.base import FederatedStrategy
+from strategies.contract import JSON, Declaration, Strategy
+from strategies.reporting import Randomness, RoundReport, RunReport
 
 
-class EvaluationStage(Strategy):
-    """Forwards every platform hook to :attr:`inner` (see the module docstring).
+class EvaluationStage:
+    """Forwards the strategy contract to :attr:`inner` (see the module docstring).
 
     Parameters
     ----------
-    strategy : FederatedStrategy
+    strategy : Strategy
         The training strategy.
 
     """
 
-    def __init__(self, strategy: FederatedStrategy) -> None:
+    def __init__(self, strategy: Strategy) -> None:
         self.inner = strategy
+
+    @classmethod
+    def validate_config(cls, cfg: DictConfig) -> None:
+        """Check the stage's own keys (override); raise ``ConfigError``."""
 
     @classmethod
     def training_config(cls, cfg: DictConfig) -> DictConfig:
@@ -49,41 +52,22 @@ class EvaluationStage(Strategy):
         return cfg
 
     @property
+    def declaration(self) -> Declaration:  # type: ignore[override]
+        """The training algorithm's declaration (the run's epsilon is stated in its unit)."""
+        return self.inner.declaration
+
+    @property
     def run(self) -> RunContext:
         """The run (the training strategy's)."""
         return self.inner.run
 
-    @property
-    def cfg(self) -> DictConfig:
-        """The run configuration the training strategy was built with."""
-        return self.inner.cfg
-
-    @property
-    def accountant(self) -> PrivacyAccountant | None:
-        """The training accountant (``privacy_ledger.json``)."""
-        return self.inner.accountant
-
-    @property
-    def privacy_unit(self) -> str:
-        """The training strategy's unit: the run's epsilon is stated in it."""
-        return self.inner.privacy_unit
-
-    @property
-    def secret_cohort(self) -> bool:
-        """Whether the training strategy's cohorts are secret (forwarded)."""
-        return self.inner.secret_cohort
-
-    def is_private(self, cfg: DictConfig) -> bool:
+    def describe(self) -> None:
         """Forwarded."""
-        return self.inner.is_private(cfg)
+        self.inner.describe()
 
     def initial_arrays(self) -> ArrayRecord:
         """Forwarded."""
         return self.inner.initial_arrays()
-
-    def summary(self) -> None:
-        """Forwarded."""
-        self.inner.summary()
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -107,32 +91,32 @@ class EvaluationStage(Strategy):
         """Forwarded."""
         return self.inner.aggregate_evaluate(server_round, replies)
 
+    def arrays_for_evaluation(self, arrays: ArrayRecord) -> ArrayRecord:
+        """Forwarded."""
+        return self.inner.arrays_for_evaluation(arrays)
+
     def evaluate_global(self, arrays: ArrayRecord, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         """Forwarded."""
         return self.inner.evaluate_global(arrays, x, y)
 
-    def epsilon(self) -> EpsilonReport | None:
-        """Forwarded (a stage that releases anything composes its cost into it)."""
-        return self.inner.epsilon()
+    def report_round(self, server_round: int) -> RoundReport:
+        """Forwarded (a stage that releases anything composes its cost into the report)."""
+        return self.inner.report_round(server_round)
 
-    def training_epsilon(self) -> EpsilonReport | None:
-        """The training stage's epsilon alone."""
-        return self.inner.epsilon()
+    def report_run(self, final: ArrayRecord) -> RunReport:
+        """Forwarded (a stage that releases anything adds its stage, ledger and fields)."""
+        return self.inner.report_run(final)
 
-    def stage_epsilons(self) -> dict[str, float | None]:
+    def randomness(self) -> Randomness:
         """Forwarded."""
-        return self.inner.stage_epsilons()
+        return self.inner.randomness()
 
-    def released_stages(self) -> list[str]:
+    def ledgers(self) -> dict[str, dict[str, JSON]]:
         """Forwarded."""
-        return self.inner.released_stages()
-
-    def extra_ledgers(self) -> dict[str, dict[str, Any]]:
-        """Forwarded."""
-        return self.inner.extra_ledgers()
+        return self.inner.ledgers()
 
     def for_checkpoint(self) -> EvaluationStage:
-        """A shallow copy whose training strategy drops its round state (see :mod:`fl_app.checkpoint`)."""
+        """A shallow copy whose training strategy keeps only what a checkpoint may hold."""
         kept = copy.copy(self)
         kept.inner = self.inner.for_checkpoint()
         return kept
@@ -140,39 +124,3 @@ class EvaluationStage(Strategy):
     def private_state(self) -> str | None:
         """Forwarded."""
         return self.inner.private_state()
-
-    def cohort_randomness(self) -> str:
-        """Forwarded."""
-        return self.inner.cohort_randomness()
-
-    def selected(self, server_round: int) -> list[ClientInfo]:
-        """Forwarded (the clients of the train round)."""
-        return self.inner.selected(server_round)
-
-    def round_failures(self, server_round: int) -> list[int]:
-        """Forwarded (the failures of the train round)."""
-        return self.inner.round_failures(server_round)
-
-    def round_failure_reasons(self, server_round: int) -> list[str]:
-        """Forwarded."""
-        return self.inner.round_failure_reasons(server_round)
-
-    def round_extras(self, server_round: int) -> dict[str, Any]:
-        """Forwarded."""
-        return self.inner.round_extras(server_round)
-
-    def diagnostics(self, server_round: int) -> dict[str, Any]:
-        """Forwarded."""
-        return self.inner.diagnostics(server_round)
-
-    def privacy_summary(self) -> dict[str, Any]:
-        """Forwarded."""
-        return self.inner.privacy_summary()
-
-    def final_extras(self) -> dict[str, Any]:
-        """Forwarded."""
-        return self.inner.final_extras()
-
-    def empirical_privacy(self, final: ArrayRecord) -> dict[str, Any] | None:
-        """Forwarded."""
-        return self.inner.empirical_privacy(final)

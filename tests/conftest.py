@@ -308,7 +308,7 @@ def spec_config(overrides: Sequence[str]) -> dict[str, Any]:
     spec = DataSpec.from_config(cfg)
     data = federated_data(spec)
     model_spec = ModelSpec(
-        STRATEGIES.get(str(cfg.strategy.name)).resolve_model(cfg, data.input_shape),
+        STRATEGIES.get(str(cfg.strategy.name)).declaration.model_name(cfg, data.input_shape),
         data.input_shape,
         data.num_classes,
     )

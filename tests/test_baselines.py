@@ -19,7 +19,6 @@ from fl_app import keys
 from fl_app.privacy.calibration import gaussian_epsilon
 from strategies.dp_fedavg import DPFedAvgStrategy
 from strategies.fedavg import FedAvgStrategy
-from strategies.reporting import round_report
 
 DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=4"]
 
@@ -42,7 +41,7 @@ def test_fedavg_weights_by_examples_and_skips_failures(tmp_path):
     arrays, metrics = strategy.aggregate_train(1, replies)
     assert np.allclose(arrays["w"].numpy(), (10 * 1.0 + 30 * 4.0) / 40)
     assert metrics[keys.TRAIN_LOSS] == pytest.approx(1.75)
-    assert strategy.round_failures(1) == [strategy.selected(1)[2].client_id]
+    assert strategy.replies.failures(1) == [strategy.replies.selected(1)[2].client_id]
 
 
 def test_fedavgm_server_momentum_and_learning_rate(tmp_path):
@@ -166,7 +165,7 @@ def test_dp_fedavg_clips_noises_and_accounts(tmp_path):
     assert np.linalg.norm(update) == pytest.approx(2 * 0.5 / 3, rel=1e-4)
     # Fixed sampling: the 3 selected clients (failure included) were charged one Gaussian release.
     report = strategy.accountant.epsilon(delta=1e-5)
-    selected = [c.client_id for c in strategy.selected(1)]
+    selected = [c.client_id for c in strategy.replies.selected(1)]
     for client in run.client_ids:
         expected_rounds = 1 if client in selected else 0
         assert strategy.accountant.rounds_participated(client) == expected_rounds
@@ -174,14 +173,14 @@ def test_dp_fedavg_clips_noises_and_accounts(tmp_path):
 
     # The platform reads the round as one typed report: the failed client named, the accountant's
     # epsilon, no un-noised statistic among the released fields.
-    typed = round_report(strategy, 1)
+    typed = strategy.report_round(1)
     assert typed.clients == 3 and typed.failures == (selected[2],)
     assert typed.failure_reasons == ("client crashed",)
     assert typed.epsilon == report and typed.privacy_fields()["epsilon"] == report.epsilon
     assert typed.privacy_fields()["epsilon_training"] == report.epsilon
     assert not any("norm" in key or "loss" in key for key in typed.extras)
-    assert round_report(
-        FedAvgStrategy(build_run_context(DIGITS, tmp_path)), 1
+    assert FedAvgStrategy(build_run_context(DIGITS, tmp_path)).report_round(
+        1
     ).privacy_fields() == dict.fromkeys(
         ("epsilon", "epsilon_method", "epsilon_rdp", "epsilon_pld", "epsilon_basic", "epsilon_training")
     )
@@ -241,7 +240,7 @@ def test_dp_fedavg_fixed_sampling_agrees_with_flowers_wrapper(tmp_path):
     assert all(np.allclose(f - r, o) for f, r, o in zip(flower, reference, ours, strict=True))
     # epsilon after 4 rounds in which a client was selected every time
     for server_round in range(1, 5):
-        strategy._selected[server_round] = run.roster  # every client, every round
+        strategy.replies.record_selected(server_round, run.roster)  # every client, every round
         strategy._record_release(server_round)
     flower_accountant = RdpAccountant(
         PrivacyConfig(

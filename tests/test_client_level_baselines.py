@@ -17,19 +17,21 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.calibration import (
-    adaptive_clipping_effective_noise_multiplier,
-    adaptive_clipping_update_noise_multiplier,
-    tree_aggregation_epsilon,
-    tree_aggregation_noise_multiplier,
-    tree_sensitivity_increments,
-)
 from fl_app.privacy.composition import RDP_ORDERS, compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent, SampledGaussian, TreeAggregation
 from fl_app.privacy.mechanisms import sum_clipped_updates, tree_node, tree_prefix_nodes
 from fl_app.validation import ConfigError, validate_config
-from strategies.dp_fedavg_adaptive import DPFedAvgAdaptiveStrategy
-from strategies.dp_ftrl import DPFTRLStrategy
+from strategies.dp_fedavg_adaptive import (
+    DPFedAvgAdaptiveStrategy,
+    adaptive_clipping_effective_noise_multiplier,
+    adaptive_clipping_update_noise_multiplier,
+)
+from strategies.dp_ftrl.privacy import (
+    tree_aggregation_epsilon,
+    tree_aggregation_noise_multiplier,
+    tree_sensitivity_increments,
+)
+from strategies.dp_ftrl.strategy import DPFTRLStrategy
 
 DIGITS = ["dataset=digits", "partition=iid", "num_clients=6", "clients_per_round=3"]
 SHAPES = {"w": (3, 2), "b": (2,)}
@@ -220,7 +222,7 @@ def test_adaptive_clip_norm_converges_to_the_target_quantile(tmp_path, quantile,
             strategy.configure_train(server_round, _arrays(np.zeros(8)), ConfigRecord(), grid=None)
         )
         clip = strategy.clip
-        by_node = {c.node_id: c.client_id for c in strategy.selected(server_round)}
+        by_node = {c.node_id: c.client_id for c in strategy.replies.selected(server_round)}
         replies = [_reply(m, norms[by_node[m.metadata.dst_node_id]] * direction) for m in messages]
         strategy.aggregate_train(server_round, replies)
         fractions.append(float(np.mean(norms <= clip)))

@@ -47,10 +47,10 @@ def test_every_strategy_declares_exactly_the_keys_of_its_conf_file():
     import dataclasses
 
     from strategies import STRATEGIES
-    from strategies.laplace_eval import LaplaceEvalSettings
+    from strategies.laplace_eval.stage import LaplaceEvalSettings
 
     for name in options("strategy"):
-        settings = STRATEGIES.get(name).settings_type
+        settings = STRATEGIES.get(name).declaration.settings
         assert settings is not None, name
         declared = {field.name for field in dataclasses.fields(settings)}
         assert set(OmegaConf.load(CONF_DIR / "strategy" / f"{name}.yaml")) - {"name"} == declared, name
@@ -164,7 +164,7 @@ def test_every_registered_strategy_has_a_config_and_a_client():
     for name in STRATEGIES.names():
         cfg = compose_config([f"strategy={name}"])
         assert cfg.strategy.name == name
-        assert STRATEGIES.get(name).client_name in CLIENTS.names()
+        assert STRATEGIES.get(name).declaration.client in CLIENTS.names()
 
 
 def test_flwr_run_config_round_trip_equals_direct_composition():

@@ -571,7 +571,7 @@ def _device_strategy(name: str, overrides: list[str], tmp_path: Path) -> Any:
     data = federated_data(spec)
     roster = [ClientInfo(node, node, 60, device=True) for node in (7001, 7002, 7003)]
     model_spec = ModelSpec(
-        STRATEGIES.get(name).resolve_model(cfg, data.input_shape), data.input_shape, data.num_classes
+        STRATEGIES.get(name).declaration.model_name(cfg, data.input_shape), data.input_shape, data.num_classes
     )
     run = make_run_context(
         cfg, roster=roster, data=data, data_spec=spec, model_spec=model_spec, output_dir=tmp_path

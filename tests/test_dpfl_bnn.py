@@ -10,18 +10,26 @@ import torch
 from conftest import build_run_context, client_for, error_reply, make_context, make_message, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 
+from clients.dpfl_bnn import (
+    BNN_PACKED_SIGNS,
+    BNN_STATE_ADAM,
+    BNN_STATE_LATENT,
+    pack_signs,
+    packed_length,
+    signs_of,
+    unpack_signs,
+)
 from fl_app import keys
-from fl_app.bits import pack_signs, packed_length, signs_of, unpack_signs
 from fl_app.config import compose_config
 from fl_app.metering import content_bytes
 from fl_app.model_spec import ModelSpec
 from fl_app.models import BinaryCNN, BinaryLinear, binarize
 from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
 from fl_app.privacy.events import BinaryRandomizedResponse, PrivacyEvent
 from fl_app.privacy.mechanisms import binary_randomized_response
 from fl_app.validation import ConfigError, validate_config
-from strategies.dpfl_bnn import DPFLBNNStrategy
+from strategies.dpfl_bnn.privacy import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
+from strategies.dpfl_bnn.strategy import DPFLBNNStrategy
 
 DIGITS = [
     "dataset=digits",
@@ -45,7 +53,7 @@ def _train_message(strategy: DPFLBNNStrategy, arrays: ArrayRecord, server_round:
 
 
 def _packed_reply(message, signs: np.ndarray):
-    content = RecordDict({keys.ARRAYS: ArrayRecord({keys.BNN_PACKED_SIGNS: Array(pack_signs(signs))})})
+    content = RecordDict({keys.ARRAYS: ArrayRecord({BNN_PACKED_SIGNS: Array(pack_signs(signs))})})
     from flwr.app import Message
 
     return Message(content=content, reply_to=message)
@@ -150,12 +158,12 @@ def test_client_upload_is_rr_gamma_of_its_binary_weights_per_coordinate(tmp_path
     gamma = 0.3
     strategy = _strategy(tmp_path, f"strategy.gamma={gamma}")
     message = _train_message(strategy, strategy.initial_arrays())
-    context = make_context(partition_id=strategy.selected(1)[0].client_id)
+    context = make_context(partition_id=strategy.replies.selected(1)[0].client_id)
     reply = client_for(message, context).train()
     uploaded = unpack_signs(
-        reply.content.array_records[keys.ARRAYS][keys.BNN_PACKED_SIGNS].numpy(), strategy.num_bits
+        reply.content.array_records[keys.ARRAYS][BNN_PACKED_SIGNS].numpy(), strategy.num_bits
     )
-    latent = context.state.array_records[keys.BNN_STATE_LATENT]
+    latent = context.state.array_records[BNN_STATE_LATENT]
     flipped = uploaded != np.concatenate([signs_of(latent[n].numpy()).ravel() for n in strategy.names])
     d = strategy.num_bits
     assert abs(flipped.mean() - (0.5 - gamma)) < 5 * math.sqrt(0.21 / d)
@@ -172,12 +180,12 @@ def test_noise_free_bnn_uploads_its_signs_and_is_not_private(tmp_path):
     assert strategy.accountant is None
     assert strategy.epsilon() is None
     message = _train_message(strategy, strategy.initial_arrays())
-    context = make_context(partition_id=strategy.selected(1)[0].client_id)
+    context = make_context(partition_id=strategy.replies.selected(1)[0].client_id)
     reply = client_for(message, context).train()
     uploaded = unpack_signs(
-        reply.content.array_records[keys.ARRAYS][keys.BNN_PACKED_SIGNS].numpy(), strategy.num_bits
+        reply.content.array_records[keys.ARRAYS][BNN_PACKED_SIGNS].numpy(), strategy.num_bits
     )
-    latent = context.state.array_records[keys.BNN_STATE_LATENT]
+    latent = context.state.array_records[BNN_STATE_LATENT]
     assert np.array_equal(
         uploaded, np.concatenate([signs_of(latent[n].numpy()).ravel() for n in strategy.names])
     )
@@ -192,7 +200,7 @@ def test_noise_free_bnn_uploads_its_signs_and_is_not_private(tmp_path):
 def test_uploaded_message_is_about_d_over_8_bytes(tmp_path):
     strategy = _strategy(tmp_path, "strategy.gamma=0.2")
     message = _train_message(strategy, strategy.initial_arrays())
-    reply = client_for(message, make_context(partition_id=strategy.selected(1)[0].client_id)).train()
+    reply = client_for(message, make_context(partition_id=strategy.replies.selected(1)[0].client_id)).train()
     d = strategy.num_bits
     size = content_bytes(reply)  # the serialised content, as the metered grid counts it
     assert list(reply.content.keys()) == [keys.ARRAYS]  # nothing but the bits leaves the client
@@ -210,12 +218,12 @@ def test_uploaded_message_is_about_d_over_8_bytes(tmp_path):
 def test_client_keeps_latent_and_adam_state_and_merges_the_aggregate(tmp_path):
     strategy = _strategy(tmp_path, "strategy.gamma=0.2", "strategy.beta=0.3")
     message = _train_message(strategy, strategy.initial_arrays())
-    client_id = strategy.selected(1)[0].client_id
+    client_id = strategy.replies.selected(1)[0].client_id
     context = make_context(partition_id=client_id)
     client_for(message, context).train()
-    latent = {n: a.numpy().copy() for n, a in context.state.array_records[keys.BNN_STATE_LATENT].items()}
+    latent = {n: a.numpy().copy() for n, a in context.state.array_records[BNN_STATE_LATENT].items()}
     assert all(np.all(np.abs(v) <= 1) for v in latent.values())
-    adam = context.state.array_records[keys.BNN_STATE_ADAM]
+    adam = context.state.array_records[BNN_STATE_ADAM]
     assert float(adam["__step__"].numpy()) == 3
     aggregate = ArrayRecord(
         {
@@ -229,7 +237,7 @@ def test_client_keeps_latent_and_adam_state_and_merges_the_aggregate(tmp_path):
     for name in strategy.names:
         assert np.allclose(merged[name], 0.3 * 0.5 + 0.7 * latent[name], atol=1e-6)
     client.train()
-    assert float(context.state.array_records[keys.BNN_STATE_ADAM]["__step__"].numpy()) == 6
+    assert float(context.state.array_records[BNN_STATE_ADAM]["__step__"].numpy()) == 6
 
 
 # ---------------------------------------------------------------------------- server
@@ -249,21 +257,19 @@ def test_server_averages_noised_bits_accounts_every_selected_client_and_binarize
     arrays, _ = strategy.aggregate_train(1, replies)
     flat = np.concatenate([arrays[n].numpy().ravel() for n in strategy.names])
     assert np.allclose(flat, (uploads[0] + uploads[1]) / 2)
-    selected = [c.client_id for c in strategy.selected(1)]
-    assert strategy.round_failures(1) == [selected[2]]
+    selected = [c.client_id for c in strategy.replies.selected(1)]
+    assert strategy.replies.failures(1) == [selected[2]]
     for client in strategy.run.client_ids:  # failures are charged too
         assert strategy.accountant.rounds_participated(client) == (1 if client in selected else 0)
     assert strategy.accountant.history(selected[2]) == {BinaryRandomizedResponse(0.25): d}
     assert strategy.ledger.coordinate_accountant.history(selected[2]) == {BinaryRandomizedResponse(0.25): 1}
     # malformed upload (wrong length) is left out and counted as a failure
     messages = list(strategy.configure_train(2, arrays, ConfigRecord(), grid=None))
-    bad = reply_to(
-        messages[0], arrays=ArrayRecord({keys.BNN_PACKED_SIGNS: Array(np.zeros(3, dtype=np.uint8))})
-    )
+    bad = reply_to(messages[0], arrays=ArrayRecord({BNN_PACKED_SIGNS: Array(np.zeros(3, dtype=np.uint8))}))
     good = [_packed_reply(m, uploads[0]) for m in messages[1:]]
     arrays2, _ = strategy.aggregate_train(2, [bad, *good])
     assert np.allclose(np.concatenate([arrays2[n].numpy().ravel() for n in strategy.names]), uploads[0])
-    assert strategy.round_failures(2) == [strategy.selected(2)[0].client_id]
+    assert strategy.replies.failures(2) == [strategy.replies.selected(2)[0].client_id]
     # evaluation uses Sign(W~)
     data = strategy.run.data.test()
     model = ModelSpec.from_json(strategy.run.model_spec.to_json()).build()

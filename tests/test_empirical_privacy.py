@@ -109,7 +109,7 @@ def test_dp_ftrl_canaries_take_part_as_the_accounted_client(tmp_path, restart):
     Before, canaries joined rounds by coin flip capped only by their total count: 19.5 % of them had a
     tree sensitivity above the worst real client's (15 against 9).
     """
-    from fl_app.privacy.calibration import tree_sensitivity_increments
+    from strategies.dp_ftrl.privacy import tree_sensitivity_increments
 
     overrides = ["dataset=digits", "num_clients=12", "clients_per_round=3", "num_rounds=10"]
     overrides += ["strategy=dp_ftrl", f"strategy.restart={restart}", "privacy.canaries=300"]

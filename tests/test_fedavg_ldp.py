@@ -15,6 +15,7 @@ from conftest import (
 )
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
+from clients.fedavg_ldp import LDP_CLIP, LDP_NOISE_MULTIPLIER
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.model_spec import ModelSpec
@@ -39,8 +40,8 @@ def _client_reply(noise_multiplier: float, clip: float):
     config = {
         **spec_config(DIGITS),
         keys.ALGORITHM: "fedavg_ldp",
-        keys.LDP_CLIP: clip,
-        keys.LDP_NOISE_MULTIPLIER: noise_multiplier,
+        LDP_CLIP: clip,
+        LDP_NOISE_MULTIPLIER: noise_multiplier,
     }
     start = model_to_arrays(ModelSpec.from_json(config[keys.MODEL_SPEC]).build())
     reply = client_for(make_message(config, start), make_context(partition_id=1)).train()
@@ -86,10 +87,10 @@ def test_total_budget_calibration_and_accounting(tmp_path):
     counts = np.zeros(6, dtype=int)
     for t in range(1, 6):
         messages = list(strategy.configure_train(t, arrays, ConfigRecord(), grid=None))
-        for info in strategy.selected(t):  # the strategy remembers the latest rounds' cohorts only
+        for info in strategy.replies.selected(t):  # the strategy remembers the latest rounds' cohorts only
             counts[info.client_id] += 1
         config = messages[0].content.config_records[keys.CONFIG]
-        assert config[keys.LDP_NOISE_MULTIPLIER] == pytest.approx(z)
+        assert config[LDP_NOISE_MULTIPLIER] == pytest.approx(z)
         replies = [
             reply_to(m, arrays=ArrayRecord({"w": Array(np.full(4, float(i), dtype=np.float32))}))
             for i, m in enumerate(messages[:2])
@@ -176,7 +177,7 @@ def test_balanced_schedule_gives_every_report_the_whole_budget(tmp_path, strateg
 
 def test_unknown_schedule_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"strategy\.schedule"):
-        FedAvgLDPStrategy.validate_config(compose_config([*DIGITS, "strategy.schedule=round_robin"]))
+        FedAvgLDPStrategy.declaration.validate(compose_config([*DIGITS, "strategy.schedule=round_robin"]))
 
 
 @pytest.mark.parametrize("project", [True, False])

@@ -26,16 +26,11 @@ from flwr.app import ArrayRecord, ConfigRecord, Message
 from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
+from clients.kd_dp import KDDP_CLIP, KDDP_NOISE_MULTIPLIER, KDDP_SAMPLING_RATE, KDDP_STEPS
 from fl_app import keys
 from fl_app.model_spec import ModelSpec
 from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.budget import (
-    charged_report,
-    grouped_epsilon,
-    parallel_epsilon,
-    sequential_epsilon,
-    split_kd_dp_budget,
-)
+from fl_app.privacy.budget import charged_report, grouped_epsilon, parallel_epsilon, sequential_epsilon
 from fl_app.privacy.calibration import dp_sgd_epsilon, dp_sgd_noise_multiplier
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.dp_sgd import (
@@ -45,10 +40,10 @@ from fl_app.privacy.dp_sgd import (
     per_example_gradients,
 )
 from fl_app.privacy.events import Gaussian, PrivacyEvent, RandomizedResponse, SampledGaussian
-from fl_app.privacy.kd_dp import GENERAL, LARGE, SPECIAL_CLIENT_ID, group_by_size
 from fl_app.training import load_arrays, model_to_arrays
 from fl_app.validation import ConfigError
-from strategies.kd_dp import KDDPStrategy
+from strategies.kd_dp.privacy import GENERAL, LARGE, SPECIAL_CLIENT_ID, group_by_size, split_kd_dp_budget
+from strategies.kd_dp.strategy import KDDPStrategy
 
 # digits, linear sizes 51, 102, 154, 205, 256, 310: large-data clients 4 and 5 (top 25%).
 KD = [
@@ -326,7 +321,7 @@ def test_experiment_preset_is_the_benchmark_setting():
     )
     explicit = compose_config(setting.split(" "))
     assert preset == explicit
-    KDDPStrategy.validate_config(preset)
+    KDDPStrategy.declaration.validate(preset)
 
 
 def test_empty_group_is_a_config_error(tmp_path):
@@ -340,10 +335,7 @@ def test_empty_group_is_a_config_error(tmp_path):
 
 def _echo(message: Message) -> dict[str, float]:
     config = message.content.config_records[keys.CONFIG]
-    return {
-        key: config[key]
-        for key in (keys.KDDP_NOISE_MULTIPLIER, keys.KDDP_SAMPLING_RATE, keys.KDDP_STEPS, keys.KDDP_CLIP)
-    }
+    return {key: config[key] for key in (KDDP_NOISE_MULTIPLIER, KDDP_SAMPLING_RATE, KDDP_STEPS, KDDP_CLIP)}
 
 
 def _constant_model(spec: ModelSpec, label: int) -> ArrayRecord:
@@ -381,7 +373,7 @@ def _teacher_stage(
         for i, message in enumerate(messages):
             metrics = {keys.NUM_EXAMPLES: 10, **_echo(message)}
             if rogue and i == 0:  # claims a different mechanism: must not reach the teacher
-                metrics[keys.KDDP_NOISE_MULTIPLIER] = 1e-3
+                metrics[KDDP_NOISE_MULTIPLIER] = 1e-3
                 replies.append(
                     reply_to(message, arrays=_constant_model(spec, (label + 1) % 10), metrics=metrics)
                 )
@@ -468,7 +460,7 @@ def test_special_client_carries_its_own_budget(tmp_path, monkeypatch):
         reply_to(m, arrays=general_model, metrics={keys.NUM_EXAMPLES: 5, **_echo(m)}) for m in messages[:1]
     ] + [error_reply(messages[1])]
     arrays, metrics = strategy.aggregate_train(3, replies)
-    weight = run.info(strategy.selected(3)[0].client_id).num_examples
+    weight = run.info(strategy.replies.selected(3)[0].client_id).num_examples
     name = [k for k in arrays if k.endswith("bias")][-1]
     mixed = arrays[name].numpy()
     assert mixed[9] == pytest.approx(10.0 * len(special) / (len(special) + weight), rel=1e-5)
@@ -477,7 +469,7 @@ def test_special_client_carries_its_own_budget(tmp_path, monkeypatch):
     # charges: large = teacher + special; general = its own DP-SGD only; the failed client is charged too
     grouped = strategy.ledger.grouped()
     assert grouped.groups[LARGE].epsilon == pytest.approx(teacher_only + strategy.ledger.special_epsilon())
-    failed = strategy.selected(3)[1].client_id
+    failed = strategy.replies.selected(3)[1].client_id
     assert strategy.accountant.rounds_participated(failed) == 1
     general_eps = max(
         strategy.accountant.epsilon(delta=1e-5, client=c).epsilon for c in strategy.plans[GENERAL].ids
@@ -554,9 +546,9 @@ def test_clients_run_dp_sgd_and_reply_with_public_numbers_only(tmp_path):
     client = client_for(make_message(dict(config.items()), start), make_context(partition_id=4))
     reply = client.train()
     metrics = reply.content.metric_records[keys.METRICS]
-    echoed = (keys.KDDP_NOISE_MULTIPLIER, keys.KDDP_SAMPLING_RATE, keys.KDDP_STEPS, keys.KDDP_CLIP)
+    echoed = (KDDP_NOISE_MULTIPLIER, KDDP_SAMPLING_RATE, KDDP_STEPS, KDDP_CLIP)
     assert set(metrics.keys()) == {keys.NUM_EXAMPLES, *echoed}
-    assert metrics[keys.KDDP_NOISE_MULTIPLIER] == config[keys.KDDP_NOISE_MULTIPLIER]
+    assert metrics[KDDP_NOISE_MULTIPLIER] == config[KDDP_NOISE_MULTIPLIER]
     trained = reply.content.array_records[keys.ARRAYS]
     assert not np.allclose(trained[next(iter(trained))].numpy(), start[next(iter(start))].numpy())
     # a general client refuses a teacher-stage message

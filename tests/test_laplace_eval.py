@@ -27,24 +27,30 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType
 from scipy import stats
 from sklearn.metrics import calinski_harabasz_score, silhouette_score
 
-from clients.laplace_eval import LaplaceEvalClient
+from clients.laplace_eval import (
+    EVAL_SENSITIVITY,
+    INFERENCE_REPORTS,
+    LAPLACE_EVAL_EPS,
+    PRIVACY_EVAL_TYPE,
+    LaplaceEvalClient,
+)
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
 from fl_app.engine.messages import set_message_id
 from fl_app.model_spec import ModelSpec
-from fl_app.privacy.calibration import (
-    PROBABILITY_VECTOR_L1_SENSITIVITY,
-    laplace_epsilon_for_scale,
-    laplace_epsilon_for_tail,
-)
 from fl_app.privacy.mechanisms import probability_rows
 from fl_app.run import evaluation_stage
 from fl_app.training import model_to_arrays, predict_proba
 from fl_app.validation import ConfigError, validate_config
 from strategies.dp_fedavg import DPFedAvgStrategy
 from strategies.fedavg import FedAvgStrategy
-from strategies.laplace_eval import LaplaceEvalStage, SensitivityWarning, clustering_scores
+from strategies.laplace_eval.privacy import (
+    PROBABILITY_VECTOR_L1_SENSITIVITY,
+    laplace_epsilon_for_scale,
+    laplace_epsilon_for_tail,
+)
+from strategies.laplace_eval.stage import LaplaceEvalStage, SensitivityWarning, clustering_scores
 
 DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=4"]
 STAGE = [*DIGITS, "evaluation=laplace_eval"]
@@ -83,12 +89,12 @@ def _evaluate_message(mode: str, *, epsilon: float = 5.0, sensitivity: float = 2
     config = {
         **spec_config(DIGITS),
         keys.ALGORITHM: "laplace_eval",
-        keys.PRIVACY_EVAL_TYPE: mode,
+        PRIVACY_EVAL_TYPE: mode,
         keys.NOISE_SEED: seed,
     }
     if mode == "LAPLACE":
-        config[keys.LAPLACE_EVAL_EPS] = epsilon
-        config[keys.EVAL_SENSITIVITY] = sensitivity
+        config[LAPLACE_EVAL_EPS] = epsilon
+        config[EVAL_SENSITIVITY] = sensitivity
     model = ModelSpec.from_json(config[keys.MODEL_SPEC]).build()
     message = make_message(config, model_to_arrays(model), message_type=MessageType.EVALUATE)
     return message, model, config
@@ -106,10 +112,10 @@ def test_client_uploads_only_the_noised_vectors():
     reply = client.evaluate()
     content = reply.content
     # One ArrayRecord holding one array: no metrics (not even the example count), no configs.
-    assert list(content.keys()) == [keys.INFERENCE_REPORTS]
+    assert list(content.keys()) == [INFERENCE_REPORTS]
     assert len(content.metric_records) == 0
     assert len(content.config_records) == 0
-    record = content.array_records[keys.INFERENCE_REPORTS]
+    record = content.array_records[INFERENCE_REPORTS]
     assert len(record) == 1
     reports = next(iter(record.values())).numpy()
     clear = _clear_vectors(model, config, 1)
@@ -122,7 +128,7 @@ def test_client_uploads_only_the_noised_vectors():
 def test_not_encrypt_adds_no_noise():
     message, model, config = _evaluate_message("NOT_ENCRYPT")
     reply = client_for(message, make_context(partition_id=2)).evaluate()
-    reports = reply.content.array_records[keys.INFERENCE_REPORTS]["softmax"].numpy()
+    reports = reply.content.array_records[INFERENCE_REPORTS]["softmax"].numpy()
     assert np.array_equal(reports, _clear_vectors(model, config, 2))
 
 
@@ -132,7 +138,7 @@ def test_noise_scale_is_sensitivity_over_epsilon(epsilon, sensitivity):
     for partition in range(6):  # ~1800 vectors x 10 coordinates
         message, model, config = _evaluate_message("LAPLACE", epsilon=epsilon, sensitivity=sensitivity)
         reports = client_for(message, make_context(partition_id=partition)).evaluate()
-        vectors = reports.content.array_records[keys.INFERENCE_REPORTS]["softmax"].numpy()
+        vectors = reports.content.array_records[INFERENCE_REPORTS]["softmax"].numpy()
         noises.append((vectors - _clear_vectors(model, config, partition)).ravel())
     noise = np.concatenate(noises)
     scale = sensitivity / epsilon
@@ -148,8 +154,8 @@ def test_noise_differs_between_clients_and_rounds_and_uses_os_entropy_on_devices
     message, _, _ = _evaluate_message("LAPLACE")
     first = client_for(message, make_context(partition_id=0)).evaluate()
     again = client_for(message, make_context(partition_id=0)).evaluate()
-    a = first.content.array_records[keys.INFERENCE_REPORTS]["softmax"].numpy()
-    b = again.content.array_records[keys.INFERENCE_REPORTS]["softmax"].numpy()
+    a = first.content.array_records[INFERENCE_REPORTS]["softmax"].numpy()
+    b = again.content.array_records[INFERENCE_REPORTS]["softmax"].numpy()
     assert np.array_equal(a, b)  # seeded simulation: reproducible
     client = client_for(message, make_context(partition_id=0))
     assert not client.noise_source.secure
@@ -162,7 +168,7 @@ def test_noise_differs_between_clients_and_rounds_and_uses_os_entropy_on_devices
 
 
 def _reports_reply(message, vectors: np.ndarray):
-    return reply_to(message, extra={keys.INFERENCE_REPORTS: ArrayRecord({"softmax": Array(vectors)})})
+    return reply_to(message, extra={INFERENCE_REPORTS: ArrayRecord({"softmax": Array(vectors)})})
 
 
 def test_stage_is_off_unless_configured(tmp_path):
@@ -179,7 +185,7 @@ def test_server_scores_equal_scikit_learn_and_failures_are_charged(tmp_path):
     assert len(messages) == 4
     config = messages[0].content.config_records[keys.CONFIG]
     assert config[keys.ALGORITHM] == "laplace_eval"
-    assert config[keys.LAPLACE_EVAL_EPS] == pytest.approx(230260.0)
+    assert config[LAPLACE_EVAL_EPS] == pytest.approx(230260.0)
     rng = np.random.default_rng(3)
     vectors = [rng.dirichlet(np.full(10, 0.3), size=n) + rng.laplace(0, 0.05, (n, 10)) for n in (40, 25, 60)]
     replies = [_reports_reply(m, v) for m, v in zip(messages[:3], vectors, strict=True)]
@@ -202,7 +208,7 @@ def test_server_scores_equal_scikit_learn_and_failures_are_charged(tmp_path):
     assert extras["cluster_eval_epsilon"] == pytest.approx(230260.0)
     # the run writes the stage's ledger beside its own (the stage writes no file)
     ledger = stage.ledger.example_accountant.state_dict()
-    assert stage.extra_ledgers() == {"privacy_ledger_evaluation.json": ledger}
+    assert stage.ledgers() == {"privacy_ledger_evaluation.json": ledger}  # FedAvg itself has none
     assert not (tmp_path / "privacy_ledger_evaluation.json").exists()
 
 
@@ -236,21 +242,23 @@ def test_accounting_is_separate_composes_per_round_and_corrects_the_document(tmp
         stage.aggregate_evaluate(server_round, [error_reply(m) for m in messages])
     # rounds[].epsilon is the total per client: training plus every evaluated client's 6-ish
     # vectors x 3 evaluations at epsilon 3 each (client level); epsilon_training is training alone.
-    assert stage.training_epsilon() == stage.inner.epsilon()
+    report = stage.report_round(3)  # what the platform reads: only the contract
+    training = stage.inner.epsilon()
+    assert report.training_epsilon == training
     sizes = {info.client_id: info.num_examples for info in stage.run.roster}
     evaluation_basic = 3 * 3.0 * max(sizes.values())
     assert stage.ledger.client_epsilon() <= evaluation_basic + 1e-6
-    assert stage.epsilon().epsilon <= stage.inner.epsilon().epsilon + evaluation_basic + 1e-6
-    assert stage.epsilon().epsilon > stage.inner.epsilon().epsilon
-    assert stage.accountant is stage.inner.accountant
-    assert not hasattr(stage, "noise_multiplier")  # only the platform's hooks are forwarded, by name
-    extras = stage.round_extras(3)
+    assert report.epsilon.epsilon <= training.epsilon + evaluation_basic + 1e-6
+    assert report.epsilon.epsilon > training.epsilon
+    assert set(stage.ledgers()) == {"privacy_ledger.json", "privacy_ledger_evaluation.json"}
+    assert not hasattr(stage, "noise_multiplier")  # only the contract is forwarded, by name
+    extras = report.extras
     assert extras["cluster_eval_epsilon_per_report"] == pytest.approx(3.0)
     assert extras["cluster_eval_epsilon"] <= 9.0 + 1e-9  # 3 evaluations, basic composition 9
     assert extras["cluster_eval_epsilon"] > 8.5
     assert "update_norm_median" not in extras  # un-noised: only in the training strategy's diagnostics
-    assert "update_norm_median" in stage.diagnostics(3)  # delegated
-    summary = stage.privacy_summary()
+    assert "update_norm_median" in report.diagnostics  # the training strategy's, outside the guarantee
+    summary = stage.report_run(stage.initial_arrays()).privacy.summary
     assert summary["unit"] == stage.inner.privacy_unit
     assert summary["evaluation"]["max_evaluations_per_client"] == 3
     assert summary["evaluation"]["epsilon_cumulative_basic"] == pytest.approx(9.0)
@@ -265,7 +273,7 @@ def test_accounting_is_separate_composes_per_round_and_corrects_the_document(tmp
         FedAvgStrategy(build_run_context([*STAGE, "evaluation.privacy_eval_type=NOT_ENCRYPT"], tmp_path))
     )
     messages = list(clear.configure_evaluate(1, arrays, ConfigRecord(), grid=None))
-    assert keys.LAPLACE_EVAL_EPS not in messages[0].content.config_records[keys.CONFIG]
+    assert LAPLACE_EVAL_EPS not in messages[0].content.config_records[keys.CONFIG]
     clear.aggregate_evaluate(1, [error_reply(m) for m in messages])
     assert clear.round_extras(1)["cluster_eval_epsilon"] is None  # clear reports: no finite guarantee
     assert clear.ledger.example_accountant.events == []

@@ -19,17 +19,18 @@ from conftest import (
 )
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
+from clients.nbafl import NBAFL_CLIP, NBAFL_MU, NBAFL_SIGMA_UP
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.model_spec import ModelSpec
-from fl_app.privacy import calibration as cal
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian
 from fl_app.privacy.mechanisms import global_l2_norm
 from fl_app.training import model_to_arrays
 from fl_app.validation import ConfigError
 from strategies.fedavg import FedAvgStrategy
-from strategies.nbafl import NbAFLStrategy
+from strategies.nbafl import privacy as nbafl_cal
+from strategies.nbafl.strategy import NbAFLStrategy
 
 DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=4"]
 NBAFL = [*DIGITS, "strategy=nbafl", "privacy.epsilon=10", "privacy.delta=0.01"]
@@ -53,9 +54,9 @@ def _client_reply(*, algorithm: str, clip: float = 1e6, sigma: float = 0.0, mu: 
     config = {
         **spec_config(DIGITS),
         keys.ALGORITHM: algorithm,
-        keys.NBAFL_CLIP: clip,
-        keys.NBAFL_SIGMA_UP: sigma,
-        keys.NBAFL_MU: mu,
+        NBAFL_CLIP: clip,
+        NBAFL_SIGMA_UP: sigma,
+        NBAFL_MU: mu,
     }
     if "start" not in _START:
         _START["start"] = model_to_arrays(ModelSpec.from_json(config[keys.MODEL_SPEC]).build())
@@ -114,7 +115,9 @@ def test_zero_noise_huge_clip_round_equals_uniform_fedavg(tmp_path):
             for i, (m, a) in enumerate(zip(messages, uploads, strict=True))
         ]
         results.append(strategy.aggregate_train(1, replies)[0])
-    assert [c.client_id for c in nbafl.selected(1)] == [c.client_id for c in fedavg.selected(1)]
+    assert [c.client_id for c in nbafl.replies.selected(1)] == [
+        c.client_id for c in fedavg.replies.selected(1)
+    ]
     assert np.allclose(_flat(results[0]), _flat(results[1]), atol=1e-7)
     assert nbafl.epsilon() is None  # no uplink noise: no finite guarantee
 
@@ -134,9 +137,9 @@ def test_train_config_carries_clip_sigma_and_mu(tmp_path):
     message = next(iter(strategy.configure_train(1, _arrays(0.0), ConfigRecord(), grid=None)))
     config = message.content.config_records[keys.CONFIG]
     assert config[keys.ALGORITHM] == "nbafl"
-    assert config[keys.NBAFL_CLIP] == pytest.approx(2.5)
-    assert config[keys.NBAFL_SIGMA_UP] == pytest.approx(strategy.sigma_up)
-    assert config[keys.NBAFL_MU] == pytest.approx(0.1)
+    assert config[NBAFL_CLIP] == pytest.approx(2.5)
+    assert config[NBAFL_SIGMA_UP] == pytest.approx(strategy.sigma_up)
+    assert config[NBAFL_MU] == pytest.approx(0.1)
 
 
 def test_schedule_is_seeded_and_gives_l(tmp_path):
@@ -166,7 +169,7 @@ def test_sigma_up_and_down_match_hand_computation(tmp_path):
     client = NbAFLStrategy(build_run_context([*document, "strategy.unit=client"], tmp_path))
     assert client.sigma_up == pytest.approx(C_DELTA * client.exposures * (2 * 3.0) / 10.0)
     # Theorem 1 (K = N): 2cC sqrt(T^2 - L^2 N) / (m N eps) for T = 40, L = 3, N = 50, C = 2, m = 100, eps = 5.
-    down = cal.nbafl_downlink_sigma(
+    down = nbafl_cal.nbafl_downlink_sigma(
         epsilon=5, delta=0.01, clip=2.0, min_dataset_size=100, exposures=3, num_rounds=40, num_clients=50
     )
     assert down == pytest.approx(2 * C_DELTA * 2.0 * math.sqrt(40**2 - 9 * 50) / (100 * 50 * 5))
@@ -178,12 +181,12 @@ def test_sigma_up_and_down_match_hand_computation(tmp_path):
     expected = 2 * C_DELTA * 1.0 * math.sqrt(t**2 / b**2 - big_l**2 * k) / (100 * k * eps)
     kwargs = dict(epsilon=eps, delta=0.01, clip=1.0, min_dataset_size=100, exposures=big_l, num_rounds=t)
     kwargs.update(num_clients=n, clients_per_round=k)
-    document = cal.nbafl_downlink_sigma(**kwargs, amplification="document")
+    document = nbafl_cal.nbafl_downlink_sigma(**kwargs, amplification="document")
     assert document == pytest.approx(expected, rel=1e-9)
     # The two-sided subsampling bound, by hand: eps_K = ln(1 + (e^{eps/T} - 1) N/K), T/b = eps / eps_K.
     eps_k = math.log(1 + (math.exp(eps / t) - 1) * n / k)
     two_sided = 2 * C_DELTA * math.sqrt((eps / eps_k) ** 2 - big_l**2 * k) / (100 * k * eps)
-    assert cal.nbafl_downlink_sigma(**kwargs) == pytest.approx(two_sided)
+    assert nbafl_cal.nbafl_downlink_sigma(**kwargs) == pytest.approx(two_sided)
     assert two_sided > document  # the one-sided form under-noises
 
 
@@ -191,18 +194,18 @@ def test_downlink_noise_is_zero_exactly_when_t_at_most_l_sqrt_n():
     for n in (4, 9, 10, 50):
         for exposures in (1, 2, 5):
             for t in range(1, 60):
-                sigma = cal.nbafl_downlink_sigma(
+                sigma = nbafl_cal.nbafl_downlink_sigma(
                     epsilon=10, delta=0.01, clip=1.0, min_dataset_size=50, exposures=exposures,
                     num_rounds=t, num_clients=n,
                 )  # fmt: skip
                 assert (sigma == 0.0) == (t <= exposures * math.sqrt(n)), (n, exposures, t)
     # K-random: zero exactly up to the threshold epsilon / gamma, for both amplification bounds.
-    for amplification in cal.NBAFL_AMPLIFICATIONS:
-        limit = cal.nbafl_downlink_threshold(
+    for amplification in nbafl_cal.NBAFL_AMPLIFICATIONS:
+        limit = nbafl_cal.nbafl_downlink_threshold(
             epsilon=5, exposures=5, num_clients=50, clients_per_round=10, amplification=amplification
         )
         for t in range(int(limit) - 3, int(limit) + 4):
-            sigma = cal.nbafl_downlink_sigma(
+            sigma = nbafl_cal.nbafl_downlink_sigma(
                 epsilon=5, delta=0.01, clip=1.0, min_dataset_size=100, exposures=5, num_rounds=t,
                 num_clients=50, clients_per_round=10, amplification=amplification,
             )  # fmt: skip
@@ -210,19 +213,19 @@ def test_downlink_noise_is_zero_exactly_when_t_at_most_l_sqrt_n():
 
 
 def test_calculator_uses_k_random_formula(capsys):
-    from fl_app.privacy.cli import main
+    from fl_app.calculator import main
 
     args = ["--epsilon", "5", "--delta", "0.01", "--clip", "1", "--m", "100", "--l", "5", "--t", "400"]
     args += ["--unit", "document_record", "--calibration", "classic", "--accountant", "rdp"]
     assert main(["nbafl", *args, "--n", "50", "--k", "10", "--amplification", "document"]) == 0
     answer = json.loads(capsys.readouterr().out)
     kwargs = dict(epsilon=5, delta=0.01, clip=1.0, min_dataset_size=100, exposures=5, num_rounds=400)
-    assert answer["sigma_down"] == cal.nbafl_downlink_sigma(
+    assert answer["sigma_down"] == nbafl_cal.nbafl_downlink_sigma(
         **kwargs, num_clients=50, clients_per_round=10, amplification="document"
     )
     # not the N -> K substitution into Theorem 1
-    assert answer["sigma_down"] != pytest.approx(cal.nbafl_downlink_sigma(**kwargs, num_clients=10))
-    z = answer["sigma_up"] / cal.nbafl_sensitivity(clip=1.0, min_dataset_size=100)
+    assert answer["sigma_down"] != pytest.approx(nbafl_cal.nbafl_downlink_sigma(**kwargs, num_clients=10))
+    z = answer["sigma_up"] / nbafl_cal.nbafl_sensitivity(clip=1.0, min_dataset_size=100)
     assert answer["epsilon_record"] == compose_epsilon({Gaussian(z): 5}, delta=0.01).epsilon
 
 
@@ -292,7 +295,7 @@ def test_sound_calibrations_meet_the_budget_in_their_unit(tmp_path, calibration,
 def test_validation_rejects_bad_settings():
     def check(*overrides: str) -> None:
         cfg = compose_config([*DIGITS, "strategy=nbafl", *overrides])
-        NbAFLStrategy.validate_config(cfg)
+        NbAFLStrategy.declaration.validate(cfg)
 
     check()  # the defaults pass
     for bad, key in [

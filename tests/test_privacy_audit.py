@@ -19,6 +19,7 @@ from fl_app.privacy.mechanisms import (
     laplace_mechanism,
     randomized_response_labels,
 )
+from strategies.privatekt import privacy as kt_cal
 
 SAMPLES = 300_000
 
@@ -28,7 +29,7 @@ def generator(seed: int) -> np.random.Generator:
 
 
 def rr_outputs(epsilon: float, classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
-    beta = cal.privatekt_keep_probability(epsilon=epsilon, k=1, num_classes=classes)
+    beta = kt_cal.privatekt_keep_probability(epsilon=epsilon, k=1, num_classes=classes)
     a = randomized_response_labels(
         labels=np.zeros(SAMPLES, int), keep_probability=beta, num_classes=classes, rng=generator(1)
     )

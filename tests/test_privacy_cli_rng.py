@@ -10,11 +10,13 @@ import sys
 import numpy as np
 import pytest
 
-from fl_app.privacy import calibration as cal
-from fl_app.privacy.cli import main
+from fl_app.calculator import main
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import BinaryRandomizedResponse, RandomizedResponse, SampledGaussian
 from fl_app.privacy.rng import RandomSource, make_generator
+from strategies.dpfl_bnn import privacy as bnn_cal
+from strategies.nbafl import privacy as nbafl_cal
+from strategies.privatekt import privacy as kt_cal
 
 
 def calc(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
@@ -24,7 +26,7 @@ def calc(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
 
 def test_rr_command(capsys):
     answer = calc(capsys, "rr", "--epsilon", "5", "--k", "2", "--classes", "10")
-    assert answer["beta"] == cal.privatekt_keep_probability(epsilon=5, k=2, num_classes=10)
+    assert answer["beta"] == kt_cal.privatekt_keep_probability(epsilon=5, k=2, num_classes=10)
 
 
 @pytest.mark.parametrize("accountant", ["pld", "rdp"])
@@ -71,7 +73,7 @@ def test_bnn_command_both_directions(capsys):
     gamma = calc(capsys, "bnn", "--epsilon", "2", "--delta", "1e-5", "--rounds", "100", "--per-coordinate")[
         "gamma"
     ]
-    assert gamma == cal.bnn_gamma(epsilon=2, delta=1e-5, rounds=100)
+    assert gamma == bnn_cal.bnn_gamma(epsilon=2, delta=1e-5, rounds=100)
     back = calc(
         capsys, "bnn", "--gamma", str(gamma), "--delta", "1e-5", "--rounds", "100", "--per-coordinate"
     )["epsilon"]
@@ -102,7 +104,7 @@ def test_nbafl_command(capsys):
         "50",
     )
     # the defaults: client unit (sensitivity 2C), the accountant's calibration
-    assert answer["sigma_up"] == cal.nbafl_uplink_sigma(
+    assert answer["sigma_up"] == nbafl_cal.nbafl_uplink_sigma(
         epsilon=0.5, delta=0.01, clip=1.0, min_dataset_size=100, exposures=1, calibration="accountant",
         method="pld", unit="client",
     )  # fmt: skip

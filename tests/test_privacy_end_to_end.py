@@ -48,9 +48,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 from torch import nn
 
 from clients.base import FederatedClient
-from clients.privatekt import decode_labels
+from clients.dpfl_bnn import BNN_PACKED_SIGNS, BNN_STATE_LATENT, unpack_signs
+from clients.laplace_eval import INFERENCE_REPORTS
+from clients.privatekt import KT_LABELS, KT_LABELS_ARRAY, decode_labels
 from fl_app import keys
-from fl_app.bits import unpack_signs
 from fl_app.config import compose_config
 from fl_app.data.federated import ClientDataset, DataSpec, federated_data
 from fl_app.model_spec import ModelSpec
@@ -63,7 +64,7 @@ from fl_app.run import make_run_context
 from fl_app.run_context import RunContext
 from strategies import STRATEGIES
 from strategies.arrays import flat_vector
-from strategies.laplace_eval import LaplaceEvalStage
+from strategies.laplace_eval.stage import LaplaceEvalStage
 
 #: Digits (8x8) with the MLP: one SGD step of lr 1 on at most 10 examples (batch 16).
 COMMON = ["dataset=digits", "model=mlp", "num_rounds=1", "lr=1.0", "batch_size=16", "local_epochs=1"]
@@ -157,7 +158,7 @@ def audit_run(overrides: Sequence[str], tmp_path: Path, sizes: Sequence[int], de
     data = federated_data(spec)
     roster = [ClientInfo(i, 1000 + i, int(n)) for i, n in enumerate(sizes)]
     model = ModelSpec(
-        STRATEGIES.get(str(cfg.strategy.name)).resolve_model(cfg, data.input_shape),
+        STRATEGIES.get(str(cfg.strategy.name)).declaration.model_name(cfg, data.input_shape),
         data.input_shape,
         data.num_classes,
     )
@@ -423,7 +424,7 @@ def privatekt_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int)
     start = zero_model(run)
 
     def zeros_reported(reply: Message) -> float:
-        array = reply.content.array_records[keys.KT_LABELS][keys.KT_LABELS_ARRAY]
+        array = reply.content.array_records[KT_LABELS][KT_LABELS_ARRAY]
         return float(np.sum(decode_labels(array, k=2, num_classes=10) == 0))
 
     a, b = repeat(strategy, start, held, (ZEROS, OTHERS), zeros_reported, trials)
@@ -458,13 +459,13 @@ def dpfl_bnn_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) 
     def with_latent(world: int, message: Message) -> Context:
         context = context_of(message, 0, 1)
         sign = 1.0 if world == 0 else -1.0
-        context.state[keys.BNN_STATE_LATENT] = ArrayRecord(
+        context.state[BNN_STATE_LATENT] = ArrayRecord(
             {n: Array(np.full(tuple(p.shape), sign, dtype=np.float32)) for n, p in parameters.items()}
         )
         return context
 
     def ones(reply: Message) -> float:
-        packed = reply.content.array_records[keys.ARRAYS][keys.BNN_PACKED_SIGNS].numpy()
+        packed = reply.content.array_records[keys.ARRAYS][BNN_PACKED_SIGNS].numpy()
         return float(np.sum(unpack_signs(packed, d, dtype=np.float64) > 0))
 
     a, b = repeat(strategy, start, held, (ZEROS, ZEROS), ones, trials, context=with_latent)
@@ -541,7 +542,7 @@ def laplace_eval_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: i
             reseeded(stage.inner, 2 * trial + world)
             (message,) = stage.configure_evaluate(1, model, ConfigRecord(), grid=None)
             reply = client_for(message, context_of(message, 0, 1)).evaluate()
-            vectors = reply.content.array_records[keys.INFERENCE_REPORTS]["softmax"].numpy()
+            vectors = reply.content.array_records[INFERENCE_REPORTS]["softmax"].numpy()
             values.append(float(vectors[0, 0] - vectors[0, 1]))
         outputs.append(np.asarray(values))
     stage.aggregate_evaluate(1, [reply])

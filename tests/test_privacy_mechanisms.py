@@ -22,6 +22,10 @@ from fl_app.privacy.mechanisms import (
     laplace_mechanism,
     randomized_response_labels,
 )
+from strategies.dpfl_bnn import privacy as bnn_cal
+from strategies.laplace_eval import privacy as laplace_cal
+from strategies.nbafl import privacy as nbafl_cal
+from strategies.privatekt import privacy as kt_cal
 
 DELTA = 1e-5
 
@@ -48,7 +52,7 @@ def test_debiased_average_is_unbiased():
     classes, clients, samples = 4, 30, 3
     true_labels = rng(1).integers(0, classes, size=(clients, samples))
     truth = np.eye(classes)[true_labels].mean(axis=0)
-    beta = cal.privatekt_keep_probability(epsilon=2.0, k=samples, num_classes=classes)
+    beta = kt_cal.privatekt_keep_probability(epsilon=2.0, k=samples, num_classes=classes)
     generator = rng(2)
     estimates = [
         debias_label_average(
@@ -143,7 +147,7 @@ def test_randomized_response_outputs_stay_in_range(classes, beta, labels):
 
 
 def test_privatekt_beta_lemma1_and_epsilon_of_the_report():
-    beta = cal.privatekt_keep_probability(epsilon=5.0, k=2, num_classes=10)
+    beta = kt_cal.privatekt_keep_probability(epsilon=5.0, k=2, num_classes=10)
     assert beta == pytest.approx((math.exp(2.5) - 1) / (math.exp(2.5) - 1 + 10))
     # Each label is eps/K-LDP: its likelihood ratio is exactly e^(eps/K).
     ratio = (beta + (1 - beta) / 10) / ((1 - beta) / 10)
@@ -155,9 +159,9 @@ def test_privatekt_beta_lemma1_and_epsilon_of_the_report():
 @given(st.floats(0.01, 20), st.floats(0.01, 20), st.integers(1, 10), st.integers(2, 100))
 def test_beta_is_monotone_in_epsilon(e1, e2, k, classes):
     low, high = sorted((e1, e2))
-    assert cal.privatekt_keep_probability(
+    assert kt_cal.privatekt_keep_probability(
         epsilon=low, k=k, num_classes=classes
-    ) <= cal.privatekt_keep_probability(epsilon=high, k=k, num_classes=classes)
+    ) <= kt_cal.privatekt_keep_probability(epsilon=high, k=k, num_classes=classes)
 
 
 def test_classic_gaussian_constant_and_range():
@@ -194,14 +198,14 @@ def test_analytic_calibration_never_overshoots(epsilon, delta):
 
 def test_nbafl_formulas_by_hand():
     c = math.sqrt(2 * math.log(1.25 / 0.01))
-    up = cal.nbafl_uplink_sigma(epsilon=0.5, delta=0.01, clip=2.0, min_dataset_size=100, exposures=1)
+    up = nbafl_cal.nbafl_uplink_sigma(epsilon=0.5, delta=0.01, clip=2.0, min_dataset_size=100, exposures=1)
     assert up == pytest.approx(c * 1 * (2 * 2.0 / 100) / 0.5)
-    down = cal.nbafl_downlink_sigma(
+    down = nbafl_cal.nbafl_downlink_sigma(
         epsilon=50, delta=0.01, clip=2.0, min_dataset_size=100, exposures=2, num_rounds=30, num_clients=50
     )
     assert down == pytest.approx(2 * c * 2.0 * math.sqrt(30**2 - 4 * 50) / (100 * 50 * 50))
     assert (
-        cal.nbafl_downlink_sigma(
+        nbafl_cal.nbafl_downlink_sigma(
             epsilon=50, delta=0.01, clip=2.0, min_dataset_size=100, exposures=2, num_rounds=14, num_clients=50
         )
         == 0.0
@@ -210,19 +214,19 @@ def test_nbafl_formulas_by_hand():
 
 def test_bnn_gamma_meets_epsilon_and_beats_theorem1_order():
     for epsilon, rounds in [(1.0, 100), (4.0, 100), (10.0, 10)]:
-        gamma = cal.bnn_gamma(epsilon=epsilon, delta=DELTA, rounds=rounds)
+        gamma = bnn_cal.bnn_gamma(epsilon=epsilon, delta=DELTA, rounds=rounds)
         spent = compose_epsilon({BinaryRandomizedResponse(gamma): rounds}, delta=DELTA).epsilon
         assert spent <= epsilon * (1 + 1e-9)
         assert spent > epsilon * 0.99  # the largest such gamma
-        assert gamma >= cal.bnn_gamma_theorem1(epsilon=epsilon, delta=DELTA, rounds=rounds)
+        assert gamma >= bnn_cal.bnn_gamma_theorem1(epsilon=epsilon, delta=DELTA, rounds=rounds)
 
 
 def test_bnn_theorem1_gamma_is_sound_by_its_own_conversion():
     """With alpha = 1 + 2 log(1/delta)/eps: T rho(alpha) + log(1/delta)/(alpha - 1) <= eps."""
     epsilon, rounds = 2.0, 50
-    gamma = cal.bnn_gamma_theorem1(epsilon=epsilon, delta=DELTA, rounds=rounds)
+    gamma = bnn_cal.bnn_gamma_theorem1(epsilon=epsilon, delta=DELTA, rounds=rounds)
     order = 1 + 2 * math.log(1 / DELTA) / epsilon
-    total = rounds * cal.bnn_rdp_closed_form(gamma=gamma, order=order) + math.log(1 / DELTA) / (order - 1)
+    total = rounds * bnn_cal.bnn_rdp_closed_form(gamma=gamma, order=order) + math.log(1 / DELTA) / (order - 1)
     assert total <= epsilon * (1 + 1e-9)
 
 
@@ -231,21 +235,21 @@ def test_bnn_theorem1_gamma_is_sound_by_its_own_conversion():
 def test_gamma_is_monotone_in_epsilon(e1, e2, rounds):
     low, high = sorted((e1, e2))
     assert (
-        cal.bnn_gamma(epsilon=low, delta=DELTA, rounds=rounds)
-        <= cal.bnn_gamma(epsilon=high, delta=DELTA, rounds=rounds) + 1e-12
+        bnn_cal.bnn_gamma(epsilon=low, delta=DELTA, rounds=rounds)
+        <= bnn_cal.bnn_gamma(epsilon=high, delta=DELTA, rounds=rounds) + 1e-12
     )
 
 
 def test_laplace_tail_rule_of_the_mindspore_document():
     # tau = 1e-5, p = 0.9, sensitivity 1 (the document): ln(10) / 1e-5
-    assert cal.laplace_epsilon_for_tail(tau=1e-5, probability=0.9, sensitivity=1.0) == pytest.approx(
+    assert laplace_cal.laplace_epsilon_for_tail(tau=1e-5, probability=0.9, sensitivity=1.0) == pytest.approx(
         math.log(10) / 1e-5
     )
     # with the correct sensitivity 2 the same noise level costs twice the epsilon
-    assert cal.laplace_epsilon_for_tail(tau=1e-5, probability=0.9, sensitivity=2.0) == pytest.approx(
+    assert laplace_cal.laplace_epsilon_for_tail(tau=1e-5, probability=0.9, sensitivity=2.0) == pytest.approx(
         2 * math.log(10) / 1e-5
     )
-    assert cal.laplace_scale(sensitivity=2.0, epsilon=4.0) == 0.5
+    assert laplace_cal.laplace_scale(sensitivity=2.0, epsilon=4.0) == 0.5
 
 
 @settings(max_examples=4, deadline=None)
@@ -270,12 +274,14 @@ def test_rr_total_budget_calibration_never_overshoots(total, labels, classes):
 @pytest.mark.parametrize(
     "call",
     [
-        lambda: cal.privatekt_keep_probability(epsilon=0, k=2, num_classes=10),
-        lambda: cal.privatekt_keep_probability(epsilon=1, k=0, num_classes=10),
-        lambda: cal.nbafl_uplink_sigma(epsilon=1, delta=0.01, clip=-1, min_dataset_size=10, exposures=1),
-        lambda: cal.nbafl_uplink_sigma(epsilon=1, delta=1.5, clip=1, min_dataset_size=10, exposures=1),
-        lambda: cal.bnn_gamma(epsilon=1, delta=0, rounds=10),
-        lambda: cal.laplace_epsilon_for_tail(tau=1e-5, probability=1.0, sensitivity=1),
+        lambda: kt_cal.privatekt_keep_probability(epsilon=0, k=2, num_classes=10),
+        lambda: kt_cal.privatekt_keep_probability(epsilon=1, k=0, num_classes=10),
+        lambda: nbafl_cal.nbafl_uplink_sigma(
+            epsilon=1, delta=0.01, clip=-1, min_dataset_size=10, exposures=1
+        ),
+        lambda: nbafl_cal.nbafl_uplink_sigma(epsilon=1, delta=1.5, clip=1, min_dataset_size=10, exposures=1),
+        lambda: bnn_cal.bnn_gamma(epsilon=1, delta=0, rounds=10),
+        lambda: laplace_cal.laplace_epsilon_for_tail(tau=1e-5, probability=1.0, sensitivity=1),
         lambda: cal.dp_fedavg_noise_multiplier(epsilon=1, delta=1e-5, sampling_rate=0, rounds=10),
     ],
 )

@@ -24,30 +24,27 @@ import pytest
 from conftest import DP_FEDAVG_RUN, build_run_context, error_reply, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
+from fl_app import calculator as cli
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
 from fl_app.model_spec import ModelSpec
-from fl_app.privacy import cli
-from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma
 from fl_app.privacy.rng import RandomSource
 from fl_app.results import OUTSIDE_GUARANTEE_NOTE, RunRecorder
 from fl_app.roster import ClientInfo
 from fl_app.run import (
-    describe_randomness,
     diagnostics_enabled,
     make_run_context,
     noise_source,
-    privacy_randomness,
 )
 from fl_app.run_context import RunContext
 from fl_app.validation import ConfigError, validate_config
 from strategies import STRATEGIES
 from strategies.arrays import flat_vector
 from strategies.dp_fedavg import DPFedAvgStrategy
-from strategies.dpfl_bnn import DPFLBNNStrategy
-from strategies.laplace_eval import LaplaceEvalStage
-from strategies.reporting import privacy_report
+from strategies.dpfl_bnn.privacy import binary_rr_epsilon, bnn_gamma
+from strategies.dpfl_bnn.strategy import DPFLBNNStrategy
+from strategies.laplace_eval.stage import LaplaceEvalStage
 
 DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=4"]
 
@@ -60,7 +57,7 @@ def platform_run(overrides: list[str], tmp_path: Path, roster: list[ClientInfo] 
     if roster is None:
         roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
     model_spec = ModelSpec(
-        STRATEGIES.get(str(cfg.strategy.name)).resolve_model(cfg, data.input_shape),
+        STRATEGIES.get(str(cfg.strategy.name)).declaration.model_name(cfg, data.input_shape),
         data.input_shape,
         data.num_classes,
     )
@@ -104,21 +101,21 @@ def test_poisson_cohort_follows_the_noise_seed_not_the_public_seed(tmp_path):
 
 def test_a_seeded_run_says_its_cohort_and_noise_are_reproducible(tmp_path):
     strategy = DPFedAvgStrategy(platform_run([*DIGITS, "strategy=dp_fedavg"], tmp_path))
-    randomness = privacy_randomness(strategy)
+    randomness = strategy.randomness().as_dict()
     assert randomness["source"] == "seeded"
     assert randomness["noise_seed"] == strategy.run.noise.seed
     assert "deployment" in randomness["note"] and "reproducible" in randomness["note"]
     assert "secret" in randomness["cohort"] and "run.noise" in randomness["cohort"]
-    assert "SEEDED" in describe_randomness(randomness)
+    assert "SEEDED" in strategy.randomness().describe()
     secure = DPFedAvgStrategy(
         platform_run([*DIGITS, "strategy=dp_fedavg", "privacy.secure_rng=true"], tmp_path)
     )
-    assert privacy_randomness(secure)["source"] == "os_entropy"
-    assert privacy_randomness(secure)["noise_seed"] is None
+    assert secure.randomness().as_dict()["source"] == "os_entropy"
+    assert secure.randomness().as_dict()["noise_seed"] is None
     fixed = DPFedAvgStrategy(
         platform_run([*DIGITS, "strategy=dp_fedavg", "strategy.sampling=fixed"], tmp_path)
     )
-    assert "public" in privacy_randomness(fixed)["cohort"]
+    assert "public" in fixed.randomness().cohort
 
 
 # ------------------------------------------------------------------ 2. the noise is not the public seed's
@@ -305,20 +302,21 @@ def test_laplace_evaluation_default_fits_in_privacy_epsilon_and_enters_the_total
         stage.aggregate_train(server_round, [])
         messages = list(stage.configure_evaluate(server_round, arrays, ConfigRecord(), grid=None))
         stage.aggregate_evaluate(server_round, [error_reply(m) for m in messages])  # failures are charged
-    training = stage.training_epsilon().epsilon
-    total = stage.epsilon().epsilon  # rounds[].epsilon
+    last = stage.report_round(4)
+    training = last.training_epsilon.epsilon
+    total = last.epsilon.epsilon  # rounds[].epsilon
     evaluation = stage.ledger.client_epsilon()
     assert training <= 3.6
     assert stage.ledger.client_accountant.basic_epsilon() == pytest.approx(0.4, rel=1e-6)  # the calibration
     assert 0 < evaluation <= 0.4  # the accountant's (RDP) bound may be smaller
     assert training < total <= 4.0
-    report = privacy_report(stage, randomness={"source": "seeded"}, final=arrays)
+    report = stage.report_run(arrays).privacy
     privacy = report.as_dict()  # the results' privacy object
     assert privacy["total"]["epsilon"] == report.total.epsilon == total
     assert privacy["total"]["per_stage"] == {"training": training, "clustering_evaluation": evaluation}
     assert any("clustering" in item for item in privacy["total"]["covers"])
-    assert privacy["evaluation"] == stage.privacy_summary()["evaluation"]  # the stage's own account
-    assert privacy["randomness"] == {"source": "seeded"}
+    assert privacy["evaluation"] == stage.evaluation_summary()  # the stage's own account
+    assert privacy["randomness"] == stage.randomness().as_dict()
     assert "empirical_epsilon" not in privacy  # not measured for this run
     # The MindSpore document's value stays available by name.
     assert compose_config(["+experiment=laplace_eval"]).evaluation.laplace_eval_eps == 230260
@@ -460,7 +458,7 @@ def test_the_private_state_file_keeps_only_what_resuming_needs(tmp_path, name):
     run = build_run_context([*DIGITS, f"strategy={name}", "num_rounds=3"], tmp_path)
     strategy = STRATEGIES.get(name)(run)
     _rounds_on_constructed_replies(strategy, 3)
-    assert strategy.selected(3)  # in memory, the last round's cohort and statistics are there
+    assert strategy.replies.selected(3)  # in memory, the last round's cohort and statistics are there
     checkpoint = Checkpoint(3, 3, "completed", [], "", strategy.initial_arrays(), strategy, {}, 0.0)
     path = save_checkpoint(tmp_path, checkpoint, run)
     assert path.name == CHECKPOINT_FILE == "private_server_state.pkl"
@@ -468,7 +466,7 @@ def test_the_private_state_file_keeps_only_what_resuming_needs(tmp_path, name):
     loaded = load_checkpoint(tmp_path, run).strategy
     for attribute in loaded.ROUND_STATE:
         assert not getattr(loaded, attribute), attribute
-    assert loaded.selected(3) == [] and loaded.round_failures(3) == []
+    assert loaded.replies.selected(3) == [] and loaded.replies.failures(3) == []
     if name == "dp_fedavg":  # the un-noised update norms are gone: nothing un-noised is kept
         assert "_norms" in loaded.ROUND_STATE and loaded._norms == {} and strategy._norms
         assert loaded.private_state() is None

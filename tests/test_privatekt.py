@@ -16,17 +16,26 @@ from conftest import (
 )
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
-from clients.privatekt import decode_labels, encode_labels
-from fl_app import keys, knowledge
+from clients.privatekt import (
+    KT_INDICES,
+    KT_LABELS,
+    KT_LABELS_ARRAY,
+    KT_SAMPLES,
+    KT_SAMPLES_ARRAY,
+    decode_labels,
+    encode_labels,
+)
+from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.metering import array_payload_bytes
-from fl_app.privacy.calibration import privatekt_epsilon_per_label, privatekt_keep_probability
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import RandomizedResponse
 from fl_app.privacy.mechanisms import debias_label_average, randomized_response_labels
 from fl_app.validation import ConfigError
-from strategies import privatekt as pkt
-from strategies.privatekt import PrivateKTStrategy
+from strategies.privatekt import knowledge
+from strategies.privatekt import strategy as pkt
+from strategies.privatekt.privacy import privatekt_epsilon_per_label, privatekt_keep_probability
+from strategies.privatekt.strategy import PrivateKTStrategy
 
 DIGITS = [
     "dataset=digits",
@@ -44,7 +53,7 @@ def _strategy(tmp_path, *extra: str) -> PrivateKTStrategy:
 
 def _labels_reply(message, labels, *, raw=True):
     array = encode_labels(np.asarray(labels)) if raw else Array(np.asarray(labels, dtype=np.float32))
-    return reply_to(message, extra={keys.KT_LABELS: ArrayRecord({keys.KT_LABELS_ARRAY: array})})
+    return reply_to(message, extra={KT_LABELS: ArrayRecord({KT_LABELS_ARRAY: array})})
 
 
 def _round(strategy, server_round, arrays, *, fail_last=False):
@@ -182,17 +191,17 @@ def test_client_reply_holds_only_k_perturbed_labels(tmp_path):
     strategy = _strategy(tmp_path, "strategy.k=5", "privacy.epsilon=100", "privacy.budget_scope=per_round")
     message = next(iter(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None)))
     config = message.content.config_records[keys.CONFIG]
-    assert keys.KT_SAMPLES not in message.content.array_records  # simulation: indices only
-    assert list(config[keys.KT_INDICES]) == strategy._kt[1].tolist()
-    client = client_for(message, make_context(partition_id=strategy.selected(1)[0].client_id))
+    assert KT_SAMPLES not in message.content.array_records  # simulation: indices only
+    assert list(config[KT_INDICES]) == strategy._kt[1].tolist()
+    client = client_for(message, make_context(partition_id=strategy.replies.selected(1)[0].client_id))
     reply = client.train()
     content = reply.content
-    assert list(content.keys()) == [keys.KT_LABELS]
+    assert list(content.keys()) == [KT_LABELS]
     assert not content.metric_records
     assert not content.config_records
-    record = content.array_records[keys.KT_LABELS]
-    assert list(record.keys()) == [keys.KT_LABELS_ARRAY]
-    array = record[keys.KT_LABELS_ARRAY]
+    record = content.array_records[KT_LABELS]
+    assert list(record.keys()) == [KT_LABELS_ARRAY]
+    array = record[KT_LABELS_ARRAY]
     assert array.dtype == "uint8"
     assert tuple(array.shape) == (5,)
     assert array_payload_bytes(reply) == 5  # K bytes, nothing else
@@ -213,13 +222,11 @@ def test_client_reply_labels_are_randomized_at_low_epsilon(tmp_path):
     strategy = _strategy(tmp_path, "strategy.k=100", "privacy.epsilon=0.01", "privacy.budget_scope=per_round")
     assert strategy.beta < 1e-4
     message = next(iter(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None)))
-    client = client_for(message, make_context(partition_id=strategy.selected(1)[0].client_id))
+    client = client_for(message, make_context(partition_id=strategy.replies.selected(1)[0].client_id))
     reply = client.train()
-    assert list(reply.content.keys()) == [keys.KT_LABELS]
+    assert list(reply.content.keys()) == [KT_LABELS]
     assert array_payload_bytes(reply) == 100
-    labels = decode_labels(
-        reply.content.array_records[keys.KT_LABELS][keys.KT_LABELS_ARRAY], k=100, num_classes=10
-    )
+    labels = decode_labels(reply.content.array_records[KT_LABELS][KT_LABELS_ARRAY], k=100, num_classes=10)
     from fl_app.training import predict_proba
 
     model = client.global_model()
@@ -244,13 +251,13 @@ def test_send_kt_data_works_end_to_end_on_a_device(tmp_path):
     arrays = strategy.initial_arrays()
     messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid=None))
     content = messages[0].content
-    assert keys.KT_INDICES not in content.config_records[keys.CONFIG]
-    sent = content.array_records[keys.KT_SAMPLES][keys.KT_SAMPLES_ARRAY].numpy()
+    assert KT_INDICES not in content.config_records[keys.CONFIG]
+    sent = content.array_records[KT_SAMPLES][KT_SAMPLES_ARRAY].numpy()
     assert sent.dtype == np.uint8
     assert np.array_equal(sent, strategy.public_x[strategy._kt[1]])
     replies = []
     for index, message in enumerate(messages):
-        part = strategy.run.data.client(strategy.selected(1)[index].client_id)
+        part = strategy.run.data.client(strategy.replies.selected(1)[index].client_id)
         path = tmp_path / f"device{index}.npz"
         np.savez(path, x=part.x, y=part.y)
         device = make_context(
@@ -273,7 +280,7 @@ def test_total_budget_is_met_by_the_worst_client(tmp_path):
     for t in range(1, 7):
         _, (new, _) = _round(strategy, t, arrays, fail_last=(t == 3))
         arrays = new if new is not None else arrays
-        for info in strategy.selected(t):
+        for info in strategy.replies.selected(t):
             counts[info.client_id] += 1
     assert strategy.max_participations == counts.max()
     for client in range(6):
@@ -325,7 +332,7 @@ def test_aggregation_fine_tunes_and_rejects_malformed_reports(tmp_path):
     assert targets.argmax(axis=1).tolist() == [3, 4]
     messages = list(strategy.configure_train(2, new, ConfigRecord(), grid=None))
     assert strategy.aggregate_train(2, [error_reply(m) for m in messages])[0] is None
-    assert strategy.accountant.rounds_participated(strategy.selected(2)[0].client_id) >= 1
+    assert strategy.accountant.rounds_participated(strategy.replies.selected(2)[0].client_id) >= 1
 
 
 @pytest.mark.parametrize(
@@ -431,8 +438,8 @@ def test_model_auto_is_the_authors_cnn_on_28x28_images():
     from fl_app.models import build_model
 
     cfg = compose_config(["strategy=privatekt", "dataset=fashion_mnist"])
-    assert PrivateKTStrategy.resolve_model(cfg, (1, 28, 28)) == "privatekt_cnn"
-    assert PrivateKTStrategy.resolve_model(cfg, (1, 8, 8)) == "mlp"  # digits: too small for it
+    assert PrivateKTStrategy.declaration.model_name(cfg, (1, 28, 28)) == "privatekt_cnn"
+    assert PrivateKTStrategy.declaration.model_name(cfg, (1, 8, 8)) == "mlp"  # digits: too small for it
     model = build_model("privatekt_cnn", (1, 28, 28), 10)
     assert sum(p.numel() for p in model.parameters()) == 1_682_890  # the authors' ~1.68 M
     assert sum(isinstance(m, torch.nn.Dropout) for m in model.modules()) == 5

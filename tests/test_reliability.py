@@ -233,8 +233,8 @@ def test_checkpoint_rebinds_clients_and_context_to_the_resumed_run(tmp_path):
     overrides = [*FAST, "strategy=fedavg_ldp"]  # its planned schedule holds roster entries
     run = build_run_context(overrides, tmp_path)
     strategy = STRATEGIES.get("fedavg_ldp")(run)
-    strategy.planned_cohorts[1] = run.roster[:3]
-    strategy._selected[1] = run.roster[:3]  # the round's cohort: not written (round state)
+    strategy.cohorts.planned[1] = run.roster[:3]
+    strategy.replies.record_selected(1, run.roster[:3])  # the round's cohort: not written
     save_checkpoint(
         tmp_path,
         Checkpoint(
@@ -255,8 +255,8 @@ def test_checkpoint_rebinds_clients_and_context_to_the_resumed_run(tmp_path):
     other.roster[:] = [type(c)(c.client_id, c.node_id + 500, c.num_examples) for c in other.roster]
     restored = load_checkpoint(tmp_path, other).strategy
     assert restored.run is other and restored.cfg is other.cfg
-    assert [c.node_id for c in restored.planned_cohorts[1]] == [1500, 1501, 1502]
-    assert restored.selected(1) == [] and strategy.selected(1)  # the saved object is not changed
+    assert [c.node_id for c in restored.cohorts.planned[1]] == [1500, 1501, 1502]
+    assert restored.replies.selected(1) == [] and strategy.replies.selected(1)  # the original keeps it
     assert restored.noise_multiplier == strategy.noise_multiplier
 
 
@@ -289,7 +289,7 @@ def test_checkpoint_size_does_not_grow_with_the_rounds(tmp_path):
             )
             sizes[server_round] = save_checkpoint(tmp_path, checkpoint, run).stat().st_size
     assert abs(sizes[40] - sizes[4]) < 200, sizes
-    assert len(strategy.selected(40)) == len(messages) and strategy.selected(1) == []
+    assert len(strategy.replies.selected(40)) == len(messages) and strategy.replies.selected(1) == []
 
 
 def test_recent_rounds_keeps_the_latest_rounds_only():

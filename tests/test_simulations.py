@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 
 from fl_app.config import compose_config
-from fl_app.privacy.calibration import binary_rr_epsilon
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian
 from fl_app.results import COHORT_FIELDS, load_model_arrays
 from strategies import STRATEGIES
+from strategies.dpfl_bnn.privacy import binary_rr_epsilon
 
 pytestmark = pytest.mark.simulation
 

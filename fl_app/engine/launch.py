@@ -54,7 +54,7 @@ def actor_limit(limit: int | None) -> Any:
 def run_simulation_engine(
     *,
     num_supernodes: int,
-    server_app_attr: str,
+    server_app: Any,
     client_app_attr: str,
     app_dir: str,
     server_app_context: Any,
@@ -64,6 +64,7 @@ def run_simulation_engine(
 ) -> None:
     """Run a ServerApp and ClientApp in Flower's Ray-backed simulation engine, in this process.
 
+    ``server_app`` is the ServerApp object to run (built for the run's composed configuration);
     ``max_actors`` caps the number of client actors (:func:`actor_limit`); ``messages_per_task``
     is the most messages one Ray task carries to an actor (1: one per task, as Flower sends them).
     """
@@ -78,7 +79,7 @@ def run_simulation_engine(
         _run_simulation(
             num_supernodes=num_supernodes,
             exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
-            server_app_attr=server_app_attr,
+            server_app=server_app,
             client_app_attr=client_app_attr,
             app_dir=app_dir,
             server_app_context=server_app_context,

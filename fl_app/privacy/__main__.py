@@ -1,7 +1,7 @@
-"""``python -m fl_app.privacy``: the privacy budget calculator (see :mod:`fl_app.privacy.cli`)."""
+"""``python -m fl_app.privacy``: the privacy budget calculator (an entry point: :mod:`fl_app.calculator`)."""
 
 import sys
 
-from fl_app.privacy.cli import main
+from fl_app.calculator import main
 
 sys.exit(main())

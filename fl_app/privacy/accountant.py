@@ -23,6 +23,8 @@ from fl_app.privacy.composition import METHODS, EpsilonReport, basic_epsilon, co
 from fl_app.privacy.events import Mechanism, PrivacyEvent
 
 _STATE_VERSION = 1
+#: The file a run's main accountant writes its events to (its output directory).
+LEDGER_FILE = "privacy_ledger.json"
 
 
 class PrivacyAccountant:

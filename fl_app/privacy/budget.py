@@ -13,15 +13,13 @@ Three rules, each stated for one privacy unit (what a neighbouring pair is):
   again costs nothing. Adding a charge that post-processing makes
   unnecessary keeps an upper bound an upper bound (:func:`charged_report`).
 
-:func:`split_kd_dp_budget` divides a total budget the way KD-DP does and
-:func:`grouped_epsilon` evaluates it on an accountant (:mod:`fl_app.privacy.kd_dp` keeps
-KD-DP's ledgers). Every function is
-keyword-only and validates its arguments.
+:func:`grouped_epsilon` evaluates a split across disjoint groups on an accountant (KD-DP's split
+and ledgers are in :mod:`strategies.kd_dp.privacy`). Every function is keyword-only and validates
+its arguments.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -42,73 +40,6 @@ def parallel_epsilon(*, epsilons: Sequence[float]) -> float:
     for i, value in enumerate(epsilons):
         require_non_negative(f"epsilons[{i}]", value)
     return float(max(epsilons, default=0.0))
-
-
-@dataclass(frozen=True)
-class KDDPBudget:
-    """KD-DP's budget split, every value for one record of a federated client.
-
-    Attributes
-    ----------
-    total : float
-        ``privacy.epsilon``: the guarantee promised to every client.
-    teacher : float
-        The teacher stage's budget (large-data clients): ``total - special``.
-    special : float or None
-        The special pseudo-client's label-DP budget (``None``: no label noise).
-    general : float
-        The general clients' DP-SGD budget.
-
-    """
-
-    total: float
-    teacher: float
-    special: float | None
-    general: float
-
-    @property
-    def large_client_total(self) -> float:
-        """What a large-data client is charged: ``teacher + special`` (sequential)."""
-        return sequential_epsilon(epsilons=[self.teacher, self.special or 0.0])
-
-    @property
-    def overall(self) -> float:
-        """Parallel composition of the two disjoint groups: ``max(large, general)``."""
-        return parallel_epsilon(epsilons=[self.large_client_total, self.general])
-
-
-def split_kd_dp_budget(
-    *, total: float, epsilon_special: float | None, epsilon_general: float | None
-) -> KDDPBudget:
-    """Split ``total`` into the teacher's, the special client's and the general clients' budgets.
-
-    The training-stage budgets are fixed (``epsilon_special``,
-    ``epsilon_general``; ``None`` for the latter means ``total``), and the
-    teacher gets what the large-data clients have left:
-    ``teacher = total - epsilon_special`` (``total`` when ``epsilon_special`` is
-    ``None``). Raises ``ValueError`` when a budget is not positive or the split
-    exceeds the total.
-    """
-    if not (isinstance(total, int | float) and math.isfinite(total) and total > 0):
-        raise ValueError(f"total must be a finite number > 0, got {total!r}")
-    if epsilon_special is not None:
-        if not (isinstance(epsilon_special, int | float) and math.isfinite(epsilon_special)):
-            raise ValueError(f"epsilon_special must be a finite number or None, got {epsilon_special!r}")
-        if not 0 < epsilon_special < total:
-            raise ValueError(
-                f"epsilon_special must be in (0, total={total}) so that the teacher keeps a positive "
-                f"budget, got {epsilon_special!r}"
-            )
-    general = total if epsilon_general is None else epsilon_general
-    if not (isinstance(general, int | float) and math.isfinite(general) and 0 < general <= total):
-        raise ValueError(f"epsilon_general must be in (0, total={total}], got {epsilon_general!r}")
-    teacher = total if epsilon_special is None else total - epsilon_special
-    return KDDPBudget(
-        total=float(total),
-        teacher=float(teacher),
-        special=None if epsilon_special is None else float(epsilon_special),
-        general=float(general),
-    )
 
 
 def charged_report(report: EpsilonReport, *, extra_epsilon: float) -> EpsilonReport:

@@ -48,6 +48,10 @@ from fl_app.privacy.events import (
     RandomizedResponse,
     SampledGaussian,
 )
+from strategies.dpfl_bnn import privacy as bnn_cal
+from strategies.laplace_eval import privacy as laplace_cal
+from strategies.nbafl import privacy as nbafl_cal
+from strategies.privatekt import privacy as kt_cal
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -114,16 +118,16 @@ def _parser() -> argparse.ArgumentParser:
     nbafl.add_argument("--t", type=int, required=True, help="aggregation rounds T")
     nbafl.add_argument("--n", type=int, required=True, help="clients N")
     nbafl.add_argument("--k", type=int, default=None, help="clients per round (K-random scheduling)")
-    nbafl.add_argument("--calibration", choices=calibration.NBAFL_CALIBRATIONS, default="accountant")
+    nbafl.add_argument("--calibration", choices=nbafl_cal.NBAFL_CALIBRATIONS, default="accountant")
     nbafl.add_argument(
         "--unit",
-        choices=calibration.NBAFL_UNITS,
+        choices=nbafl_cal.NBAFL_UNITS,
         default="client",
         help="what --epsilon calibrates: client (proven for multi-step SGD) or the document's record reading",
     )
     nbafl.add_argument(
         "--amplification",
-        choices=calibration.NBAFL_AMPLIFICATIONS,
+        choices=nbafl_cal.NBAFL_AMPLIFICATIONS,
         default="two_sided",
         help="K < N downlink: two-sided subsampling bound, or the document's one-sided b and gamma",
     )
@@ -215,26 +219,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         spent = calibration.gaussian_epsilon(noise_multiplier=z, **common)
         return {"noise_multiplier": z, "epsilon": spent, "delta": args.delta, "accountant": args.accountant}
     if args.command == "rr":
-        beta = calibration.privatekt_keep_probability(
-            epsilon=args.epsilon, k=args.k, num_classes=args.classes
-        )
+        beta = kt_cal.privatekt_keep_probability(epsilon=args.epsilon, k=args.k, num_classes=args.classes)
         return {"beta": beta, "epsilon_per_label": args.epsilon / args.k}
     if args.command == "bnn":
         bits, unit = _bnn_bits(args)
         context = {"bits_per_round": bits, "uses": args.rounds * bits, "unit": unit}
         if args.epsilon is not None:
-            gamma = calibration.bnn_gamma(
+            gamma = bnn_cal.bnn_gamma(
                 epsilon=args.epsilon, delta=args.delta, rounds=args.rounds, bits_per_round=bits
             )
             return {"gamma": gamma, **context}
-        epsilon = calibration.binary_rr_epsilon(
+        epsilon = bnn_cal.binary_rr_epsilon(
             gamma=args.gamma, delta=args.delta, rounds=args.rounds, bits_per_round=bits
         )
         return {"epsilon": epsilon, **context}
     if args.command == "nbafl":
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", calibration.ClassicGaussianRangeWarning)
-            sigma_up = calibration.nbafl_uplink_sigma(
+            sigma_up = nbafl_cal.nbafl_uplink_sigma(
                 epsilon=args.epsilon,
                 delta=args.delta,
                 clip=args.clip,
@@ -244,7 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 method=args.accountant,
                 unit=args.unit,
             )
-        sigma_down = calibration.nbafl_downlink_sigma(
+        sigma_down = nbafl_cal.nbafl_downlink_sigma(
             epsilon=args.epsilon,
             delta=args.delta,
             clip=args.clip,
@@ -255,8 +257,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             clients_per_round=args.k,
             amplification=args.amplification,
         )
-        record = sigma_up / calibration.nbafl_sensitivity(clip=args.clip, min_dataset_size=args.m)
-        client = sigma_up / calibration.nbafl_client_sensitivity(clip=args.clip)
+        record = sigma_up / nbafl_cal.nbafl_sensitivity(clip=args.clip, min_dataset_size=args.m)
+        client = sigma_up / nbafl_cal.nbafl_client_sensitivity(clip=args.clip)
         answer: dict[str, Any] = {
             "sigma_up": sigma_up,
             "sigma_down": sigma_down,
@@ -274,10 +276,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return answer
     if args.command == "laplace":
         if args.epsilon is not None:
-            return {"scale": calibration.laplace_scale(sensitivity=args.sensitivity, epsilon=args.epsilon)}
+            return {"scale": laplace_cal.laplace_scale(sensitivity=args.sensitivity, epsilon=args.epsilon)}
         _require(args, "tau", "prob")
         return {
-            "epsilon": calibration.laplace_epsilon_for_tail(
+            "epsilon": laplace_cal.laplace_epsilon_for_tail(
                 tau=args.tau, probability=args.prob, sensitivity=args.sensitivity
             )
         }

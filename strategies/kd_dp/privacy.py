@@ -23,10 +23,78 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.budget import GroupedEpsilon, KDDPBudget, grouped_epsilon
+from fl_app.privacy.budget import GroupedEpsilon, grouped_epsilon, parallel_epsilon, sequential_epsilon
 from fl_app.privacy.calibration import dp_sgd_noise_multiplier
 from fl_app.privacy.dp_sgd import dp_sgd_mechanism
 from fl_app.privacy.events import PrivacyEvent, RandomizedResponse
+
+
+@dataclass(frozen=True)
+class KDDPBudget:
+    """KD-DP's budget split, every value for one record of a federated client.
+
+    Attributes
+    ----------
+    total : float
+        ``privacy.epsilon``: the guarantee promised to every client.
+    teacher : float
+        The teacher stage's budget (large-data clients): ``total - special``.
+    special : float or None
+        The special pseudo-client's label-DP budget (``None``: no label noise).
+    general : float
+        The general clients' DP-SGD budget.
+
+    """
+
+    total: float
+    teacher: float
+    special: float | None
+    general: float
+
+    @property
+    def large_client_total(self) -> float:
+        """What a large-data client is charged: ``teacher + special`` (sequential)."""
+        return sequential_epsilon(epsilons=[self.teacher, self.special or 0.0])
+
+    @property
+    def overall(self) -> float:
+        """Parallel composition of the two disjoint groups: ``max(large, general)``."""
+        return parallel_epsilon(epsilons=[self.large_client_total, self.general])
+
+
+def split_kd_dp_budget(
+    *, total: float, epsilon_special: float | None, epsilon_general: float | None
+) -> KDDPBudget:
+    """Split ``total`` into the teacher's, the special client's and the general clients' budgets.
+
+    The training-stage budgets are fixed (``epsilon_special``,
+    ``epsilon_general``; ``None`` for the latter means ``total``), and the
+    teacher gets what the large-data clients have left:
+    ``teacher = total - epsilon_special`` (``total`` when ``epsilon_special`` is
+    ``None``). Raises ``ValueError`` when a budget is not positive or the split
+    exceeds the total.
+    """
+    if not (isinstance(total, int | float) and math.isfinite(total) and total > 0):
+        raise ValueError(f"total must be a finite number > 0, got {total!r}")
+    if epsilon_special is not None:
+        if not (isinstance(epsilon_special, int | float) and math.isfinite(epsilon_special)):
+            raise ValueError(f"epsilon_special must be a finite number or None, got {epsilon_special!r}")
+        if not 0 < epsilon_special < total:
+            raise ValueError(
+                f"epsilon_special must be in (0, total={total}) so that the teacher keeps a positive "
+                f"budget, got {epsilon_special!r}"
+            )
+    general = total if epsilon_general is None else epsilon_general
+    if not (isinstance(general, int | float) and math.isfinite(general) and 0 < general <= total):
+        raise ValueError(f"epsilon_general must be in (0, total={total}], got {epsilon_general!r}")
+    teacher = total if epsilon_special is None else total - epsilon_special
+    return KDDPBudget(
+        total=float(total),
+        teacher=float(teacher),
+        special=None if epsilon_special is None else float(epsilon_special),
+        general=float(general),
+    )
+
 
 LARGE = "large"
 GENERAL = "general"

@@ -42,25 +42,36 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from clients.kd_dp import STUDENT_STAGE, TEACHER_STAGE, SpecialPseudoClient
+from clients.kd_dp import (
+    KDDP_CLIP,
+    KDDP_NOISE_MULTIPLIER,
+    KDDP_SAMPLING_RATE,
+    KDDP_STAGE,
+    KDDP_STEPS,
+    STUDENT_STAGE,
+    TEACHER_STAGE,
+    SpecialPseudoClient,
+)
 from fl_app import keys
 from fl_app.config_checks import ConfigError, require_int
-from fl_app.privacy.budget import KDDPBudget, split_kd_dp_budget
 from fl_app.privacy.composition import EpsilonReport
-from fl_app.privacy.kd_dp import (
-    GENERAL,
-    LARGE,
-    RECORD_UNIT,
-    DPSGDGroupPlan,
-    KDDPLedger,
-    group_by_size,
-)
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import load_arrays
 from strategies import register_strategy
 from strategies.arrays import mean_arrays
 from strategies.base import FederatedStrategy, RecentRounds
+from strategies.contract import Declaration
+from strategies.kd_dp.privacy import (
+    GENERAL,
+    LARGE,
+    RECORD_UNIT,
+    DPSGDGroupPlan,
+    KDDPBudget,
+    KDDPLedger,
+    group_by_size,
+    split_kd_dp_budget,
+)
 from strategies.replies import arrays_mismatch, echo_mismatch
 from strategies.settings import StrategySettings, between, integer, one_of, positive
 
@@ -148,14 +159,21 @@ class KDDPSettings(StrategySettings):
 class KDDPStrategy(FederatedStrategy):
     """KD-DP: DP teacher on large-data clients, label-DP special client, DP general clients."""
 
-    client_name = GENERAL_CLIENT
-    privacy_unit = RECORD_UNIT
-    mechanism_name = (
-        "local DP-SGD (per-example clipping, Gaussian noise) on large-data clients (teacher) and "
-        "general clients (student); k-ary randomized response on the special client's pseudo-labels"
+    declaration = Declaration(
+        name="kd_dp",
+        paper="Tan, Xu, Wang, Luo, Computer Science 51(6A), 2024 (KD-DP)",
+        unit=RECORD_UNIT,
+        mechanism=(
+            "local DP-SGD (per-example clipping, Gaussian noise) on large-data clients (teacher) and "
+            "general clients (student); k-ary randomized response on the special client's pseudo-labels"
+        ),
+        client=GENERAL_CLIENT,
+        settings=KDDPSettings,
+        canaries=(
+            "releases per training example (DP-SGD): the analogue is a canary record, not a canary "
+            "client's update (see docs/empirical_privacy.md)"
+        ),
     )
-
-    settings_type = KDDPSettings
     settings: KDDPSettings
 
     #: RDP whatever ``privacy.accountant`` says: a PLD per distinct client (q, steps) costs about a second
@@ -253,7 +271,7 @@ class KDDPStrategy(FederatedStrategy):
         if stage == STUDENT_STAGE and self.special is None and self.teacher_rounds > 0:
             self._release_pseudo_labels(server_round, arrays)
         clients = self.select_clients(server_round)
-        self._selected[server_round] = clients
+        self.replies.record_selected(server_round, clients)
         sent = self.arrays_for_clients(server_round, arrays)
         self._round_start[server_round] = sent
         plan = self.plans[LARGE if stage == TEACHER_STAGE else GENERAL]
@@ -261,7 +279,7 @@ class KDDPStrategy(FederatedStrategy):
         for client in clients:
             record = self.train_config(server_round, config)
             record[keys.ALGORITHM] = TEACHER_CLIENT if stage == TEACHER_STAGE else GENERAL_CLIENT
-            record[keys.KDDP_STAGE] = stage
+            record[KDDP_STAGE] = stage
             for key, value in self._mechanism(plan, client.client_id).items():
                 record[key] = value
             content = RecordDict({keys.ARRAYS: sent, keys.CONFIG: record})
@@ -301,10 +319,10 @@ class KDDPStrategy(FederatedStrategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Charge every selected client, check the replies, average (plus the special client's model)."""
-        valid, _ = self.split_replies(server_round, replies)
+        valid, _ = self.replies.split(server_round, replies)
         stage = self.stage(server_round)
         plan = self.plans[LARGE if stage == TEACHER_STAGE else GENERAL]
-        selected = [c.client_id for c in self.selected(server_round)]  # failures are charged too
+        selected = [c.client_id for c in self.replies.selected(server_round)]  # failures are charged too
         self.ledger.record_dp_sgd(server_round, plan.name, selected, stage=stage)
         start = self._round_start[server_round]
         records: list[ArrayRecord] = []
@@ -341,10 +359,10 @@ class KDDPStrategy(FederatedStrategy):
     def _mechanism(self, plan: DPSGDGroupPlan, client: int) -> dict[str, float | int]:
         """The DP-SGD parameters sent to ``client``, which its reply must echo."""
         return {
-            keys.KDDP_NOISE_MULTIPLIER: plan.noise_multipliers[client],
-            keys.KDDP_SAMPLING_RATE: plan.sampling_rates[client],
-            keys.KDDP_STEPS: plan.steps_per_round[client],
-            keys.KDDP_CLIP: self.settings.clip,
+            KDDP_NOISE_MULTIPLIER: plan.noise_multipliers[client],
+            KDDP_SAMPLING_RATE: plan.sampling_rates[client],
+            KDDP_STEPS: plan.steps_per_round[client],
+            KDDP_CLIP: self.settings.clip,
         }
 
     def _check_reply(self, info: ClientInfo, reply: Message, plan: DPSGDGroupPlan, start: ArrayRecord) -> str:

@@ -55,22 +55,14 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.common import log
 from omegaconf import DictConfig
 
+from clients.nbafl import NBAFL_CLIP, NBAFL_MU, NBAFL_SIGMA_UP
 from fl_app import keys
 from fl_app.config_checks import require_int, require_positive, require_range
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import (
     CLASSIC_GAUSSIAN_MAX_EPSILON,
-    NBAFL_AMPLIFICATIONS,
-    NBAFL_CALIBRATIONS,
-    NBAFL_UNITS,
     ClassicGaussianRangeWarning,
     classic_gaussian_constant,
-    nbafl_client_sensitivity,
-    nbafl_downlink_sigma,
-    nbafl_downlink_threshold,
-    nbafl_sensitivity,
-    nbafl_unit_sensitivity,
-    nbafl_uplink_sigma,
 )
 from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import gaussian_mechanism
@@ -79,6 +71,18 @@ from fl_app.run_context import RunContext
 from strategies import register_strategy
 from strategies.arrays import mean_arrays
 from strategies.base import FederatedStrategy
+from strategies.contract import Declaration
+from strategies.nbafl.privacy import (
+    NBAFL_AMPLIFICATIONS,
+    NBAFL_CALIBRATIONS,
+    NBAFL_UNITS,
+    nbafl_client_sensitivity,
+    nbafl_downlink_sigma,
+    nbafl_downlink_threshold,
+    nbafl_sensitivity,
+    nbafl_unit_sensitivity,
+    nbafl_uplink_sigma,
+)
 from strategies.settings import StrategySettings, integer, non_negative, one_of, positive
 
 RECORD_UNIT = (
@@ -117,14 +121,21 @@ class NbAFLSettings(StrategySettings):
 class NbAFLStrategy(FederatedStrategy):
     """Uniform averaging of locally noised models, downlink noise, K-random scheduling."""
 
-    client_name = "nbafl"
-    privacy_unit = CLIENT_UNIT
-    mechanism_name = (
-        "Gaussian noise N(0, sigma_U^2) on each scheduled client's clipped parameter vector (uplink), "
-        "Gaussian noise N(0, sigma_D^2) on the uniform average (downlink, if T exceeds the threshold)"
+    declaration = Declaration(
+        name="nbafl",
+        paper="Wei, Li, Ding, Ma, Yang, Farokhi, Jin, Quek, Poor, IEEE TIFS 15, 2020 (NbAFL)",
+        unit=CLIENT_UNIT,
+        mechanism=(
+            "Gaussian noise N(0, sigma_U^2) on each scheduled client's clipped parameter vector (uplink), "
+            "Gaussian noise N(0, sigma_D^2) on the uniform average (downlink, if T exceeds the threshold)"
+        ),
+        client="nbafl",
+        settings=NbAFLSettings,
+        canaries=(
+            "uploads noised parameters, not updates: the analogue would be a canary whose parameters "
+            "differ along u_k; not built (see docs/empirical_privacy.md)"
+        ),
     )
-
-    settings_type = NbAFLSettings
     settings: NbAFLSettings
 
     def __init__(self, run: RunContext, settings: NbAFLSettings | None = None) -> None:
@@ -229,7 +240,7 @@ class NbAFLStrategy(FederatedStrategy):
 
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """C, sigma_U and mu for the clients."""
-        return {keys.NBAFL_CLIP: self.clip, keys.NBAFL_SIGMA_UP: self.sigma_up, keys.NBAFL_MU: self.mu}
+        return {NBAFL_CLIP: self.clip, NBAFL_SIGMA_UP: self.sigma_up, NBAFL_MU: self.mu}
 
     # ------------------------------------------------------------------ K-random scheduling
 
@@ -259,7 +270,7 @@ class NbAFLStrategy(FederatedStrategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Uniform average of the noised uploads plus the downlink noise."""
-        valid, _ = self.split_replies(server_round, replies)
+        valid, _ = self.replies.split(server_round, replies)
         self._record_uploads(server_round)
         self._uploads[server_round] = len(valid)
         if not valid:
@@ -289,7 +300,7 @@ class NbAFLStrategy(FederatedStrategy):
         """One Gaussian event per scheduled client (failures included), client level and the document's."""
         if self.accountant is None or self.document_accountant is None:
             return
-        participants = tuple(c.client_id for c in self.selected(server_round))
+        participants = tuple(c.client_id for c in self.replies.selected(server_round))
         if not participants:
             return
         self.accountant.record(

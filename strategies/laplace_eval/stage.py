@@ -36,6 +36,7 @@ are routed back by the id of the message they answer. The noise plan and both le
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Iterable
@@ -47,28 +48,38 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
 from omegaconf import DictConfig
 
-from clients.laplace_eval import LAPLACE, PRIVACY_EVAL_TYPES, reported_vectors
+from clients.laplace_eval import (
+    EVAL_SENSITIVITY,
+    LAPLACE,
+    LAPLACE_EVAL_EPS,
+    PRIVACY_EVAL_TYPE,
+    PRIVACY_EVAL_TYPES,
+    reported_vectors,
+)
 from fl_app import keys
-from fl_app.clustering import EVAL_TYPES, ClusteringScores, clustering_scores
 from fl_app.config import with_values
 from fl_app.config_checks import ConfigError
+from fl_app.privacy.accountant import LEDGER_FILE, PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
-from fl_app.privacy.laplace_eval import (
+from fl_app.roster import ClientInfo
+from strategies import register_evaluation_stage
+from strategies.base import base_train_config
+from strategies.contract import Strategy
+from strategies.laplace_eval.clustering import EVAL_TYPES, ClusteringScores, clustering_scores
+from strategies.laplace_eval.privacy import (
     EvaluationLedger,
     LaplaceReportPlan,
 )
-from fl_app.roster import ClientInfo
-from strategies import STRATEGIES, register_evaluation_stage
-from strategies.base import FederatedStrategy, RecentRounds
+from strategies.replies import RecentRounds, ReplyBook
+from strategies.reporting import RoundReport, RunReport
 from strategies.settings import StrategySettings, between, integer, names, one_of, positive
 from strategies.stage import EvaluationStage
 
 STAGE_NAME = "laplace_eval"
 CLIENT_NAME = "laplace_eval"
-LEDGER_FILE = "privacy_ledger_evaluation.json"
+EVALUATION_LEDGER_FILE = "privacy_ledger_evaluation.json"
 
 
 class SensitivityWarning(UserWarning):
@@ -105,20 +116,13 @@ class LaplaceEvalSettings(StrategySettings):
         return self.privacy_eval_type == LAPLACE and self.laplace_eval_eps is None
 
     def check(self, cfg: DictConfig) -> None:
-        """A total budget to split; a strategy whose round loop the stage sees."""
+        """A total budget to split."""
         if self.calibrated and cfg.privacy.budget_scope != "total":
             raise ConfigError(
                 "evaluation.laplace_eval_eps",
                 None,
                 "must be set (a per-report epsilon) with privacy.budget_scope=per_round: the calibrated "
                 "default splits a total budget",
-            )
-        if STRATEGIES.get(str(cfg.strategy.name)).start is not Strategy.start:
-            raise ConfigError(
-                "evaluation.stage",
-                STAGE_NAME,
-                f"cannot wrap strategy.name={cfg.strategy.name}: it overrides Strategy.start, whose round "
-                "loop would bypass the stage",
             )
 
     def budget(self, cfg: DictConfig) -> float:
@@ -132,7 +136,7 @@ class LaplaceEvalSettings(StrategySettings):
 class LaplaceEvalStage(EvaluationStage):
     """Wraps a built training strategy and adds the clustering evaluation (see the module docstring)."""
 
-    def __init__(self, strategy: FederatedStrategy) -> None:
+    def __init__(self, strategy: Strategy) -> None:
         super().__init__(strategy)
         run = strategy.run
         self.settings = settings = LaplaceEvalSettings.from_config(run.cfg)
@@ -153,11 +157,13 @@ class LaplaceEvalStage(EvaluationStage):
             log(WARNING, "%s", warning)
         self.ledger = EvaluationLedger(
             population=run.client_ids,
-            training_unit=strategy.privacy_unit,
+            training_unit=strategy.declaration.unit,
             epsilon_per_report=None if self.plan is None else self.plan.epsilon_per_report,
             delta=run.delta,
             method=run.accountant_method,
         )
+        self.replies = ReplyBook(run)
+        self._training: EpsilonReport | None = None  # the training's epsilon after the last round
         self._sampled: dict[int, list[ClientInfo]] = RecentRounds()
         self._messages: dict[int, list[Message]] = RecentRounds()
         self._failed: dict[int, list[int]] = {}
@@ -180,9 +186,9 @@ class LaplaceEvalStage(EvaluationStage):
             cfg, {"privacy.epsilon": float(cfg.privacy.epsilon) - budget, "evaluation.epsilon_budget": budget}
         )
 
-    def summary(self) -> None:
-        """The training strategy's summary, then the stage's settings."""
-        self.inner.summary()
+    def describe(self) -> None:
+        """The training strategy's header, then the stage's settings."""
+        self.inner.describe()
         plan = self.plan
         log(
             INFO,
@@ -205,34 +211,70 @@ class LaplaceEvalStage(EvaluationStage):
         A private strategy's is not: an un-noised training loss would leave the run outside its epsilon.
         """
         arrays, metrics = self.inner.aggregate_train(server_round, replies)
-        if self.inner.accountant is None and metrics is not None and keys.TRAIN_LOSS in metrics:
+        private = self.inner.declaration.is_private(self.run.cfg)
+        if not private and metrics is not None and keys.TRAIN_LOSS in metrics:
             self._train_loss[server_round] = float(metrics[keys.TRAIN_LOSS])
         return arrays, metrics
 
-    def epsilon(self) -> EpsilonReport | None:
-        """The *total* epsilon per client (``rounds[].epsilon``): training and clustering evaluation.
+    def total_epsilon(self, training: EpsilonReport | None) -> EpsilonReport | None:
+        """The *total* epsilon per client: the training's and the clustering evaluation's.
 
+        Composed jointly with the training's main ledger when that ledger's worst client *is* the
+        training epsilon (read back from :meth:`ledgers`, the contract); else by basic composition.
         None (no finite guarantee) when the training is not private or clear vectors were sent.
         """
-        inner = self.inner
-        jointly = type(inner).epsilon is FederatedStrategy.epsilon and inner.accountant is not None
-        return self.ledger.total(inner.epsilon(), joint_with=inner.accountant if jointly else None)
+        state = self.inner.ledgers().get(LEDGER_FILE)
+        joint = None
+        if state is not None and training is not None:
+            accountant = PrivacyAccountant.from_state_dict(state)
+            if accountant.epsilon(delta=self.run.delta).epsilon == training.epsilon:
+                joint = accountant
+        return self.ledger.total(training, joint_with=joint)
 
-    def stage_epsilons(self) -> dict[str, float | None]:
-        """Training and clustering evaluation, each in the training strategy's unit."""
-        return {**self.inner.stage_epsilons(), "clustering_evaluation": self.ledger.client_epsilon()}
+    def report_round(self, server_round: int) -> RoundReport:
+        """The training's round plus the clustering scores, the stage's epsilon and the total."""
+        inner = self.inner.report_round(server_round)
+        self._training = inner.training_epsilon
+        return dataclasses.replace(
+            inner,
+            epsilon=self.total_epsilon(inner.training_epsilon),
+            extras={**inner.extras, **self.round_extras(server_round)},
+        )
 
-    def released_stages(self) -> list[str]:
-        """The training strategy's releases plus the evaluation's vectors."""
-        return [
-            *self.inner.released_stages(),
-            "clustering evaluation: every (noised) softmax vector of every evaluated client",
-        ]
+    def report_run(self, final: ArrayRecord) -> RunReport:
+        """The training's report with the evaluation's stage, ledger, summary and last scores."""
+        inner = self.inner.report_run(final)
+        privacy = inner.privacy
+        total = self.total_epsilon(self._training)
+        report = dataclasses.replace(
+            privacy,
+            summary={**privacy.summary, "evaluation": self.evaluation_summary()},
+            total=dataclasses.replace(
+                privacy.total,
+                epsilon=None if total is None else total.epsilon,
+                method=None if total is None else total.method,
+                per_stage={**privacy.total.per_stage, "clustering_evaluation": self.ledger.client_epsilon()},
+                covers=(
+                    *privacy.total.covers,
+                    "clustering evaluation: every (noised) softmax vector of every evaluated client",
+                ),
+            ),
+        )
+        last = self._scores[max(self._scores)] if self._scores else None
+        final_fields = {
+            **inner.final,
+            "silhouette": None if last is None else last.silhouette,
+            "calinski_harabasz": None if last is None else last.calinski_harabasz,
+            "cluster_eval_epsilon": self.ledger.example_epsilon(),
+        }
+        return RunReport(privacy=report, final=final_fields)
 
-    def extra_ledgers(self) -> dict[str, dict[str, Any]]:
+    def ledgers(self) -> dict[str, dict[str, Any]]:
         """The training strategy's ledgers plus the per-example evaluation ledger."""
-        extra = {} if self.plan is None else {LEDGER_FILE: self.ledger.example_accountant.state_dict()}
-        return {**self.inner.extra_ledgers(), **extra}
+        ledgers = self.inner.ledgers()
+        if self.plan is not None:
+            ledgers[EVALUATION_LEDGER_FILE] = self.ledger.example_accountant.state_dict()
+        return ledgers
 
     def evaluates(self, server_round: int) -> bool:
         """Whether ``server_round`` has a clustering evaluation (every ``cluster_every``, and the last)."""
@@ -246,14 +288,13 @@ class LaplaceEvalStage(EvaluationStage):
 
     def clustering_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
         """The evaluate ConfigRecord: the strategy's base keys, the stage's client and its mechanism."""
-        record = self.inner.base_config(server_round)
+        record = base_train_config(self.run, client=CLIENT_NAME, server_round=server_round)
         for key, value in config.items():
             record[key] = value
-        record[keys.ALGORITHM] = CLIENT_NAME
-        record[keys.PRIVACY_EVAL_TYPE] = self.settings.privacy_eval_type
+        record[PRIVACY_EVAL_TYPE] = self.settings.privacy_eval_type
         if self.plan is not None:
-            record[keys.LAPLACE_EVAL_EPS] = self.plan.configured_epsilon
-            record[keys.EVAL_SENSITIVITY] = self.plan.sensitivity
+            record[LAPLACE_EVAL_EPS] = self.plan.configured_epsilon
+            record[EVAL_SENSITIVITY] = self.plan.sensitivity
         return record
 
     def configure_evaluate(
@@ -299,7 +340,7 @@ class LaplaceEvalStage(EvaluationStage):
 
     def _score(self, server_round: int, replies: list[Message]) -> ClusteringScores:
         sampled = self._sampled[server_round]
-        valid, failed = self.inner.split_replies(server_round, replies, stage="clustering evaluation")
+        valid, failed = self.replies.split(server_round, replies, stage="clustering evaluation")
         failures = {info.client_id for info in failed}
         parts: list[np.ndarray] = []
         rows: dict[int, int] = {}
@@ -351,9 +392,8 @@ class LaplaceEvalStage(EvaluationStage):
         return scores
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
-        """The strategy's extras plus ``silhouette``, ``calinski_harabasz`` and the stage's epsilon."""
-        extras = dict(self.inner.round_extras(server_round))
-        extras.setdefault("train_loss", self._train_loss.get(server_round))
+        """``silhouette``, ``calinski_harabasz``, the stage's epsilon (and a non-private run's train loss)."""
+        extras: dict[str, Any] = {"train_loss": self._train_loss.get(server_round)}
         scores = self._scores.get(server_round)
         evaluated = server_round in self._sampled
         return extras | {
@@ -368,8 +408,8 @@ class LaplaceEvalStage(EvaluationStage):
             "cluster_eval_epsilon_client": self.ledger.client_epsilon(),
         }
 
-    def privacy_summary(self) -> dict[str, Any]:
-        """The training strategy's summary plus an ``evaluation`` object for the stage."""
+    def evaluation_summary(self) -> dict[str, Any]:
+        """The ``evaluation`` object of the results' privacy summary."""
         plan = self.plan
         clear = LaplaceReportPlan.clear_json(self.settings.sensitivity)
         evaluation = {
@@ -379,18 +419,9 @@ class LaplaceEvalStage(EvaluationStage):
             "training_budget": None if plan is None or plan.budget is None else self.run.epsilon,
             "evaluation_rounds": self.evaluation_rounds,
             **self.ledger.summary(),
-            "ledger": None if plan is None else LEDGER_FILE,
+            "ledger": None if plan is None else EVALUATION_LEDGER_FILE,
         }
-        return {**self.inner.privacy_summary(), "evaluation": evaluation}
-
-    def final_extras(self) -> dict[str, Any]:
-        """The strategy's extras plus the last clustering scores."""
-        last = self._scores[max(self._scores)] if self._scores else None
-        return self.inner.final_extras() | {
-            "silhouette": None if last is None else last.silhouette,
-            "calinski_harabasz": None if last is None else last.calinski_harabasz,
-            "cluster_eval_epsilon": self.ledger.example_epsilon(),
-        }
+        return evaluation
 
 
 def _fmt(value: float | None) -> str:

@@ -11,13 +11,87 @@ reveals in isolation and is kept beside it, labelled (:attr:`BinaryRRLedger.coor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.calibration import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
-from fl_app.privacy.events import BinaryRandomizedResponse, PrivacyEvent
+from fl_app.privacy.calibration import largest_meeting
+from fl_app.privacy.checks import require_positive, require_positive_int, require_probability
+from fl_app.privacy.composition import compose_epsilon
+from fl_app.privacy.events import (
+    BinaryRandomizedResponse,
+    PrivacyEvent,
+)
+
+# --------------------------------------------------------------------------------------
+# DPFL-BNN (Liu et al. 2023, Theorem 1)
+# --------------------------------------------------------------------------------------
+
+
+def binary_rr_epsilon(
+    *, gamma: float, delta: float, rounds: int, bits_per_round: int = 1, method: str = "rdp"
+) -> float:
+    """Epsilon of ``rounds * bits_per_round`` uses of RR_gamma (accountant composition)."""
+    require_positive_int("rounds", rounds)
+    require_positive_int("bits_per_round", bits_per_round)
+    history = {BinaryRandomizedResponse(gamma): rounds * bits_per_round}
+    return compose_epsilon(history, delta=delta, method=method).epsilon
+
+
+def bnn_gamma(*, epsilon: float, delta: float, rounds: int, bits_per_round: int = 1) -> float:
+    """Largest gamma whose RR_gamma composed ``rounds * bits_per_round`` times meets (epsilon, delta).
+
+    DPFL-BNN Theorem 1 with the Renyi order optimised (over the accountant's
+    orders, and with dp-accounting's RDP-to-DP conversion) instead of the
+    document's fixed order ``alpha = 1 + 2(1/delta)/epsilon``.
+    ``bits_per_round=1`` is the document's per-coordinate accounting; ``d``
+    accounts for a client's whole d-bit upload per round.
+    """
+    require_positive("epsilon", epsilon)
+    require_probability("delta", delta)
+    return largest_meeting(
+        lambda g: binary_rr_epsilon(gamma=g, delta=delta, rounds=rounds, bits_per_round=bits_per_round),
+        target=epsilon,
+        low=0.0,
+        high=0.5 - 1e-12,
+    )
+
+
+def bnn_rdp_closed_form(*, gamma: float, order: float) -> float:
+    """RDP of RR_gamma at order alpha > 1 (DPFL-BNN Lemma 3, Mironov 2017)."""
+    if not 0 <= gamma < 0.5:
+        raise ValueError(f"gamma must be in [0, 0.5), got {gamma!r}")
+    if order <= 1:
+        raise ValueError(f"order must be > 1, got {order!r}")
+    p, q = 0.5 + gamma, 0.5 - gamma
+    log_terms = (
+        order * math.log(p) + (1 - order) * math.log(q),
+        order * math.log(q) + (1 - order) * math.log(p),
+    )
+    top = max(log_terms)
+    return (top + math.log(sum(math.exp(t - top) for t in log_terms))) / (order - 1)
+
+
+def bnn_gamma_theorem1(*, epsilon: float, delta: float, rounds: int) -> float:
+    """Gamma from DPFL-BNN Theorem 1 as printed, with its order corrected to log(1/delta).
+
+    Theorem 1 fixes ``alpha = 1 + 2 log(1/delta) / epsilon`` (the document prints
+    ``1/delta`` in place of ``log(1/delta)``) and requires
+    ``T rho(alpha) + log(1/delta)/(alpha - 1) <= epsilon``, i.e.
+    ``rho(alpha) <= epsilon / (2T)``. Kept for comparison: :func:`bnn_gamma`
+    optimises the order and gives a gamma at least this large.
+    """
+    require_positive("epsilon", epsilon)
+    require_probability("delta", delta)
+    require_positive_int("rounds", rounds)
+    order = 1.0 + 2.0 * math.log(1.0 / delta) / epsilon
+    budget = epsilon / (2.0 * rounds)
+    return largest_meeting(
+        lambda g: bnn_rdp_closed_form(gamma=g, order=order), target=budget, low=0.0, high=0.5 - 1e-12
+    )
+
 
 CLIENT_UNIT = (
     "one client's entire data set, replaced by any other data set (client-level local DP: "

@@ -57,22 +57,20 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
-from clients.privatekt import decode_labels
+from clients.privatekt import (
+    KT_INDICES,
+    KT_LABEL_EPSILON,
+    KT_LABELS,
+    KT_LABELS_ARRAY,
+    KT_SAMPLES,
+    KT_SAMPLES_ARRAY,
+    decode_labels,
+)
 from fl_app import keys
 from fl_app.config_checks import ConfigError
 from fl_app.data.federated import DataSpec, federated_data
-from fl_app.knowledge import (
-    KNOWLEDGE_MODES,
-    KnowledgeBuffer,
-    draw_weighted,
-    fit_targets,
-    knowledge_targets,
-    prediction_entropy,
-    sampling_weights,
-)
 from fl_app.models import is_28x28_image
 from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.calibration import privatekt_epsilon_per_label
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import PrivacyEvent, RandomizedResponse
 from fl_app.privacy.mechanisms import debias_label_average
@@ -82,6 +80,17 @@ from fl_app.training import has_dropout, load_arrays, model_to_arrays, predict_p
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
 from strategies.cohorts import SCHEDULES, max_participations
+from strategies.contract import Declaration
+from strategies.privatekt.knowledge import (
+    KNOWLEDGE_MODES,
+    KnowledgeBuffer,
+    draw_weighted,
+    fit_targets,
+    knowledge_targets,
+    prediction_entropy,
+    sampling_weights,
+)
+from strategies.privatekt.privacy import privatekt_epsilon_per_label
 from strategies.settings import StrategySettings, between, flag, integer, one_of
 
 SELF_TRAIN_TARGETS = ("soft", "hard")
@@ -148,14 +157,22 @@ class PrivateKTSettings(StrategySettings):
 class PrivateKTStrategy(FederatedStrategy):
     """PrivateKT's server: KT sampling, Eq. 3 aggregation, buffer fine-tuning, self-training."""
 
-    client_name = "privatekt"
-    privacy_unit = (
-        "one client's entire local data set (local DP: any two data sets of one client; "
-        "each report of K labels is protected against the server)"
+    declaration = Declaration(
+        name="privatekt",
+        paper="Qi, Wu et al., Nature Communications 2023 (PrivateKT)",
+        unit=(
+            "one client's entire local data set (local DP: any two data sets of one client; "
+            "each report of K labels is protected against the server)"
+        ),
+        mechanism="k-ary randomized response on each of the K predicted labels (Eq. 2)",
+        client="privatekt",
+        settings=PrivateKTSettings,
+        model=lambda cfg, shape: PRIVATEKT_MODEL if is_28x28_image(shape) else None,
+        canaries=(
+            "uploads labels (k-ary randomized response): the analogue is a canary label with a known "
+            "answer, a membership test on the label histogram, not a cosine (see docs/empirical_privacy.md)"
+        ),
     )
-    mechanism_name = "k-ary randomized response on each of the K predicted labels (Eq. 2)"
-
-    settings_type = PrivateKTSettings
     settings: PrivateKTSettings
 
     def __init__(self, run: RunContext, settings: PrivateKTSettings | None = None) -> None:
@@ -180,10 +197,10 @@ class PrivateKTStrategy(FederatedStrategy):
         simulated = simulated_roster(run.roster)
         self.send_kt_data = not simulated if settings.send_kt_data is None else settings.send_kt_data
 
-        self.planned_cohorts = self.seeded_schedule(
-            self.run.num_rounds, balanced=settings.schedule == "balanced"
+        self.cohorts.plan(
+            self.cohorts.seeded_schedule(self.run.num_rounds, balanced=settings.schedule == "balanced")
         )
-        self.max_participations = max_participations(self.planned_cohorts)
+        self.max_participations = max_participations(self.cohorts.planned)
         self.budget_scope = self.run.budget_scope
         self.method = self.run.accountant_method
         self.epsilon_per_label = privatekt_epsilon_per_label(
@@ -226,21 +243,14 @@ class PrivateKTStrategy(FederatedStrategy):
 
     # ------------------------------------------------------------------ configuration
 
-    @classmethod
-    def resolve_model(cls, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:
-        """``model=auto``: the authors' network (:class:`fl_app.models.PrivateKTCNN`) for 28x28 images."""
-        if str(cfg.model) == "auto" and is_28x28_image(input_shape):
-            return PRIVATEKT_MODEL
-        return super().resolve_model(cfg, input_shape)
-
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """Per-label epsilon, local epochs, and the KT indices unless the samples travel."""
         extra: dict[str, Any] = {
-            keys.KT_LABEL_EPSILON: float(self.epsilon_per_label),
+            KT_LABEL_EPSILON: float(self.epsilon_per_label),
             keys.LOCAL_EPOCHS: self.local_epochs,
         }
         if not self.send_kt_data:
-            extra[keys.KT_INDICES] = [int(i) for i in self._kt[server_round]]
+            extra[KT_INDICES] = [int(i) for i in self._kt[server_round]]
         return extra
 
     # ------------------------------------------------------------------ rounds
@@ -267,15 +277,15 @@ class PrivateKTStrategy(FederatedStrategy):
         messages = list(super().configure_train(server_round, arrays, config, grid))
         if self.send_kt_data and messages:
             samples = np.ascontiguousarray(self.public_x[self._kt[server_round]])
-            record = ArrayRecord({keys.KT_SAMPLES_ARRAY: Array(samples)})
+            record = ArrayRecord({KT_SAMPLES_ARRAY: Array(samples)})
             for message in messages:
-                message.content[keys.KT_SAMPLES] = record
+                message.content[KT_SAMPLES] = record
         return messages
 
     def parse_report(self, info: ClientInfo, reply: Message) -> np.ndarray | None:
         """The K labels of a reply, or None (logged) when the reply is malformed."""
         try:
-            array = reply.content.array_records[keys.KT_LABELS][keys.KT_LABELS_ARRAY]
+            array = reply.content.array_records[KT_LABELS][KT_LABELS_ARRAY]
             return decode_labels(array, k=self.k, num_classes=self.num_classes)
         except (KeyError, ValueError) as error:
             log(WARNING, "PrivateKT: client %d sent a malformed report (%s); ignored", info.client_id, error)
@@ -285,7 +295,7 @@ class PrivateKTStrategy(FederatedStrategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Eq. 3, the knowledge buffer, fine-tuning and self-training (Algorithm 1, lines 16-18)."""
-        valid, _ = self.split_replies(server_round, replies)
+        valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
         assert self.accountant is not None
         self.accountant.record(
@@ -293,7 +303,7 @@ class PrivateKTStrategy(FederatedStrategy):
                 server_round,
                 self.mechanism,
                 count=self.k,
-                participants=tuple(c.client_id for c in self.selected(server_round)),
+                participants=tuple(c.client_id for c in self.replies.selected(server_round)),
                 label="perturbed KT labels",
             )
         )

@@ -20,20 +20,93 @@ Two units, two accountants (:class:`EvaluationLedger`):
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fl_app.privacy.accountant import PrivacyAccountant, combined_epsilon
-from fl_app.privacy.calibration import (
-    PROBABILITY_VECTOR_L1_SENSITIVITY,
-    laplace_epsilon_for_scale,
-    laplace_epsilon_per_report,
-    laplace_scale,
-)
+from fl_app.privacy.checks import require_positive, require_positive_int, require_probability
 from fl_app.privacy.composition import EpsilonReport, sequential_stages
-from fl_app.privacy.events import Laplace, PrivacyEvent
+from fl_app.privacy.events import (
+    Laplace,
+    PrivacyEvent,
+)
+
+# --------------------------------------------------------------------------------------
+# Laplace (MindSpore Federated inference-result protection)
+# --------------------------------------------------------------------------------------
+
+
+def laplace_scale(*, sensitivity: float, epsilon: float) -> float:
+    """Laplace scale ``b = sensitivity / epsilon``."""
+    require_positive("sensitivity", sensitivity)
+    require_positive("epsilon", epsilon)
+    return sensitivity / epsilon
+
+
+def laplace_epsilon_for_tail(*, tau: float, probability: float, sensitivity: float) -> float:
+    """Epsilon whose Laplace noise stays below ``tau`` in magnitude with ``probability``.
+
+    ``P(|X| <= tau) = 1 - exp(-tau / b) = p`` gives ``b = tau / ln(1 / (1 - p))``
+    and ``epsilon = sensitivity / b``. The MindSpore document's example
+    (tau = 1e-5, p = 0.9, sensitivity 1) gives ``ln(10) / 1e-5 ~ 2.3e5``; the
+    correct sensitivity of probability vectors, 2, doubles it.
+    """
+    require_positive("tau", tau)
+    require_probability("probability", probability)
+    require_positive("sensitivity", sensitivity)
+    return sensitivity * math.log(1.0 / (1.0 - probability)) / tau
+
+
+#: L1 sensitivity of a probability vector (e.g. one softmax output) when its input is replaced:
+#: ``||p - q||_1 <= ||p||_1 + ||q||_1 = 2``, attained by ``(1, 0, ...)`` and ``(0, 1, ...)``.
+#: The MindSpore document states 1.
+PROBABILITY_VECTOR_L1_SENSITIVITY = 2.0
+
+
+def laplace_epsilon_for_scale(*, scale: float, sensitivity: float) -> float:
+    """Epsilon that Laplace noise of scale ``b`` gives a query of L1 ``sensitivity``: ``sensitivity / b``.
+
+    Used to report the guarantee noise actually delivers when it was calibrated
+    with another sensitivity: noise calibrated as ``Laplace(1 / epsilon)`` (the
+    document's sensitivity 1) on probability vectors (true sensitivity 2) gives
+    ``2 * epsilon``, not ``epsilon``.
+    """
+    require_positive("scale", scale)
+    require_positive("sensitivity", sensitivity)
+    return sensitivity / scale
+
+
+def laplace_epsilon_per_report(*, budget: float, reports: int) -> float:
+    """Per-report Laplace epsilon whose ``reports`` uses by one client stay within ``budget``.
+
+    Basic (sequential) composition of pure Laplace releases (Dwork & Roth 2014,
+    Theorem 3.16): ``reports * epsilon <= budget``, an (epsilon, 0) bound, so
+    adding it to any (epsilon_train, delta) training guarantee keeps delta.
+    For the clustering evaluation (MindSpore's inference-result protection)
+    ``reports`` is the largest number of softmax vectors one client may upload
+    over the run: its number of examples times the evaluation rounds, because
+    one client's data set determines all of its vectors (client-level unit).
+
+    Parameters
+    ----------
+    budget : float
+        The evaluation's share of the per-client epsilon (> 0).
+    reports : int
+        Laplace releases charged to the worst client (>= 1).
+
+    Returns
+    -------
+    float
+        ``budget / reports``.
+
+    """
+    require_positive("budget", budget)
+    require_positive_int("reports", reports)
+    return budget / reports
+
 
 EVALUATION_UNIT = (
     "one local example's inference result (its softmax vector; replace one example), local DP "

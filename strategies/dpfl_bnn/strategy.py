@@ -52,15 +52,31 @@ from flwr.common import log
 from flwr.serverapp import Grid
 from omegaconf import DictConfig
 
+from clients.dpfl_bnn import (
+    BNN_ADAM_BETA1,
+    BNN_ADAM_BETA2,
+    BNN_BETA,
+    BNN_EVAL_TEST_SUBSET,
+    BNN_GAMMA,
+    BNN_LOCAL_ACCURACY,
+    BNN_LOCAL_STEPS,
+    BNN_NOISE,
+    BNN_NUM_BITS,
+    BNN_PACKED_SIGNS,
+    packed_length,
+    signs_of,
+    split_vector,
+    unpack_signs,
+)
 from fl_app import keys
-from fl_app.bits import packed_length, signs_of, split_vector, unpack_signs
 from fl_app.config_checks import ConfigError
 from fl_app.metering import content_bytes
-from fl_app.privacy.bnn import CALIBRATIONS, CLIENT_UNIT, BinaryRRLedger, GammaPlan
 from fl_app.run_context import RunContext
 from fl_app.training import evaluate, load_arrays
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
+from strategies.contract import Declaration
+from strategies.dpfl_bnn.privacy import CALIBRATIONS, CLIENT_UNIT, BinaryRRLedger, GammaPlan
 from strategies.settings import StrategySettings, between, integer, one_of
 
 NOISES = ("rr", "none")
@@ -104,21 +120,37 @@ class DPFLBNNSettings(StrategySettings):
             )
 
 
+def check_binary_model(cfg: DictConfig) -> None:
+    """DPFL-BNN trains its binary network: ``model`` is auto or bnn_cnn."""
+    if cfg.model not in ("auto", MODEL_NAME):
+        raise ConfigError("model", cfg.model, f"dpfl_bnn trains its binary network: auto or {MODEL_NAME}")
+
+
 @register_strategy("dpfl_bnn")
 class DPFLBNNStrategy(FederatedStrategy):
     """Server of DPFL-BNN: unpack, average and broadcast the clients' noised binary weights."""
 
-    client_name = "dpfl_bnn"
-    release_hint = " (strategy.local_eval_clients runs the document's local-model diagnostic)"
-    resumable = False
-    resumable_note = (
-        "cannot be resumed: each client keeps its latent weights and Adam moments in its own state "
-        "(never sent), which a new simulation starts afresh"
+    declaration = Declaration(
+        name="dpfl_bnn",
+        paper="Liu, Zhang, Song, Letaief 2023 (DPFL-BNN: binary FL with client-level DP)",
+        unit=CLIENT_UNIT,
+        mechanism=MECHANISM,
+        client="dpfl_bnn",
+        settings=DPFLBNNSettings,
+        model=lambda cfg, shape: MODEL_NAME,
+        canaries=(
+            "uploads randomized-response bits of binary weights: the analogue is a canary bit pattern, "
+            "measured by the final binary weights' agreement with it; not built "
+            "(see docs/empirical_privacy.md)"
+        ),
+        resume=(
+            "cannot be resumed: each client keeps its latent weights and Adam moments in its own state "
+            "(never sent), which a new simulation starts afresh"
+        ),
+        release_hint=" (strategy.local_eval_clients runs the document's local-model diagnostic)",
+        private=lambda cfg: str(cfg.strategy.noise) != "none",
+        check=lambda cfg: check_binary_model(cfg),
     )
-    privacy_unit = CLIENT_UNIT
-    mechanism_name = MECHANISM
-
-    settings_type = DPFLBNNSettings
     settings: DPFLBNNSettings
     ROUND_STATE = (*FederatedStrategy.ROUND_STATE, "_local_accuracy")  # un-noised: never checkpointed
 
@@ -204,23 +236,6 @@ class DPFLBNNStrategy(FederatedStrategy):
                 target,
             )
 
-    @classmethod
-    def is_private(cls, cfg: DictConfig) -> bool:
-        """Private unless ``strategy.noise=none``."""
-        return str(cfg.strategy.noise) != "none"
-
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """The settings, and the binary model (``model``: auto or bnn_cnn)."""
-        super().validate_config(cfg)
-        if cfg.model not in ("auto", MODEL_NAME):
-            raise ConfigError("model", cfg.model, f"dpfl_bnn trains its binary network: auto or {MODEL_NAME}")
-
-    @classmethod
-    def resolve_model(cls, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:
-        """Always the binary CNN (``model=auto`` or ``model=bnn_cnn``)."""
-        return MODEL_NAME
-
     def initial_arrays(self) -> ArrayRecord:
         """``W_0^b``: the binarized seeded initial model (Algorithm 1 initialises every model with it)."""
         latent = super().initial_arrays()
@@ -239,14 +254,14 @@ class DPFLBNNStrategy(FederatedStrategy):
         """gamma, beta, local steps, Adam, d and the decayed learning rate."""
         settings = self.settings
         return {
-            keys.BNN_NOISE: self.noise,
-            keys.BNN_GAMMA: self.gamma if self.gamma is not None else 0.0,
-            keys.BNN_BETA: settings.beta,
-            keys.BNN_LOCAL_STEPS: settings.local_steps,
-            keys.BNN_ADAM_BETA1: settings.adam_beta1,
-            keys.BNN_ADAM_BETA2: settings.adam_beta2,
-            keys.BNN_NUM_BITS: self.num_bits,
-            keys.BNN_EVAL_TEST_SUBSET: settings.local_eval_test_subset or 0,
+            BNN_NOISE: self.noise,
+            BNN_GAMMA: self.gamma if self.gamma is not None else 0.0,
+            BNN_BETA: settings.beta,
+            BNN_LOCAL_STEPS: settings.local_steps,
+            BNN_ADAM_BETA1: settings.adam_beta1,
+            BNN_ADAM_BETA2: settings.adam_beta2,
+            BNN_NUM_BITS: self.num_bits,
+            BNN_EVAL_TEST_SUBSET: settings.local_eval_test_subset or 0,
             keys.LR: self.learning_rate(server_round),
         }
 
@@ -254,8 +269,8 @@ class DPFLBNNStrategy(FederatedStrategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Unpack the noised bits of every valid upload and broadcast their mean ``W~``."""
-        valid, _ = self.split_replies(server_round, replies)
-        selected = tuple(c.client_id for c in self.selected(server_round))
+        valid, _ = self.replies.split(server_round, replies)
+        selected = tuple(c.client_id for c in self.replies.selected(server_round))
         self._trained.update(selected)
         if self.ledger is not None:
             self.ledger.record(server_round, selected)
@@ -265,9 +280,9 @@ class DPFLBNNStrategy(FederatedStrategy):
         for info, reply in valid:
             try:
                 record = reply.content.array_records[keys.ARRAYS]
-                if list(record.keys()) != [keys.BNN_PACKED_SIGNS]:
-                    raise ValueError(f"expected only {keys.BNN_PACKED_SIGNS!r}, got {list(record.keys())}")
-                total += unpack_signs(record[keys.BNN_PACKED_SIGNS].numpy(), self.num_bits, dtype=np.float64)
+                if list(record.keys()) != [BNN_PACKED_SIGNS]:
+                    raise ValueError(f"expected only {BNN_PACKED_SIGNS!r}, got {list(record.keys())}")
+                total += unpack_signs(record[BNN_PACKED_SIGNS].numpy(), self.num_bits, dtype=np.float64)
             except (KeyError, ValueError) as error:
                 log(
                     WARNING,
@@ -280,7 +295,7 @@ class DPFLBNNStrategy(FederatedStrategy):
                 continue
             sizes.append(content_bytes(reply))
         if malformed:
-            self._failed[server_round] = sorted(set(self._failed.get(server_round, [])) | set(malformed))
+            self.replies.mark_failed(server_round, malformed, "malformed upload")
         self._round_info[server_round] = {
             "uploads_aggregated": len(sizes),
             "upload_bytes_per_client": float(np.mean(sizes)) if sizes else None,
@@ -329,12 +344,12 @@ class DPFLBNNStrategy(FederatedStrategy):
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
         """Unweighted mean over clients of their local-model test accuracy (the document averages clients)."""
-        valid, _ = self.split_replies(server_round, replies, stage="evaluate")
-        values = [float(m.content.metric_records[keys.METRICS][keys.BNN_LOCAL_ACCURACY]) for _, m in valid]
+        valid, _ = self.replies.split(server_round, replies, stage="evaluate")
+        values = [float(m.content.metric_records[keys.METRICS][BNN_LOCAL_ACCURACY]) for _, m in valid]
         if not values:
             return None
         self._local_accuracy[server_round] = float(np.mean(values))
-        return MetricRecord({keys.BNN_LOCAL_ACCURACY: self._local_accuracy[server_round]})
+        return MetricRecord({BNN_LOCAL_ACCURACY: self._local_accuracy[server_round]})
 
     def epsilon_per_coordinate(self) -> float | None:
         """The document's per-coordinate epsilon of the worst client (None: not private)."""

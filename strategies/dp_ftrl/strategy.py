@@ -68,7 +68,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.common import log
 
 from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.calibration import noise_multiplier_for_histories, tree_sensitivity_increments
+from fl_app.privacy.calibration import noise_multiplier_for_histories
 from fl_app.privacy.canaries import worst_client_patterns
 from fl_app.privacy.composition import History
 from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, TreeAggregation
@@ -77,6 +77,8 @@ from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
+from strategies.contract import Declaration
+from strategies.dp_ftrl.privacy import tree_sensitivity_increments
 from strategies.settings import StrategySettings, between, one_of, positive
 
 RESTARTS = ("epoch", "none")
@@ -108,15 +110,18 @@ class TreePosition:
 class DPFTRLStrategy(FederatedStrategy):
     """DP-FTRL(M) with tree aggregation over a public, seeded schedule of fixed-size cohorts."""
 
-    client_name = "dp_ftrl"
-    supports_canaries = True
-    privacy_unit = (
-        "one client's entire data set (zero-out: replaced by data whose clipped updates are zero; "
-        "public cohort schedule), central DP"
+    declaration = Declaration(
+        name="dp_ftrl",
+        paper="Kairouz, McMahan, Song, Thakkar, Thakurta, Xu, ICML 2021 (DP-FTRL, tree aggregation)",
+        unit=(
+            "one client's entire data set (zero-out: replaced by data whose clipped updates are zero; "
+            "public cohort schedule), central DP"
+        ),
+        mechanism="Gaussian tree aggregation of prefix sums of clipped model updates (no sampling)",
+        client="fedavg",  # plain local training: clipping and the tree's noise run on the server
+        settings=DPFTRLSettings,
+        canaries=None,
     )
-    mechanism_name = "Gaussian tree aggregation of prefix sums of clipped model updates (no sampling)"
-
-    settings_type = DPFTRLSettings
     settings: DPFTRLSettings
 
     def __init__(self, run: RunContext, settings: DPFTRLSettings | None = None) -> None:
@@ -161,7 +166,7 @@ class DPFTRLStrategy(FederatedStrategy):
 
     def _public_schedule(self) -> list[list[int]]:
         """Cohorts (roster indices) of rounds 1..T: per epoch a seeded permutation cut into b cohorts."""
-        return self.epoch_cohorts(self.num_rounds, purpose="ftrl-schedule")
+        return self.cohorts.epochs(self.num_rounds, purpose="ftrl-schedule")
 
     def position(self, server_round: int) -> TreePosition:
         """The tree, leaf and tree length of ``server_round``."""
@@ -256,7 +261,7 @@ class DPFTRLStrategy(FederatedStrategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Add the clipped update sum to the tree, release the noisy prefix sum, FTRL(M) step."""
-        valid, _ = self.split_replies(server_round, replies)
+        valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
         names, current, total, _ = self.clipped_update_sum(
             valid, max_norm=self.settings.clip, server_round=server_round

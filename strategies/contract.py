@@ -1,0 +1,168 @@
+"""What the platform asks of an algorithm: one declaration, and a strategy object with a narrow contract.
+
+An algorithm is declared once (:class:`Declaration`: its name, paper, privacy unit and mechanism, its
+client, its typed settings, its own network, what it supports), and its server side is an object
+that satisfies :class:`Strategy`: Flower's round hooks, two typed reports and its ledgers. The
+platform (:mod:`fl_app.run`, the checkpoint, the evaluation stages) calls nothing else.
+:class:`strategies.base.FederatedStrategy` implements the contract for the usual case (seeded or
+secret cohorts, reply triage, one accountant) with hooks a subclass overrides; a strategy may also
+implement it from scratch (``tests/test_plugin.py`` does, in a test module).
+
+Reports are data (:mod:`strategies.reporting`): a :class:`~strategies.reporting.RoundReport` after
+every round and a :class:`~strategies.reporting.RunReport` (the privacy report and the final
+fields) at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
+    from flwr.serverapp import Grid
+    from omegaconf import DictConfig
+
+    from fl_app.run_context import RunContext
+    from strategies.reporting import Randomness, RoundReport, RunReport
+    from strategies.settings import StrategySettings
+
+#: A value ``results.json`` can hold.
+JSON = Any
+
+
+def _never(cfg: DictConfig) -> None:
+    """No check beyond the settings."""
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """Everything the platform knows about an algorithm before a run starts.
+
+    Attributes
+    ----------
+    name : str
+        ``strategy=<name>`` (also its ``conf/strategy/<name>.yaml`` and registry name).
+    paper : str
+        The source: authors, title, venue.
+    unit : str
+        What one epsilon protects ("none": not private).
+    mechanism : str
+        The privacy mechanism, in words ("none").
+    client : str
+        Registry name of the client class that answers its train messages (``clients/<name>.py``).
+    settings : type[StrategySettings] | None
+        Its typed ``cfg.strategy`` (None: no settings of its own).
+    model : Callable[[DictConfig, tuple[int, ...]], str | None] | None
+        Its own network for ``model=auto`` given the input shape (None or returning None: the
+        platform's default).
+    canaries : str | None
+        None when ``privacy.canaries`` applies; else why not (completes "strategy=<name> ...").
+    resume : str | None
+        None when ``resume=`` continues a run exactly; else why not.
+    release_hint : str
+        Appended to the refusal of federated evaluation for a private run (what to use instead).
+    private : Callable[[DictConfig], bool] | None
+        Whether a run with ``cfg`` claims a finite epsilon (None: ``unit != "none"``).
+    check : Callable[[DictConfig], None]
+        Checks beyond the settings (keys outside ``strategy.*``; raise ``ConfigError``).
+
+    """
+
+    name: str
+    paper: str
+    unit: str
+    mechanism: str
+    client: str
+    settings: type[StrategySettings] | None = None
+    model: Callable[[DictConfig, tuple[int, ...]], str | None] | None = None
+    canaries: str | None = (
+        "has no model-update upload that a canary direction could ride on (see docs/empirical_privacy.md)"
+    )
+    resume: str | None = None
+    release_hint: str = ""
+    private: Callable[[DictConfig], bool] | None = None
+    check: Callable[[DictConfig], None] = field(default=_never)
+
+    def is_private(self, cfg: DictConfig) -> bool:
+        """Whether a run of this algorithm with ``cfg`` claims a finite epsilon."""
+        return self.private(cfg) if self.private is not None else self.unit != "none"
+
+    def model_name(self, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:
+        """The network to train: ``model`` unless ``auto``, then the algorithm's own or the default."""
+        from fl_app.models import resolve_model_name
+
+        if str(cfg.model) == "auto" and self.model is not None:
+            own = self.model(cfg, input_shape)
+            if own is not None:
+                return own
+        return resolve_model_name(str(cfg.model), input_shape)
+
+    def validate(self, cfg: DictConfig) -> None:
+        """Check the algorithm's own keys (its settings, then :attr:`check`); raise ``ConfigError``."""
+        if self.settings is not None:
+            self.settings.from_config(cfg)
+        self.check(cfg)
+
+
+@runtime_checkable
+class Strategy(Protocol):
+    """The server side of an algorithm, as the platform calls it (see the module docstring).
+
+    ``declaration`` is the algorithm's :class:`Declaration`; ``run`` the
+    :class:`~fl_app.run_context.RunContext` it was built with. Flower's round hooks come first; then
+    what the platform reads: the reports, the randomness, the ledgers, the checkpoint.
+    """
+
+    declaration: ClassVar[Declaration]
+    run: RunContext
+
+    def describe(self) -> None:
+        """Log the strategy's configuration, its unit and the budget asked for (the run's header)."""
+
+    def initial_arrays(self) -> ArrayRecord:
+        """The initial global model."""
+
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """The round's train messages."""
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The new global model from the replies (None: keep the previous one)."""
+
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        """Federated evaluation messages (usually none: private runs refuse them)."""
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        """Aggregate federated evaluation replies."""
+
+    def arrays_for_evaluation(self, arrays: ArrayRecord) -> ArrayRecord:
+        """What clients evaluate of the global model (a BNN: its binarized weights)."""
+
+    def evaluate_global(self, arrays: ArrayRecord, x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+        """Loss and accuracy of the global model on the server's evaluation split."""
+
+    def report_round(self, server_round: int) -> RoundReport:
+        """What the round released and cost (after its ``aggregate_train``)."""
+
+    def report_run(self, final: ArrayRecord) -> RunReport:
+        """The run's privacy and final fields, for the released model ``final``."""
+
+    def randomness(self) -> Randomness:
+        """Where the privacy noise and the cohorts come from."""
+
+    def ledgers(self) -> dict[str, dict[str, JSON]]:
+        """Accountant states by file name (``privacy_ledger.json`` first; empty when not private)."""
+
+    def for_checkpoint(self) -> Strategy:
+        """What a checkpoint keeps of it (without what only lives within a round)."""
+
+    def private_state(self) -> str | None:
+        """What a checkpoint holds that no epsilon covers (said when a run stops), or None."""

@@ -1,0 +1,12 @@
+"""Clustering evaluation on Laplace-protected inference results (MindSpore Federated), around any strategy.
+
+The algorithm's home (with ``clients/laplace_eval.py`` and ``conf/evaluation/laplace_eval.yaml``):
+
+* :mod:`~strategies.laplace_eval.stage`: the evaluation stage (sampling, messages, scores, reports);
+* :mod:`~strategies.laplace_eval.privacy`: the noise plan and the two ledgers;
+* :mod:`~strategies.laplace_eval.clustering`: the scores (silhouette, Calinski-Harabasz).
+"""
+
+from strategies.laplace_eval.stage import LaplaceEvalSettings, LaplaceEvalStage
+
+__all__ = ["LaplaceEvalSettings", "LaplaceEvalStage"]

@@ -1,0 +1,12 @@
+"""NbAFL (Wei et al., IEEE TIFS 2020): Gaussian noise on the clipped parameters before aggregation.
+
+The algorithm's home (with ``clients/nbafl.py`` and ``conf/strategy/nbafl.yaml``):
+
+* :mod:`~strategies.nbafl.strategy`: the server (K-random scheduling, uniform averaging, downlink
+  noise, both accountants);
+* :mod:`~strategies.nbafl.privacy`: the uplink and downlink calibration and the units.
+"""
+
+from strategies.nbafl.strategy import NbAFLSettings, NbAFLStrategy
+
+__all__ = ["NbAFLSettings", "NbAFLStrategy"]

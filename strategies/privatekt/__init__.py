@@ -1,0 +1,13 @@
+"""PrivateKT (Qi, Wu et al., Nature Communications 2023): knowledge transfer through K noisy labels.
+
+The algorithm's home (with ``clients/privatekt.py`` and ``conf/strategy/privatekt.yaml``):
+
+* :mod:`~strategies.privatekt.strategy`: the server (KT sampling, Eq. 3 aggregation, knowledge
+  buffer, self-training);
+* :mod:`~strategies.privatekt.knowledge`: the knowledge buffer and the public-split training;
+* :mod:`~strategies.privatekt.privacy`: the keep probability of Lemma 1 and the per-label budget.
+"""
+
+from strategies.privatekt.strategy import PrivateKTSettings, PrivateKTStrategy
+
+__all__ = ["PrivateKTSettings", "PrivateKTStrategy"]
