@@ -40,6 +40,10 @@ class Registry(Generic[T]):
 
         return decorator
 
+    def unregister(self, name: str) -> None:
+        """Forget the entry ``name`` (an algorithm a test registered for itself)."""
+        self._entries.pop(name, None)
+
     def discover(self) -> None:
         """Import every module of the package once, so their decorators run."""
         if self._discovered:

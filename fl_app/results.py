@@ -80,6 +80,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fl_app.model_spec import ModelSpec
 from fl_app.privacy.accountant import LEDGER_FILE
+from fl_app.run_settings import RunSettings
 from fl_app.tracking import RoundTracker
 
 SCHEMA_VERSION = 1
@@ -158,6 +159,7 @@ class RunRecorder:
     ) -> None:
         self.output_dir = output_dir
         self.cfg = cfg
+        self.settings = RunSettings.from_config(cfg)
         self.tracker = tracker  # gets exactly the rounds' records (fl_app.tracking)
         self.rounds: list[dict[str, Any]] = []
         self.initial: dict[str, Any] = {}
@@ -233,13 +235,13 @@ class RunRecorder:
         final = {
             "accuracy": evaluated[-1]["accuracy"] if evaluated else None,
             "loss": evaluated[-1]["loss"] if evaluated else None,
-            "evaluated_on": str(self.cfg.evaluation.get("split", "test")),
+            "evaluated_on": self.settings.evaluation.split,
             # read on the evaluation split: a description of the curve, not a model to pick (picking
             # the best round by test accuracy would tune on the test split)
             "best_accuracy": best["accuracy"] if best else None,
             "best_round": best["round"] if best else None,
             "epsilon": last.get("epsilon"),
-            "delta": float(self.cfg.privacy.delta),
+            "delta": self.settings.privacy.delta,
             "wall_s": wall_s,
             "rounds": len(self.rounds),
             **final_extras,
@@ -248,7 +250,7 @@ class RunRecorder:
             "schema": SCHEMA_VERSION,
             "status": status,
             "strategy": strategy,
-            "dataset": str(self.cfg.dataset.name),
+            "dataset": self.settings.dataset,
             "partition": describe_partition(self.cfg),
             "config": OmegaConf.to_container(self.cfg, resolve=True),
             "initial": self.initial,
@@ -304,7 +306,7 @@ class RunRecorder:
 
         figure, axis = plt.subplots(figsize=(6.4, 4))
         private = [r for r in self.rounds if r.get("epsilon") is not None]
-        delta = float(self.cfg.privacy.delta)
+        delta = self.settings.privacy.delta
         if private:
             spent = [r["epsilon"] for r in private]
             axis.plot([r["round"] for r in private], spent, "o-", ms=3, label=f"spent per {short_unit(unit)}")
@@ -312,14 +314,14 @@ class RunRecorder:
                 values = [r.get(key) for r in private]
                 if all(v is not None for v in values):
                     axis.plot([r["round"] for r in private], values, "^:", ms=3, label=label)
-            if str(self.cfg.privacy.get("budget_scope", "total")) == "total":
-                target = float(self.cfg.privacy.epsilon)
+            if self.settings.privacy.budget_scope == "total":
+                target = self.settings.privacy.epsilon
                 axis.axhline(target, color="tab:gray", ls="--", lw=1, label=f"privacy.epsilon = {target:g}")
             axis.set_xlabel("round")
             axis.set_ylabel(f"cumulative epsilon (delta = {delta:g})")
             axis.xaxis.set_major_locator(MaxNLocator(integer=True))
             legend_at = "lower right"
-            if max(spent) > 50 * float(self.cfg.privacy.epsilon):
+            if max(spent) > 50 * self.settings.privacy.epsilon:
                 axis.set_yscale("log")  # a headline epsilon far above a target stated in another unit
                 legend_at = "center right"
             else:

@@ -62,6 +62,7 @@ from fl_app.roster import ClientInfo, discover_roster, on_devices
 from fl_app.round_loop import check_round, run_rounds
 from fl_app.run_context import RunContext, output_path
 from fl_app.run_log import PublishedLogFilter, one_line_console, run_log_handler, withheld_from_file
+from fl_app.run_settings import RunSettings
 from fl_app.tracking import make_tracker
 from fl_app.validation import validate_config
 from strategies import EVALUATION_STAGES, STRATEGIES
@@ -140,12 +141,13 @@ def noise_source(cfg: DictConfig) -> RandomSource:
     the configuration, so that two runs of a sweep never share a noise stream. It is still
     reproducible from the published configuration, which the results say (``privacy.randomness``).
     """
-    if cfg.privacy.secure_rng:
+    settings = RunSettings.from_config(cfg)
+    if settings.privacy.secure_rng:
         return RandomSource(seed=None, secure=True)
-    if cfg.privacy.noise_seed is not None:
-        return RandomSource(seed=int(cfg.privacy.noise_seed), secure=False)
+    if settings.privacy.noise_seed is not None:
+        return RandomSource(seed=settings.privacy.noise_seed, secure=False)
     return RandomSource(
-        seed=derive_noise_seed(seed=int(cfg.seed), fingerprint=config_fingerprint(cfg)), secure=False
+        seed=derive_noise_seed(seed=settings.seed, fingerprint=config_fingerprint(cfg)), secure=False
     )
 
 
@@ -197,7 +199,7 @@ def make_run_context(
         data=data,
         data_spec=data_spec,
         model_spec=model_spec,
-        randomness=RandomSource(seed=int(cfg.seed)),
+        randomness=RandomSource(seed=RunSettings.from_config(cfg).seed),
         noise=noise_source(cfg),
         output_dir=output_dir,
     )
@@ -205,7 +207,7 @@ def make_run_context(
 
 def diagnostics_enabled(cfg: DictConfig, *, devices: bool) -> bool:
     """Whether the run writes its ``outside_guarantee`` block: ``privacy.diagnostics``, never on devices."""
-    wanted = bool(cfg.privacy.get("diagnostics", False))
+    wanted = RunSettings.from_config(cfg).privacy.diagnostics
     if wanted and devices:
         log(WARNING, "privacy.diagnostics=true ignored: nothing outside the guarantee is written on devices")
     return wanted and not devices
@@ -252,25 +254,26 @@ def _execute(
         cfg.partition.name,
         output_dir,
     )
+    settings = RunSettings.from_config(cfg)
     data_spec = DataSpec.from_config(cfg)
     data = federated_data(data_spec)
-    strategy_class = STRATEGIES.get(str(cfg.strategy.name))
+    strategy_class = STRATEGIES.get(settings.strategy)
     model_spec = ModelSpec(
         strategy_class.declaration.model_name(cfg, data.input_shape), data.input_shape, data.num_classes
     )
     metered = MeteredGrid(grid)
     roster = discover_roster(
         metered,
-        expected=int(cfg.num_clients),
-        timeout=float(cfg.simulation.timeout),
-        config=ConfigRecord({keys.DATA_SPEC: data_spec.to_json(), keys.SEED: int(cfg.seed)}),
+        expected=settings.num_clients,
+        timeout=settings.simulation.timeout,
+        config=ConfigRecord({keys.DATA_SPEC: data_spec.to_json(), keys.SEED: settings.seed}),
     )
     setup_traffic = metered.take()
     cfg = effective_config(cfg, roster)
     run = make_run_context(
         cfg, roster=roster, data=data, data_spec=data_spec, model_spec=model_spec, output_dir=output_dir
     )
-    resumed = load_checkpoint(output_dir, run) if cfg.get("resume") else None
+    resumed = load_checkpoint(output_dir, run) if settings.resume else None
     if resumed is not None:
         strategy = resumed.strategy
         restore_rng_states(resumed.rng)
@@ -291,18 +294,20 @@ def _execute(
         output_dir,
         cfg,
         diagnostics=diagnostics_enabled(cfg, devices=randomness.devices),
-        tracker=make_tracker(str(cfg.tracking), output_dir, config_text=OmegaConf.to_yaml(cfg)),
+        tracker=make_tracker(settings.tracking, output_dir, config_text=OmegaConf.to_yaml(cfg)),
     )
-    x_test, y_test = evaluation_arrays(data, subset=cfg.evaluation.test_subset, randomness=run.randomness)
+    x_test, y_test = evaluation_arrays(
+        data, subset=settings.evaluation.test_subset, randomness=run.randomness
+    )
     reporter = RoundReporter(
         strategy,
         metered,
         recorder,
         x_test,
         y_test,
-        num_rounds=int(cfg.num_rounds),
-        every=int(cfg.evaluation.every),
-        max_failure_fraction=float(cfg.simulation.max_failure_fraction),
+        num_rounds=settings.num_rounds,
+        every=settings.evaluation.every,
+        max_failure_fraction=settings.simulation.max_failure_fraction,
         overrides=checkpoint_overrides(overrides),
         fingerprint=config_fingerprint(cfg, ignore=("num_rounds",)),
     )
@@ -321,8 +326,8 @@ def _execute(
             metered,
             arrays,
             first_round=first_round,
-            num_rounds=int(cfg.num_rounds),
-            timeout=float(cfg.simulation.timeout),
+            num_rounds=settings.num_rounds,
+            timeout=settings.simulation.timeout,
             after_round=reporter,
         )
     except RunStopped as stop:
@@ -361,7 +366,7 @@ def _execute(
     for name, ledger in ledgers.items():
         write_json(output_dir / name, ledger)
     results = recorder.finalize(
-        strategy=str(cfg.strategy.name),
+        strategy=settings.strategy,
         status=status,
         privacy=privacy,
         final_extras={

@@ -12,6 +12,7 @@ from fl_app.data.federated import DataSpec, FederatedData
 from fl_app.model_spec import ModelSpec
 from fl_app.privacy.rng import RandomSource
 from fl_app.roster import ClientInfo
+from fl_app.run_settings import RunSettings
 
 
 def resolve_clients_per_round(clients_per_round: int | float, num_clients: int) -> int:
@@ -67,82 +68,86 @@ class RunContext:
         return [info.client_id for info in self.roster]
 
     @functools.cached_property
+    def settings(self) -> RunSettings:
+        """The run-wide configuration, typed (read once from :attr:`cfg`; :mod:`fl_app.run_settings`)."""
+        return RunSettings.from_config(self.cfg)
+
+    @functools.cached_property
     def clients_per_round(self) -> int:
         """Clients sampled per round (the configured count or fraction)."""
-        return resolve_clients_per_round(self.cfg.clients_per_round, self.num_clients)
+        return resolve_clients_per_round(self.settings.clients_per_round, self.num_clients)
 
-    @functools.cached_property
+    # The run-wide settings strategies read most, by name (all of them: :attr:`settings`).
+
+    @property
     def delta(self) -> float:
         """The run's target delta."""
-        return float(self.cfg.privacy.delta)
+        return self.settings.privacy.delta
 
-    @functools.cached_property
+    @property
     def epsilon(self) -> float:
         """The run's target epsilon (``privacy.epsilon``; the training's share under an evaluation stage)."""
-        return float(self.cfg.privacy.epsilon)
+        return self.settings.privacy.epsilon
 
-    @functools.cached_property
+    @property
     def num_rounds(self) -> int:
         """T, the rounds of the run."""
-        return int(self.cfg.num_rounds)
+        return self.settings.num_rounds
 
-    # The run-wide settings a strategy reads, typed here once and kept (the configuration is
-    # read-only; checked by ``fl_app.validation.validate_common`` before any run starts).
-
-    @functools.cached_property
+    @property
     def seed(self) -> int:
         """``seed``: public randomness (initialisation, seeded schedules, data order)."""
-        return int(self.cfg.seed)
+        return self.settings.seed
 
-    @functools.cached_property
+    @property
     def lr(self) -> float:
         """``lr``: the clients' learning rate (also the server's where an algorithm trains there)."""
-        return float(self.cfg.lr)
+        return self.settings.lr
 
-    @functools.cached_property
+    @property
     def lr_decay(self) -> float:
         """``lr_decay``: the clients' learning rate is ``lr * lr_decay ** (round - 1)``."""
-        return float(self.cfg.lr_decay)
+        return self.settings.lr_decay
 
-    @functools.cached_property
+    @property
     def momentum(self) -> float:
         """``momentum`` of the clients' SGD."""
-        return float(self.cfg.momentum)
+        return self.settings.momentum
 
-    @functools.cached_property
+    @property
     def batch_size(self) -> int:
         """``batch_size`` of local training."""
-        return int(self.cfg.batch_size)
+        return self.settings.batch_size
 
-    @functools.cached_property
+    @property
     def local_epochs(self) -> int:
         """``local_epochs`` per round."""
-        return int(self.cfg.local_epochs)
+        return self.settings.local_epochs
 
-    @functools.cached_property
+    @property
     def budget_scope(self) -> str:
         """``privacy.budget_scope``: ``total`` (the whole run) or ``per_round``."""
-        return str(self.cfg.privacy.budget_scope)
+        return self.settings.privacy.budget_scope
 
-    @functools.cached_property
+    @property
     def canaries(self) -> int:
         """``privacy.canaries``: simulated canary clients of the empirical estimate (0: none)."""
-        return int(self.cfg.privacy.get("canaries", 0) or 0)
+        return self.settings.privacy.canaries
 
-    @functools.cached_property
+    @property
     def federated_fraction(self) -> float:
         """``evaluation.federated_fraction``: share of clients evaluating the model each round."""
-        return float(self.cfg.evaluation.federated_fraction)
+        return self.settings.evaluation.federated_fraction
 
-    @functools.cached_property
+    @property
     def client_gpus(self) -> float:
         """``simulation.client_gpus``: GPU share per simulated client (0: CPU)."""
-        return float(self.cfg.simulation.get("client_gpus", 0.0))
+        return self.settings.simulation.client_gpus
 
-    @functools.cached_property
+    @property
     def accountant_method(self) -> str:
         """``privacy.accountant``: the composition method of every accountant of the run."""
-        return str(self.cfg.privacy.accountant)
+        return self.settings.privacy.accountant
 
     def info(self, client_id: int) -> ClientInfo:
         """The roster entry of ``client_id``."""

@@ -29,7 +29,6 @@ from flwr.app import Context, RecordDict
 from omegaconf import DictConfig
 
 from fl_app.config import overrides_to_run_config
-from fl_app.engine.batching import MAX_BATCH
 from fl_app.engine.launch import run_simulation_engine, start_ray
 from fl_app.lifecycle import (
     Outcome,
@@ -39,6 +38,7 @@ from fl_app.lifecycle import (
     stop_requested,
     take_outcome,
 )
+from fl_app.run_settings import RunSettings
 from fl_app.server_app import server_app_for
 
 PROJECT_ROOT: Path = Path(__file__).resolve().parent.parent
@@ -47,18 +47,16 @@ CLIENT_APP = "fl_app.client_app:app"
 
 def backend_config(cfg: DictConfig) -> dict[str, Any]:
     """Ray backend settings from the ``simulation`` group."""
+    simulation = RunSettings.from_config(cfg).simulation
     init_args: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": True}
-    if cfg.simulation.ray_address:
-        init_args["address"] = str(cfg.simulation.ray_address)
+    if simulation.ray_address:
+        init_args["address"] = simulation.ray_address
     else:
         init_args["address"] = "local"
-        if cfg.simulation.num_cpus is not None:
-            init_args["num_cpus"] = int(cfg.simulation.num_cpus)
+        if simulation.num_cpus is not None:
+            init_args["num_cpus"] = simulation.num_cpus
     return {
-        "client_resources": {
-            "num_cpus": float(cfg.simulation.client_cpus),
-            "num_gpus": float(cfg.simulation.get("client_gpus", 0.0)),
-        },
+        "client_resources": {"num_cpus": simulation.client_cpus, "num_gpus": simulation.client_gpus},
         "init_args": init_args,
     }
 
@@ -76,8 +74,9 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
         state=RecordDict(),
         run_config=overrides_to_run_config(list(overrides), str(output_dir)),
     )
+    settings = RunSettings.from_config(cfg)
     backend = backend_config(cfg)
-    watch = RayProcessWatch() if not cfg.simulation.ray_address else None
+    watch = RayProcessWatch() if not settings.simulation.ray_address else None
     with stop_on_signals():
         try:
             start_ray(backend["init_args"])
@@ -85,14 +84,14 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
             if watch is not None:
                 watch.start()
             run_simulation_engine(
-                num_supernodes=int(cfg.num_clients),
+                num_supernodes=settings.num_clients,
                 server_app=server_app_for(cfg),
                 client_app_attr=CLIENT_APP,
                 app_dir=str(PROJECT_ROOT),
                 server_app_context=context,
                 backend_config=backend,
-                max_actors=cfg.simulation.get("max_concurrent_clients"),
-                messages_per_task=int(cfg.simulation.get("messages_per_task", MAX_BATCH)),
+                max_actors=settings.simulation.max_concurrent_clients,
+                messages_per_task=settings.simulation.messages_per_task,
             )
         finally:
             shutdown_ray(watch)

@@ -120,11 +120,6 @@ def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
             target.copy_(torch.from_numpy(values))
 
 
-def arrays_to_numpy(arrays: ArrayRecord) -> list[np.ndarray]:
-    """The arrays of a record, in key order."""
-    return [a.numpy() for a in arrays.values()]
-
-
 def numpy_to_arrays(keys: Sequence[str], values: Sequence[np.ndarray]) -> ArrayRecord:
     """Build an ArrayRecord from keys and numpy arrays."""
     if len(keys) != len(values):

@@ -31,6 +31,7 @@ from fl_app.data.sources import (
 )
 from fl_app.models import MODELS
 from fl_app.privacy.composition import METHODS
+from fl_app.run_settings import RunSettings
 from fl_app.tracking import TRACKERS, tracker_available
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ def validate_releases(declaration: Declaration, cfg: DictConfig) -> None:
     Clients' evaluation replies (local loss and accuracy) are un-noised functions of their data: no
     epsilon covers them.
     """
-    if declaration.is_private(cfg) and float(cfg.evaluation.federated_fraction) > 0:
+    if declaration.is_private(cfg) and RunSettings.from_config(cfg).evaluation.federated_fraction > 0:
         raise ConfigError(
             "evaluation.federated_fraction",
             cfg.evaluation.federated_fraction,

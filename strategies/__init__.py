@@ -24,9 +24,8 @@ EVALUATION_STAGES: Registry[Any] = Registry("evaluation stage", __name__)
 register_evaluation_stage = EVALUATION_STAGES.register
 
 
-
 def store_strategy_config(name: str, **defaults: Any) -> None:
-    """Make ``strategy=<name>`` compose without a ``conf/strategy/<name>.yaml``: its defaults, in Hydra's store.
+    """Make ``strategy=<name>`` compose without a ``conf/strategy/<name>.yaml`` (defaults in Hydra's store).
 
     An algorithm defined outside this package (a user's module, a test module) declares its settings'
     defaults here, as FLSim puts each algorithm's typed config in Hydra's ConfigStore; the run's

@@ -84,6 +84,7 @@ from fl_app.privacy.events import (
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext, resolve_clients_per_round
+from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
 from strategies.base import FederatedStrategy
@@ -177,20 +178,15 @@ def _calibrated(epsilon: float, delta: float, rate: float, rounds: int, method: 
 
 def noise_plan(cfg: DictConfig, settings: AdaptiveClippingSettings) -> NoisePlan:
     """Calibrate ``z`` and split it (Andrew et al. Theorem 1); :class:`ConfigError` if impossible."""
-    num_clients = int(cfg.num_clients)
-    expected = float(resolve_clients_per_round(cfg.clients_per_round, num_clients))
+    run = RunSettings.from_config(cfg)
+    num_clients = run.num_clients
+    expected = float(resolve_clients_per_round(run.clients_per_round, num_clients))
     rate = expected / num_clients
     if settings.noise_multiplier is not None:
         z = settings.noise_multiplier
         source = "strategy.noise_multiplier"
     else:
-        z = _calibrated(
-            float(cfg.privacy.epsilon),
-            float(cfg.privacy.delta),
-            rate,
-            int(cfg.num_rounds),
-            str(cfg.privacy.accountant),
-        )
+        z = _calibrated(run.privacy.epsilon, run.privacy.delta, rate, run.num_rounds, run.privacy.accountant)
         source = f"calibrated from privacy.epsilon={cfg.privacy.epsilon}"
     default = adaptive_clipping_default_bit_noise(expected_clients=expected)
     bit_noise = settings.bit_noise if settings.bit_noise is not None else default

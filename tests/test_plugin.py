@@ -10,16 +10,17 @@ algorithm. Kept free of pytest fixtures at import: the actors import it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 
 from clients.base import FederatedClient
 from fl_app import keys
 from fl_app.training import model_to_arrays
-from strategies import register_strategy, store_strategy_config
+from strategies import STRATEGIES, register_strategy, store_strategy_config
 from strategies.base import FederatedStrategy
 from strategies.contract import Declaration
 from strategies.settings import StrategySettings, between
@@ -47,7 +48,6 @@ class ShrinkClient(FederatedClient):
         return self.reply(arrays=model_to_arrays(model), metrics={keys.NUM_EXAMPLES: len(data), MARKER: 1.0})
 
 
-@register_strategy(NAME)
 class ShrinkStrategy(FederatedStrategy):
     """``w <- w + shrink (mean of the clients' models - w)``: FedAvg with a server step size (not private)."""
 
@@ -87,12 +87,17 @@ class ShrinkStrategy(FederatedStrategy):
 store_strategy_config(NAME, shrink=0.5)
 
 
-def test_a_users_algorithm_runs_end_to_end_through_the_platform(simulate, tmp_path):
-    import pytest
+@pytest.fixture
+def registered() -> Iterator[None]:
+    """The strategy registered for this test only (other tests list every registered algorithm)."""
+    register_strategy(NAME)(ShrinkStrategy)
+    yield
+    STRATEGIES.unregister(NAME)
 
+
+def test_a_users_algorithm_runs_end_to_end_through_the_platform(simulate, tmp_path, registered):
     from fl_app.config import compose_config
     from fl_app.validation import ConfigError, validate_config
-    from strategies import STRATEGIES
     from strategies.contract import Strategy
     from tests.conftest import FAST, build_run_context
 

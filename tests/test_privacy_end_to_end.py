@@ -190,7 +190,11 @@ def bias_direction(arrays: ArrayRecord, first: int = 0, second: int | None = Non
 
 def reseeded(strategy: Any, seed: int) -> Any:
     """``strategy`` in a run whose privacy randomness has seed ``seed`` (one independent repetition)."""
-    strategy.run = dataclasses.replace(strategy.run, noise=RandomSource(seed=seed))
+    run = dataclasses.replace(strategy.run, noise=RandomSource(seed=seed))
+    strategy.run = run
+    for part in (getattr(strategy, "cohorts", None), getattr(strategy, "replies", None)):
+        if part is not None:  # its collaborators draw from the same run
+            part.run = run
     return strategy
 
 

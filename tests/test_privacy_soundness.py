@@ -386,7 +386,10 @@ def _published(results: dict, output: Path) -> dict:
     columns = [[row.split(",")[i] for i in keep] for row in metrics]
     lines = (output / "run.log").read_text().splitlines(keepends=True)
     # Flower's engine debug lines (backend set-up, actor pool) depend on which run of the process started Ray
-    log = "".join(line for line in lines if " DEBUG " not in line).replace(str(output), "OUT")
+    # (and how long the roster waited for the simulated nodes to register: timing, not the cohort)
+    log = "".join(
+        line for line in lines if " DEBUG " not in line and "Waiting for SuperNodes" not in line
+    ).replace(str(output), "OUT")
     log = re.sub(r"^\S+ \S+ ", "", log, flags=re.MULTILINE)  # timestamps
     log = re.sub(r"(accuracy|loss|best) [-0-9.e]+", r"\1 #", log)
     log = re.sub(r"noise seed \d+", "noise seed #", log)

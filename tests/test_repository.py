@@ -346,3 +346,41 @@ def test_no_import_cycles_among_the_projects_modules(tmp_path):
     files = {"pkg": tmp_path / "pkg" / "__init__.py", "pkg.a": tmp_path / "pkg" / "a.py"}
     files["pkg.b"] = tmp_path / "pkg" / "b.py"
     assert import_cycles(import_graph(files)) == [["pkg", "pkg.a", "pkg.b"]]
+
+
+def test_every_algorithm_is_registered_where_the_platform_expects_it():
+    """One declaration per algorithm; this names what a new one still lacks (docs/DEVELOPING.md).
+
+    Its conf file, its quick example, its suite simulation and check, its end-to-end audit when it is
+    private by default, and an arm in at least one comparison.
+    """
+    from fl_app.config import compose_config
+    from strategies import STRATEGIES
+    from tests.test_privacy_end_to_end import AUDITS
+    from tests.test_simulations import CHECKS, SUITE_ROUNDS
+
+    conf = ROOT / "conf"
+    arms = {
+        path.stem
+        for group in ("comparison", "cross_device", "record_level")
+        for path in (conf / group).glob("*.yaml")
+    }
+    missing: dict[str, list[str]] = {}
+    for name in STRATEGIES.names():
+        if name.startswith("plugin_"):
+            continue  # a test's algorithm (tests/test_plugin.py)
+        declaration = STRATEGIES.get(name).declaration
+        lacks = []
+        if not (conf / "strategy" / f"{name}.yaml").exists():
+            lacks.append(f"conf/strategy/{name}.yaml")
+        if not (conf / "examples" / "quick" / f"{name}.yaml").exists():
+            lacks.append(f"conf/examples/quick/{name}.yaml")
+        if name not in SUITE_ROUNDS or name not in CHECKS:
+            lacks.append("SUITE_ROUNDS and CHECKS in tests/test_simulations.py")
+        if declaration.is_private(compose_config([f"strategy={name}"])) and name not in AUDITS:
+            lacks.append("AUDITS in tests/test_privacy_end_to_end.py")
+        if name not in arms:
+            lacks.append("an arm in conf/comparison, conf/cross_device or conf/record_level")
+        if lacks:
+            missing[name] = lacks
+    assert missing == {}

@@ -57,6 +57,7 @@ from fl_app.config_checks import ConfigError, require_int
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
+from fl_app.run_settings import RunSettings
 from fl_app.training import load_arrays
 from strategies import register_strategy
 from strategies.arrays import mean_arrays
@@ -119,7 +120,7 @@ class KDDPSettings(StrategySettings):
                 "set exactly one of strategy.large_threshold and strategy.large_fraction "
                 f"(got {self.large_fraction!r})",
             )
-        rounds = int(cfg.num_rounds)
+        rounds = RunSettings.from_config(cfg).num_rounds
         teacher = self.stage_rounds(rounds)
         if teacher > 0 and rounds < 2:
             raise ConfigError(
@@ -132,7 +133,7 @@ class KDDPSettings(StrategySettings):
                 self.epsilon_special,
                 "must be null with strategy.teacher_rounds=0 (no teacher, no pseudo-labels to protect)",
             )
-        total = float(cfg.privacy.epsilon)
+        total = RunSettings.from_config(cfg).privacy.epsilon
         if self.epsilon_special is not None and self.epsilon_special >= total:
             raise ConfigError(
                 "strategy.epsilon_special",

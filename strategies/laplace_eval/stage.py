@@ -64,6 +64,7 @@ from fl_app.config_checks import ConfigError
 from fl_app.privacy.accountant import LEDGER_FILE, PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.roster import ClientInfo
+from fl_app.run_settings import RunSettings
 from strategies import register_evaluation_stage
 from strategies.base import base_train_config
 from strategies.contract import Strategy
@@ -129,7 +130,7 @@ class LaplaceEvalSettings(StrategySettings):
         """The evaluation's share of the per-client epsilon (set by the budget split, or the fraction)."""
         if self.epsilon_budget is not None:
             return self.epsilon_budget
-        return float(cfg.privacy.epsilon) * self.budget_fraction
+        return RunSettings.from_config(cfg).privacy.epsilon * self.budget_fraction
 
 
 @register_evaluation_stage(STAGE_NAME)
@@ -183,7 +184,11 @@ class LaplaceEvalStage(EvaluationStage):
             return cfg
         budget = settings.budget(cfg)
         return with_values(
-            cfg, {"privacy.epsilon": float(cfg.privacy.epsilon) - budget, "evaluation.epsilon_budget": budget}
+            cfg,
+            {
+                "privacy.epsilon": RunSettings.from_config(cfg).privacy.epsilon - budget,
+                "evaluation.epsilon_budget": budget,
+            },
         )
 
     def describe(self) -> None:

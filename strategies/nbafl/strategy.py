@@ -68,6 +68,7 @@ from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
+from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.arrays import mean_arrays
 from strategies.base import FederatedStrategy
@@ -112,7 +113,7 @@ class NbAFLSettings(StrategySettings):
     def check(self, cfg: DictConfig) -> None:
         """K at most N; the (epsilon, delta) the calibration targets."""
         if self.k is not None:
-            require_int("strategy.k", self.k, minimum=1, maximum=int(cfg.num_clients))
+            require_int("strategy.k", self.k, minimum=1, maximum=RunSettings.from_config(cfg).num_clients)
         require_positive("privacy.epsilon", cfg.privacy.epsilon)
         require_range("privacy.delta", cfg.privacy.delta, 0.0, 1.0, low_open=True, high_open=True)
 
