@@ -4,14 +4,15 @@ Importing the package first runs the process set-up (Flower environment
 switches and the torchvision operator shim), so any process that imports
 ``fl_app`` (including Ray workers that unpickle the ClientApp) is ready.
 
-``from fl_app import run_experiment`` is the Python API (:mod:`fl_app.api`).
+``from fl_app import run_experiment, ConfigError`` is the Python API (:mod:`fl_app.api`): a bad
+value raises :class:`ConfigError` (``.key``, ``.value``, ``.allowed``) before anything is written.
 """
 
 from typing import Any
 
 from fl_app import _process_setup  # noqa: F401  (must run before torchvision loads)
 
-__all__ = ["run_experiment"]
+__all__ = ["ConfigError", "run_experiment"]
 
 
 def __getattr__(name: str) -> Any:
@@ -20,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from fl_app.api import run_experiment
 
         return run_experiment
+    if name == "ConfigError":
+        from fl_app.config_checks import ConfigError
+
+        return ConfigError
     raise AttributeError(f"module 'fl_app' has no attribute {name!r}")

@@ -27,8 +27,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config, is_hydra_override, sweep_params
+from fl_app.config_checks import ConfigError
 from fl_app.engine.hydra import sweep_fixed, sweep_jobs
+from fl_app.engine.logs import colour_only_at_a_terminal
 from fl_app.lifecycle import RunFailed
+from fl_app.output_claim import claim_output_dir
+from fl_app.sweep_resume import plan_sweep_job
 from fl_app.validation import check_output_dir, validate_config
 
 # Hydra flags that take a value in the next argument.
@@ -186,6 +190,19 @@ class SweepState:
         path = self._job_file(overrides)
         return pickle.loads(path.read_bytes()) if path.is_file() else None  # written by keep_config
 
+    def note_sweep_dir(self, directory: Path) -> None:
+        """Remember the sweep's directory (named in the line that says how to continue the sweep)."""
+        (self.directory / "sweep_dir").write_text(str(directory))
+
+    def sweep_dir(self) -> Path | None:
+        """The directory :meth:`note_sweep_dir` remembered (None before the first job)."""
+        path = self.directory / "sweep_dir"
+        return Path(path.read_text()) if path.exists() else None
+
+    def jobs_done(self) -> tuple[int, int]:
+        """Jobs finished so far and jobs in the sweep."""
+        return len(self._lines("done")), int((self.directory / "total").read_text())
+
     def remove(self) -> None:
         """Delete the state directory."""
         shutil.rmtree(self.directory, ignore_errors=True)
@@ -226,14 +243,41 @@ def _one_line(error: BaseException) -> str:
 
 @hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
 def _job(_: DictConfig) -> None:
-    """One Hydra job, then the sweep's progress line."""
+    """One Hydra job, then the sweep's progress line (a job stopped by a signal is not done)."""
+    finished = True
     try:
         _run_job()
+    except SystemExit as exit_:
+        finished = exit_.code not in INTERRUPTED_EXIT_CODES
+        raise
+    except KeyboardInterrupt:
+        finished = False
+        raise
     finally:
         state = SweepState.current()
-        line = state.job_finished() if state is not None else None
+        line = state.job_finished() if state is not None and finished else None
         if line is not None:
             print(line, file=sys.stderr, flush=True)
+
+
+#: Exit statuses of a run stopped by SIGINT or SIGTERM.
+INTERRUPTED_EXIT_CODES = (128 + 2, 128 + 15)
+
+
+def continue_sweep_line(argv: list[str], state: SweepState | None) -> str:
+    """How to continue a stopped sweep: the same command into the same sweep directory."""
+    if state is None:
+        return ""
+    directory = state.sweep_dir()
+    if directory is None:
+        return ""
+    done, total = state.jobs_done()
+    kept = [arg for arg in argv if not arg.startswith("hydra.sweep.dir=")]
+    command = " ".join(["python -m fl_app", *kept, f"hydra.sweep.dir={directory}"])
+    return (
+        f"dpfl sweep: stopped with {done} of {total} jobs done; continue it (completed jobs are "
+        f"skipped, the stopped one resumes) with: {command}"
+    )
 
 
 def _run_job() -> None:
@@ -245,12 +289,24 @@ def _run_job() -> None:
     output_dir = Path(hydra_cfg.runtime.output_dir)
     state = SweepState.current()
     cfg = state.composed(overrides) if state is not None else None
+    multirun = str(hydra_cfg.mode) == "RunMode.MULTIRUN"
+    if multirun and state is not None:
+        state.note_sweep_dir(Path(hydra_cfg.sweep.dir).expanduser().resolve())
     try:
         if cfg is None:  # a job the preflight did not see (a launcher of its own): the same functions
             cfg = compose_config(overrides)
             validate_config(cfg)
         if cfg.output_dir is not None:
             output_dir = Path(cfg.output_dir).expanduser().resolve()
+        if multirun:  # a sweep run again into its directory continues (fl_app.sweep_resume)
+            job_cfg = OmegaConf.merge(cfg, {"output_dir": str(output_dir)})
+            plan = plan_sweep_job(job_cfg, overrides, output_dir)
+            if plan.note:
+                print(f"dpfl sweep: job {hydra_cfg.job.num}: {plan.note}", file=sys.stderr, flush=True)
+            if plan.action == "skip":
+                return
+            if plan.cfg is not None:
+                cfg, overrides = plan.cfg, list(plan.overrides)
         # checked now, not only in the preflight: an earlier job of the sweep may have written there
         # (and Hydra's run directory, hydra.run.dir=..., may name an old one)
         check_output_dir(OmegaConf.merge(cfg, {"output_dir": str(output_dir)}))
@@ -259,28 +315,36 @@ def _run_job() -> None:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
     try:
-        outcome = run_in_simulation(cfg, overrides, output_dir)
+        with claim_output_dir(output_dir, resume=cfg.get("resume") is not None):
+            outcome = run_in_simulation(cfg, overrides, output_dir)
+    except ConfigError as error:  # another run holds the directory, or wrote there meanwhile
+        _discard_if_empty(Path(hydra_cfg.runtime.output_dir))
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     except RunFailed as error:
         line = f"job failed ({' '.join(overrides) or 'defaults'}): {error} [results in {output_dir}]"
         print(f"error: {line}", file=sys.stderr)
         _record_failure(line)
-        if hydra_cfg.mode is None or str(hydra_cfg.mode) != "RunMode.MULTIRUN":
+        if not multirun:
             sys.exit(1)
         return
     except Exception as error:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "error.txt").write_text(traceback.format_exc())
-        line = (
-            f"job failed ({' '.join(overrides) or 'defaults'}): {_one_line(error)} "
-            f"[traceback in {output_dir / 'error.txt'}]"
-        )
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / "error.txt").write_text(traceback.format_exc())
+            where = f"traceback in {output_dir / 'error.txt'}"
+        except OSError as unwritable:  # a full disk: no half-written error.txt
+            (output_dir / "error.txt").unlink(missing_ok=True)
+            where = f"no traceback written: {unwritable.strerror or unwritable}"
+        line = f"job failed ({' '.join(overrides) or 'defaults'}): {_one_line(error)} [{where}]"
         print(f"error: {line}", file=sys.stderr)
         _record_failure(line)
-        if hydra_cfg.mode is None or str(hydra_cfg.mode) != "RunMode.MULTIRUN":
+        if not multirun:
             sys.exit(1)
         return
     if outcome.status == "interrupted":
-        print(f"dpfl: run interrupted ({outcome.reason}); {outcome.resume_hint()}", file=sys.stderr)
+        if not multirun:  # a sweep says how to continue the sweep instead
+            print(f"dpfl: run interrupted ({outcome.reason}); {outcome.resume_hint()}", file=sys.stderr)
         sys.exit(outcome.exit_code)  # ends a multirun too
 
 
@@ -301,6 +365,7 @@ def main() -> int:
     # Flower's logger has its own console handler; Hydra also puts one on the
     # root logger. Without this every Flower line would print twice.
     logging.getLogger("flwr").propagate = False
+    colour_only_at_a_terminal()
     # Flower's LinkState imports alembic, which logs one "setup plugin" line per plugin at INFO;
     # Hydra's console handler would print them (7 lines before every run).
     logging.getLogger("alembic").setLevel(logging.WARNING)
@@ -311,7 +376,25 @@ def main() -> int:
             for line in errors:
                 print(f"error: {line}", file=sys.stderr)
             return 2
-        _job()
+        try:
+            _job()
+        except KeyboardInterrupt:  # Ctrl-C between two jobs, or a second Ctrl-C in a run
+            print(
+                "dpfl: interrupted (a second Ctrl-C stops at once): a run continues from its last "
+                "checkpoint with python -m fl_app resume=<its output directory>",
+                file=sys.stderr,
+                flush=True,
+            )
+            line = continue_sweep_line(sys.argv[1:], state)
+            if line:
+                print(line, file=sys.stderr, flush=True)
+            return 130
+        except SystemExit as exit_:
+            if exit_.code in INTERRUPTED_EXIT_CODES:
+                line = continue_sweep_line(sys.argv[1:], state)
+                if line:
+                    print(line, file=sys.stderr, flush=True)
+            raise
         failed = state.failures() if state is not None else []
         if failed:
             print(f"{len(failed)} job(s) failed:", file=sys.stderr)

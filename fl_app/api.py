@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_app.config import compose_config, with_values
+from fl_app.output_claim import claim_output_dir
 from fl_app.results import RESULTS_FILE
 from fl_app.validation import check_output_dir, validate_config
 
@@ -62,8 +63,8 @@ def run_experiment(*overrides: str, output_dir: str | Path | None = None) -> dic
     validate_config(cfg)
     check_output_dir(cfg)
     directory = Path(str(cfg.output_dir))
-    directory.mkdir(parents=True, exist_ok=True)
-    run_in_simulation(cfg, items, directory)
+    with claim_output_dir(directory, resume=cfg.get("resume") is not None):
+        run_in_simulation(cfg, items, directory)
     results = json.loads((directory / RESULTS_FILE).read_text())
     results["output_dir"] = str(directory)
     return results

@@ -26,7 +26,6 @@ cannot be extended: see :func:`fl_app.resume.resume_overrides`). A run of an ear
 from __future__ import annotations
 
 import io
-import os
 import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any
 import torch
 from flwr.app import Array, ArrayRecord
 
+from fl_app.files import write_atomically
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 
@@ -124,6 +124,9 @@ def restore_rng_states(states: dict[str, Any]) -> None:
 def save_checkpoint(output_dir: Path, checkpoint: Checkpoint, run: RunContext) -> Path:
     """Write the checkpoint atomically, readable by its owner only; return its path.
 
+    When the write fails (a full disk) the previous checkpoint stays and
+    :class:`~fl_app.files.WriteFailed` ends the run with one line.
+
     The file holds two pickles: a small header (format, round, overrides, fingerprint) that
     :func:`read_header` reads without touching the rest, then the whole checkpoint.
     """
@@ -136,14 +139,7 @@ def save_checkpoint(output_dir: Path, checkpoint: Checkpoint, run: RunContext) -
         content["strategy"] = keep()
     _Pickler(stream, run).dump(content)
     path = output_dir / CHECKPOINT_FILE
-    temporary = output_dir / f".{CHECKPOINT_FILE}.tmp"
-    temporary.unlink(missing_ok=True)  # a leftover of a write that failed may have other permissions
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
-    with os.fdopen(descriptor, "wb") as handle:
-        handle.write(stream.getbuffer())
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    write_atomically(path, stream.getvalue(), mode=FILE_MODE, sync=True)  # a full disk: WriteFailed
     (output_dir / LEGACY_FILE).unlink(missing_ok=True)  # a resumed run of an earlier version
     return path
 

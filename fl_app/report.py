@@ -46,12 +46,20 @@ import numpy as np
 from omegaconf import OmegaConf
 
 REQUIRED_FIELDS = ("strategy", "dataset", "config", "rounds", "final", "privacy")
+#: Statuses of runs that ran all their rounds (the report keeps only these unless ``--all``).
+COMPLETED_STATUSES = ("completed", "completed_with_failures")
+#: A run whose final loss is more than this many times its initial model's diverged
+#: (:data:`fl_app.results.DIVERGENCE_FACTOR`; repeated so the report reads results without the app).
+DIVERGENCE_FACTOR = 3.0
+#: Files that mark a directory as a run's (a job directory without results.json is reported missing).
+RUN_MARKERS = (".hydra", "run.log")
 #: Keys that never make two runs different experiments: the seed, run-local paths, and where and how a
 #: run executes or what it logs (results are the same on a cluster, on GPUs, with fewer concurrent
 #: clients or with a tracker; a run made before such a key existed lacks it).
 IGNORED_KEYS = {
     "seed",
     "output_dir",
+    "resume",
     "privacy.noise_seed",
     "simulation.ray_address",
     "simulation.timeout",
@@ -62,6 +70,7 @@ IGNORED_KEYS = {
 }
 COLUMNS = (
     "algorithm",
+    "status",
     "dataset",
     "partition",
     "settings",
@@ -78,6 +87,8 @@ COLUMNS = (
     "evaluated_on",
     "accuracy_mean",
     "accuracy_std",
+    "chance_accuracy",
+    "diverged",
     "seeds",
     "upload_bytes_per_client_round",
     "wall_s",
@@ -96,6 +107,27 @@ class Run:
     def config(self) -> dict[str, Any]:
         """The run's resolved configuration."""
         return self.results["config"]
+
+    @property
+    def status(self) -> str:
+        """How the run ended (``completed``, ``completed_with_failures``, ``interrupted``, ``failed``)."""
+        return str(self.results.get("status", "completed"))
+
+    @property
+    def completed(self) -> bool:
+        """Whether the run ran all its rounds."""
+        return self.status in COMPLETED_STATUSES
+
+    @property
+    def diverged(self) -> bool:
+        """Whether the run diverged (``final.diverged``; for older results: the same rule on its losses)."""
+        final = self.results["final"]
+        if "diverged" in final:
+            return bool(final["diverged"])
+        loss, initial = final.get("loss"), self.results.get("initial", {}).get("loss")
+        return loss is not None and (
+            not math.isfinite(loss) or (initial is not None and loss > DIVERGENCE_FACTOR * initial)
+        )
 
     def settings(self) -> dict[str, Any]:
         """The flat configuration without the seed and run-local paths.
@@ -159,6 +191,43 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def missing_runs(root: Path) -> list[str]:
+    """One line per run directory below ``root`` without a results.json (killed, or still running).
+
+    A sweep's directory (Hydra's ``multirun.yaml``) also says how many jobs it has no directory for.
+    """
+    lines = []
+    candidates = {
+        p.parent for marker in RUN_MARKERS for p in root.rglob(marker) if ".hydra" not in p.parent.parts
+    }
+    for directory in sorted(candidates):
+        if directory == root and (directory / "multirun.yaml").exists():
+            continue
+        if not (directory / "results.json").exists() and not (directory / "multirun.yaml").exists():
+            lines.append(f"{directory}: no results.json (killed, or still running?)")
+    for sweep in sorted(root.rglob("multirun.yaml")):
+        expected = sweep_size(sweep)
+        started = sum(1 for p in sweep.parent.iterdir() if p.is_dir() and (p / ".hydra").is_dir())
+        if expected is not None and started < expected:
+            lines.append(
+                f"{sweep.parent}: {expected - started} of the sweep's {expected} jobs never started "
+                "(run the sweep again into this directory to continue it)"
+            )
+    return lines
+
+
+def sweep_size(multirun_yaml: Path) -> int | None:
+    """The number of jobs of the sweep Hydra's ``multirun.yaml`` describes (None: cannot tell)."""
+    try:
+        from fl_app.engine.hydra import sweep_jobs
+
+        saved = OmegaConf.load(multirun_yaml)
+        preset = [f"{key}={value}" for key, value in (saved.hydra.sweeper.get("params") or {}).items()]
+        return len(sweep_jobs(preset, [str(o) for o in saved.hydra.overrides.task]))
+    except Exception:  # a sweep of another version of the app, or of a plug-in not installed here
+        return None
+
+
 def load_runs(root: Path) -> tuple[list[Run], list[str]]:
     """All readable runs below ``root`` and one problem line per unreadable file."""
     runs: list[Run] = []
@@ -203,9 +272,12 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
         private = bool(finite) and len(finite) == len(epsilons)
         per_budget = members[0].budget_rules()
         shown = [k for k in varying if k in own]
+        statuses = [m.status for m in members]
+        chances = [m.results["final"].get("chance_accuracy") for m in members]
         rows.append(
             {
                 "algorithm": first["strategy"],
+                "status": status_text(statuses),
                 "dataset": first["dataset"],
                 "partition": first.get("partition", ""),
                 "settings": ", ".join(f"{k}={own[k]}" for k in shown),
@@ -223,6 +295,8 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "evaluated_on": first["final"].get("evaluated_on", "test"),
                 "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
                 "accuracy_std": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else None,
+                "chance_accuracy": float(np.mean(chances)) if None not in chances else None,
+                "diverged": sum(m.diverged for m in members),
                 "seeds": len({m.config.get("seed") for m in members}),
                 "upload_bytes_per_client_round": float(np.mean(uploads)) if uploads else None,
                 "wall_s": float(np.mean([m.results["final"].get("wall_s") or 0.0 for m in members])),
@@ -239,6 +313,13 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
         )
     )
     return rows
+
+
+def status_text(statuses: Sequence[str]) -> str:
+    """``completed`` when every run of a group has that status, else ``2 completed, 1 interrupted``."""
+    if len(set(statuses)) == 1:
+        return statuses[0]
+    return ", ".join(f"{statuses.count(status)} {status}" for status in dict.fromkeys(statuses))
 
 
 #: Keys shown in their own columns (or implied by the algorithm), never as a varying setting.
@@ -288,8 +369,15 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
-def write_tables(rows: Sequence[dict[str, Any]], problems: Sequence[str], out: Path) -> None:
-    """``report.csv`` and ``report.md``."""
+def write_tables(
+    rows: Sequence[dict[str, Any]],
+    problems: Sequence[str],
+    out: Path,
+    *,
+    left_out: Sequence[str] = (),
+    missing: Sequence[str] = (),
+) -> None:
+    """``report.csv`` and ``report.md`` (with the runs left out and the jobs without results listed)."""
     with (out / "report.csv").open("w", newline="") as stream:
         writer = csv.DictWriter(stream, fieldnames=COLUMNS)
         writer.writeheader()
@@ -301,6 +389,15 @@ def write_tables(rows: Sequence[dict[str, Any]], problems: Sequence[str], out: P
         members = [row for row in rows if (row["epsilon_unit"] or "none (not private)") == unit]
         lines += ([""] if lines else []) + [f"### Privacy unit: {unit}", ""]
         lines += _table_lines(members, canaries=canaries)
+    chance = {row["dataset"]: row["chance_accuracy"] for row in rows if row["chance_accuracy"] is not None}
+    if chance:
+        levels = ", ".join(f"{name} {value:.3f}" for name, value in sorted(chance.items()))
+        lines += ["", f"Chance level (the evaluation split's most frequent label): {levels}."]
+    if left_out:
+        lines += ["", "Runs left out (not completed; `--all` includes them):", ""]
+        lines += [f"- {line}" for line in left_out]
+    if missing:
+        lines += ["", "Jobs without results:", ""] + [f"- {line}" for line in missing]
     if problems:
         lines += ["", "Results files that could not be used:", ""] + [f"- {p}" for p in problems]
     (out / "report.md").write_text("\n".join(lines) + "\n")
@@ -315,6 +412,7 @@ def _table_lines(rows: Sequence[dict[str, Any]], *, canaries: bool) -> list[str]
     header += ["epsilon (cumulative)"]
     header += ["empirical epsilon (95% interval; canaries)"] if canaries else []
     header += ["delta", "final accuracy (mean ± std)", "seeds", "upload B/client/round", "wall time (s)"]
+    header += ["status"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         accuracy = "-" if row["accuracy_mean"] is None else f"{row['accuracy_mean']:.4f}"
@@ -322,6 +420,8 @@ def _table_lines(rows: Sequence[dict[str, Any]], *, canaries: bool) -> list[str]
             accuracy += f" ± {row['accuracy_std']:.4f}"
         if row["accuracy_mean"] is not None and row["evaluated_on"] != "test":
             accuracy += f" ({row['evaluated_on']})"  # a tuning run: not a test accuracy
+        if row["diverged"]:
+            accuracy += f" ⚠ {row['diverged']} of {len(row['runs'])} diverged"
         upload = (
             "-"
             if row["upload_bytes_per_client_round"] is None
@@ -339,7 +439,14 @@ def _table_lines(rows: Sequence[dict[str, Any]], *, canaries: bool) -> list[str]
         ]
         if canaries:
             cells.append(_empirical_cell(row))
-        cells += [_fmt(row["delta"]), accuracy, str(row["seeds"]), upload, f"{row['wall_s']:.0f}"]
+        cells += [
+            _fmt(row["delta"]),
+            accuracy,
+            str(row["seeds"]),
+            upload,
+            f"{row['wall_s']:.0f}",
+            row["status"],
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -366,17 +473,31 @@ def _label(row: dict[str, Any]) -> str:
 
 
 def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
-    """Final accuracy against reported cumulative epsilon, one line per algorithm and data set."""
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    lines: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for row in rows:
-        if row["accuracy_mean"] is not None:
-            lines[_label(row)].append(row)
-    colours = iter(plt.cm.tab10.colors * 3)
-    for label, members in sorted(lines.items()):
-        colour = next(colours)
-        private = sorted((r for r in members if r["epsilon"] is not None), key=lambda r: r["epsilon"])
-        if private:
+    """Final accuracy against reported cumulative epsilon: one panel per privacy unit.
+
+    Epsilons of different units (a client's data, one record, one report) are not comparable, so
+    each unit has its own panel and axis; inside a panel one line per arm (algorithm, data set,
+    varying settings), non-private runs as dashed horizontal references in every panel, and the
+    chance level of each data set as a dotted line.
+    """
+    units = list(dict.fromkeys(r["epsilon_unit"] for r in rows if r["epsilon"] is not None)) or [""]
+    figure, axes = plt.subplots(1, len(units), figsize=(7 * len(units), 4.5), squeeze=False, sharey=True)
+    references = [r for r in rows if r["epsilon"] is None and r["accuracy_mean"] is not None]
+    colours = {
+        label: colour
+        for label, colour in zip(sorted({_label(r) for r in rows}), plt.cm.tab10.colors * 5, strict=False)
+    }
+    for axis, unit in zip(axes.flat, units, strict=True):
+        lines: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for row in rows:
+            if (
+                row["epsilon"] is not None
+                and row["accuracy_mean"] is not None
+                and row["epsilon_unit"] == unit
+            ):
+                lines[_label(row)].append(row)
+        for label, members in sorted(lines.items()):
+            private = sorted(members, key=lambda r: r["epsilon"])
             axis.errorbar(
                 [r["epsilon"] for r in private],
                 [r["accuracy_mean"] for r in private],
@@ -385,24 +506,34 @@ def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
                 ms=4,
                 capsize=3,
                 label=label,
-                color=colour,
+                color=colours[label],
             )
-        for row in members:
-            if row["epsilon"] is None:
-                axis.axhline(row["accuracy_mean"], ls="--", color=colour, label=f"{label}, not private")
-    axis.set_xscale("log")
-    shown = [r for r in rows if r["epsilon"] is not None and r["accuracy_mean"] is not None]
-    budgets = sorted({float(f"{r['epsilon']:.2g}") for r in shown})  # 0.9999 and 1.0 share a tick
-    if budgets and len(budgets) <= 12:  # plain numbers at the measured budgets, not 2 x 10^0
-        axis.set_xticks(budgets, [f"{b:.3g}" for b in budgets])
-        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-    axis.set_xlabel("reported cumulative epsilon (worst client; log scale)")
-    axis.set_ylabel("final test accuracy")
-    axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
-    axis.grid(alpha=0.3)
+        for row in references:
+            label = _label(row)
+            axis.axhline(row["accuracy_mean"], ls="--", color=colours[label], label=f"{label}, not private")
+        for dataset, chance in sorted(_chance_levels(rows).items()):
+            axis.axhline(chance, ls=":", lw=1, color="black", label=f"chance level ({dataset})")
+        if lines:
+            axis.set_xscale("log")
+            shown = [r for members in lines.values() for r in members]
+            budgets = sorted({float(f"{r['epsilon']:.2g}") for r in shown})  # 0.9999 and 1.0 share a tick
+            if budgets and len(budgets) <= 12:  # plain numbers at the measured budgets, not 2 x 10^0
+                axis.set_xticks(budgets, [f"{b:.3g}" for b in budgets])
+                axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        per = f"per {unit}" if unit else "(no private run)"
+        axis.set_xlabel(f"reported cumulative epsilon {per} (worst case; log scale)")
+        axis.set_title(f"privacy unit: {unit or 'none'}", fontsize=9)
+        axis.set_ylabel("final test accuracy")
+        axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
+        axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(out / "accuracy_vs_epsilon.png", dpi=120, bbox_inches="tight")
     plt.close(figure)
+
+
+def _chance_levels(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The chance level of each data set in ``rows`` (those whose results say it)."""
+    return {r["dataset"]: r["chance_accuracy"] for r in rows if r.get("chance_accuracy") is not None}
 
 
 def plot_empirical_vs_claimed(rows: Sequence[dict[str, Any]], out: Path) -> bool:
@@ -507,8 +638,12 @@ def plot_curves(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) 
                 if row["dataset"] == members[0]["dataset"]:
                     reference = f"{row['algorithm']}, not private"
                     axis.plot(*curve, lw=1, ls="--", color="tab:gray", label=reference)
+            chance = _chance_levels(members).get(members[0]["dataset"])
+            if chance is not None:
+                axis.axhline(chance, ls=":", lw=1, color="black", label="chance level")
             if log:
-                axis.set_xscale("log")
+                _byte_axis(axis)
+            axis.tick_params(labelsize=7)
             axis.set_title("\n".join(textwrap.wrap(label, 60)), fontsize=7)  # long arms: no overlap
             axis.set_xlabel(xlabel, fontsize=8)
             axis.grid(alpha=0.3)
@@ -522,6 +657,21 @@ def plot_curves(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) 
         plt.close(figure)
 
 
+def _byte_axis(axis: Any) -> None:
+    """A log-scale axis of byte counts with a few labels that never overlap (1 kB, 2 kB, 5 kB, ...).
+
+    Matplotlib labels minor ticks when the data span less than a decade or two: in small panels
+    those labels ran into each other. Here: decades only over a wide span, 1-2-5 steps otherwise.
+    """
+    axis.set_xscale("log")
+    low, high = axis.get_xlim()
+    span = math.log10(high / low) if low > 0 and high > low else 0.0
+    subs = (1.0,) if span > 1.5 else (1.0, 2.0, 5.0)
+    axis.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=subs, numticks=8))
+    axis.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(unit="B", places=0))
+    axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -531,6 +681,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("directory", type=Path, help="a multirun or output directory")
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: the directory)")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="include interrupted and failed runs (default: completed runs only; the others are listed)",
+    )
     args = parser.parse_args(argv)
     if not args.directory.is_dir():
         print(f"error: {args.directory} is not a directory", file=sys.stderr)
@@ -538,17 +693,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs, problems = load_runs(args.directory)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
+    left_out = [] if args.all else [f"{run.path.parent}: {run.status}" for run in runs if not run.completed]
+    runs = runs if args.all else [run for run in runs if run.completed]
+    missing = missing_runs(args.directory)
+    for line in [*left_out, *missing]:
+        print(f"note: left out: {line}", file=sys.stderr)
     if not runs:
         print(
-            f"error: no usable results.json below {args.directory}; run `python -m fl_app -m ...` "
-            "first (each job writes one)",
+            f"error: no usable results.json below {args.directory}"
+            f"{' of a completed run (--all includes the others)' if left_out else ''}; run "
+            "`python -m fl_app -m ...` first (each job writes one)",
             file=sys.stderr,
         )
         return 2
     out = args.out or args.directory
     out.mkdir(parents=True, exist_ok=True)
     rows = summarise(runs)
-    write_tables(rows, problems, out)
+    write_tables(rows, problems, out, left_out=left_out, missing=missing)
+    for row in rows:
+        if row["diverged"]:
+            print(
+                f"warning: {_label(row)} at epsilon {_fmt(row['epsilon'])}: {row['diverged']} of "
+                f"{len(row['runs'])} runs diverged (final loss above {DIVERGENCE_FACTOR:g}x the initial)",
+                file=sys.stderr,
+            )
     plot_accuracy_vs_epsilon(rows, out)
     plot_curves(rows, runs, out)
     plot_empirical_vs_claimed(rows, out)

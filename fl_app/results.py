@@ -13,7 +13,8 @@
                   "clients": int, "failures": int, "wall_s": float, "round_s": float, ...}],
       "final": {"accuracy": float, "loss": float, "best_accuracy": float, "best_round": int,
                 "epsilon": float|null,
-                "epsilon_training": float|null, "delta": float, "wall_s": float, "rounds": int, ...},
+                "epsilon_training": float|null, "delta": float, "wall_s": float, "rounds": int,
+                "chance_accuracy": float, "diverged": bool, ...},
       "privacy": {"unit": str, "mechanism": str, "accountant": str,
                   "randomness": {"source": "seeded"|"os_entropy", "noise_seed": int|null,
                                  "cohort": str, "note": str, ...},
@@ -41,7 +42,11 @@
   ``null`` in rounds skipped by ``evaluation.every``.
 * ``upload_bytes``/``download_bytes``: serialised size of that round's train
   messages, summed over clients (``*_array_bytes``: raw array data only).
-* ``wall_s``: seconds since the run started; ``round_s``: this round's duration.
+* ``wall_s``: seconds since the run started (its first log line; over all sessions of a resumed
+  run); ``round_s``: this round's duration. ``final.wall_s`` is what the run's last line says.
+* ``final.chance_accuracy``: the accuracy of always predicting the evaluation split's most
+  frequent label; ``final.diverged``: the final loss is not finite or more than
+  :data:`DIVERGENCE_FACTOR` times the initial model's (the run's last line warns).
 * With a secret cohort (DP-FedAvg's and adaptive clipping's Poisson sampling, whose amplification
   needs the cohort hidden from model observers) the rounds hold none of :data:`COHORT_FIELDS`
   (bytes, ``clients``, ``failures``, ``wall_s``, ``round_s``): each is a function of the secret
@@ -58,7 +63,8 @@
   ``privacy.diagnostics=true`` in a simulation, never on real devices, never
   in ``rounds``, ``metrics.csv`` or ``run.log``.
 
-Also written: ``metrics.csv`` (one row per round, updated as the run goes),
+Also written: ``metrics.csv`` and ``rounds.jsonl`` (one row / JSON line per round, appended as
+the run goes),
 ``accuracy_loss.png``, ``epsilon.png``, ``final_model.npz`` (arrays plus the
 model spec), ``config.yaml``, ``privacy_ledger.json`` (the accountant's events)
 and ``run.log``.
@@ -67,10 +73,9 @@ and ``run.log``.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +83,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
 
+from fl_app.files import write_atomically, writing
 from fl_app.model_spec import ModelSpec
 from fl_app.privacy.accountant import LEDGER_FILE
 from fl_app.run_settings import RunSettings
@@ -104,6 +110,8 @@ OUTSIDE_GUARANTEE_NOTE = (
 )
 RESULTS_FILE = "results.json"
 METRICS_FILE = "metrics.csv"
+#: One JSON line per round, appended as the run goes (a checkpoint counts them, see RunRecorder.state).
+ROUNDS_FILE = "rounds.jsonl"
 MODEL_FILE = "final_model.npz"
 
 
@@ -125,11 +133,7 @@ def json_safe(value: Any) -> Any:
 def write_json(path: Path, data: Any) -> None:
     """Write strict JSON atomically (temporary file, then rename)."""
     text = json.dumps(json_safe(data), indent=2, allow_nan=False)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(handle, "w") as stream:
-        stream.write(text + "\n")
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, path)
+    write_atomically(path, (text + "\n").encode())
 
 
 def save_model(path: Path, arrays: ArrayRecord, spec: ModelSpec) -> None:
@@ -144,6 +148,29 @@ def load_model_arrays(path: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
         spec = ModelSpec.from_json(str(archive["__model_spec__"]))
         arrays = {name: archive[name] for name in archive.files if name != "__model_spec__"}
     return spec, arrays
+
+
+#: A run whose final loss is more than this many times its initial model's has diverged.
+DIVERGENCE_FACTOR = 3.0
+
+
+def diverged(initial_loss: float | None, final_loss: float | None) -> bool:
+    """Whether the final loss is not finite or above :data:`DIVERGENCE_FACTOR` x the initial model's."""
+    if final_loss is None:
+        return False
+    if not math.isfinite(final_loss):
+        return True
+    return initial_loss is not None and final_loss > DIVERGENCE_FACTOR * initial_loss
+
+
+def chance_accuracy(labels: np.ndarray) -> float:
+    """The accuracy of always predicting the most frequent label (the chance level of a split)."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64))
+    return float(counts.max() / counts.sum()) if counts.size else 0.0
+
+
+def _csv_row(row: dict[str, Any], columns: list[str]) -> dict[str, Any]:
+    return {k: ("" if row.get(k) is None else row.get(k)) for k in columns}
 
 
 class RunRecorder:
@@ -168,13 +195,18 @@ class RunRecorder:
         self.stopped: dict[str, Any] | None = None
         #: Failed train replies over the run (published as ``final.failures`` unless the cohorts are secret).
         self.failures = 0
+        self._columns: list[str] = []  # metrics.csv's header
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the results so far."""
+        """What a checkpoint keeps of the results so far.
+
+        The rounds' records are in ``rounds.jsonl`` (appended as the run goes); the checkpoint keeps
+        their number only, so that its size does not grow with the rounds.
+        """
         return {
-            "rounds": list(self.rounds),
+            "rounds_recorded": len(self.rounds),
             "initial": dict(self.initial),
             "outside": list(self.outside),
             "failures": self.failures,
@@ -182,12 +214,17 @@ class RunRecorder:
 
     def restore(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state` (a resumed run)."""
-        self.rounds, self.initial, self.outside = (
-            list(state["rounds"]),
-            dict(state["initial"]),
-            list(state["outside"]),
-        )
+        if "rounds" in state:  # a checkpoint of an earlier version kept the records themselves
+            self.rounds = list(state["rounds"])
+        else:
+            lines = (self.output_dir / ROUNDS_FILE).read_text().splitlines()
+            self.rounds = [json.loads(line) for line in lines[: int(state["rounds_recorded"])]]
+        self.initial, self.outside = dict(state["initial"]), list(state["outside"])
         self.failures = int(state.get("failures", 0))
+        # both files may hold a round recorded after the checkpoint's: back to the checkpoint's
+        text = "".join(json.dumps(row, allow_nan=False) + "\n" for row in self.rounds)
+        write_atomically(self.output_dir / ROUNDS_FILE, text.encode())
+        self._rewrite_metrics()
 
     def add_initial(self, values: dict[str, Any]) -> None:
         """The initial model's evaluation (round 0)."""
@@ -196,20 +233,37 @@ class RunRecorder:
             self.tracker.log_round({"round": 0, **self.initial})
 
     def add_round(self, record: dict[str, Any]) -> None:
-        """Append one round, refresh ``metrics.csv`` and hand the round to the tracker."""
+        """Append one round to the records and to ``metrics.csv``; hand it to the tracker.
+
+        ``metrics.csv`` gets one appended row per round (rewriting it whole every round made a long
+        run's writes grow with the square of its rounds); it is rewritten only when a round brings a
+        new column, and after a resume (:meth:`restore`).
+        """
         self.rounds.append(json_safe(record))
         if self.tracker is not None:
             self.tracker.log_round(self.rounds[-1])
+        row = self.rounds[-1]
+        journal = self.output_dir / ROUNDS_FILE
+        with writing(journal), journal.open("a") as stream:
+            stream.write(json.dumps(row, allow_nan=False) + "\n")
+        path = self.output_dir / METRICS_FILE
+        if self._columns and set(row) <= set(self._columns):
+            with writing(path), path.open("a", newline="") as stream:
+                csv.DictWriter(stream, fieldnames=self._columns).writerow(_csv_row(row, self._columns))
+            return
+        self._rewrite_metrics()
+
+    def _rewrite_metrics(self) -> None:
         columns: list[str] = []
         for row in self.rounds:
             columns += [key for key in row if key not in columns]
-        temporary = self.output_dir / f".{METRICS_FILE}.tmp"
-        with temporary.open("w", newline="") as stream:
-            writer = csv.DictWriter(stream, fieldnames=columns)
-            writer.writeheader()
-            for row in self.rounds:
-                writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
-        os.replace(temporary, self.output_dir / METRICS_FILE)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=columns)
+        writer.writeheader()
+        for row in self.rounds:
+            writer.writerow(_csv_row(row, columns))
+        write_atomically(self.output_dir / METRICS_FILE, text.getvalue().encode())
+        self._columns = columns
 
     def add_diagnostics(self, server_round: int, values: dict[str, Any]) -> None:
         """Keep a round's statistics outside the guarantee (dropped unless ``diagnostics``)."""
@@ -246,6 +300,7 @@ class RunRecorder:
             "rounds": len(self.rounds),
             **final_extras,
         }
+        final["diverged"] = diverged(self.initial.get("loss"), final["loss"])
         results = {
             "schema": SCHEMA_VERSION,
             "status": status,

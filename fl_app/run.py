@@ -41,8 +41,10 @@ from fl_app.config import (
     overrides_from_run_config,
     with_values,
 )
+from fl_app.config_checks import ConfigError
 from fl_app.data.federated import DataSpec, FederatedData, federated_data
-from fl_app.engine.logs import console_filter
+from fl_app.engine.logs import colour_only_at_a_terminal, console_filter
+from fl_app.files import WriteFailed, write_failed
 from fl_app.fingerprint import config_fingerprint
 from fl_app.lifecycle import (
     Outcome,
@@ -54,9 +56,17 @@ from fl_app.lifecycle import (
 )
 from fl_app.metering import MeteredGrid
 from fl_app.model_spec import ModelSpec
+from fl_app.output_claim import claim_output_dir
 from fl_app.privacy.canaries import HEADER_NOTE as CANARY_HEADER
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
-from fl_app.results import LEDGER_FILE, RunRecorder, short_unit, write_json
+from fl_app.results import (
+    DIVERGENCE_FACTOR,
+    LEDGER_FILE,
+    RunRecorder,
+    chance_accuracy,
+    short_unit,
+    write_json,
+)
 from fl_app.resume import checkpoint_overrides
 from fl_app.roster import ClientInfo, discover_roster, on_devices
 from fl_app.round_loop import check_round, run_rounds
@@ -105,7 +115,15 @@ def run_federation(grid: Grid, context: Context, composed: DictConfig | None = N
     else:
         stamp = dt.datetime.now().strftime("%Y-%m-%d/%H-%M-%S")
         output_dir = output_path(f"outputs/flwr/{stamp}-{context.run_id}")
-    execute(grid, cfg, output_dir, overrides=overrides)
+    try:
+        with claim_output_dir(output_dir, resume=cfg.get("resume") is not None):
+            execute(grid, cfg, output_dir, overrides=overrides)
+    except ConfigError as error:  # another run holds the directory (or wrote there)
+        log(ERROR, "nothing was run: %s", error)
+        if not driver_reports_outcome():
+            raise RunFailed(f"nothing was run: {error}") from None
+        record_outcome(Outcome("failed", 2, str(error), str(output_dir)))
+        return
     if not driver_reports_outcome():
         outcome = take_outcome()
         if outcome is not None and outcome.exit_code:
@@ -222,6 +240,7 @@ def execute(
     run ended is also recorded for the driver (:func:`fl_app.lifecycle.take_outcome`).
     """
     output_dir.mkdir(parents=True, exist_ok=True)
+    colour_only_at_a_terminal()
     handler, published = run_log_handler(output_dir / LOG_FILE)
     flower_logger = logging.getLogger("flwr")
     flower_logger.addHandler(handler)
@@ -287,7 +306,8 @@ def _execute(
         arrays = strategy.initial_arrays()
     randomness = strategy.randomness()
     published.secret_cohort = randomness.secret_cohort  # run.log then withholds what depends on the cohort
-    log(INFO, "dpfl: %s", randomness.describe())
+    if strategy.declaration.is_private(cfg):  # a non-private run has no privacy randomness to describe
+        log(INFO, "dpfl: %s", randomness.describe())
     if run.canaries:
         log(INFO, "dpfl: %s", CANARY_HEADER.format(count=run.canaries))
     recorder = RunRecorder(
@@ -310,6 +330,7 @@ def _execute(
         max_failure_fraction=settings.simulation.max_failure_fraction,
         overrides=checkpoint_overrides(overrides),
         fingerprint=config_fingerprint(cfg, ignore=("num_rounds",)),
+        started=started,
     )
     if resumed is not None:
         recorder.restore(resumed.recorder)
@@ -362,27 +383,47 @@ def _execute(
             empirical["canaries"],
             _fmt(report.total.epsilon, "inf"),
         )
-    ledgers = strategy.ledgers()
-    for name, ledger in ledgers.items():
-        write_json(output_dir / name, ledger)
-    results = recorder.finalize(
-        strategy=settings.strategy,
-        status=status,
-        privacy=privacy,
-        final_extras={
-            **run_report.final,
-            "epsilon_training": report.total.per_stage.get("training"),
-            "setup_bytes": int(
-                setup_traffic.get("query_download_bytes", 0) + setup_traffic.get("query_upload_bytes", 0)
-            ),
-            # with a secret cohort: no count of failures (it depends on the cohorts), sizes per client
-            **(reporter.secret_traffic.per_client() if randomness.secret_cohort else {"failures": failures}),
-        },
-        arrays=arrays,
-        model_spec=model_spec,
-        ledger=ledgers.get(LEDGER_FILE),
-        wall_s=reporter.elapsed(),
-    )
+    try:
+        ledgers = strategy.ledgers()
+        for name, ledger in ledgers.items():
+            write_json(output_dir / name, ledger)
+        results = recorder.finalize(
+            strategy=settings.strategy,
+            status=status,
+            privacy=privacy,
+            final_extras={
+                **run_report.final,
+                "epsilon_training": report.total.per_stage.get("training"),
+                "chance_accuracy": chance_accuracy(y_test),
+                "setup_bytes": int(
+                    setup_traffic.get("query_download_bytes", 0) + setup_traffic.get("query_upload_bytes", 0)
+                ),
+                # with a secret cohort: no count of failures (it depends on the cohorts), sizes per client
+                **(
+                    reporter.secret_traffic.per_client()
+                    if randomness.secret_cohort
+                    else {"failures": failures}
+                ),
+            },
+            arrays=arrays,
+            model_spec=model_spec,
+            ledger=ledgers.get(LEDGER_FILE),
+            wall_s=reporter.elapsed(),
+        )
+    except OSError as error:  # a full disk: the last checkpoint (if any) stays whole
+        failure = error if isinstance(error, WriteFailed) else write_failed(output_dir / "results", error)
+        can_resume = reporter.completed_round > 0
+        log(
+            ERROR,
+            "dpfl: run %s after round %d, but its results could not be written: %s%s",
+            status,
+            reporter.completed_round,
+            failure,
+            f"; free space, then continue with: python -m fl_app resume={output_dir}" if can_resume else "",
+        )
+        state = private_state_text(strategy, output_dir) if can_resume else None
+        record_outcome(Outcome("failed", 1, str(failure), str(output_dir), state))
+        return None
     if status.startswith("completed") and strategy.declaration.is_private(cfg):
         remove_checkpoint(output_dir)  # a private run cannot be extended; keep no server secrets
     stopped = recorder.stopped or {}
@@ -407,7 +448,7 @@ def _execute(
         INFO,
         "dpfl: finished %d rounds in %s; final accuracy %s (best %s in round %s), %s; results in %s",
         len(results["rounds"]),
-        format_duration(time.monotonic() - started),
+        format_duration(results["final"]["wall_s"]),
         _fmt(results["final"]["accuracy"]),
         _fmt(results["final"]["best_accuracy"]),
         results["final"]["best_round"],
@@ -423,7 +464,24 @@ def _execute(
         ),
         output_dir,
     )
+    warn_if_diverged(results)
     return results
+
+
+def warn_if_diverged(results: dict[str, Any]) -> None:
+    """A WARNING line when the run diverged (``final.diverged``): its accuracy says little then."""
+    final = results["final"]
+    if final.get("diverged"):
+        log(
+            WARNING,
+            "dpfl: this run diverged: final loss %s against %s for the initial model (more than %gx); "
+            "its accuracy (chance level %s) describes a broken model: lower lr or the noise, or "
+            "raise the clipping/budget",
+            _fmt(final["loss"]),
+            _fmt(results["initial"].get("loss")),
+            DIVERGENCE_FACTOR,
+            _fmt(final.get("chance_accuracy")),
+        )
 
 
 def private_state_text(strategy: Strategy, output_dir: Path) -> str:
@@ -482,6 +540,7 @@ class RoundReporter:
         max_failure_fraction: float = 1.0,
         overrides: list[str] | None = None,
         fingerprint: str = "",
+        started: float | None = None,
     ) -> None:
         self.strategy = strategy
         self.grid = grid
@@ -492,7 +551,9 @@ class RoundReporter:
         self.max_failure_fraction = max_failure_fraction
         self.overrides = list(overrides or [])
         self.fingerprint = fingerprint
-        self.started = self.last = time.monotonic()
+        #: When this session began (the run's first log line): ``wall_s`` counts from there.
+        self.started = time.monotonic() if started is None else started
+        self.last = time.monotonic()
         self.durations: list[float] = []
         self.completed_round = 0
         self.last_arrays: ArrayRecord | None = None
@@ -510,7 +571,7 @@ class RoundReporter:
         self.last_arrays = arrays
         self.earlier_s = elapsed_s
         self.grid.take()
-        self.started = self.last = time.monotonic()
+        self.last = time.monotonic()
 
     def checkpoint(self, server_round: int, arrays: ArrayRecord) -> None:
         """Write the privacy ledger and the checkpoint of a completed round (both atomically)."""
@@ -540,14 +601,24 @@ class RoundReporter:
             loss, accuracy = self.strategy.evaluate_global(arrays, self.x_test, self.y_test)
             self.recorder.add_initial({"accuracy": accuracy, "loss": loss})
             self.grid.take()
-            self.started = self.last = time.monotonic()
+            self.last = time.monotonic()
             self.last_arrays = arrays
             return MetricRecord({"accuracy": accuracy, "loss": loss})
+        report = self.strategy.report_round(server_round)
+        # A round that broke the failure rule is neither recorded nor checkpointed: a resumed run
+        # repeats it instead of continuing from its degraded model.
+        check_round(
+            server_round,
+            clients=report.clients,
+            failures=len(report.failures),
+            reasons=list(report.failure_reasons),
+            max_failure_fraction=self.max_failure_fraction,
+            secret_cohort=report.secret_cohort,
+        )
         evaluate = server_round % self.every == 0 or server_round == self.num_rounds
         loss, accuracy = (
             self.strategy.evaluate_global(arrays, self.x_test, self.y_test) if evaluate else (None, None)
         )
-        report = self.strategy.report_round(server_round)
         traffic = self.grid.take()
         now = time.monotonic()
         self.durations.append(now - self.last)
@@ -586,14 +657,6 @@ class RoundReporter:
         self.completed_round = server_round
         self.last_arrays = arrays
         self.checkpoint(server_round, arrays)
-        check_round(
-            server_round,
-            clients=report.clients,
-            failures=len(report.failures),
-            reasons=list(report.failure_reasons),
-            max_failure_fraction=self.max_failure_fraction,
-            secret_cohort=report.secret_cohort,
-        )
         remaining = float(np.mean(self.durations)) * (self.num_rounds - server_round)
         line = (
             f"dpfl round {server_round}/{self.num_rounds}: "

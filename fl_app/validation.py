@@ -28,8 +28,10 @@ from fl_app.data.sources import (
     DataFileError,
     DataNotFoundError,
     resolve_idx_folder,
+    resolve_svhn_folder,
 )
 from fl_app.models import MODELS
+from fl_app.output_claim import refuse_earlier_run
 from fl_app.privacy.composition import METHODS
 from fl_app.run_settings import RunSettings
 from fl_app.tracking import TRACKERS, tracker_available
@@ -55,7 +57,14 @@ def validate_common(cfg: DictConfig) -> None:
     if isinstance(per_round, float) and not isinstance(per_round, bool):
         require_range("clients_per_round", per_round, 0.0, 1.0, low_open=True)
     else:
-        require_int("clients_per_round", per_round, minimum=1, maximum=num_clients)
+        require_int("clients_per_round", per_round, minimum=1)
+        if per_round > num_clients:
+            raise ConfigError(
+                "clients_per_round",
+                per_round,
+                f"more clients per round than num_clients={num_clients}: set clients_per_round to at "
+                f"most {num_clients} (or a fraction in (0, 1])",
+            )
     require_int("num_rounds", cfg.num_rounds, minimum=1)
     require_int("local_epochs", cfg.local_epochs, minimum=1)
     require_int("batch_size", cfg.batch_size, minimum=1)
@@ -139,7 +148,8 @@ def validate_data_options(cfg: DictConfig) -> None:
         for key in ("num_train", "num_test", "image_size", "num_classes"):
             require_int(f"dataset.{key}", dataset[key], minimum=2)
         require_positive("dataset.class_sep", dataset.class_sep)
-    if name in IDX_DATASETS and dataset.data_dir is not None and not isinstance(dataset.data_dir, str):
+    with_files = (*IDX_DATASETS, "svhn")
+    if name in with_files and dataset.data_dir is not None and not isinstance(dataset.data_dir, str):
         raise ConfigError("dataset.data_dir", dataset.data_dir, "must be a folder path or null")
     partition = cfg.partition
     require_choice("partition.name", partition.name, PARTITION_SCHEMES)
@@ -155,16 +165,15 @@ def validate_data_options(cfg: DictConfig) -> None:
 
 def locate_data(cfg: DictConfig) -> None:
     """Make sure the data set's files exist (raises a ConfigError naming dataset.data_dir)."""
-    if cfg.dataset.name in IDX_DATASETS:
-        try:
-            resolve_idx_folder(
-                cfg.dataset.name,
-                data_dir=cfg.dataset.data_dir,
-                download=bool(cfg.dataset.get("download", True)),
-            )
-        except DataNotFoundError as error:
-            key, _, rest = str(error).partition(": ")
-            raise ConfigError(key.split("=")[0], cfg.dataset.data_dir, rest) from error
+    download = bool(cfg.dataset.get("download", True))
+    try:
+        if cfg.dataset.name in IDX_DATASETS:
+            resolve_idx_folder(cfg.dataset.name, data_dir=cfg.dataset.data_dir, download=download)
+        elif cfg.dataset.name == "svhn":
+            resolve_svhn_folder(data_dir=cfg.dataset.data_dir, download=download)
+    except DataNotFoundError as error:
+        key, _, rest = str(error).partition(": ")
+        raise ConfigError(key.split("=")[0], cfg.dataset.data_dir, " ".join(rest.split())) from error
 
 
 #: Data specs whose split was already checked in this process (a sweep validates many jobs that
@@ -254,16 +263,6 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
 
 
 #: Files that mark a directory as an earlier run's output.
-RUN_FILES = (
-    "results.json",
-    "run.log",
-    "metrics.csv",
-    "privacy_ledger.json",
-    "private_server_state.pkl",
-    "checkpoint.pkl",
-)
-
-
 def check_output_dir(cfg: DictConfig) -> None:
     """``output_dir`` must be creatable and writable; a new run must not mix with an earlier run's files."""
     if cfg.output_dir is None:
@@ -271,14 +270,7 @@ def check_output_dir(cfg: DictConfig) -> None:
     directory = Path(str(cfg.output_dir)).expanduser().resolve()
     check_writable_dir("output_dir", directory)
     if cfg.get("resume") is None and directory.is_dir():
-        earlier = [name for name in RUN_FILES if (directory / name).exists()]
-        if earlier:
-            raise ConfigError(
-                "output_dir",
-                str(directory),
-                f"holds an earlier run ({', '.join(earlier)}): choose a new directory, remove those "
-                f"files, or continue that run with resume={directory}",
-            )
+        refuse_earlier_run(directory)  # checked again under the run's claim (fl_app.output_claim)
 
 
 def check_writable_dir(key: str, directory: Path) -> None:

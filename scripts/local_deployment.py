@@ -7,6 +7,7 @@ Usage::
     python scripts/local_deployment.py status [--dir DIR]
     python scripts/local_deployment.py stop [--dir DIR]
     python scripts/local_deployment.py stage TARGET
+    python scripts/local_deployment.py stop-flwr-superlink
 
 ``start`` does what docs/deploy.md does by hand: it writes one data file per
 SuperNode (``scripts/make_device_data.py`` with the given Hydra overrides,
@@ -89,6 +90,67 @@ def environment_with_scripts(env: Mapping[str, str]) -> dict[str, str]:
     return {**env, "PATH": os.pathsep.join([scripts, path]) if path else scripts}
 
 
+#: ServerApp processes a SuperLink of this module runs at once (default: the machine's cores, at
+#: least 2); further runs wait at the SuperLink, pending, until one finishes.
+SERVERAPP_SLOTS = max(2, os.cpu_count() or 2)
+#: Exit status of a launch the gate turned away (EX_TEMPFAIL: try again later).
+GATE_BUSY_EXIT = 75
+GATE_TEMPLATE = """#!{python} -I
+\"\"\"dpfl's launch gate for flwr-serverapp (written by scripts/local_deployment.py).
+
+The SuperLink's SuperExec starts one flwr-serverapp per run it hands out; a process that has not
+reported within Flower's heartbeat interval (30 s) loses the run to a new process, and on a busy
+machine each new process slows the next (a ServerApp storm). This gate runs at most {slots}
+ServerApps at once: it takes a free slot (an flock held for the ServerApp's lifetime, released by
+the kernel when it exits) and becomes the real flwr-serverapp, or exits at once without loading
+anything, which leaves the run pending at the SuperLink until a slot is free.
+\"\"\"
+import fcntl
+import os
+import sys
+
+REAL = {real!r}
+for slot in range({slots}):
+    fd = os.open(os.path.join({slots_dir!r}, f"slot-{{slot}}"), os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        continue
+    os.set_inheritable(fd, True)
+    os.execv(REAL, [REAL, *sys.argv[1:]])
+sys.stderr.write("dpfl gate: {slots} ServerApps running; the run stays pending at the SuperLink\\n")
+sys.exit({busy})
+"""
+
+
+def write_serverapp_gate(directory: Path, *, slots: int = SERVERAPP_SLOTS) -> Path:
+    """Write the ``flwr-serverapp`` launch gate into ``directory/bin``; return that folder.
+
+    Put the folder first on the SuperLink's ``PATH`` (its SuperExec starts ``flwr-serverapp`` by
+    name): then at most ``slots`` ServerApp processes exist at any time, however late they are for
+    their heartbeat and however many runs are submitted (see :data:`GATE_TEMPLATE`).
+    """
+    if slots < 1:
+        raise DeploymentError(f"serverapp slots must be >= 1, got {slots}")
+    bin_dir = directory / "bin"
+    slots_dir = directory / "serverapp-slots"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    slots_dir.mkdir(parents=True, exist_ok=True)
+    gate = bin_dir / "flwr-serverapp"
+    gate.write_text(
+        GATE_TEMPLATE.format(
+            python=sys.executable,
+            real=executable("flwr-serverapp"),
+            slots=slots,
+            slots_dir=str(slots_dir),
+            busy=GATE_BUSY_EXIT,
+        )
+    )
+    gate.chmod(0o755)
+    return bin_dir
+
+
 #: Tries to start a SuperNode on a fresh free port when the one picked was taken before it bound it.
 PORT_ATTEMPTS = 3
 PORT_IN_USE = "address already in use"
@@ -115,6 +177,19 @@ def descendants(pid: int) -> list[int]:
         return [child.pid for child in psutil.Process(pid).children(recursive=True)]
     except psutil.Error:
         return []
+
+
+def superexec_pids(superlink_pid: int) -> list[int]:
+    """The ``flower-superexec`` processes the SuperLink ``superlink_pid`` started."""
+    found = []
+    for pid in descendants(superlink_pid):
+        try:
+            command = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            continue
+        if any(part.endswith("flower-superexec") for part in command[:2]):
+            found.append(pid)
+    return found
 
 
 @dataclass
@@ -154,19 +229,25 @@ def spawn(
     env: Mapping[str, str],
     log: Path,
     die_with_parent: bool = False,
+    path_first: Path | None = None,
 ) -> Process:
     """Start ``argv`` in a new session (its own process group), output into ``log``.
+
+    ``path_first``: a folder put before everything else on the process's ``PATH`` (the gate).
 
     ``die_with_parent`` (tests): the process gets SIGTERM if this process dies
     without stopping it (e.g. a killed test run), so nothing is left behind.
     """
     cwd.mkdir(parents=True, exist_ok=True)
     log.parent.mkdir(parents=True, exist_ok=True)
+    environment = environment_with_scripts(env)
+    if path_first is not None:
+        environment["PATH"] = os.pathsep.join([str(path_first), environment["PATH"]])
     with log.open("ab") as out:
         child = subprocess.Popen(
             list(argv),
             cwd=cwd,
-            env=environment_with_scripts(env),
+            env=environment,
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -366,6 +447,25 @@ class LocalDeployment:
         """The processes still alive."""
         return [p for p in self.processes if p.alive()]
 
+    def problems(self) -> list[str]:
+        """What is dead that a run needs: a process of :attr:`processes`, or the SuperExec.
+
+        The SuperLink starts a ``flower-superexec`` that launches every ServerApp: without it a
+        submitted run stays pending for ever. Each problem is one line with the log's last line.
+        """
+        found = []
+        for process in self.processes:
+            if not process.alive():
+                last = process.log_tail(1) or "(empty log)"
+                found.append(f"{process.name} (pid {process.pid}) is not running; its log ends: {last}")
+        superlink = next((p for p in self.processes if p.name == "superlink"), None)
+        if superlink is not None and superlink.alive() and not superexec_pids(superlink.pid):
+            found.append(
+                f"the SuperLink's flower-superexec (which launches every ServerApp) is not running "
+                f"(SuperLink pid {superlink.pid})"
+            )
+        return found
+
     def stop(self) -> list[str]:
         """Stop every process (children included); return the ids that needed SIGKILL."""
         killed = stop_processes(self.processes)
@@ -396,6 +496,7 @@ def start(
     supernode_ports: Sequence[int] | None = None,
     supernode_env: Mapping[str, str] | None = None,
     die_with_parent: bool = False,
+    serverapp_slots: int | None = SERVERAPP_SLOTS,
 ) -> LocalDeployment:
     """Start a SuperLink and one SuperNode per data file; stop everything again on failure.
 
@@ -419,6 +520,9 @@ def start(
         Extra environment variables of the SuperNodes (and so of their ClientApps).
     die_with_parent : bool
         Stop the SuperLink and SuperNodes when this process dies (tests).
+    serverapp_slots : int or None
+        ServerApp processes that may exist at once (:func:`write_serverapp_gate`); None starts
+        the SuperLink without the gate (Flower's own launch policy: one process per hand-out).
 
     """
     directory = directory.resolve()
@@ -462,6 +566,11 @@ def start(
             env={**os.environ, "FLWR_HOME": str(directory / "superlink" / "flwr-home")},
             log=directory / "logs" / "superlink.log",
             die_with_parent=die_with_parent,
+            path_first=(
+                None
+                if serverapp_slots is None
+                else write_serverapp_gate(directory / "superlink", slots=serverapp_slots)
+            ),
         )
         deployment.processes.append(superlink)
         deployment.save()
@@ -576,6 +685,42 @@ def stage_app(root: Path, target: Path) -> Path:
     return target
 
 
+def local_superlinks(home: Path) -> list[psutil.Process]:
+    """The SuperLinks ``flwr run`` started for this user with Flower home ``home``.
+
+    Matched by owner (this user only: on a shared machine another user's SuperLink is never
+    touched), by program and by the state database below ``home`` that Flower gives the SuperLink
+    it starts (``flower-superlink ... --database <home>/local-superlink/state.db``).
+    """
+    database = str(home / "local-superlink" / "state.db")
+    found = []
+    for process in psutil.process_iter(["pid", "uids", "cmdline"]):
+        try:
+            uids, command = process.info["uids"], process.info["cmdline"] or []
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if uids is None or uids.real != os.getuid() or not command:
+            continue
+        if not any(Path(part).name == "flower-superlink" for part in command[:2]):  # script or python script
+            continue
+        if "--database" in command and command[command.index("--database") + 1 :][:1] == [database]:
+            found.append(process)
+    return found
+
+
+def stop_local_superlink(home: Path) -> str:
+    """Stop the SuperLinks :func:`local_superlinks` finds and their children, by process id."""
+    links = local_superlinks(home)
+    if not links:
+        return f"no local SuperLink running for FLWR_HOME={home}"
+    processes = [Process("superlink", link.pid, _start_time(link.pid), "") for link in links]
+    killed = stop_processes(processes)
+    pids = " ".join(str(link.pid) for link in links)
+    return f"stopped SuperLink {pids} and its simulations (FLWR_HOME={home})" + (
+        f"; killed {', '.join(killed)}" if killed else ""
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -589,6 +734,9 @@ def _parser() -> argparse.ArgumentParser:
     begin.add_argument("overrides", nargs="*", help="Hydra overrides for the device data files")
     for command in ("status", "stop"):
         commands.add_parser(command, help=f"{command} the deployment")
+    commands.add_parser(
+        "stop-flwr-superlink", help="stop the background SuperLink `flwr run .` started (this user's, by pid)"
+    )
     stage = commands.add_parser("stage", help="copy the app without its .venv, for a fast `flwr run <copy>`")
     stage.add_argument("target", type=Path, help="folder to (re)write")
     for sub in commands.choices.values():
@@ -607,6 +755,9 @@ def main(argv: Sequence[str]) -> int:
             f"staged the app in {staged}: flwr run {staged} <connection> ... (stage again after code changes)"
         )
         return 0
+    if args.command == "stop-flwr-superlink":
+        print(stop_local_superlink(flwr_home()))
+        return 0
     directory: Path = args.dir.expanduser().resolve()
     existing = LocalDeployment.load(directory)
     if args.command == "stop":
@@ -619,15 +770,16 @@ def main(argv: Sequence[str]) -> int:
             + (f" (killed {', '.join(killed)})" if killed else "")
         )
         return 0
-    if args.command == "status":
+    if args.command == "status":  # exit status 0: the question was answered (running or not)
         if existing is None:
-            print(f"no deployment recorded in {directory}")
-            return 1
+            print(f"not running: no deployment recorded in {directory}")
+            return 0
         for process in existing.processes:
             print(f"{process.name:12} pid {process.pid:>7}  {'running' if process.alive() else 'stopped'}")
         mode = "TLS" if existing.secure else "insecure"
         print(f"connection {existing.connection!r}: {existing.address} ({mode})")
-        return 0 if existing.running() else 1
+        print("running" if existing.running() else "not running (stopped or crashed: see the logs)")
+        return 0
     if existing is not None and existing.running():
         print(f"error: a deployment is running ({directory}); stop it first", file=sys.stderr)
         return 2
@@ -659,7 +811,9 @@ def main(argv: Sequence[str]) -> int:
     )
     print(f"flwr connection {args.connection!r} written to {flwr_home() / 'config.toml'}")
     run_overrides = " ".join([*overrides, f"clients_per_round={args.supernodes}"])
-    print(f"run:  flwr run . {args.connection} --stream --run-config 'overrides=\"{run_overrides}\"'")
+    project = SCRIPTS_DIR.parent
+    app = "." if Path.cwd().resolve() == project else str(project)  # right from any directory
+    print(f"run:  flwr run {app} {args.connection} --stream --run-config 'overrides=\"{run_overrides}\"'")
     print(f"stop: python {script} stop{where}")
     return 0
 

@@ -42,3 +42,11 @@ def test_unknown_attribute_of_the_package_is_an_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="run_experimnt"):
         fl_app.run_experimnt  # noqa: B018 - the access is the test
+
+
+def test_config_error_is_importable_from_the_package_as_the_readme_shows():
+    """``from fl_app import ConfigError`` failed although the README shows it (42.9)."""
+    from fl_app import ConfigError, run_experiment
+    from fl_app.config_checks import ConfigError as DefinedError
+
+    assert ConfigError is DefinedError and callable(run_experiment)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import re
 import secrets
 import threading
 from pathlib import Path
@@ -25,7 +26,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from flwr.superlink.federation import NoOpFederationManager
 from flwr.superlink.grid.inmemory_grid import InMemoryGrid
 
-from fl_app.engine import FLOWER_VERSION, dispatch, flower_version, pool
+from fl_app.engine import FLOWER_VERSION, SUPPORTED_FLOWER_VERSIONS, dispatch, flower_version, pool
 from fl_app.engine import batching as batching_module
 from fl_app.engine.batching import batch_size, batched_worker, process_batch, run_jobs, take_batch
 from fl_app.engine.dispatch import (
@@ -44,11 +45,15 @@ from strategies.arrays import mean_arrays
 from tests.conftest import FAST, TWO_ACTORS
 
 GOLDEN = Path(__file__).parent / "data" / "golden_rounds.json"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_pins_the_flower_release_whose_private_apis_it_uses() -> None:
     """A Flower upgrade must revisit fl_app/engine/ (this test names the reason)."""
-    assert flower_version() == FLOWER_VERSION
+    assert flower_version() in SUPPORTED_FLOWER_VERSIONS
+    assert FLOWER_VERSION in SUPPORTED_FLOWER_VERSIONS
+    pin = re.search(r"flwr\[simulation\]==([0-9.]+)", (ROOT / "pyproject.toml").read_text())
+    assert pin is not None and pin.group(1) == FLOWER_VERSION
     parameters = list(inspect.signature(vce_api.add_messages_to_queue).parameters)
     if vce_api.add_messages_to_queue is fast_add_messages_to_queue:
         parameters = list(inspect.signature(dispatch._original_dispatch).parameters)

@@ -86,3 +86,45 @@ def test_a_supernode_port_taken_before_it_binds_is_replaced(tmp_path: Path, monk
         deployment.stop()
         taken.close()
     assert deployment.running() == []
+
+
+def test_stop_superlink_stops_only_this_users_superlink_of_this_home_by_pid(tmp_path: Path) -> None:
+    """scripts/stop-superlink.sh ended processes by a command-line pattern (42.9): on a shared machine
+    it could end another user's. Now: this user's `flower-superlink` of this Flower home, by pid."""
+    import subprocess
+
+    deployment = _script()
+    fake = tmp_path / "bin" / "flower-superlink"
+    fake.parent.mkdir()
+    fake.write_text("import time\ntime.sleep(60)\n")
+    mine, other = tmp_path / "mine", tmp_path / "other"
+
+    def superlink(home: Path) -> subprocess.Popen:
+        database = str(home / "local-superlink" / "state.db")
+        return subprocess.Popen([sys.executable, str(fake), "--simulation", "--database", database])
+
+    ours, theirs = superlink(mine), superlink(other)
+    database = str(mine / "local-superlink" / "state.db")  # named in its arguments, but another program
+    decoy = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)", "flower-superlink", "--database", database]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not deployment.local_superlinks(mine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p.pid for p in deployment.local_superlinks(mine)] == [ours.pid]
+        line = deployment.stop_local_superlink(mine)
+        assert line.startswith(f"stopped SuperLink {ours.pid}")
+        assert ours.wait(timeout=20) is not None
+        assert theirs.poll() is None and decoy.poll() is None  # another home, another program: untouched
+        assert deployment.stop_local_superlink(mine).startswith("no local SuperLink running")
+    finally:
+        for process in (ours, theirs, decoy):
+            process.kill()
+            process.wait(timeout=10)
+
+
+def test_status_answers_with_exit_status_zero_when_nothing_runs(tmp_path: Path, capsys) -> None:
+    """`dpfl deploy status` exited 1 when nothing ran (42.9)."""
+    assert _script().main(["status", "--dir", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.startswith("not running")

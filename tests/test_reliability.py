@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from omegaconf import OmegaConf
 
 from fl_app.checkpoint import CHECKPOINT_FILE, load_checkpoint, read_header
 from fl_app.config import compose_config
@@ -438,3 +439,268 @@ def test_a_resumed_run_saves_the_overrides_it_was_composed_from(tmp_path, monkey
     saved = checkpoint_overrides([f"resume={tmp_path}", "simulation.num_cpus=2"])
     assert saved == ["strategy=fedavg", "seed=3", "simulation.num_cpus=2"]
     assert checkpoint_overrides(["strategy=fedavg", f"output_dir={tmp_path}"]) == ["strategy=fedavg"]
+
+
+def test_a_round_that_breaks_the_failure_rule_is_neither_recorded_nor_checkpointed(tmp_path, monkeypatch):
+    """The rule was checked after the round's checkpoint: a resumed run continued from the
+    degraded model and ended ``completed_with_failures`` (issue 42.3)."""
+    from dataclasses import replace
+
+    from fl_app.results import RunRecorder
+    from fl_app.run import RoundReporter
+
+    run = build_run_context([*FAST, "strategy=fedavg", "num_rounds=3"], tmp_path)
+    strategy = STRATEGIES.get("fedavg")(run)
+    arrays = strategy.initial_arrays()
+    healthy = strategy.report_round(1)
+
+    class Grid:
+        def take(self) -> dict[str, float]:
+            return {}
+
+    reports = iter(
+        [
+            replace(healthy, clients=4),
+            replace(healthy, clients=4, failures=(1, 2, 3), failure_reasons=("x",) * 3),
+        ]
+    )
+    monkeypatch.setattr(type(strategy), "report_round", lambda self, server_round: next(reports))
+    recorder = RunRecorder(run.output_dir, run.cfg)
+    test = run.data.test()
+    reporter = RoundReporter(
+        strategy, Grid(), recorder, test.x, test.y, num_rounds=3, every=1, max_failure_fraction=0.5
+    )
+    reporter(1, arrays)
+    assert read_header(run.output_dir)["completed_round"] == 1
+    with pytest.raises(RunFailed, match="3 of 4 clients failed"):
+        reporter(2, arrays)
+    assert read_header(run.output_dir)["completed_round"] == 1  # resume repeats round 2
+    assert [r["round"] for r in recorder.rounds] == [1] and reporter.completed_round == 1
+
+
+def test_a_second_run_into_a_claimed_output_dir_is_one_line_and_writes_nothing(tmp_path):
+    """Two runs into one directory both passed the earlier-run check and wrote together (42.4)."""
+    from fl_app.output_claim import LOCK_FILE, claim_output_dir
+
+    out = tmp_path / "run"
+    with claim_output_dir(out, resume=False):  # a run that has not written a file yet
+        result = cli(*FAST, f"output_dir={out}", cwd=tmp_path)
+        assert_one_line(result, f"output_dir='{out}'", f"is in use by another run (process {os.getpid()})")
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
+        with claim_output_dir(out, resume=False):  # the same process (its ServerApp) may claim again
+            pass
+    with claim_output_dir(out, resume=False):  # released: free again (the lock file stays)
+        (out / "results.json").write_text("{}")
+    with pytest.raises(ConfigError, match="holds an earlier run"), claim_output_dir(out, resume=False):
+        pass
+    with claim_output_dir(out, resume=True):
+        pass
+
+
+@pytest.mark.simulation
+def test_an_interrupted_sweep_continues_into_its_directory(tmp_path):
+    """Running a stopped sweep again skips its completed jobs and resumes the stopped one (42.5);
+    the stopped job is not counted as done, and the line to continue the sweep is printed."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", *FAST, "num_rounds=3", "strategy=fedavg", "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    run = Run(args, tmp_path)
+    run.wait_for("1/2 jobs done")
+    run.wait_for("dpfl round 1/3: accuracy")
+    while run.output.count("dpfl round 1/3: accuracy") < 2:
+        run.wait_for("dpfl round")
+        time.sleep(0.1)
+    os.killpg(run.process.pid, signal.SIGINT)
+    assert run.finish(timeout=120) == 130, run.output[-3000:]
+    assert "Traceback" not in run.output and "2/2 jobs done" not in run.output
+    lines = [line for line in run.output.splitlines() if line.startswith("dpfl sweep: stopped")]
+    assert len(lines) == 1 and "1 of 2 jobs done" in lines[0], run.output[-2000:]
+    assert lines[0].endswith(f"hydra.sweep.dir={sweep}")
+    stopped = json.loads((sweep / "1-fedavg" / "results.json").read_text())
+    assert stopped["status"] == "interrupted"
+
+    again = Run(args, tmp_path, delay=0.0)
+    assert again.finish(timeout=300) == 0, again.output[-3000:]
+    assert f"job 0: already completed in {sweep / '0-fedavg'}" in again.output
+    assert f"job 1: resuming after round {stopped['stopped']['after_round']}" in again.output
+    assert "2/2 jobs done" in again.output
+    for job in ("0-fedavg", "1-fedavg"):
+        results = json.loads((sweep / job / "results.json").read_text())
+        assert results["status"] == "completed" and len(results["rounds"]) == 3
+
+
+def test_a_sweep_job_directory_of_another_configuration_is_refused_and_an_empty_attempt_restarts(tmp_path):
+    from fl_app.sweep_resume import plan_sweep_job
+
+    job = tmp_path / "0-fedavg"
+    job.mkdir()
+    cfg = compose_config([*FAST, "strategy=fedavg", f"output_dir={job}"])
+    assert plan_sweep_job(cfg, [], job).action == "run"
+    (job / "run.log").write_text("killed before round 1")  # what kill -9 before round 1 leaves
+    plan = plan_sweep_job(cfg, [], job)
+    assert plan.action == "run" and "ended before its first round (killed)" in plan.note
+    assert not (job / "run.log").exists()
+    other = compose_config([*FAST, "strategy=fedavg", "seed=9", f"output_dir={job}"])
+    plain = OmegaConf.to_container(other, resolve=True)
+    (job / "results.json").write_text(json.dumps({"status": "completed", "config": plain}))
+    with pytest.raises(ConfigError, match="holds a run of another configuration"):
+        plan_sweep_job(cfg, [], job)
+    assert plan_sweep_job(other, [], job).action == "skip"
+
+
+def test_ctrl_c_between_sweep_jobs_is_one_line_and_says_how_to_continue(tmp_path, monkeypatch):
+    """A Ctrl-C while Hydra composed the next job printed Hydra's 100-line traceback (42.5, 42.7)."""
+    import fl_app.__main__ as entry
+
+    def interrupted_while_composing(*_: object) -> None:
+        state = entry.SweepState.current()
+        state.note_sweep_dir(tmp_path / "sweep")
+        state.job_finished()  # the first job finished, then Ctrl-C
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(entry, "_job", interrupted_while_composing)
+    result = preflight_cli("-m", *FAST, "seed=1,2", cwd=tmp_path)
+    assert result.returncode == 130 and "Traceback" not in result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("dpfl: interrupted"), result.stderr
+    assert "stopped with 1 of 2 jobs done" in lines[1] and lines[1].endswith(
+        f"hydra.sweep.dir={tmp_path / 'sweep'}"
+    )
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_failure_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """Disk full at a checkpoint gave two chained tracebacks and a partial .tmp file (42.7)."""
+    import errno
+
+    from fl_app import files
+    from fl_app.checkpoint import Checkpoint, save_checkpoint
+    from fl_app.files import WriteFailed
+    from fl_app.results import write_json
+
+    run = build_run_context([*FAST, "strategy=fedavg"], tmp_path)
+    strategy = STRATEGIES.get("fedavg")(run)
+
+    def checkpoint(completed_round: int) -> Checkpoint:
+        return Checkpoint(
+            completed_round=completed_round,
+            num_rounds=2,
+            status="incomplete",
+            overrides=[],
+            fingerprint="f",
+            arrays=strategy.initial_arrays(),
+            strategy=strategy,
+            recorder={},
+            elapsed_s=1.0,
+        )
+
+    save_checkpoint(tmp_path, checkpoint(1), run)
+    write_json(tmp_path / "results.json", {"round": 1})
+    real_fdopen = files.os.fdopen
+
+    def full_disk(descriptor: int, *args: object, **kwargs: object):
+        handle = real_fdopen(descriptor, *args, **kwargs)
+
+        def write(data: bytes) -> int:
+            handle.raw.write(bytes(data)[:100]) if hasattr(handle, "raw") else None  # a partial write
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        handle.write = write
+        return handle
+
+    monkeypatch.setattr(files.os, "fdopen", full_disk)
+    with pytest.raises(
+        WriteFailed, match=r"could not write .*private_server_state.pkl: No space left on device \(errno 28\)"
+    ):
+        save_checkpoint(tmp_path, checkpoint(2), run)
+    with pytest.raises(WriteFailed, match=r"results\.json: No space left"):
+        write_json(tmp_path / "results.json", {"round": 2})
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no temporary left
+    assert read_header(tmp_path)["completed_round"] == 1
+    assert json.loads((tmp_path / "results.json").read_text()) == {"round": 1}
+
+
+@pytest.mark.parametrize("epsilon", ["1e4", "1e300"])
+def test_a_huge_budget_builds_every_private_strategy(tmp_path, epsilon):
+    """privacy.epsilon of 1e4 passed validation, then PrivateKT failed with 'math range error' (42.7)."""
+    from strategies.privatekt.privacy import privatekt_keep_probability
+
+    assert privatekt_keep_probability(epsilon=float(epsilon), k=2, num_classes=10) == 1.0
+    for name in (
+        "privatekt",
+        "dpfl_bnn",
+        "kd_dp",
+        "nbafl",
+        "dp_fedavg",
+        "dp_fedavg_adaptive",
+        "dp_ftrl",
+        "fedavg_ldp",
+    ):
+        cfg = compose_config([*FAST, f"strategy={name}", f"privacy.epsilon={epsilon}"])
+        validate_config(cfg, check_data=False)
+        run = build_run_context([*FAST, f"strategy={name}", f"privacy.epsilon={epsilon}"], tmp_path / name)
+        STRATEGIES.get(name)(run).describe()
+
+
+def test_svhn_without_its_files_is_one_line(tmp_path):
+    """dataset=svhn offline printed a 31-line traceback (42.7)."""
+    empty = tmp_path / "svhn"
+    empty.mkdir()
+    result = preflight_cli(
+        "dataset=svhn", f"dataset.data_dir={empty}", "dataset.download=false", cwd=tmp_path
+    )
+    assert_one_line(result, "dataset.data_dir=", "train_32x32.mat")
+
+
+@pytest.mark.simulation
+def test_sigterm_before_round_one_says_there_is_nothing_to_resume(tmp_path):
+    """It printed "continue with resume=DIR" for a directory without a checkpoint (42.7)."""
+    out = tmp_path / "early"
+    run = Run([*RUN, "strategy=fedavg", f"output_dir={out}"], tmp_path, delay=5.0)  # round 1: >= 15 s
+    run.wait_for("dpfl: strategy=fedavg")
+    run.process.send_signal(signal.SIGTERM)
+    assert run.finish(timeout=120) == 128 + signal.SIGTERM, run.output[-3000:]
+    assert "nothing to resume (no round completed)" in run.output
+    assert "resume=" not in run.output and "Traceback" not in run.output
+    assert not (out / CHECKPOINT_FILE).exists()
+    # redirected output carries no colour codes, a non-private run no privacy-randomness banner (42.9)
+    assert "\x1b[" not in run.output and "privacy randomness" not in run.output
+
+
+def test_a_rounds_writes_do_not_grow_with_the_run_and_resume_restores_the_records(tmp_path):
+    """metrics.csv was rewritten whole and the checkpoint held every round's record: a long run's
+    writes grew with the square of its rounds (42.7). Now both files are appended to and the
+    checkpoint counts the records."""
+    import pickle
+
+    from fl_app.results import METRICS_FILE, ROUNDS_FILE, RunRecorder
+
+    cfg = compose_config([*FAST, "strategy=fedavg"])
+    recorder = RunRecorder(tmp_path, cfg)
+    states, metrics_sizes = {}, {}
+    for server_round in range(1, 301):
+        recorder.add_round({"round": server_round, "accuracy": 0.5, "loss": 1.0, "epsilon": None})
+        if server_round in (10, 300):
+            states[server_round] = len(pickle.dumps(recorder.state()))
+            metrics_sizes[server_round] = (tmp_path / METRICS_FILE).stat().st_size
+    assert states[300] - states[10] < 8, states  # a count, not the records
+    row_bytes = (metrics_sizes[300] - metrics_sizes[10]) / 290
+    assert row_bytes < 40, row_bytes  # one appended row per round
+    state = recorder.state()
+    recorder.add_round({"round": 301, "accuracy": 0.6, "loss": 0.9, "epsilon": None})  # after the checkpoint
+
+    resumed = RunRecorder(tmp_path, cfg)
+    resumed.restore(state)
+    assert resumed.rounds == recorder.rounds[:300]
+    assert len((tmp_path / ROUNDS_FILE).read_text().splitlines()) == 300
+    assert len((tmp_path / METRICS_FILE).read_text().splitlines()) == 301  # header and 300 rounds
+    resumed.add_round(
+        {"round": 301, "accuracy": 0.7, "loss": 0.8, "epsilon": None, "extra": 1}
+    )  # a new column
+    header = (tmp_path / METRICS_FILE).read_text().splitlines()[0]
+    assert header.endswith(",extra") and len((tmp_path / METRICS_FILE).read_text().splitlines()) == 302
+
+
+def test_num_clients_below_clients_per_round_names_both_keys(tmp_path):
+    """num_clients=1 was refused with a message about clients_per_round alone (42.9)."""
+    result = preflight_cli("num_clients=1", cwd=tmp_path)
+    assert_one_line(result, "clients_per_round=10", "num_clients=1", "at most 1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 from pathlib import Path
 
@@ -22,6 +23,10 @@ def fake_results(
     upload: int = 1000,
     clients: int = 4,
     evaluated_on: str | None = None,
+    status: str = "completed",
+    loss: float = 1.0,
+    unit: str = "one client",
+    chance: float | None = None,
 ) -> None:
     directory.mkdir(parents=True)
     rounds = [
@@ -41,7 +46,7 @@ def fake_results(
     ]
     results = {
         "schema": 1,
-        "status": "completed",
+        "status": status,
         "strategy": strategy,
         "dataset": "digits",
         "partition": "iid",
@@ -55,14 +60,16 @@ def fake_results(
         "rounds": rounds,
         "final": {
             "accuracy": accuracy,
-            "loss": 1.0,
+            "loss": loss,
             "epsilon": epsilon,
             "delta": 1e-5,
             "wall_s": 12.0,
             "rounds": 3,
         },
-        "privacy": {"unit": "one client" if epsilon else "none", "mechanism": "x", "accountant": "y"},
+        "privacy": {"unit": unit if epsilon else "none", "mechanism": "x", "accountant": "y"},
     }
+    if chance is not None:
+        results["final"]["chance_accuracy"] = chance
     if evaluated_on is not None:  # older runs have no field: they were evaluated on the test split
         results["final"]["evaluated_on"] = evaluated_on
         results["config"]["evaluation"] = {"split": evaluated_on}
@@ -270,3 +277,113 @@ def test_a_run_from_before_the_validation_split_joins_a_test_split_run(tmp_path)
     assert main([str(tmp_path)]) == 0
     [row] = list(csv.DictReader((tmp_path / "report.csv").open()))
     assert int(row["seeds"]) == 2 and row["settings"] == ""
+
+
+def test_only_completed_runs_are_reported_and_the_others_and_missing_jobs_are_listed(tmp_path, capsys):
+    """Interrupted runs were ordinary rows, and a job directory without results.json (kill -9) was
+    silently left out (issue 42.6)."""
+    fake_results(tmp_path / "0", strategy="dp_fedavg", epsilon=4.0, seed=1, accuracy=0.8)
+    fake_results(
+        tmp_path / "1", strategy="dp_fedavg", epsilon=4.0, seed=2, accuracy=0.3, status="interrupted"
+    )
+    killed = tmp_path / "2"
+    (killed / ".hydra").mkdir(parents=True)
+    (killed / "run.log").write_text("")
+    assert main([str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: left out: {tmp_path / '1'}: interrupted" in err
+    assert f"note: left out: {killed}: no results.json" in err
+    rows = list(csv.DictReader((tmp_path / "report.csv").open()))
+    assert len(rows) == 1 and rows[0]["status"] == "completed" and float(rows[0]["accuracy_mean"]) == 0.8
+    report = (tmp_path / "report.md").read_text()
+    assert (
+        "Runs left out (not completed; `--all` includes them)" in report and "Jobs without results" in report
+    )
+    assert main([str(tmp_path), "--all"]) == 0
+    rows = list(csv.DictReader((tmp_path / "report.csv").open()))
+    assert rows[0]["status"] == "1 completed, 1 interrupted" and float(
+        rows[0]["accuracy_mean"]
+    ) == pytest.approx(0.55)
+
+
+def test_a_diverged_run_is_flagged_in_the_table_and_on_stderr(tmp_path, capsys):
+    fake_results(tmp_path / "0", strategy="dp_fedavg", epsilon=1.0, seed=1, accuracy=0.1, loss=132.0)
+    fake_results(tmp_path / "1", strategy="dp_fedavg", epsilon=1.0, seed=2, accuracy=0.6, loss=1.2)
+    assert main([str(tmp_path)]) == 0
+    assert "1 of 2 runs diverged" in capsys.readouterr().err
+    assert "⚠ 1 of 2 diverged" in (tmp_path / "report.md").read_text()
+    assert next(csv.DictReader((tmp_path / "report.csv").open()))["diverged"] == "1"
+
+
+def test_epsilons_of_different_units_get_their_own_panels_with_the_chance_level(tmp_path, monkeypatch):
+    from fl_app import report
+
+    fake_results(tmp_path / "c", strategy="dp_fedavg", epsilon=2.0, seed=1, accuracy=0.8, chance=0.102)
+    fake_results(
+        tmp_path / "r",
+        strategy="fedavg_ldp",
+        epsilon=8.0,
+        seed=1,
+        accuracy=0.6,
+        unit="one report",
+        chance=0.102,
+    )
+    panels = []
+    original = report.plt.subplots
+
+    def spy(*args, **kwargs):
+        figure, axes = original(*args, **kwargs)
+        panels.append(axes)
+        return figure, axes
+
+    monkeypatch.setattr(report.plt, "subplots", spy)
+    assert main([str(tmp_path)]) == 0
+    axes = panels[0].flat  # accuracy_vs_epsilon.png
+    assert [axis.get_title() for axis in axes] == ["privacy unit: one client", "privacy unit: one report"]
+    for axis in axes:
+        assert "chance level (digits)" in [line.get_label() for line in axis.get_lines()]
+        assert 0.102 in [line.get_ydata()[0] for line in axis.get_lines()]
+    assert (
+        "Chance level (the evaluation split's most frequent label): digits 0.102."
+        in (tmp_path / "report.md").read_text()
+    )
+
+
+def test_upload_axis_labels_do_not_overlap(tmp_path, monkeypatch):
+    """Minor-tick labels of a log axis spanning about a decade ran into each other (issue 42.9)."""
+    from fl_app import report
+
+    for index, upload in enumerate((1_200, 3_000, 20_000, 60_000)):  # four arms, one small panel each
+        fake_results(
+            tmp_path / f"{index}", strategy=f"s{index}", epsilon=1.0, seed=1, accuracy=0.5, upload=upload
+        )
+    figures = []
+    original = report.plt.subplots
+
+    def spy(*args, **kwargs):
+        figure, axes = original(*args, **kwargs)
+        figures.append(figure)
+        return figure, axes
+
+    monkeypatch.setattr(report.plt, "subplots", spy)
+    assert main([str(tmp_path)]) == 0
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    figure = figures[-1]  # accuracy_vs_upload.png
+    canvas = FigureCanvasAgg(figure)  # the report closed it
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    for axis in figure.axes:
+        if not axis.get_visible():
+            continue
+        left, right = axis.get_window_extent(renderer).x0, axis.get_window_extent(renderer).x1
+        labels = [*axis.get_xticklabels(), *axis.get_xticklabels(minor=True)]
+        boxes = [
+            t.get_window_extent(renderer)
+            for t in labels
+            if t.get_visible() and t.get_text() and left - 1 <= t.get_window_extent(renderer).x0 <= right
+        ]
+        texts = [t.get_text() for t in labels if t.get_text()]
+        assert len(boxes) >= 2, texts
+        boxes.sort(key=lambda box: box.x0)
+        assert all(a.x1 < b.x0 for a, b in itertools.pairwise(boxes)), texts

@@ -27,8 +27,11 @@ from __future__ import annotations
 
 import flwr
 
-#: The Flower release whose private APIs this package was written against.
+#: The Flower release pyproject.toml pins (the private APIs this package uses were written against it).
 FLOWER_VERSION = "1.41.0"
+#: Releases checked to have the same private APIs: the suite passed on 1.42.0, whose changes
+#: (tracing removed, a token count for compacted context) touch no module this package uses.
+SUPPORTED_FLOWER_VERSIONS = ("1.41.0", "1.42.0")
 #: The simulation engine's module (imported by every process that runs the engine).
 SIMULATION_ENGINE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"
 

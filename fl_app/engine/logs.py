@@ -21,3 +21,13 @@ def console_filter(keep: Callable[[logging.LogRecord], bool]) -> Iterator[None]:
         yield
     finally:
         console_handler.removeFilter(keep)
+
+
+def colour_only_at_a_terminal() -> None:
+    r"""Flower's console lines carry ANSI colour codes only when stderr is a terminal.
+
+    Flower colours its level names unconditionally; redirected to a file or a pipe (CI logs,
+    ``> run.txt``) they read as ``\x1b[92mINFO \x1b[0m``.
+    """
+    stream = getattr(console_handler, "stream", None)
+    console_handler.colored = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())

@@ -76,6 +76,15 @@ class Laplace:
         return self.epsilon
 
 
+def keep_probability(*, epsilon: float, num_classes: int) -> float:
+    """``beta = (e^eps - 1) / (e^eps - 1 + C)``: C-ary randomized response's keep probability.
+
+    Computed as ``1 / (1 + C e^-eps / (1 - e^-eps))``, equal and finite for every ``eps > 0``
+    (``e^eps`` overflows a float above ``eps`` of about 709; beta is then 1 to double precision).
+    """
+    return 1.0 / (1.0 + num_classes * math.exp(-epsilon) / -math.expm1(-epsilon))
+
+
 @dataclass(frozen=True)
 class RandomizedResponse:
     """k-ary randomized response on one label, ``epsilon``-LDP per report.
@@ -96,8 +105,7 @@ class RandomizedResponse:
     @property
     def keep_probability(self) -> float:
         """``beta``: probability that the true label is kept before randomisation."""
-        expm1 = math.expm1(self.epsilon)
-        return expm1 / (expm1 + self.num_classes)
+        return keep_probability(epsilon=self.epsilon, num_classes=self.num_classes)
 
     @property
     def pure_epsilon(self) -> float | None:

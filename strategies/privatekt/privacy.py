@@ -6,10 +6,9 @@ and its accounting are the core's (:mod:`fl_app.privacy.mechanisms`, :mod:`fl_ap
 
 from __future__ import annotations
 
-import math
-
 from fl_app.privacy.calibration import randomized_response_epsilon_per_label
 from fl_app.privacy.checks import require_positive, require_positive_int, require_probability
+from fl_app.privacy.events import keep_probability
 
 # --------------------------------------------------------------------------------------
 # PrivateKT (Lemma 1, Eq. 6)
@@ -27,8 +26,7 @@ def privatekt_keep_probability(*, epsilon: float, k: int, num_classes: int) -> f
     require_positive_int("num_classes", num_classes)
     if num_classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-    expm1 = math.expm1(epsilon / k)
-    return expm1 / (expm1 + num_classes)
+    return keep_probability(epsilon=epsilon / k, num_classes=num_classes)  # finite for any epsilon
 
 
 PRIVATEKT_BUDGET_SCOPES: tuple[str, ...] = ("total", "per_round")
