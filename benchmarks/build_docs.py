@@ -13,6 +13,8 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
   ``python -m fl_app.report <sweep dir> --out docs/benchmarks/record_level``;
 * ``docs/benchmarks/empirical_privacy.md`` with ``docs/benchmarks/empirical_privacy/report.md``:
   ``python -m fl_app.report multirun/canaries --out docs/benchmarks/empirical_privacy``;
+* ``docs/benchmarks/deployment_load.md``: ``python benchmarks/serverapp_storm.py ...`` (its JSON lines
+  in ``docs/benchmarks/deployment_load/storm.jsonl``);
 * ``docs/benchmarks/<algorithm>.md``: each algorithm's benchmark script.
 
 This script only concatenates them (headings demoted one level, relative links rewritten for the
@@ -42,6 +44,7 @@ PAGES = ROOT / "docs" / "benchmarks"
 ORDER = (
     "platform",
     "partition_cache",
+    "deployment_load",
     "cross_device",
     "record_level",
     "compare_all",
@@ -89,6 +92,9 @@ def demote(text: str) -> str:
     return "\n".join(lines)
 
 
+REPORT_MARKER = re.compile(r"<!-- REPORT(?::([\w/]+))? -->")
+
+
 def benchmarks_text() -> str:
     """The whole ``BENCHMARKS.md``."""
     parts, missing = [HEADER], []
@@ -98,12 +104,14 @@ def benchmarks_text() -> str:
             missing.append(page.relative_to(ROOT).as_posix())
             continue
         text = page.read_text()
-        if "<!-- REPORT -->" in text:  # the page's python -m fl_app.report table
-            table = PAGES / name / "report.md"
+        # <!-- REPORT --> is the page's python -m fl_app.report table (PAGES/name/report.md),
+        # <!-- REPORT:sub --> that of a further report of the page (PAGES/name/sub/report.md)
+        for marker in REPORT_MARKER.finditer(text):
+            table = PAGES / name / (marker.group(1) or "") / "report.md"
             if not table.is_file():
                 missing.append(table.relative_to(ROOT).as_posix())
             else:
-                text = text.replace("<!-- REPORT -->", table.read_text().strip())
+                text = text.replace(marker.group(0), table.read_text().strip())
         parts.append(demote(rewrite_links(text.strip(), page)))
     if missing:
         parts.append("## Not yet measured\n\n" + "\n".join(f"- `{m}` is missing" for m in missing))

@@ -520,9 +520,9 @@ def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
             if budgets and len(budgets) <= 12:  # plain numbers at the measured budgets, not 2 x 10^0
                 axis.set_xticks(budgets, [f"{b:.3g}" for b in budgets])
                 axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        per = f"per {unit}" if unit else "(no private run)"
-        axis.set_xlabel(f"reported cumulative epsilon {per} (worst case; log scale)")
-        axis.set_title(f"privacy unit: {unit or 'none'}", fontsize=9)
+        # the unit is the panel's title (wrapped to the panel), the axis says what is measured in it
+        axis.set_xlabel("reported cumulative epsilon per unit (worst case; log scale)")
+        axis.set_title(textwrap.fill(f"privacy unit: {unit or 'none'}", width=75), fontsize=9)
         axis.set_ylabel("final test accuracy")
         axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
         axis.grid(alpha=0.3)

@@ -8,6 +8,7 @@ Usage::
     python scripts/local_deployment.py stop [--dir DIR]
     python scripts/local_deployment.py stage TARGET
     python scripts/local_deployment.py stop-flwr-superlink
+    python scripts/local_deployment.py gate [--slots K] [--dir DIR]
 
 ``start`` does what docs/deploy.md does by hand: it writes one data file per
 SuperNode (``scripts/make_device_data.py`` with the given Hydra overrides,
@@ -26,7 +27,11 @@ SuperNode's public key before the SuperNode starts. Then::
 ``stop`` ends every process ``start`` started (and their children), by process
 id. ``stage`` copies the app without its ``.venv`` (:func:`stage_app`): ``flwr run TARGET``
 then submits the same FAB without first listing the 50,000 files of the environment (7 s of CPU
-per submission). The module is also what ``tests/test_deploy.py`` uses.
+per submission). ``start`` puts a launch gate before the SuperLink's ``flwr-serverapp``
+(:func:`write_serverapp_gate`: at most K ServerApp processes at once, so that runs submitted
+together on a busy machine wait at the SuperLink instead of starting a storm of processes);
+``gate`` writes it for a SuperLink started by hand. The module is also what
+``tests/test_deploy.py`` uses.
 """
 
 from __future__ import annotations
@@ -124,12 +129,13 @@ sys.exit({busy})
 """
 
 
-def write_serverapp_gate(directory: Path, *, slots: int = SERVERAPP_SLOTS) -> Path:
+def write_serverapp_gate(directory: Path, *, slots: int = SERVERAPP_SLOTS, real: str | None = None) -> Path:
     """Write the ``flwr-serverapp`` launch gate into ``directory/bin``; return that folder.
 
     Put the folder first on the SuperLink's ``PATH`` (its SuperExec starts ``flwr-serverapp`` by
     name): then at most ``slots`` ServerApp processes exist at any time, however late they are for
-    their heartbeat and however many runs are submitted (see :data:`GATE_TEMPLATE`).
+    their heartbeat and however many runs are submitted (see :data:`GATE_TEMPLATE`). ``real``:
+    the program the gate becomes (default: this environment's ``flwr-serverapp``).
     """
     if slots < 1:
         raise DeploymentError(f"serverapp slots must be >= 1, got {slots}")
@@ -141,7 +147,7 @@ def write_serverapp_gate(directory: Path, *, slots: int = SERVERAPP_SLOTS) -> Pa
     gate.write_text(
         GATE_TEMPLATE.format(
             python=sys.executable,
-            real=executable("flwr-serverapp"),
+            real=real or executable("flwr-serverapp"),
             slots=slots,
             slots_dir=str(slots_dir),
             busy=GATE_BUSY_EXIT,
@@ -737,6 +743,12 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "stop-flwr-superlink", help="stop the background SuperLink `flwr run .` started (this user's, by pid)"
     )
+    gate = commands.add_parser(
+        "gate", help="write the flwr-serverapp launch gate for a SuperLink you start yourself"
+    )
+    gate.add_argument(
+        "--slots", type=int, default=SERVERAPP_SLOTS, help=f"ServerApps at once (default {SERVERAPP_SLOTS})"
+    )
     stage = commands.add_parser("stage", help="copy the app without its .venv, for a fast `flwr run <copy>`")
     stage.add_argument("target", type=Path, help="folder to (re)write")
     for sub in commands.choices.values():
@@ -749,6 +761,14 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str]) -> int:
     """Command line entry point."""
     args = _parser().parse_args(argv)
+    if args.command == "gate":
+        if args.slots < 1:
+            print(f"error: --slots must be >= 1, got {args.slots}", file=sys.stderr)
+            return 2
+        bin_dir = write_serverapp_gate(args.dir.expanduser().resolve() / "gate", slots=args.slots)
+        print(f"at most {args.slots} ServerApps at once; start the SuperLink with the gate first on PATH:")
+        print(f'PATH="{bin_dir}:$PATH" flower-superlink ...')
+        return 0
     if args.command == "stage":
         staged = stage_app(SCRIPTS_DIR.parent, args.target.expanduser().resolve())
         print(

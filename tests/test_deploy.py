@@ -4,9 +4,12 @@ The integration tests start one federation: a real SuperLink and two SuperNodes 
 TLS and SuperNode authentication, as a real deployment runs (free ports, a private ``FLWR_HOME`` per
 process in ``tmp_path``, each SuperNode with its own ``.npz`` data file), submit one round of every
 registered algorithm (two where a device carries state from round to round or the rounds differ,
-:data:`TWO_ROUNDS`) and three jobs that must fail, with ``flwr run`` (all at once: a SuperNode runs
-one ClientApp process per message, so the runs share the two SuperNodes), and check each run's
-``results.json``; a SuperNode with an unregistered key and one without TLS are refused. Every
+:data:`TWO_ROUNDS`) and three jobs that must fail, with ``flwr run`` (all at once: the SuperLink's
+launch gate runs at most as many ServerApps at once as the machine has cores, the others wait at the
+SuperLink; a SuperNode runs one ClientApp process per message), and check each run's
+``results.json``; a SuperNode with an unregistered key and one without TLS are refused. A wait for a
+run fails at once, naming the process, when the SuperLink, a SuperNode or the SuperLink's SuperExec
+died (a test kills the SuperExec of a second deployment to see it). Every
 process is started in its own process group by ``scripts/local_deployment.py`` and stopped
 (children included) when the module's tests are done, also on failure. (The insecure mode,
 ``dpfl deploy start`` without ``--secure``, differs only in the flags the same script passes.)
@@ -81,7 +84,8 @@ ALGORITHM_SETTINGS: dict[str, list[str]] = {
 }
 #: The federation's mode: TLS and SuperNode authentication.
 MODE = "secure"
-RUN_DEADLINE_S = 1800.0
+RUN_DEADLINE_S = 1800.0  # a safety limit only: a dead process the runs need fails a test at once
+LOG_TIMEOUT_S = 60.0  # `flwr log --show` prints what the run logged so far and returns
 STATUS_POLL_S = 30.0  # `flwr ls` costs a second of CPU; results.json is checked every second
 
 GUARD = '''"""dpfl deployment test: a device has neither the server's data set nor Hydra."""
@@ -186,16 +190,29 @@ class Federation:
         return str(answer["runs"][0]["status"])
 
     def log(self, run_id: int) -> str:
-        return self.flwr("log", str(run_id), self.deployment.connection, "--show")
+        return local_deployment.flwr(
+            ["log", str(run_id), self.deployment.connection, "--show"],
+            env=self.cli_env,
+            timeout=LOG_TIMEOUT_S,
+        )
 
     def wait(self, submission: Submission) -> tuple[str, dict[str, Any] | None]:
-        """Wait until the run finished; return its status and results.json (None if absent)."""
+        """Wait until the run finished; return its status and results.json (None if absent).
+
+        Fails at once, naming it, when a process the run needs died (the SuperLink, a SuperNode,
+        the SuperLink's SuperExec): the run could never finish, and waiting for
+        :data:`RUN_DEADLINE_S` would only hold up the rest of the suite.
+        """
         results = submission.output_dir / "results.json"
         deadline = time.monotonic() + RUN_DEADLINE_S
         next_poll = 0.0
         while time.monotonic() < deadline:
             if results.is_file():
                 return "finished:completed", json.loads(results.read_text())
+            problems = self.deployment.problems()
+            if problems:
+                what = f"{submission.name} (run {submission.run_id})"
+                pytest.fail(f"{what} can never finish: " + "; ".join(problems))
             if time.monotonic() >= next_poll:
                 status = self.status(submission.run_id)
                 if status.startswith("finished"):
@@ -393,6 +410,42 @@ def test_deploy_refuses_unregistered_and_plaintext_supernodes(
     )
     online = sorted(int(n["node-id"]) for n in nodes["nodes"] if n["status"] == "online")
     assert online == sorted(deployment.node_ids)
+
+
+@pytest.mark.deploy
+def test_a_dead_superexec_fails_a_waiting_test_within_a_minute_naming_it(
+    tmp_path: Path, device_files: list[Path], staged_app: Path
+) -> None:
+    """Without the SuperExec no ServerApp starts: the wait must end in seconds, not RUN_DEADLINE_S."""
+    cli_env = {**os.environ, "FLWR_HOME": str(tmp_path / "cli-home")}
+    deployment = local_deployment.start(
+        tmp_path / "federation",
+        data_files=device_files,
+        secure=False,
+        port=local_deployment.free_port(),
+        connection="dpfl-test-no-superexec",
+        cli_env=cli_env,
+        die_with_parent=True,
+    )
+    try:
+        superlink = deployment.processes[0]
+        deadline = time.monotonic() + 60
+        while not local_deployment.superexec_pids(superlink.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        superexecs = local_deployment.superexec_pids(superlink.pid)
+        assert superexecs, "the SuperLink started no flower-superexec"
+        assert deployment.problems() == []
+        for pid in superexecs:
+            os.kill(pid, 9)
+        federation = Federation("insecure", tmp_path, staged_app, deployment, cli_env)
+        submission = federation.submit("fedavg", algorithm_overrides("fedavg"))
+        started = time.monotonic()
+        with pytest.raises(pytest.fail.Exception, match=r"flower-superexec .* is not running"):
+            federation.wait(submission)
+        assert time.monotonic() - started < 60
+    finally:
+        deployment.stop()
+    assert deployment.running() == []
 
 
 # ------------------------------------------------------------------------------ unit tests

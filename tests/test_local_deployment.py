@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -128,3 +129,41 @@ def test_status_answers_with_exit_status_zero_when_nothing_runs(tmp_path: Path, 
     """`dpfl deploy status` exited 1 when nothing ran (42.9)."""
     assert _script().main(["status", "--dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith("not running")
+
+
+def test_the_serverapp_gate_runs_at_most_its_slots_and_frees_a_slot_when_one_ends(tmp_path: Path) -> None:
+    """Launches beyond the slots exit at once (status 75) without running the ServerApp."""
+    started = tmp_path / "started"
+    real = tmp_path / "fake-serverapp"
+    real.write_text(f'#!/bin/sh\necho "$@" >> {started}\nexec sleep 30\n')
+    real.chmod(0o755)
+    local_deployment = _script()
+    gate = local_deployment.write_serverapp_gate(tmp_path / "link", slots=2, real=str(real))
+    gate = gate / "flwr-serverapp"
+    first, second = (subprocess.Popen([str(gate), "--token", t]) for t in ("a", "b"))
+    try:
+        deadline = time.monotonic() + 30
+        while (not started.is_file() or len(started.read_text().splitlines()) < 2) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        third = subprocess.run([str(gate), "--token", "c"], capture_output=True, text=True, timeout=30)
+        assert third.returncode == local_deployment.GATE_BUSY_EXIT
+        assert "2 ServerApps running" in third.stderr
+        assert sorted(started.read_text().split()) == ["--token", "--token", "a", "b"]
+        first.kill()
+        first.wait(timeout=30)
+        fourth = subprocess.Popen([str(gate), "--token", "d"])
+        try:
+            deadline = time.monotonic() + 30
+            while "d" not in started.read_text().split() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "d" in started.read_text().split()
+            assert fourth.poll() is None  # it became the (fake) ServerApp and holds the freed slot
+        finally:
+            fourth.kill()
+            fourth.wait(timeout=30)
+    finally:
+        for process in (first, second):
+            process.kill()
+            process.wait(timeout=30)

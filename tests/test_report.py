@@ -349,6 +349,42 @@ def test_epsilons_of_different_units_get_their_own_panels_with_the_chance_level(
     )
 
 
+def test_panel_titles_and_axis_labels_of_long_units_do_not_overlap(tmp_path, monkeypatch):
+    """The units' full sentences ran into the next panel's title and x label (seen in the comparison)."""
+    from fl_app import report
+
+    units = (
+        "one client's entire data set (add or remove one client), central DP",
+        "one client's entire data set (zero-out: replaced by data whose clipped updates are zero; "
+        "public cohort schedule), central DP",
+        "one client's entire local data set (local DP: any two data sets of one client; each upload is "
+        "protected against the server)",
+    )
+    for index, unit in enumerate(units):
+        fake_results(
+            tmp_path / f"{index}", strategy=f"s{index}", epsilon=2.0, seed=1, accuracy=0.5, unit=unit
+        )
+    figures = []
+    original = report.plt.subplots
+
+    def spy(*args, **kwargs):
+        figure, axes = original(*args, **kwargs)
+        figures.append((figure, axes))
+        return figure, axes
+
+    monkeypatch.setattr(report.plt, "subplots", spy)
+    monkeypatch.setattr(report.plt, "close", lambda *a, **k: None)
+    assert main([str(tmp_path)]) == 0
+    figure, axes = figures[0]  # accuracy_vs_epsilon.png
+    renderer = figure.canvas.get_renderer()
+    panels = list(axes.flat)
+    assert len(panels) == 3
+    for index in range(len(panels) - 1):
+        left, right = panels[index], panels[index + 1]
+        for a, b in ((left.title, right.title), (left.xaxis.label, right.xaxis.label)):
+            assert a.get_window_extent(renderer).x1 <= b.get_window_extent(renderer).x0, a.get_text()
+
+
 def test_upload_axis_labels_do_not_overlap(tmp_path, monkeypatch):
     """Minor-tick labels of a log axis spanning about a decade ran into each other (issue 42.9)."""
     from fl_app import report
