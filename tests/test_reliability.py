@@ -702,5 +702,8 @@ def test_a_rounds_writes_do_not_grow_with_the_run_and_resume_restores_the_record
 
 def test_num_clients_below_clients_per_round_names_both_keys(tmp_path):
     """num_clients=1 was refused with a message about clients_per_round alone (42.9)."""
+    from fl_app.config import compose_config
+
+    default = compose_config([]).clients_per_round  # the key the user did not write: its default
     result = preflight_cli("num_clients=1", cwd=tmp_path)
-    assert_one_line(result, "clients_per_round=10", "num_clients=1", "at most 1")
+    assert_one_line(result, f"clients_per_round={default}", "num_clients=1", "at most 1")

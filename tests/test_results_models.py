@@ -67,6 +67,7 @@ def test_recorder_writes_the_contract(tmp_path):
         "delta": 1e-5,
         "wall_s": 3.0,
         "rounds": 2,
+        "diverged": False,  # final loss finite and at most 3x the initial one
     }
     assert on_disk["rounds"][1]["extra"] is None
     assert "Infinity" not in (tmp_path / "results.json").read_text()
