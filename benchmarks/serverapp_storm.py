@@ -51,8 +51,7 @@ def serverapp_processes() -> int:
     """How many ``flwr-serverapp`` processes exist on the machine (gate or real)."""
     count = 0
     for process in psutil.process_iter(["cmdline"]):
-        command = process.info["cmdline"] or []
-        if any(part.endswith("flwr-serverapp") for part in command[:2]):
+        if local_deployment.runs_program(process.info["cmdline"] or [], "flwr-serverapp"):
             count += 1
     return count
 

@@ -19,10 +19,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from fl_app.lifecycle import COMPLETED_STATUSES as COMPLETED
 from fl_app.report import load_runs
 
 #: The statuses of a run whose every round ran (``fl_app/lifecycle.py``).
-COMPLETED = ("completed", "completed_with_failures")
 
 #: One run's ``results.json`` as a dict; :func:`completed_runs` adds ``"_path"``.
 Run = dict[str, Any]

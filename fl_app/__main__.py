@@ -280,6 +280,13 @@ def continue_sweep_line(argv: list[str], state: SweepState | None) -> str:
     )
 
 
+def _say_how_to_continue(state: SweepState | None) -> None:
+    """Print :func:`continue_sweep_line` for this command (nothing outside a sweep)."""
+    line = continue_sweep_line(sys.argv[1:], state)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
 def _run_job() -> None:
     """Simulate the job with the configuration the preflight composed and validated."""
     from fl_app.simulation import run_in_simulation
@@ -385,15 +392,11 @@ def main() -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            line = continue_sweep_line(sys.argv[1:], state)
-            if line:
-                print(line, file=sys.stderr, flush=True)
+            _say_how_to_continue(state)
             return 130
         except SystemExit as exit_:
             if exit_.code in INTERRUPTED_EXIT_CODES:
-                line = continue_sweep_line(sys.argv[1:], state)
-                if line:
-                    print(line, file=sys.stderr, flush=True)
+                _say_how_to_continue(state)
             raise
         failed = state.failures() if state is not None else []
         if failed:

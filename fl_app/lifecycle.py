@@ -21,6 +21,7 @@ workers and Ray. A second signal gets Python's default behaviour (an immediate e
 
 from __future__ import annotations
 
+import math
 import signal
 import sys
 import threading
@@ -31,6 +32,20 @@ from types import FrameType
 from typing import Any
 
 STATUSES = ("completed", "completed_with_failures", "failed", "interrupted")
+#: The statuses of a run whose every round ran (a report keeps them, a continued sweep skips them).
+COMPLETED_STATUSES = STATUSES[:2]
+#: A run whose final loss is more than this many times its initial model's has diverged.
+DIVERGENCE_FACTOR = 3.0
+
+
+def diverged(initial_loss: float | None, final_loss: float | None) -> bool:
+    """Whether the final loss is not finite or above :data:`DIVERGENCE_FACTOR` x the initial model's."""
+    if final_loss is None:
+        return False
+    if not math.isfinite(final_loss):
+        return True
+    return initial_loss is not None and final_loss > DIVERGENCE_FACTOR * initial_loss
+
 
 #: Set by the first SIGINT/SIGTERM of a ``python -m fl_app`` run (or by tests).
 STOP = threading.Event()

@@ -45,12 +45,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 from omegaconf import OmegaConf
 
+from fl_app.lifecycle import COMPLETED_STATUSES, DIVERGENCE_FACTOR, diverged  # keeps COMPLETED unless --all
+
 REQUIRED_FIELDS = ("strategy", "dataset", "config", "rounds", "final", "privacy")
-#: Statuses of runs that ran all their rounds (the report keeps only these unless ``--all``).
-COMPLETED_STATUSES = ("completed", "completed_with_failures")
-#: A run whose final loss is more than this many times its initial model's diverged
-#: (:data:`fl_app.results.DIVERGENCE_FACTOR`; repeated so the report reads results without the app).
-DIVERGENCE_FACTOR = 3.0
 #: Files that mark a directory as a run's (a job directory without results.json is reported missing).
 RUN_MARKERS = (".hydra", "run.log")
 #: Keys that never make two runs different experiments: the seed, run-local paths, and where and how a
@@ -124,10 +121,7 @@ class Run:
         final = self.results["final"]
         if "diverged" in final:
             return bool(final["diverged"])
-        loss, initial = final.get("loss"), self.results.get("initial", {}).get("loss")
-        return loss is not None and (
-            not math.isfinite(loss) or (initial is not None and loss > DIVERGENCE_FACTOR * initial)
-        )
+        return diverged(self.results.get("initial", {}).get("loss"), final.get("loss"))
 
     def settings(self) -> dict[str, Any]:
         """The flat configuration without the seed and run-local paths.

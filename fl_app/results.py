@@ -46,7 +46,7 @@
   run); ``round_s``: this round's duration. ``final.wall_s`` is what the run's last line says.
 * ``final.chance_accuracy``: the accuracy of always predicting the evaluation split's most
   frequent label; ``final.diverged``: the final loss is not finite or more than
-  :data:`DIVERGENCE_FACTOR` times the initial model's (the run's last line warns).
+  :data:`~fl_app.lifecycle.DIVERGENCE_FACTOR` times the initial model's (the run's last line warns).
 * With a secret cohort (DP-FedAvg's and adaptive clipping's Poisson sampling, whose amplification
   needs the cohort hidden from model observers) the rounds hold none of :data:`COHORT_FIELDS`
   (bytes, ``clients``, ``failures``, ``wall_s``, ``round_s``): each is a function of the secret
@@ -84,6 +84,7 @@ from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
 
 from fl_app.files import write_atomically, writing
+from fl_app.lifecycle import diverged
 from fl_app.model_spec import ModelSpec
 from fl_app.privacy.accountant import LEDGER_FILE
 from fl_app.run_settings import RunSettings
@@ -148,19 +149,6 @@ def load_model_arrays(path: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
         spec = ModelSpec.from_json(str(archive["__model_spec__"]))
         arrays = {name: archive[name] for name in archive.files if name != "__model_spec__"}
     return spec, arrays
-
-
-#: A run whose final loss is more than this many times its initial model's has diverged.
-DIVERGENCE_FACTOR = 3.0
-
-
-def diverged(initial_loss: float | None, final_loss: float | None) -> bool:
-    """Whether the final loss is not finite or above :data:`DIVERGENCE_FACTOR` x the initial model's."""
-    if final_loss is None:
-        return False
-    if not math.isfinite(final_loss):
-        return True
-    return initial_loss is not None and final_loss > DIVERGENCE_FACTOR * initial_loss
 
 
 def chance_accuracy(labels: np.ndarray) -> float:

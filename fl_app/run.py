@@ -47,6 +47,7 @@ from fl_app.engine.logs import colour_only_at_a_terminal, console_filter
 from fl_app.files import WriteFailed, write_failed
 from fl_app.fingerprint import config_fingerprint
 from fl_app.lifecycle import (
+    DIVERGENCE_FACTOR,
     Outcome,
     RunFailed,
     RunStopped,
@@ -60,7 +61,6 @@ from fl_app.output_claim import claim_output_dir
 from fl_app.privacy.canaries import HEADER_NOTE as CANARY_HEADER
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
 from fl_app.results import (
-    DIVERGENCE_FACTOR,
     LEDGER_FILE,
     RunRecorder,
     chance_accuracy,

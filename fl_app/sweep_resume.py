@@ -19,11 +19,9 @@ from omegaconf import DictConfig, OmegaConf
 from fl_app.checkpoint import read_header, state_path
 from fl_app.config_checks import ConfigError
 from fl_app.fingerprint import config_fingerprint
+from fl_app.lifecycle import COMPLETED_STATUSES
 from fl_app.output_claim import RUN_FILES, earlier_run_files
 from fl_app.overrides import override_key
-
-#: Statuses of a finished attempt a sweep keeps.
-COMPLETED = ("completed", "completed_with_failures")
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,7 @@ def plan_sweep_job(cfg: DictConfig, overrides: list[str], directory: Path) -> Jo
     if not earlier_run_files(directory):
         return JobPlan("run")
     results = _read_results(directory)
-    if results is not None and results.get("status") in COMPLETED:
+    if results is not None and results.get("status") in COMPLETED_STATUSES:
         earlier = OmegaConf.create(results.get("config", {}))
         if config_fingerprint(earlier) != config_fingerprint(cfg):
             raise _other_run(directory)

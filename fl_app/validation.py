@@ -262,7 +262,6 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
         check_partitions(cfg)
 
 
-#: Files that mark a directory as an earlier run's output.
 def check_output_dir(cfg: DictConfig) -> None:
     """``output_dir`` must be creatable and writable; a new run must not mix with an earlier run's files."""
     if cfg.output_dir is None:

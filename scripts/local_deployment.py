@@ -185,6 +185,11 @@ def descendants(pid: int) -> list[int]:
         return []
 
 
+def runs_program(command: Sequence[str], name: str) -> bool:
+    """Whether the command line ``command`` runs the console script ``name`` (directly or by python)."""
+    return any(Path(part).name == name for part in command[:2])
+
+
 def superexec_pids(superlink_pid: int) -> list[int]:
     """The ``flower-superexec`` processes the SuperLink ``superlink_pid`` started."""
     found = []
@@ -193,7 +198,7 @@ def superexec_pids(superlink_pid: int) -> list[int]:
             command = psutil.Process(pid).cmdline()
         except psutil.Error:
             continue
-        if any(part.endswith("flower-superexec") for part in command[:2]):
+        if runs_program(command, "flower-superexec"):
             found.append(pid)
     return found
 
@@ -707,7 +712,7 @@ def local_superlinks(home: Path) -> list[psutil.Process]:
             continue
         if uids is None or uids.real != os.getuid() or not command:
             continue
-        if not any(Path(part).name == "flower-superlink" for part in command[:2]):  # script or python script
+        if not runs_program(command, "flower-superlink"):
             continue
         if "--database" in command and command[command.index("--database") + 1 :][:1] == [database]:
             found.append(process)

@@ -13,6 +13,22 @@ import pytest
 from fl_app.report import main
 
 
+def spy_on_figures(monkeypatch) -> list:
+    """The (figure, axes) of every ``plt.subplots`` call the report makes, in order."""
+    from fl_app import report
+
+    made = []
+    original = report.plt.subplots
+
+    def spy(*args, **kwargs):
+        figure, axes = original(*args, **kwargs)
+        made.append((figure, axes))
+        return figure, axes
+
+    monkeypatch.setattr(report.plt, "subplots", spy)
+    return made
+
+
 def fake_results(
     directory: Path,
     *,
@@ -316,7 +332,6 @@ def test_a_diverged_run_is_flagged_in_the_table_and_on_stderr(tmp_path, capsys):
 
 
 def test_epsilons_of_different_units_get_their_own_panels_with_the_chance_level(tmp_path, monkeypatch):
-    from fl_app import report
 
     fake_results(tmp_path / "c", strategy="dp_fedavg", epsilon=2.0, seed=1, accuracy=0.8, chance=0.102)
     fake_results(
@@ -328,17 +343,9 @@ def test_epsilons_of_different_units_get_their_own_panels_with_the_chance_level(
         unit="one report",
         chance=0.102,
     )
-    panels = []
-    original = report.plt.subplots
-
-    def spy(*args, **kwargs):
-        figure, axes = original(*args, **kwargs)
-        panels.append(axes)
-        return figure, axes
-
-    monkeypatch.setattr(report.plt, "subplots", spy)
+    figures = spy_on_figures(monkeypatch)
     assert main([str(tmp_path)]) == 0
-    axes = panels[0].flat  # accuracy_vs_epsilon.png
+    axes = figures[0][1].flat  # accuracy_vs_epsilon.png
     assert [axis.get_title() for axis in axes] == ["privacy unit: one client", "privacy unit: one report"]
     for axis in axes:
         assert "chance level (digits)" in [line.get_label() for line in axis.get_lines()]
@@ -364,15 +371,7 @@ def test_panel_titles_and_axis_labels_of_long_units_do_not_overlap(tmp_path, mon
         fake_results(
             tmp_path / f"{index}", strategy=f"s{index}", epsilon=2.0, seed=1, accuracy=0.5, unit=unit
         )
-    figures = []
-    original = report.plt.subplots
-
-    def spy(*args, **kwargs):
-        figure, axes = original(*args, **kwargs)
-        figures.append((figure, axes))
-        return figure, axes
-
-    monkeypatch.setattr(report.plt, "subplots", spy)
+    figures = spy_on_figures(monkeypatch)
     monkeypatch.setattr(report.plt, "close", lambda *a, **k: None)
     assert main([str(tmp_path)]) == 0
     figure, axes = figures[0]  # accuracy_vs_epsilon.png
@@ -387,25 +386,16 @@ def test_panel_titles_and_axis_labels_of_long_units_do_not_overlap(tmp_path, mon
 
 def test_upload_axis_labels_do_not_overlap(tmp_path, monkeypatch):
     """Minor-tick labels of a log axis spanning about a decade ran into each other (issue 42.9)."""
-    from fl_app import report
 
     for index, upload in enumerate((1_200, 3_000, 20_000, 60_000)):  # four arms, one small panel each
         fake_results(
             tmp_path / f"{index}", strategy=f"s{index}", epsilon=1.0, seed=1, accuracy=0.5, upload=upload
         )
-    figures = []
-    original = report.plt.subplots
-
-    def spy(*args, **kwargs):
-        figure, axes = original(*args, **kwargs)
-        figures.append(figure)
-        return figure, axes
-
-    monkeypatch.setattr(report.plt, "subplots", spy)
+    figures = spy_on_figures(monkeypatch)
     assert main([str(tmp_path)]) == 0
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    figure = figures[-1]  # accuracy_vs_upload.png
+    figure = figures[-1][0]  # accuracy_vs_upload.png
     canvas = FigureCanvasAgg(figure)  # the report closed it
     canvas.draw()
     renderer = canvas.get_renderer()
