@@ -15,6 +15,11 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
   ``python -m fl_app.report multirun/canaries --out docs/benchmarks/empirical_privacy``;
 * ``docs/benchmarks/deployment_load.md``: ``python benchmarks/serverapp_storm.py ...`` (its JSON lines
   in ``docs/benchmarks/deployment_load/storm.jsonl``);
+* ``docs/benchmarks/startup.md``: ``python benchmarks/startup.py breakdown|sweep|population|commands ...``
+  (its runs in ``docs/benchmarks/startup/*.json``; ``python benchmarks/startup.py tables --out
+  docs/benchmarks/startup`` prints the tables);
+* ``docs/benchmarks/pfl_research.md``: ``python -P benchmarks/pfl_compare.py table --out
+  docs/benchmarks/pfl_research --write-doc`` (its runs in ``docs/benchmarks/pfl_research/runs.json``);
 * ``docs/benchmarks/<algorithm>.md``: each algorithm's benchmark script.
 
 This script only concatenates them (headings demoted one level, relative links rewritten for the
@@ -43,7 +48,9 @@ PAGES = ROOT / "docs" / "benchmarks"
 #: Pages in BENCHMARKS.md order (missing pages are listed as missing, not skipped silently).
 ORDER = (
     "platform",
+    "startup",
     "partition_cache",
+    "pfl_research",
     "deployment_load",
     "cross_device",
     "record_level",

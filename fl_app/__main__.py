@@ -18,6 +18,7 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -32,8 +33,7 @@ from fl_app.engine.hydra import sweep_fixed, sweep_jobs
 from fl_app.engine.logs import colour_only_at_a_terminal
 from fl_app.lifecycle import RunFailed
 from fl_app.output_claim import claim_output_dir
-from fl_app.sweep_resume import plan_sweep_job
-from fl_app.validation import check_output_dir, validate_config
+from fl_app.timeline import mark
 
 # Hydra flags that take a value in the next argument.
 _FLAGS_WITH_VALUE = {
@@ -208,11 +208,13 @@ class SweepState:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def preflight(argv: list[str]) -> list[str]:
+def preflight(argv: list[str], *, on_valid: Callable[[DictConfig], None] | None = None) -> list[str]:
     """Compose and validate every job; return one error line per bad job.
 
     Each job's configuration is kept for the job itself (:meth:`SweepState.composed`): composed and
-    validated once.
+    validated once. When every job is valid, ``on_valid`` is called with the first job's
+    configuration (``python -m fl_app`` begins starting Ray then, :func:`begin_ray_early`): nothing
+    starts before the whole command is known to be valid.
     """
     overrides, multirun, informational = split_command_line(argv)
     if informational:
@@ -221,16 +223,22 @@ def preflight(argv: list[str]) -> list[str]:
         jobs = expand_jobs(overrides, multirun=multirun)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         return [_one_line(error)]
+    from fl_app.validation import validate_config  # torch, Flower and every strategy: 2-3 s
+
     state = SweepState.create(len(jobs) if multirun else 1)
     errors: list[str] = []
+    first: DictConfig | None = None
     for job in jobs:
         try:
             cfg = compose_config(job)
             validate_config(cfg)
             state.keep_config(job, cfg)
+            first = cfg if first is None else first
         except (HydraException, OmegaConfBaseException, ValueError) as error:
             prefix = f"[{' '.join(job)}] " if multirun and len(jobs) > 1 else ""
             errors.append(prefix + _one_line(error))
+    if not errors and first is not None and on_valid is not None:
+        on_valid(first)
     return errors
 
 
@@ -290,6 +298,8 @@ def _say_how_to_continue(state: SweepState | None) -> None:
 def _run_job() -> None:
     """Simulate the job with the configuration the preflight composed and validated."""
     from fl_app.simulation import run_in_simulation
+    from fl_app.sweep_resume import plan_sweep_job
+    from fl_app.validation import check_output_dir, validate_config
 
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
@@ -367,6 +377,57 @@ def _discard_if_empty(directory: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def begin_ray_early(argv: list[str]) -> Callable[[DictConfig], None] | None:
+    """What starts Ray in the background for this process's jobs, and keeps it for all of them.
+
+    Only when Hydra's basic launcher runs the jobs here, one after another (a parallel launcher runs
+    them in worker processes, each with its own Ray). Returns the :func:`preflight` callback that
+    begins the start, with the first job's settings and its client actors, once every job is valid:
+    Ray's 2.5-3 s and the actors' start then pass while Hydra sets the job up and the ServerApp
+    loads its data. A job that asks for other settings starts it again (:mod:`fl_app.ray_session`).
+    """
+    from fl_app.ray_session import SESSION, ActorPlan, ray_init_args
+
+    overrides, multirun, informational = split_command_line(argv)
+    launchers = [item.split("=", 1)[1] for item in overrides if item.startswith("hydra/launcher=")]
+    if informational or any(name != "basic" for name in launchers):
+        return None
+
+    def begin(first: DictConfig) -> None:
+        SESSION.keep = True
+        SESSION.jobs_left = len(expand_jobs(overrides, multirun=multirun))
+        SESSION.begin(ray_init_args(first), ActorPlan.from_config(first))
+
+    return begin
+
+
+def exit_now(code: int | str | None) -> None:
+    """End the process with ``code`` once the command is done, without the interpreter's teardown.
+
+    Everything is written and closed and Ray is stopped by then; tearing down the imported modules
+    (torch, Ray's core worker, ...) took 1.3-1.5 s more (measured, benchmarks/startup.py). The exit
+    handlers still run and the log handlers are flushed. When other threads or child processes are
+    still alive (a parallel launcher's workers), the interpreter's own exit runs instead: it is the
+    one that tells them to stop.
+    """
+    import atexit
+    import multiprocessing
+    import os
+    import threading
+
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    if others or multiprocessing.active_children():
+        sys.exit(code)
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()  # CPython's own exit handlers, run as at a normal exit
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
+
+
 def main() -> int:
     """Entry point: preflight, then Hydra."""
     # Flower's logger has its own console handler; Hydra also puts one on the
@@ -376,12 +437,16 @@ def main() -> int:
     # Flower's LinkState imports alembic, which logs one "setup plugin" line per plugin at INFO;
     # Hydra's console handler would print them (7 lines before every run).
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    errors = preflight(sys.argv[1:])
+    from fl_app.ray_session import SESSION
+
+    mark("imports")
+    errors = preflight(sys.argv[1:], on_valid=begin_ray_early(sys.argv[1:]))
+    mark("preflight")
     state = SweepState.current()
     try:
         if errors:
             for line in errors:
-                print(f"error: {line}", file=sys.stderr)
+                print(f"error: {line}", file=sys.stderr, flush=True)
             return 2
         try:
             _job()
@@ -406,9 +471,16 @@ def main() -> int:
             return 1
         return 0
     finally:
+        SESSION.end()
+        SESSION.keep, SESSION.jobs_left = False, 0
         if state is not None:
             state.remove()
+        mark("exit")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        exit_code: int | str | None = main()
+    except SystemExit as exit_:
+        exit_code = exit_.code
+    exit_now(exit_code)

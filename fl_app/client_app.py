@@ -24,6 +24,15 @@ if TYPE_CHECKING:
 app = ClientApp()
 
 
+def warm_up() -> None:
+    """Import every client class, and torch with them, before the first message.
+
+    Called when a simulation actor starts (:mod:`fl_app.engine.batching`), where it overlaps with
+    the driver's set-up instead of delaying round 1 by about a second. Devices do not call it.
+    """
+    CLIENTS.names()
+
+
 def client_for(message: Message, context: Context) -> FederatedClient:
     """Instantiate the client class the message's config names."""
     config = message.content.config_records[keys.CONFIG]

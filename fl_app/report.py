@@ -185,8 +185,20 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def ended_before_round_one(results: Any) -> bool:
+    """Whether a results.json is that of a run that failed or was interrupted before any round."""
+    return (
+        isinstance(results, dict)
+        and results.get("status") in ("failed", "interrupted")
+        and not results.get("rounds")
+    )
+
+
 def missing_runs(root: Path) -> list[str]:
-    """One line per run directory below ``root`` without a results.json (killed, or still running).
+    """One line per run directory below ``root`` with nothing to summarise.
+
+    A directory without a results.json (killed, or still running), or whose run failed or was
+    interrupted before its first round.
 
     A sweep's directory (Hydra's ``multirun.yaml``) also says how many jobs it has no directory for.
     """
@@ -199,6 +211,13 @@ def missing_runs(root: Path) -> list[str]:
             continue
         if not (directory / "results.json").exists() and not (directory / "multirun.yaml").exists():
             lines.append(f"{directory}: no results.json (killed, or still running?)")
+    for path in sorted(root.rglob("results.json")):
+        try:
+            results = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue  # load_runs reports it
+        if ended_before_round_one(results):
+            lines.append(f"{path.parent}: {results['status']} before its first round")
     for sweep in sorted(root.rglob("multirun.yaml")):
         expected = sweep_size(sweep)
         started = sum(1 for p in sweep.parent.iterdir() if p.is_dir() and (p / ".hydra").is_dir())
@@ -237,7 +256,8 @@ def load_runs(root: Path) -> tuple[list[Run], list[str]]:
             problems.append(f"{path}: missing fields {', '.join(missing)}")
             continue
         if not results["rounds"] or "accuracy" not in results["final"]:
-            problems.append(f"{path}: no rounds or no final accuracy")
+            if not ended_before_round_one(results):  # those are listed by missing_runs
+                problems.append(f"{path}: no rounds or no final accuracy")
             continue
         runs.append(Run(path, results))
     return runs, problems

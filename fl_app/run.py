@@ -43,6 +43,7 @@ from fl_app.config import (
 )
 from fl_app.config_checks import ConfigError
 from fl_app.data.federated import DataSpec, FederatedData, federated_data
+from fl_app.engine.dispatch import is_in_memory_grid, simulated_partitions
 from fl_app.engine.logs import colour_only_at_a_terminal, console_filter
 from fl_app.files import WriteFailed, write_failed
 from fl_app.fingerprint import config_fingerprint
@@ -73,6 +74,7 @@ from fl_app.round_loop import check_round, run_rounds
 from fl_app.run_context import RunContext, output_path
 from fl_app.run_log import PublishedLogFilter, one_line_console, run_log_handler, withheld_from_file
 from fl_app.run_settings import RunSettings
+from fl_app.timeline import mark
 from fl_app.tracking import make_tracker
 from fl_app.validation import validate_config
 from strategies import EVALUATION_STAGES, STRATEGIES
@@ -128,6 +130,21 @@ def run_federation(grid: Grid, context: Context, composed: DictConfig | None = N
         outcome = take_outcome()
         if outcome is not None and outcome.exit_code:
             raise RunFailed(f"run {outcome.status}: {outcome.reason} (results in {outcome.output_dir})")
+
+
+def simulated_roster(grid: Grid, data: FederatedData) -> dict[int, tuple[int, int]] | None:
+    """In a simulation, each node's (partition id, data set size) without asking the nodes.
+
+    The engine numbered the nodes (:func:`fl_app.engine.dispatch.simulated_partitions`) and this
+    process holds the same split as the clients (the same :class:`DataSpec`). None in a deployment.
+    """
+    partitions = simulated_partitions(grid)
+    if partitions is None:
+        return None
+    sizes = data.client_sizes()
+    if sorted(partitions.values()) != list(range(len(sizes))):
+        return None
+    return {node: (partition, sizes[partition]) for node, partition in partitions.items()}
 
 
 def evaluation_arrays(
@@ -265,6 +282,7 @@ def _execute(
     grid: Grid, cfg: DictConfig, output_dir: Path, overrides: list[str], published: PublishedLogFilter
 ) -> dict[str, Any] | None:
     started = time.monotonic()
+    mark("server_app")
     log(
         INFO,
         "dpfl: strategy=%s dataset=%s partition=%s, output in %s",
@@ -276,6 +294,7 @@ def _execute(
     settings = RunSettings.from_config(cfg)
     data_spec = DataSpec.from_config(cfg)
     data = federated_data(data_spec)
+    mark("data")
     strategy_class = STRATEGIES.get(settings.strategy)
     model_spec = ModelSpec(
         strategy_class.declaration.model_name(cfg, data.input_shape), data.input_shape, data.num_classes
@@ -286,8 +305,10 @@ def _execute(
         expected=settings.num_clients,
         timeout=settings.simulation.timeout,
         config=ConfigRecord({keys.DATA_SPEC: data_spec.to_json(), keys.SEED: settings.seed}),
+        simulated=(lambda: simulated_roster(grid, data)) if is_in_memory_grid(grid) else None,
     )
     setup_traffic = metered.take()
+    mark("roster")
     cfg = effective_config(cfg, roster)
     run = make_run_context(
         cfg, roster=roster, data=data, data_spec=data_spec, model_spec=model_spec, output_dir=output_dir
@@ -341,6 +362,7 @@ def _execute(
         reporter(0, arrays)
         first_round = 1
     status, reason = "completed", ""
+    mark("round_1")
     try:
         arrays = run_rounds(
             strategy,
@@ -364,6 +386,7 @@ def _execute(
         exit_code = stop.exit_code
     else:
         exit_code = 0
+    mark("rounds_done")
     failures = recorder.failures
     if status == "completed" and failures:
         status = "completed_with_failures"
@@ -424,6 +447,7 @@ def _execute(
         state = private_state_text(strategy, output_dir) if can_resume else None
         record_outcome(Outcome("failed", 1, str(failure), str(output_dir), state))
         return None
+    mark("results_written")
     if status.startswith("completed") and strategy.declaration.is_private(cfg):
         remove_checkpoint(output_dir)  # a private run cannot be extended; keep no server secrets
     stopped = recorder.stopped or {}

@@ -84,6 +84,28 @@ def partition_cache_of_the_test_run(tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.fixture(autouse=True)
+def no_sweep_state_left() -> Iterator[None]:
+    """Remove the sweep state a test's ``preflight`` call created (``python -m fl_app`` removes its own).
+
+    Without it each such test left a ``dpfl-sweep-*`` folder in the temporary directory and the
+    variable naming it in this process's environment.
+    """
+    import shutil
+
+    from fl_app.__main__ import SWEEP_STATE_ENV
+
+    saved = os.environ.get(SWEEP_STATE_ENV)
+    yield
+    created = os.environ.get(SWEEP_STATE_ENV)
+    if created and created != saved:
+        shutil.rmtree(created, ignore_errors=True)
+    if saved is None:
+        os.environ.pop(SWEEP_STATE_ENV, None)
+    else:
+        os.environ[SWEEP_STATE_ENV] = saved
+
+
+@pytest.fixture(autouse=True)
 def task_identity() -> Iterator[None]:
     """Give this process a Flower task identity (as the simulation does) so Messages can be built."""
     with engine_task_identity(run_id=77):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import subprocess
 import sys
@@ -36,6 +37,7 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
 
 def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
     sweep = tmp_path / "sweep"
+    timeline = tmp_path / "sweep.timeline"  # fl_app/timeline.py: the phases the command went through
     process = subprocess.Popen(
         [
             sys.executable,
@@ -51,6 +53,7 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
+        env={**os.environ, "DPFL_TIMELINE": str(timeline)},
     )
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
@@ -83,6 +86,25 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
                 if row.get(key) is not None:
                     assert tracked[key][row["round"]] == pytest.approx(row[key], rel=1e-6), key
         assert ("epsilon" in tracked) == (result["final"]["epsilon"] is not None)
+    # The two jobs shared one Ray instance (fl_app.ray_session) but not their client actors: the
+    # second job's results equal those of the same job run on its own, round by round.
+    phases = [json.loads(line)["phase"] for line in timeline.read_text().splitlines()]
+    assert phases.count("ray_init") == 1 and phases.count("server_app") == 2
+    assert phases.count("actors_prestarted") == 1  # the first job's, started with Ray
+    solo = ["strategy=dp_fedavg", "tracking=tensorboard", f"output_dir={tmp_path / 'alone'}"]
+    alone = subprocess.run(
+        [sys.executable, "-m", "fl_app", *FAST, *solo],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    on_its_own = json.loads((tmp_path / "alone" / "results.json").read_text())
+    (in_sweep,) = [r for r in loaded if r["strategy"] == "dp_fedavg"]
+    for key in ("accuracy", "loss", "epsilon"):
+        assert [r[key] for r in in_sweep["rounds"]] == [r[key] for r in on_its_own["rounds"]], key
+    assert in_sweep["privacy"] == on_its_own["privacy"]
     # ... and the report summarises the two jobs with the numbers of their files.
     from fl_app.report import main as report
 
@@ -124,8 +146,8 @@ LAUNCHERS = {
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_failed_job_is_reported_and_the_others_run(tmp_path, launcher):
     sweep = tmp_path / "sweep"
-    # Job 0: the clients cannot answer the roster query within 1 ms, so the run fails at run
-    # time (it passes validation); job 1 runs normally.
+    # Job 0: the clients cannot answer within 1 ms, so its first round fails at run time (it passes
+    # validation): none replied; job 1 runs normally.
     process = subprocess.run(
         [
             sys.executable,
@@ -146,8 +168,8 @@ def test_failed_job_is_reported_and_the_others_run(tmp_path, launcher):
     )
     assert process.returncode == 1, process.stderr[-2000:]
     assert "job failed" in process.stderr
-    assert (sweep / "0-fedavg" / "error.txt").exists()
-    assert not (sweep / "0-fedavg" / "results.json").exists()
+    assert "round 1: none of the 3 clients replied" in process.stderr
+    assert json.loads((sweep / "0-fedavg" / "results.json").read_text())["status"] == "failed"
     assert (sweep / "1-fedavg" / "results.json").exists()
     assert "dpfl sweep: 2/2 jobs done (1 failed), elapsed" in process.stderr
     assert process.stderr.count("dpfl sweep: ") == 2 and "1 job(s) failed:" in process.stderr

@@ -237,7 +237,7 @@ def test_pins_the_hydra_release_whose_internals_it_uses():
 def test_a_multirun_composes_and_validates_each_job_once(tmp_path, monkeypatch):
     """`python -m fl_app -m`: the preflight composes and validates each job; the job runs that object."""
     import fl_app.__main__ as command
-    from fl_app import simulation
+    from fl_app import simulation, validation
     from fl_app.lifecycle import Outcome
 
     composed: list[list[str]] = []
@@ -257,8 +257,9 @@ def test_a_multirun_composes_and_validates_each_job_once(tmp_path, monkeypatch):
         return Outcome("completed", 0, "", str(output_dir))
 
     monkeypatch.setattr(command, "compose_config", compose)
-    monkeypatch.setattr(command, "validate_config", validate)
+    monkeypatch.setattr(validation, "validate_config", validate)
     monkeypatch.setattr(simulation, "run_in_simulation", run)
+    monkeypatch.setattr(command, "begin_ray_early", lambda argv: None)  # no run, so no Ray either
     monkeypatch.chdir(tmp_path)
     jobs = ["strategy=fedavg", "dataset=digits", "num_clients=6", "clients_per_round=3", "seed=1,2"]
     monkeypatch.setattr(sys, "argv", ["fl_app", "-m", *jobs, f"hydra.sweep.dir={tmp_path / 'sweep'}"])

@@ -593,6 +593,42 @@ def test_roster_marks_devices_and_orders_them_by_node_id() -> None:
     assert not on_devices([ClientInfo(0, 1000, 5)])
 
 
+def test_a_simulation_roster_asks_no_node_once_the_engine_numbered_them_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The simulation engine numbers its nodes and the server holds the same split: the roster is
+    # built without a query (10,000 queries took 7 s). It must equal what the nodes would answer;
+    # a numbering that does not name exactly the connected nodes (not yet recorded, or an earlier
+    # run's) is waited for, then the nodes are asked as before.
+    answers = {907: (1, 30), 15: (0, 40), 311: (2, 50)}
+    asked = _Grid(answers)
+    queried = discover_roster(asked, expected=3, config=ConfigRecord({}), timeout=5)  # type: ignore[arg-type]
+
+    class Silent(_Grid):
+        def send_and_receive(self, messages: list[Message], timeout: float) -> list[Message]:
+            raise AssertionError("a simulated roster asked the nodes")
+
+    calls = iter([None, {15: (0, 40)}, dict(answers)])  # recorded a moment after the nodes connected
+    known = discover_roster(
+        Silent(answers),  # type: ignore[arg-type]
+        expected=3,
+        config=ConfigRecord({}),
+        timeout=5,
+        simulated=lambda: next(calls),
+    )
+    assert known == queried
+    assert not on_devices(known)
+    monkeypatch.setattr("fl_app.roster.SIMULATED_WAIT_S", 0.1)
+    stale = discover_roster(
+        _Grid(answers),  # type: ignore[arg-type]
+        expected=3,
+        config=ConfigRecord({}),
+        timeout=5,
+        simulated=lambda: {1: (0, 40), 2: (1, 30), 3: (2, 50)},  # an earlier run's node ids
+    )
+    assert stale == queried
+
+
 def test_roster_rejects_a_federation_of_another_size(monkeypatch: pytest.MonkeyPatch) -> None:
     grid = _Grid({1: (-1, 5), 2: (-1, 5), 3: (-1, 5)})
     with pytest.raises(RosterError, match="num_clients=2, but the federation has 3 SuperNodes"):

@@ -44,7 +44,7 @@ def test_gitignore_keeps_packages_in_the_flower_app_bundle():
     spec = pathspec.PathSpec.from_lines("gitwildmatch", (ROOT / ".gitignore").read_text().splitlines())
     for path in ROOT.rglob("*.py"):
         relative = path.relative_to(ROOT).as_posix()
-        if relative.startswith((".venv/", "build/")):
+        if relative.startswith((".venv/", ".venv-pfl/", "build/")):  # virtual environments, build output
             continue
         assert not spec.match_file(relative), relative
     for path in (ROOT / "conf").rglob("*.yaml"):

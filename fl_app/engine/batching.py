@@ -168,6 +168,20 @@ def run_jobs(client_app_fn: Callable[[], Any], jobs: list[Job]) -> list[Outcome]
     return outcomes
 
 
+#: Called when a client actor starts: imports what the first message needs (torch alone takes about
+#: 1 s), which :func:`fl_app.engine.pool.prestart_actors` overlaps with the driver's set-up.
+WARM_UP = ("fl_app.client_app", "warm_up")
+
+
+def warm_up_client_process() -> None:
+    """Call :data:`WARM_UP` (an import that fails here fails again, reported, at the first message)."""
+    import importlib
+
+    module, function = WARM_UP
+    with contextlib.suppress(Exception):
+        getattr(importlib.import_module(module), function)()
+
+
 class BatchingActor:
     """Flower's ``ClientAppActor`` with ``run_batch``: several messages in one Ray task.
 
@@ -178,6 +192,7 @@ class BatchingActor:
     def __init__(self, on_actor_init_fn: Callable[[], None] | None = None) -> None:
         if on_actor_init_fn:
             on_actor_init_fn()
+        warm_up_client_process()
 
     def run(self, client_app_fn: Callable[[], Any], message: Any, cid: str, context: Any) -> tuple[Any, ...]:
         """Flower's ``VirtualClientEngineActor.run`` (one message)."""

@@ -6,6 +6,8 @@
 * :func:`start_ray` starts Ray with the arguments Flower's Ray backend would use (which then finds it
   running), so the driver can handle SIGTERM itself.
 * :func:`actor_limit` caps the actor pool (Flower sizes it from the whole Ray cluster).
+* :func:`ray_left_running` stops Flower's Ray backend from shutting Ray down when a run ends, so
+  that the jobs of a sweep share one Ray instance (:mod:`fl_app.ray_session` owns it).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from fl_app.engine import batching
 from fl_app.engine.batching import MAX_BATCH, install_batched_workers
-from fl_app.engine.dispatch import install_fast_dispatch
+from fl_app.engine.dispatch import forget_node_partitions, install_fast_dispatch
 from fl_app.engine.pool import install_pipelined_pool
 
 
@@ -51,6 +53,32 @@ def actor_limit(limit: int | None) -> Any:
         ray_actor.pool_size_from_resources = original
 
 
+@contextlib.contextmanager
+def ray_left_running(keep: bool) -> Any:
+    """With ``keep``, a run's end ends its client actors but leaves Ray running.
+
+    ``RayBackend.terminate`` (flwr 1.41) ends the pool's actors and then calls ``ray.shutdown``;
+    starting Ray again for the next job of a sweep costs 2.5-3 s and stopping it 1.4 s (measured,
+    benchmarks/startup.py). The actors are still ended with the run, so no process serves two jobs.
+    """
+    if not keep:
+        yield
+        return
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+
+    original = RayBackend.terminate
+
+    def terminate_actors_only(self: Any) -> None:
+        if self.pool:
+            self.pool.terminate_all_actors()
+
+    RayBackend.terminate = terminate_actors_only
+    try:
+        yield
+    finally:
+        RayBackend.terminate = original
+
+
 def run_simulation_engine(
     *,
     num_supernodes: int,
@@ -61,12 +89,14 @@ def run_simulation_engine(
     backend_config: dict[str, Any],
     max_actors: int | None = None,
     messages_per_task: int = MAX_BATCH,
+    keep_ray: bool = False,
 ) -> None:
     """Run a ServerApp and ClientApp in Flower's Ray-backed simulation engine, in this process.
 
     ``server_app`` is the ServerApp object to run (built for the run's composed configuration);
     ``max_actors`` caps the number of client actors (:func:`actor_limit`); ``messages_per_task``
-    is the most messages one Ray task carries to an actor (1: one per task, as Flower sends them).
+    is the most messages one Ray task carries to an actor (1: one per task, as Flower sends them);
+    ``keep_ray``: Ray stays up when the run ends (:func:`ray_left_running`).
     """
     from flwr.simulation.run_simulation import _run_simulation
     from flwr.supercore.telemetry import EventType
@@ -75,7 +105,8 @@ def run_simulation_engine(
         raise ValueError(f"messages_per_task must be >= 1, got {messages_per_task}")
     batching.set_messages_per_task(messages_per_task)
     install_engine_patches()
-    with actor_limit(max_actors):
+    forget_node_partitions()  # this run's engine records its own
+    with actor_limit(max_actors), ray_left_running(keep_ray):
         _run_simulation(
             num_supernodes=num_supernodes,
             exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,
@@ -109,3 +140,15 @@ def start_ray(init_args: dict[str, Any]) -> None:
     ray.init(
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **{"include_dashboard": False, **init_args}
     )
+
+
+def import_ray_modules() -> None:
+    """Import Ray and Flower's Ray transport in this thread, before a background thread uses them.
+
+    Two threads importing the same circularly-importing package at once can deadlock; Python then
+    raises in one of them (seen: ``deadlock detected by _ModuleLock('flwr.simulation.ray_transport')``
+    when the start thread and the job imported Flower's simulation together). Imported here, the
+    start thread only finds them in ``sys.modules``.
+    """
+    import ray  # noqa: F401
+    from flwr.simulation.ray_transport import ray_actor  # noqa: F401

@@ -9,6 +9,10 @@ time, in order; only the wait is hidden. The same install makes the ClientApp lo
 with every message a reference to a module function (a few bytes) instead of a closure that
 ``cloudpickle`` serialises by value on every call, and builds the pool's actors as
 :class:`~fl_app.engine.batching.BatchingActor` (several messages per task).
+
+:func:`prestart_actors` starts a run's actors before Flower builds its pool (while the driver is
+still validating, or between the jobs of a sweep); the pool then takes them instead of starting its
+own. A prestarted actor has served no run: it has only imported what the first message needs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ PIPELINE_DEPTH = 2
 
 _pool_installed = False
 _original_build: Callable[..., None] | None = None
+#: Actors :func:`prestart_actors` started, and the resources each holds.
+_prestarted: list[Any] = []
+_prestarted_resources: dict[str, Any] = {}
 
 
 def load_dpfl_client_app() -> Any:
@@ -98,6 +105,62 @@ def pipeline_pool(pool: Any, depth: int) -> None:
     pool.terminate_all_actors = terminate_all_actors
 
 
+def prestart_actors(client_resources: dict[str, Any], limit: int | None = None) -> None:
+    """Start the next run's client actors now (as many as its pool will hold; Ray must be up).
+
+    Starting an actor is a new worker process that imports Flower, dpfl and torch: 2-3 s before the
+    first reply (measured, benchmarks/startup.py), which the driver otherwise waits out after it
+    has built the pool. Actors started for other resources are ended first.
+    """
+    from flwr.simulation.ray_transport.ray_actor import pool_size_from_resources
+
+    if _prestarted and _prestarted_resources != client_resources:
+        end_prestarted_actors()
+    count = pool_size_from_resources(client_resources)
+    if limit is not None:
+        count = min(count, limit)
+    actor_type = batching_actor_type()
+    while len(_prestarted) < count:
+        _prestarted.append(actor_type.options(**client_resources).remote())
+    _prestarted_resources.clear()
+    _prestarted_resources.update(client_resources)
+
+
+def end_prestarted_actors() -> None:
+    """End the actors :func:`prestart_actors` started that no pool took."""
+    import ray
+
+    for actor in _prestarted:
+        with contextlib.suppress(Exception):
+            ray.kill(actor, no_restart=True)
+    _prestarted.clear()
+    _prestarted_resources.clear()
+
+
+@contextlib.contextmanager
+def prestarted_actors_first(client_resources: dict[str, Any]) -> Any:
+    """While Flower builds a pool for ``client_resources``, it takes the prestarted actors first."""
+    from flwr.simulation.ray_transport.ray_actor import BasicActorPool
+
+    if not _prestarted or _prestarted_resources != client_resources:
+        end_prestarted_actors()
+        yield
+        return
+    original = BasicActorPool.add_actors_to_pool
+
+    def add_actors_to_pool(pool: Any, num_actors: int) -> None:
+        for _ in range(num_actors):
+            pool.pool.append(_prestarted.pop() if _prestarted else pool.create_actor_fn())
+        pool.num_actors += num_actors
+
+    BasicActorPool.add_actors_to_pool = add_actors_to_pool
+    try:
+        yield
+    finally:
+        BasicActorPool.add_actors_to_pool = original
+        end_prestarted_actors()  # more than the pool holds
+
+
 def install_pipelined_pool(depth: int = PIPELINE_DEPTH) -> None:
     """Let each actor of the Ray backend's pool hold ``depth`` messages (idempotent; module docstring)."""
     global _pool_installed, _original_build
@@ -112,7 +175,8 @@ def install_pipelined_pool(depth: int = PIPELINE_DEPTH) -> None:
         if _loads_dpfl_client_app(app_fn):
             app_fn = load_dpfl_client_app
         raybackend.ClientAppActor = batching_actor_type()  # the actor class Flower's build creates
-        original_build(self, app_fn)
+        with prestarted_actors_first(self.client_resources):
+            original_build(self, app_fn)
         pipeline_pool(self.pool, depth)
         batching = Batching(None, slots=self.pool.num_actors)
         batching.send = ray_batch_sender(self, stopped=batching.stopped)

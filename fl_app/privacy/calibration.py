@@ -14,8 +14,6 @@ import math
 import warnings
 from collections.abc import Callable, Iterable
 
-import dp_accounting as dpa
-
 from fl_app.privacy.checks import require_positive, require_positive_int, require_probability
 from fl_app.privacy.composition import History, compose_epsilon
 from fl_app.privacy.events import (
@@ -74,7 +72,9 @@ def analytic_gaussian_sigma(*, sensitivity: float, epsilon: float, delta: float)
     require_positive("sensitivity", sensitivity)
     require_positive("epsilon", epsilon)
     require_probability("delta", delta)
-    return float(dpa.get_sigma_gaussian(epsilon, delta)) * sensitivity
+    import dp_accounting  # on first use (fl_app.privacy.composition.LazyModule says why)
+
+    return float(dp_accounting.get_sigma_gaussian(epsilon, delta)) * sensitivity
 
 
 # --------------------------------------------------------------------------------------

@@ -35,16 +35,15 @@ The reported epsilon is the smallest of the sound bounds computed.
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-import dp_accounting as dpa
 import numpy as np
 from absl import logging as absl_logging
-from dp_accounting.pld import privacy_loss_distribution as pld_lib
-from dp_accounting.rdp import rdp_privacy_accountant as rdp_lib
 
 from fl_app.privacy.events import (
     BinaryRandomizedResponse,
@@ -57,6 +56,25 @@ from fl_app.privacy.events import (
 )
 from fl_app.privacy.rdp import poisson_subsampled_gaussian_rdp
 
+
+class LazyModule:
+    """A module imported on first attribute access.
+
+    dp-accounting, with the scipy.stats it loads, took 1.1 s of every run's start-up, also of runs
+    that account nothing (measured, benchmarks/startup.py); it is imported when a run first accounts.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(importlib.import_module(self._name), attribute)
+
+
+dpa = LazyModule("dp_accounting")
+pld_lib = LazyModule("dp_accounting.pld.privacy_loss_distribution")
+rdp_lib = LazyModule("dp_accounting.rdp.rdp_privacy_accountant")
+
 # dp-accounting logs a harmless convergence warning for some fractional orders
 # of the sampled Gaussian (those orders become +inf and are ignored).
 absl_logging.set_verbosity(absl_logging.ERROR)
@@ -66,11 +84,23 @@ logging.getLogger("absl").setLevel(logging.ERROR)
 #: very many compositions, e.g. DPFL-BNN's d bits x T rounds) and large orders
 #: (few compositions of near-pure mechanisms). Never ``inf``: dp-accounting's
 #: conversion then returns 0. Orders <= 1.01 are useless to its conversion.
-RDP_ORDERS: tuple[float, ...] = tuple(
-    sorted(
-        set(rdp_lib.DEFAULT_RDP_ORDERS) | {1.011, 1.02, 1.03, 1.05, 1.075, 2048.0, 4096.0, 8192.0, 16384.0}
-    )
-)
+#: (:func:`rdp_orders`; the module attribute ``RDP_ORDERS`` is its value.)
+_EXTRA_RDP_ORDERS = (1.011, 1.02, 1.03, 1.05, 1.075, 2048.0, 4096.0, 8192.0, 16384.0)
+
+
+@functools.cache
+def rdp_orders() -> tuple[float, ...]:
+    """The Renyi orders every RDP curve is evaluated at (see the comment above)."""
+    return tuple(sorted(set(rdp_lib.DEFAULT_RDP_ORDERS) | set(_EXTRA_RDP_ORDERS)))
+
+
+def __getattr__(name: str) -> Any:
+    """``RDP_ORDERS``: :func:`rdp_orders`, computed when first read (dp-accounting is imported then)."""
+    if name == "RDP_ORDERS":
+        return rdp_orders()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 PLD_VALUE_DISCRETIZATION = 1e-3
 PLD_MAX_COMPOSITIONS = 1_000_000
 #: PLD is not computed for a history whose RDP epsilon is above this: its grid grows with epsilon
@@ -157,11 +187,11 @@ def rdp_curve(mechanism: Mechanism) -> np.ndarray:
     """
     if isinstance(mechanism, SampledGaussian):
         curve = poisson_subsampled_gaussian_rdp(
-            q=mechanism.sampling_rate, noise_multiplier=mechanism.noise_multiplier, orders=RDP_ORDERS
+            q=mechanism.sampling_rate, noise_multiplier=mechanism.noise_multiplier, orders=rdp_orders()
         )
         curve.setflags(write=False)
         return curve
-    accountant = rdp_lib.RdpAccountant(orders=list(RDP_ORDERS), neighboring_relation=_relation(mechanism))
+    accountant = rdp_lib.RdpAccountant(orders=list(rdp_orders()), neighboring_relation=_relation(mechanism))
     accountant.compose(to_dp_event(mechanism), 1)
     curve = np.asarray(accountant.rdp, dtype=np.float64)
     curve.setflags(write=False)
@@ -179,13 +209,13 @@ def _validate(history: History, delta: float) -> None:
 def rdp_epsilon(history: History, *, delta: float) -> tuple[float, float]:
     """RDP-based epsilon of ``history`` at ``delta``, and the optimal order."""
     _validate(history, delta)
-    total = np.zeros(len(RDP_ORDERS))
+    total = np.zeros(len(rdp_orders()))
     for mechanism, count in history.items():
         if count and not _is_lossless(mechanism):
             total = total + int(count) * rdp_curve(mechanism)
     if not total.any():
-        return 0.0, float(RDP_ORDERS[0])
-    epsilon, order = rdp_lib.compute_epsilon(list(RDP_ORDERS), list(total), delta)
+        return 0.0, float(rdp_orders()[0])
+    epsilon, order = rdp_lib.compute_epsilon(list(rdp_orders()), list(total), delta)
     return float(epsilon), float(order)
 
 

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.metrics import calinski_harabasz_score, silhouette_score
 
 SILHOUETTE = "SILHOUETTE_SCORE"
 CALINSKI_HARABASZ = "CALINSKI_HARABASZ"
@@ -78,6 +77,9 @@ def clustering_scores(
     clusters = len(np.unique(labels))
     silhouette = calinski = None
     if 2 <= clusters <= n - 1:
+        # imported here: scikit-learn (and the pandas it loads) took 0.5 s of every run's start-up
+        from sklearn.metrics import calinski_harabasz_score, silhouette_score
+
         if SILHOUETTE in eval_types:
             sample = silhouette_sample_size if silhouette_sample_size and silhouette_sample_size < n else None
             try:
