@@ -84,7 +84,7 @@ PHASES = [
 def launch(
     command: list[str], *, cwd: Path, timeline: Path | None = None, sample_memory: bool = False
 ) -> dict[str, Any]:
-    """Run ``command``; return its wall time, exit status, peak memory and timeline marks."""
+    """Run ``command``; return its wall time, peak memory, timeline marks and the phases they bound."""
     env = dict(os.environ)
     if timeline is not None:
         timeline.unlink(missing_ok=True)
@@ -115,7 +115,9 @@ def launch(
     if process.returncode != 0:
         tail = stderr.decode(errors="replace").strip().splitlines()[-3:]
         raise RuntimeError(f"failed ({process.returncode}): {' '.join(command)}: {' | '.join(tail)}")
-    return {"wall_s": ended - started, "marks": marks, "peak_memory_gb": peak / 1e9}
+    reached = [(start, end, name) for start, end, name in PHASES if start in marks and end in marks]
+    phases = {name: marks[end] - marks[start] for start, end, name in reached}
+    return {"wall_s": ended - started, "marks": marks, "phases": phases, "peak_memory_gb": peak / 1e9}
 
 
 def rounds_of(run_dir: Path) -> list[float]:
@@ -147,11 +149,6 @@ def breakdown(args: argparse.Namespace) -> None:
             marks = result["marks"]
             result["rounds_s"] = marks["rounds_done"] - marks["round_1"]
             result["outside_s"] = result["wall_s"] - result["rounds_s"]
-            result["phases"] = {
-                name: marks[end] - marks[start]
-                for start, end, name in PHASES
-                if start in marks and end in marks
-            }
             runs[label].append(result)
             print(
                 f"{label} repeat {repeat + 1}: whole {result['wall_s']:.1f} s, "
@@ -247,11 +244,7 @@ def population(args: argparse.Namespace) -> None:
                     "first_round_s": rounds[0],
                     "peak_memory_gb": result["peak_memory_gb"],
                     "wall_s": result["wall_s"],
-                    "phases": {
-                        name: marks[end] - marks[start]
-                        for start, end, name in PHASES
-                        if start in marks and end in marks
-                    },
+                    "phases": result["phases"],
                 }
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "phases"}), flush=True)

@@ -208,13 +208,13 @@ class SweepState:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def preflight(argv: list[str], *, on_valid: Callable[[DictConfig], None] | None = None) -> list[str]:
+def preflight(argv: list[str], *, on_valid: Callable[[DictConfig, int], None] | None = None) -> list[str]:
     """Compose and validate every job; return one error line per bad job.
 
     Each job's configuration is kept for the job itself (:meth:`SweepState.composed`): composed and
     validated once. When every job is valid, ``on_valid`` is called with the first job's
-    configuration (``python -m fl_app`` begins starting Ray then, :func:`begin_ray_early`): nothing
-    starts before the whole command is known to be valid.
+    configuration and the number of jobs (``python -m fl_app`` begins starting Ray then,
+    :func:`begin_ray_early`): nothing starts before the whole command is known to be valid.
     """
     overrides, multirun, informational = split_command_line(argv)
     if informational:
@@ -238,7 +238,7 @@ def preflight(argv: list[str], *, on_valid: Callable[[DictConfig], None] | None 
             prefix = f"[{' '.join(job)}] " if multirun and len(jobs) > 1 else ""
             errors.append(prefix + _one_line(error))
     if not errors and first is not None and on_valid is not None:
-        on_valid(first)
+        on_valid(first, len(jobs))
     return errors
 
 
@@ -377,7 +377,7 @@ def _discard_if_empty(directory: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def begin_ray_early(argv: list[str]) -> Callable[[DictConfig], None] | None:
+def begin_ray_early(argv: list[str]) -> Callable[[DictConfig, int], None] | None:
     """What starts Ray in the background for this process's jobs, and keeps it for all of them.
 
     Only when Hydra's basic launcher runs the jobs here, one after another (a parallel launcher runs
@@ -388,14 +388,14 @@ def begin_ray_early(argv: list[str]) -> Callable[[DictConfig], None] | None:
     """
     from fl_app.ray_session import SESSION, ActorPlan, ray_init_args
 
-    overrides, multirun, informational = split_command_line(argv)
+    overrides, _, informational = split_command_line(argv)
     launchers = [item.split("=", 1)[1] for item in overrides if item.startswith("hydra/launcher=")]
     if informational or any(name != "basic" for name in launchers):
         return None
 
-    def begin(first: DictConfig) -> None:
+    def begin(first: DictConfig, jobs: int) -> None:
         SESSION.keep = True
-        SESSION.jobs_left = len(expand_jobs(overrides, multirun=multirun))
+        SESSION.jobs_left = jobs
         SESSION.begin(ray_init_args(first), ActorPlan.from_config(first))
 
     return begin

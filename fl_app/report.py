@@ -35,7 +35,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import matplotlib
 import matplotlib.ticker
@@ -195,11 +195,9 @@ def ended_before_round_one(results: Any) -> bool:
 
 
 def missing_runs(root: Path) -> list[str]:
-    """One line per run directory below ``root`` with nothing to summarise.
+    """One line per run directory below ``root`` without a results.json (killed, or still running).
 
-    A directory without a results.json (killed, or still running), or whose run failed or was
-    interrupted before its first round.
-
+    (Runs that failed or were interrupted before their first round are listed by :func:`read_runs`.)
     A sweep's directory (Hydra's ``multirun.yaml``) also says how many jobs it has no directory for.
     """
     lines = []
@@ -211,13 +209,6 @@ def missing_runs(root: Path) -> list[str]:
             continue
         if not (directory / "results.json").exists() and not (directory / "multirun.yaml").exists():
             lines.append(f"{directory}: no results.json (killed, or still running?)")
-    for path in sorted(root.rglob("results.json")):
-        try:
-            results = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue  # load_runs reports it
-        if ended_before_round_one(results):
-            lines.append(f"{path.parent}: {results['status']} before its first round")
     for sweep in sorted(root.rglob("multirun.yaml")):
         expected = sweep_size(sweep)
         started = sum(1 for p in sweep.parent.iterdir() if p.is_dir() and (p / ".hydra").is_dir())
@@ -241,10 +232,27 @@ def sweep_size(multirun_yaml: Path) -> int | None:
         return None
 
 
+class RunsBelow(NamedTuple):
+    """What :func:`read_runs` found below a directory."""
+
+    runs: list[Run]
+    #: One line per results.json that could not be used.
+    problems: list[str]
+    #: One line per run that failed or was interrupted before its first round (nothing to summarise).
+    ended_early: list[str]
+
+
 def load_runs(root: Path) -> tuple[list[Run], list[str]]:
     """All readable runs below ``root`` and one problem line per unreadable file."""
+    found = read_runs(root)
+    return found.runs, found.problems
+
+
+def read_runs(root: Path) -> RunsBelow:
+    """:func:`load_runs`, and the runs that ended before their first round, each file read once."""
     runs: list[Run] = []
     problems: list[str] = []
+    ended_early: list[str] = []
     for path in sorted(root.rglob("results.json")):
         try:
             results = json.loads(path.read_text())
@@ -256,11 +264,13 @@ def load_runs(root: Path) -> tuple[list[Run], list[str]]:
             problems.append(f"{path}: missing fields {', '.join(missing)}")
             continue
         if not results["rounds"] or "accuracy" not in results["final"]:
-            if not ended_before_round_one(results):  # those are listed by missing_runs
+            if ended_before_round_one(results):
+                ended_early.append(f"{path.parent}: {results['status']} before its first round")
+            else:
                 problems.append(f"{path}: no rounds or no final accuracy")
             continue
         runs.append(Run(path, results))
-    return runs, problems
+    return RunsBelow(runs, problems, ended_early)
 
 
 def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
@@ -704,12 +714,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.directory.is_dir():
         print(f"error: {args.directory} is not a directory", file=sys.stderr)
         return 2
-    runs, problems = load_runs(args.directory)
+    runs, problems, ended_early = read_runs(args.directory)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
     left_out = [] if args.all else [f"{run.path.parent}: {run.status}" for run in runs if not run.completed]
     runs = runs if args.all else [run for run in runs if run.completed]
-    missing = missing_runs(args.directory)
+    missing = [*missing_runs(args.directory), *ended_early]
     for line in [*left_out, *missing]:
         print(f"note: left out: {line}", file=sys.stderr)
     if not runs:

@@ -69,8 +69,9 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
     with stop_on_signals():
         try:
             mark("job")
-            SESSION.ready(backend["init_args"], ActorPlan.from_config(cfg))
-            reinstall_handlers()  # ray.init replaced the SIGTERM handler
+            actors = ActorPlan(backend["client_resources"], settings.simulation.max_concurrent_clients)
+            SESSION.ready(backend["init_args"], actors)
+            reinstall_handlers()  # if a library replaced the stop handlers (ray.init does on this thread)
             mark("ray_started")
             run_simulation_engine(
                 num_supernodes=settings.num_clients,

@@ -168,18 +168,16 @@ def run_jobs(client_app_fn: Callable[[], Any], jobs: list[Job]) -> list[Outcome]
     return outcomes
 
 
-#: Called when a client actor starts: imports what the first message needs (torch alone takes about
-#: 1 s), which :func:`fl_app.engine.pool.prestart_actors` overlaps with the driver's set-up.
-WARM_UP = ("fl_app.client_app", "warm_up")
-
-
 def warm_up_client_process() -> None:
-    """Call :data:`WARM_UP` (an import that fails here fails again, reported, at the first message)."""
-    import importlib
+    """Import what the first message needs when a client actor starts (torch alone takes about 1 s).
 
-    module, function = WARM_UP
+    :func:`fl_app.engine.pool.prestart_actors` overlaps it with the driver's set-up. An import that
+    fails here fails again, reported, at the first message.
+    """
     with contextlib.suppress(Exception):
-        getattr(importlib.import_module(module), function)()
+        from fl_app.client_app import warm_up
+
+        warm_up()
 
 
 class BatchingActor:

@@ -122,9 +122,10 @@ def start_ray(init_args: dict[str, Any]) -> None:
     """Start (or join) Ray exactly as Flower's Ray backend would, before the engine does.
 
     ``RayBackend.init_ray`` (flwr 1.41) skips ``ray.init`` when Ray is already up; starting it
-    here lets the caller install its own SIGTERM handler afterwards (``ray.init`` replaces the
-    driver's with one that exits at once). Same arguments as Flower's: the backend's
-    ``init_args``, no dashboard, and this process's ``sys.path`` as the workers' ``PYTHONPATH``.
+    here lets the caller keep its own SIGTERM handler (``ray.init`` replaces the driver's with one
+    that exits at once when it runs on the main thread; :mod:`fl_app.ray_session` runs it on its
+    own). Same arguments as Flower's: the backend's ``init_args``, no dashboard, and this process's
+    ``sys.path`` as the workers' ``PYTHONPATH``.
     """
     import os
     import sys

@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Callable, Iterable
 
 from fl_app.privacy.checks import require_positive, require_positive_int, require_probability
-from fl_app.privacy.composition import History, compose_epsilon
+from fl_app.privacy.composition import History, compose_epsilon, dpa
 from fl_app.privacy.events import (
     Gaussian,
     RandomizedResponse,
@@ -72,9 +72,7 @@ def analytic_gaussian_sigma(*, sensitivity: float, epsilon: float, delta: float)
     require_positive("sensitivity", sensitivity)
     require_positive("epsilon", epsilon)
     require_probability("delta", delta)
-    import dp_accounting  # on first use (fl_app.privacy.composition.LazyModule says why)
-
-    return float(dp_accounting.get_sigma_gaussian(epsilon, delta)) * sensitivity
+    return float(dpa.get_sigma_gaussian(epsilon, delta)) * sensitivity
 
 
 # --------------------------------------------------------------------------------------
