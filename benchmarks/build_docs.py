@@ -20,6 +20,8 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
   docs/benchmarks/startup`` prints the tables);
 * ``docs/benchmarks/pfl_research.md``: ``python -P benchmarks/pfl_compare.py table --out
   docs/benchmarks/pfl_research --write-doc`` (its runs in ``docs/benchmarks/pfl_research/runs.json``);
+* ``docs/benchmarks/distributed_dp.md``: ``python -P benchmarks/distributed_dp.py table --write-doc``
+  (its runs in ``docs/benchmarks/distributed_dp/runs.json``);
 * ``docs/benchmarks/<algorithm>.md``: each algorithm's benchmark script.
 
 This script only concatenates them (headings demoted one level, relative links rewritten for the
@@ -53,6 +55,7 @@ ORDER = (
     "pfl_research",
     "deployment_load",
     "cross_device",
+    "distributed_dp",
     "record_level",
     "compare_all",
     "empirical_privacy",

@@ -20,7 +20,7 @@ from torch import nn
 
 from clients.node import NodeClient, parse_model_spec
 from fl_app import keys
-from fl_app.training import evaluate, load_arrays, train_local
+from fl_app.training import evaluate, load_arrays, model_to_arrays, train_local
 
 #: Built models of this process, by model spec and device (see :func:`process_model`).
 _PROCESS_MODELS: dict[tuple[str, str], nn.Module] = {}
@@ -116,6 +116,25 @@ class FederatedClient(NodeClient):
             rng=self.generator("data-order"),
             **extra,
         )
+
+    def local_update(self) -> tuple[list[str], list[np.ndarray]]:
+        """Train the received model on the local data; its arrays' names and ``w_k - w_t`` in float64.
+
+        Raises ``ValueError`` for a model array that is not floating point (an update of integers
+        could not be clipped and noised as the mechanisms assume).
+        """
+        received = self.incoming_arrays()
+        names = list(received.keys())
+        for name in names:
+            if not np.issubdtype(received[name].numpy().dtype, np.floating):
+                raise ValueError(f"model array {name!r} is not floating point: it has no model update")
+        data = self.local_data()
+        model = self.global_model()
+        self.train_locally(model, data.x, data.y)
+        trained = model_to_arrays(model)
+        return names, [
+            trained[n].numpy().astype(np.float64) - received[n].numpy().astype(np.float64) for n in names
+        ]
 
     # ------------------------------------------------------------------ entry points
 

@@ -11,14 +11,12 @@ noisy update only: no loss, no example count.
 
 from __future__ import annotations
 
-import numpy as np
 from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
 from fl_app.privacy.mechanisms import local_gaussian_update
-from fl_app.training import model_to_arrays
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
 LDP_CLIP = "ldp-clip"  # C: L2 bound of a client's model update
@@ -33,17 +31,7 @@ class FedAvgLDPClient(FederatedClient):
         """One round: train, clip, noise, reply with the noisy update only."""
         clip = float(self.config[LDP_CLIP])
         received = self.incoming_arrays()
-        names = list(received.keys())
-        data = self.local_data()
-        model = self.global_model()
-        self.train_locally(model, data.x, data.y)
-        trained = model_to_arrays(model)
-        for name in names:
-            if not np.issubdtype(received[name].numpy().dtype, np.floating):
-                raise ValueError(f"FedAvg+LDP: model array {name!r} is not floating point")
-        update = [
-            trained[n].numpy().astype(np.float64) - received[n].numpy().astype(np.float64) for n in names
-        ]
+        names, update = self.local_update()
         noised = local_gaussian_update(
             update=update,
             clip=clip,

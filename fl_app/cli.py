@@ -30,7 +30,7 @@ Commands
   dpfl deploy start|status|stop     a local SuperLink and SuperNodes (scripts/local_deployment.py)
 
 Examples
-  dpfl run +experiment=quick strategy=dp_fedavg     a quick example of any strategy (about 15-75 s)
+  dpfl run +experiment=quick strategy=dp_fedavg     a quick example of any strategy (about 15-160 s)
   dpfl run strategy=dp_fedavg privacy.epsilon=4
   dpfl run -m strategy=fedavg,dp_fedavg privacy.epsilon=1,2,4
   dpfl run -m +experiment=compare_cross_device hydra.sweep.dir=multirun/cross_device

@@ -128,7 +128,13 @@ class Strategy(Protocol):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """The round's train messages."""
+        """The round's train messages.
+
+        A round that needs exchanges before them (SecAgg+'s key agreement in
+        ``strategies/dp_fedavg_secagg``) runs them here through ``grid``; the platform then sends
+        the returned messages and hands their replies to :meth:`aggregate_train`, which may use the
+        same ``grid`` for exchanges after them (SecAgg+'s unmasking) within the round.
+        """
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -5,8 +5,9 @@ Language Models", ICLR 2018 (Algorithm 1, the fixed-denominator estimator), and
 Geyer, Klein, Nabi 2017. Each round:
 
 1. every client joins independently with probability ``q = clients_per_round / N``
-   (``strategy.sampling=poisson``) or exactly ``clients_per_round`` clients are
-   drawn (``fixed``);
+   (``strategy.sampling=poisson``), or exactly ``clients_per_round`` clients are
+   drawn (``fixed``), or the cohorts follow a public balanced schedule (``balanced``: each client
+   once per pass over the population, as DP-FTRL's and the distributed-DP strategy's);
 2. each selected client trains locally and returns its model; the server clips
    each update ``Delta_k = w_k - w_t`` to L2 norm ``C`` (``strategy.clip``):
    ``Delta_k <- Delta_k min(1, C / ||Delta_k||)``;
@@ -26,7 +27,10 @@ always on devices), never from the public ``seed``; a seeded simulation says in
 ``privacy.randomness`` that its cohort is reproducible and that the epsilon
 describes a deployment with a secret cohort. Failures are then logged without
 naming the client. Fixed-size sampling: one ``Gaussian(z)`` event per round for
-the selected clients (no amplification is credited; the cohort may be public).
+the selected clients (no amplification is credited; the cohort may be public); ``fixed`` is
+calibrated as if a client took part in every round, ``balanced`` for the rounds the busiest client
+of its schedule takes part in (the central counterpart of ``strategy=dp_fedavg_secagg``: same
+schedule, no amplification, the server trusted).
 Unless ``strategy.noise_multiplier`` is set, ``z`` is calibrated with the same
 accountant so that the worst client's epsilon after ``num_rounds`` is at most
 ``privacy.epsilon``.
@@ -64,10 +68,11 @@ from fl_app.run_context import RunContext
 from fl_app.training import array_values
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
+from strategies.cohorts import max_participations
 from strategies.contract import Declaration
 from strategies.settings import StrategySettings, one_of, positive
 
-SAMPLINGS = ("poisson", "fixed")
+SAMPLINGS = ("poisson", "fixed", "balanced")
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,9 @@ class DPFedAvgStrategy(FederatedStrategy):
         self.sampling = settings.sampling
         self.rate = run.clients_per_round / run.num_clients
         rounds = self.run.num_rounds
+        if self.sampling == "balanced":
+            self.cohorts.plan(self.cohorts.seeded_schedule(rounds, balanced=True))
+            rounds = max_participations(self.cohorts.planned)
         if settings.noise_multiplier is not None:
             self.noise_multiplier = settings.noise_multiplier
         else:
@@ -130,8 +138,8 @@ class DPFedAvgStrategy(FederatedStrategy):
         )
 
     def select_clients(self, server_round: int) -> list[ClientInfo]:
-        """Poisson sampling (each client w.p. q, secret coins from ``run.noise``) or fixed-size sampling."""
-        if self.sampling == "fixed":
+        """Poisson sampling (each client w.p. q, secret coins from ``run.noise``), fixed-size or planned."""
+        if self.sampling != "poisson":
             return super().select_clients(server_round)
         return self.cohorts.poisson(server_round, self.rate)
 
@@ -184,8 +192,8 @@ class DPFedAvgStrategy(FederatedStrategy):
         }
 
     def cohort_randomness(self) -> str:
-        """Poisson cohorts come from the privacy randomness; fixed-size ones are public."""
-        if self.sampling == "fixed":
+        """Poisson cohorts come from the privacy randomness; fixed-size and balanced ones are public."""
+        if self.sampling != "poisson":
             return super().cohort_randomness()
         return (
             "secret: Poisson coins drawn from the privacy randomness (run.noise), as amplification by "

@@ -134,6 +134,15 @@ class ReplyBook:
         self._failed[server_round] = sorted(set(self._failed.get(server_round, [])) | set(clients))
         self._failure_reasons[server_round] = [*self._failure_reasons.get(server_round, []), reason]
 
+    def set_failures(self, server_round: int, clients: list[int], reason: str) -> None:
+        """The clients of ``server_round`` that failed are exactly ``clients`` (a protocol knows better).
+
+        E.g. a secure aggregation discarded before its train messages: the clients that dropped out
+        of its first stages failed, the others did not.
+        """
+        self._failed[server_round] = sorted(set(clients))
+        self._failure_reasons[server_round] = [reason] if clients else []
+
     def failures(self, server_round: int) -> list[int]:
         """Ids of the clients that failed in ``server_round``."""
         return self._failed.get(server_round, [])

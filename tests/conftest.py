@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -353,3 +353,55 @@ def numpy_close(a: ArrayRecord, b: ArrayRecord, **kwargs: Any) -> bool:
     return list(a.keys()) == list(b.keys()) and all(
         np.allclose(a[k].numpy(), b[k].numpy(), **kwargs) for k in a
     )
+
+
+class InProcessGrid:
+    """A grid that answers every message at once through the real ClientApp, one Context per node.
+
+    For strategies that exchange several messages within a round (SecAgg+): ``send_and_receive``
+    runs :func:`fl_app.client_app.train` on each message with its node's persistent Context
+    (node ``1000 + i`` is partition ``i``, as :func:`build_run_context` numbers them). A node in
+    ``offline`` never answers; a node in ``fails_at`` answers with an error reply from that stage
+    on (``{node: stage}``, stage as in the ``secaggplus_configs`` record). ``sent`` keeps every
+    message and reply, in order, for inspection.
+    """
+
+    def __init__(
+        self, num_partitions: int, *, offline: Sequence[int] = (), fails_at: dict[int, str] | None = None
+    ):
+        self.num_partitions = num_partitions
+        self.offline = set(offline)
+        self.fails_at = dict(fails_at or {})
+        self.contexts: dict[int, Context] = {}
+        self.sent: list[tuple[Message, Message | None]] = []
+
+    def context(self, node_id: int) -> Context:
+        if node_id not in self.contexts:
+            self.contexts[node_id] = make_context(
+                partition_id=node_id - 1000, num_partitions=self.num_partitions, node_id=node_id
+            )
+        return self.contexts[node_id]
+
+    def send_and_receive(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
+        from fl_app.client_app import train
+        from fl_app.engine.secagg import RECORD_KEY_CONFIGS, Key, Stage
+
+        replies = []
+        for message in messages:
+            node = int(message.metadata.dst_node_id)
+            if node in self.offline:
+                self.sent.append((message, None))
+                continue
+            configs = message.content.config_records.get(RECORD_KEY_CONFIGS)
+            stage = str(configs[Key.STAGE]) if configs is not None else ""
+            failing = node in self.fails_at and Stage.all().index(stage) >= Stage.all().index(
+                self.fails_at[node]
+            )
+            reply = (
+                error_reply(message, f"node {node} dropped out")
+                if failing
+                else train(message, self.context(node))
+            )
+            self.sent.append((message, reply))
+            replies.append(reply)
+        return replies

@@ -43,10 +43,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import client_for, error_reply, make_context, reply_to
+from conftest import InProcessGrid, client_for, error_reply, make_context, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 from torch import nn
 
+import clients.dp_fedavg_secagg as ddp_client
 from clients.base import FederatedClient
 from clients.dpfl_bnn import BNN_PACKED_SIGNS, BNN_STATE_LATENT, unpack_signs
 from clients.laplace_eval import INFERENCE_REPORTS
@@ -56,7 +57,7 @@ from fl_app.config import compose_config
 from fl_app.data.federated import ClientDataset, DataSpec, federated_data
 from fl_app.model_spec import ModelSpec
 from fl_app.models import MODELS
-from fl_app.privacy import calibration, composition
+from fl_app.privacy import calibration, composition, distributed
 from fl_app.privacy.audit import AuditResult, audit_epsilon
 from fl_app.privacy.rng import RandomSource
 from fl_app.roster import ClientInfo
@@ -64,6 +65,7 @@ from fl_app.run import make_run_context
 from fl_app.run_context import RunContext
 from strategies import STRATEGIES
 from strategies.arrays import flat_vector
+from strategies.dp_fedavg_secagg import strategy as secagg_strategy
 from strategies.laplace_eval.stage import LaplaceEvalStage
 
 #: Digits (8x8) with the MLP: one SGD step of lr 1 on at most 10 examples (batch 16).
@@ -109,6 +111,7 @@ def clear_privacy_caches() -> None:
     """Forget memoised epsilons and calibrations (a mutant must not leak into other tests)."""
     composition._compose.cache_clear()
     calibration._DP_SGD_CACHE.clear()
+    secagg_strategy._plan.cache_clear()
 
 
 @pytest.fixture(autouse=True)
@@ -371,6 +374,47 @@ def dp_ftrl_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -
     return central_update_audit("dp_ftrl", overrides, [9], tmp_path, held, trials)
 
 
+def dp_fedavg_secagg_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
+    """Distributed DP-FedAvg, zero-out neighbours: client 0's update is its own (ZEROS) or zero (UNIFORM).
+
+    Two clients (client 1 holds UNIFORM), both in the round; every repetition is a whole SecAgg+
+    round in process: the strategy's setup and key sharing, each node's real ClientApp (Flower's
+    ``secaggplus_mod`` and the client's clip, rotation, rounding, Skellam noise, masks), the
+    server's unmasking and decoding. The statistic is the released model on the output bias.
+    """
+    overrides = [
+        "strategy=dp_fedavg_secagg",
+        "clients_per_round=2",
+        "strategy.clip=0.1",
+        "strategy.min_survivors=1.0",
+        "privacy.epsilon=2",
+    ]
+    run = audit_run(overrides, tmp_path, [9, 10], GAUSSIAN_DELTA)
+    start = zero_model(run)
+    held[1] = UNIFORM
+    direction = bias_direction(start)
+
+    def released(strategy: Any) -> ArrayRecord:
+        grid = InProcessGrid(2)
+        replies = grid.send_and_receive(list(strategy.configure_train(1, start, ConfigRecord(), grid)))
+        new, _ = strategy.aggregate_train(1, replies)
+        assert new is not None
+        return new
+
+    strategy = STRATEGIES.get("dp_fedavg_secagg")(run)  # reseeded for every round (its ledger grows)
+    outputs = []
+    for world, data in enumerate((ZEROS, UNIFORM)):
+        held[0] = data
+        values = [
+            float(flat_vector(released(reseeded(strategy, 2 * trial + world))) @ direction)
+            for trial in range(trials)
+        ]
+        outputs.append(np.asarray(values))
+    reporter = reseeded(STRATEGIES.get("dp_fedavg_secagg")(run), 99_999)
+    released(reporter)
+    return Audited(audit(*outputs, delta=run.delta), float(reporter.epsilon().epsilon))
+
+
 def fedavg_ldp_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """FedAvg+LDP, replace a client's data set: ZEROS or OTHERS, clipped updates exactly 2C apart."""
     run = audit_run(
@@ -558,6 +602,7 @@ AUDITS: dict[str, tuple[Callable[[Path, dict[int, ClientDataset], int], Audited]
     "dp_fedavg": (dp_fedavg_audit, 4000, 0.15),  # a Poisson mixture at q = 1/2: a weaker statistic
     "dp_fedavg_adaptive": (dp_fedavg_adaptive_audit, 4000, 0.1),  # as dp_fedavg; the count is not looked at
     "dp_ftrl": (dp_ftrl_audit, 1500, 0.3),  # one tree leaf: the Gaussian mechanism with z
+    "dp_fedavg_secagg": (dp_fedavg_secagg_audit, 800, 0.2),  # one Skellam sum of 2 shares: 0.46 of 2.0
     "fedavg_ldp": (fedavg_ldp_audit, 1500, 0.3),
     "nbafl": (nbafl_audit, 1500, 0.3),  # client level: uploads exactly 2C apart
     "privatekt": (privatekt_audit, 1500, 0.5),
@@ -614,3 +659,35 @@ def test_audit_catches_an_accountant_that_halves_the_rdp_epsilon(name, tmp_path,
     function, trials, _ = AUDITS[name]
     audited = function(tmp_path, held, trials)
     assert not audited.holds, f"the audit missed an accountant that halves the RDP epsilon: {audited}"
+
+
+@pytest.mark.audit
+def test_audit_catches_distributed_noise_calibrated_for_an_unscaled_sensitivity(tmp_path, held, monkeypatch):
+    """Mutant 3: the clients size their Skellam noise in model units, not after scaling to integers.
+
+    The local variance is divided by s^2 (s ~ 1e4) on the client, the classic unit slip of
+    distributed DP; the server's plan, and the epsilon it reports, are the right ones.
+    """
+    real = ddp_client.encode_update
+
+    def unscaled(update: np.ndarray, *, plan: Any, signs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        slipped = dataclasses.replace(plan, local_variance=plan.local_variance / plan.scale**2)
+        return real(update, plan=slipped, signs=signs, rng=rng)
+
+    monkeypatch.setattr(ddp_client, "encode_update", unscaled)
+    audited = dp_fedavg_secagg_audit(tmp_path, held, 200)
+    assert not audited.holds, f"the audit missed noise sized for an unscaled sensitivity: {audited}"
+    assert audited.result.epsilon_lower_bound > 1.2 * audited.reported, audited  # all 200 rounds separate
+
+
+@pytest.mark.audit
+def test_audit_catches_distributed_noise_off_by_2x(tmp_path, held, monkeypatch):
+    """Mutant 4: every client's Skellam share has half the standard deviation the plan says."""
+    real = distributed.skellam_noise
+    monkeypatch.setattr(
+        distributed,
+        "skellam_noise",
+        lambda *, shape, variance, rng: real(shape=shape, variance=variance / 4, rng=rng),
+    )
+    audited = dp_fedavg_secagg_audit(tmp_path, held, 600)
+    assert not audited.holds, f"the audit missed Skellam noise off by 2x: {audited}"

@@ -37,6 +37,7 @@ SUITE_ROUNDS: dict[str, int] = {
     "dp_fedavg": 15,
     "dp_fedavg_adaptive": 15,
     "dp_ftrl": 15,
+    "dp_fedavg_secagg": 5,
     "fedavg_ldp": 10,
     "privatekt": 10,
     "kd_dp": 4,
@@ -96,6 +97,35 @@ def check_dp_ftrl(results: Results, example: Any) -> None:
     # a public schedule of fixed cohorts: 10 rounds per pass over 1000 clients, 15 rounds -> twice
     assert privacy["rounds_per_epoch"] == example.num_clients // example.clients_per_round
     assert privacy["max_participations"] == math.ceil(SUITE_ROUNDS["dp_ftrl"] / privacy["rounds_per_epoch"])
+
+
+def check_dp_fedavg_secagg(results: Results, example: Any) -> None:
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    from fl_app.privacy.rdp import skellam_rdp
+
+    privacy = results["privacy"]
+    plan = privacy["plan"]
+    cohort = example.clients_per_round
+    assert plan["bits"] == example.strategy.bits and plan["survivors"] == math.ceil(0.9 * cohort)
+    for r in results["rounds"]:  # every scheduled client completed SecAgg+, the sum was released
+        assert r["clients"] == cohort and r["failures"] == 0
+        assert r["secure_aggregation"] == f"released: sum of {cohort} clients"
+        # the masked vector: 8 bytes per coordinate of the padded dimension (Flower's int64), and more
+        assert r["upload_bytes"] >= 8 * plan["dim"] * cohort
+    # the epsilon, recomputed from the plan with dp-accounting's conversion on the papers' orders
+    participations = math.ceil(SUITE_ROUNDS["dp_fedavg_secagg"] / (example.num_clients // cohort))
+    assert privacy["planned_max_participations"] == participations == plan["participations"]
+    orders = np.arange(2, 257, dtype=float)
+    rdp = participations * skellam_rdp(
+        orders=orders,
+        variance=plan["survivors"] * plan["local_variance"],
+        l1_sensitivity=plan["l1_sensitivity"],
+        l2_sensitivity=plan["l2_sensitivity"],
+    )
+    independent, _ = rdp_privacy_accountant.compute_epsilon(orders, rdp, example.privacy.delta)
+    assert results["final"]["epsilon"] == pytest.approx(independent, rel=1e-3)
+    assert "adversary" in privacy and "the server" in privacy["unit"] + privacy["adversary"]
 
 
 def check_fedavg_ldp(results: Results, example: Any) -> None:
@@ -184,6 +214,7 @@ CHECKS: dict[str, Callable[[Results, Any], None]] = {
     "dp_fedavg": check_dp_fedavg,
     "dp_fedavg_adaptive": check_dp_fedavg_adaptive,
     "dp_ftrl": check_dp_ftrl,
+    "dp_fedavg_secagg": check_dp_fedavg_secagg,
     "fedavg_ldp": check_fedavg_ldp,
     "privatekt": check_privatekt,
     "kd_dp": check_kd_dp,

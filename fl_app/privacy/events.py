@@ -168,8 +168,42 @@ class TreeAggregation:
         return None
 
 
+@dataclass(frozen=True)
+class Skellam:
+    """Skellam noise on an integer vector sum: the distributed-DP mechanism of Agarwal, Kairouz, Liu 2021.
+
+    The sum of integer vectors gets noise ``Poisson(mu / 2) - Poisson(mu / 2)`` per coordinate (the
+    symmetric Skellam distribution of variance ``mu``; the sum of the clients' independent Skellam
+    shares is again Skellam, of the summed variance). Unlike the other descriptors this one is not
+    normalised by a single sensitivity: its Renyi DP depends on the L1 and the L2 sensitivity of the
+    integer query separately (:func:`fl_app.privacy.distributed.skellam_rdp`), all three in the
+    integer domain (after scaling and rounding). It has no PLD here: it is accounted by RDP.
+    """
+
+    variance: float
+    l1_sensitivity: float
+    l2_sensitivity: float
+    kind: ClassVar[str] = "skellam"
+
+    def __post_init__(self) -> None:
+        require_positive("variance", self.variance)
+        require_positive("l1_sensitivity", self.l1_sensitivity)
+        require_positive("l2_sensitivity", self.l2_sensitivity)
+
+    @property
+    def pure_epsilon(self) -> float | None:
+        """No pure-epsilon guarantee."""
+        return None
+
+
 Mechanism = (
-    Gaussian | SampledGaussian | Laplace | RandomizedResponse | BinaryRandomizedResponse | TreeAggregation
+    Gaussian
+    | SampledGaussian
+    | Laplace
+    | RandomizedResponse
+    | BinaryRandomizedResponse
+    | TreeAggregation
+    | Skellam
 )
 
 MECHANISM_KINDS: dict[str, type[Mechanism]] = {
@@ -181,6 +215,7 @@ MECHANISM_KINDS: dict[str, type[Mechanism]] = {
         RandomizedResponse,
         BinaryRandomizedResponse,
         TreeAggregation,
+        Skellam,
     )
 }
 

@@ -1,4 +1,4 @@
-"""RDP of the Poisson-subsampled Gaussian mechanism, computed array-at-a-time.
+"""RDP curves computed array-at-a-time: the Poisson-subsampled Gaussian, and the Skellam mechanism.
 
 The same computation as Google's dp-accounting 0.6.0
 (``dp_accounting.rdp.rdp_privacy_accountant._compute_rdp_poisson_subsampled_gaussian``),
@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 from scipy import special
+
+from fl_app.privacy.checks import require_positive
 
 #: dp-accounting's cap on the terms of the fractional-order series.
 MAX_TERMS_FRACTIONAL = 1000
@@ -129,3 +131,22 @@ def poisson_subsampled_gaussian_rdp(
         return log_a / (alpha - 1)
 
     return np.array([one(alpha) for alpha in orders])
+
+
+def skellam_rdp(
+    *, orders: np.ndarray, variance: float, l1_sensitivity: float, l2_sensitivity: float
+) -> np.ndarray:
+    """Renyi DP of the multi-dimensional Skellam mechanism at each order (integer domain).
+
+    Agarwal, Kairouz, Liu 2021 (the RDP bound of the Skellam mechanism for an integer query of L1
+    sensitivity ``Delta_1`` and L2 sensitivity ``Delta_2`` with Skellam noise of variance ``mu``):
+    ``alpha Delta_2^2 / (2 mu) + min(((2 alpha - 1) Delta_2^2 + 6 Delta_1) / (4 mu^2),
+    3 Delta_1 / (2 mu))``. The bound is stated for integer orders: other orders get ``inf``
+    (never chosen by the conversion).
+    """
+    require_positive("variance", variance)
+    alpha = np.asarray(orders, dtype=np.float64)
+    mu, l1, l2 = float(variance), float(l1_sensitivity), float(l2_sensitivity)
+    correction = np.minimum(((2.0 * alpha - 1.0) * l2**2 + 6.0 * l1) / (4.0 * mu**2), 3.0 * l1 / (2.0 * mu))
+    rdp = alpha * l2**2 / (2.0 * mu) + correction
+    return np.where((alpha == np.floor(alpha)) & (alpha > 1), rdp, np.inf)

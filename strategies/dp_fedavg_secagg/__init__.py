@@ -1,0 +1,16 @@
+"""Distributed DP-FedAvg: Skellam noise on the devices, SecAgg+, no trusted server.
+
+The algorithm's home (with ``clients/dp_fedavg_secagg.py`` and ``conf/strategy/dp_fedavg_secagg.yaml``):
+
+* :mod:`~strategies.dp_fedavg_secagg.strategy`: the server (public balanced schedule, the Skellam
+  plan, decoding, dropouts, accounting);
+* :mod:`~strategies.dp_fedavg_secagg.secagg`: the server side of SecAgg+'s four stages over
+  Flower's primitives.
+
+The mechanism itself (rotation, rounding, Skellam noise, its RDP and calibration) is
+:mod:`fl_app.privacy.distributed`; docs/distributed_dp.md has the threat model.
+"""
+
+from strategies.dp_fedavg_secagg.strategy import DPFedAvgSecAggSettings, DPFedAvgSecAggStrategy
+
+__all__ = ["DPFedAvgSecAggSettings", "DPFedAvgSecAggStrategy"]

@@ -1,0 +1,108 @@
+"""Distributed DP deployed: SecAgg+ rounds on SuperNodes with TLS and authentication, one SuperNode killed.
+
+Its own module (and federation of three SuperNodes), so that the suite's workers can run it beside
+``tests/test_deploy.py``'s federation of two. Uses that module's deployment helpers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from test_deploy import ROOT, RUN_DEADLINE_S, Federation, local_deployment, make_device_data
+
+
+@pytest.fixture(scope="module")
+def staged_app(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The app as `flwr run` submits it."""
+    return local_deployment.stage_app(ROOT, tmp_path_factory.mktemp("app") / "dpfl")
+
+
+#: SecAgg+ with a SuperNode killed while the round's train messages are out. Every device waits
+#: KILL_DELAY_S in the collect stage (DPFL_INJECT_DELAY), long enough for both runs to be there when
+#: the SuperNode dies. The SuperLink declares a silent node offline after two missed heartbeats and
+#: answers for it with an error: the SuperNodes here beat every HEARTBEAT_S seconds (Flower's default,
+#: 30 s, would keep the test waiting a minute). The stage's wait (simulation.timeout) is a bound only.
+KILL_DELAY_S = 12.0
+HEARTBEAT_S = 10  # the SuperLink accepts 10 s at least
+KILL_TIMEOUT_S = 240
+#: Set in the SuperNodes' processes before Flower's fleet connection reads it.
+HEARTBEAT_PATCH = f"""import flwr.common.constant as constant
+
+constant.HEARTBEAT_DEFAULT_INTERVAL = {HEARTBEAT_S}
+"""
+
+
+@pytest.mark.deploy
+def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, staged_app: Path) -> None:
+    """Three SuperNodes (TLS, authentication); one is killed while the devices train inside SecAgg+.
+
+    Two runs of one round share the federation: calibrated for 2 survivors of 3, the round completes
+    with the other two (one failure, one release charged to the three scheduled clients); calibrated
+    for all 3, it is discarded: nothing unmasked or released, the model and the ledger unchanged.
+    """
+    data = ["dataset=digits", "partition=iid", "num_clients=3"]
+    files = make_device_data.write_device_files(tmp_path / "devices", data)
+    cli_env = {**os.environ, "FLWR_HOME": str(tmp_path / "cli-home")}
+    patch = tmp_path / "heartbeat"
+    patch.mkdir()
+    (patch / "sitecustomize.py").write_text(HEARTBEAT_PATCH)
+    python_path = os.pathsep.join(filter(None, [str(patch), os.environ.get("PYTHONPATH", "")]))
+    deployment = local_deployment.start(
+        tmp_path / "federation",
+        data_files=files,
+        secure=True,
+        port=local_deployment.free_port(),
+        connection="dpfl-test-kill",
+        cli_env=cli_env,
+        supernode_env={"DPFL_INJECT_DELAY": str(KILL_DELAY_S), "PYTHONPATH": python_path},
+        die_with_parent=True,
+    )
+    federation = Federation("secure", tmp_path, staged_app, deployment, cli_env)
+    try:
+        common = [
+            *data,
+            "strategy=dp_fedavg_secagg",
+            "clients_per_round=3",
+            "num_rounds=1",
+            "local_epochs=1",
+            "batch_size=16",
+            f"simulation.timeout={KILL_TIMEOUT_S}",
+        ]
+        runs = {
+            "survives": federation.submit("survives", [*common, "strategy.min_survivors=0.6"]),
+            "discarded": federation.submit("discarded", [*common, "strategy.min_survivors=1.0"]),
+        }
+        logs = [runs[name].output_dir / "run.log" for name in runs]
+        deadline = time.monotonic() + RUN_DEADLINE_S
+        while not all(log.is_file() and "shared their keys" in log.read_text() for log in logs):
+            assert time.monotonic() < deadline, "the runs never reached the collect stage"
+            assert not deployment.problems(), deployment.problems()
+            time.sleep(0.5)
+        victim = deployment.processes[3]  # the third SuperNode, with its ClientApp processes
+        os.killpg(os.getpgid(victim.pid), signal.SIGKILL)
+        results = {}
+        for name, submission in runs.items():
+            path = submission.output_dir / "results.json"
+            while not path.is_file():
+                assert time.monotonic() < deadline, f"{name}: no results.json"
+                time.sleep(1.0)
+            results[name] = json.loads(path.read_text())
+    finally:
+        deployment.stop()
+    survived, discarded = results["survives"], results["discarded"]
+    (released,) = survived["rounds"]
+    assert released["secure_aggregation"] == "released: sum of 2 clients", released
+    assert released["failures"] == 1 and released["clients"] == 3
+    ledger = json.loads((runs["survives"].output_dir / "privacy_ledger.json").read_text())
+    # one release, charged to the three scheduled devices (a device's id is its node id)
+    assert [sorted(e["participants"]) for e in ledger["events"]] == [sorted(deployment.node_ids)]
+    assert survived["final"]["epsilon"] == pytest.approx(survived["config"]["privacy"]["epsilon"], rel=1e-3)
+    (dropped,) = discarded["rounds"]
+    assert dropped["secure_aggregation"].startswith("discarded: 2 of 3 clients"), dropped
+    assert json.loads((runs["discarded"].output_dir / "privacy_ledger.json").read_text())["events"] == []
+    assert discarded["final"]["accuracy"] == discarded["initial"]["accuracy"]  # the model stayed
