@@ -21,11 +21,11 @@ import json
 
 import numpy as np
 from flwr.app import Message
-from flwr.common import ndarrays_to_parameters
+from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
 from clients import register_client
 from clients.base import FederatedClient
-from fl_app.engine.secagg import RECORD_KEY_CONFIGS, FitRes, Status, StatusCode, fitres_to_recorddict
+from fl_app.engine.secagg import RECORD_KEY_CONFIGS, fitres_to_recorddict
 from fl_app.privacy.distributed import SkellamPlan, encode_update, rotation_signs
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
@@ -56,7 +56,7 @@ class DistributedDPClient(FederatedClient):
         # shifted integers come back unchanged, then the masks are added mod 2^b
         shifted = encoded.astype(np.float64) - float(1 << (plan.bits - 1))
         fitres = FitRes(
-            status=Status(code=StatusCode.OK, message=""),
+            status=Status(code=Code.OK, message=""),
             parameters=ndarrays_to_parameters([shifted]),
             num_examples=1,
             metrics={key: getattr(plan, key) for key in ECHOED},

@@ -383,3 +383,17 @@ def test_central_dp_fedavg_on_the_same_balanced_schedule(tmp_path):
         {Gaussian(central.noise_multiplier): participations}, delta=1e-5, method="pld"
     ).epsilon
     assert spent == pytest.approx(4.0, rel=1e-3) and spent <= 4.0
+
+
+def test_a_fraction_of_the_clients_per_round_is_a_cohort_of_that_size(tmp_path):
+    """``clients_per_round=0.3`` of 20 clients: cohorts of 6, and the plan is sized for them."""
+    from fl_app.config import compose_config
+    from fl_app.validation import validate_config
+
+    overrides = ["dataset=digits", "model=mlp", "num_clients=20", "clients_per_round=0.3"]
+    validate_config(compose_config([*overrides, "strategy=dp_fedavg_secagg", f"output_dir={tmp_path / 'x'}"]))
+    strategy = STRATEGIES.get("dp_fedavg_secagg")(
+        build_run_context([*overrides, "strategy=dp_fedavg_secagg"], tmp_path)
+    )
+    assert strategy.plan.cohort == 6 and strategy.plan.survivors == math.ceil(0.9 * 6)
+    assert all(len(cohort) == 6 for cohort in strategy.cohorts.planned.values())

@@ -31,7 +31,7 @@ client's epsilon meets the budget.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
 
@@ -223,10 +223,10 @@ def plan_skellam(
         survivors=int(survivors),
         cohort=int(cohort),
         participations=int(participations),
-        epsilon=0.0,
+        epsilon=math.nan,  # set below, from the plan's own mechanism
     )
     spent = compose_epsilon({plan.mechanism: participations}, delta=delta, method="rdp").epsilon
-    return SkellamPlan(**{**asdict(plan), "epsilon": spent})
+    return replace(plan, epsilon=spent)
 
 
 # ----------------------------------------------------------------------------- the client's encoding

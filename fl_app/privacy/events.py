@@ -176,7 +176,7 @@ class Skellam:
     symmetric Skellam distribution of variance ``mu``; the sum of the clients' independent Skellam
     shares is again Skellam, of the summed variance). Unlike the other descriptors this one is not
     normalised by a single sensitivity: its Renyi DP depends on the L1 and the L2 sensitivity of the
-    integer query separately (:func:`fl_app.privacy.distributed.skellam_rdp`), all three in the
+    integer query separately (:func:`fl_app.privacy.rdp.skellam_rdp`), all three in the
     integer domain (after scaling and rounding). It has no PLD here: it is accounted by RDP.
     """
 

@@ -58,7 +58,6 @@ from fl_app.config_checks import ConfigError
 from fl_app.engine.secagg import RECORD_KEY_CONFIGS, Key
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.distributed import (
-    DEFAULT_ROUNDING_BETA,
     SkellamPlan,
     decode_modular_sum,
     padded_dimension,
@@ -66,7 +65,7 @@ from fl_app.privacy.distributed import (
     rotation_signs,
 )
 from fl_app.privacy.events import PrivacyEvent
-from fl_app.run_context import RunContext
+from fl_app.run_context import RunContext, resolve_clients_per_round
 from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
@@ -123,8 +122,7 @@ _plan = functools.lru_cache(maxsize=32)(plan_skellam)
 def skellam_plan(cfg: DictConfig, settings: DPFedAvgSecAggSettings, *, size: int) -> SkellamPlan:
     """The run's plan; :class:`ConfigError` naming ``strategy.bits`` when the sum cannot fit."""
     run = RunSettings.from_config(cfg)
-    cohort = int(cfg.clients_per_round) if int(cfg.clients_per_round) >= 1 else run.num_clients
-    cohort = min(cohort, run.num_clients)
+    cohort = min(resolve_clients_per_round(run.clients_per_round, run.num_clients), run.num_clients)
     passes = max(1, run.num_clients // cohort)
     participations = math.ceil(run.num_rounds / passes)
     try:
@@ -147,7 +145,8 @@ def skellam_plan(cfg: DictConfig, settings: DPFedAvgSecAggSettings, *, size: int
 def check(cfg: DictConfig) -> None:
     """The plan must exist (enough bits for the cohort, the model and the budget)."""
     settings = DPFedAvgSecAggSettings.from_config(cfg)
-    if int(cfg.clients_per_round) < 2:
+    run = RunSettings.from_config(cfg)
+    if resolve_clients_per_round(run.clients_per_round, run.num_clients) < 2:
         raise ConfigError(
             "clients_per_round", cfg.clients_per_round, "must be at least 2 for secure aggregation"
         )
@@ -393,4 +392,4 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
         }
 
 
-__all__ = ["DEFAULT_ROUNDING_BETA", "DPFedAvgSecAggSettings", "DPFedAvgSecAggStrategy"]
+__all__ = ["DPFedAvgSecAggSettings", "DPFedAvgSecAggStrategy"]
