@@ -119,7 +119,7 @@ def test_compare_all_sweeps_every_arm_at_four_budgets_and_three_seeds():
     # a new algorithm joins the comparison, except the client-level baselines that only make sense
     # in the cross-device regime (docs/client_level_baselines.md, docs/distributed_dp.md), not in this
     # N = 20 quick demo
-    cross_device_only = {"dp_fedavg_adaptive", "dp_ftrl", "dp_fedavg_secagg"}
+    cross_device_only = {"dp_fedavg_adaptive", "dp_ftrl", "dp_bandmf", "dp_fedavg_secagg"}
     assert set(STRATEGIES.names()) - cross_device_only == set(options("comparison"))
     arms = set(options("comparison")) - {"fedavg"}
     assert sweep_grid(jobs) == budget_seed_grid("+comparison", arms)
@@ -379,12 +379,20 @@ def test_cli_exits_2_with_one_line_and_writes_nothing(override, tmp_path):
 
 
 def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
-    """72 jobs (6 arms x 4 budgets x 3 seeds); each arm's rule (cohort, rounds, schedule) survives the
+    """84 jobs (7 arms x 4 budgets x 3 seeds); each arm's rule (cohort, rounds, schedule) survives the
     preset's shape, every job validates, privacy randomness is secret, and each job has its own dir."""
     from fl_app.__main__ import expand_jobs
 
     jobs = expand_jobs(["+experiment=compare_cross_device"], multirun=True)
-    arms = {"dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "dp_fedavg_secagg", "fedavg_ldp", "privatekt"}
+    arms = {
+        "dp_fedavg",
+        "dp_fedavg_adaptive",
+        "dp_ftrl",
+        "dp_bandmf",
+        "dp_fedavg_secagg",
+        "fedavg_ldp",
+        "privatekt",
+    }
     assert sweep_grid(jobs) == budget_seed_grid("cross_device", arms)
     rules = {}
     per_budget = {}  # dp_fedavg's rounds and local epochs, chosen per budget on the validation split
@@ -407,6 +415,18 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         4: (100, 5, 0.1),
         8: (200, 5, 0.1),
     }
+    bandmf = {
+        e: compose_config(
+            ["+experiment=compare_cross_device", "cross_device=dp_bandmf", f"privacy.epsilon={e}"]
+        )
+        for e in (1, 2, 4, 8)
+    }
+    assert {e: (c.num_rounds, c.local_epochs, c.strategy.bands) for e, c in bandmf.items()} == {
+        1: (50, 5, "auto"),
+        2: (50, 5, "auto"),
+        4: (100, 5, "auto"),
+        8: (200, 5, "auto"),
+    }
     for job in (j for j in jobs if "seed=1" in j and "privacy.epsilon=1" in j):
         cfg = compose_config(job)
         validate_config(cfg, check_data=False)
@@ -427,6 +447,7 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         "dp_fedavg": (100, 30, None),
         "dp_fedavg_adaptive": (100, 100, None),
         "dp_ftrl": (100, 100, None),
+        "dp_bandmf": (100, 50, None),  # Poisson within public groups (strategy.bands=auto)
         "dp_fedavg_secagg": (100, 30, None),  # its balanced schedule is built in (no key)
         "fedavg_ldp": (10, 100, "balanced"),  # one report per client: the whole budget on it
         "privatekt": (10, 100, "balanced"),

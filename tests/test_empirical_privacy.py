@@ -153,7 +153,7 @@ def test_canaries_are_refused_where_the_method_does_not_apply():
 SHAPE = ["dataset=digits", "num_clients=20", "clients_per_round=10", "num_rounds=5", "privacy.epsilon=2"]
 #: Canaries that catch noise off by 2x in this shape in >= 95 % of seeds (the power table).
 CANARIES_FOR_2X = 1000
-SETTINGS = {"dp_fedavg_adaptive": ["strategy.bit_noise=3.0"]}
+SETTINGS = {"dp_fedavg_adaptive": ["strategy.bit_noise=3.0"], "dp_bandmf": ["strategy.bands=2"]}
 
 
 def canary_run(name: str, tmp_path: Path, *, mutate: Any = None, canaries: int = 200) -> tuple[dict, float]:
@@ -170,7 +170,7 @@ def canary_run(name: str, tmp_path: Path, *, mutate: Any = None, canaries: int =
 
 
 @pytest.mark.audit
-@pytest.mark.parametrize("name", ["dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "fedavg_ldp"])
+@pytest.mark.parametrize("name", ["dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "dp_bandmf", "fedavg_ldp"])
 def test_a_correct_mechanism_is_not_caught(name, tmp_path):
     empirical, claimed = canary_run(name, tmp_path)
     assert claimed <= 2.0 + 1e-6

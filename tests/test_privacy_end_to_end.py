@@ -24,8 +24,12 @@ replacement relation), and a client with one example of every class does not mov
 model is one linear layer (``audit_linear``, registered for these tests only): thousands of rounds
 then take seconds.
 
-Two mutants of the code under test are caught (``test_audit_catches_*``): FedAvg+LDP calibrated
-with sensitivity C instead of 2C, and an accountant that halves the RDP epsilon.
+Mutants of the code under test are caught (``test_audit_catches_*``): FedAvg+LDP calibrated with
+sensitivity C instead of 2C, an accountant that halves the RDP epsilon, distributed noise sized in
+the wrong units or off by 2x, and banded noise off by 2x.
+
+DP-BandMF's noise spans rounds, so its audit runs three rounds per repetition (a client in two of
+them) and reduces the whole release to one likelihood-ratio statistic.
 
 What does not depend on the noise (a DP-FedAvg client's local training) is computed once per input
 (and checked to be deterministic); everything else runs in every repetition. Only the data a client
@@ -64,7 +68,8 @@ from fl_app.roster import ClientInfo
 from fl_app.run import make_run_context
 from fl_app.run_context import RunContext
 from strategies import STRATEGIES
-from strategies.arrays import flat_vector
+from strategies.arrays import flat_vector, split_vector
+from strategies.dp_bandmf import strategy as bandmf_strategy
 from strategies.dp_fedavg_secagg import strategy as secagg_strategy
 from strategies.laplace_eval.stage import LaplaceEvalStage
 
@@ -374,6 +379,81 @@ def dp_ftrl_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -
     return central_update_audit("dp_ftrl", overrides, [9], tmp_path, held, trials)
 
 
+def dp_bandmf_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
+    """DP-BandMF over three rounds, two bands: a client takes part in rounds 1 and 3 (its group's) or not.
+
+    Two clients in two public groups (q = 1); the first group's client's update is its real local
+    training from the zero model (ZEROS), replayed against each round's model (a fixed update is one
+    an adversary may choose); the other client's is zero. Each repetition runs the strategy's three
+    rounds with fresh privacy randomness. The statistic is the likelihood ratio of the whole
+    release: the per-round noisy sums ``s = m (w_{t+1} - w_t)`` along the update's direction,
+    whitened by the public matrix (``C s = C x + z``, ``z`` i.i.d.), projected on ``C e`` (``e``: the
+    rounds the client is in). It sees the correlated noise, the bands and the calibration at once.
+    """
+    overrides = [
+        "strategy=dp_bandmf",
+        "num_rounds=3",
+        "clients_per_round=1",
+        "strategy.bands=2",
+        "strategy.clip=0.1",
+        "privacy.epsilon=2",
+    ]
+    run = audit_run(overrides, tmp_path, [9, 10], GAUSSIAN_DELTA)
+    start = zero_model(run)
+    strategy = STRATEGIES.get("dp_bandmf")(run)
+    first = next(i.client_id for i in strategy.group_of_round(1))
+    held.update({first: ZEROS, 1 - first: UNIFORM})
+    message = next(m for m in strategy.configure_train(1, start, ConfigRecord(), grid=None))
+    trained = flat_vector(run_client(message, first, 2).content.array_records[keys.ARRAYS])
+    update = trained - flat_vector(start)
+    direction = update / np.linalg.norm(update)
+    rounds = [t for t in range(1, 4) if first in {i.client_id for i in strategy.group_of_round(t)}]
+    assert rounds == [1, 3]
+    matrix = toeplitz_matrix(strategy.matrix.coefficients, 3)
+    signature = matrix @ np.array([1.0 if t in rounds else 0.0 for t in range(1, 4)])
+
+    def released(fresh: Any, present: bool) -> float:
+        current, sums = start, []
+        for t in range(1, 4):
+            replies = []
+            for m in fresh.configure_train(t, current, ConfigRecord(), grid=None):
+                if int(m.metadata.dst_node_id) - 1000 == first:
+                    moved = shifted(current, update)
+                    replies.append(reply_to(m, arrays=moved) if present else error_reply(m, "absent"))
+                else:
+                    replies.append(reply_to(m, arrays=current))
+            new, _ = fresh.aggregate_train(t, replies)
+            assert new is not None
+            sums.append((flat_vector(new) - flat_vector(current)) @ direction)
+            current = new
+        return float((matrix @ np.asarray(sums)) @ signature)
+
+    outputs = [
+        np.asarray(
+            [released(reseeded(STRATEGIES.get("dp_bandmf")(run), 2 * k + w), w == 0) for k in range(trials)]
+        )
+        for w in range(2)
+    ]
+    reporter = reseeded(STRATEGIES.get("dp_bandmf")(run), 99_999)
+    released(reporter, True)
+    return Audited(audit(*outputs, delta=run.delta), float(reporter.epsilon().epsilon))
+
+
+def shifted(arrays: ArrayRecord, update: np.ndarray) -> ArrayRecord:
+    """``arrays`` moved by the flat vector ``update`` (float32, as a client uploads)."""
+    names = list(arrays.keys())
+    parts = split_vector(flat_vector(arrays) + update, [arrays[n].numpy() for n in names])
+    return ArrayRecord({n: Array(p.astype(np.float32)) for n, p in zip(names, parts, strict=True)})
+
+
+def toeplitz_matrix(coefficients: Sequence[float], n: int) -> np.ndarray:
+    """The dense lower-triangular Toeplitz matrix of ``coefficients`` (truncated to ``n x n``)."""
+    matrix = np.zeros((n, n))
+    for lag, value in enumerate(coefficients[:n]):
+        matrix += value * np.eye(n, k=-lag)
+    return matrix
+
+
 def dp_fedavg_secagg_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """Distributed DP-FedAvg, zero-out neighbours: client 0's update is its own (ZEROS) or zero (UNIFORM).
 
@@ -602,6 +682,7 @@ AUDITS: dict[str, tuple[Callable[[Path, dict[int, ClientDataset], int], Audited]
     "dp_fedavg": (dp_fedavg_audit, 4000, 0.15),  # a Poisson mixture at q = 1/2: a weaker statistic
     "dp_fedavg_adaptive": (dp_fedavg_adaptive_audit, 4000, 0.1),  # as dp_fedavg; the count is not looked at
     "dp_ftrl": (dp_ftrl_audit, 1500, 0.3),  # one tree leaf: the Gaussian mechanism with z
+    "dp_bandmf": (dp_bandmf_audit, 1500, 0.3),  # two participations in three rounds of correlated noise
     "dp_fedavg_secagg": (dp_fedavg_secagg_audit, 800, 0.2),  # one Skellam sum of 2 shares: 0.46 of 2.0
     "fedavg_ldp": (fedavg_ldp_audit, 1500, 0.3),
     "nbafl": (nbafl_audit, 1500, 0.3),  # client level: uploads exactly 2C apart
@@ -691,3 +772,14 @@ def test_audit_catches_distributed_noise_off_by_2x(tmp_path, held, monkeypatch):
     )
     audited = dp_fedavg_secagg_audit(tmp_path, held, 600)
     assert not audited.holds, f"the audit missed Skellam noise off by 2x: {audited}"
+
+
+@pytest.mark.audit
+def test_audit_catches_banded_noise_off_by_2x(tmp_path, held, monkeypatch):
+    """Mutant 5: DP-BandMF's uncorrelated noise z_t has half the standard deviation the calibration says."""
+    real = bandmf_strategy.CorrelatedNoise
+    monkeypatch.setattr(
+        bandmf_strategy, "CorrelatedNoise", lambda coefficients, *, sigma: real(coefficients, sigma=sigma / 2)
+    )
+    audited = dp_bandmf_audit(tmp_path, held, 1500)
+    assert not audited.holds, f"the audit missed banded noise off by 2x: {audited}"

@@ -451,14 +451,15 @@ def _rounds_on_constructed_replies(strategy, rounds: int) -> None:
         arrays = strategy.aggregate_train(t, replies)[0] or arrays
 
 
-@pytest.mark.parametrize("name", ["dp_fedavg", "dp_ftrl"])
+@pytest.mark.parametrize("name", ["dp_fedavg", "dp_ftrl", "dp_bandmf"])
 def test_the_private_state_file_keeps_only_what_resuming_needs(tmp_path, name):
     """No cohort, failure or un-noised statistic of a finished round; owner-only; says what it holds."""
     import stat
 
     from fl_app.checkpoint import CHECKPOINT_FILE, Checkpoint, load_checkpoint, save_checkpoint
 
-    run = build_run_context([*DIGITS, f"strategy={name}", "num_rounds=3"], tmp_path)
+    bands = ["strategy.bands=2"] if name == "dp_bandmf" else []
+    run = build_run_context([*DIGITS, f"strategy={name}", "num_rounds=3", *bands], tmp_path)
     strategy = STRATEGIES.get(name)(run)
     _rounds_on_constructed_replies(strategy, 3)
     assert strategy.replies.selected(3)  # in memory, the last round's cohort and statistics are there
@@ -473,6 +474,12 @@ def test_the_private_state_file_keeps_only_what_resuming_needs(tmp_path, name):
     if name == "dp_fedavg":  # the un-noised update norms are gone: nothing un-noised is kept
         assert "_norms" in loaded.ROUND_STATE and loaded._norms == {} and strategy._norms
         assert loaded.private_state() is None
+    elif name == "dp_bandmf":  # its last b - 1 noise vectors: with the models they reveal the sums
+        assert loaded.noise.history and all(
+            np.array_equal(a[0], b[0])
+            for a, b in zip(loaded.noise.history, strategy.noise.history, strict=True)
+        )
+        assert "noise vectors" in loaded.private_state()
     else:  # DP-FTRL must carry its tree's un-noised running sum to continue exactly, and says so
         assert all(
             np.array_equal(a, b) for a, b in zip(loaded._stream_sum, strategy._stream_sum, strict=True)

@@ -633,6 +633,7 @@ def test_a_huge_budget_builds_every_private_strategy(tmp_path, epsilon):
         "dp_fedavg",
         "dp_fedavg_adaptive",
         "dp_ftrl",
+        "dp_bandmf",
         "fedavg_ldp",
     ):
         cfg = compose_config([*FAST, f"strategy={name}", f"privacy.epsilon={epsilon}"])

@@ -37,6 +37,7 @@ SUITE_ROUNDS: dict[str, int] = {
     "dp_fedavg": 15,
     "dp_fedavg_adaptive": 15,
     "dp_ftrl": 15,
+    "dp_bandmf": 15,
     "dp_fedavg_secagg": 5,
     "fedavg_ldp": 10,
     "privatekt": 10,
@@ -97,6 +98,25 @@ def check_dp_ftrl(results: Results, example: Any) -> None:
     # a public schedule of fixed cohorts: 10 rounds per pass over 1000 clients, 15 rounds -> twice
     assert privacy["rounds_per_epoch"] == example.num_clients // example.clients_per_round
     assert privacy["max_participations"] == math.ceil(SUITE_ROUNDS["dp_ftrl"] / privacy["rounds_per_epoch"])
+
+
+def check_dp_bandmf(results: Results, example: Any) -> None:
+    import dp_accounting as dpa
+
+    privacy = results["privacy"]
+    bands, rounds = privacy["groups"], SUITE_ROUNDS["dp_bandmf"]  # strategy.bands=auto chose it
+    rate = example.clients_per_round * bands / example.num_clients
+    assert privacy["sampling_rate"] == pytest.approx(rate) and privacy["randomness"]["source"] == "os_entropy"
+    assert privacy["bands_chosen"].startswith("strategy.bands=auto")
+    assert privacy["max_participations"] == math.ceil(rounds / bands)
+    assert [r["group"] for r in results["rounds"]] == [(t - 1) % bands + 1 for t in range(1, rounds + 1)]
+    matrix = privacy["strategy_matrix"]
+    assert len(matrix["coefficients"]) == bands and matrix["loss_relative_to_independent_noise"] < 0.5
+    # the paper's Theorem 4: DP-SGD with q and ceil(T / b) steps, by dp_accounting's PLD directly
+    accountant = dpa.pld.PLDAccountant()
+    sampled = dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(privacy["noise_multiplier"]))
+    accountant.compose(sampled, math.ceil(rounds / bands))
+    assert results["final"]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-3)
 
 
 def check_dp_fedavg_secagg(results: Results, example: Any) -> None:
@@ -214,6 +234,7 @@ CHECKS: dict[str, Callable[[Results, Any], None]] = {
     "dp_fedavg": check_dp_fedavg,
     "dp_fedavg_adaptive": check_dp_fedavg_adaptive,
     "dp_ftrl": check_dp_ftrl,
+    "dp_bandmf": check_dp_bandmf,
     "dp_fedavg_secagg": check_dp_fedavg_secagg,
     "fedavg_ldp": check_fedavg_ldp,
     "privatekt": check_privatekt,

@@ -1,0 +1,13 @@
+"""DP-BandMF (Choquette-Choo et al., NeurIPS 2023): banded matrix-factorization noise over the rounds.
+
+The algorithm's home (with ``conf/strategy/dp_bandmf.yaml``; its clients run ``clients/fedavg.py``):
+
+* :mod:`~strategies.dp_bandmf.strategy`: the server (public groups, cyclic Poisson cohorts, clipping,
+  the correlated noise, the momentum step, the accounting);
+* :mod:`~strategies.dp_bandmf.factorization`: the banded Toeplitz strategy matrix, its optimisation
+  and the streaming noise it correlates.
+"""
+
+from strategies.dp_bandmf.strategy import DPBandMFSettings, DPBandMFStrategy
+
+__all__ = ["DPBandMFSettings", "DPBandMFStrategy"]

@@ -1,0 +1,217 @@
+"""Banded Toeplitz matrix factorization: the strategy matrix C and the noise it correlates.
+
+A matrix-factorization mechanism (Denisov, McMahan, Rush, Smith, Thakurta, NeurIPS 2022) writes
+the workload ``A`` (what the training needs: here the models, i.e. prefix sums of the noisy round
+sums, filtered by the server's momentum) as ``A = B C`` and releases ``C x + z`` with
+``z ~ N(0, sigma^2 I)``; ``B (C x + z) = A x + B z`` is post-processing. In the round-by-round form
+every round's sum gets the correlated noise ``(C^{-1} z)_t``:
+
+    ``x^_t = x_t + y_t``,  ``C y = z``,  i.e.  ``y_t = (z_t - sum_{j=1}^{b-1} c_j y_{t-j}) / c_0``
+
+for a lower-triangular **banded Toeplitz** ``C`` with coefficients ``c_0 .. c_{b-1}`` (``b`` bands:
+``C[t, s] = c_{t-s}`` for ``0 <= t - s < b``, else 0). Streaming needs only the last ``b - 1`` noise
+vectors (:class:`CorrelatedNoise`).
+
+**Why banded Toeplitz.** Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta, Xu,
+"(Amplified) Banded Matrix Factorization: A unified approach to private training" (NeurIPS 2023):
+a ``b``-banded ``C`` whose columns have L2 norm at most 1 has sensitivity ``sqrt(k)`` (times the
+clip) for a participant whose ``k`` participations are at least ``b`` rounds apart (the columns
+of its rounds have disjoint supports), and with the clients split into ``b`` groups, round ``t``
+Poisson-sampling group ``t mod b``, it is exactly as private as DP-SGD with the same noise
+multiplier and sampling rate over ``ceil(n / b)`` steps (their Theorem 4), so the project's
+PLD accountant applies unchanged. McKenna, "Scaling up the Banded Matrix Factorization Mechanism
+for Differentially Private ML" (2024), shows that the Toeplitz restriction costs little against
+the general banded optimum and that its ``b`` coefficients are cheap to optimise for any ``n``.
+Buffered-linear-Toeplitz (BLT) noise (Dvijotham, McMahan, Pillutla, Steinke, Thakurta 2024;
+McKenna et al. 2024, deployed for Gboard) is not banded: its multi-participation sensitivity needs
+a separate computation and the amplification theorem above does not cover it.
+
+**The optimisation** (:func:`optimal_banded_toeplitz`): minimise the total squared error of the
+released models, ``L(c) = ||A C^{-1}||_F^2`` with ``c`` normalised to unit norm (the largest column
+norm of a banded Toeplitz ``C`` is ``||c||``). ``A`` is lower-triangular Toeplitz too, with
+coefficients ``a_k = sum_{i<=k} beta^i`` (prefix sums under heavy-ball momentum ``beta``), so
+``A C^{-1}`` is the Toeplitz matrix of ``a * r`` (``r``: the coefficients of ``C^{-1}``) and
+``L = sum_{k<n} (n - k) (a * r)_k^2``. Started from the band-truncated square root of ``a`` (the
+optimal unbanded Toeplitz factor for prefix sums, Fichtenberger, Henzinger, Upadhyay 2023), the
+``b`` coefficients are found by L-BFGS-B in float64 (gradients from torch).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import scipy.optimize
+
+from fl_app.privacy.checks import require_positive_int
+
+
+def workload_coefficients(*, rounds: int, momentum: float = 0.0) -> np.ndarray:
+    """``a_k = sum_{i<=k} beta^i`` for ``k < rounds``: prefix sums under heavy-ball momentum ``beta``.
+
+    With ``v_t = beta v_{t-1} + x^_t`` and ``w_{t+1} = w_t + eta v_t / m``, the model after round t is
+    ``w_1 + (eta / m) sum_{s<=t} a_{t-s} x^_s``. ``beta = 0``: all ones (prefix sums).
+    """
+    require_positive_int("rounds", rounds)
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+    return np.cumsum(momentum ** np.arange(rounds, dtype=np.float64))
+
+
+def inverse_coefficients(coefficients: np.ndarray, *, length: int) -> np.ndarray:
+    """The first ``length`` coefficients ``r`` of ``C^{-1}`` for the lower-triangular Toeplitz ``C(c)``.
+
+    ``(c * r)_k = [k = 0]``: ``r_0 = 1 / c_0``, ``r_k = -sum_{j=1}^{min(k, b-1)} c_j r_{k-j} / c_0``.
+    """
+    c = np.asarray(coefficients, dtype=np.float64)
+    if c.ndim != 1 or c.size == 0 or not c[0] > 0:
+        raise ValueError("coefficients must be a non-empty vector with c_0 > 0")
+    r = np.zeros(length)
+    for k in range(length):
+        acc = 1.0 if k == 0 else 0.0
+        for j in range(1, min(k, c.size - 1) + 1):
+            acc -= c[j] * r[k - j]
+        r[k] = acc / c[0]
+    return r
+
+
+def factorization_loss(*, coefficients: np.ndarray, rounds: int, momentum: float = 0.0) -> float:
+    """``||A C^{-1}||_F^2`` for the ``rounds x rounds`` workload and the banded Toeplitz ``C(c)``.
+
+    ``c`` as given (not normalised): multiply by ``||c||^2`` for the loss at unit sensitivity.
+    """
+    a = workload_coefficients(rounds=rounds, momentum=momentum)
+    r = inverse_coefficients(coefficients, length=rounds)
+    effect = np.convolve(a, r)[:rounds]
+    return float(np.sum((rounds - np.arange(rounds)) * effect**2))
+
+
+def square_root_coefficients(series: np.ndarray) -> np.ndarray:
+    """Coefficients ``s`` with ``s * s = series`` (``s_0 = sqrt(series_0)``): the Toeplitz square root."""
+    a = np.asarray(series, dtype=np.float64)
+    s = np.zeros_like(a)
+    s[0] = np.sqrt(a[0])
+    for k in range(1, a.size):
+        s[k] = (a[k] - np.dot(s[1:k], s[k - 1 : 0 : -1])) / (2 * s[0])
+    return s
+
+
+@dataclass(frozen=True)
+class BandedToeplitz:
+    """An optimised strategy matrix: its coefficients (unit norm) and its loss against the identity.
+
+    Attributes
+    ----------
+    coefficients : tuple[float, ...]
+        ``c_0 .. c_{b-1}``, ``||c|| = 1`` (the largest column norm of ``C``).
+    rounds, bands : int
+        The size ``n`` of the workload and ``b = len(coefficients)`` (at most ``n``).
+    momentum : float
+        The server momentum ``beta`` of the workload.
+    loss : float
+        ``||A C^{-1}||_F^2`` at unit column norm.
+    identity_loss : float
+        The same for ``C = I`` (one band: independent noise each round, DP-SGD / DP-FedAvg).
+
+    """
+
+    coefficients: tuple[float, ...]
+    rounds: int
+    bands: int
+    momentum: float
+    loss: float
+    identity_loss: float
+
+
+@functools.lru_cache(maxsize=64)
+def optimal_banded_toeplitz(*, rounds: int, bands: int, momentum: float = 0.0) -> BandedToeplitz:
+    """The unit-norm ``min(bands, rounds)``-banded Toeplitz ``C`` minimising ``||A C^{-1}||_F^2``.
+
+    See the module docstring. Deterministic (no randomness: the matrix is public and depends on
+    nothing but the schedule), memoised per ``(rounds, bands, momentum)``.
+    """
+    require_positive_int("rounds", rounds)
+    require_positive_int("bands", bands)
+    import torch  # the server has torch for the model anyway; imported on first use
+
+    bands = min(bands, rounds)
+    a = workload_coefficients(rounds=rounds, momentum=momentum)
+    identity = factorization_loss(coefficients=np.ones(1), rounds=rounds, momentum=momentum)
+    if bands == 1:
+        return BandedToeplitz((1.0,), rounds, 1, float(momentum), identity, identity)
+    start = square_root_coefficients(a)[:bands]
+    weights = torch.as_tensor(rounds - np.arange(rounds), dtype=torch.float64)
+    workload = torch.as_tensor(a, dtype=torch.float64)
+    index = torch.arange(rounds)
+    lag = index[:, None] - index[None, :]
+    inside = (lag >= 0) & (lag < bands)
+    unit = torch.zeros(rounds, 1, dtype=torch.float64)
+    unit[0, 0] = 1.0
+
+    def loss_of(theta: torch.Tensor) -> torch.Tensor:
+        c = theta / torch.linalg.vector_norm(theta)
+        matrix = torch.where(inside, c[lag.clamp(0, bands - 1)], torch.zeros((), dtype=torch.float64))
+        r = torch.linalg.solve_triangular(matrix, unit, upper=False)[:, 0]
+        # (a * r)_k for k < n: the first column of A C^{-1}
+        effect = torch.nn.functional.conv1d(
+            torch.nn.functional.pad(r, (rounds - 1, 0))[None, None, :], workload.flip(0)[None, None, :]
+        )[0, 0]
+        return torch.sum(weights * effect**2)
+
+    def value_and_gradient(values: np.ndarray) -> tuple[float, np.ndarray]:
+        theta = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+        value = loss_of(theta)
+        if not torch.isfinite(value):  # C^{-1} overflows (|c_j / c_0| too large): a wall, not a step
+            return 1e300, np.zeros_like(values)
+        value.backward()
+        assert theta.grad is not None
+        return float(value), theta.grad.numpy().copy()
+
+    found = scipy.optimize.minimize(
+        value_and_gradient,
+        start,
+        jac=True,
+        method="L-BFGS-B",
+        options={"maxiter": 2000, "ftol": 1e-15, "gtol": 1e-12},
+    )
+    c = np.asarray(found.x, dtype=np.float64)
+    c = c / np.linalg.norm(c)
+    if c[0] < 0:
+        c = -c
+    loss = factorization_loss(coefficients=c, rounds=rounds, momentum=momentum)
+    initial = factorization_loss(coefficients=start / np.linalg.norm(start), rounds=rounds, momentum=momentum)
+    if not loss <= min(initial, identity) * (1 + 1e-9):
+        raise RuntimeError(f"banded Toeplitz optimisation diverged: loss {loss} > start {initial}")
+    return BandedToeplitz(tuple(float(v) for v in c), rounds, bands, float(momentum), loss, identity)
+
+
+class CorrelatedNoise:
+    """The streaming noise ``y = C^{-1} z`` of a banded Toeplitz ``C`` (``z ~ N(0, sigma^2 I)``).
+
+    ``draw(like, rng)`` returns round t's noise ``y_t = (z_t - sum_{j=1}^{b-1} c_j y_{t-j}) / c_0``
+    shaped like ``like`` and keeps the last ``b - 1`` of them: they are the run's secret (with
+    the models they reveal the un-noised sums), so they live only in the server's private state.
+    """
+
+    def __init__(self, coefficients: tuple[float, ...], *, sigma: float) -> None:
+        self.coefficients = tuple(float(c) for c in coefficients)
+        self.sigma = float(sigma)
+        self.history: deque[list[np.ndarray]] = deque(maxlen=max(len(self.coefficients) - 1, 1))
+
+    def draw(self, like: list[np.ndarray], rng: np.random.Generator) -> list[np.ndarray]:
+        """The next round's noise (float64 arrays shaped like ``like``)."""
+        c = self.coefficients
+        noise = [
+            rng.normal(0.0, self.sigma, size=np.shape(x)) if self.sigma > 0 else np.zeros(np.shape(x))
+            for x in like
+        ]
+        for j, past in enumerate(reversed(self.history), start=1):
+            if j >= len(c):
+                break
+            noise = [n - c[j] * p for n, p in zip(noise, past, strict=True)]
+        noise = [n / c[0] for n in noise]
+        if len(c) > 1:
+            self.history.append(noise)
+        return noise

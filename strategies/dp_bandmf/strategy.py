@@ -1,0 +1,364 @@
+"""DP-BandMF: DP-FedAvg whose noise is correlated across rounds by a banded Toeplitz matrix.
+
+Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta, Xu, "(Amplified) Banded Matrix
+Factorization: A unified approach to private training", NeurIPS 2023 (Algorithm 1 with cyclic
+Poisson sampling, their Section 4 and Theorem 4), with the banded Toeplitz strategy matrix of
+McKenna, "Scaling up the Banded Matrix Factorization Mechanism for Differentially Private ML", 2024
+(:mod:`strategies.dp_bandmf.factorization` says why this matrix).
+
+**Groups and cohorts.** A seeded permutation of the N clients is cut into ``b = strategy.bands``
+groups of near-equal size (public). Round t draws its cohort from group ``g = (t - 1) mod b``:
+each member joins independently with probability ``q = m b / N`` (``m = clients_per_round``), so a
+cohort holds m clients on average; ``q = 1`` (``b = N / m``) takes the whole group. A client
+therefore takes part only in rounds ``g + 1, g + 1 + b, ...``: at least ``b`` rounds apart.
+
+**Each round t.** The cohort trains ``w_t`` locally; the server clips each update to ``C``
+(``strategy.clip``), sums them (``x_t``), and adds the correlated noise of the banded Toeplitz
+``C`` optimised for the run's workload (``num_rounds`` rounds, the server momentum):
+``x^_t = x_t + y_t``, ``y_t = (z_t - sum_{j=1}^{b-1} c_j y_{t-j}) / c_0``, ``z_t ~ N(0, (z C)^2 I)``
+with noise multiplier ``z``. The server step is heavy-ball momentum on the average:
+``v_t = beta v_{t-1} + x^_t / m``, ``w_{t+1} = w_t + eta v_t`` (``strategy.server_momentum``,
+``strategy.server_lr``). With one band (``C = I``) and ``beta = 0, eta = 1`` this is DP-FedAvg
+with Poisson sampling exactly (``strategy=dp_fedavg``).
+
+**Privacy.** Unit: one client's entire data set (add or remove one client of a group; a removed
+client contributes zero updates), central DP, the server trusted. The released models are
+post-processing of ``C x + z`` (``x^ = C^{-1}(C x + z)``), where ``C`` has unit column norms and
+``b`` bands; a client's participations are at least ``b`` rounds apart, so its columns of ``C``
+never overlap. Theorem 4 of the paper: this is exactly as private as DP-SGD with noise multiplier
+``z``, sampling rate ``q`` and ``ceil(T / b)`` steps. Each round records, for the members of its
+group, ``SampledGaussian(z, q)`` (``q < 1``) or ``Gaussian(z)`` (``q = 1``: the cohort is the
+public group, and k participations compose to the Gaussian with sensitivity ``sqrt(k)``, the
+paper's min-separation bound); the accountant composes them per client (PLD by default). Unless
+``strategy.noise_multiplier`` is set, ``z`` is the smallest for which the busiest group's members
+end at ``privacy.epsilon``. With ``q < 1`` the amplification needs a secret cohort: the Poisson
+coins come from the privacy randomness (``run.noise``), as DP-FedAvg's; the groups may be public.
+
+Released: the models only; the matrix ``C`` and the schedule of groups are public. The clients'
+train losses and update norms stay on the server. The last ``b - 1`` noise vectors and the
+momentum are private server state (:meth:`private_state`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from logging import INFO
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.common import log
+from omegaconf import DictConfig
+
+from fl_app.config_checks import ConfigError, require_int
+from fl_app.privacy.accountant import PrivacyAccountant
+from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
+from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, SampledGaussian
+from fl_app.roster import ClientInfo
+from fl_app.run_context import RunContext, resolve_clients_per_round
+from fl_app.run_settings import RunSettings
+from fl_app.training import array_values
+from strategies import register_strategy
+from strategies.base import FederatedStrategy
+from strategies.contract import Declaration
+from strategies.dp_bandmf.factorization import CorrelatedNoise, optimal_banded_toeplitz
+from strategies.settings import StrategySettings, between, positive, setting
+
+
+@dataclass(frozen=True)
+class DPBandMFSettings(StrategySettings):
+    """``cfg.strategy`` of ``dp_bandmf`` (``conf/strategy/dp_bandmf.yaml`` explains each key)."""
+
+    clip: float = positive()
+    bands: int | str = setting(
+        lambda key, value: value if value == "auto" else require_int(key, value, minimum=1)
+    )
+    noise_multiplier: float | None = positive(optional=True)
+    server_lr: float = positive()
+    server_momentum: float = between(0.0, 1.0, high_open=True)
+
+    budget_scopes = ("total",)  # calibrated for the whole run
+
+
+def group_sampling_rate(*, num_clients: int, clients_per_round: int, bands: int) -> float:
+    """``q = m b / N``: the rate at which a group of ``N / b`` clients yields ``m`` on average.
+
+    Raises :class:`ConfigError` when ``m b > N`` (a group could not hold a cohort).
+    """
+    rate = clients_per_round * bands / num_clients
+    if rate > 1.0 + 1e-12:
+        raise ConfigError(
+            "strategy.bands",
+            bands,
+            f"too many: with num_clients={num_clients} and clients_per_round={clients_per_round} at most "
+            f"{num_clients // clients_per_round} (each band's group of clients must hold a cohort)",
+        )
+    return min(rate, 1.0)
+
+
+def check(cfg: DictConfig) -> None:
+    """The groups must hold a cohort (``clients_per_round * bands <= num_clients``)."""
+    settings = DPBandMFSettings.from_config(cfg)
+    run = RunSettings.from_config(cfg)
+    if settings.bands != "auto":
+        group_sampling_rate(
+            num_clients=run.num_clients,
+            clients_per_round=resolve_clients_per_round(run.clients_per_round, run.num_clients),
+            bands=int(settings.bands),
+        )
+
+
+def expected_error(
+    *,
+    bands: int,
+    epsilon: float,
+    delta: float,
+    num_clients: int,
+    clients_per_round: int,
+    rounds: int,
+    momentum: float,
+) -> float:
+    """``z_b^2 ||A C_b^{-1}||_F^2``: the total noise variance of the released models with ``b`` bands.
+
+    ``z_b`` is the RDP calibration for the budget with ``b`` bands (``q = m b / N``, ``ceil(T / b)``
+    steps), ``C_b`` the optimised matrix; in units of ``(C eta / m)^2`` per coordinate. The quantity
+    by which the paper compares band counts (Choquette-Choo et al. 2023): more bands
+    correlate the noise better but amplify less.
+    """
+    rate = group_sampling_rate(num_clients=num_clients, clients_per_round=clients_per_round, bands=bands)
+    z = dp_fedavg_noise_multiplier(
+        epsilon=epsilon, delta=delta, sampling_rate=rate, rounds=math.ceil(rounds / bands), method="rdp"
+    )
+    return z**2 * optimal_banded_toeplitz(rounds=rounds, bands=bands, momentum=momentum).loss
+
+
+def choose_bands(
+    *, epsilon: float, delta: float, num_clients: int, clients_per_round: int, rounds: int, momentum: float
+) -> int:
+    """``strategy.bands=auto``: the ``b <= min(N / m, T)`` of least :func:`expected_error`.
+
+    Depends on the budget and the schedule only (no data): choosing it costs no privacy.
+    """
+    candidates = range(1, min(num_clients // clients_per_round, rounds) + 1)
+    return min(
+        candidates,
+        key=lambda b: expected_error(
+            bands=b,
+            epsilon=epsilon,
+            delta=delta,
+            num_clients=num_clients,
+            clients_per_round=clients_per_round,
+            rounds=rounds,
+            momentum=momentum,
+        ),
+    )
+
+
+@register_strategy("dp_bandmf")
+class DPBandMFStrategy(FederatedStrategy):
+    """Banded matrix-factorization noise over the rounds, cyclic Poisson cohorts (amplified BandMF)."""
+
+    declaration = Declaration(
+        name="dp_bandmf",
+        paper=(
+            "Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta, Xu, NeurIPS 2023 ((Amplified) "
+            "Banded Matrix Factorization); banded Toeplitz: McKenna 2024"
+        ),
+        unit=(
+            "one client's entire data set (add or remove one client of its group; public groups), central DP"
+        ),
+        mechanism="banded Toeplitz matrix-factorization Gaussian noise on sums of clipped model updates",
+        client="fedavg",  # plain local training: clipping and noise run on the server
+        settings=DPBandMFSettings,
+        canaries=None,
+        check=check,
+    )
+    settings: DPBandMFSettings
+
+    def __init__(self, run: RunContext, settings: DPBandMFSettings | None = None) -> None:
+        super().__init__(run, settings)
+        settings = self.settings
+        self.num_rounds = run.num_rounds
+        if settings.bands == "auto":
+            #: Groups of clients (= bands, unless there are fewer rounds than groups).
+            self.num_groups = choose_bands(
+                epsilon=run.epsilon,
+                delta=run.delta,
+                num_clients=run.num_clients,
+                clients_per_round=run.clients_per_round,
+                rounds=self.num_rounds,
+                momentum=settings.server_momentum,
+            )
+        else:
+            self.num_groups = int(settings.bands)
+        self.bands = min(self.num_groups, self.num_rounds)
+        self.rate = group_sampling_rate(
+            num_clients=run.num_clients, clients_per_round=run.clients_per_round, bands=self.num_groups
+        )
+        self.groups = self._public_groups()
+        self.steps = math.ceil(self.num_rounds / self.num_groups)  # the busiest group's rounds
+        self.matrix = optimal_banded_toeplitz(
+            rounds=self.num_rounds, bands=self.bands, momentum=settings.server_momentum
+        )
+        if settings.noise_multiplier is not None:
+            self.noise_multiplier = settings.noise_multiplier
+        else:
+            self.noise_multiplier = dp_fedavg_noise_multiplier(
+                epsilon=run.epsilon,
+                delta=run.delta,
+                sampling_rate=self.rate,
+                rounds=self.steps,
+                method=run.accountant_method,
+            )
+        self.noise = CorrelatedNoise(self.matrix.coefficients, sigma=self.noise_multiplier * settings.clip)
+        self.accountant = PrivacyAccountant(
+            population=run.client_ids, unit=self.privacy_unit, method=run.accountant_method
+        )
+        self.secret_cohort = self.rate < 1.0
+        self._momentum: list[np.ndarray] | None = None
+        log(
+            INFO,
+            "DP-BandMF: %d bands (groups of ~%d clients, q=%.4f), z=%.4f, clip C=%g, at most %d "
+            "participations per client; noise error %.3f of independent noise's at equal z",
+            self.bands,
+            run.num_clients // self.num_groups,
+            self.rate,
+            self.noise_multiplier,
+            settings.clip,
+            self.steps,
+            self.matrix.loss / self.matrix.identity_loss,
+        )
+
+    # ------------------------------------------------------------------ schedule
+
+    def _public_groups(self) -> list[list[ClientInfo]]:
+        """``strategy.bands`` groups of near-equal size from a seeded permutation of the roster."""
+        order = self.run.randomness.generator("bandmf-groups").permutation(len(self.run.roster))
+        parts = np.array_split(order, self.num_groups)
+        return [[self.run.roster[int(i)] for i in sorted(part)] for part in parts]
+
+    def group_of_round(self, server_round: int) -> list[ClientInfo]:
+        """The group round ``server_round`` samples from: ``(t - 1) mod b``."""
+        return self.groups[(server_round - 1) % self.num_groups]
+
+    def select_clients(self, server_round: int) -> list[ClientInfo]:
+        """The round's group (``q = 1``) or its Poisson sample with secret coins (``q < 1``)."""
+        if server_round > self.num_rounds:
+            raise RuntimeError(
+                f"round {server_round} is beyond num_rounds={self.num_rounds}, which the matrix and the "
+                "privacy calibration assumed"
+            )
+        group = self.group_of_round(server_round)
+        if self.rate >= 1.0:
+            return list(group)
+        rng = self.run.noise.generator("poisson-cohort", server_round=server_round)
+        joins = rng.random(len(group)) < self.rate
+        return [info for info, joined in zip(group, joins, strict=True) if joined]
+
+    def canary_patterns(self, count: int) -> list[frozenset[int]]:
+        """Each canary sits in the busiest group and joins each of its rounds with probability q."""
+        rounds = list(range(1, self.num_rounds + 1, self.num_groups))
+        rng = self.run.randomness.generator("canary-pattern")
+        return [frozenset(t for t in rounds if rng.random() < self.rate) for _ in range(count)]
+
+    # ------------------------------------------------------------------ rounds
+
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Clip, sum, add the round's correlated noise, take the momentum step."""
+        valid, _ = self.replies.split(server_round, replies)
+        global_arrays = self.round_global
+        names, reference, total, _ = self.clipped_update_sum(
+            valid, max_norm=self.settings.clip, server_round=server_round
+        )
+        rng = self.run.noise.generator("bandmf-noise", server_round=server_round)
+        noise = self.noise.draw(total, rng)
+        m = float(self.run.clients_per_round)
+        beta, lr = self.settings.server_momentum, self.settings.server_lr
+        if self._momentum is None:
+            self._momentum = [np.zeros_like(t) for t in total]
+        self._momentum = [
+            beta * v + (s + n) / m for v, s, n in zip(self._momentum, total, noise, strict=True)
+        ]
+        new = {
+            name: Array((r + lr * v).astype(array_values(global_arrays[name]).dtype))
+            for name, r, v in zip(names, reference, self._momentum, strict=True)
+        }
+        self._record_release(server_round)
+        # No train loss (nor anything else computed from the clients' data) in the metrics.
+        return ArrayRecord(new), MetricRecord()
+
+    def mechanism(self) -> Mechanism:
+        """What one round charges each member of its group."""
+        if self.rate >= 1.0:
+            return Gaussian(self.noise_multiplier)
+        return SampledGaussian(self.noise_multiplier, self.rate)
+
+    def _record_release(self, server_round: int) -> None:
+        """Charge the round's whole group (its public members; the cohort within it stays secret)."""
+        assert self.accountant is not None
+        group = self.group_of_round(server_round)
+        self.accountant.record(
+            PrivacyEvent(
+                server_round,
+                self.mechanism(),
+                participants=tuple(info.client_id for info in group),
+                label=f"group {(server_round - 1) % self.num_groups + 1} of {self.num_groups}",
+            )
+        )
+
+    def private_state(self) -> str:
+        """The last b - 1 rounds' noise and the momentum (with the models they reveal the sums)."""
+        return (
+            "DP-BandMF's last bands - 1 noise vectors and its momentum (with the released models they "
+            "reveal the un-noised sums of clipped updates)"
+        )
+
+    # ------------------------------------------------------------------ reporting
+
+    def cohort_randomness(self) -> str:
+        """Public groups; Poisson coins within a group from the privacy randomness (``q < 1``)."""
+        if self.rate >= 1.0:
+            return super().cohort_randomness()
+        return (
+            "groups public (seeded); within the round's group, secret Poisson coins drawn from the "
+            "privacy randomness (run.noise), as amplification by sampling requires; see `source`"
+        )
+
+    def round_extras(self, server_round: int) -> dict[str, Any]:
+        """The round's group (public)."""
+        return {"group": (server_round - 1) % self.num_groups + 1}
+
+    def privacy_summary(self) -> dict[str, Any]:
+        """Unit, mechanism, accountant, the matrix and the schedule."""
+        return {
+            **super().privacy_summary(),
+            "noise_multiplier": self.noise_multiplier,
+            "clip": self.settings.clip,
+            "bands": self.bands,
+            "groups": self.num_groups,
+            "bands_chosen": (
+                "strategy.bands=auto: the least z^2 ||A C^-1||_F^2 over 1.."
+                f"{min(self.run.num_clients // self.run.clients_per_round, self.num_rounds)} bands"
+                if self.settings.bands == "auto"
+                else "strategy.bands"
+            ),
+            "sampling_rate": self.rate,
+            "max_participations": self.steps,
+            "strategy_matrix": {
+                "kind": "banded Toeplitz, unit column norm",
+                "coefficients": list(self.matrix.coefficients),
+                "workload": f"prefix sums, momentum {self.matrix.momentum}, {self.matrix.rounds} rounds",
+                "loss": self.matrix.loss,
+                "loss_relative_to_independent_noise": self.matrix.loss / self.matrix.identity_loss,
+            },
+            "accounting": (
+                f"as DP-SGD with noise multiplier z, sampling rate q and ceil(T / b) = {self.steps} steps "
+                "(Choquette-Choo et al. 2023, Theorem 4)"
+            ),
+            "server_lr": self.settings.server_lr,
+            "server_momentum": self.settings.server_momentum,
+        }
