@@ -123,9 +123,9 @@ def expected_error(
     """``z_b^2 ||A C_b^{-1}||_F^2``: the total noise variance of the released models with ``b`` bands.
 
     ``z_b`` is the RDP calibration for the budget with ``b`` bands (``q = m b / N``, ``ceil(T / b)``
-    steps), ``C_b`` the optimised matrix; in units of ``(C eta / m)^2`` per coordinate. The quantity
-    by which the paper compares band counts (Choquette-Choo et al. 2023): more bands
-    correlate the noise better but amplify less.
+    steps), ``C_b`` the optimised matrix; in units of ``(C eta / m)^2`` per coordinate. It ranks band
+    counts as jax_privacy's ``toeplitz.optimize_coefs_for_amplifications`` does (its RMSE, squared and
+    times T): more bands correlate the noise better but amplify less.
     """
     rate = group_sampling_rate(num_clients=num_clients, clients_per_round=clients_per_round, bands=bands)
     z = dp_fedavg_noise_multiplier(
