@@ -90,11 +90,18 @@ def arms(runs: Sequence[Run]) -> dict[str, list[Run]]:
     return named
 
 
+def _varying(runs: Sequence[Run]) -> list[str]:
+    """The grid keys that take more than one value among ``runs``."""
+    return [k for k in GRID_KEYS if len({str(run.settings().get(k)) for run in runs}) > 1]
+
+
 def select(runs: Sequence[Run], *, last: int) -> dict[tuple[str, float], list[tuple[str, float, Run]]]:
     """Per (arm, epsilon): every candidate (the grid keys varying within the arm), its score; best first."""
     table: dict[tuple[str, float], list[tuple[str, float, Run]]] = defaultdict(list)
+    swept = _varying(runs)
     for arm, members in arms(runs).items():
-        keys = [k for k in GRID_KEYS if len({str(m.settings().get(k)) for m in members}) > 1]
+        # An arm with one grid point is named by what the sweep varies, not by an empty label.
+        keys = _varying(members) or swept
         for run in members:
             epsilon = float(run.config["privacy"]["epsilon"])
             table[(arm, epsilon)].append((candidate(run, keys), score(run, last=last), run))

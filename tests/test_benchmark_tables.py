@@ -385,6 +385,17 @@ def test_select_on_validation_keeps_two_arms_of_one_strategy_apart_and_skips_unf
     assert out.count("#### kd_dp (") == 2
 
 
+def test_select_on_validation_names_an_arm_of_one_grid_point_by_what_the_sweep_varies(tmp_path, capsys):
+    """An arm run at one setting is labelled ``lr=0.3``, not by an empty name."""
+    _tuning_run(tmp_path / "fed-a", teacher_rounds=0, lr=0.1, epsilon=1.0, last=0.40)
+    _tuning_run(tmp_path / "fed-b", teacher_rounds=0, lr=0.3, epsilon=1.0, last=0.50)
+    _tuning_run(tmp_path / "kd", teacher_rounds=5, lr=0.3, epsilon=1.0, last=0.45)
+    assert select_on_validation.main([str(tmp_path), "--last", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| kd_dp (strategy.teacher_rounds=5) | 1 | `lr=0.3` | 0.4500 |" in out
+    assert "``" not in out
+
+
 def test_select_on_validation_refuses_runs_evaluated_on_the_test_split(tmp_path, capsys):
     _tuning_run(tmp_path / "a", teacher_rounds=0, lr=0.1, epsilon=1.0, last=0.4)
     write_run(tmp_path / "b", strategy="kd_dp", config={"lr": 0.3}, final={"evaluated_on": "test"})
@@ -526,3 +537,50 @@ def test_the_recorded_authors_log_is_theirs_every_round():
     assert all(abs(log[r] - value) <= 5e-4 + 1e-9 for r, value in quoted.items()), {r: log[r] for r in quoted}
     assert min(log) == 1 and max(log) == 500 and len(log) == 496  # 466-469 missing from their output
     assert all(0.0 < value < 1.0 for value in log.values())
+
+
+# ------------------------------------------------------------------------------ banded_mf (central arms)
+def test_the_central_arms_table_rebuilds_from_the_runs_kept_in_the_repository(tmp_path):
+    """docs/benchmarks/banded_mf/report.md (and the README block copied from it) is what
+    ``fl_app.report`` makes of the 36 kept runs today: nothing in the table was edited by hand."""
+    from fl_app import report
+
+    kept = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "banded_mf"
+    assert len(list((kept / "runs").glob("*/results.json"))) == 36
+    assert report.main([str(kept / "runs"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "report.md").read_text() == (kept / "report.md").read_text()
+
+
+def test_banded_mf_keep_copies_results_and_the_saved_config_only(tmp_path):
+    from benchmarks import banded_mf
+
+    job = tmp_path / "sweep" / "3-dp_bandmf-privacy.epsilon=2"
+    write_run(job, strategy="dp_bandmf", epsilon=2.0)
+    (job / ".hydra").mkdir()
+    (job / ".hydra" / "config.yaml").write_text("num_rounds: ${per_budget:${privacy.epsilon},'2:50'}\n")
+    (job / "model.pt").write_bytes(b"weights")
+    assert banded_mf.keep(tmp_path / "sweep", tmp_path / "runs") == 0
+    copied = sorted(
+        p.relative_to(tmp_path / "runs").as_posix() for p in (tmp_path / "runs").rglob("*") if p.is_file()
+    )
+    assert copied == [f"{job.name}/.hydra/config.yaml", f"{job.name}/results.json"]
+    assert banded_mf.keep(tmp_path / "empty", tmp_path / "runs") == 2
+
+
+def test_banded_mf_plot_draws_every_arm_or_refuses_an_empty_folder(tmp_path, capsys):
+    from benchmarks import banded_mf
+
+    for arm in ("dp_fedavg", "dp_bandmf"):
+        for eps in (1.0, 2.0):
+            for seed in (1, 2):
+                write_run(
+                    tmp_path / "runs" / f"{arm}-{eps}-{seed}",
+                    strategy=arm,
+                    epsilon=eps,
+                    config={"seed": seed},
+                )
+    assert banded_mf.plot(tmp_path / "runs", tmp_path / "out.png") == 0
+    assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "none").mkdir()
+    assert banded_mf.plot(tmp_path / "none", tmp_path / "none.png") == 2
+    assert "no completed private runs" in capsys.readouterr().err

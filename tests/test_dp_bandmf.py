@@ -97,6 +97,15 @@ def test_the_optimum_is_one_an_independent_optimiser_finds(rounds, bands, moment
     assert found.loss < fewer.loss < found.identity_loss
 
 
+def test_the_optimiser_warns_about_nothing():
+    """The run log shows no torch or scipy warning from the optimisation (a fresh, uncached setting)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimal_banded_toeplitz(rounds=37, bands=4, momentum=0.5)
+
+
 def test_more_bands_than_rounds_are_the_rounds():
     assert optimal_banded_toeplitz(rounds=3, bands=8).bands == 3
 

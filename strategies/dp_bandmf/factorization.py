@@ -167,7 +167,7 @@ def optimal_banded_toeplitz(*, rounds: int, bands: int, momentum: float = 0.0) -
             return 1e300, np.zeros_like(values)
         value.backward()
         assert theta.grad is not None
-        return float(value), theta.grad.numpy().copy()
+        return float(value.detach()), theta.grad.numpy().copy()
 
     found = scipy.optimize.minimize(
         value_and_gradient,
