@@ -38,7 +38,9 @@ def keep(sweep: Path, out: Path) -> int:
         print(f"error: no results.json below {sweep}", file=sys.stderr)
         return 2
     for job in jobs:
-        target = out / job.name
+        # Hydra joins a job's overrides with commas; Flower's FAB manifest (the app `flwr run`
+        # submits, docs included) is unquoted CSV and cannot hold a path with a comma.
+        target = out / job.name.replace(",", "+")
         (target / ".hydra").mkdir(parents=True, exist_ok=True)
         shutil.copy2(job / "results.json", target / "results.json")
         saved = job / ".hydra" / "config.yaml"

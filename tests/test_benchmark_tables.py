@@ -554,7 +554,7 @@ def test_the_central_arms_table_rebuilds_from_the_runs_kept_in_the_repository(tm
 def test_banded_mf_keep_copies_results_and_the_saved_config_only(tmp_path):
     from benchmarks import banded_mf
 
-    job = tmp_path / "sweep" / "3-dp_bandmf-privacy.epsilon=2"
+    job = tmp_path / "sweep" / "3-dp_bandmf-privacy.epsilon=2,seed=1"
     write_run(job, strategy="dp_bandmf", epsilon=2.0)
     (job / ".hydra").mkdir()
     (job / ".hydra" / "config.yaml").write_text("num_rounds: ${per_budget:${privacy.epsilon},'2:50'}\n")
@@ -563,7 +563,8 @@ def test_banded_mf_keep_copies_results_and_the_saved_config_only(tmp_path):
     copied = sorted(
         p.relative_to(tmp_path / "runs").as_posix() for p in (tmp_path / "runs").rglob("*") if p.is_file()
     )
-    assert copied == [f"{job.name}/.hydra/config.yaml", f"{job.name}/results.json"]
+    kept = "3-dp_bandmf-privacy.epsilon=2+seed=1"  # no comma: Flower's FAB manifest is unquoted CSV
+    assert copied == [f"{kept}/.hydra/config.yaml", f"{kept}/results.json"]
     assert banded_mf.keep(tmp_path / "empty", tmp_path / "runs") == 2
 
 

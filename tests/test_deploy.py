@@ -248,11 +248,19 @@ def staged_app(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return local_deployment.stage_app(ROOT, tmp_path_factory.mktemp("app") / "dpfl")
 
 
-def test_the_staged_app_is_the_fab_flwr_run_builds_from_the_project(staged_app: Path) -> None:
+def test_the_staged_app_is_the_fab_flwr_run_builds_from_the_project(staged_app: Path, tmp_path: Path) -> None:
+    """... and a SuperLink installs it: Flower's FAB manifest is unquoted CSV, so one file of the
+    project whose path holds a comma (a Hydra job folder kept in docs/) made every deployed
+    ServerApp fail before its first line (``ValueError`` in ``flwr.cli.install._verify_hashes``)."""
+    from flwr.cli.install import install_from_fab
+
     from fl_app.engine.tooling import build_fab
 
-    assert build_fab(staged_app) == build_fab(ROOT)
+    fab = build_fab(staged_app)
+    assert fab == build_fab(ROOT)
     assert not (staged_app / ".venv").exists() and (staged_app / "pyproject.toml").is_file()
+    installed = install_from_fab(fab, install_dir=tmp_path / "installed", skip_prompt=True)
+    assert (installed / "fl_app" / "server_app.py").is_file()
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,19 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
-from test_deploy import ROOT, RUN_DEADLINE_S, Federation, local_deployment, make_device_data
+from test_deploy import (
+    ROOT,
+    RUN_DEADLINE_S,
+    STATUS_POLL_S,
+    Federation,
+    Submission,
+    local_deployment,
+    make_device_data,
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +44,38 @@ HEARTBEAT_PATCH = f"""import flwr.common.constant as constant
 
 constant.HEARTBEAT_DEFAULT_INTERVAL = {HEARTBEAT_S}
 """
+
+
+def collecting(submission: Submission) -> bool:
+    """Whether the run's log says its devices are in SecAgg+'s collect stage."""
+    log = submission.output_dir / "run.log"
+    return log.is_file() and "shared their keys" in log.read_text()
+
+
+def has_results(submission: Submission) -> bool:
+    return (submission.output_dir / "results.json").is_file()
+
+
+def fail_if_finished(
+    federation: Federation,
+    submissions: Iterable[Submission],
+    *,
+    before: str,
+    unless: Callable[[Submission], bool],
+) -> None:
+    """Fail at once, with the run's log, when a run the test waits for finished ``before`` a point.
+
+    (A ServerApp that raised at start-up, e.g. when its FAB did not install, finishes in seconds:
+    waiting for :data:`RUN_DEADLINE_S` would only hold up the suite.) ``unless`` is checked after the
+    status, so a run that got there and then finished is not failed.
+    """
+    for submission in submissions:
+        status = federation.status(submission.run_id)
+        if status.startswith("finished") and not unless(submission):
+            log = federation.log(submission.run_id)
+            pytest.fail(
+                f"{submission.name} (run {submission.run_id}) {status} before {before}\n{log[-4000:]}"
+            )
 
 
 @pytest.mark.deploy
@@ -77,19 +118,28 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, st
             "survives": federation.submit("survives", [*common, "strategy.min_survivors=0.6"]),
             "discarded": federation.submit("discarded", [*common, "strategy.min_survivors=1.0"]),
         }
-        logs = [runs[name].output_dir / "run.log" for name in runs]
         deadline = time.monotonic() + RUN_DEADLINE_S
-        while not all(log.is_file() and "shared their keys" in log.read_text() for log in logs):
+        next_poll = 0.0
+        while not all(collecting(submission) for submission in runs.values()):
             assert time.monotonic() < deadline, "the runs never reached the collect stage"
             assert not deployment.problems(), deployment.problems()
+            if time.monotonic() >= next_poll:  # a run whose ServerApp failed at once can never get there
+                fail_if_finished(federation, runs.values(), before="the collect stage", unless=collecting)
+                next_poll = time.monotonic() + STATUS_POLL_S
             time.sleep(0.5)
         victim = deployment.processes[3]  # the third SuperNode, with its ClientApp processes
         os.killpg(os.getpgid(victim.pid), signal.SIGKILL)
         results = {}
         for name, submission in runs.items():
             path = submission.output_dir / "results.json"
+            next_poll = time.monotonic() + STATUS_POLL_S
             while not path.is_file():
                 assert time.monotonic() < deadline, f"{name}: no results.json"
+                if time.monotonic() >= next_poll:
+                    fail_if_finished(
+                        federation, [submission], before="writing results.json", unless=has_results
+                    )
+                    next_poll = time.monotonic() + STATUS_POLL_S
                 time.sleep(1.0)
             results[name] = json.loads(path.read_text())
     finally:
