@@ -261,6 +261,9 @@ def test_the_staged_app_is_the_fab_flwr_run_builds_from_the_project(staged_app: 
     assert not (staged_app / ".venv").exists() and (staged_app / "pyproject.toml").is_file()
     installed = install_from_fab(fab, install_dir=tmp_path / "installed", skip_prompt=True)
     assert (installed / "fl_app" / "server_app.py").is_file()
+    assert (installed / "conf" / "config.yaml").is_file() and (installed / "strategies").is_dir()
+    shipped = {path.relative_to(installed).parts[0] for path in installed.rglob("*")}
+    assert not shipped & {"docs", "benchmarks", "tests", "BENCHMARKS.md"}  # pyproject's fab-exclude
 
 
 @pytest.fixture(scope="module")
