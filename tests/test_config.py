@@ -465,7 +465,7 @@ def test_compare_record_level_sweeps_the_record_level_arms_apart():
 
     jobs = expand_jobs(["+experiment=compare_record_level"], multirun=True)
     assert sweep_grid(jobs) == budget_seed_grid("record_level", {"kd_dp", "fed_dp_sgd", "nbafl"})
-    seen = {}
+    seen, rounds = {}, {}
     for job in (j for j in jobs if "seed=1" in j):
         cfg = compose_config(job)
         validate_config(cfg, check_data=False)
@@ -479,6 +479,7 @@ def test_compare_record_level_sweeps_the_record_level_arms_apart():
         assert cfg.privacy.secure_rng is True and cfg.privacy.delta < 1 / cfg.num_clients
         arm = next(o.split("=")[1] for o in job if o.startswith("record_level="))
         strategy = cfg.strategy
+        rounds[(arm, cfg.privacy.epsilon)] = cfg.num_rounds
         seen[(arm, cfg.privacy.epsilon)] = (
             strategy.name,
             strategy.get("teacher_rounds"),
@@ -486,9 +487,12 @@ def test_compare_record_level_sweeps_the_record_level_arms_apart():
             strategy.get("calibration"),
             cfg.lr,
         )
+    chosen_lr = {1: 0.3, 2: 1.0, 4: 3.0, 8: 1.0}  # on validation (the arm's rule overrides the preset's 0.1)
     for epsilon in (1, 2, 4, 8):
-        # no teacher, no labels; lr chosen on validation (the arm's rule overrides the preset's 0.1)
-        assert seen[("fed_dp_sgd", epsilon)] == ("kd_dp", 0, None, None, 0.3)
+        # no teacher, no labels
+        assert seen[("fed_dp_sgd", epsilon)] == ("kd_dp", 0, None, None, chosen_lr[epsilon])
+        assert rounds[("fed_dp_sgd", epsilon)] == (200 if epsilon == 8 else 50)
+        assert rounds[("kd_dp", epsilon)] == rounds[("nbafl", epsilon)] == 50
         assert seen[("kd_dp", epsilon)] == ("kd_dp", None, epsilon / 2, None, 0.3)  # the total stays epsilon
         assert seen[("nbafl", epsilon)] == ("nbafl", None, None, "accountant", 0.1)  # equal, composed budget
 
