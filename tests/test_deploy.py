@@ -252,14 +252,12 @@ def test_the_staged_app_is_the_fab_flwr_run_builds_from_the_project(staged_app: 
     """... and a SuperLink installs it: Flower's FAB manifest is unquoted CSV, so one file of the
     project whose path holds a comma (a Hydra job folder kept in docs/) made every deployed
     ServerApp fail before its first line (``ValueError`` in ``flwr.cli.install._verify_hashes``)."""
-    from flwr.cli.install import install_from_fab
-
-    from fl_app.engine.tooling import build_fab
+    from fl_app.engine.tooling import build_fab, install_fab
 
     fab = build_fab(staged_app)
     assert fab == build_fab(ROOT)
     assert not (staged_app / ".venv").exists() and (staged_app / "pyproject.toml").is_file()
-    installed = install_from_fab(fab, install_dir=tmp_path / "installed", skip_prompt=True)
+    installed = install_fab(fab, tmp_path / "installed")
     assert (installed / "fl_app" / "server_app.py").is_file()
     assert (installed / "conf" / "config.yaml").is_file() and (installed / "strategies").is_dir()
     shipped = {path.relative_to(installed).parts[0] for path in installed.rglob("*")}
