@@ -9,6 +9,7 @@ from the privacy randomness, so that it can.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
@@ -92,16 +93,19 @@ class Cohorts:
             }
         return {t: self.uniform(t) for t in range(1, num_rounds + 1)}
 
-    def poisson(self, server_round: int, rate: float) -> list[ClientInfo]:
-        """Every client joins independently with probability ``rate`` (Poisson sampling).
+    def poisson(
+        self, server_round: int, rate: float, among: Sequence[ClientInfo] | None = None
+    ) -> list[ClientInfo]:
+        """Every client (of ``among``; default: the roster) joins independently with probability ``rate``.
 
         The coins come from the privacy randomness (``run.noise``: OS entropy with
         ``privacy.secure_rng`` and always on devices), because amplification by
         sampling holds only for a cohort the adversary cannot predict.
         """
+        population = self.run.roster if among is None else among
         rng = self.run.noise.generator("poisson-cohort", server_round=server_round)
-        joins = rng.random(self.run.num_clients) < rate
-        return [info for info, joined in zip(self.run.roster, joins, strict=True) if joined]
+        joins = rng.random(len(population)) < rate
+        return [info for info, joined in zip(population, joins, strict=True) if joined]
 
 
 def max_participations(schedule: dict[int, list[ClientInfo]]) -> int:

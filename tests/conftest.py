@@ -348,6 +348,18 @@ def spec_config(overrides: Sequence[str]) -> dict[str, Any]:
     }
 
 
+def dense_lower_toeplitz(coefficients: Sequence[float], n: int) -> np.ndarray:
+    """The dense ``n x n`` lower-triangular Toeplitz matrix of ``coefficients`` (truncated to n).
+
+    The tests' independent oracle for banded matrix factorization (the code under test never
+    builds this matrix).
+    """
+    matrix = np.zeros((n, n))
+    for lag, value in enumerate(list(coefficients)[:n]):
+        matrix += float(value) * np.eye(n, k=-lag)
+    return matrix
+
+
 def numpy_close(a: ArrayRecord, b: ArrayRecord, **kwargs: Any) -> bool:
     """Whether two ArrayRecords hold the same keys and (nearly) the same values."""
     return list(a.keys()) == list(b.keys()) and all(

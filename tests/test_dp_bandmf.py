@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import scipy.linalg
 import scipy.optimize
-from conftest import build_run_context, reply_to
+from conftest import build_run_context, dense_lower_toeplitz, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fl_app import keys
@@ -39,14 +39,6 @@ from strategies.dp_bandmf.strategy import DPBandMFStrategy, choose_bands, expect
 DIGITS = ["dataset=digits", "partition=iid", "num_clients=12", "clients_per_round=3"]
 
 
-def toeplitz(coefficients, n: int) -> np.ndarray:
-    """The dense ``n x n`` lower-triangular Toeplitz matrix of ``coefficients`` (truncated to n)."""
-    column = np.zeros(n)
-    c = np.asarray(coefficients, dtype=np.float64)[:n]
-    column[: c.size] = c
-    return scipy.linalg.toeplitz(column, np.zeros(n))
-
-
 # ----------------------------------------------------------------------------- the factorization
 
 
@@ -54,9 +46,11 @@ def toeplitz(coefficients, n: int) -> np.ndarray:
 def test_loss_and_inverse_agree_with_dense_linear_algebra(momentum):
     rng = np.random.default_rng(3)
     n, c = 23, np.concatenate([[1.3], rng.uniform(-0.4, 0.6, size=4)])
-    dense_c = toeplitz(c, n)
-    assert np.allclose(toeplitz(inverse_coefficients(c, length=n), n), np.linalg.inv(dense_c), atol=1e-12)
-    a = toeplitz(workload_coefficients(rounds=n, momentum=momentum), n)
+    dense_c = dense_lower_toeplitz(c, n)
+    assert np.allclose(
+        dense_lower_toeplitz(inverse_coefficients(c, length=n), n), np.linalg.inv(dense_c), atol=1e-12
+    )
+    a = dense_lower_toeplitz(workload_coefficients(rounds=n, momentum=momentum), n)
     # the workload is what server SGD with heavy-ball momentum does to the noisy sums
     velocity, model, expected = np.zeros(n), np.zeros(n), np.zeros((n, n))
     for t in range(n):
@@ -68,7 +62,7 @@ def test_loss_and_inverse_agree_with_dense_linear_algebra(momentum):
         np.sum((a @ np.linalg.inv(dense_c)) ** 2), rel=1e-12
     )
     root = square_root_coefficients(workload_coefficients(rounds=n, momentum=momentum))
-    assert np.allclose(toeplitz(root, n) @ toeplitz(root, n), a)
+    assert np.allclose(dense_lower_toeplitz(root, n) @ dense_lower_toeplitz(root, n), a)
 
 
 def test_one_band_is_independent_noise_and_prefix_sums_cost_n_n_plus_1_over_2():
@@ -82,7 +76,9 @@ def test_the_optimum_is_one_an_independent_optimiser_finds(rounds, bands, moment
     found = optimal_banded_toeplitz(rounds=rounds, bands=bands, momentum=momentum)
     c = np.asarray(found.coefficients)
     assert np.linalg.norm(c) == pytest.approx(1.0) and c[0] > 0
-    assert np.max(np.linalg.norm(toeplitz(c, rounds), axis=0)) == pytest.approx(1.0)  # unit column norm
+    assert np.max(np.linalg.norm(dense_lower_toeplitz(c, rounds), axis=0)) == pytest.approx(
+        1.0
+    )  # unit column norm
 
     def loss(theta: np.ndarray) -> float:
         return factorization_loss(
@@ -116,7 +112,7 @@ def test_streaming_noise_is_c_inverse_of_independent_gaussians():
     noise = CorrelatedNoise(c, sigma=2.5)
     draws = np.array([noise.draw([np.zeros(7)], np.random.default_rng(t))[0] for t in range(30)])
     z = np.array([np.random.default_rng(t).normal(0.0, 2.5, size=7) for t in range(30)])
-    assert np.allclose(toeplitz(c, 30) @ draws, z, atol=1e-12)
+    assert np.allclose(dense_lower_toeplitz(c, 30) @ draws, z, atol=1e-12)
 
 
 # ----------------------------------------------------------------------------- against jax_privacy
@@ -199,11 +195,11 @@ def test_the_released_noise_is_the_matrix_correlated_noise_at_the_calibrated_sca
     sums = np.diff(np.array(models), axis=0) * 3  # m = 3
     sigma = strategy.noise_multiplier * 0.5
     c = np.asarray(strategy.matrix.coefficients)
-    whitened = toeplitz(c, rounds) @ sums
+    whitened = dense_lower_toeplitz(c, rounds) @ sums
     assert np.allclose(np.std(whitened, axis=1), sigma, rtol=0.02)
     assert np.abs(np.corrcoef(whitened)[np.triu_indices(rounds, 1)]).max() < 0.03
     # the raw per-round noise is correlated as C^{-1} C^{-T} says
-    inverse = np.linalg.inv(toeplitz(c, rounds))
+    inverse = np.linalg.inv(dense_lower_toeplitz(c, rounds))
     assert np.allclose(np.cov(sums), sigma**2 * inverse @ inverse.T, atol=0.03 * sigma**2)
 
 

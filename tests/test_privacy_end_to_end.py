@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import InProcessGrid, client_for, error_reply, make_context, reply_to
+from conftest import InProcessGrid, client_for, dense_lower_toeplitz, error_reply, make_context, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 from torch import nn
 
@@ -409,7 +409,7 @@ def dp_bandmf_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int)
     direction = update / np.linalg.norm(update)
     rounds = [t for t in range(1, 4) if first in {i.client_id for i in strategy.group_of_round(t)}]
     assert rounds == [1, 3]
-    matrix = toeplitz_matrix(strategy.matrix.coefficients, 3)
+    matrix = dense_lower_toeplitz(strategy.matrix.coefficients, 3)
     signature = matrix @ np.array([1.0 if t in rounds else 0.0 for t in range(1, 4)])
 
     def released(fresh: Any, present: bool) -> float:
@@ -444,14 +444,6 @@ def shifted(arrays: ArrayRecord, update: np.ndarray) -> ArrayRecord:
     names = list(arrays.keys())
     parts = split_vector(flat_vector(arrays) + update, [arrays[n].numpy() for n in names])
     return ArrayRecord({n: Array(p.astype(np.float32)) for n, p in zip(names, parts, strict=True)})
-
-
-def toeplitz_matrix(coefficients: Sequence[float], n: int) -> np.ndarray:
-    """The dense lower-triangular Toeplitz matrix of ``coefficients`` (truncated to ``n x n``)."""
-    matrix = np.zeros((n, n))
-    for lag, value in enumerate(coefficients[:n]):
-        matrix += value * np.eye(n, k=-lag)
-    return matrix
 
 
 def dp_fedavg_secagg_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:

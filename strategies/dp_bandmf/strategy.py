@@ -48,7 +48,7 @@ from logging import INFO
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common import log
 from omegaconf import DictConfig
 
@@ -59,8 +59,8 @@ from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, SampledGaus
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext, resolve_clients_per_round
 from fl_app.run_settings import RunSettings
-from fl_app.training import array_values
 from strategies import register_strategy
+from strategies.arrays import ServerMomentum, arrays_like
 from strategies.base import FederatedStrategy
 from strategies.contract import Declaration
 from strategies.dp_bandmf.factorization import CorrelatedNoise, optimal_banded_toeplitz
@@ -134,6 +134,11 @@ def expected_error(
     return z**2 * optimal_banded_toeplitz(rounds=rounds, bands=bands, momentum=momentum).loss
 
 
+def max_bands(*, num_clients: int, clients_per_round: int, rounds: int) -> int:
+    """The most bands worth considering: ``min(N / m, T)`` (each group must hold a cohort)."""
+    return min(num_clients // clients_per_round, rounds)
+
+
 def choose_bands(
     *, epsilon: float, delta: float, num_clients: int, clients_per_round: int, rounds: int, momentum: float
 ) -> int:
@@ -141,7 +146,9 @@ def choose_bands(
 
     Depends on the budget and the schedule only (no data): choosing it costs no privacy.
     """
-    candidates = range(1, min(num_clients // clients_per_round, rounds) + 1)
+    candidates = range(
+        1, max_bands(num_clients=num_clients, clients_per_round=clients_per_round, rounds=rounds) + 1
+    )
     return min(
         candidates,
         key=lambda b: expected_error(
@@ -217,7 +224,7 @@ class DPBandMFStrategy(FederatedStrategy):
             population=run.client_ids, unit=self.privacy_unit, method=run.accountant_method
         )
         self.secret_cohort = self.rate < 1.0
-        self._momentum: list[np.ndarray] | None = None
+        self.server_optimizer = ServerMomentum(lr=settings.server_lr, momentum=settings.server_momentum)
         log(
             INFO,
             "DP-BandMF: %d bands (groups of ~%d clients, q=%.4f), z=%.4f, clip C=%g, at most %d "
@@ -239,9 +246,13 @@ class DPBandMFStrategy(FederatedStrategy):
         parts = np.array_split(order, self.num_groups)
         return [[self.run.roster[int(i)] for i in sorted(part)] for part in parts]
 
+    def group_index(self, server_round: int) -> int:
+        """The index ``(t - 1) mod b`` of the group round ``server_round`` samples from."""
+        return (server_round - 1) % self.num_groups
+
     def group_of_round(self, server_round: int) -> list[ClientInfo]:
-        """The group round ``server_round`` samples from: ``(t - 1) mod b``."""
-        return self.groups[(server_round - 1) % self.num_groups]
+        """The group round ``server_round`` samples from."""
+        return self.groups[self.group_index(server_round)]
 
     def select_clients(self, server_round: int) -> list[ClientInfo]:
         """The round's group (``q = 1``) or its Poisson sample with secret coins (``q < 1``)."""
@@ -253,9 +264,7 @@ class DPBandMFStrategy(FederatedStrategy):
         group = self.group_of_round(server_round)
         if self.rate >= 1.0:
             return list(group)
-        rng = self.run.noise.generator("poisson-cohort", server_round=server_round)
-        joins = rng.random(len(group)) < self.rate
-        return [info for info, joined in zip(group, joins, strict=True) if joined]
+        return self.cohorts.poisson(server_round, self.rate, among=group)
 
     def canary_patterns(self, count: int) -> list[frozenset[int]]:
         """Each canary sits in the busiest group and joins each of its rounds with probability q."""
@@ -271,25 +280,17 @@ class DPBandMFStrategy(FederatedStrategy):
         """Clip, sum, add the round's correlated noise, take the momentum step."""
         valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
-        names, reference, total, _ = self.clipped_update_sum(
+        _, reference, total, _ = self.clipped_update_sum(
             valid, max_norm=self.settings.clip, server_round=server_round
         )
         rng = self.run.noise.generator("bandmf-noise", server_round=server_round)
         noise = self.noise.draw(total, rng)
         m = float(self.run.clients_per_round)
-        beta, lr = self.settings.server_momentum, self.settings.server_lr
-        if self._momentum is None:
-            self._momentum = [np.zeros_like(t) for t in total]
-        self._momentum = [
-            beta * v + (s + n) / m for v, s, n in zip(self._momentum, total, noise, strict=True)
-        ]
-        new = {
-            name: Array((r + lr * v).astype(array_values(global_arrays[name]).dtype))
-            for name, r, v in zip(names, reference, self._momentum, strict=True)
-        }
+        average = [(s + n) / m for s, n in zip(total, noise, strict=True)]
+        new = arrays_like(self.server_optimizer.step(reference, average), global_arrays)
         self._record_release(server_round)
         # No train loss (nor anything else computed from the clients' data) in the metrics.
-        return ArrayRecord(new), MetricRecord()
+        return new, MetricRecord()
 
     def mechanism(self) -> Mechanism:
         """What one round charges each member of its group."""
@@ -306,7 +307,7 @@ class DPBandMFStrategy(FederatedStrategy):
                 server_round,
                 self.mechanism(),
                 participants=tuple(info.client_id for info in group),
-                label=f"group {(server_round - 1) % self.num_groups + 1} of {self.num_groups}",
+                label=f"group {self.group_index(server_round) + 1} of {self.num_groups}",
             )
         )
 
@@ -330,10 +331,15 @@ class DPBandMFStrategy(FederatedStrategy):
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
         """The round's group (public)."""
-        return {"group": (server_round - 1) % self.num_groups + 1}
+        return {"group": self.group_index(server_round) + 1}
 
     def privacy_summary(self) -> dict[str, Any]:
         """Unit, mechanism, accountant, the matrix and the schedule."""
+        limit = max_bands(
+            num_clients=self.run.num_clients,
+            clients_per_round=self.run.clients_per_round,
+            rounds=self.num_rounds,
+        )
         return {
             **super().privacy_summary(),
             "noise_multiplier": self.noise_multiplier,
@@ -341,8 +347,7 @@ class DPBandMFStrategy(FederatedStrategy):
             "bands": self.bands,
             "groups": self.num_groups,
             "bands_chosen": (
-                "strategy.bands=auto: the least z^2 ||A C^-1||_F^2 over 1.."
-                f"{min(self.run.num_clients // self.run.clients_per_round, self.num_rounds)} bands"
+                f"strategy.bands=auto: the least z^2 ||A C^-1||_F^2 over 1..{limit} bands"
                 if self.settings.bands == "auto"
                 else "strategy.bands"
             ),
