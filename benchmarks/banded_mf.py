@@ -21,7 +21,6 @@ only in the neighbouring relation: a client's data set, central DP), every seed 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -33,20 +32,13 @@ RUNS = ROOT / "docs" / "benchmarks" / "banded_mf" / "runs"
 
 def keep(sweep: Path, out: Path) -> int:
     """Copy every job's results.json and .hydra/config.yaml below ``sweep`` into ``out``."""
-    jobs = sorted(path.parent for path in sweep.rglob("results.json"))
-    if not jobs:
+    from benchmarks.keep_runs import keep_runs
+
+    kept = keep_runs(sweep, out)
+    if not kept:
         print(f"error: no results.json below {sweep}", file=sys.stderr)
         return 2
-    for job in jobs:
-        # Hydra joins a job's overrides with commas; Flower's FAB manifest (the app `flwr run`
-        # submits, docs included) is unquoted CSV and cannot hold a path with a comma.
-        target = out / job.name.replace(",", "+")
-        (target / ".hydra").mkdir(parents=True, exist_ok=True)
-        shutil.copy2(job / "results.json", target / "results.json")
-        saved = job / ".hydra" / "config.yaml"
-        if saved.is_file():
-            shutil.copy2(saved, target / ".hydra" / "config.yaml")
-    print(f"kept {len(jobs)} runs in {out}")
+    print(f"kept {kept} runs in {out}")
     return 0
 
 

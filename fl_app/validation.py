@@ -157,6 +157,13 @@ def validate_data_options(cfg: DictConfig) -> None:
         require_positive("partition.alpha", partition.alpha)
         if partition.size is not None:
             require_int("partition.size", partition.size, minimum=1)
+    if partition.name == "two_tier":
+        require_int(
+            "partition.large_clients", partition.get("large_clients"), minimum=1, maximum=cfg.num_clients - 1
+        )
+        require_range(
+            "partition.large_share", partition.get("large_share"), 0.0, 1.0, low_open=True, high_open=True
+        )
     if partition.name == "dirichlet":
         require_positive("partition.alpha", partition.alpha)
         require_int("partition.min_partition_size", partition.min_partition_size, minimum=0)

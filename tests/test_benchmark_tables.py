@@ -539,33 +539,42 @@ def test_the_recorded_authors_log_is_theirs_every_round():
     assert all(0.0 < value < 1.0 for value in log.values())
 
 
-# ------------------------------------------------------------------------------ banded_mf (central arms)
-def test_the_central_arms_table_rebuilds_from_the_runs_kept_in_the_repository(tmp_path):
-    """docs/benchmarks/banded_mf/report.md (and the README block copied from it) is what
-    ``fl_app.report`` makes of the 36 kept runs today: nothing in the table was edited by hand."""
+# ------------------------------------------------------------------------------ tables from kept runs
+#: Pages whose table is ``fl_app.report`` of runs kept in the repository (benchmarks/keep_runs.py):
+#: page folder below docs/benchmarks, and the number of jobs of the one command that made them.
+KEPT_RUNS = {"banded_mf": 36, "kd_dp/regime": 18, "kd_dp/regime_skew": 12, "kd_dp/regime_full": 3}
+
+
+@pytest.mark.parametrize(("page", "jobs"), KEPT_RUNS.items())
+def test_a_table_rebuilds_from_the_runs_kept_in_the_repository(tmp_path, page, jobs):
+    """docs/benchmarks/<page>/report.md (and a README block copied from it) is what ``fl_app.report``
+    makes of the kept runs today: nothing in the table was edited by hand, no job is missing."""
     from fl_app import report
 
-    kept = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "banded_mf"
-    assert len(list((kept / "runs").glob("*/results.json"))) == 36
+    kept = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / page
+    assert len(list((kept / "runs").glob("*/results.json"))) == jobs
     assert report.main([str(kept / "runs"), "--out", str(tmp_path)]) == 0
     assert (tmp_path / "report.md").read_text() == (kept / "report.md").read_text()
 
 
-def test_banded_mf_keep_copies_results_and_the_saved_config_only(tmp_path):
-    from benchmarks import banded_mf
+def test_keep_runs_copies_results_and_the_saved_config_only(tmp_path, capsys):
+    from benchmarks import banded_mf, keep_runs
 
     job = tmp_path / "sweep" / "3-dp_bandmf-privacy.epsilon=2,seed=1"
     write_run(job, strategy="dp_bandmf", epsilon=2.0)
     (job / ".hydra").mkdir()
     (job / ".hydra" / "config.yaml").write_text("num_rounds: ${per_budget:${privacy.epsilon},'2:50'}\n")
     (job / "model.pt").write_bytes(b"weights")
-    assert banded_mf.keep(tmp_path / "sweep", tmp_path / "runs") == 0
+    assert keep_runs.main([str(tmp_path / "sweep"), "--out", str(tmp_path / "runs")]) == 0
     copied = sorted(
         p.relative_to(tmp_path / "runs").as_posix() for p in (tmp_path / "runs").rglob("*") if p.is_file()
     )
     kept = "3-dp_bandmf-privacy.epsilon=2+seed=1"  # no comma: Flower's FAB manifest is unquoted CSV
     assert copied == [f"{kept}/.hydra/config.yaml", f"{kept}/results.json"]
-    assert banded_mf.keep(tmp_path / "empty", tmp_path / "runs") == 2
+    assert "kept 1 runs" in capsys.readouterr().out
+    assert keep_runs.main([str(tmp_path / "empty"), "--out", str(tmp_path / "runs")]) == 2
+    assert "error: no results.json below" in capsys.readouterr().err
+    assert banded_mf.keep(tmp_path / "sweep", tmp_path / "again") == 0  # the page's own command
 
 
 def test_banded_mf_plot_draws_every_arm_or_refuses_an_empty_folder(tmp_path, capsys):
@@ -585,3 +594,16 @@ def test_banded_mf_plot_draws_every_arm_or_refuses_an_empty_folder(tmp_path, cap
     (tmp_path / "none").mkdir()
     assert banded_mf.plot(tmp_path / "none", tmp_path / "none.png") == 2
     assert "no completed private runs" in capsys.readouterr().err
+
+
+def test_kd_dp_regime_pairs_in_the_page_rebuild_from_the_kept_runs():
+    """docs/benchmarks/kd_dp.md's seed-by-seed table of the regime runs is the script's, unedited."""
+    from benchmarks import kd_dp_regime
+    from benchmarks.tables import with_generated_block
+
+    root = Path(__file__).resolve().parents[1]
+    page = (root / "docs" / "benchmarks" / "kd_dp.md").read_text()
+    lines = kd_dp_regime.table(kd_dp_regime.load(root / "docs" / "benchmarks" / "kd_dp"))
+    assert with_generated_block(page, lines, begin=kd_dp_regime.BEGIN, end=kd_dp_regime.END) == page
+    # every arm of every population is there, the ablation included (the pairs need it)
+    assert sum(" federated DP-SGD |" in line for line in lines) == 4

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fl_app.data import partition_cache, sources
+from fl_app.data import PARTITION_SCHEMES, partition_cache, sources
 from fl_app.data.federated import DataSpec, FederatedData, build_federated_data, federated_data
 from fl_app.data.local import load_local_dataset
 from fl_app.data.partition import partition_rows, split_public
@@ -191,6 +191,30 @@ def test_size_skewed_partitioners():
     assert sizes[-1] > 5 * sizes[0]
 
 
+def test_two_tier_partition_gives_two_sizes_iid_and_every_row_once():
+    from fl_app.data.partition import two_tier_sizes
+
+    labels = np.random.default_rng(0).integers(0, 10, size=6003)
+    parts = partition_rows(
+        labels, scheme="two_tier", num_partitions=20, seed=0, options={"large_clients": 3, "large_share": 0.6}
+    )
+    sizes = [len(p) for p in parts]
+    large = round(0.6 * 6003)
+    assert sizes[-3:] == [1201, 1201, 1200] and sum(sizes[-3:]) == large  # remainder to the first of a tier
+    assert set(sizes[:-3]) == {141, 142} and sum(sizes[:-3]) == 6003 - large
+    every = np.concatenate(parts)
+    assert len(every) == len(set(every.tolist())) == 6003
+    # IID: a client's class shares follow the data set's, unlike a label-skewed partition
+    shares = [np.bincount(labels[p], minlength=10).max() / len(p) for p in parts[-3:]]
+    assert max(shares) < 0.15
+    with pytest.raises(ValueError, match=r"partition\.large_clients=20"):
+        two_tier_sizes(100, num_partitions=20, large_clients=20, large_share=0.5)
+    with pytest.raises(ValueError, match=r"partition\.large_share=1\.0"):
+        two_tier_sizes(100, num_partitions=20, large_clients=2, large_share=1.0)
+    with pytest.raises(ValueError, match=r"partition\.large_share=0\.99: 1 rows cannot give each of 18"):
+        two_tier_sizes(100, num_partitions=20, large_clients=2, large_share=0.99)
+
+
 def test_federated_data_is_cached_per_process():
     spec = DataSpec(
         dataset={"name": "digits", "test_fraction": 0.25, "public_fraction": 0.1},
@@ -293,7 +317,6 @@ def test_a_process_that_finds_its_partition_cached_never_imports_the_partitioner
 
 def test_partition_schemes_are_the_registered_partitioners():
     from fl_app.conf_dir import config_groups
-    from fl_app.data import PARTITION_SCHEMES
     from fl_app.data.partition import PARTITIONERS
 
     assert sorted(PARTITION_SCHEMES) == sorted(PARTITIONERS) == config_groups()["partition"]
@@ -365,7 +388,7 @@ def test_local_device_data_npz_and_idx(tmp_path):
         load_local_dataset(str(tmp_path / "missing.npz"))
 
 
-@pytest.mark.parametrize("scheme", ["iid", "dirichlet", "equal_size_dirichlet", "linear", "exponential"])
+@pytest.mark.parametrize("scheme", PARTITION_SCHEMES)
 @pytest.mark.parametrize(("clients", "rows"), [(7, 2000), (13, 5001), (40, 6000)])
 def test_fast_partition_rows_equal_flower_datasets_public_path(scheme: str, clients: int, rows: int) -> None:
     """The per-client rows without one load_partition per client are exactly the public path's."""
@@ -376,7 +399,11 @@ def test_fast_partition_rows_equal_flower_datasets_public_path(scheme: str, clie
     labels = np.random.default_rng(rows).integers(0, 10, size=rows)
     found = []
     for path in ("public", "fast"):
-        partitioner = PARTITIONERS[scheme](clients, 3, {"alpha": 0.5, "min_partition_size": 2, "size": None})
+        partitioner = PARTITIONERS[scheme](
+            clients,
+            3,
+            {"alpha": 0.5, "min_partition_size": 2, "size": None, "large_clients": 2, "large_share": 0.5},
+        )
         partitioner.dataset = Dataset.from_dict(
             {"label": labels.astype(np.int64), "row": np.arange(rows, dtype=np.int64)}
         )

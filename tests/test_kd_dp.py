@@ -324,6 +324,61 @@ def test_experiment_preset_is_the_benchmark_setting():
     KDDPStrategy.declaration.validate(preset)
 
 
+def test_regime_preset_groups_exactly_the_large_tier_and_its_arms_differ_only_in_the_budget_use():
+    """+experiment=kd_dp_regime: the document's population (two tiers), KD-DP's grouping picks the
+    large tier and nothing else, and the three arms share every setting but the teacher and labels."""
+    from omegaconf import OmegaConf
+
+    from fl_app.__main__ import expand_jobs
+    from fl_app.config import compose_config
+    from fl_app.data.partition import two_tier_sizes
+    from strategies.kd_dp.privacy import group_by_size
+
+    jobs = expand_jobs(["+experiment=kd_dp_regime"], multirun=True)
+    grid = {tuple(sorted(o for o in job if not o.startswith("+experiment="))) for job in jobs}
+    assert grid == {
+        tuple(sorted((f"kd_dp_arm={arm}", f"privacy.epsilon={e}", f"seed={s}")))
+        for arm in ("kd_dp", "kd_dp_label_free", "fed_dp_sgd")
+        for e in (1, 4)
+        for s in (1, 2, 3)
+    }
+    arms = {
+        arm: compose_config(["+experiment=kd_dp_regime", f"kd_dp_arm={arm}", "privacy.epsilon=4"])
+        for arm in ("kd_dp", "kd_dp_label_free", "fed_dp_sgd")
+    }
+    for cfg in arms.values():
+        KDDPStrategy.declaration.validate(cfg)
+    assert (arms["kd_dp"].strategy.epsilon_special, arms["kd_dp"].strategy.teacher_rounds) == (2, 5)
+    assert (
+        arms["kd_dp_label_free"].strategy.epsilon_special,
+        arms["kd_dp_label_free"].strategy.teacher_rounds,
+    ) == (None, 5)
+    assert (arms["fed_dp_sgd"].strategy.epsilon_special, arms["fed_dp_sgd"].strategy.teacher_rounds) == (
+        None,
+        0,
+    )
+
+    def shared(cfg):
+        plain = OmegaConf.to_container(cfg, resolve=True)
+        del plain["strategy"]["epsilon_special"], plain["strategy"]["teacher_rounds"]
+        return plain
+
+    assert shared(arms["kd_dp"]) == shared(arms["kd_dp_label_free"]) == shared(arms["fed_dp_sgd"])
+    cfg = arms["kd_dp"]
+    assert (cfg.dataset.name, cfg.partition.name, cfg.num_clients) == ("mnist", "two_tier", 100)
+    sizes = two_tier_sizes(
+        48_000,
+        num_partitions=cfg.num_clients,
+        large_clients=cfg.partition.large_clients,
+        large_share=cfg.partition.large_share,
+    )
+    large, general = group_by_size(
+        dict(enumerate(sizes)), threshold=None, fraction=cfg.strategy.large_fraction
+    )
+    assert large == list(range(95, 100)) and len(general) == 95
+    assert min(sizes[c] for c in large) > 10 * max(sizes[c] for c in general)
+
+
 def test_empty_group_is_a_config_error(tmp_path):
     run = build_run_context([*KD, "strategy.large_fraction=null", "strategy.large_threshold=400"], tmp_path)
     with pytest.raises(ConfigError, match=r"strategy\.large_threshold"):

@@ -47,7 +47,111 @@ def _exponential(num_partitions: int, seed: int, options: Mapping[str, Any]) -> 
     return ExponentialPartitioner(num_partitions=num_partitions)
 
 
-class EqualSizeDirichletPartitioner(Partitioner):
+def two_tier_sizes(
+    num_rows: int, *, num_partitions: int, large_clients: int, large_share: float
+) -> list[int]:
+    """Client sizes of the two-tier partition: a few large-data clients and many general clients.
+
+    The ``large_clients`` last clients share ``round(large_share * num_rows)`` rows equally, the
+    other ``num_partitions - large_clients`` (general) clients share the rest equally; a remainder
+    of a division goes one row each to the first clients of the tier. KD-DP's document (Tan et al.
+    2024) groups clients into "large-data clients" and "general clients" by data size; this is that
+    population in its plainest form (IID labels, two sizes).
+
+    Raises
+    ------
+    ValueError
+        When a tier is empty or a client would get no row; the message names the partition key.
+
+    """
+    if not 1 <= large_clients < num_partitions:
+        raise ValueError(f"partition.large_clients={large_clients}: must be in [1, num_clients - 1]")
+    if not 0.0 < large_share < 1.0:
+        raise ValueError(f"partition.large_share={large_share}: must be in (0, 1)")
+    large_rows = round(large_share * num_rows)
+    sizes: list[int] = []
+    for clients, rows in (
+        (num_partitions - large_clients, num_rows - large_rows),
+        (large_clients, large_rows),
+    ):
+        size, extra = divmod(rows, clients)
+        if size == 0:
+            raise ValueError(
+                f"partition.large_share={large_share}: {rows} rows cannot give each of {clients} clients one"
+            )
+        sizes += [size + 1] * extra + [size] * (clients - extra)
+    return sizes
+
+
+class AssignedOncePartitioner(Partitioner):
+    """A partitioner that assigns every client's rows at the first ``load_partition`` call.
+
+    Subclasses implement :meth:`_assign` (client id -> row indices of ``self.dataset``). The
+    assignment is kept in ``_partition_id_to_indices``, the attribute
+    :func:`partition_positions_fast` reads (as for flwr-datasets' own partitioners).
+    """
+
+    def __init__(self, num_partitions: int) -> None:
+        super().__init__()
+        self._num_partitions = num_partitions
+        self._partition_id_to_indices: dict[int, list[int]] = {}
+
+    @property
+    def num_partitions(self) -> int:
+        """Number of clients."""
+        return self._num_partitions
+
+    def load_partition(self, partition_id: int) -> Dataset:
+        """The rows of client ``partition_id`` (all partitions are assigned on the first call)."""
+        if not self._partition_id_to_indices:
+            self._partition_id_to_indices = self._assign()
+        return self.dataset.select(self._partition_id_to_indices[partition_id])
+
+    def _assign(self) -> dict[int, list[int]]:
+        raise NotImplementedError
+
+
+class TwoTierPartitioner(AssignedOncePartitioner):
+    """IID rows in two client sizes (:func:`two_tier_sizes`), contiguous in the given (seeded) row order.
+
+    Parameters
+    ----------
+    num_partitions : int
+        Number of clients.
+    large_clients : int
+        Number of large-data clients (the last ones).
+    large_share : float
+        Share of the rows the large-data clients hold together.
+
+    """
+
+    def __init__(self, num_partitions: int, *, large_clients: int, large_share: float) -> None:
+        super().__init__(num_partitions)
+        self.large_clients = large_clients
+        self.large_share = large_share
+
+    def _assign(self) -> dict[int, list[int]]:
+        sizes = two_tier_sizes(
+            len(self.dataset),
+            num_partitions=self.num_partitions,
+            large_clients=self.large_clients,
+            large_share=self.large_share,
+        )
+        ends = np.cumsum(sizes)
+        return {
+            i: list(range(int(end) - size, int(end)))
+            for i, (size, end) in enumerate(zip(sizes, ends, strict=True))
+        }
+
+
+def _two_tier(num_partitions: int, seed: int, options: Mapping[str, Any]) -> Partitioner:
+    del seed  # rows are already in a seeded random order: each client's rows are IID
+    return TwoTierPartitioner(
+        num_partitions, large_clients=int(options["large_clients"]), large_share=float(options["large_share"])
+    )
+
+
+class EqualSizeDirichletPartitioner(AssignedOncePartitioner):
     """Equal-size clients, each with its own Dirichlet(alpha) class shares (PrivateKT's partition).
 
     The partition of Qi et al.'s code (taoqi98/PrivateKT, ``Code/preprocessing.py``,
@@ -72,31 +176,19 @@ class EqualSizeDirichletPartitioner(Partitioner):
     """
 
     def __init__(self, num_partitions: int, *, alpha: float, size: int | None, seed: int) -> None:
-        super().__init__()
-        self._num_partitions = num_partitions
+        super().__init__(num_partitions)
         self.alpha = alpha
         self.size = size
         self.seed = seed
-        self._partition_id_to_indices: dict[int, list[int]] = {}
 
-    @property
-    def num_partitions(self) -> int:
-        """Number of clients."""
-        return self._num_partitions
-
-    def load_partition(self, partition_id: int) -> Dataset:
-        """The rows of client ``partition_id`` (all partitions are drawn on the first call)."""
-        if not self._partition_id_to_indices:
-            self._draw()
-        return self.dataset.select(self._partition_id_to_indices[partition_id])
-
-    def _draw(self) -> None:
+    def _assign(self) -> dict[int, list[int]]:
         labels = np.asarray(self.dataset["label"], dtype=np.int64)
         rng = np.random.default_rng([self.seed, 0xD1C4])
         classes = np.unique(labels)
         pools = {c: rng.permutation(np.flatnonzero(labels == c)) for c in classes}
         used = dict.fromkeys(classes, 0)
         size = self.size if self.size is not None else len(labels) // self.num_partitions
+        assigned: dict[int, list[int]] = {}
         for client in range(self.num_partitions - 1):
             counts = np.round(rng.dirichlet([self.alpha] * len(classes)) * size).astype(np.int64)
             counts[counts.argmax()] -= counts.sum() - size
@@ -104,9 +196,10 @@ class EqualSizeDirichletPartitioner(Partitioner):
             for c, count in zip(classes, counts, strict=True):
                 rows.append(pools[c][used[c] : used[c] + count])
                 used[c] += int(count)
-            self._partition_id_to_indices[client] = np.concatenate(rows).tolist()
+            assigned[client] = np.concatenate(rows).tolist()
         rest = [pools[c][used[c] :] for c in classes]
-        self._partition_id_to_indices[self.num_partitions - 1] = np.concatenate(rest).tolist()
+        assigned[self.num_partitions - 1] = np.concatenate(rest).tolist()
+        return assigned
 
 
 def _equal_size_dirichlet(num_partitions: int, seed: int, options: Mapping[str, Any]) -> Partitioner:
@@ -122,6 +215,7 @@ PARTITIONERS: dict[str, Callable[[int, int, Mapping[str, Any]], Partitioner]] = 
     "equal_size_dirichlet": _equal_size_dirichlet,
     "linear": _linear,
     "exponential": _exponential,
+    "two_tier": _two_tier,
 }
 
 
