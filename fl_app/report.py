@@ -31,7 +31,7 @@ import json
 import math
 import sys
 import textwrap
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +45,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from omegaconf import OmegaConf
 
+from fl_app.code_version import describe as describe_code
 from fl_app.lifecycle import COMPLETED_STATUSES, DIVERGENCE_FACTOR, diverged  # keeps COMPLETED unless --all
 
 REQUIRED_FIELDS = ("strategy", "dataset", "config", "rounds", "final", "privacy")
@@ -393,6 +394,24 @@ def _fmt(value: Any, digits: int = 4) -> str:
     return str(value)
 
 
+def code_versions_line(runs: Sequence[Run]) -> str | None:
+    """One sentence naming the runs' code versions (``results.json``'s ``code``, :mod:`fl_app.code_version`).
+
+    None when no run recorded one (results written before the field existed): the report then says
+    nothing rather than "unknown" for every row.
+    """
+    recorded = [run.results.get("code") for run in runs]
+    if not any(recorded):
+        return None
+    counts = Counter(describe_code(version) for version in recorded if version)
+    unrecorded = sum(1 for version in recorded if not version)
+    if len(counts) == 1 and not unrecorded:
+        return f"Code: every run on {next(iter(counts))}."
+    parts = [f"{name} ({count} runs)" for name, count in counts.most_common()]
+    text = f"Code: {len(counts)} versions: {', '.join(parts)}"
+    return text + (f"; {unrecorded} runs without a record." if unrecorded else ".")
+
+
 def write_tables(
     rows: Sequence[dict[str, Any]],
     problems: Sequence[str],
@@ -400,6 +419,7 @@ def write_tables(
     *,
     left_out: Sequence[str] = (),
     missing: Sequence[str] = (),
+    code_line: str | None = None,
 ) -> None:
     """``report.csv`` and ``report.md`` (with the runs left out and the jobs without results listed)."""
     with (out / "report.csv").open("w", newline="") as stream:
@@ -417,6 +437,8 @@ def write_tables(
     if chance:
         levels = ", ".join(f"{name} {value:.3f}" for name, value in sorted(chance.items()))
         lines += ["", f"Chance level (the evaluation split's most frequent label): {levels}."]
+    if code_line:
+        lines += ["", code_line]
     if left_out:
         lines += ["", "Runs left out (not completed; `--all` includes them):", ""]
         lines += [f"- {line}" for line in left_out]
@@ -733,7 +755,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or args.directory
     out.mkdir(parents=True, exist_ok=True)
     rows = summarise(runs)
-    write_tables(rows, problems, out, left_out=left_out, missing=missing)
+    write_tables(rows, problems, out, left_out=left_out, missing=missing, code_line=code_versions_line(runs))
     for row in rows:
         if row["diverged"]:
             print(

@@ -5,6 +5,7 @@
     {
       "schema": 1,
       "status": "completed" | "completed_with_failures" | "failed" | "interrupted",
+      "code": {"package": str|null, "commit": str|null, "dirty": bool|null},  # fl_app.code_version
       "strategy": str, "dataset": str, "partition": str,
       "config": {...resolved configuration...},
       "initial": {"accuracy": float, "loss": float},
@@ -83,6 +84,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 from omegaconf import DictConfig, OmegaConf
 
+from fl_app.code_version import code_version
 from fl_app.files import write_atomically, writing
 from fl_app.lifecycle import diverged
 from fl_app.model_spec import ModelSpec
@@ -292,6 +294,7 @@ class RunRecorder:
         results = {
             "schema": SCHEMA_VERSION,
             "status": status,
+            "code": code_version(),
             "strategy": strategy,
             "dataset": self.settings.dataset,
             "partition": describe_partition(self.cfg),

@@ -26,6 +26,9 @@ def test_run_experiment_returns_the_results_it_wrote(tmp_path: Path) -> None:
     assert results["status"] == "completed" and len(results["rounds"]) == 2
     assert results["final"]["epsilon"] == pytest.approx(4.0, abs=0.05)
     assert results["config"]["strategy"]["name"] == "dp_fedavg"
+    from fl_app.code_version import code_version
+
+    assert results["code"] == code_version() and results["code"]["package"]  # which code ran (issue 41)
 
 
 def test_a_bad_value_raises_before_anything_is_written(tmp_path: Path) -> None:

@@ -413,3 +413,54 @@ def test_upload_axis_labels_do_not_overlap(tmp_path, monkeypatch):
         assert len(boxes) >= 2, texts
         boxes.sort(key=lambda box: box.x0)
         assert all(a.x1 < b.x0 for a, b in itertools.pairwise(boxes)), texts
+
+
+def test_report_names_the_code_versions_its_rows_come_from(tmp_path):
+    """Rows are comparable only from one code version: the report says which ones (``code``)."""
+    import json as _json
+
+    from fl_app.code_version import code_version, describe
+
+    for seed in (1, 2, 3):
+        fake_results(tmp_path / "one" / f"r{seed}", strategy="fedavg", epsilon=None, seed=seed, accuracy=0.8)
+    assert main([str(tmp_path / "one"), "--out", str(tmp_path / "out0")]) == 0
+    assert "Code:" not in (tmp_path / "out0" / "report.md").read_text()  # older results: no claim
+    versions = [
+        {"package": "0.1.0", "commit": "a" * 40, "dirty": False},
+        {"package": "0.1.0", "commit": "a" * 40, "dirty": False},
+        {"package": "0.1.0", "commit": "b" * 40, "dirty": True},
+    ]
+    for seed, version in zip((1, 2, 3), versions, strict=True):
+        path = tmp_path / "one" / f"r{seed}" / "results.json"
+        results = _json.loads(path.read_text())
+        results["code"] = version
+        path.write_text(_json.dumps(results))
+    assert main([str(tmp_path / "one"), "--out", str(tmp_path / "out1")]) == 0
+    text = (tmp_path / "out1" / "report.md").read_text()
+    assert "Code: 2 versions: aaaaaaa (2 runs), bbbbbbb (edited) (1 runs)." in text
+    path = tmp_path / "one" / "r3" / "results.json"
+    results = _json.loads(path.read_text())
+    results["code"] = versions[0]
+    path.write_text(_json.dumps(results))
+    assert main([str(tmp_path / "one"), "--out", str(tmp_path / "out2")]) == 0
+    assert "Code: every run on aaaaaaa." in (tmp_path / "out2" / "report.md").read_text()
+    # this checkout: the commit git names; a FAB (no git) records the package alone
+    here = code_version()
+    assert here["package"] and (here["commit"] is None or len(here["commit"]) == 40)
+    assert describe({"package": "0.1.0", "commit": None, "dirty": None}) == "dpfl 0.1.0"
+    assert describe(None) == "unknown"
+
+
+def test_code_version_outside_a_git_checkout_is_the_package_alone(tmp_path, monkeypatch):
+    from fl_app import code_version as module
+
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    module.code_version.cache_clear()
+    try:
+        assert module.code_version() == {
+            "package": module.code_version()["package"],
+            "commit": None,
+            "dirty": None,
+        }
+    finally:
+        module.code_version.cache_clear()
