@@ -30,7 +30,8 @@ between the README's ``<!-- RESULTS:BEGIN -->`` and ``<!-- RESULTS:END -->`` mar
 arms' second edition (``banded_mf/report.md``, regenerated from the runs kept in
 ``docs/benchmarks/banded_mf/runs/``) between ``<!-- CENTRAL:BEGIN -->`` and ``<!-- CENTRAL:END -->``,
 and the record-level table (``record_level/report.md``, from ``docs/benchmarks/record_level/runs/``)
-between ``<!-- RECORD:BEGIN -->`` and ``<!-- RECORD:END -->``, so numbers are never typed by hand. Usage (from the repository root)::
+between ``<!-- RECORD:BEGIN -->`` and ``<!-- RECORD:END -->``, so numbers are never typed by hand.
+Usage (from the repository root)::
 
     python -P benchmarks/build_docs.py [--check]
 

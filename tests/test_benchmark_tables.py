@@ -542,7 +542,13 @@ def test_the_recorded_authors_log_is_theirs_every_round():
 # ------------------------------------------------------------------------------ tables from kept runs
 #: Pages whose table is ``fl_app.report`` of runs kept in the repository (benchmarks/keep_runs.py):
 #: page folder below docs/benchmarks, and the number of jobs of the one command that made them.
-KEPT_RUNS = {"banded_mf": 36, "kd_dp/regime": 18, "kd_dp/regime_skew": 12, "kd_dp/regime_full": 3}
+KEPT_RUNS = {
+    "banded_mf": 36,
+    "record_level": 36,
+    "kd_dp/regime": 18,
+    "kd_dp/regime_skew": 12,
+    "kd_dp/regime_full": 3,
+}
 
 
 @pytest.mark.parametrize(("page", "jobs"), KEPT_RUNS.items())
