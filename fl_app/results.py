@@ -186,6 +186,9 @@ class RunRecorder:
         #: Failed train replies over the run (published as ``final.failures`` unless the cohorts are secret).
         self.failures = 0
         self._columns: list[str] = []  # metrics.csv's header
+        #: Read when the run starts, not when it ends (code edited during a long run is not what ran);
+        #: cached per process, whose modules were imported once.
+        self.code = code_version()
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
 
@@ -294,7 +297,7 @@ class RunRecorder:
         results = {
             "schema": SCHEMA_VERSION,
             "status": status,
-            "code": code_version(),
+            "code": self.code,
             "strategy": strategy,
             "dataset": self.settings.dataset,
             "partition": describe_partition(self.cfg),
