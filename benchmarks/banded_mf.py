@@ -32,14 +32,9 @@ RUNS = ROOT / "docs" / "benchmarks" / "banded_mf" / "runs"
 
 def keep(sweep: Path, out: Path) -> int:
     """Copy every job's results.json and .hydra/config.yaml below ``sweep`` into ``out``."""
-    from benchmarks.keep_runs import keep_runs
+    from benchmarks import keep_runs
 
-    kept = keep_runs(sweep, out)
-    if not kept:
-        print(f"error: no results.json below {sweep}", file=sys.stderr)
-        return 2
-    print(f"kept {kept} runs in {out}")
-    return 0
+    return keep_runs.main([str(sweep), "--out", str(out)])
 
 
 def losses(rounds: list[int], bands: list[int]) -> None:

@@ -15,14 +15,13 @@ alone), and the difference to the ablation of the same seed. Without ``--doc`` i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.tables import markdown_table, replace_generated_block
+from benchmarks.tables import completed_runs, markdown_table, replace_generated_block
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN = "<!-- BEGIN GENERATED: kd_dp/regime_pairs.md -->"
@@ -45,9 +44,8 @@ def arm_name(config: dict) -> str:
 def load(runs: Path) -> dict[tuple[float, float, str], dict[int, tuple[float, float | None]]]:
     """(large share, epsilon, arm) -> seed -> (final accuracy, accuracy at the teacher stage's end)."""
     found: dict[tuple[float, float, str], dict[int, tuple[float, float | None]]] = defaultdict(dict)
-    for path in sorted(runs.glob("regime*/runs/*/results.json")):
-        results = json.loads(path.read_text())
-        if results.get("status") != "completed":
+    for results in completed_runs(runs):
+        if not Path(results["_path"]).relative_to(runs).parts[0].startswith("regime"):
             continue
         config = results["config"]
         teacher_rounds = config["strategy"]["teacher_rounds"]
