@@ -3,7 +3,8 @@
 Reads every ``results.json`` below ``<dir>`` (a multirun directory, or a tree of them), groups the runs
 that differ only in their seed, and writes into ``<dir>`` (or ``--out``):
 
-* ``report.csv`` and ``report.md``: one row per group: algorithm, data set, partition, the settings
+* ``report.csv`` and ``report.md``: one row per group: algorithm (with the runs' ``label``, if set:
+  ``dp_fedavg (untuned)``), data set, partition, the settings
   that vary across the runs (every configuration key with more than one value, e.g. ``strategy.k`` in
   a sweep over K), target and reported cumulative epsilon, delta, final accuracy as mean +- standard
   deviation over seeds (the standard deviation only with at least two seeds), upload bytes per client
@@ -132,6 +133,7 @@ class Run:
         """
         flat = {k: v for k, v in flatten(self.config).items() if k not in IGNORED_KEYS}
         flat.setdefault("evaluation.split", "test")
+        flat.setdefault("label", None)  # runs made before ``label`` existed have none
         if flat["evaluation.split"] == "test":
             flat.pop("evaluation.validation_fraction", None)
         return flat
@@ -296,12 +298,12 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
         estimates = [e for e in empirical if e]
         private = bool(finite) and len(finite) == len(epsilons)
         per_budget = members[0].budget_rules()
-        shown = [k for k in varying if k in own]
+        shown = [k for k in varying if k in own and k != "label"]  # the label is in the algorithm column
         statuses = [m.status for m in members]
         chances = [m.results["final"].get("chance_accuracy") for m in members]
         rows.append(
             {
-                "algorithm": first["strategy"],
+                "algorithm": first["strategy"] + (f" ({own['label']})" if own["label"] else ""),
                 "status": status_text(statuses),
                 "dataset": first["dataset"],
                 "partition": first.get("partition", ""),

@@ -75,6 +75,7 @@ class RunSettings:
     output_dir: str | None
     resume: str | None
     tracking: str
+    label: str | None
     privacy: PrivacySettings
     evaluation: EvaluationSettings
     simulation: SimulationSettings
@@ -105,6 +106,7 @@ class RunSettings:
             output_dir=optional(cfg.get("output_dir"), str),
             resume=optional(cfg.get("resume"), str),
             tracking=str(cfg.get("tracking", "none")),
+            label=optional(cfg.get("label"), str),
             privacy=PrivacySettings(
                 epsilon=float(privacy.epsilon),
                 delta=float(privacy.delta),

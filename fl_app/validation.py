@@ -133,6 +133,9 @@ def validate_common(cfg: DictConfig) -> None:
     missing = tracker_available(tracking)
     if missing is not None:
         raise ConfigError("tracking", tracking, missing)
+    label = cfg.get("label")
+    if label is not None and (not isinstance(label, str) or not label.strip() or "\n" in label):
+        raise ConfigError("label", label, "must be null or a one-line name")
 
     validate_data_options(cfg)
 

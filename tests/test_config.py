@@ -381,8 +381,9 @@ def test_cli_exits_2_with_one_line_and_writes_nothing(override, tmp_path):
 
 
 def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
-    """84 jobs (7 arms x 4 budgets x 3 seeds); each arm's rule (cohort, rounds, schedule) survives the
-    preset's shape, every job validates, privacy randomness is secret, and each job has its own dir."""
+    """132 jobs (7 arms and 4 untuned rows x 4 budgets x 3 seeds); each arm's rule (cohort, rounds,
+    schedule) survives the preset's shape, every job validates, privacy randomness is secret, and each
+    job has its own dir."""
     from fl_app.__main__ import expand_jobs
 
     jobs = expand_jobs(["+experiment=compare_cross_device"], multirun=True)
@@ -395,7 +396,9 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         "fedavg_ldp",
         "privatekt",
     }
-    assert sweep_grid(jobs) == budget_seed_grid("cross_device", arms)
+    tuned_on_validation = {"dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "dp_bandmf"}
+    untuned = {f"{arm}_untuned" for arm in tuned_on_validation}
+    assert sweep_grid(jobs) == budget_seed_grid("cross_device", arms | untuned)
     rules = {}
     per_budget = {}  # dp_fedavg's rounds and local epochs, chosen per budget on the validation split
     for job in (j for j in jobs if "seed=1" in j and "cross_device=dp_fedavg" in j):
@@ -441,7 +444,17 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
             model,
         )
         assert cfg.privacy.secure_rng is True and cfg.privacy.delta < 1 / cfg.num_clients
-        rules[cfg.strategy.name] = (cfg.clients_per_round, cfg.num_rounds, cfg.strategy.get("schedule"))
+        arm = next(o.split("=")[1] for o in job if o.startswith("cross_device="))
+        rules[arm] = (cfg.clients_per_round, cfg.num_rounds, cfg.strategy.get("schedule"))
+        # an untuned row: labelled; the preset's shape, the strategy's defaults (nothing chosen on data)
+        assert cfg.label == ("untuned" if arm in untuned else None)
+        if arm in untuned:
+            assert (cfg.strategy.name, cfg.num_rounds, cfg.local_epochs) == (
+                arm.removesuffix("_untuned"),
+                200,
+                1,
+            )
+            assert cfg.strategy.get("server_lr", 1.0) == 1.0
         if cfg.strategy.name == "privatekt":
             assert cfg.local_epochs == 5  # chosen on the validation split
             assert cfg.lr == 0.05  # the authors'
@@ -453,7 +466,9 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         "dp_fedavg_secagg": (100, 30, None),  # its balanced schedule is built in (no key)
         "fedavg_ldp": (10, 100, "balanced"),  # one report per client: the whole budget on it
         "privatekt": (10, 100, "balanced"),
+        **{arm: (100, 200, None) for arm in untuned},
     }
+    assert len({tuple(j) for j in jobs}) == len(jobs) == 132
     reference = expand_jobs(
         ["+experiment=compare_cross_device", "cross_device=fedavg", "privacy.epsilon=8"], multirun=True
     )
@@ -461,12 +476,13 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
 
 
 def test_compare_record_level_sweeps_the_record_level_arms_apart():
-    """36 jobs (3 arms x 4 budgets x 3 seeds) in the cross-device shape, every job validates, each
-    budget is the accountant's total per example, and the arms' job directories differ."""
+    """60 jobs (3 arms and 2 untuned rows x 4 budgets x 3 seeds) in the cross-device shape, every job
+    validates, each budget is the accountant's total per example, and the arms' job directories differ."""
     from fl_app.__main__ import expand_jobs
 
     jobs = expand_jobs(["+experiment=compare_record_level"], multirun=True)
-    assert sweep_grid(jobs) == budget_seed_grid("record_level", {"kd_dp", "fed_dp_sgd", "nbafl"})
+    arms = {"kd_dp", "kd_dp_untuned", "fed_dp_sgd", "fed_dp_sgd_untuned", "nbafl"}
+    assert sweep_grid(jobs) == budget_seed_grid("record_level", arms)
     seen, rounds = {}, {}
     for job in (j for j in jobs if "seed=1" in j):
         cfg = compose_config(job)
@@ -497,6 +513,10 @@ def test_compare_record_level_sweeps_the_record_level_arms_apart():
         assert rounds[("kd_dp", epsilon)] == rounds[("nbafl", epsilon)] == 50
         assert seen[("kd_dp", epsilon)] == ("kd_dp", None, epsilon / 2, None, 0.3)  # the total stays epsilon
         assert seen[("nbafl", epsilon)] == ("nbafl", None, None, "accountant", 0.1)  # equal, composed budget
+        # untuned: the preset's lr 0.1 and 50 rounds, the arms' strategy settings unchanged
+        assert seen[("fed_dp_sgd_untuned", epsilon)] == ("kd_dp", 0, None, None, 0.1)
+        assert seen[("kd_dp_untuned", epsilon)] == ("kd_dp", None, epsilon / 2, None, 0.1)
+        assert rounds[("fed_dp_sgd_untuned", epsilon)] == rounds[("kd_dp_untuned", epsilon)] == 50
 
 
 def test_declared_settings_read_check_and_name_the_key():

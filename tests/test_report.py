@@ -464,3 +464,22 @@ def test_code_version_outside_a_git_checkout_is_the_package_alone(tmp_path, monk
         }
     finally:
         module.code_version.cache_clear()
+
+
+def test_a_labelled_arm_is_its_own_row_named_by_its_label(tmp_path):
+    """``label=untuned`` makes a row of its own, named ``dp_fedavg (untuned)`` in the algorithm column
+    (not a settings column); a run made before ``label`` existed joins an unlabelled one."""
+    for seed, (name, label) in enumerate([("a", None), ("b", None), ("c", "untuned"), ("d", "untuned")]):
+        fake_results(tmp_path / name, strategy="dp_fedavg", epsilon=3.9, seed=seed, accuracy=0.5 + seed / 10)
+        path = tmp_path / name / "results.json"
+        results = json.loads(path.read_text())
+        if name != "a":  # "a" predates the key
+            results["config"]["label"] = label
+        path.write_text(json.dumps(results))
+    assert main([str(tmp_path)]) == 0
+    rows = {row["algorithm"]: row for row in csv.DictReader((tmp_path / "report.csv").open())}
+    assert set(rows) == {"dp_fedavg", "dp_fedavg (untuned)"}
+    assert float(rows["dp_fedavg"]["accuracy_mean"]) == pytest.approx(0.55)
+    assert float(rows["dp_fedavg (untuned)"]["accuracy_mean"]) == pytest.approx(0.75)
+    assert all("label" not in row["settings"] for row in rows.values())
+    assert "| dp_fedavg (untuned) |" in (tmp_path / "report.md").read_text()

@@ -15,6 +15,7 @@ from fl_app.model_spec import ModelSpec
 from fl_app.models import MODELS, build_model, resolve_model_name
 from fl_app.registry import Registry
 from fl_app.results import RunRecorder, json_safe, load_model_arrays
+from fl_app.run_settings import RunSettings
 from fl_app.training import evaluate, load_arrays, model_to_arrays, predict_proba, train_local
 
 
@@ -190,3 +191,15 @@ def test_local_training_does_not_import_torch_dynamo() -> None:
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert output.stdout.strip() == "False"
+
+
+def test_a_label_is_a_one_line_name_or_nothing():
+    """``label`` names an arm in reports; a number or an empty name is refused with one line."""
+    from fl_app.validation import ConfigError, validate_common
+
+    assert validate_common(compose_config(["dataset=digits", "label=untuned"])) is None
+    assert RunSettings.from_config(compose_config(["dataset=digits", "label=untuned"])).label == "untuned"
+    assert RunSettings.from_config(compose_config(["dataset=digits"])).label is None
+    for bad in ("label=7", "label=''"):
+        with pytest.raises(ConfigError, match=r"label=.*must be null or a one-line name"):
+            validate_common(compose_config(["dataset=digits", bad]))
