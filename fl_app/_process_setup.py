@@ -24,7 +24,7 @@ import importlib.abc
 import sys
 from typing import Any
 
-from dpfl_env import apply_flower_environment
+from dpfl_env import set_up_process
 
 _TORCHVISION_OPS: tuple[str, ...] = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
@@ -78,5 +78,5 @@ def install_shim_hook() -> None:
         sys.meta_path.insert(0, ShimBeforeTorchvision())
 
 
-apply_flower_environment()
+set_up_process()
 install_shim_hook()

@@ -6,6 +6,8 @@ import inspect
 import json
 import re
 import secrets
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from queue import Queue
@@ -741,3 +743,86 @@ def test_the_server_app_patches_the_engine_only_where_the_engine_runs() -> None:
         for prelude in ("", "import flwr.simulation.run_simulation\n")
     ]
     assert outputs == [["False", "False"], ["True", "True"]]
+
+
+# ------------------------------------------------------------------------------ Shamir, FAB installs
+
+
+def test_shamir_shares_are_made_and_joined_without_a_thread_per_call(monkeypatch):
+    """The engine's patch: Flower's create/combine_shares run in the caller's thread (no pool of
+    GIL-bound threads per secret) and still round-trip, from any threshold-sized subset of shares."""
+    from flwr.common.secure_aggregation.crypto import shamir
+
+    from fl_app.engine import secagg  # every process that runs SecAgg+ imports it: the patch is applied
+
+    assert shamir.ThreadPoolExecutor is secagg.InlineExecutor
+
+    def no_thread(self):
+        raise AssertionError("a thread was started for Shamir secret sharing")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    secret = bytes(range(40))  # three 16-byte chunks after padding
+    shares = shamir.create_shares(secret, 3, 5)
+    assert len(shares) == 5 and len(set(shares)) == 5
+    assert shamir.combine_shares(shares[:3]) == secret
+    assert shamir.combine_shares([shares[4], shares[1], shares[2]]) == secret
+    try:  # below the threshold: not the secret (usually not even validly padded)
+        below = shamir.combine_shares(shares[:2])
+    except ValueError:
+        below = None
+    assert below != secret
+
+
+def test_every_process_of_the_environment_serialises_flowers_fab_installs() -> None:
+    """The installed .pth wraps ``flwr.cli.install.validate_and_install`` in a fresh interpreter (as in
+    Flower's own flwr-serverapp and flwr-clientapp processes, which install the run's FAB first)."""
+    probe = (
+        "import dpfl_env, flwr.cli.install as m; "
+        "print(getattr(m.validate_and_install, '_dpfl_serialised', False)); print(dpfl_env.__file__)"
+    )
+    answer = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    wrapped, module = answer.stdout.split()
+    assert wrapped == "True", answer.stderr
+    # the copy the environment imports (pyproject's force-include) is this repository's: else setup.sh again
+    assert Path(module).read_text() == (ROOT / "dpfl_env.py").read_text()
+
+
+def test_a_second_install_of_the_same_fab_waits_for_a_complete_app(tmp_path: Path, monkeypatch) -> None:
+    """Flower's install creates the app folder and then copies into it; a second install of the same FAB
+    took the half-copied folder as installed (the ServerApp then failed: no pyproject.toml). With the
+    lock the second install returns only once the first has copied everything."""
+    import flwr.cli.install as install
+
+    import dpfl_env
+
+    dpfl_env.serialise_installs_of(install)  # idempotent (the .pth already did it)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    (project / "app.py").write_text("x = 1\n")
+    copy_started, release = threading.Event(), threading.Event()
+    original_copy = install.shutil.copy2
+
+    def first_copy_waits(source, target, *args, **kwargs):
+        if threading.current_thread().name == "first" and not copy_started.is_set():
+            copy_started.set()
+            assert release.wait(60)
+        return original_copy(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(install.shutil, "copy2", first_copy_waits)
+    seen: dict[str, list[str]] = {}
+
+    def run(name: str) -> None:
+        path = install.validate_and_install(project, "ab" * 32, None, tmp_path / "home", True)
+        seen[name] = sorted(p.name for p in Path(path).iterdir())
+
+    first = threading.Thread(target=run, args=("first",), name="first")
+    second = threading.Thread(target=run, args=("second",), name="second")
+    first.start()
+    assert copy_started.wait(60)  # the first install made the folder and is copying
+    second.start()
+    second.join(timeout=3)  # without the lock the second returns here, with an empty folder
+    release.set()
+    first.join(60)
+    second.join(60)
+    assert seen == {"first": ["app.py", "pyproject.toml"], "second": ["app.py", "pyproject.toml"]}

@@ -18,6 +18,11 @@ replaces and why:
 * :mod:`~fl_app.engine.tooling`: the ``flwr`` CLI's FAB builder and config file;
 * :mod:`~fl_app.engine.hydra`: Hydra's global state and its basic sweeper's job split.
 
+One patch lives outside this package: ``dpfl_env.py`` (imported by the environment's ``.pth`` at the
+start of every interpreter) serialises ``flwr.cli.install.validate_and_install`` with a file lock,
+because Flower's own ``flwr-serverapp`` and ``flwr-clientapp`` processes install the run's FAB before
+any dpfl code loads, and two of them installing one FAB at once race (a half-copied app folder).
+
 The engine patches run in the process that runs the simulation engine: the driver of
 ``python -m fl_app`` and the ``flwr-simulation`` process of ``flwr run`` (the ServerApp module
 installs them; the engine starts its dispatcher only after Ray is up, seconds later).
