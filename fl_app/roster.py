@@ -32,6 +32,11 @@ ROSTER_POLL_S = 1.0
 #: The first of those intervals, doubled up to :data:`ROSTER_POLL_S` (a simulation registers its
 #: nodes within milliseconds: a whole second's wait was most of its roster time).
 FIRST_POLL_S = 0.02
+#: In a simulation the nodes are not devices that may never come: the engine registers them as it
+#: starts, in a thread beside the ServerApp's. The roster waits for them at least this long, whatever
+#: ``simulation.timeout`` (a deadline for the clients' replies) says: with a deadline of milliseconds
+#: a loaded machine made the run fail with "0 SuperNodes connected" before the engine was up.
+SIMULATED_REGISTRATION_S = 120.0
 
 
 class RosterError(RuntimeError):
@@ -87,7 +92,8 @@ def discover_roster(
     config : ConfigRecord
         Sent with the query (carries the data spec simulated clients need).
     timeout : float
-        Seconds to wait for nodes to connect and to answer.
+        Seconds to wait for nodes to connect and to answer (in a simulation, the wait for the engine
+        to register its nodes is at least :data:`SIMULATED_REGISTRATION_S`).
     simulated : callable, optional
         In a simulation: returns node id -> (partition id, data set size), known to the server (the
         engine numbered the nodes; the server holds the same split), or None before the engine has
@@ -101,14 +107,15 @@ def discover_roster(
         When the federation has a different number of nodes, or nodes fail.
 
     """
-    deadline = time.monotonic() + timeout
+    wait = timeout if simulated is None else max(timeout, SIMULATED_REGISTRATION_S)
+    deadline = time.monotonic() + wait
     reported = -1
     poll = FIRST_POLL_S
     while len(nodes := sorted(grid.get_node_ids())) < expected:
         if time.monotonic() > deadline:
             raise RosterError(
                 f"num_clients={expected}, but only {len(nodes)} SuperNodes connected within "
-                f"{timeout:.0f} s (simulation.timeout); start the missing SuperNodes or set "
+                f"{wait:.0f} s (simulation.timeout); start the missing SuperNodes or set "
                 f"num_clients={len(nodes)}"
             )
         # said only once the wait is noticeable: a simulation's nodes are all there within milliseconds

@@ -642,6 +642,31 @@ def test_a_simulation_roster_asks_no_node_once_the_engine_numbered_them_all(
     assert stale == queried
 
 
+def test_a_simulations_nodes_are_waited_for_whatever_the_reply_deadline() -> None:
+    """``simulation.timeout`` is a deadline for replies: with 1 ms a loaded machine failed a simulation
+    ("0 SuperNodes connected") because the engine registers its nodes a moment after the ServerApp
+    starts. A simulation waits for them; a deployment's devices still get only the deadline."""
+    answers = {15: (0, 40), 311: (1, 50)}
+
+    class Registering(_Grid):
+        polls = 0
+
+        def get_node_ids(self) -> list[int]:
+            self.polls += 1
+            return list(self.answers) if self.polls > 5 else []
+
+    simulated = discover_roster(
+        Registering(answers),  # type: ignore[arg-type]
+        expected=2,
+        config=ConfigRecord({}),
+        timeout=0.001,
+        simulated=lambda: dict(answers),
+    )
+    assert [(c.client_id, c.node_id) for c in simulated] == [(0, 15), (1, 311)]
+    with pytest.raises(RosterError, match="num_clients=2, but only 0 SuperNodes connected"):
+        discover_roster(Registering(answers), expected=2, config=ConfigRecord({}), timeout=0.001)  # type: ignore[arg-type]
+
+
 def test_roster_rejects_a_federation_of_another_size(monkeypatch: pytest.MonkeyPatch) -> None:
     grid = _Grid({1: (-1, 5), 2: (-1, 5), 3: (-1, 5)})
     with pytest.raises(RosterError, match="num_clients=2, but the federation has 3 SuperNodes"):

@@ -31,12 +31,13 @@ def staged_app(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return local_deployment.stage_app(ROOT, tmp_path_factory.mktemp("app") / "dpfl")
 
 
-#: SecAgg+ with a SuperNode killed while the round's train messages are out. Every device waits
-#: KILL_DELAY_S in the collect stage (DPFL_INJECT_DELAY), long enough for both runs to be there when
-#: the SuperNode dies. The SuperLink declares a silent node offline after two missed heartbeats and
+#: SecAgg+ with a SuperNode killed while the round's train messages are out. Every device holds in the
+#: collect stage until the test has killed the SuperNode (DPFL_INJECT_HOLD: it waits for a file the
+#: test writes after the kill), so no device can have answered before, however loaded the machine (a
+#: fixed delay of 12 s did not hold on a loaded machine: a run's devices answered before the kill).
+#: The SuperLink declares a silent node offline after two missed heartbeats and
 #: answers for it with an error: the SuperNodes here beat every HEARTBEAT_S seconds (Flower's default,
 #: 30 s, would keep the test waiting a minute). The stage's wait (simulation.timeout) is a bound only.
-KILL_DELAY_S = 12.0
 HEARTBEAT_S = 10  # the SuperLink accepts 10 s at least
 KILL_TIMEOUT_S = 240
 #: Set in the SuperNodes' processes before Flower's fleet connection reads it.
@@ -93,6 +94,7 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, st
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(HEARTBEAT_PATCH)
     python_path = os.pathsep.join(filter(None, [str(patch), os.environ.get("PYTHONPATH", "")]))
+    killed = tmp_path / "supernode-killed"  # the devices' collect stage waits for this file
     deployment = local_deployment.start(
         tmp_path / "federation",
         data_files=files,
@@ -100,7 +102,7 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, st
         port=local_deployment.free_port(),
         connection="dpfl-test-kill",
         cli_env=cli_env,
-        supernode_env={"DPFL_INJECT_DELAY": str(KILL_DELAY_S), "PYTHONPATH": python_path},
+        supernode_env={"DPFL_INJECT_HOLD": str(killed), "PYTHONPATH": python_path},
         die_with_parent=True,
     )
     federation = Federation("secure", tmp_path, staged_app, deployment, cli_env)
@@ -129,6 +131,11 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, st
             time.sleep(0.5)
         victim = deployment.processes[3]  # the third SuperNode, with its ClientApp processes
         os.killpg(os.getpgid(victim.pid), signal.SIGKILL)
+        gone = time.monotonic() + 60
+        while victim.alive() and time.monotonic() < gone:
+            time.sleep(0.1)
+        assert not victim.alive(), "the killed SuperNode still runs"
+        killed.write_text("the third SuperNode is dead: the others may answer\n")
         results = {}
         for name, submission in runs.items():
             path = submission.output_dir / "results.json"
