@@ -48,7 +48,6 @@ from fl_app.privacy.events import (
     RandomizedResponse,
     SampledGaussian,
 )
-from strategies.dpfl_bnn import privacy as bnn_cal
 from strategies.laplace_eval import privacy as laplace_cal
 from strategies.nbafl import privacy as nbafl_cal
 from strategies.privatekt import privacy as kt_cal
@@ -222,6 +221,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         beta = kt_cal.privatekt_keep_probability(epsilon=args.epsilon, k=args.k, num_classes=args.classes)
         return {"beta": beta, "epsilon_per_label": args.epsilon / args.k}
     if args.command == "bnn":
+        # here, not at the top: the package imports its strategy and torch (3 s), which no other
+        # command (nor a refused argument) should wait for
+        from strategies.dpfl_bnn import privacy as bnn_cal
+
         bits, unit = _bnn_bits(args)
         context = {"bits_per_round": bits, "uses": args.rounds * bits, "unit": unit}
         if args.epsilon is not None:

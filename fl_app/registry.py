@@ -45,13 +45,22 @@ class Registry(Generic[T]):
         self._entries.pop(name, None)
 
     def discover(self) -> None:
-        """Import every module of the package once, so their decorators run."""
+        """Import every module of the package once, so their decorators run.
+
+        An algorithm that is a package (``strategies/<name>/``) registers in one of its modules: the
+        package's own modules are imported too (its ``__init__`` need not import them).
+        """
         if self._discovered:
             return
         package: ModuleType = importlib.import_module(self.package)
         for module in pkgutil.iter_modules(package.__path__):
-            if not module.name.startswith("_"):
-                importlib.import_module(f"{self.package}.{module.name}")
+            if module.name.startswith("_"):
+                continue
+            found = importlib.import_module(f"{self.package}.{module.name}")
+            if module.ispkg:
+                for inner in pkgutil.iter_modules(found.__path__):
+                    if not inner.name.startswith("_"):
+                        importlib.import_module(f"{found.__name__}.{inner.name}")
         self._discovered = True
 
     def get(self, name: str) -> T:

@@ -232,3 +232,48 @@ def test_secure_generators_refuse_seeds_and_differ():
     assert not np.array_equal(first, second)
     with pytest.raises(ValueError, match="seed is required"):
         RandomSource(seed=None, secure=False)
+
+
+COMMANDS_WITHOUT_TORCH = [
+    ["rr", "--epsilon", "4", "--k", "2", "--classes", "10"],
+    ["laplace", "--epsilon", "1"],
+    [
+        "nbafl",
+        "--epsilon",
+        "4",
+        "--delta",
+        "0.01",
+        "--clip",
+        "1",
+        "--m",
+        "50",
+        "--l",
+        "5",
+        "--t",
+        "5",
+        "--n",
+        "10",
+    ],
+    ["dp-fedavg", "--epsilon", "8", "--delta", "1e-5", "--rate", "0.1", "--rounds", "10"],
+]
+
+
+def test_the_calculator_answers_without_importing_torch():
+    """Every command but ``bnn`` (whose bit count is the BNN's) is privacy arithmetic: it imports neither
+    torch nor a strategy's server (an algorithm package's ``__init__`` imports nothing eagerly)."""
+    probe = (
+        "import contextlib, io, json, sys; from fl_app.calculator import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    for argv in json.loads(sys.argv[1]):\n"
+        "        assert main(argv) == 0, argv\n"
+        "heavy = [m for m in sys.modules if m == 'torch' or m.endswith(('.strategy', '.stage'))]\n"
+        "print(sorted(heavy))"
+    )
+    process = subprocess.run(
+        [sys.executable, "-c", probe, json.dumps(COMMANDS_WITHOUT_TORCH)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert process.returncode == 0, process.stderr[-2000:]
+    assert process.stdout.strip() == "[]"

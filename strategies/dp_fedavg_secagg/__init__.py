@@ -11,6 +11,20 @@ The mechanism itself (rotation, rounding, Skellam noise, its RDP and calibration
 :mod:`fl_app.privacy.distributed`; docs/distributed_dp.md has the threat model.
 """
 
-from strategies.dp_fedavg_secagg.strategy import DPFedAvgSecAggSettings, DPFedAvgSecAggStrategy
+from typing import Any
 
 __all__ = ["DPFedAvgSecAggSettings", "DPFedAvgSecAggStrategy"]
+
+
+def __getattr__(name: str) -> Any:
+    """``DPFedAvgSecAggSettings`` and ``DPFedAvgSecAggStrategy``, imported on first use.
+
+    The registry imports the package's modules itself (:meth:`fl_app.registry.Registry.discover`),
+    and a process that needs only the privacy arithmetic (``dpfl privacy``) does not import the
+    server and what it needs (torch).
+    """
+    if name in __all__:
+        import strategies.dp_fedavg_secagg.strategy as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,6 +7,20 @@ The algorithm's home (with ``clients/dpfl_bnn.py`` and ``conf/strategy/dpfl_bnn.
   per-coordinate ledgers.
 """
 
-from strategies.dpfl_bnn.strategy import DPFLBNNSettings, DPFLBNNStrategy
+from typing import Any
 
 __all__ = ["DPFLBNNSettings", "DPFLBNNStrategy"]
+
+
+def __getattr__(name: str) -> Any:
+    """``DPFLBNNSettings`` and ``DPFLBNNStrategy``, imported on first use.
+
+    The registry imports the package's modules itself (:meth:`fl_app.registry.Registry.discover`),
+    and a process that needs only the privacy arithmetic (``dpfl privacy``) does not import the
+    server and what it needs (torch).
+    """
+    if name in __all__:
+        import strategies.dpfl_bnn.strategy as module
+
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
