@@ -613,3 +613,17 @@ def test_kd_dp_regime_pairs_in_the_page_rebuild_from_the_kept_runs():
     assert with_generated_block(page, lines, begin=kd_dp_regime.BEGIN, end=kd_dp_regime.END) == page
     # every arm of every population is there, the ablation included (the pairs need it)
     assert sum(" federated DP-SGD |" in line for line in lines) == 4
+
+
+def test_suite_time_reads_pytests_summary_and_marks_a_run_beside_other_work():
+    from benchmarks import suite_time
+
+    output = "....\n== slowest ==\n=========== 800 passed, 2 skipped in 888.03s (0:14:48) ===========\n"
+    assert suite_time.summary_line(output) == "800 passed, 2 skipped in 888.03s (0:14:48)"
+    record = {"date": "2026-11-26 09:00", "workers": 3, "wall_s": 540.0, "cpu_s": 900.0, "busy_share": 0.833}
+    lines = suite_time.table(
+        [{**record, "load_before": 0.1, "summary": "a"}, {**record, "load_before": 2.4, "summary": "b"}]
+    )
+    assert lines[2] == "| 2026-11-26 09:00 | `-n 3` | 540 s (9.0 min) | 900 s | 83% | 0.1 | a |"
+    assert "| 2.4 (not quiet) | b |" in lines[3]
+    assert suite_time.main(["run", "--workers", "0"]) == 2  # refused before anything runs
