@@ -30,7 +30,6 @@ from fl_app.data.sources import (
     resolve_idx_folder,
     resolve_svhn_folder,
 )
-from fl_app.models import MODELS
 from fl_app.output_claim import refuse_earlier_run
 from fl_app.privacy.composition import METHODS
 from fl_app.run_settings import RunSettings
@@ -73,6 +72,8 @@ def validate_common(cfg: DictConfig) -> None:
     require_range("lr_decay", cfg.lr_decay, 0.0, 1.0, low_open=True)
     require_int("seed", cfg.seed, minimum=0)
     if cfg.model != "auto":
+        from fl_app.models import MODELS  # imports torch: only when a model is named
+
         require_choice("model", cfg.model, ["auto", *sorted(MODELS)])
 
     privacy = cfg.privacy
