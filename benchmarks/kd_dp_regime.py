@@ -4,8 +4,10 @@ Usage (from the repository root)::
 
     python -P benchmarks/kd_dp_regime.py [--runs docs/benchmarks/kd_dp] [--doc docs/benchmarks/kd_dp.md]
 
-Reads the runs kept below ``--runs`` (``regime/runs``, ``regime_skew/runs``, ``regime_full/runs``:
-``+experiment=kd_dp_regime`` jobs kept with ``benchmarks/keep_runs.py``) and writes one table between
+Reads the runs kept below ``--runs`` (``regime/runs``, ``regime_skew/runs``, ``regime_full/runs``,
+``regime_tuned/runs``: ``+experiment=kd_dp_regime`` jobs kept with ``benchmarks/keep_runs.py``; a folder
+whose name ends in ``_tuned`` holds arms tuned on the validation split, each compared with the ablation
+tuned the same way) and writes one table between
 the ``kd_dp/regime_pairs`` markers of ``--doc``: for every population (share of the rows the 5
 large-data clients hold), budget and arm, the final test accuracy of each seed, the accuracy at the
 end of the teacher stage (round ``teacher_rounds``: the DP teacher, trained on the large-data clients
@@ -28,6 +30,8 @@ BEGIN = "<!-- BEGIN GENERATED: kd_dp/regime_pairs.md -->"
 END = "<!-- END GENERATED -->"
 #: The ablation of an arm: federated DP-SGD with KD-DP's own cohort size (10 of 100 per round).
 ABLATION = "federated DP-SGD"
+#: Appended to the arm of runs kept in a ``*_tuned`` folder (settings chosen on validation, each arm on its own).
+TUNED = ", tuned"
 
 
 def arm_name(config: dict) -> str:
@@ -45,12 +49,14 @@ def load(runs: Path) -> dict[tuple[float, float, str], dict[int, tuple[float, fl
     """(large share, epsilon, arm) -> seed -> (final accuracy, accuracy at the teacher stage's end)."""
     found: dict[tuple[float, float, str], dict[int, tuple[float, float | None]]] = defaultdict(dict)
     for results in completed_runs(runs):
-        if not Path(results["_path"]).relative_to(runs).parts[0].startswith("regime"):
+        folder = Path(results["_path"]).relative_to(runs).parts[0]
+        if not folder.startswith("regime"):
             continue
         config = results["config"]
         teacher_rounds = config["strategy"]["teacher_rounds"]
         accuracy = {r["round"]: r["accuracy"] for r in results["rounds"]}
-        key = (config["partition"]["large_share"], config["privacy"]["epsilon"], arm_name(config))
+        arm = arm_name(config) + (TUNED if folder.endswith("_tuned") else "")
+        key = (config["partition"]["large_share"], config["privacy"]["epsilon"], arm)
         found[key][config["seed"]] = (results["final"]["accuracy"], accuracy.get(teacher_rounds))
     return found
 
@@ -60,7 +66,9 @@ def table(found: dict[tuple[float, float, str], dict[int, tuple[float, float | N
     rows = []
     for share, epsilon, arm in sorted(found):
         seeds = found[(share, epsilon, arm)]
-        ablation = found.get((share, epsilon, ABLATION), {})
+        tuned = arm.endswith(TUNED)
+        ablation_arm = ABLATION + TUNED if tuned else ABLATION
+        ablation = found.get((share, epsilon, ablation_arm), {})
         finals = [seeds[s][0] for s in sorted(seeds)]
         teacher = [seeds[s][1] for s in sorted(seeds) if seeds[s][1] is not None]
         gaps = [seeds[s][0] - ablation[s][0] for s in sorted(seeds) if s in ablation]
@@ -72,8 +80,8 @@ def table(found: dict[tuple[float, float, str], dict[int, tuple[float, float | N
                 " / ".join(f"{a:.3f}" for a in finals),
                 f"{sum(finals) / len(finals):.3f}",
                 " / ".join(f"{a:.3f}" for a in teacher) if teacher else "-",
-                "-" if arm == ABLATION else " / ".join(f"{g:+.3f}" for g in gaps),
-                "-" if arm == ABLATION or not gaps else f"{sum(g > 0 for g in gaps)} of {len(gaps)}",
+                "-" if arm == ablation_arm else " / ".join(f"{g:+.3f}" for g in gaps),
+                "-" if arm == ablation_arm or not gaps else f"{sum(g > 0 for g in gaps)} of {len(gaps)}",
             ]
         )
     header = [

@@ -615,6 +615,38 @@ def test_kd_dp_regime_pairs_in_the_page_rebuild_from_the_kept_runs():
     assert sum(" federated DP-SGD |" in line for line in lines) == 4
 
 
+def test_kd_dp_regime_pairs_a_tuned_arm_with_the_tuned_ablation_only(tmp_path):
+    """Runs kept in ``regime_tuned`` are their own arms, each compared with the ablation of that folder
+    (not the untuned one of ``regime``), seed by seed."""
+    from benchmarks import kd_dp_regime
+
+    def arm(folder: str, name: str, *, teacher_rounds: int, final: float, seed: int = 1) -> None:
+        strategy = {"name": "kd_dp", "teacher_rounds": teacher_rounds, "epsilon_special": None}
+        config = {"strategy": strategy, "clients_per_round": 10, "seed": seed, "partition": {"large_share": 0.5}}
+        write_run(
+            tmp_path / folder / "runs" / f"{name}-{seed}",
+            strategy="kd_dp",
+            epsilon=1.0,
+            config=config,
+            final={"accuracy": final},
+        )
+
+    arm("regime", "ablation", teacher_rounds=0, final=0.70)
+    arm("regime", "kd_dp", teacher_rounds=5, final=0.75)
+    arm("regime_tuned", "ablation", teacher_rounds=0, final=0.80)
+    arm("regime_tuned", "kd_dp", teacher_rounds=5, final=0.78)
+    rows = {line.split(" | ")[2]: line for line in kd_dp_regime.table(kd_dp_regime.load(tmp_path))[2:]}
+    assert set(rows) == {
+        "federated DP-SGD",
+        "KD-DP, no label noise",
+        "federated DP-SGD, tuned",
+        "KD-DP, no label noise, tuned",
+    }
+    assert "| +0.050 | 1 of 1 |" in rows["KD-DP, no label noise"]
+    assert "| -0.020 | 0 of 1 |" in rows["KD-DP, no label noise, tuned"]
+    assert rows["federated DP-SGD, tuned"].endswith("| - | - |")
+
+
 def test_suite_time_reads_pytests_summary_and_marks_a_run_beside_other_work():
     from benchmarks import suite_time
 

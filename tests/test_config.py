@@ -381,24 +381,24 @@ def test_cli_exits_2_with_one_line_and_writes_nothing(override, tmp_path):
 
 
 def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
-    """132 jobs (7 arms and 4 untuned rows x 4 budgets x 3 seeds); each arm's rule (cohort, rounds,
-    schedule) survives the preset's shape, every job validates, privacy randomness is secret, and each
-    job has its own dir."""
+    """Two tables, one command each: the central arms' 96 jobs (4 arms and their untuned rows x 4
+    budgets x 3 seeds) and the 36 of the arms whose epsilon holds against the server (distributed and
+    local DP); each arm's rule (cohort, rounds, schedule) survives the preset's shape, every job
+    validates, privacy randomness is secret, and each job has its own dir."""
     from fl_app.__main__ import expand_jobs
 
-    jobs = expand_jobs(["+experiment=compare_cross_device"], multirun=True)
-    arms = {
-        "dp_fedavg",
-        "dp_fedavg_adaptive",
-        "dp_ftrl",
-        "dp_bandmf",
-        "dp_fedavg_secagg",
-        "fedavg_ldp",
-        "privatekt",
-    }
+    central = expand_jobs(["+experiment=compare_cross_device"], multirun=True)
+    untrusted_server = expand_jobs(
+        ["+experiment=compare_cross_device", "cross_device=fedavg_ldp,dp_fedavg_secagg,privatekt"],
+        multirun=True,
+    )
+    jobs = central + untrusted_server
     tuned_on_validation = {"dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "dp_bandmf"}
     untuned = {f"{arm}_untuned" for arm in tuned_on_validation}
-    assert sweep_grid(jobs) == budget_seed_grid("cross_device", arms | untuned)
+    assert sweep_grid(central) == budget_seed_grid("cross_device", tuned_on_validation | untuned)
+    assert sweep_grid(untrusted_server) == budget_seed_grid(
+        "cross_device", {"fedavg_ldp", "dp_fedavg_secagg", "privatekt"}
+    )
     rules = {}
     per_budget = {}  # dp_fedavg's rounds and local epochs, chosen per budget on the validation split
     for job in (j for j in jobs if "seed=1" in j and "cross_device=dp_fedavg" in j):
@@ -468,7 +468,8 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         "privatekt": (10, 100, "balanced"),
         **{arm: (100, 200, None) for arm in untuned},
     }
-    assert len({tuple(j) for j in jobs}) == len(jobs) == 132
+    assert (len(central), len(untrusted_server)) == (96, 36)
+    assert len({tuple(j) for j in jobs}) == len(jobs)
     reference = expand_jobs(
         ["+experiment=compare_cross_device", "cross_device=fedavg", "privacy.epsilon=8"], multirun=True
     )
