@@ -73,6 +73,95 @@ def auto(rounds: list[int], epsilons: list[float]) -> None:
         print(f"| {n} | " + " | ".join(cells) + " |")
 
 
+Arm = tuple[str, str]
+
+
+def group_arms(
+    runs: list,
+) -> tuple[dict[Arm, dict[float, list[float]]], dict[tuple[str, str, float], str], list[float]]:
+    """The completed runs' final accuracies by arm and budget, their annotations, and the reference.
+
+    An arm is a strategy and its label (``label=untuned``: settings fixed before validation was seen,
+    ``""`` for the tuned row); a run without epsilon (non-private FedAvg) is the reference.
+    """
+    by_arm: dict[Arm, dict[float, list[float]]] = {}
+    labels: dict[tuple[str, str, float], str] = {}
+    reference: list[float] = []
+    for run in (r for r in runs if r.completed):
+        accuracy = float(run.results["final"]["accuracy"])
+        if run.results["final"].get("epsilon") is None:
+            reference.append(accuracy)
+            continue
+        arm = (str(run.results["strategy"]), str(run.config.get("label") or ""))
+        epsilon = float(run.config["privacy"]["epsilon"])
+        by_arm.setdefault(arm, {}).setdefault(epsilon, []).append(accuracy)
+        bands = run.results["privacy"].get("bands")
+        labels[(*arm, epsilon)] = f"T={len(run.results['rounds'])}" + (f", b={bands}" if bands else "")
+    return by_arm, labels, reference
+
+
+#: The block of docs/benchmarks/cross_device.md that :func:`gaps_table` writes.
+GAPS_BEGIN = "<!-- BEGIN GENERATED: cross_device/central_gaps.md -->"
+GAPS_END = "<!-- END GENERATED -->"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def gaps_table(by_arm: dict[Arm, dict[float, list[float]]], *, against: str = "dp_bandmf") -> list[str]:
+    """Markdown lines: each central arm's tuned and untuned mean per budget, and ``against`` beside them.
+
+    Columns per budget: the tuned row's mean over seeds, the untuned row's, what the tuning bought
+    (tuned minus untuned, points), and the tuned ``against`` arm minus this arm's tuned row (points).
+    """
+    from benchmarks.tables import markdown_table
+
+    rows = []
+    for strategy in sorted({strategy for strategy, _ in by_arm}):
+        tuned, untuned = by_arm.get((strategy, ""), {}), by_arm.get((strategy, "untuned"), {})
+        reference = by_arm.get((against, ""), {})
+        for epsilon in sorted(set(tuned) | set(untuned)):
+            a, b = tuned.get(epsilon), untuned.get(epsilon)
+            rows.append(
+                [
+                    strategy,
+                    f"{epsilon:g}",
+                    f"{_mean(a):.3f} ({len(a)})" if a else "-",
+                    f"{_mean(b):.3f} ({len(b)})" if b else "-",
+                    f"{100 * (_mean(a) - _mean(b)):+.1f}" if a and b else "-",
+                    "-"
+                    if strategy == against or not a or epsilon not in reference
+                    else f"{100 * (_mean(reference[epsilon]) - _mean(a)):+.1f}",
+                ]
+            )
+    header = [
+        "arm",
+        "epsilon",
+        "tuned (seeds)",
+        "untuned (seeds)",
+        "tuning bought (points)",
+        f"{against} minus this arm (points)",
+    ]
+    return markdown_table(header, rows)
+
+
+def write_gaps(runs_dir: Path, page: Path) -> int:
+    """Write :func:`gaps_table` of the kept runs into ``page``'s generated block."""
+    from benchmarks.tables import replace_generated_block
+    from fl_app.report import load_runs
+
+    runs, problems = load_runs(runs_dir)
+    by_arm, _, _ = group_arms(runs)
+    if problems or not by_arm:
+        print(f"error: no completed private runs below {runs_dir}", file=sys.stderr)
+        return 2
+    if not replace_generated_block(page, gaps_table(by_arm), begin=GAPS_BEGIN, end=GAPS_END):
+        print(f"error: {page} lacks the markers {GAPS_BEGIN} ... {GAPS_END}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def plot(runs_dir: Path, out: Path) -> int:
     """One panel: final test accuracy against epsilon for every arm of the kept runs, seeds as dots."""
     import matplotlib
@@ -85,33 +174,38 @@ def plot(runs_dir: Path, out: Path) -> int:
     runs, problems = load_runs(runs_dir)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr)
-    runs = [run for run in runs if run.completed and run.results["final"].get("epsilon") is not None]
     if problems:
         return 2
-    if not runs:
+    by_arm, labels, reference = group_arms(runs)
+    if not by_arm:
         print(f"error: no completed private runs below {runs_dir}", file=sys.stderr)
         return 2
-    by_arm: dict[str, dict[float, list[float]]] = {}
-    labels: dict[tuple[str, float], str] = {}
-    for run in runs:
-        arm = str(run.results["strategy"])
-        epsilon = float(run.config["privacy"]["epsilon"])
-        by_arm.setdefault(arm, {}).setdefault(epsilon, []).append(float(run.results["final"]["accuracy"]))
-        bands = run.results["privacy"].get("bands")
-        labels[(arm, epsilon)] = f"T={len(run.results['rounds'])}" + (f", b={bands}" if bands else "")
-    figure, axis = plt.subplots(figsize=(7.5, 4.8))
-    offsets = {arm: 0.05 * (i - (len(by_arm) - 1) / 2) for i, arm in enumerate(sorted(by_arm))}
-    for (arm, budgets), colour in zip(sorted(by_arm.items()), plt.cm.tab10.colors, strict=False):
+    figure, axis = plt.subplots(figsize=(11, 5.4))
+    strategies = sorted({strategy for strategy, _ in by_arm})
+    colours = dict(zip(strategies, plt.cm.tab10.colors, strict=False))
+    offsets = {arm: 0.04 * (i - (len(by_arm) - 1) / 2) for i, arm in enumerate(sorted(by_arm))}
+    for arm, budgets in sorted(by_arm.items()):
+        strategy, label = arm
+        colour = colours[strategy]
         epsilons = sorted(budgets)
         shift = [e * (1 + offsets[arm]) for e in epsilons]  # side by side at each budget
         means = [sum(budgets[e]) / len(budgets[e]) for e in epsilons]
+        name = f"{strategy} ({label})" if label else strategy
         axis.plot(
-            shift, means, marker="o", color=colour, label=f"{arm} (mean of {len(budgets[epsilons[0]])} seeds)"
+            shift,
+            means,
+            marker="o",
+            color=colour,
+            linestyle="--" if label else "-",
+            markerfacecolor="white" if label else colour,
+            label=f"{name} (mean of {len(budgets[epsilons[0]])} seeds)",
         )
         for x, e in zip(shift, epsilons, strict=True):
             axis.scatter([x] * len(budgets[e]), budgets[e], s=10, color=colour, alpha=0.45)
+            if label:  # the untuned rows share one rule (the title says which); only the tuned ones differ
+                continue
             axis.annotate(
-                labels[(arm, e)],
+                labels[(*arm, e)],
                 (x, min(budgets[e])),
                 textcoords="offset points",
                 xytext=(0, -11),
@@ -119,17 +213,30 @@ def plot(runs_dir: Path, out: Path) -> int:
                 fontsize=6,
                 color=colour,
             )
+    if reference:
+        mean = sum(reference) / len(reference)
+        axis.axhline(mean, color="black", linestyle=":", linewidth=1)
+        axis.annotate(
+            f"non-private FedAvg {mean:.3f} (mean of {len(reference)} seeds)",
+            (0.01, mean),
+            xycoords=("axes fraction", "data"),
+            textcoords="offset points",
+            xytext=(0, 3),
+            fontsize=7,
+        )
     budgets = sorted({e for values in by_arm.values() for e in values})
     axis.set_xscale("log")
     axis.set_xticks(budgets, [f"{b:g}" for b in budgets])
     axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axis.set_xlabel("epsilon per client (delta 1e-5; central DP; log scale)")
     axis.set_ylabel("final test accuracy")
+    dashed = " dashed: untuned;" if any(label for _, label in by_arm) else ""
     axis.set_title(
-        "central-DP arms, one command, one code version\n(dots: seeds; T rounds, b bands)", fontsize=9
+        f"central-DP arms, one command, one code version\n(dots: seeds;{dashed} T rounds, b bands)",
+        fontsize=9,
     )
     axis.grid(alpha=0.3)
-    axis.legend(fontsize=8, loc="lower right")
+    axis.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: no point hidden
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=120)

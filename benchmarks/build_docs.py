@@ -8,7 +8,8 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
   docs/benchmarks/compare_all``; ``docs/benchmarks/compare_all.md`` holds the commands and the
   reading of that table (no numbers of its own);
 * ``docs/benchmarks/cross_device.md`` with ``docs/benchmarks/cross_device/report.md``:
-  ``python -m fl_app.report <sweep dir> --out docs/benchmarks/cross_device``;
+  ``python -m fl_app.report docs/benchmarks/cross_device/runs --out docs/benchmarks/cross_device``
+  (the central arms' command and the reference, kept with ``benchmarks/keep_runs.py``);
 * ``docs/benchmarks/record_level.md`` with ``docs/benchmarks/record_level/report.md``:
   ``python -m fl_app.report <sweep dir> --out docs/benchmarks/record_level``;
 * ``docs/benchmarks/empirical_privacy.md`` with ``docs/benchmarks/empirical_privacy/report.md``:
@@ -25,11 +26,10 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
 * ``docs/benchmarks/<algorithm>.md``: each algorithm's benchmark script.
 
 This script only concatenates them (headings demoted one level, relative links rewritten for the
-repository root) and copies the cross-device comparison's table (``cross_device/report.md``)
-between the README's ``<!-- RESULTS:BEGIN -->`` and ``<!-- RESULTS:END -->`` markers, and the central
-arms' second edition (``banded_mf/report.md``, regenerated from the runs kept in
-``docs/benchmarks/banded_mf/runs/``) between ``<!-- CENTRAL:BEGIN -->`` and ``<!-- CENTRAL:END -->``,
-and the record-level table (``record_level/report.md``, from ``docs/benchmarks/record_level/runs/``)
+repository root) and copies the cross-device comparison's table (``cross_device/report.md``,
+regenerated from the runs kept in ``docs/benchmarks/cross_device/runs/``) between the README's
+``<!-- RESULTS:BEGIN -->`` and ``<!-- RESULTS:END -->`` markers, and the record-level table
+(``record_level/report.md``, from ``docs/benchmarks/record_level/runs/``)
 between ``<!-- RECORD:BEGIN -->`` and ``<!-- RECORD:END -->``, so numbers are never typed by hand.
 Usage (from the repository root)::
 
@@ -44,6 +44,7 @@ runs. ``--check`` exits with status 1 if either file is not what the pages gener
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 from pathlib import Path
@@ -75,14 +76,11 @@ ORDER = (
 )
 BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
 #: Further README blocks: (begin marker, end marker, the report copied between them).
-README_BLOCKS = (
-    ("<!-- CENTRAL:BEGIN -->", "<!-- CENTRAL:END -->", PAGES / "banded_mf" / "report.md"),
-    ("<!-- RECORD:BEGIN -->", "<!-- RECORD:END -->", PAGES / "record_level" / "report.md"),
-)
+README_BLOCKS = (("<!-- RECORD:BEGIN -->", "<!-- RECORD:END -->", PAGES / "record_level" / "report.md"),)
 #: Pages whose table ``python -m fl_app.report`` makes from the runs kept in ``<page>/runs``
 #: (benchmarks/keep_runs.py), with the number of jobs of the one command that made them.
 KEPT_RUN_PAGES = {
-    "cross_device": 135,
+    "cross_device": 99,
     "banded_mf": 36,
     "record_level": 36,
     "kd_dp/regime": 18,
@@ -180,14 +178,18 @@ def rebuild_from_runs() -> None:
     from benchmarks import banded_mf, kd_dp_regime
     from fl_app import report
 
-    for page in KEPT_RUN_PAGES:
-        runs = PAGES / page / "runs"
-        if not runs.is_dir():
-            raise SystemExit(f"error: {runs.relative_to(ROOT)} is missing: no kept runs to rebuild from")
-        if report.main([str(runs), "--out", str(PAGES / page)]) != 0:
-            raise SystemExit(f"error: python -m fl_app.report failed on {runs.relative_to(ROOT)}")
-    if banded_mf.plot(PAGES / "banded_mf" / "runs", PAGES / "banded_mf" / "central_arms.png") != 0:
-        raise SystemExit("error: the central arms' plot failed")
+    with contextlib.chdir(ROOT):  # report.csv names the runs by path: relative, wherever the clone is
+        for page in KEPT_RUN_PAGES:
+            runs = PAGES.relative_to(ROOT) / page / "runs"
+            if not runs.is_dir():
+                raise SystemExit(f"error: {runs} is missing: no kept runs to rebuild from")
+            if report.main([str(runs), "--out", str(runs.parent)]) != 0:
+                raise SystemExit(f"error: python -m fl_app.report failed on {runs}")
+    for page in ("cross_device", "banded_mf"):  # the central arms on one axis
+        if banded_mf.plot(PAGES / page / "runs", PAGES / page / "central_arms.png") != 0:
+            raise SystemExit(f"error: the central arms' plot of {page} failed")
+    if banded_mf.write_gaps(PAGES / "cross_device" / "runs", PAGES / "cross_device.md") != 0:
+        raise SystemExit("error: the central arms' table of gaps failed")
     if kd_dp_regime.main(["--runs", str(PAGES / "kd_dp"), "--doc", str(PAGES / "kd_dp.md")]) != 0:
         raise SystemExit("error: the KD-DP regime table failed")
 

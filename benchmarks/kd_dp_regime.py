@@ -30,7 +30,7 @@ BEGIN = "<!-- BEGIN GENERATED: kd_dp/regime_pairs.md -->"
 END = "<!-- END GENERATED -->"
 #: The ablation of an arm: federated DP-SGD with KD-DP's own cohort size (10 of 100 per round).
 ABLATION = "federated DP-SGD"
-#: Appended to the arm of runs kept in a ``*_tuned`` folder (settings chosen on validation, each arm on its own).
+#: Appended to the arm of runs kept in a ``*_tuned`` folder (settings chosen on validation, arm by arm).
 TUNED = ", tuned"
 
 

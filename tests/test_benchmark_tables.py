@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's benchmarks, not opacus'
 
-from benchmarks import kd_dp, nbafl, privatekt, select_on_validation
+from benchmarks import build_docs, kd_dp, nbafl, privatekt, select_on_validation
 from benchmarks.tables import completed_runs, fmt, markdown_table, replace_generated_block, series
 
 
@@ -541,14 +541,9 @@ def test_the_recorded_authors_log_is_theirs_every_round():
 
 # ------------------------------------------------------------------------------ tables from kept runs
 #: Pages whose table is ``fl_app.report`` of runs kept in the repository (benchmarks/keep_runs.py):
-#: page folder below docs/benchmarks, and the number of jobs of the one command that made them.
-KEPT_RUNS = {
-    "banded_mf": 36,
-    "record_level": 36,
-    "kd_dp/regime": 18,
-    "kd_dp/regime_skew": 12,
-    "kd_dp/regime_full": 3,
-}
+#: page folder below docs/benchmarks, and the number of jobs of the one command that made them. The
+#: list is build_docs.py's, whose ``--from-runs`` regenerates them all.
+KEPT_RUNS = build_docs.KEPT_RUN_PAGES
 
 
 @pytest.mark.parametrize(("page", "jobs"), KEPT_RUNS.items())
@@ -584,22 +579,66 @@ def test_keep_runs_copies_results_and_the_saved_config_only(tmp_path, capsys):
 
 
 def test_banded_mf_plot_draws_every_arm_or_refuses_an_empty_folder(tmp_path, capsys):
+    """An arm is a strategy and its label: the untuned row is its own line; the non-private run is the
+    reference line, not an arm."""
     from benchmarks import banded_mf
+    from fl_app.report import load_runs
 
-    for arm in ("dp_fedavg", "dp_bandmf"):
+    for arm, label in (("dp_fedavg", None), ("dp_fedavg", "untuned"), ("dp_bandmf", None)):
         for eps in (1.0, 2.0):
             for seed in (1, 2):
                 write_run(
-                    tmp_path / "runs" / f"{arm}-{eps}-{seed}",
+                    tmp_path / "runs" / f"{arm}-{label}-{eps}-{seed}",
                     strategy=arm,
                     epsilon=eps,
-                    config={"seed": seed},
+                    accuracies=(0.3, 0.5 if label else 0.7),
+                    config={"seed": seed, "label": label},
                 )
+    write_run(tmp_path / "runs" / "reference", strategy="fedavg", epsilon=None, accuracies=(0.5, 0.85))
+    by_arm, labels, reference = banded_mf.group_arms(load_runs(tmp_path / "runs")[0])
+    assert set(by_arm) == {("dp_fedavg", ""), ("dp_fedavg", "untuned"), ("dp_bandmf", "")}
+    assert by_arm[("dp_fedavg", "untuned")] == {1.0: [0.5, 0.5], 2.0: [0.5, 0.5]}
+    assert by_arm[("dp_fedavg", "")][2.0] == [0.7, 0.7]
+    assert labels[("dp_bandmf", "", 1.0)] == "T=2"
+    assert reference == [0.85]
     assert banded_mf.plot(tmp_path / "runs", tmp_path / "out.png") == 0
     assert (tmp_path / "out.png").read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "none").mkdir()
     assert banded_mf.plot(tmp_path / "none", tmp_path / "none.png") == 2
     assert "no completed private runs" in capsys.readouterr().err
+
+
+def test_central_gaps_table_gives_what_tuning_bought_and_banded_mf_against_each_arm():
+    from benchmarks import banded_mf
+
+    by_arm = {
+        ("dp_fedavg", ""): {1.0: [0.70, 0.72], 8.0: [0.80]},
+        ("dp_fedavg", "untuned"): {1.0: [0.40, 0.44]},
+        ("dp_bandmf", ""): {1.0: [0.74], 8.0: [0.79]},
+    }
+    rows = banded_mf.gaps_table(by_arm)[2:]
+    assert rows == [
+        "| dp_bandmf | 1 | 0.740 (1) | - | - | - |",
+        "| dp_bandmf | 8 | 0.790 (1) | - | - | - |",
+        "| dp_fedavg | 1 | 0.710 (2) | 0.420 (2) | +29.0 | +3.0 |",
+        "| dp_fedavg | 8 | 0.800 (1) | - | - | -1.0 |",
+    ]
+
+
+def test_central_gaps_in_the_cross_device_page_rebuild_from_the_kept_runs():
+    """docs/benchmarks/cross_device.md's table of gaps is the script's, from the kept runs, unedited."""
+    from benchmarks import banded_mf
+    from benchmarks.tables import with_generated_block
+    from fl_app.report import load_runs
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+    page = (root / "cross_device.md").read_text()
+    by_arm, _, reference = banded_mf.group_arms(load_runs(root / "cross_device" / "runs")[0])
+    lines = banded_mf.gaps_table(by_arm)
+    assert with_generated_block(page, lines, begin=banded_mf.GAPS_BEGIN, end=banded_mf.GAPS_END) == page
+    # every central arm, tuned and untuned, at every budget, 3 seeds each; the reference apart
+    assert len(lines) == 2 + 4 * 4 and sum("(3) | " in line for line in lines) == 16
+    assert all(line.count("(3)") == 2 for line in lines[2:]) and len(reference) == 3
 
 
 def test_kd_dp_regime_pairs_in_the_page_rebuild_from_the_kept_runs():
@@ -622,7 +661,8 @@ def test_kd_dp_regime_pairs_a_tuned_arm_with_the_tuned_ablation_only(tmp_path):
 
     def arm(folder: str, name: str, *, teacher_rounds: int, final: float, seed: int = 1) -> None:
         strategy = {"name": "kd_dp", "teacher_rounds": teacher_rounds, "epsilon_special": None}
-        config = {"strategy": strategy, "clients_per_round": 10, "seed": seed, "partition": {"large_share": 0.5}}
+        partition = {"large_share": 0.5}
+        config = {"strategy": strategy, "clients_per_round": 10, "seed": seed, "partition": partition}
         write_run(
             tmp_path / folder / "runs" / f"{name}-{seed}",
             strategy="kd_dp",
