@@ -86,6 +86,7 @@ KEPT_RUN_PAGES = {
     "kd_dp/regime": 18,
     "kd_dp/regime_skew": 12,
     "kd_dp/regime_full": 3,
+    "kd_dp/regime_tuned": 12,
 }
 HEADER = """# Benchmarks
 
