@@ -73,6 +73,7 @@ ORDER = (
     "dpfl_bnn",
     "kd_dp",
     "laplace_eval",
+    "suite",
 )
 BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
 #: Further README blocks: (begin marker, end marker, the report copied between them).
