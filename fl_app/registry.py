@@ -12,12 +12,31 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from types import ModuleType
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
 #: The top-level packages whose modules a ``module:attribute`` reference may name (the app's own).
 PLUGIN_PACKAGES = ("strategies", "clients", "tests")
+
+
+def lazy_exports(package: str, module: str, names: list[str]) -> Callable[[str], Any]:
+    """An algorithm package's ``__getattr__`` (PEP 562): ``names`` from ``package.module``, on first use.
+
+    The registry imports a package's modules itself (:meth:`Registry.discover`), so the package's
+    ``__init__`` need not import its server; a process that needs only the privacy arithmetic
+    (``dpfl privacy``) then does not import the server and what it needs (torch). Use::
+
+        __all__ = ["MySettings", "MyStrategy"]
+        __getattr__ = lazy_exports(__name__, "strategy", __all__)
+    """
+
+    def exported(name: str) -> Any:
+        if name in names:
+            return getattr(importlib.import_module(f"{package}.{module}"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return exported
 
 
 class Registry(Generic[T]):

@@ -11,20 +11,8 @@ The mechanism itself (rotation, rounding, Skellam noise, its RDP and calibration
 :mod:`fl_app.privacy.distributed`; docs/distributed_dp.md has the threat model.
 """
 
-from typing import Any
+from fl_app.registry import lazy_exports
 
 __all__ = ["DPFedAvgSecAggSettings", "DPFedAvgSecAggStrategy"]
-
-
-def __getattr__(name: str) -> Any:
-    """``DPFedAvgSecAggSettings`` and ``DPFedAvgSecAggStrategy``, imported on first use.
-
-    The registry imports the package's modules itself (:meth:`fl_app.registry.Registry.discover`),
-    and a process that needs only the privacy arithmetic (``dpfl privacy``) does not import the
-    server and what it needs (torch).
-    """
-    if name in __all__:
-        import strategies.dp_fedavg_secagg.strategy as module
-
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: The settings and the server, imported on first use (the registry imports the modules itself).
+__getattr__ = lazy_exports(__name__, "strategy", __all__)

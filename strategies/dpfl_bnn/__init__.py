@@ -7,20 +7,8 @@ The algorithm's home (with ``clients/dpfl_bnn.py`` and ``conf/strategy/dpfl_bnn.
   per-coordinate ledgers.
 """
 
-from typing import Any
+from fl_app.registry import lazy_exports
 
 __all__ = ["DPFLBNNSettings", "DPFLBNNStrategy"]
-
-
-def __getattr__(name: str) -> Any:
-    """``DPFLBNNSettings`` and ``DPFLBNNStrategy``, imported on first use.
-
-    The registry imports the package's modules itself (:meth:`fl_app.registry.Registry.discover`),
-    and a process that needs only the privacy arithmetic (``dpfl privacy``) does not import the
-    server and what it needs (torch).
-    """
-    if name in __all__:
-        import strategies.dpfl_bnn.strategy as module
-
-        return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: The settings and the server, imported on first use (the registry imports the modules itself).
+__getattr__ = lazy_exports(__name__, "strategy", __all__)
