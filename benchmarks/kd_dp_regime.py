@@ -5,9 +5,9 @@ Usage (from the repository root)::
     python -P benchmarks/kd_dp_regime.py [--runs docs/benchmarks/kd_dp] [--doc docs/benchmarks/kd_dp.md]
 
 Reads the runs kept below ``--runs`` (``regime/runs``, ``regime_skew/runs``, ``regime_full/runs``,
-``regime_tuned/runs``: ``+experiment=kd_dp_regime`` jobs kept with ``benchmarks/keep_runs.py``; a folder
-whose name ends in ``_tuned`` holds arms tuned on the validation split, each compared with the ablation
-tuned the same way) and writes one table between
+``regime_tuned/runs``: ``+experiment=kd_dp_regime`` jobs kept with ``benchmarks/keep_runs.py``; a run's
+``label`` (``label=tuned``: settings chosen on the validation split) makes it an arm of its own, compared
+with the ablation of the same label) and writes one table between
 the ``kd_dp/regime_pairs`` markers of ``--doc``: for every population (share of the rows the 5
 large-data clients hold), budget and arm, the final test accuracy of each seed, the accuracy at the
 end of the teacher stage (round ``teacher_rounds``: the DP teacher, trained on the large-data clients
@@ -30,8 +30,6 @@ BEGIN = "<!-- BEGIN GENERATED: kd_dp/regime_pairs.md -->"
 END = "<!-- END GENERATED -->"
 #: The ablation of an arm: federated DP-SGD with KD-DP's own cohort size (10 of 100 per round).
 ABLATION = "federated DP-SGD"
-#: Appended to the arm of runs kept in a ``*_tuned`` folder (settings chosen on validation, arm by arm).
-TUNED = ", tuned"
 
 
 def arm_name(config: dict) -> str:
@@ -45,9 +43,18 @@ def arm_name(config: dict) -> str:
     return "KD-DP, epsilon/2 on labels"
 
 
-def load(runs: Path) -> dict[tuple[float, float, str], dict[int, tuple[float, float | None]]]:
-    """(large share, epsilon, arm) -> seed -> (final accuracy, accuracy at the teacher stage's end)."""
-    found: dict[tuple[float, float, str], dict[int, tuple[float, float | None]]] = defaultdict(dict)
+#: (large share, epsilon, arm, label) -> seed -> (final accuracy, accuracy at the teacher stage's end).
+Found = dict[tuple[float, float, str, str], dict[int, tuple[float, float | None]]]
+
+
+def display(arm: str, label: str) -> str:
+    """The table's name of an arm: a labelled run (``label=tuned``) is an arm of its own."""
+    return f"{arm}, {label}" if label else arm
+
+
+def load(runs: Path) -> Found:
+    """(large share, epsilon, arm, label) -> seed -> (final accuracy, accuracy at the teacher stage's end)."""
+    found: Found = defaultdict(dict)
     for results in completed_runs(runs):
         folder = Path(results["_path"]).relative_to(runs).parts[0]
         if not folder.startswith("regime"):
@@ -55,20 +62,21 @@ def load(runs: Path) -> dict[tuple[float, float, str], dict[int, tuple[float, fl
         config = results["config"]
         teacher_rounds = config["strategy"]["teacher_rounds"]
         accuracy = {r["round"]: r["accuracy"] for r in results["rounds"]}
-        arm = arm_name(config) + (TUNED if folder.endswith("_tuned") else "")
-        key = (config["partition"]["large_share"], config["privacy"]["epsilon"], arm)
+        share, epsilon = config["partition"]["large_share"], config["privacy"]["epsilon"]
+        key = (share, epsilon, arm_name(config), config.get("label") or "")
         found[key][config["seed"]] = (results["final"]["accuracy"], accuracy.get(teacher_rounds))
     return found
 
 
-def table(found: dict[tuple[float, float, str], dict[int, tuple[float, float | None]]]) -> list[str]:
-    """The Markdown lines: one row per population, budget and arm."""
+def table(found: Found) -> list[str]:
+    """The Markdown lines: one row per population, budget and arm.
+
+    Each arm is compared with the ablation of its own label (a tuned arm with the tuned ablation).
+    """
     rows = []
-    for share, epsilon, arm in sorted(found):
-        seeds = found[(share, epsilon, arm)]
-        tuned = arm.endswith(TUNED)
-        ablation_arm = ABLATION + TUNED if tuned else ABLATION
-        ablation = found.get((share, epsilon, ablation_arm), {})
+    for share, epsilon, arm, label in sorted(found, key=lambda k: (k[0], k[1], display(k[2], k[3]))):
+        seeds = found[(share, epsilon, arm, label)]
+        ablation = found.get((share, epsilon, ABLATION, label), {})
         finals = [seeds[s][0] for s in sorted(seeds)]
         teacher = [seeds[s][1] for s in sorted(seeds) if seeds[s][1] is not None]
         gaps = [seeds[s][0] - ablation[s][0] for s in sorted(seeds) if s in ablation]
@@ -76,12 +84,12 @@ def table(found: dict[tuple[float, float, str], dict[int, tuple[float, float | N
             [
                 f"{share:g}",
                 f"{epsilon:g}",
-                arm,
+                display(arm, label),
                 " / ".join(f"{a:.3f}" for a in finals),
                 f"{sum(finals) / len(finals):.3f}",
                 " / ".join(f"{a:.3f}" for a in teacher) if teacher else "-",
-                "-" if arm == ablation_arm else " / ".join(f"{g:+.3f}" for g in gaps),
-                "-" if arm == ablation_arm or not gaps else f"{sum(g > 0 for g in gaps)} of {len(gaps)}",
+                "-" if arm == ABLATION else " / ".join(f"{g:+.3f}" for g in gaps),
+                "-" if arm == ABLATION or not gaps else f"{sum(g > 0 for g in gaps)} of {len(gaps)}",
             ]
         )
     header = [

@@ -655,14 +655,16 @@ def test_kd_dp_regime_pairs_in_the_page_rebuild_from_the_kept_runs():
 
 
 def test_kd_dp_regime_pairs_a_tuned_arm_with_the_tuned_ablation_only(tmp_path):
-    """Runs kept in ``regime_tuned`` are their own arms, each compared with the ablation of that folder
-    (not the untuned one of ``regime``), seed by seed."""
+    """Runs labelled ``tuned`` are their own arms, each compared with the tuned ablation (not the
+    unlabelled one), seed by seed."""
     from benchmarks import kd_dp_regime
 
     def arm(folder: str, name: str, *, teacher_rounds: int, final: float, seed: int = 1) -> None:
         strategy = {"name": "kd_dp", "teacher_rounds": teacher_rounds, "epsilon_special": None}
         partition = {"large_share": 0.5}
+        label = "tuned" if folder.endswith("_tuned") else None
         config = {"strategy": strategy, "clients_per_round": 10, "seed": seed, "partition": partition}
+        config["label"] = label
         write_run(
             tmp_path / folder / "runs" / f"{name}-{seed}",
             strategy="kd_dp",
