@@ -15,6 +15,7 @@ import json
 import logging
 import pickle
 import shutil
+import signal
 import sys
 import time
 import traceback
@@ -31,7 +32,13 @@ from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config, is_hydra_overri
 from fl_app.config_checks import ConfigError
 from fl_app.engine.hydra import sweep_fixed, sweep_jobs
 from fl_app.engine.logs import colour_only_at_a_terminal
-from fl_app.lifecycle import RunFailed
+from fl_app.lifecycle import (
+    STOP_FILE_ENV,
+    RunFailed,
+    command_stop_requested,
+    sigterm_like_ctrl_c,
+    stop_workers_on_signals,
+)
 from fl_app.output_claim import claim_output_dir
 from fl_app.timeline import mark
 
@@ -124,7 +131,9 @@ class SweepState:
         directory = Path(tempfile.mkdtemp(prefix="dpfl-sweep-"))
         (directory / "total").write_text(str(total))
         (directory / "started").write_text(repr(time.time()))
+        (directory / "owner").write_text(str(os.getpid()))
         os.environ[SWEEP_STATE_ENV] = str(directory)
+        os.environ[STOP_FILE_ENV] = str(directory / "stop")
         return cls(directory)
 
     @classmethod
@@ -134,6 +143,18 @@ class SweepState:
 
         name = os.environ.get(SWEEP_STATE_ENV)
         return cls(Path(name)) if name and Path(name).is_dir() else None
+
+    def runs_here(self) -> bool:
+        """Whether this is the command's own process (a parallel launcher's workers are not)."""
+        import os
+
+        owner = self.directory / "owner"
+        return not owner.exists() or owner.read_text() == str(os.getpid())
+
+    @property
+    def stop_file(self) -> Path:
+        """The file whose presence stops every job (:data:`fl_app.lifecycle.STOP_FILE_ENV`)."""
+        return self.directory / "stop"
 
     def _append(self, name: str, line: str) -> None:
         with (self.directory / name).open("a") as handle:
@@ -254,7 +275,7 @@ def _job(_: DictConfig) -> None:
     """One Hydra job, then the sweep's progress line (a job stopped by a signal is not done)."""
     finished = True
     try:
-        _run_job()
+        finished = _run_job()
     except SystemExit as exit_:
         finished = exit_.code not in INTERRUPTED_EXIT_CODES
         raise
@@ -295,8 +316,11 @@ def _say_how_to_continue(state: SweepState | None) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _run_job() -> None:
-    """Simulate the job with the configuration the preflight composed and validated."""
+def _run_job() -> bool:
+    """Simulate the job with the configuration the preflight composed and validated.
+
+    Returns whether the job is done (False: a parallel sweep was stopped before or during it).
+    """
     from fl_app.simulation import run_in_simulation
     from fl_app.sweep_resume import plan_sweep_job
     from fl_app.validation import check_output_dir, validate_config
@@ -309,6 +333,9 @@ def _run_job() -> None:
     multirun = str(hydra_cfg.mode) == "RunMode.MULTIRUN"
     if multirun and state is not None:
         state.note_sweep_dir(Path(hydra_cfg.sweep.dir).expanduser().resolve())
+    if command_stop_requested() is not None:  # a parallel sweep stopped: no job starts any more
+        _discard_if_empty(output_dir)
+        return False
     try:
         if cfg is None:  # a job the preflight did not see (a launcher of its own): the same functions
             cfg = compose_config(overrides)
@@ -321,7 +348,7 @@ def _run_job() -> None:
             if plan.note:
                 print(f"dpfl sweep: job {hydra_cfg.job.num}: {plan.note}", file=sys.stderr, flush=True)
             if plan.action == "skip":
-                return
+                return True
             if plan.cfg is not None:
                 cfg, overrides = plan.cfg, list(plan.overrides)
         # checked now, not only in the preflight: an earlier job of the sweep may have written there
@@ -344,7 +371,7 @@ def _run_job() -> None:
         _record_failure(line)
         if not multirun:
             sys.exit(1)
-        return
+        return True
     except Exception as error:
         try:
             output_dir.mkdir(parents=True, exist_ok=True)
@@ -358,11 +385,16 @@ def _run_job() -> None:
         _record_failure(line)
         if not multirun:
             sys.exit(1)
-        return
+        return True
     if outcome.status == "interrupted":
         if not multirun:  # a sweep says how to continue the sweep instead
             print(f"dpfl: run interrupted ({outcome.reason}); {outcome.resume_hint()}", file=sys.stderr)
+        if multirun and state is not None and not state.runs_here():
+            # a parallel launcher's worker: its SystemExit would make the launcher kill the other
+            # workers while they write their results; the command's process reports the stop
+            return False
         sys.exit(outcome.exit_code)  # ends a multirun too
+    return True
 
 
 def _record_failure(line: str) -> None:
@@ -377,6 +409,13 @@ def _discard_if_empty(directory: Path) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def parallel_launcher(argv: list[str]) -> bool:
+    """Whether the command's jobs run in a parallel launcher's worker processes (not Hydra's basic)."""
+    overrides, multirun, _ = split_command_line(argv)
+    launchers = [item.split("=", 1)[1] for item in overrides if item.startswith("hydra/launcher=")]
+    return multirun and any(name != "basic" for name in launchers)
+
+
 def begin_ray_early(argv: list[str]) -> Callable[[DictConfig, int], None] | None:
     """What starts Ray in the background for this process's jobs, and keeps it for all of them.
 
@@ -388,9 +427,8 @@ def begin_ray_early(argv: list[str]) -> Callable[[DictConfig, int], None] | None
     """
     from fl_app.ray_session import SESSION, ActorPlan, ray_init_args
 
-    overrides, _, informational = split_command_line(argv)
-    launchers = [item.split("=", 1)[1] for item in overrides if item.startswith("hydra/launcher=")]
-    if informational or any(name != "basic" for name in launchers):
+    _, _, informational = split_command_line(argv)
+    if informational or parallel_launcher(argv):
         return None
 
     def begin(first: DictConfig, jobs: int) -> None:
@@ -449,16 +487,30 @@ def main() -> int:
                 print(f"error: {line}", file=sys.stderr, flush=True)
             return 2
         try:
-            _job()
-        except KeyboardInterrupt:  # Ctrl-C between two jobs, or a second Ctrl-C in a run
+            if state is not None and parallel_launcher(sys.argv[1:]):
+                with stop_workers_on_signals(state.stop_file) as received:
+                    _job()
+                if received:  # the workers stopped their jobs; none is running any more
+                    print(f"dpfl: sweep stopped by {signal.Signals(received[0]).name}", file=sys.stderr)
+                    _say_how_to_continue(state)
+                    return 128 + received[0]
+            else:
+                with sigterm_like_ctrl_c():
+                    _job()
+        except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM between two jobs, a second Ctrl-C in a
+            # run, or either while a parallel launcher's workers run the jobs
+            signum = getattr(stop, "signum", signal.SIGINT)
+            how = "interrupted (a second Ctrl-C stops at once)"
+            if signum != signal.SIGINT:
+                how = f"stopped by {signal.Signals(signum).name} (a second one stops at once)"
             print(
-                "dpfl: interrupted (a second Ctrl-C stops at once): a run continues from its last "
-                "checkpoint with python -m fl_app resume=<its output directory>",
+                f"dpfl: {how}: a run continues from its last checkpoint with "
+                "python -m fl_app resume=<its output directory>",
                 file=sys.stderr,
                 flush=True,
             )
             _say_how_to_continue(state)
-            return 130
+            return 128 + signum
         except SystemExit as exit_:
             if exit_.code in INTERRUPTED_EXIT_CODES:
                 _say_how_to_continue(state)

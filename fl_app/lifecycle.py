@@ -22,12 +22,14 @@ workers and Ray. A second signal gets Python's default behaviour (an immediate e
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -167,12 +169,122 @@ def stop_on_signals() -> Iterator[None]:
         _signal_received.clear()
         previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     DRIVER.set()
+    done = threading.Event()
+    if os.environ.get(STOP_FILE_ENV):
+        threading.Thread(target=_watch_command_stop, args=(done,), name="dpfl-stop-file", daemon=True).start()
     try:
         yield
     finally:
+        done.set()
         DRIVER.clear()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+#: Names a file whose presence asks every run of the command to stop. A sweep's own process sets it
+#: and writes the file when it gets SIGINT or SIGTERM while a parallel launcher's worker processes
+#: run the jobs (:func:`stop_workers_on_signals`); their runs poll it (:func:`stop_on_signals`), and
+#: a job that starts after it was written does not run.
+STOP_FILE_ENV = "DPFL_STOP_FILE"
+#: Seconds between two looks at the stop file during a run.
+STOP_FILE_POLL_S = 0.2
+
+
+def command_stop_requested() -> int | None:
+    """The signal number written to the command's stop file (:data:`STOP_FILE_ENV`), or None."""
+    name = os.environ.get(STOP_FILE_ENV)
+    if not name:
+        return None
+    try:
+        text = Path(name).read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else int(signal.SIGTERM)
+
+
+def _watch_command_stop(done: threading.Event) -> None:
+    while not done.wait(STOP_FILE_POLL_S):
+        signum = command_stop_requested()
+        if signum is not None:
+            request_stop(signum)
+            return
+
+
+@contextmanager
+def stop_workers_on_signals(stop_file: Path) -> Iterator[list[int]]:
+    """While a parallel launcher's workers run the jobs: stop them all on SIGINT or SIGTERM.
+
+    For the command's own process. The first signal writes ``stop_file`` (named in the workers'
+    environment by :data:`STOP_FILE_ENV`): each running job stops after its current round and
+    writes its results, and no queued job starts; the launcher then returns as after its last job.
+    Yields the list the signal's number is appended to. A second signal stops at once.
+
+    (Python's default ended this process at once on SIGTERM, before the launcher stopped its
+    workers: orphaned, they went on with the queued jobs, each with its own Ray. A
+    ``KeyboardInterrupt`` here makes the launcher kill its workers while they write their results.)
+    """
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if received:  # second signal: default behaviour, now
+            signal.signal(signum, signal.SIG_DFL)
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.raise_signal(signum)
+            return
+        received.append(signum)
+        stop_file.write_text(str(signum))
+        print(
+            f"dpfl: {signal.Signals(signum).name} received: every running job stops after its current "
+            "round and no other job starts (send it again to exit at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    signals = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield received
+    finally:
+        for sig, handler_before in previous.items():
+            signal.signal(sig, handler_before)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM to the command's own process outside a run: it stops the command as Ctrl-C does."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+def _terminate_like_ctrl_c(signum: int, frame: FrameType | None) -> None:
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM: the default, an immediate exit
+    raise Terminated(signum)
+
+
+@contextmanager
+def sigterm_like_ctrl_c() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated` (a ``KeyboardInterrupt``).
+
+    For the command's own process: between the runs of a sweep, and for the whole sweep when a
+    parallel launcher (``hydra/launcher=joblib``) runs the jobs in worker processes. Python's
+    default for SIGTERM ended that process at once, so the launcher never stopped its workers:
+    orphaned, they went on with the queued jobs, each with its own Ray. Raised as Ctrl-C is, it
+    makes the launcher stop them. During a run in this process :func:`stop_on_signals` handles
+    SIGTERM itself (a stop request) and puts this handler back after.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def reinstall_handlers() -> None:

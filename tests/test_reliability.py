@@ -708,3 +708,51 @@ def test_num_clients_below_clients_per_round_names_both_keys(tmp_path):
     default = compose_config([]).clients_per_round  # the key the user did not write: its default
     result = preflight_cli("num_clients=1", cwd=tmp_path)
     assert_one_line(result, f"clients_per_round={default}", "num_clients=1", "at most 1")
+
+
+def group_processes(pgid: int) -> list[psutil.Process]:
+    """The running processes of process group ``pgid`` (orphans included: they keep the group)."""
+    members = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid and process.status() != psutil.STATUS_ZOMBIE:
+                members.append(process)
+        except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+            pass
+    return members
+
+
+@pytest.mark.simulation
+def test_sigterm_to_a_parallel_sweep_stops_every_worker_and_starts_no_new_job(tmp_path):
+    """``kill -- -PGID`` on a joblib sweep ended its jobs as interrupted, but the command died at
+    once and its loky workers, orphaned, went on with the queued jobs (each with its own Ray)."""
+    sweep = tmp_path / "sweep"
+    args = [
+        "-m",
+        *FAST,
+        "num_rounds=40",
+        "strategy=fedavg",
+        "seed=1,2,3,4",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        "simulation.num_cpus=1",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    run = Run(args, tmp_path, delay=0.0)
+    pgid = run.process.pid
+    try:
+        wait_until(lambda: run.output.count("dpfl round 2/40") >= 2, timeout=300)
+        assert run.output.count("dpfl round 2/40") >= 2, run.output[-3000:]
+        os.killpg(pgid, signal.SIGTERM)
+        assert run.finish(timeout=120) == 128 + signal.SIGTERM, run.output[-3000:]
+        wait_until(lambda: not group_processes(pgid), timeout=60)
+        assert not group_processes(pgid), [p.cmdline()[:3] for p in group_processes(pgid)]
+    finally:
+        for process in group_processes(pgid):
+            process.kill()
+    assert "Traceback" not in run.output, run.output[-3000:]
+    assert "dpfl sweep: stopped with 0 of 4 jobs done" in run.output, run.output[-3000:]
+    # the two running jobs wrote their results as interrupted; the queued two never started
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0-fedavg", "1-fedavg"]
+    for job in ("0-fedavg", "1-fedavg"):
+        assert json.loads((sweep / job / "results.json").read_text())["status"] == "interrupted"

@@ -117,8 +117,15 @@ class Batching:
         self.message_s = seconds / max(1, messages)
 
     def stopped(self) -> bool:
-        """Whether the engine is stopping (its ServerApp ended): batches in flight are abandoned."""
-        return self.stop_event is not None and self.stop_event.is_set()
+        """Whether the engine or the run is stopping: batches in flight are abandoned.
+
+        The engine stops when its ServerApp ended; the run when a signal asked it to
+        (:func:`fl_app.lifecycle.stop_requested`), which may also have ended the actors.
+        """
+        from fl_app.lifecycle import stop_requested
+
+        engine_stopping = self.stop_event is not None and self.stop_event.is_set()
+        return engine_stopping or stop_requested() is not None
 
 
 def _no_sender(jobs: list[Job]) -> list[Outcome]:
@@ -229,7 +236,8 @@ def ray_batch_sender(backend: Any, stopped: Callable[[], bool] = lambda: False) 
     Uses the pool as Flower's ``process_message`` does (``submit`` lends an actor; it goes
     back to the pool afterwards, also when the task failed). Raises what ``ray.get`` raises
     when the whole task failed (e.g. the actor died), and :class:`AbandonedBatchError` when
-    ``stopped()`` turns true before the batch is done (looked at every :data:`STOP_POLL_S`).
+    ``stopped()`` turns true before the batch is done (looked at every :data:`STOP_POLL_S`) or
+    holds when it failed.
     """
     import ray
 
@@ -239,11 +247,17 @@ def ray_batch_sender(backend: Any, stopped: Callable[[], bool] = lambda: False) 
             lambda actor, app_fn, batch, _cid, _context: actor.run_batch.remote(app_fn, batch),
             (backend.app_fn, jobs, "", None),
         )
+        abandoned = f"the run stopped with {len(jobs)} messages at an actor"
         try:
             while not ray.wait([future], timeout=STOP_POLL_S)[0]:
                 if stopped():
-                    raise AbandonedBatchError(f"the run stopped with {len(jobs)} messages at an actor")
-            return list(ray.get(future))
+                    raise AbandonedBatchError(abandoned)
+            try:
+                return list(ray.get(future))
+            except Exception as error:  # e.g. SIGTERM to the process group ended the actor too
+                if stopped():
+                    raise AbandonedBatchError(abandoned) from error
+                raise
         finally:
             pool.add_actor_back_to_pool(future)
 
