@@ -52,6 +52,9 @@ def diverged(initial_loss: float | None, final_loss: float | None) -> bool:
 #: Set by the first SIGINT/SIGTERM of a ``python -m fl_app`` run (or by tests).
 STOP = threading.Event()
 _signal_received: list[int] = []
+#: The signals the handler took during the current run (the second one exits at once). Not
+#: :data:`STOP`: a run asked to stop by the command's stop file must still take its own first signal.
+_signals_handled: list[int] = []
 
 
 class RunStopped(Exception):  # noqa: N818 (control flow, like KeyboardInterrupt)
@@ -140,12 +143,13 @@ def request_stop(signum: int) -> None:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    if STOP.is_set():  # second signal: default behaviour, now
+    if _signals_handled:  # second signal: default behaviour, now
         signal.signal(signum, signal.SIG_DFL)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         signal.raise_signal(signum)
         return
+    _signals_handled.append(signum)
     request_stop(signum)
     print(
         f"dpfl: {signal.Signals(signum).name} received: abandoning the current round and stopping "
@@ -167,6 +171,7 @@ def stop_on_signals() -> Iterator[None]:
     if on_main:
         STOP.clear()
         _signal_received.clear()
+        _signals_handled.clear()
         previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     DRIVER.set()
     done = threading.Event()

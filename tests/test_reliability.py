@@ -756,3 +756,20 @@ def test_sigterm_to_a_parallel_sweep_stops_every_worker_and_starts_no_new_job(tm
     assert sorted(p.name for p in sweep.iterdir() if p.is_dir()) == ["0-fedavg", "1-fedavg"]
     for job in ("0-fedavg", "1-fedavg"):
         assert json.loads((sweep / job / "results.json").read_text())["status"] == "interrupted"
+
+
+def test_a_run_stopped_by_the_sweeps_stop_file_still_takes_its_own_first_signal():
+    """A parallel sweep's worker often sees the stop file (its watcher thread) before the SIGTERM sent
+    to the whole group reaches its main thread; that signal is the first, a stop request, not the
+    second that exits at once (the worker died of it, -15, and the launcher raised)."""
+    from fl_app import lifecycle
+
+    try:
+        with lifecycle.stop_on_signals():
+            lifecycle.request_stop(signal.SIGTERM)  # what the stop-file watcher does
+            signal.raise_signal(signal.SIGINT)  # the group's signal arrives: no exit
+            assert lifecycle.stop_requested() == signal.SIGTERM
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)  # a second one exits at once
+    finally:
+        lifecycle.STOP.clear()
