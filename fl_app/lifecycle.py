@@ -220,7 +220,7 @@ def stop_workers_on_signals(stop_file: Path) -> Iterator[list[int]]:
     """While a parallel launcher's workers run the jobs: stop them all on SIGINT or SIGTERM.
 
     For the command's own process. The first signal writes ``stop_file`` (named in the workers'
-    environment by :data:`STOP_FILE_ENV`): each running job stops after its current round and
+    environment by :data:`STOP_FILE_ENV`): each running job abandons its round in flight and
     writes its results, and no queued job starts; the launcher then returns as after its last job.
     Yields the list the signal's number is appended to. A second signal stops at once.
 
@@ -243,8 +243,8 @@ def stop_workers_on_signals(stop_file: Path) -> Iterator[list[int]]:
         received.append(signum)
         stop_file.write_text(str(signum))
         print(
-            f"dpfl: {signal.Signals(signum).name} received: every running job stops after its current "
-            "round and no other job starts (send it again to exit at once)",
+            f"dpfl: {signal.Signals(signum).name} received: stopping every running job (each abandons its "
+            "round in flight and writes its results) and starting no other (send it again to exit at once)",
             file=sys.stderr,
             flush=True,
         )
