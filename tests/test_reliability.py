@@ -730,7 +730,7 @@ def test_sigterm_to_a_parallel_sweep_stops_every_worker_and_starts_no_new_job(tm
     args = [
         "-m",
         *FAST,
-        "num_rounds=40",
+        "num_rounds=1000",  # no job can end before both are running, however loaded the machine
         "strategy=fedavg",
         "seed=1,2,3,4",
         "hydra/launcher=joblib",
@@ -741,8 +741,8 @@ def test_sigterm_to_a_parallel_sweep_stops_every_worker_and_starts_no_new_job(tm
     run = Run(args, tmp_path, delay=0.0)
     pgid = run.process.pid
     try:
-        wait_until(lambda: run.output.count("dpfl round 2/40") >= 2, timeout=300)
-        assert run.output.count("dpfl round 2/40") >= 2, run.output[-3000:]
+        wait_until(lambda: run.output.count("dpfl round 2/1000") >= 2, timeout=300)
+        assert run.output.count("dpfl round 2/1000") >= 2, run.output[-3000:]
         os.killpg(pgid, signal.SIGTERM)
         assert run.finish(timeout=120) == 128 + signal.SIGTERM, run.output[-3000:]
         wait_until(lambda: not group_processes(pgid), timeout=60)
