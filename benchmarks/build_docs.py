@@ -9,7 +9,9 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
   reading of that table (no numbers of its own);
 * ``docs/benchmarks/cross_device.md`` with ``docs/benchmarks/cross_device/report.md``:
   ``python -m fl_app.report docs/benchmarks/cross_device/runs --out docs/benchmarks/cross_device``
-  (the central arms' command and the reference, kept with ``benchmarks/keep_runs.py``);
+  (the central arms' command and the reference, kept with ``benchmarks/keep_runs.py``), and its second
+  table, ``docs/benchmarks/cross_device/untrusted/report.md`` (the distributed and local arms' command,
+  kept in ``cross_device/untrusted/runs``);
 * ``docs/benchmarks/record_level.md`` with ``docs/benchmarks/record_level/report.md``:
   ``python -m fl_app.report <sweep dir> --out docs/benchmarks/record_level``;
 * ``docs/benchmarks/empirical_privacy.md`` with ``docs/benchmarks/empirical_privacy/report.md``:
@@ -28,9 +30,10 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
 This script only concatenates them (headings demoted one level, relative links rewritten for the
 repository root) and copies the cross-device comparison's table (``cross_device/report.md``,
 regenerated from the runs kept in ``docs/benchmarks/cross_device/runs/``) between the README's
-``<!-- RESULTS:BEGIN -->`` and ``<!-- RESULTS:END -->`` markers, and the record-level table
-(``record_level/report.md``, from ``docs/benchmarks/record_level/runs/``)
-between ``<!-- RECORD:BEGIN -->`` and ``<!-- RECORD:END -->``, so numbers are never typed by hand.
+``<!-- RESULTS:BEGIN -->`` and ``<!-- RESULTS:END -->`` markers, and the further tables of
+:data:`README_BLOCKS` between theirs (the cross-device comparison's second table, the server not
+trusted, between ``<!-- UNTRUSTED:BEGIN -->`` and ``<!-- UNTRUSTED:END -->``; the record-level table
+between ``<!-- RECORD:BEGIN -->`` and ``<!-- RECORD:END -->``), so numbers are never typed by hand.
 Usage (from the repository root)::
 
     python -P benchmarks/build_docs.py [--from-runs] [--check]
@@ -77,11 +80,15 @@ ORDER = (
 )
 BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
 #: Further README blocks: (begin marker, end marker, the report copied between them).
-README_BLOCKS = (("<!-- RECORD:BEGIN -->", "<!-- RECORD:END -->", PAGES / "record_level" / "report.md"),)
+README_BLOCKS = (
+    ("<!-- UNTRUSTED:BEGIN -->", "<!-- UNTRUSTED:END -->", PAGES / "cross_device/untrusted/report.md"),
+    ("<!-- RECORD:BEGIN -->", "<!-- RECORD:END -->", PAGES / "record_level" / "report.md"),
+)
 #: Pages whose table ``python -m fl_app.report`` makes from the runs kept in ``<page>/runs``
 #: (benchmarks/keep_runs.py), with the number of jobs of the one command that made them.
 KEPT_RUN_PAGES = {
     "cross_device": 99,
+    "cross_device/untrusted": 34,
     "banded_mf": 36,
     "record_level": 36,
     "kd_dp/regime": 18,
