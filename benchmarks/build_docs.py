@@ -88,7 +88,7 @@ README_BLOCKS = (
 #: (benchmarks/keep_runs.py), with the number of jobs of the one command that made them.
 KEPT_RUN_PAGES = {
     "cross_device": 99,
-    "cross_device/untrusted": 34,
+    "cross_device/untrusted": 36,
     "banded_mf": 36,
     "record_level": 36,
     "kd_dp/regime": 18,
