@@ -142,12 +142,17 @@ def request_stop(signum: int) -> None:
     STOP.set()
 
 
+def _exit_at_once(signum: int) -> None:
+    """A second signal: Python's default behaviour for it, now."""
+    signal.signal(signum, signal.SIG_DFL)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.raise_signal(signum)
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
-    if _signals_handled:  # second signal: default behaviour, now
-        signal.signal(signum, signal.SIG_DFL)
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        signal.raise_signal(signum)
+    if _signals_handled:
+        _exit_at_once(signum)
         return
     _signals_handled.append(signum)
     request_stop(signum)
@@ -234,11 +239,8 @@ def stop_workers_on_signals(stop_file: Path) -> Iterator[list[int]]:
         return
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        if received:  # second signal: default behaviour, now
-            signal.signal(signum, signal.SIG_DFL)
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            signal.raise_signal(signum)
+        if received:
+            _exit_at_once(signum)
             return
         received.append(signum)
         stop_file.write_text(str(signum))
