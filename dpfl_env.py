@@ -1,4 +1,4 @@
-"""Flower and Ray environment switches for every process of a dpfl environment.
+"""Flower, Ray and BLAS environment switches for every process of a dpfl environment.
 
 This module is deliberately tiny and imports nothing heavy: the installed
 ``dpfl_flower_env.pth`` imports it at the start of every Python interpreter of
@@ -52,6 +52,13 @@ FLOWER_ENVIRONMENT: dict[str, str] = {
     "RAY_prestart_worker_first_driver": "0",
     "RAY_max_direct_call_object_size": str(64 << 20),
     "RAY_task_rpc_inlined_bytes_limit": str(256 << 20),
+    # One OpenBLAS thread for numpy (torch keeps its own threads). The server's numpy work is vector
+    # products (norms for clipping, canary projections) of model size, where a second BLAS thread
+    # gains nothing on a quiet machine and, when the cores are busy (client actors, a parallel
+    # sweep, a test suite), spins against them: np.linalg.norm of 100,000 floats took 0.64 ms with
+    # OpenBLAS's default threads and 0.015 ms with one while a sweep held both cores, and a
+    # canary estimate (800 canaries) 70 s against 5 s (benchmarks/blas_threads.py, BENCHMARKS.md).
+    "OPENBLAS_NUM_THREADS": "1",
 }
 
 

@@ -15,6 +15,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from fl_app.read_once import read_once
+
 
 @dataclass(frozen=True)
 class PrivacySettings:
@@ -82,8 +84,11 @@ class RunSettings:
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> RunSettings:
-        """Read ``cfg`` (composed and validated) into typed fields."""
+        """Read ``cfg`` (composed and validated) into typed fields; once per frozen ``cfg`` (read_once)."""
+        return read_once(cfg, cls, cls._read)
 
+    @classmethod
+    def _read(cls, cfg: DictConfig) -> RunSettings:
         def optional(value: Any, kind: type) -> Any:
             return None if value is None else kind(value)
 

@@ -34,6 +34,7 @@ from fl_app.config_checks import (
     require_positive,
     require_range,
 )
+from fl_app.read_once import read_once
 
 #: The metadata key of a field's check: ``check(key, value) -> value``.
 CHECK = "check"
@@ -141,7 +142,14 @@ class StrategySettings:
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> Self:
-        """Read and check ``cfg.<section>`` (raises :class:`ConfigError`; undeclared keys are not read)."""
+        """Read and check ``cfg.<section>`` (raises :class:`ConfigError`; undeclared keys are not read).
+
+        Once per frozen ``cfg`` (:mod:`fl_app.read_once`): the check and the constructor both ask.
+        """
+        return read_once(cfg, cls, cls._read)
+
+    @classmethod
+    def _read(cls, cfg: DictConfig) -> Self:
         if cls.budget_scopes is not None:
             require_choice("privacy.budget_scope", cfg.privacy.budget_scope, cls.budget_scopes)
         section = cfg[cls.section]

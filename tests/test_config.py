@@ -588,3 +588,37 @@ def test_per_budget_picks_the_setting_tuned_for_the_largest_budget_not_above_eps
     assert per_budget(2, "1:0.1 2:0.3") == 0.3 and isinstance(per_budget(2, "1:1 2:3"), int)
     with pytest.raises(ValueError):
         per_budget(1, "")
+
+
+def test_settings_are_read_once_per_frozen_config_and_every_time_from_a_mutable_one() -> None:
+    """RunSettings and a strategy's settings: one object per frozen config (a check and a
+    constructor both ask; an audit builds thousands of strategies from one config), a fresh read
+    of a config that may still change, and a config's values are never another config's."""
+    import gc
+    import weakref
+
+    from fl_app import read_once as memo
+    from fl_app.run_settings import RunSettings
+    from strategies.dp_ftrl import DPFTRLSettings
+
+    frozen = compose_config(["strategy=dp_ftrl", "dataset=digits"])
+    assert OmegaConf.is_readonly(frozen)
+    assert RunSettings.from_config(frozen) is RunSettings.from_config(frozen)
+    assert DPFTRLSettings.from_config(frozen) is DPFTRLSettings.from_config(frozen)
+    mutable = OmegaConf.create(OmegaConf.to_container(frozen))
+    assert RunSettings.from_config(mutable).lr == RunSettings.from_config(frozen).lr
+    mutable.lr = 0.25
+    assert RunSettings.from_config(mutable).lr == 0.25
+    other = compose_config(["strategy=dp_ftrl", "dataset=digits", "lr=0.5", "strategy.clip=3"])
+    assert RunSettings.from_config(other).lr == 0.5 != RunSettings.from_config(frozen).lr
+    assert DPFTRLSettings.from_config(other).clip == 3.0 != DPFTRLSettings.from_config(frozen).clip
+    bad = compose_config(["strategy=dp_ftrl", "dataset=digits", "strategy.clip=-1"])
+    for _ in range(2):  # an error is raised on every read, never kept as a value
+        with pytest.raises(ConfigError, match=r"strategy\.clip"):
+            DPFTRLSettings.from_config(bad)
+    gone = weakref.ref(frozen)
+    slots = [slot for slot in memo._READ if slot[0] == id(frozen)]
+    assert len(slots) == 2  # the run's settings and the strategy's
+    del frozen
+    gc.collect()
+    assert gone() is None and not set(slots) & set(memo._READ)  # forgotten with their config
