@@ -53,11 +53,10 @@ FLOWER_ENVIRONMENT: dict[str, str] = {
     "RAY_max_direct_call_object_size": str(64 << 20),
     "RAY_task_rpc_inlined_bytes_limit": str(256 << 20),
     # One OpenBLAS thread for numpy (torch keeps its own threads). The server's numpy work is vector
-    # products (norms for clipping, canary projections) of model size, where a second BLAS thread
-    # gains nothing on a quiet machine and, when the cores are busy (client actors, a parallel
-    # sweep, a test suite), spins against them: np.linalg.norm of 100,000 floats took 0.64 ms with
-    # OpenBLAS's default threads and 0.015 ms with one while a sweep held both cores, and a
-    # canary estimate (800 canaries) 70 s against 5 s (benchmarks/blas_threads.py, BENCHMARKS.md).
+    # products of model size (clipping norms, canary projections): on a quiet machine a second BLAS
+    # thread saves 0.006 ms per norm of 100,000 floats; with the cores busy (client actors, a parallel
+    # sweep, a test suite) its threads wait for cores and the norm is 12x slower, a canary estimate
+    # 5x (benchmarks/blas_threads.py, docs/benchmarks/blas_threads.md).
     "OPENBLAS_NUM_THREADS": "1",
 }
 

@@ -77,6 +77,7 @@ ORDER = (
     "kd_dp",
     "laplace_eval",
     "suite",
+    "blas_threads",
 )
 BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
 #: Further README blocks: (begin marker, end marker, the report copied between them).
@@ -91,6 +92,7 @@ KEPT_RUN_PAGES = {
     "cross_device/untrusted": 36,
     "banded_mf": 36,
     "record_level": 36,
+    "record_level/untuned": 24,
     "kd_dp/regime": 18,
     "kd_dp/regime_skew": 12,
     "kd_dp/regime_full": 3,

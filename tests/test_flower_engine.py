@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import secrets
 import subprocess
@@ -785,6 +786,28 @@ def test_every_process_of_the_environment_serialises_flowers_fab_installs() -> N
     assert wrapped == "True", answer.stderr
     # the copy the environment imports (pyproject's force-include) is this repository's: else setup.sh again
     assert Path(module).read_text() == (ROOT / "dpfl_env.py").read_text()
+
+
+def test_every_process_of_the_environment_runs_numpy_on_one_blas_thread() -> None:
+    """The .pth sets OPENBLAS_NUM_THREADS=1 before numpy loads (a fresh interpreter's numpy reports one
+    BLAS thread; docs/benchmarks/blas_threads.md), unless the user exported a value."""
+    probe = (
+        "import numpy, threadpoolctl; "
+        "print(sum(p['num_threads'] for p in threadpoolctl.threadpool_info() if p['user_api'] == 'blas'))"
+    )
+    environment = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    answer = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=environment
+    )
+    assert answer.stdout.split() == ["1"], answer.stderr
+    chosen = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**environment, "OPENBLAS_NUM_THREADS": "2"},
+    )
+    assert chosen.stdout.split() == ["2"], chosen.stderr  # the user's value wins
 
 
 def test_a_second_install_of_the_same_fab_waits_for_a_complete_app(tmp_path: Path, monkeypatch) -> None:
