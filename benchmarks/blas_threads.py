@@ -34,7 +34,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.tables, with or without -P
+
+from benchmarks.tables import markdown_table, replace_generated_block
+
 ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- BEGIN GENERATED: blas_threads.py -->", "<!-- END GENERATED -->"
 SHAPE = ["dataset=digits", "num_clients=20", "clients_per_round=10", "num_rounds=5", "privacy.epsilon=2"]
 
 
@@ -51,7 +56,6 @@ def measure_norm(dimension: int, calls: int) -> float:
 
 def measure_canaries(canaries: int) -> float:
     """Seconds of DP-FedAvg's five constructed rounds and its canary estimate."""
-    sys.path.insert(0, str(ROOT))
     from fl_app.engine.messages import set_task_identity
     from fl_app.harness import random_update_rounds, run_context_for
     from strategies import STRATEGIES
@@ -143,42 +147,23 @@ def main(argv: list[str] | None = None) -> int:
         "norm": f"`np.linalg.norm`, {args.dimension:,} floats (per call, mean of {args.calls})",
         "canaries": f"DP-FedAvg, 5 constructed rounds + canary estimate, {args.canaries} canaries",
     }
-    lines = [
-        f"| machine | task | one thread | {cpus} threads (OpenBLAS default) | default / one |",
-        "|---|---|---|---|---|",
-    ]
+    cells = []
     for condition, task, one, default in rows:
         label = "busy (one spinning process per CPU)" if condition == "busy" else "quiet"
-        unit = 1e3 if task == "norm" else 1.0
-        suffix = " ms" if task == "norm" else " s"
-        lines.append(
-            f"| {label} | {what[task]} | {one * unit:.3g}{suffix} | {default * unit:.3g}{suffix} "
-            f"| {default / one:.2g}x |"
-        )
+        unit, suffix = (1e3, " ms") if task == "norm" else (1.0, " s")
+        shown = [f"{one * unit:.3g}{suffix}", f"{default * unit:.3g}{suffix}"]
+        cells.append([label, what[task], *shown, f"{default / one:.2g}x"])
+    header_cells = ["machine", "task", "one thread", f"{cpus} threads (OpenBLAS default)", "default / one"]
+    lines = markdown_table(header_cells, cells)
     header = (
         f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC, {cpus} CPUs, medians of {args.repeats} "
         f"fresh processes each, load average before {load:.2f}\n\n"
     )
     table = header + "\n".join(lines) + "\n"
     print(table)
-    if args.out is not None:
-        write_table(args.out, table)
+    if args.out is not None and not replace_generated_block(args.out, table, begin=BEGIN, end=END):
+        raise SystemExit(f"{args.out} lacks the markers {BEGIN} / {END}")
     return 0
-
-
-BEGIN, END = "<!-- BEGIN GENERATED: blas_threads.py -->", "<!-- END GENERATED -->"
-
-
-def write_table(path: Path, table: str) -> None:
-    """Put ``table`` between the page's generated-block markers (the whole page if it has none)."""
-    block = f"{BEGIN}\n{table}{END}"
-    text = path.read_text() if path.is_file() else ""
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) :]
-    else:
-        text = block + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
 
 
 if __name__ == "__main__":
