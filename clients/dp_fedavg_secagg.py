@@ -2,16 +2,17 @@
 
 The device half of ``strategy=dp_fedavg_secagg`` (the server and the papers:
 :mod:`strategies.dp_fedavg_secagg`). The train message arrives inside Flower's SecAgg+ protocol
-(``secaggplus_mod``, applied by :func:`fl_app.client_app.train` to every message of the protocol),
-whose collect stage calls this client: it trains locally, encodes its update with
+(:func:`fl_app.engine.secagg.secure_aggregation_mod`, Flower's ``secaggplus_mod`` with dpfl's
+masks, applied by :func:`fl_app.client_app.train` to every message of the protocol), whose collect
+stage calls this client: it trains locally, encodes its update with
 :func:`fl_app.privacy.distributed.encode_update` (clip to C, randomized Hadamard rotation from the
 round's public seed, scale, conditional randomized rounding, Skellam noise of the local variance,
-mod ``2^b``) and hands the integers to ``secaggplus_mod``, which adds the masks. The rounding and
+mod ``2^b``) and hands the integers in ``[0, 2^b)`` to the mod, which adds the masks. The rounding and
 the noise come from :meth:`noise_generator` (OS entropy on a device).
 
 A train message outside the protocol is refused: this client never uploads its vector unmasked.
 The reply carries no loss and no example count (the count is fixed at 1, which makes
-``secaggplus_mod``'s weighting the identity), only the mechanism parameters it applied (the
+the weighting of Flower's reply layout the identity), only the mechanism parameters it applied (the
 server rejects a client that applied others).
 """
 
@@ -52,12 +53,9 @@ class DistributedDPClient(FederatedClient):
             raise ValueError(f"the model has {update.size} parameters, more than the plan's {plan.dim}")
         signs = rotation_signs(seed=int(self.config[ROTATION_SEED]), dim=plan.dim)
         encoded = encode_update(update, plan=plan, signs=signs, rng=self.noise_generator("ddp-encoding"))
-        # secaggplus_mod quantizes [-2^(b-1), 2^(b-1)] onto [0, 2^b] with a factor of exactly 1: the
-        # shifted integers come back unchanged, then the masks are added mod 2^b
-        shifted = encoded.astype(np.float64) - float(1 << (plan.bits - 1))
         fitres = FitRes(
             status=Status(code=Code.OK, message=""),
-            parameters=ndarrays_to_parameters([shifted]),
+            parameters=ndarrays_to_parameters([encoded.astype(np.int64)]),
             num_examples=1,
             metrics={key: getattr(plan, key) for key in ECHOED},
         )

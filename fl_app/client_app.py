@@ -5,7 +5,8 @@ query is answered by :class:`clients.node.NodeClient`, which needs no torch (a
 device's roster query process never imports it: the client classes, and torch with
 them, are imported with the first train or evaluate message). No Hydra, no shared
 disk: everything arrives in the message or lives in the node's context. Messages of the SecAgg+
-protocol go through Flower's ``secaggplus_mod`` (:func:`train`).
+protocol go through :func:`fl_app.engine.secagg.secure_aggregation_mod` (Flower's ``secaggplus_mod``
+with masks from the whole agreed key; :func:`train`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from flwr.clientapp import ClientApp
 from clients import CLIENTS
 from clients.node import NodeClient
 from fl_app import keys
-from fl_app.engine.secagg import RECORD_KEY_CONFIGS, secaggplus_mod
+from fl_app.engine.secagg import RECORD_KEY_CONFIGS, secure_aggregation_mod
 
 if TYPE_CHECKING:
     from clients.base import FederatedClient
@@ -46,11 +47,11 @@ def train(message: Message, context: Context) -> Message:
     """One round of local work for the configured algorithm.
 
     A message of the SecAgg+ protocol (it carries Flower's ``secaggplus_configs`` record) goes
-    through Flower's ``secaggplus_mod``, which answers the protocol's stages itself and calls the
-    configured client in the stage that collects the masked vectors.
+    through :func:`~fl_app.engine.secagg.secure_aggregation_mod`, which answers the protocol's stages
+    itself and calls the configured client in the stage that collects the masked vectors.
     """
     if RECORD_KEY_CONFIGS in message.content.config_records:
-        return secaggplus_mod(message, context, lambda inner, node: client_for(inner, node).train())
+        return secure_aggregation_mod(message, context, lambda inner, node: client_for(inner, node).train())
     return client_for(message, context).train()
 
 

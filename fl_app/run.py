@@ -45,7 +45,7 @@ from fl_app.config_checks import ConfigError
 from fl_app.data.federated import DataSpec, FederatedData, federated_data
 from fl_app.engine.dispatch import is_in_memory_grid, simulated_partitions
 from fl_app.engine.logs import colour_only_at_a_terminal, console_filter
-from fl_app.files import WriteFailed, write_failed
+from fl_app.files import WriteFailed, one_modification_time, write_failed
 from fl_app.fingerprint import config_fingerprint
 from fl_app.lifecycle import (
     DIVERGENCE_FACTOR,
@@ -276,6 +276,8 @@ def execute(
         flower_logger.propagate = propagate
         flower_logger.removeHandler(handler)
         handler.close()
+        if published.secret_cohort:  # the files' times would say when each round ended
+            one_modification_time(output_dir, when=time.time())
 
 
 def _execute(
@@ -335,7 +337,12 @@ def _execute(
         output_dir,
         cfg,
         diagnostics=diagnostics_enabled(cfg, devices=randomness.devices),
-        tracker=make_tracker(settings.tracking, output_dir, config_text=OmegaConf.to_yaml(cfg)),
+        tracker=make_tracker(
+            settings.tracking,
+            output_dir,
+            config_text=OmegaConf.to_yaml(cfg),
+            secret_cohort=randomness.secret_cohort,
+        ),
     )
     x_test, y_test = evaluation_arrays(
         data, subset=settings.evaluation.test_subset, randomness=run.randomness

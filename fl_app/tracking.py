@@ -12,11 +12,17 @@ strategy's per-round fields), with the round as the step, plus the initial model
 resolved configuration as text. It therefore releases nothing that the run's results do not already
 release: statistics outside the guarantee (``privacy.diagnostics``) are never tracked. Off by default
 (``tracking=none``).
+
+TensorBoard stores a wall time with every event. With a secret cohort a round's duration follows its
+cohort's size, so every event of such a run carries the same wall time, the moment the writer was
+made (before round 1): TensorBoard's "relative" and "wall" axes then say nothing, the step axis
+everything.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -61,18 +67,20 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 class TensorBoardTracker:
     """Round records as TensorBoard scalars (one tag per field, the round as the step)."""
 
-    def __init__(self, log_dir: Path, *, config_text: str) -> None:
+    def __init__(self, log_dir: Path, *, config_text: str, constant_wall_time: bool = False) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = log_dir
         self.writer = SummaryWriter(log_dir=str(log_dir))
-        self.writer.add_text("config", f"```\n{config_text}\n```")
+        #: The wall time every event gets (None: the time it is logged).
+        self.wall_time = time.time() if constant_wall_time else None
+        self.writer.add_text("config", f"```\n{config_text}\n```", walltime=self.wall_time)
 
     def log_round(self, record: dict[str, Any]) -> None:
         """Add every finite numeric field of ``record`` at step ``record["round"]``."""
         step = int(record["round"])
         for key, value in scalars(record).items():
-            self.writer.add_scalar(key, value, step)
+            self.writer.add_scalar(key, value, step, walltime=self.wall_time)
         self.writer.flush()
 
     def close(self) -> None:
@@ -80,10 +88,17 @@ class TensorBoardTracker:
         self.writer.close()
 
 
-def make_tracker(name: str, output_dir: Path, *, config_text: str) -> RoundTracker | None:
-    """The tracker ``tracking=name`` asks for, or None for ``none``."""
+def make_tracker(
+    name: str, output_dir: Path, *, config_text: str, secret_cohort: bool = False
+) -> RoundTracker | None:
+    """The tracker ``tracking=name`` asks for, or None for ``none``.
+
+    ``secret_cohort``: the run's cohorts are secret; its events carry no wall time that varies.
+    """
     if name == "none":
         return None
     if name == "tensorboard":
-        return TensorBoardTracker(output_dir / TENSORBOARD_DIR, config_text=config_text)
+        return TensorBoardTracker(
+            output_dir / TENSORBOARD_DIR, config_text=config_text, constant_wall_time=secret_cohort
+        )
     raise ValueError(f"unknown tracker {name!r} (known: {', '.join(TRACKERS)})")

@@ -77,7 +77,11 @@ NOT_COVERED = (
 SECRET_COHORT_NOT_COVERED = (
     "the run's total wall time (final.wall_s, the last line of run.log) and whether any sampled client "
     "failed (status completed_with_failures): both depend on the secret cohorts; nothing per round does "
-    "(each round's cohort size, failures, bytes and duration are written only to outside_guarantee)",
+    "(each round's cohort size, failures, bytes and duration are written only to outside_guarantee; "
+    "run.log's lines carry no clock time after the header, TensorBoard's events one wall time, and the "
+    "run's files one modification time, set when the run ends)",
+    "the output folder's files while the run writes them: a reader watching them during the run sees "
+    "when each round ends (publish them after the run)",
 )
 
 

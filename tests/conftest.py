@@ -375,14 +375,21 @@ class InProcessGrid:
     (node ``1000 + i`` is partition ``i``, as :func:`build_run_context` numbers them). A node in
     ``offline`` never answers; a node in ``fails_at`` answers with an error reply from that stage
     on (``{node: stage}``, stage as in the ``secaggplus_configs`` record). ``sent`` keeps every
-    message and reply, in order, for inspection.
+    message and reply, in order, for inspection. A node in ``flower_mod`` runs Flower's own
+    ``secaggplus_mod`` (masks from 32-bit seeds) instead of dpfl's, as a device with plain Flower would.
     """
 
     def __init__(
-        self, num_partitions: int, *, offline: Sequence[int] = (), fails_at: dict[int, str] | None = None
+        self,
+        num_partitions: int,
+        *,
+        offline: Sequence[int] = (),
+        fails_at: dict[int, str] | None = None,
+        flower_mod: Sequence[int] = (),
     ):
         self.num_partitions = num_partitions
         self.offline = set(offline)
+        self.flower_mod = set(flower_mod)
         self.fails_at = dict(fails_at or {})
         self.contexts: dict[int, Context] = {}
         self.sent: list[tuple[Message, Message | None]] = []
@@ -395,7 +402,6 @@ class InProcessGrid:
         return self.contexts[node_id]
 
     def send_and_receive(self, messages: Iterable[Message], timeout: float | None = None) -> list[Message]:
-        from fl_app.client_app import train
         from fl_app.engine.secagg import RECORD_KEY_CONFIGS, Key, Stage
 
         replies = []
@@ -409,11 +415,24 @@ class InProcessGrid:
             failing = node in self.fails_at and Stage.all().index(stage) >= Stage.all().index(
                 self.fails_at[node]
             )
-            reply = (
-                error_reply(message, f"node {node} dropped out")
-                if failing
-                else train(message, self.context(node))
-            )
+            if failing:
+                reply = error_reply(message, f"node {node} dropped out")
+            else:
+                reply = self.answer(message, self.context(node), plain_flower=node in self.flower_mod)
             self.sent.append((message, reply))
             replies.append(reply)
         return replies
+
+    @staticmethod
+    def answer(message: Message, context: Context, *, plain_flower: bool) -> Message:
+        """The node's reply (an error reply when its app raises, as Flower's ClientApp runner sends)."""
+        from flwr.client.mod import secaggplus_mod
+
+        from fl_app.client_app import client_for, train
+
+        try:
+            if plain_flower:
+                return secaggplus_mod(message, context, lambda inner, node: client_for(inner, node).train())
+            return train(message, context)
+        except Exception as error:
+            return error_reply(message, f"{type(error).__name__}: {error}")

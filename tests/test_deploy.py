@@ -83,7 +83,7 @@ ALGORITHM_SETTINGS: dict[str, list[str]] = {
     "dp_fedavg_adaptive": ["strategy.bit_noise=1.0"],
 }
 #: Algorithms deployed by a module of their own (on their own federation), not on this one.
-DEPLOYED_ELSEWHERE = {"dp_fedavg_secagg": "tests/test_deploy_secagg.py: three SuperNodes, one killed"}
+DEPLOYED_ELSEWHERE = {"dp_fedavg_secagg": "tests/test_deploy_secagg.py: four SuperNodes, one killed"}
 #: The algorithms this module deploys.
 DEPLOYED = [name for name in STRATEGIES.names() if name not in DEPLOYED_ELSEWHERE]
 #: The federation's mode: TLS and SuperNode authentication.

@@ -1,6 +1,6 @@
 """Distributed DP deployed: SecAgg+ rounds on SuperNodes with TLS and authentication, one SuperNode killed.
 
-Its own module (and federation of three SuperNodes), so that the suite's workers can run it beside
+Its own module (and federation of four SuperNodes), so that the suite's workers can run it beside
 ``tests/test_deploy.py``'s federation of two. Uses that module's deployment helpers.
 """
 
@@ -81,13 +81,14 @@ def fail_if_finished(
 
 @pytest.mark.deploy
 def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, staged_app: Path) -> None:
-    """Three SuperNodes (TLS, authentication); one is killed while the devices train inside SecAgg+.
+    """Four SuperNodes (TLS, authentication); one is killed while the devices train inside SecAgg+.
 
-    Two runs of one round share the federation: calibrated for 2 survivors of 3, the round completes
-    with the other two (one failure, one release charged to the three scheduled clients); calibrated
-    for all 3, it is discarded: nothing unmasked or released, the model and the ledger unchanged.
+    Two runs of one round share the federation: calibrated for 3 survivors of 4 (a released sum
+    holds at least 3), the round completes with the other three (one failure, one release charged to
+    the four scheduled clients); calibrated for all 4, it is discarded: nothing unmasked or
+    released, the model and the ledger unchanged.
     """
-    data = ["dataset=digits", "partition=iid", "num_clients=3"]
+    data = ["dataset=digits", "partition=iid", "num_clients=4"]
     files = make_device_data.write_device_files(tmp_path / "devices", data)
     cli_env = {**os.environ, "FLWR_HOME": str(tmp_path / "cli-home")}
     patch = tmp_path / "heartbeat"
@@ -110,14 +111,14 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, st
         common = [
             *data,
             "strategy=dp_fedavg_secagg",
-            "clients_per_round=3",
+            "clients_per_round=4",
             "num_rounds=1",
             "local_epochs=1",
             "batch_size=16",
             f"simulation.timeout={KILL_TIMEOUT_S}",
         ]
         runs = {
-            "survives": federation.submit("survives", [*common, "strategy.min_survivors=0.6"]),
+            "survives": federation.submit("survives", [*common, "strategy.min_survivors=0.75"]),
             "discarded": federation.submit("discarded", [*common, "strategy.min_survivors=1.0"]),
         }
         deadline = time.monotonic() + RUN_DEADLINE_S
@@ -129,13 +130,13 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, st
                 fail_if_finished(federation, runs.values(), before="the collect stage", unless=collecting)
                 next_poll = time.monotonic() + STATUS_POLL_S
             time.sleep(0.5)
-        victim = deployment.processes[3]  # the third SuperNode, with its ClientApp processes
+        victim = deployment.processes[4]  # the fourth SuperNode, with its ClientApp processes
         os.killpg(os.getpgid(victim.pid), signal.SIGKILL)
         gone = time.monotonic() + 60
         while victim.alive() and time.monotonic() < gone:
             time.sleep(0.1)
         assert not victim.alive(), "the killed SuperNode still runs"
-        killed.write_text("the third SuperNode is dead: the others may answer\n")
+        killed.write_text("the fourth SuperNode is dead: the others may answer\n")
         results = {}
         for name, submission in runs.items():
             path = submission.output_dir / "results.json"
@@ -153,13 +154,13 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, st
         deployment.stop()
     survived, discarded = results["survives"], results["discarded"]
     (released,) = survived["rounds"]
-    assert released["secure_aggregation"] == "released: sum of 2 clients", released
-    assert released["failures"] == 1 and released["clients"] == 3
+    assert released["secure_aggregation"] == "released: sum of 3 clients", released
+    assert released["failures"] == 1 and released["clients"] == 4
     ledger = json.loads((runs["survives"].output_dir / "privacy_ledger.json").read_text())
-    # one release, charged to the three scheduled devices (a device's id is its node id)
+    # one release, charged to the four scheduled devices (a device's id is its node id)
     assert [sorted(e["participants"]) for e in ledger["events"]] == [sorted(deployment.node_ids)]
     assert survived["final"]["epsilon"] == pytest.approx(survived["config"]["privacy"]["epsilon"], rel=1e-3)
     (dropped,) = discarded["rounds"]
-    assert dropped["secure_aggregation"].startswith("discarded: 2 of 3 clients"), dropped
+    assert dropped["secure_aggregation"].startswith("discarded: 3 of 4 clients"), dropped
     assert json.loads((runs["discarded"].output_dir / "privacy_ledger.json").read_text())["events"] == []
     assert discarded["final"]["accuracy"] == discarded["initial"]["accuracy"]  # the model stayed

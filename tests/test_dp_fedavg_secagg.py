@@ -397,3 +397,180 @@ def test_a_fraction_of_the_clients_per_round_is_a_cohort_of_that_size(tmp_path):
     )
     assert strategy.plan.cohort == 6 and strategy.plan.survivors == math.ceil(0.9 * 6)
     assert all(len(cohort) == 6 for cohort in strategy.cohorts.planned.values())
+
+
+# ------------------------------------------------------------------ what a curious server can open (issue 54)
+
+
+def folded_twin(secret: bytes) -> bytes:
+    """Another secret that Flower's generator folds to the same 32 bits (XOR of its 4-byte words)."""
+    words = bytearray(secret)
+    for position in (0, 4):  # flip the same bits in two words: their XOR, and so the fold, is unchanged
+        words[position] ^= 0x5A
+    return bytes(words)
+
+
+@pytest.mark.parametrize("length", [32, 44])  # a self-mask seed; a pairwise key as Flower derives it
+def test_masks_come_from_the_whole_secret_not_32_bits(length):
+    from fl_app.engine.secagg import flower_mask_arrays
+    from fl_app.privacy.masks import mask_arrays
+
+    secret = bytes(np.random.default_rng(length).integers(0, 256, size=length, dtype=np.uint8))
+    twin = folded_twin(secret)
+    assert twin != secret
+    shapes = [(3, 4), (1000,)]
+    # Flower's generator cannot tell them apart: its masks are equal (the check can fail)
+    for ours, theirs in zip(
+        flower_mask_arrays(secret, 1 << 16, shapes), flower_mask_arrays(twin, 1 << 16, shapes), strict=True
+    ):
+        np.testing.assert_array_equal(ours, theirs)
+    first, second = mask_arrays(secret, 1 << 16, shapes), mask_arrays(twin, 1 << 16, shapes)
+    assert [a.shape for a in first] == shapes
+    assert not np.array_equal(first[1], second[1]) and np.mean(first[1] == second[1]) < 0.01
+    again = mask_arrays(secret, 1 << 16, shapes)  # deterministic: device and server agree
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_masks_are_uniform_on_the_whole_modulus():
+    from fl_app.privacy.masks import mask_arrays
+
+    (mask,) = mask_arrays(bytes(range(32)), 16, [(160_000,)])
+    counts = np.bincount(mask, minlength=16)
+    assert counts.min() > 0.97 * 10_000 and counts.max() < 1.03 * 10_000  # every residue, 15 included
+    (wide,) = mask_arrays(bytes(range(32)), 1 << 40, [(10_000,)])  # 8-byte words above 2^32
+    assert wide.min() >= 0 and wide.max() < 1 << 40 and wide.max() > 1 << 39
+    with pytest.raises(ValueError, match="power of two"):
+        mask_arrays(bytes(32), 1000, [(4,)])
+    with pytest.raises(ValueError, match="at least 32 bytes"):
+        mask_arrays(bytes(4), 16, [(4,)])
+
+
+def test_a_device_with_flowers_own_mod_is_refused_in_the_setup_stage(tmp_path):
+    """Plain Flower devices (32-bit masks) cannot take part: refused at setup, one clear reason."""
+    strategy = secagg_strategy(tmp_path, 4, "strategy.min_survivors=0.75")
+    grid = InProcessGrid(4, flower_mod=[1000, 1001, 1002, 1003])
+    _, messages, _, new = run_round(strategy, grid)
+    assert new is None and messages == []  # no train message went out
+    report = strategy.report_round(1)
+    outcome = report.extras["secure_aggregation"]
+    assert outcome.startswith("discarded: before training") and "4 of 4 refused" in outcome, outcome
+    assert "did not confirm the mask generator 'dpfl-chacha20-hkdf-sha256-v1'" in outcome
+    assert (
+        sorted(report.failures) == [0, 1, 2, 3] and "Flower's own secaggplus_mod" in report.failure_reasons[0]
+    )
+    assert strategy.accountant.events == []
+    # one such device among dpfl devices: refused, the others go on without it
+    strategy = secagg_strategy(tmp_path, 6, "strategy.shares=5", "strategy.min_survivors=0.8")
+    _, _, _, new = run_round(strategy, InProcessGrid(6, flower_mod=[1002]))
+    report = strategy.report_round(1)
+    assert new is not None and report.extras["secure_aggregation"] == "released: sum of 5 clients"
+    assert report.failures == (2,) and "did not confirm the mask generator" in " ".join(
+        report.failure_reasons
+    )
+
+
+def test_a_dpfl_device_refuses_a_server_that_asks_for_other_masks(tmp_path):
+    from fl_app.engine.secagg import (
+        MASK_GENERATOR_KEY,
+        MaskGeneratorMismatchError,
+        Stage,
+        secure_aggregation_mod,
+    )
+
+    setup = {
+        Key.STAGE: Stage.SETUP,
+        Key.SAMPLE_NUMBER: 3,
+        Key.SHARE_NUMBER: 3,
+        Key.THRESHOLD: 2,
+        Key.CLIPPING_RANGE: 8.0,
+        Key.TARGET_RANGE: 16,
+        Key.MOD_RANGE: 16,
+        Key.MAX_WEIGHT: 1.0,
+    }
+    context = make_context(partition_id=0, num_partitions=3, node_id=1000)
+    for asked in ({}, {MASK_GENERATOR_KEY: "flower-pseudo-rand-gen"}):  # Flower's workflow sends no name
+        message = make_message({}, None, node_id=1000)
+        message.content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord({**setup, **asked})
+        with pytest.raises(MaskGeneratorMismatchError, match="this device draws them from 'dpfl-chacha20"):
+            secure_aggregation_mod(message, context, lambda *_: pytest.fail("the client must not be called"))
+
+
+def ring_round(tmp_path, dropped_positions: list[int]):
+    """20 clients, shares 9, min_survivors 0.6: the clients at ``dropped_positions`` of the neighbour
+    ring drop out after sharing their keys (before uploading)."""
+    strategy = secagg_strategy(tmp_path, 20, "strategy.shares=9", "strategy.min_survivors=0.6")
+    grid = InProcessGrid(20)
+    arrays = strategy.initial_arrays()
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
+    ring = strategy._secagg.ring
+    grid.fails_at = {ring[p]: "collect_masked_vectors" for p in dropped_positions}
+    new, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    return strategy, grid, new
+
+
+def test_survivors_in_parts_smaller_than_the_calibration_discard_the_round(tmp_path, monkeypatch):
+    """The audit's scenario: two runs of 4 neighbouring dropouts cut the ring into arcs of 5 and 7.
+
+    Every per-client check passes (each survivor keeps 5 active neighbours, the threshold; 12
+    uploads, the floor), but the server could unmask the 5-client arc's sum alone. Discarded before
+    the unmask stage: nothing unmasked, no ledger event.
+    """
+    unmasked = []
+    monkeypatch.setattr(SecAggRound, "unmask", lambda self, *a: unmasked.append(a) or pytest.fail("unmasked"))
+    strategy, grid, new = ring_round(tmp_path, [0, 1, 2, 3, 9, 10, 11, 12])
+    assert strategy.survivors == 12 and strategy._secagg is None
+    assert new is None and unmasked == []
+    outcome = strategy.report_round(1).extras["secure_aggregation"]
+    assert "falls into 2 parts (7 + 5 clients)" in outcome and "sum of 5, fewer than the 12" in outcome, (
+        outcome
+    )
+    assert strategy.accountant.events == []
+    assert not any(
+        m.content.config_records.get(RECORD_KEY_CONFIGS, {}).get(Key.STAGE) == "unmask" for m, _ in grid.sent
+    )
+
+
+def test_the_same_number_of_dropouts_spread_over_the_ring_still_releases(tmp_path):
+    strategy, _, new = ring_round(tmp_path, [0, 2, 5, 7, 10, 12, 15, 17])
+    assert new is not None
+    assert strategy.report_round(1).extras["secure_aggregation"] == "released: sum of 12 clients"
+    assert len(strategy.accountant.events) == 1
+
+
+def test_parts_of_the_survivors_graph():
+    """:meth:`SecAggRound.parts` on a ring of 8 with shares 3 (each node: itself and one on either side)."""
+    secagg = SecAggRound(
+        nodes=list(range(8)),
+        bits=8,
+        shares=3,
+        threshold=2,
+        send=lambda m: [],
+        graph_rng=np.random.default_rng(0),
+    )
+    secagg.neighbours = {n: {(n - 1) % 8, n, (n + 1) % 8} for n in range(8)}
+    assert secagg.parts(set(range(8)) - {3}) == [{4, 5, 6, 7, 0, 1, 2}]  # one gap: a path, still one part
+    assert secagg.parts({0, 1, 2, 4, 5, 6, 7} - {6}) == [{7, 0, 1, 2}, {4, 5}]
+    secagg.min_sum = 3
+    with pytest.raises(Exception, match=r"2 parts \(4 \+ 2 clients\)"):
+        secagg.check_parts({0, 1, 2, 4, 5, 7})
+
+
+def test_a_sum_of_two_is_refused_before_the_run(tmp_path):
+    """A released sum of 2 tells each of the two the other's vector: cohorts below 3 are refused."""
+    from fl_app.config import compose_config
+    from fl_app.validation import ConfigError, validate_config
+
+    cfg = compose_config(
+        [
+            *BASE,
+            "strategy=dp_fedavg_secagg",
+            "num_clients=2",
+            "clients_per_round=2",
+            f"output_dir={tmp_path / 'x'}",
+        ]
+    )
+    with pytest.raises(ConfigError, match=r"clients_per_round=2: must be at least 3 clients"):
+        validate_config(cfg, check_data=False)
+    # and a cohort of 3 may lose nobody: its floor is 3 survivors whatever min_survivors says
+    strategy = secagg_strategy(tmp_path, 3, "strategy.min_survivors=0.6")
+    assert strategy.survivors == 3

@@ -449,25 +449,26 @@ def shifted(arrays: ArrayRecord, update: np.ndarray) -> ArrayRecord:
 def dp_fedavg_secagg_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """Distributed DP-FedAvg, zero-out neighbours: client 0's update is its own (ZEROS) or zero (UNIFORM).
 
-    Two clients (client 1 holds UNIFORM), both in the round; every repetition is a whole SecAgg+
-    round in process: the strategy's setup and key sharing, each node's real ClientApp (Flower's
-    ``secaggplus_mod`` and the client's clip, rotation, rounding, Skellam noise, masks), the
-    server's unmasking and decoding. The statistic is the released model on the output bias.
+    Three clients (the fewest a released sum may hold; clients 1 and 2 hold UNIFORM), all in the
+    round; every repetition is a whole SecAgg+ round in process: the strategy's setup and key
+    sharing, each node's real ClientApp (dpfl's SecAgg+ mod, and the client's clip, rotation,
+    rounding, Skellam noise, masks), the server's unmasking and decoding. The statistic is the
+    released model on the output bias.
     """
     overrides = [
         "strategy=dp_fedavg_secagg",
-        "clients_per_round=2",
+        "clients_per_round=3",
         "strategy.clip=0.1",
         "strategy.min_survivors=1.0",
         "privacy.epsilon=2",
     ]
-    run = audit_run(overrides, tmp_path, [9, 10], GAUSSIAN_DELTA)
+    run = audit_run(overrides, tmp_path, [9, 10, 10], GAUSSIAN_DELTA)
     start = zero_model(run)
-    held[1] = UNIFORM
+    held[1] = held[2] = UNIFORM
     direction = bias_direction(start)
 
     def released(strategy: Any) -> ArrayRecord:
-        grid = InProcessGrid(2)
+        grid = InProcessGrid(3)
         replies = grid.send_and_receive(list(strategy.configure_train(1, start, ConfigRecord(), grid)))
         new, _ = strategy.aggregate_train(1, replies)
         assert new is not None
@@ -675,7 +676,7 @@ AUDITS: dict[str, tuple[Callable[[Path, dict[int, ClientDataset], int], Audited]
     "dp_fedavg_adaptive": (dp_fedavg_adaptive_audit, 4000, 0.1),  # as dp_fedavg; the count is not looked at
     "dp_ftrl": (dp_ftrl_audit, 1500, 0.3),  # one tree leaf: the Gaussian mechanism with z
     "dp_bandmf": (dp_bandmf_audit, 1500, 0.3),  # two participations in three rounds of correlated noise
-    "dp_fedavg_secagg": (dp_fedavg_secagg_audit, 800, 0.2),  # one Skellam sum of 2 shares: 0.46 of 2.0
+    "dp_fedavg_secagg": (dp_fedavg_secagg_audit, 800, 0.2),  # one Skellam sum of 3 shares: 0.54 of 2.0
     "fedavg_ldp": (fedavg_ldp_audit, 1500, 0.3),
     "nbafl": (nbafl_audit, 1500, 0.3),  # client level: uploads exactly 2C apart
     "privatekt": (privatekt_audit, 1500, 0.5),
@@ -762,7 +763,7 @@ def test_audit_catches_distributed_noise_off_by_2x(tmp_path, held, monkeypatch):
         "skellam_noise",
         lambda *, shape, variance, rng: real(shape=shape, variance=variance / 4, rng=rng),
     )
-    audited = dp_fedavg_secagg_audit(tmp_path, held, 600)
+    audited = dp_fedavg_secagg_audit(tmp_path, held, 1000)
     assert not audited.holds, f"the audit missed Skellam noise off by 2x: {audited}"
 
 

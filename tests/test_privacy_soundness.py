@@ -368,6 +368,8 @@ MODEL_VALUES = ("accuracy", "loss")
 
 def _published(results: dict, output: Path) -> dict:
     """What two runs that differ only in their secret coins (and noise) must publish identically."""
+    from fl_app.run_log import NO_CLOCK_TIMES
+
     rounds = [{k: v for k, v in r.items() if k not in MODEL_VALUES} for r in results["rounds"]]
     final = {
         k: v for k, v in results["final"].items() if k not in (*MODEL_VALUES, "best_accuracy", "best_round")
@@ -388,9 +390,16 @@ def _published(results: dict, output: Path) -> dict:
     # Flower's engine debug lines (backend set-up, actor pool) depend on which run of the process started Ray
     # (and how long the roster waited for the simulated nodes to register: timing, not the cohort)
     log = "".join(
-        line for line in lines if " DEBUG " not in line and "Waiting for SuperNodes" not in line
+        line
+        for line in lines
+        if " DEBUG " not in line and not line.startswith("DEBUG ") and "Waiting for SuperNodes" not in line
     ).replace(str(output), "OUT")
-    log = re.sub(r"^\S+ \S+ ", "", log, flags=re.MULTILINE)  # timestamps
+    # clock times: only on the lines before the run knew its cohort was secret (before round 1)
+    head, switch, tail = log.partition(NO_CLOCK_TIMES)
+    assert switch and "round 1" not in head, "run.log never stops stamping its lines"
+    stamp = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ", flags=re.MULTILINE)
+    assert not stamp.search(tail), stamp.search(tail)
+    log = stamp.sub("", head) + switch + tail
     log = re.sub(r"(accuracy|loss|best) [-0-9.e]+", r"\1 #", log)
     log = re.sub(r"noise seed \d+", "noise seed #", log)
     log = re.sub(r"in \d+:\d\d:\d\d", "in #", log)  # the total wall time (not covered, stated)
@@ -401,6 +410,10 @@ def _published(results: dict, output: Path) -> dict:
     events.Reload()
     tags = sorted(events.Tags()["scalars"])
     steps = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in tags if tag not in MODEL_VALUES}
+    wall_times = {e.wall_time for tag in tags for e in events.Scalars(tag)}
+    assert len(wall_times) == 1, f"TensorBoard's wall times vary: {len(wall_times)} distinct"
+    modified = {path.stat().st_mtime_ns for path in [output, *output.rglob("*")]}
+    assert len(modified) == 1, f"the run's files carry {len(modified)} distinct modification times"
     return {
         "status": results["status"],
         "rounds": rounds,
@@ -418,7 +431,8 @@ def test_nothing_published_varies_with_the_secret_cohort(simulate):
 
     The cohort size, failures, bytes and durations of a round are functions of the secret coins:
     results.json, metrics.csv, run.log and tensorboard must not vary with them (they go to
-    outside_guarantee only, with privacy.diagnostics=true).
+    outside_guarantee only, with privacy.diagnostics=true), and no clock time may tell a round's
+    duration (issue 54: run.log's stamps, TensorBoard's wall times, the files' modification times).
     """
     from conftest import FAST
 

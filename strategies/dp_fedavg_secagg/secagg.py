@@ -24,21 +24,35 @@ neighbour graph differs from Flower's in one way: it is drawn from a generator t
 passes (Flower uses the global ``random``), and a client that dropped before sharing its keys is
 not listed as dead in stage 4 (no neighbour holds its shares; Flower would ask for them).
 
-Flower's primitives (:mod:`fl_app.engine.secagg`) do the cryptography. Caveat, stated in the threat
-model (docs/distributed_dp.md): Flower's mask generator seeds numpy's ``RandomState`` with 32 bits
-folded from the 256-bit agreed key.
+Flower's primitives (:mod:`fl_app.engine.secagg`) do the key agreement and the secret sharing;
+the masks come from :func:`fl_app.privacy.masks.mask_arrays` (ChaCha20 keyed by the whole agreed
+key), on the devices (dpfl's mod) and here alike. The setup stage names that generator and a device
+that does not confirm it (Flower's own mod, whose masks come from 32-bit seeds) is refused.
+
+Two checks beyond Flower's, so that the server can compute no sum of fewer than ``min_sum``
+clients (the fewest whose noise the plan is calibrated for) from what it holds:
+
+* a round starts only with at least ``min_sum`` clients;
+* before the unmask stage, the survivors' neighbour graph (pairs that share a mask, both still in)
+  must fall into parts of at least ``min_sum`` clients each: the sum of a part with no mask to the
+  rest is what unmasking reveals, and a sparse graph (``shares`` below the cohort) can break into
+  small parts when neighbouring clients drop together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from logging import ERROR
 from typing import cast
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common import log
 
 from fl_app.engine.secagg import (
+    MASK_GENERATOR,
+    MASK_GENERATOR_KEY,
     RECORD_KEY_CONFIGS,
     Key,
     Stage,
@@ -46,7 +60,7 @@ from fl_app.engine.secagg import (
     bytes_to_public_key,
     combine_shares,
     generate_shared_key,
-    pseudo_rand_gen,
+    mask_arrays,
 )
 
 
@@ -75,6 +89,9 @@ class SecAggRound:
         Draws the neighbour graph (public; it decides only which pairs share masks).
     group : str
         The messages' group id (the round).
+    min_sum : int
+        The fewest clients whose sum the server may be able to compute (at least 3: with 2, each
+        learns the other's vector from the sum; the plan's ``survivors``).
 
     """
 
@@ -85,10 +102,15 @@ class SecAggRound:
     send: Callable[[list[Message]], Iterable[Message]]
     graph_rng: np.random.Generator
     group: str = ""
+    min_sum: int = 3
     neighbours: dict[int, set[int]] = field(default_factory=dict)
     public_keys: dict[int, list[bytes]] = field(default_factory=dict)
     keyed: set[int] = field(default_factory=set)
     forward: dict[int, tuple[list[int], list[bytes]]] = field(default_factory=dict)
+    #: The neighbour graph's ring: each node's neighbours are the ``shares // 2`` on either side.
+    ring: list[int] = field(default_factory=list)
+    #: Nodes refused in the setup stage, with why (they did not confirm dpfl's mask generator).
+    refused: dict[int, str] = field(default_factory=dict)
 
     @property
     def modulus(self) -> int:
@@ -100,10 +122,11 @@ class SecAggRound:
     def setup_and_share_keys(self) -> set[int]:
         """Stages 0 and 1; returns the nodes that completed both (the ones stage 2 may ask)."""
         count = len(self.nodes)
-        if count < 2:
-            raise SecAggAbortedError("secure aggregation needs at least 2 clients")
+        if count < max(3, self.min_sum):
+            raise SecAggAbortedError(f"secure aggregation needs at least {max(3, self.min_sum)} clients")
         self.shares = min(self.shares, count)
         order = [int(self.nodes[i]) for i in self.graph_rng.permutation(count)]  # node ids exceed int64
+        self.ring = order
         half = self.shares // 2
         self.neighbours = {
             nid: {order[(i + offset) % count] for offset in range(-half, half + 1)}
@@ -121,8 +144,9 @@ class SecAggRound:
             Key.TARGET_RANGE: self.modulus,
             Key.MOD_RANGE: self.modulus,
             Key.MAX_WEIGHT: 1.0,
+            MASK_GENERATOR_KEY: MASK_GENERATOR,
         }
-        replies = self._exchange({nid: ConfigRecord(dict(setup)) for nid in self.nodes})
+        replies = self._confirmed(self._exchange({nid: ConfigRecord(dict(setup)) for nid in self.nodes}))
         for nid, configs in replies.items():
             self.public_keys[nid] = [
                 cast(bytes, configs[Key.PUBLIC_KEY_1]),
@@ -148,6 +172,25 @@ class SecAggRound:
                     self.forward[dst][1].append(ciphertext)
         self._check(self.keyed, "share keys")
         return set(self.keyed)
+
+    def _confirmed(self, replies: dict[int, ConfigRecord]) -> dict[int, ConfigRecord]:
+        """The setup replies that confirm dpfl's mask generator; the others are refused (:attr:`refused`)."""
+        for nid, configs in replies.items():
+            confirmed = configs.get(MASK_GENERATOR_KEY)
+            if confirmed != MASK_GENERATOR:
+                self.refused[nid] = (
+                    f"its SecAgg+ mod did not confirm the mask generator {MASK_GENERATOR!r} (it answered "
+                    f"{confirmed!r}: a device running Flower's own secaggplus_mod, whose masks come from "
+                    "32-bit seeds, or an older dpfl): refused"
+                )
+        if self.refused:
+            log(
+                ERROR,
+                "SecAgg+ setup: %d node(s) refused: %s",
+                len(self.refused),
+                next(iter(self.refused.values())),
+            )
+        return {nid: configs for nid, configs in replies.items() if nid not in self.refused}
 
     # ------------------------------------------------------------------ stage 2
 
@@ -190,6 +233,7 @@ class SecAggRound:
         their unmasked vectors mod ``2^b``.
         """
         self._check(survivors, "collect masked vectors")
+        self.check_parts(survivors)
         dead = self.keyed - survivors
 
         def request(nid: int) -> ConfigRecord:
@@ -218,17 +262,44 @@ class SecAggRound:
                 )
             secret = combine_shares(shares)
             if nid in survivors:
-                mask = pseudo_rand_gen(secret, self.modulus, shapes)
+                mask = mask_arrays(secret, self.modulus, shapes)
                 total = [t - m for t, m in zip(total, mask, strict=True)]
                 continue
             for other in sorted((self.neighbours[nid] - {nid}) & survivors):
                 shared = generate_shared_key(
                     bytes_to_private_key(secret), bytes_to_public_key(self.public_keys[other][0])
                 )
-                mask = pseudo_rand_gen(shared, self.modulus, shapes)
+                mask = mask_arrays(shared, self.modulus, shapes)
                 sign = 1 if nid > other else -1
                 total = [t + sign * m for t, m in zip(total, mask, strict=True)]
         return [np.mod(t, self.modulus) for t in total]
+
+    def parts(self, survivors: set[int]) -> list[set[int]]:
+        """The survivors' neighbour graph's connected parts, largest first (each part's sum is unmaskable)."""
+        left, parts = set(survivors), []
+        while left:
+            part, frontier = set(), [min(left)]
+            while frontier:
+                nid = frontier.pop()
+                if nid in part:
+                    continue
+                part.add(nid)
+                frontier.extend((self.neighbours[nid] & left) - part)
+            left -= part
+            parts.append(part)
+        return sorted(parts, key=lambda part: (-len(part), min(part)))
+
+    def check_parts(self, survivors: set[int]) -> list[set[int]]:
+        """The parts of :meth:`parts`; :class:`SecAggAbortedError` when one holds fewer than ``min_sum``."""
+        parts = self.parts(survivors)
+        if len(parts[-1]) < self.min_sum:
+            sizes = " + ".join(str(len(part)) for part in parts)
+            raise SecAggAbortedError(
+                f"the survivors' neighbour graph falls into {len(parts)} parts ({sizes} clients) with no "
+                f"mask between them: unmasking would reveal the sum of {len(parts[-1])}, fewer than the "
+                f"{self.min_sum} the noise is calibrated for"
+            )
+        return parts
 
     # ------------------------------------------------------------------ helpers
 
@@ -255,8 +326,14 @@ class SecAggRound:
         Before key sharing that is every client of the cohort; after it, the ones that shared keys
         (a client that left earlier holds and owes no shares).
         """
+        refused = (
+            f" ({len(self.refused)} of {len(self.nodes)} refused: {next(iter(self.refused.values()))})"
+            if self.refused
+            else ""
+        )
         for nid in sorted(self.keyed) or self.nodes:
             if len(self.neighbours[nid] & active) < self.threshold:
                 raise SecAggAbortedError(
                     f"after the {stage} stage a client has fewer than {self.threshold} active neighbours"
+                    + refused
                 )

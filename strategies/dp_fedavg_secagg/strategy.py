@@ -74,6 +74,9 @@ from strategies.contract import Declaration
 from strategies.dp_fedavg_secagg.secagg import SecAggAbortedError, SecAggRound
 from strategies.settings import StrategySettings, between, integer, positive
 
+#: The fewest clients in any sum the server can unmask (see :meth:`DPFedAvgSecAggSettings.survivors`).
+MIN_SUM = 3
+
 
 @dataclass(frozen=True)
 class DPFedAvgSecAggSettings(StrategySettings):
@@ -89,8 +92,12 @@ class DPFedAvgSecAggSettings(StrategySettings):
     budget_scopes = ("total",)
 
     def survivors(self, cohort: int) -> int:
-        """The fewest vectors a released sum may hold: ``ceil(min_survivors * cohort)``, at least 2."""
-        return max(2, math.ceil(self.min_survivors * cohort - 1e-9))
+        """The fewest vectors a released sum may hold: ``ceil(min_survivors * cohort)``, at least 3.
+
+        Why 3: from a sum of 2, each of the two learns the other's vector, which carries one share of
+        noise (and so does a server that colludes with one of them).
+        """
+        return max(MIN_SUM, math.ceil(self.min_survivors * cohort - 1e-9))
 
     def threshold_of(self, shares: int) -> int:
         """Shares needed to rebuild a secret: ``ceil(threshold * shares)``, more than half of them."""
@@ -146,9 +153,12 @@ def check(cfg: DictConfig) -> None:
     """The plan must exist (enough bits for the cohort, the model and the budget)."""
     settings = DPFedAvgSecAggSettings.from_config(cfg)
     run = RunSettings.from_config(cfg)
-    if resolve_clients_per_round(run.clients_per_round, run.num_clients) < 2:
+    if resolve_clients_per_round(run.clients_per_round, run.num_clients) < MIN_SUM:
         raise ConfigError(
-            "clients_per_round", cfg.clients_per_round, "must be at least 2 for secure aggregation"
+            "clients_per_round",
+            cfg.clients_per_round,
+            f"must be at least {MIN_SUM} clients for secure aggregation (a released sum holds at least "
+            f"{MIN_SUM}: from a sum of 2 each client learns the other's vector)",
         )
     skellam_plan(cfg, settings, size=model_size(cfg))
 
@@ -247,6 +257,7 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
             send=lambda messages: grid.send_and_receive(messages, timeout=self.timeout),
             graph_rng=self.run.randomness.generator("secagg-graph", server_round=server_round),
             group=str(server_round),
+            min_sum=self.survivors,
         )
         train = self.train_config(server_round, config)
         self._aborted = None
@@ -273,11 +284,13 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
         valid, _ = self.replies.split(server_round, replies)
         secagg, self._secagg = self._secagg, None
         aborted, self._aborted = self._aborted, None
+        if secagg is not None and aborted is not None:  # discarded in setup or key sharing
+            by_node = {c.node_id: c.client_id for c in self.replies.selected(server_round)}
+            dropped = [by_node[n] for n in secagg.nodes if n not in secagg.keyed | set(secagg.refused)]
+            self.replies.set_failures(server_round, dropped, "left the secure aggregation's first stages")
+        if secagg is not None:
+            self._mark_refused(server_round, secagg)
         if aborted is not None or secagg is None:
-            if secagg is not None:  # discarded in setup or key sharing: who dropped out failed
-                by_node = {c.node_id: c.client_id for c in self.replies.selected(server_round)}
-                dropped = [by_node[n] for n in secagg.nodes if n not in secagg.keyed]
-                self.replies.set_failures(server_round, dropped, "left the secure aggregation's first stages")
             self._discard(server_round, aborted or "no secure aggregation ran in this round")
             return None, MetricRecord()
         uploads: dict[int, list[np.ndarray]] = {}
@@ -307,9 +320,10 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
             )
             return None, MetricRecord()
         try:
+            parts = secagg.check_parts(set(uploads))
             total = secagg.unmask(secagg.masked_sum(uploads), set(uploads))
         except SecAggAbortedError as error:
-            self._discard(server_round, f"unmasking failed: {error}")
+            self._discard(server_round, f"unmasking refused: {error}: nothing unmasked")
             return None, MetricRecord()
         assert self.accountant is not None
         self.accountant.record(
@@ -324,8 +338,20 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
         estimate = (
             decode_modular_sum(total[-1], plan=self.plan, signs=signs, size=self.size) / self.denominator
         )
-        self._outcome[server_round] = f"released: sum of {len(uploads)} clients"
+        self._outcome[server_round] = f"released: sum of {len(uploads)} clients" + (
+            f" (in {len(parts)} parts the server can sum apart: "
+            f"{' + '.join(str(len(p)) for p in parts)}, each at least {self.survivors})"
+            if len(parts) > 1
+            else ""
+        )
         return self._apply(estimate), MetricRecord()
+
+    def _mark_refused(self, server_round: int, secagg: SecAggRound) -> None:
+        """Count the devices refused in the setup stage as failed, with why."""
+        if secagg.refused:
+            by_node = {c.node_id: c.client_id for c in self.replies.selected(server_round)}
+            reason = next(iter(secagg.refused.values()))
+            self.replies.mark_failed(server_round, [by_node[n] for n in sorted(secagg.refused)], reason)
 
     def _apply(self, update: np.ndarray) -> ArrayRecord:
         new, offset = {}, 0
