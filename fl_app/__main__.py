@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import pickle
 import shutil
 import signal
@@ -34,6 +35,7 @@ from fl_app.engine.hydra import sweep_fixed, sweep_jobs
 from fl_app.engine.logs import colour_only_at_a_terminal
 from fl_app.lifecycle import (
     STOP_FILE_ENV,
+    SWEEP_COMMAND_ENV,
     RunFailed,
     command_stop_requested,
     sigterm_like_ctrl_c,
@@ -272,12 +274,16 @@ def _one_line(error: BaseException) -> str:
 
 @hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
 def _job(_: DictConfig) -> None:
-    """One Hydra job, then the sweep's progress line (a job stopped by a signal is not done)."""
+    """One Hydra job, then the sweep's progress line.
+
+    A job is done when its results are written (a failed run's too): not when a signal stopped it, its
+    directory was refused, or it raised before writing them.
+    """
     finished = True
     try:
         finished = _run_job()
     except SystemExit as exit_:
-        finished = exit_.code not in INTERRUPTED_EXIT_CODES
+        finished = exit_.code in (0, None)
         raise
     except KeyboardInterrupt:
         finished = False
@@ -385,6 +391,13 @@ def _run_job() -> bool:
         _record_failure(line)
         if not multirun:
             sys.exit(1)
+        return (output_dir / "results.json").is_file()  # done only when its results are written
+    if outcome.exit_code and outcome.status.startswith("completed"):  # a client never contributed
+        line = f"job failed ({' '.join(overrides) or 'defaults'}): {outcome.reason} [results in {output_dir}]"
+        print(f"error: {line}", file=sys.stderr)
+        _record_failure(line)
+        if not multirun:
+            sys.exit(outcome.exit_code)
         return True
     if outcome.status == "interrupted":
         if not multirun:  # a sweep says how to continue the sweep instead
@@ -407,6 +420,26 @@ def _discard_if_empty(directory: Path) -> None:
     """Remove a job directory that holds nothing but Hydra's own files."""
     if directory.is_dir() and {p.name for p in directory.iterdir()} <= _HYDRA_FILES:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def run_dir_overrides(argv: list[str], state: SweepState | None) -> list[str]:
+    """For a single run into ``output_dir`` (or ``resume=``): Hydra's run directory is that directory.
+
+    Hydra otherwise created ``outputs/<date>/<time>-<strategy>/.hydra`` in the current directory for
+    every run, also one that wrote elsewhere; and with ``hydra.output_subdir=null`` it writes no
+    ``.hydra`` folder into the run's. Nothing when the command sets either key itself.
+    """
+    overrides, multirun, informational = split_command_line(argv)
+    chosen = any(o.startswith(("hydra.run.dir=", "hydra.output_subdir=")) for o in overrides)
+    cfg = (
+        state.composed(overrides) if state is not None and not (multirun or informational or chosen) else None
+    )
+    if cfg is None or cfg.get("output_dir") is None:
+        return []
+    directory = str(Path(str(cfg.output_dir)).expanduser().resolve())
+    if any(character in directory for character in "'\\$"):  # not a plain quoted Hydra value
+        return []
+    return [f"hydra.run.dir='{directory}'", "hydra.output_subdir=null"]
 
 
 def parallel_launcher(argv: list[str]) -> bool:
@@ -488,6 +521,7 @@ def main() -> int:
             return 2
         try:
             if state is not None and parallel_launcher(sys.argv[1:]):
+                os.environ[SWEEP_COMMAND_ENV] = str(os.getpid())  # the workers leave stops to this process
                 with stop_workers_on_signals(state.stop_file) as received:
                     _job()
                 if received:  # the workers stopped their jobs; none is running any more
@@ -495,6 +529,7 @@ def main() -> int:
                     _say_how_to_continue(state)
                     return 128 + received[0]
             else:
+                sys.argv += run_dir_overrides(sys.argv[1:], state)  # no stray Hydra folder
                 with sigterm_like_ctrl_c():
                     _job()
         except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM between two jobs, a second Ctrl-C in a

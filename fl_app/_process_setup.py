@@ -5,7 +5,9 @@ the simulation process and each Ray worker) before anything else imports
 ``torchvision`` or starts Flower:
 
 1. Flower's environment switches (see :mod:`dpfl_env`).
-2. The torchvision operator shim. The registry's ``torchvision==0.28.0`` is a
+2. In a parallel sweep's worker process, SIGINT and SIGTERM left to the command
+   (:func:`fl_app.lifecycle.leave_stops_to_the_sweep_command`).
+3. The torchvision operator shim. The registry's ``torchvision==0.28.0`` is a
    CUDA build whose ``import torchvision`` fails with
    ``operator torchvision::nms does not exist`` on this CPU-only torch. Defining
    the ``nms`` and ``qnms`` schemas in the ``torchvision`` operator namespace
@@ -25,6 +27,7 @@ import sys
 from typing import Any
 
 from dpfl_env import set_up_process
+from fl_app.lifecycle import leave_stops_to_the_sweep_command
 
 _TORCHVISION_OPS: tuple[str, ...] = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
@@ -80,3 +83,4 @@ def install_shim_hook() -> None:
 
 set_up_process()
 install_shim_hook()
+leave_stops_to_the_sweep_command()

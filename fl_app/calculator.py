@@ -209,6 +209,15 @@ def _bnn_bits(args: argparse.Namespace) -> tuple[int, str]:
     )
 
 
+#: Why a calibrated noise can spend an epsilon of exactly 0 (dp-accounting's RDP conversion, its
+#: bound through the KL divergence: ``delta >= sqrt(1 - exp(-rdp))``).
+ZERO_EPSILON_NOTE = (
+    "exactly 0, not a rounding: at this noise the mechanism is (0, delta)-DP (its total variation "
+    "distance is at most delta: the RDP accountant's KL bound), so it meets every epsilon >= 0; no "
+    "smaller noise meets the requested epsilon"
+)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Execute one calculator command and return its JSON-ready answer."""
     if args.command in ("dp-fedavg", "dp-sgd"):
@@ -216,7 +225,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         common = {"sampling_rate": args.rate, "rounds": uses, "delta": args.delta, "method": args.accountant}
         z = calibration.dp_fedavg_noise_multiplier(epsilon=args.epsilon, **common)
         spent = calibration.gaussian_epsilon(noise_multiplier=z, **common)
-        return {"noise_multiplier": z, "epsilon": spent, "delta": args.delta, "accountant": args.accountant}
+        answer = {"noise_multiplier": z, "epsilon": spent, "delta": args.delta, "accountant": args.accountant}
+        if spent == 0.0:  # not a rounding: the accountant proves epsilon 0 at this delta
+            answer["epsilon_note"] = ZERO_EPSILON_NOTE
+        return answer
     if args.command == "rr":
         beta = kt_cal.privatekt_keep_probability(epsilon=args.epsilon, k=args.k, num_classes=args.classes)
         return {"beta": beta, "epsilon_per_label": args.epsilon / args.k}

@@ -16,16 +16,21 @@ with ``python -m fl_app resume=<output dir>``.
 The signal handlers only *request* a stop (:data:`STOP`): the server thread sees it between two
 pulls of replies (:func:`raise_if_stopped`), abandons the round in flight, writes the results with
 the privacy ledger of every completed round, and returns; the simulation engine then stops its
-workers and Ray. A second signal gets Python's default behaviour (an immediate exit).
+workers and Ray. A signal repeated within :func:`signal_grace_s` (2 s) of the first is the same
+request: GNU ``timeout``, ``scancel`` and container runtimes signal the command and then its whole
+process group, so the command gets it twice within microseconds. A signal after that grace period
+gets Python's default behaviour (an immediate exit): the user clearly repeated it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,9 +57,44 @@ def diverged(initial_loss: float | None, final_loss: float | None) -> bool:
 #: Set by the first SIGINT/SIGTERM of a ``python -m fl_app`` run (or by tests).
 STOP = threading.Event()
 _signal_received: list[int] = []
-#: The signals the handler took during the current run (the second one exits at once). Not
-#: :data:`STOP`: a run asked to stop by the command's stop file must still take its own first signal.
-_signals_handled: list[int] = []
+#: When the handler took the current run's first signal (:func:`time.monotonic`; a signal after the
+#: grace period exits at once). Not :data:`STOP`: a run asked to stop by the command's stop file must
+#: still take its own first signal.
+_signals_handled: list[float] = []
+
+#: Environment variable: seconds after a first stop signal within which a repeat is the same request.
+SIGNAL_GRACE_ENV = "DPFL_SIGNAL_GRACE_S"
+#: Its default: far above the microseconds between ``timeout``'s two copies, below a person's second Ctrl-C.
+SIGNAL_GRACE_S = 2.0
+
+
+def signal_grace_s() -> float:
+    """Seconds after the first SIGINT/SIGTERM within which a repeat is the same stop request.
+
+    :data:`SIGNAL_GRACE_S`, or ``$DPFL_SIGNAL_GRACE_S`` when it holds a number >= 0.
+    """
+    try:
+        value = float(os.environ.get(SIGNAL_GRACE_ENV, ""))
+    except ValueError:
+        return SIGNAL_GRACE_S
+    return value if math.isfinite(value) and value >= 0 else SIGNAL_GRACE_S
+
+
+def repeated_at_once(first: list[float]) -> bool:
+    """Whether a signal now repeats, within the grace period, the first one (taken at ``first[0]``).
+
+    ``first`` empty (no signal yet): records now as the first signal's time, returns False.
+    """
+    if not first:
+        first.append(time.monotonic())
+        return False
+    return time.monotonic() - first[0] <= signal_grace_s()
+
+
+def grace_text(signum: int) -> str:
+    """What the first signal's message says about a second one."""
+    name = signal.Signals(signum).name
+    return f"send {name} again {signal_grace_s():g} s or more after this to exit at once"
 
 
 class RunStopped(Exception):  # noqa: N818 (control flow, like KeyboardInterrupt)
@@ -135,6 +175,16 @@ def raise_if_stopped() -> None:
         raise RunInterrupted(signum)
 
 
+def as_requested_stop(stop: RunStopped) -> RunStopped:
+    """A run failure while a stop was requested is that stop (:class:`RunInterrupted`).
+
+    A signal to the command's process group (``timeout``, a scheduler, ``docker stop``) also reaches
+    the simulation's workers: their deaths fail the round the stop abandons anyway.
+    """
+    signum = stop_requested()
+    return RunInterrupted(signum) if isinstance(stop, RunFailed) and signum is not None else stop
+
+
 def request_stop(signum: int) -> None:
     """Ask the running simulation to stop (what the signal handler does)."""
     if not _signal_received:
@@ -151,14 +201,16 @@ def _exit_at_once(signum: int) -> None:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    if _signals_handled:
+    first = not _signals_handled
+    if repeated_at_once(_signals_handled):
+        return  # the same request (timeout, a scheduler: the command, then its process group)
+    if not first:
         _exit_at_once(signum)
         return
-    _signals_handled.append(signum)
     request_stop(signum)
     print(
-        f"dpfl: {signal.Signals(signum).name} received: abandoning the current round and stopping "
-        "(send it again to exit at once)",
+        f"dpfl: {signal.Signals(signum).name} received: abandoning the current round, writing the results "
+        f"and stopping ({grace_text(signum)})",
         file=sys.stderr,
         flush=True,
     )
@@ -227,7 +279,8 @@ def stop_workers_on_signals(stop_file: Path) -> Iterator[list[int]]:
     For the command's own process. The first signal writes ``stop_file`` (named in the workers'
     environment by :data:`STOP_FILE_ENV`): each running job abandons its round in flight and
     writes its results, and no queued job starts; the launcher then returns as after its last job.
-    Yields the list the signal's number is appended to. A second signal stops at once.
+    Yields the list the signal's number is appended to. A second signal stops at once, unless it
+    repeats the first within :func:`signal_grace_s` (``timeout``: the command, then its group).
 
     (Python's default ended this process at once on SIGTERM, before the launcher stopped its
     workers: orphaned, they went on with the queued jobs, each with its own Ray. A
@@ -238,15 +291,20 @@ def stop_workers_on_signals(stop_file: Path) -> Iterator[list[int]]:
         yield received
         return
 
+    first_at: list[float] = []
+
     def handler(signum: int, frame: FrameType | None) -> None:
-        if received:
+        first = not first_at
+        if repeated_at_once(first_at):
+            return  # the same request (timeout, a scheduler: the command, then its process group)
+        if not first:
             _exit_at_once(signum)
             return
         received.append(signum)
         stop_file.write_text(str(signum))
         print(
             f"dpfl: {signal.Signals(signum).name} received: stopping every running job (each abandons its "
-            "round in flight and writes its results) and starting no other (send it again to exit at once)",
+            f"round in flight and writes its results) and starting no other ({grace_text(signum)})",
             file=sys.stderr,
             flush=True,
         )
@@ -260,6 +318,40 @@ def stop_workers_on_signals(stop_file: Path) -> Iterator[list[int]]:
             signal.signal(sig, handler_before)
 
 
+#: Set by ``python -m fl_app`` to its own process id while a parallel launcher's workers run the jobs.
+SWEEP_COMMAND_ENV = "DPFL_SWEEP_COMMAND"
+#: The module a joblib (loky) worker process runs (``python -m <it>``).
+LOKY_WORKER_MAIN = "joblib.externals.loky.backend.popen_loky_posix"
+
+
+def _left_to_the_command(signum: int, frame: FrameType | None) -> None:
+    """Outside a run, a parallel sweep's worker leaves SIGINT and SIGTERM to the command (its stop file)."""
+
+
+def leave_stops_to_the_sweep_command() -> None:
+    """In a parallel sweep's worker process: stops are the command's (its stop file), not the worker's.
+
+    A worker that died of a SIGTERM meant for the command (Python's default action) while it set a
+    job up, or while Ray shut down (``ray.shutdown`` resets SIGTERM's action), made the launcher raise
+    ``TerminatedWorkerError`` and kill the other workers while they wrote their results. So the
+    worker moves to a process group of its own (with the Ray it starts): Ctrl-C, ``timeout`` and
+    ``kill -- -PGID`` signal the command only, which stops every job through its stop file
+    (:func:`stop_workers_on_signals`). A signal sent to every process (``scancel``) is ignored
+    outside a run, and is the run's stop request inside one (:func:`stop_on_signals`). Called when a
+    process imports ``fl_app``, a worker's first dpfl code (Python handlers: the processes the worker
+    starts get the default ones).
+    """
+    command = os.environ.get(SWEEP_COMMAND_ENV)
+    worker = LOKY_WORKER_MAIN in getattr(sys, "orig_argv", ())
+    if not command or command == str(os.getpid()) or not worker:
+        return
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _left_to_the_command)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM to the command's own process outside a run: it stops the command as Ctrl-C does."""
 
@@ -268,8 +360,15 @@ class Terminated(KeyboardInterrupt):
         super().__init__(f"stopped by {signal.Signals(signum).name}")
 
 
+_terminated_at: list[float] = []
+
+
 def _terminate_like_ctrl_c(signum: int, frame: FrameType | None) -> None:
-    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM: the default, an immediate exit
+    first = not _terminated_at
+    if repeated_at_once(_terminated_at):
+        return  # the same request (timeout, a scheduler: the command, then its process group)
+    if not first:
+        _exit_at_once(signum)  # a SIGTERM repeated after the grace period: an immediate exit
     raise Terminated(signum)
 
 
@@ -287,11 +386,26 @@ def sigterm_like_ctrl_c() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    _terminated_at.clear()
     previous = signal.signal(signal.SIGTERM, _terminate_like_ctrl_c)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def restore_signal_dispositions() -> None:
+    """Install again, in the kernel, the SIGINT and SIGTERM handlers Python lists (main thread only).
+
+    ``ray.shutdown()`` (Ray 2.55, its core worker's teardown) sets SIGTERM back to the default action
+    in the kernel while :func:`signal.getsignal` still names the Python handler: a SIGTERM after it
+    ended the process at once (a parallel sweep's worker between two jobs: ``TerminatedWorkerError``).
+    """
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(sig)
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def reinstall_handlers() -> None:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 
 from fl_app.engine.launch import import_ray_modules, start_ray
 from fl_app.engine.pool import end_prestarted_actors, prestart_actors
-from fl_app.lifecycle import RunFailed
+from fl_app.lifecycle import RunFailed, restore_signal_dispositions
 from fl_app.run_settings import RunSettings
 from fl_app.timeline import mark
 
@@ -272,6 +272,7 @@ def shutdown_ray(watch: RayProcessWatch | None = None) -> None:
         if watch is not None:
             end_autoscaler_monitor(watch)
         ray.shutdown()
+    restore_signal_dispositions()  # ray.shutdown (ours or Flower's) resets SIGTERM to its default action
     if watch is None:
         return
     processes = [p for p in watch.processes() if p.is_running()]

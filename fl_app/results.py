@@ -293,7 +293,9 @@ class RunRecorder:
             "rounds": len(self.rounds),
             **final_extras,
         }
-        final["diverged"] = diverged(self.initial.get("loss"), final["loss"])
+        # an evaluated round without a loss had a NaN or infinite one (strict JSON holds neither)
+        final_loss = math.nan if evaluated and final["loss"] is None else final["loss"]
+        final["diverged"] = diverged(self.initial.get("loss"), final_loss)
         results = {
             "schema": SCHEMA_VERSION,
             "status": status,

@@ -73,24 +73,46 @@ def expand_resume(overrides: Sequence[str]) -> list[str]:
             f"only num_rounds and simulation.* may be given beside resume (got {' '.join(refused)}): "
             "a resumed run keeps the configuration saved in its checkpoint",
         )
+    if not directory.is_dir():
+        what = "is a file, not a run's output directory" if directory.exists() else "no such directory"
+        raise ConfigError(RESUME_KEY, str(directory), what)
     try:
         header = read_header(directory)
     except FileNotFoundError:
-        raise ConfigError(
-            RESUME_KEY,
-            str(directory),
-            "holds no private_server_state.pkl (checkpoint): it is not the output directory of a run "
-            "that completed a round (a private run that completed removes its checkpoint: it cannot "
-            "be extended)",
-        ) from None
+        raise ConfigError(RESUME_KEY, str(directory), no_checkpoint_text(directory)) from None
     except (OSError, ValueError) as error:
         raise ConfigError(RESUME_KEY, str(directory), " ".join(str(error).split())) from None
     saved = [o for o in header["overrides"] if override_key(o) not in (RESUME_KEY, "output_dir")]
     return [*saved, *given, f"output_dir={directory}", f"{RESUME_KEY}={directory}"]
 
 
+def no_checkpoint_text(directory: Path) -> str:
+    """Why ``directory``, which has no checkpoint, cannot be resumed: what it holds, and what to do."""
+    from fl_app.output_claim import earlier_run_files, ended_before_first_round, read_results
+
+    if ended_before_first_round(directory):
+        return (
+            "holds no private_server_state.pkl (checkpoint): the run there ended before its first round, "
+            f"nothing to continue; start the run again (output_dir={directory} reuses the directory)"
+        )
+    status = (read_results(directory) or {}).get("status")
+    if status is not None and str(status).startswith("completed"):
+        return (
+            f"holds no private_server_state.pkl (checkpoint): the run there {status} (a private run that "
+            "completes removes its checkpoint: it cannot be extended); start a new run"
+        )
+    if not earlier_run_files(directory):
+        return "holds no private_server_state.pkl (checkpoint): it is not the output directory of a dpfl run"
+    return (
+        "holds no private_server_state.pkl (checkpoint): the run there cannot be continued; start a new run"
+    )
+
+
 def validate_resume(cfg: DictConfig, *, is_private: bool) -> None:
     """Check a resumed configuration against its checkpoint (rounds, fingerprint).
+
+    ``num_rounds`` equal to the rounds completed finishes the run: a run stopped after its last
+    round's checkpoint but before its results were written gets them (nothing is trained).
 
     Parameters
     ----------
@@ -115,11 +137,11 @@ def validate_resume(cfg: DictConfig, *, is_private: bool) -> None:
             "the configuration files (conf/) changed since this run started: its configuration "
             "cannot be recomposed; start a new run",
         )
-    if rounds <= done:
+    if rounds < done:
         raise ConfigError(
             "num_rounds",
             rounds,
-            f"must be > {done}: the run in {directory} already completed {done} rounds",
+            f"must be >= {done}: the run in {directory} already completed {done} rounds",
         )
     if is_private and rounds != planned:
         raise ConfigError(

@@ -27,6 +27,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fl_app import keys
+from fl_app.lifecycle import RunFailed
 
 ROSTER_POLL_S = 1.0
 #: The first of those intervals, doubled up to :data:`ROSTER_POLL_S` (a simulation registers its
@@ -39,8 +40,33 @@ FIRST_POLL_S = 0.02
 SIMULATED_REGISTRATION_S = 120.0
 
 
-class RosterError(RuntimeError):
-    """The federation does not match the configuration."""
+#: A simulation registers all its nodes at once as it starts: once their number has not changed for
+#: this long, no more are coming (``flwr run`` with ``num-supernodes`` below ``num_clients`` waited an
+#: hour, ``simulation.timeout``, for nodes that did not exist).
+SIMULATED_SETTLE_S = 5.0
+
+
+class RosterError(RunFailed):
+    """The federation does not match the configuration (the run fails before its first round)."""
+
+
+class _SimulatedCount:
+    """Refuses, once it stopped changing, a simulation's node count below ``expected``."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.count, self.since = -1, time.monotonic()
+
+    def check(self, count: int) -> None:
+        now = time.monotonic()
+        if count != self.count:
+            self.count, self.since = count, now
+        elif 0 < count < self.expected and now - self.since >= SIMULATED_SETTLE_S:
+            raise RosterError(
+                f"num_clients={self.expected}, but the simulation has {count} SuperNodes (num-supernodes="
+                f"{count}); set num_clients={count}, or num-supernodes={self.expected} in the federation "
+                "config"
+            )
 
 
 @dataclass(frozen=True)
@@ -104,14 +130,18 @@ def discover_roster(
     Raises
     ------
     RosterError
-        When the federation has a different number of nodes, or nodes fail.
+        When the federation has a different number of nodes (a simulation's: as soon as its number
+        stops changing, :data:`SIMULATED_SETTLE_S`), or nodes fail.
 
     """
     wait = timeout if simulated is None else max(timeout, SIMULATED_REGISTRATION_S)
     deadline = time.monotonic() + wait
     reported = -1
     poll = FIRST_POLL_S
+    registered = _SimulatedCount(expected) if simulated is not None else None
     while len(nodes := sorted(grid.get_node_ids())) < expected:
+        if registered is not None:
+            registered.check(len(nodes))
         if time.monotonic() > deadline:
             raise RosterError(
                 f"num_clients={expected}, but only {len(nodes)} SuperNodes connected within "

@@ -52,6 +52,7 @@ from fl_app.lifecycle import (
     Outcome,
     RunFailed,
     RunStopped,
+    as_requested_stop,
     driver_reports_outcome,
     record_outcome,
     take_outcome,
@@ -268,7 +269,8 @@ def execute(
     try:
         with console_filter(one_line_console):
             return _execute(grid, cfg, output_dir, list(overrides), published)
-    except RunStopped as stop:  # stopped before the first round: nothing but run.log to write
+    except RunStopped as stopped:  # stopped before the first round: nothing but run.log to write
+        stop = as_requested_stop(stopped)
         log(ERROR, "dpfl: run %s before its first round: %s", stop.status, stop)
         record_outcome(Outcome(stop.status, stop.exit_code, str(stop), str(output_dir)))
         return None
@@ -320,7 +322,7 @@ def _execute(
         strategy = resumed.strategy
         restore_rng_states(resumed.rng)
         arrays = resumed.arrays
-        log(INFO, "dpfl: resuming after round %d from %s", resumed.completed_round, output_dir)
+        log(INFO, "dpfl: %s", resume_text(resumed.completed_round, settings.num_rounds, output_dir))
     else:
         strategy = strategy_class(run)
         stage = evaluation_stage(cfg)
@@ -380,7 +382,8 @@ def _execute(
             timeout=settings.simulation.timeout,
             after_round=reporter,
         )
-    except RunStopped as stop:
+    except RunStopped as stopped:
+        stop = as_requested_stop(stopped)  # workers killed by the group's signal: still the stop
         status, reason = stop.status, str(stop)
         arrays = reporter.last_arrays
         abandoned = metered.take()
@@ -397,6 +400,7 @@ def _execute(
     failures = recorder.failures
     if status == "completed" and failures:
         status = "completed_with_failures"
+    silent = reporter.never_contributed() if status == "completed_with_failures" else []
     run_report = strategy.report_run(arrays)
     report = run_report.privacy
     privacy = report.as_dict()
@@ -458,8 +462,10 @@ def _execute(
     if status.startswith("completed") and strategy.declaration.is_private(cfg):
         remove_checkpoint(output_dir)  # a private run cannot be extended; keep no server secrets
     stopped = recorder.stopped or {}
+    if silent:  # every round ran, but some client's data never reached the model: the command exits 1
+        exit_code, reason = 1, silent_text(silent, reporter.client_rounds)
     record_outcome(Outcome(status, exit_code, reason, str(output_dir), stopped.get("private_state")))
-    if exit_code:
+    if exit_code and not silent:
         resume = (
             f"; continue with: python -m fl_app resume={output_dir} ({recorder.stopped['private_state']})"
             if recorder.stopped and "resume" in recorder.stopped
@@ -475,28 +481,54 @@ def _execute(
             resume,
         )
         return results
-    log(
-        INFO,
-        "dpfl: finished %d rounds in %s; final accuracy %s (best %s in round %s), %s; results in %s",
-        len(results["rounds"]),
-        format_duration(results["final"]["wall_s"]),
-        _fmt(results["final"]["accuracy"]),
-        _fmt(results["final"]["best_accuracy"]),
-        results["final"]["best_round"],
-        epsilon_text(
-            results["final"]["epsilon"],
-            run.delta,
-            per=short_unit(report.total.unit),
-            note=(
-                "privacy randomness from OS entropy"
-                if randomness.secure
-                else "seeded simulation: reproducible from the published config"
-            ),
+    spent = epsilon_text(
+        results["final"]["epsilon"],
+        run.delta,
+        per=short_unit(report.total.unit),
+        note=(
+            "privacy randomness from OS entropy"
+            if randomness.secure
+            else "seeded simulation: reproducible from the published config"
         ),
-        output_dir,
     )
+    why = reason or "their errors: the lines above"
+    with_failures = f" with {failures} failed client replies ({why})" if failures else ""
+    line = finished_line(results, spent, output_dir, with_failures)
+    # with a secret cohort, failures tell about it: the console (the operator) shows them, run.log not
+    withheld = finished_line(results, spent, output_dir, "") if randomness.secret_cohort else None
+    log(INFO, "%s", line, extra=withheld_from_file(withheld))
     warn_if_diverged(results)
     return results
+
+
+def finished_line(results: dict[str, Any], privacy: str, output_dir: Path, failures: str) -> str:
+    """The last line of a completed run (``failures``: what to say about failed clients, or "")."""
+    final = results["final"]
+    return (
+        f"dpfl: finished {len(results['rounds'])} rounds in {format_duration(final['wall_s'])}{failures}; "
+        f"final accuracy {_fmt(final['accuracy'])} (best {_fmt(final['best_accuracy'])} in round "
+        f"{final['best_round']}), {privacy}; results in {output_dir}"
+    )
+
+
+def silent_text(clients: list[int], client_rounds: dict[int, list[int]]) -> str:
+    """Which clients failed in every round they were selected for (``RoundReporter.never_contributed``)."""
+    shown = ", ".join(f"{c} ({client_rounds[c][0]} of {client_rounds[c][0]})" for c in clients[:5])
+    more = f" and {len(clients) - 5} more" if len(clients) > 5 else ""
+    return (
+        f"client {shown}{more} failed in every round it was selected for: its data never reached the "
+        "model (its error: the lines above)"
+    )
+
+
+def resume_text(completed_round: int, num_rounds: int, output_dir: Path) -> str:
+    """What a resumed run says first: the rounds it continues after, or that it only writes the results."""
+    if completed_round >= num_rounds:
+        return (
+            f"finishing the run in {output_dir}: its {completed_round} rounds are done (it stopped before "
+            "its results were written); writing them"
+        )
+    return f"resuming after round {completed_round} from {output_dir}"
 
 
 def warn_if_diverged(results: dict[str, Any]) -> None:
@@ -555,6 +587,11 @@ class TrafficTotals:
         }
 
 
+#: A client selected for at least this many rounds that failed in every one of them never contributed:
+#: the run then exits with status 1 (its results are written, ``completed_with_failures``).
+SILENT_ROUNDS = 2
+
+
 class RoundReporter:
     """Flower's ``evaluate_fn``: evaluate, account, meter, log and record each round."""
 
@@ -591,6 +628,21 @@ class RoundReporter:
         self.earlier_s = 0.0  # wall time of the run's earlier sessions (resume)
         #: Bytes and messages of the rounds whose cohort is secret (per-client sizes in ``final``).
         self.secret_traffic = TrafficTotals()
+        #: Client id -> [rounds it was selected for, rounds it failed in], over this session's rounds
+        #: (never published; a resumed run counts from its resume on).
+        self.client_rounds: dict[int, list[int]] = {}
+
+    def tally(self, selected: Sequence[int], failed: Sequence[int]) -> None:
+        """Count a round for each selected client, and a failure for each failed one."""
+        for client in selected:
+            counts = self.client_rounds.setdefault(client, [0, 0])
+            counts[0] += 1
+            counts[1] += client in failed
+
+    def never_contributed(self) -> list[int]:
+        """Clients selected in :data:`SILENT_ROUNDS` rounds or more that failed in every one of them."""
+        counts = self.client_rounds.items()
+        return sorted(c for c, (rounds, failed) in counts if rounds >= SILENT_ROUNDS and failed == rounds)
 
     def elapsed(self) -> float:
         """Seconds the run has taken so far (over all its sessions)."""
@@ -674,6 +726,7 @@ class RoundReporter:
             cohort["evaluate_download_bytes"] = int(traffic.get("evaluate_download_bytes", 0))
         diagnostics = dict(report.diagnostics)
         self.recorder.failures += len(report.failures)
+        self.tally(report.selected, report.failures)
         if report.secret_cohort:
             # A secret cohort's size, failures, bytes and duration would tell model observers about
             # the coins amplification by sampling rests on: outside the guarantee only.
@@ -716,8 +769,10 @@ def epsilon_text(epsilon: float | None, delta: float, *, per: str = "", note: st
 
 
 def _fmt(value: float | None, missing: str = "-") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if value is None:
         return missing
+    if isinstance(value, float) and math.isnan(value):
+        return "nan (diverged?)"  # a NaN loss: the model broke (lr, noise, clipping); said at once
     return f"{value:.4g}"
 
 

@@ -8,6 +8,8 @@ from omegaconf import DictConfig
 
 from fl_app.engine import SIMULATION_ENGINE_MODULE
 from fl_app.engine.launch import install_engine_patches
+from fl_app.engine.logs import one_line_app_failures
+from fl_app.lifecycle import RunFailed
 from fl_app.run import run_federation
 
 # Under `flwr run` with a simulation federation, the engine runs in the process that loads this
@@ -15,6 +17,10 @@ from fl_app.run import run_federation
 # process and `flwr run`'s check of the app's references have no engine to patch.
 if SIMULATION_ENGINE_MODULE in sys.modules:
     install_engine_patches()
+
+# Under `flwr run` the ServerApp raises RunFailed to make Flower record the run as failed, after it
+# logged the reason as one line: Flower's traceback and exit text would bury it.
+one_line_app_failures(RunFailed)
 
 app = ServerApp()
 

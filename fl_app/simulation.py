@@ -32,6 +32,7 @@ from fl_app.lifecycle import (
     Outcome,
     RunFailed,
     reinstall_handlers,
+    restore_signal_dispositions,
     stop_on_signals,
     stop_requested,
     take_outcome,
@@ -82,10 +83,11 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
                 backend_config=backend,
                 max_actors=settings.simulation.max_concurrent_clients,
                 messages_per_task=settings.simulation.messages_per_task,
-                keep_ray=SESSION.keep,
+                keep_ray=True,  # SESSION shuts Ray down (and puts back the SIGTERM handler it resets)
             )
             outcome = take_outcome()
         finally:
+            restore_signal_dispositions()  # Flower's Ray backend may have shut Ray down (it resets SIGTERM)
             mark("engine_done")
             if outcome is not None and outcome.status.startswith("completed"):
                 SESSION.after_job()  # kept for the sweep's next job when SESSION.keep

@@ -66,7 +66,10 @@ def plan_sweep_job(cfg: DictConfig, overrides: list[str], directory: Path) -> Jo
         resume = [f"resume={directory}", *kept]
         resumed = compose_config(resume)
         validate_config(resumed)
-        note = f"resuming after round {header['completed_round']} in {directory}"
+        done = header["completed_round"]
+        note = f"resuming after round {done} in {directory}"
+        if done >= header["num_rounds"]:  # stopped after its last round, before its results were written
+            note = f"all {done} rounds done in {directory}, its results not written: writing them"
         return JobPlan("resume", note, resumed, tuple(resume))
     # stopped before its first round: nothing to continue, nothing worth keeping
     for name in RUN_FILES:

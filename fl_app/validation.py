@@ -30,7 +30,7 @@ from fl_app.data.sources import (
     resolve_idx_folder,
     resolve_svhn_folder,
 )
-from fl_app.output_claim import refuse_earlier_run
+from fl_app.output_claim import in_use, lock_holder, refuse_earlier_run
 from fl_app.privacy.composition import METHODS
 from fl_app.run_settings import RunSettings
 from fl_app.tracking import TRACKERS, tracker_available
@@ -279,6 +279,9 @@ def check_output_dir(cfg: DictConfig) -> None:
         return
     directory = Path(str(cfg.output_dir)).expanduser().resolve()
     check_writable_dir("output_dir", directory)
+    holder = lock_holder(directory) if directory.is_dir() else None
+    if holder is not None:  # another run is writing there (a resumed run too)
+        raise in_use(directory, holder)
     if cfg.get("resume") is None and directory.is_dir():
         refuse_earlier_run(directory)  # checked again under the run's claim (fl_app.output_claim)
 

@@ -340,6 +340,7 @@ class FederatedStrategy:
             extras=dict(self.round_extras(server_round)),
             diagnostics=dict(self.diagnostics(server_round)),
             secret_cohort=self.secret_cohort,
+            selected=tuple(info.client_id for info in self.replies.selected(server_round)),
         )
 
     def report_run(self, final: ArrayRecord) -> RunReport:

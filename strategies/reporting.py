@@ -43,6 +43,9 @@ class RoundReport:
     secret_cohort : bool
         Whether the round's cohort is secret (amplification by sampling rests on it): then nothing
         that depends on it (its size, failures, bytes, round time) may be published with the round.
+    selected : tuple[int, ...]
+        Ids of the clients sent a train message (never published: the platform counts, per client,
+        the rounds it was selected for and failed in, to tell a client that never contributed).
 
     """
 
@@ -54,6 +57,7 @@ class RoundReport:
     extras: Mapping[str, JSON] = field(default_factory=dict)
     diagnostics: Mapping[str, JSON] = field(default_factory=dict)
     secret_cohort: bool = False
+    selected: tuple[int, ...] = ()
 
     def privacy_fields(self) -> dict[str, float | str | None]:
         """The round's epsilon fields of ``results.json`` (``None`` throughout when not private)."""

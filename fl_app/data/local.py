@@ -54,6 +54,12 @@ def check_local_dataset(
             f"data-path={path!r}: examples of shape {shape}, but the server's model takes "
             f"{tuple(input_shape)}; make the device files from the server's dataset"
         )
+    if data.x.dtype.kind == "f" and len(data):
+        rows = np.flatnonzero(~np.isfinite(data.x.reshape(len(data), -1)).all(axis=1))
+        if rows.size:
+            raise ValueError(
+                f"data-path={path!r}: row {rows[0]} (counting from 0) holds NaN or infinite values"
+            )
     if len(data) and (int(data.y.min()) < 0 or int(data.y.max()) >= num_classes):
         raise ValueError(
             f"data-path={path!r}: labels {int(data.y.min())}..{int(data.y.max())}, but the server's "

@@ -1,7 +1,8 @@
-"""Flower's console handler (``flwr.common.logger.console_handler``, flwr 1.41).
+"""Flower's console handler (``flwr.common.logger.console_handler``, flwr 1.41) and its logger.
 
 Flower logs through its logger ``flwr`` with a console handler of its own; a run filters what that
-handler prints (one line per failing client) while it runs.
+handler prints (one line per failing client) while it runs. Under ``flwr run`` a ServerApp that
+raises gets Flower's traceback and a four-line exit message (:func:`one_line_app_failures`).
 """
 
 from __future__ import annotations
@@ -31,3 +32,34 @@ def colour_only_at_a_terminal() -> None:
     """
     stream = getattr(console_handler, "stream", None)
     console_handler.colored = bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+
+
+class OneLineAppFailures(logging.Filter):
+    """Drops Flower's traceback of an exception of ``kinds`` and keeps the first line of the exit message.
+
+    ``flwr-simulation`` (and a deployment's ``flwr-serverapp``) log an exception the ServerApp raised
+    with its traceback ("Simulation raised an exception"), then ``flwr_exit``'s message ("Exit Code:
+    700", a blank line, a help text, a link). The app already logged the reason as one line.
+    """
+
+    def __init__(self, kinds: tuple[type[BaseException], ...]) -> None:
+        super().__init__()
+        self.kinds = kinds
+        self.seen = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether ``record`` is logged (an exit message after a dropped failure: its first line only)."""
+        if record.exc_info and isinstance(record.exc_info[1], self.kinds):
+            self.seen = True
+            return False
+        text = record.getMessage()
+        if self.seen and text.startswith("Exit Code:"):
+            record.msg, record.args = f"{text.splitlines()[0]} (the ServerApp failed: see the line above)", ()
+        return True
+
+
+def one_line_app_failures(*kinds: type[BaseException]) -> None:
+    """Flower logs a ServerApp's exception of ``kinds`` in this process as one line (idempotent)."""
+    logger = logging.getLogger("flwr")
+    if not any(isinstance(f, OneLineAppFailures) for f in logger.filters):
+        logger.addFilter(OneLineAppFailures(kinds))
