@@ -93,11 +93,14 @@ class PublishedLogFilter(logging.Filter):
 _DPFL_ROOTS = tuple(
     str(Path(__file__).resolve().parent.parent / name) for name in ("fl_app", "strategies", "clients")
 )
+#: dpfl's seam to Flower's engine, which logs a failing client's error and traceback on Flower's behalf.
+_ENGINE = str(Path(__file__).resolve().parent / "engine")
 
 
 def _from_dpfl(record: logging.LogRecord) -> bool:
-    """Whether the record was logged by dpfl's own code (not by Flower's or Ray's)."""
-    return str(Path(record.pathname).resolve()).startswith(_DPFL_ROOTS)
+    """Whether the record was logged by dpfl's own code (not by Flower's or Ray's, nor for them)."""
+    path = str(Path(record.pathname).resolve())
+    return path.startswith(_DPFL_ROOTS) and not path.startswith(_ENGINE)
 
 
 def run_log_handler(path: Path) -> tuple[logging.FileHandler, PublishedLogFilter]:
