@@ -70,9 +70,17 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
         The resolved configuration, read-only, without the ``hydra`` node.
 
     """
+    from fl_app.registry import load_plugins
+
+    load_plugins()  # a user's algorithm stores its strategy config when imported (DPFL_PLUGINS)
     run_overrides = [item for item in expand_resume(overrides) if not is_hydra_override(item)]
     try:
-        cfg = _compose(run_overrides)
+        maybe_quick = any("quick" in item for item in run_overrides)  # +experiment=quick (cheap test first)
+        cfg = _compose(run_overrides, with_hydra=maybe_quick)
+        quick = quick_example_overrides(cfg) if maybe_quick else []
+        if quick:  # the example's settings first: the command line wins over them
+            run_overrides = [*quick, *run_overrides]
+            cfg = _compose(run_overrides)
     except HydraException as error:
         raise explain_composition_error(error, run_overrides) from None
     added = [item for item in run_overrides if _adds_key(item)]
@@ -80,7 +88,9 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
         schema = _compose([item for item in run_overrides if item not in added])
         for item in added:
             key = override_key(item)
-            if OmegaConf.select(schema, key, default=_MISSING) is _MISSING:
+            if OmegaConf.select(schema, key, default=_MISSING) is _MISSING and not _in_open_mapping(
+                key, schema
+            ):
                 raise unknown_key(key, schema, given=item)
     return freeze(cfg)
 
@@ -88,8 +98,40 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
 _MISSING = object()
 
 
+def quick_example_overrides(cfg: DictConfig) -> list[str]:
+    """The chosen strategy's quick example (its declaration's), when ``example=quick`` is selected.
+
+    ``+experiment=quick`` selects the ``quick`` example; each algorithm declares its own shape and
+    budget (:class:`strategies.contract.QuickExample`), which go before the command line's overrides.
+    """
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default=None)
+    if choices is None or choices.get("example") != "quick":
+        return []
+    from strategies import STRATEGIES
+
+    name = str(cfg.strategy.name)
+    try:
+        quick = STRATEGIES.get(name).declaration.quick
+    except KeyError:
+        return []  # an unknown strategy: validation names it in one line
+    return list(quick.overrides) if quick is not None else []
+
+
 def _compose(overrides: Sequence[str], *, with_hydra: bool = False) -> DictConfig:
     return compose_fresh(CONF_DIR, CONFIG_NAME, overrides, with_hydra=with_hydra)
+
+
+#: Keys whose value is a free-form mapping (a Flower strategy's constructor arguments): ``+`` may add
+#: keys below them (``+strategy.kwargs.eta=0.01``).
+OPEN_MAPPINGS = ("kwargs",)
+
+
+def _in_open_mapping(key: str, schema: DictConfig) -> bool:
+    """Whether ``key`` is a new key of a mapping named in :data:`OPEN_MAPPINGS`."""
+    parent = key.rpartition(".")[0]
+    if parent.rpartition(".")[2] not in OPEN_MAPPINGS:
+        return False
+    return isinstance(OmegaConf.select(schema, parent, default=None), DictConfig)
 
 
 def _adds_key(item: str) -> bool:

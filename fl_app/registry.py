@@ -1,14 +1,22 @@
-"""Name -> class registries with automatic discovery of a package's modules.
+"""Name -> class registries with automatic discovery of a package's modules, and users' plug-ins.
 
 Adding an algorithm is one file in ``strategies/`` (decorated with
 ``@register_strategy("name")``), one in ``clients/`` (``@register_client("name")``)
 and one ``conf/strategy/name.yaml``. The app files look classes up by the
 configured name; they hold no per-algorithm branches.
+
+An algorithm in a user's own module (outside this repository's packages) is named in the
+environment: ``DPFL_PLUGINS=my_lab.fedprox python -m fl_app strategy=my_fedprox``. Every process
+that looks a name up (the server, a simulation's actors, which inherit the environment, and a
+device's SuperNode, whose operator sets it) imports those modules first (:func:`load_plugins`), so
+their decorators and ``store_strategy_config`` run; a ``module:Class`` reference in a message may
+name a class of theirs too, and of no other module.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 from collections.abc import Callable
 from types import ModuleType
@@ -18,6 +26,41 @@ T = TypeVar("T")
 
 #: The top-level packages whose modules a ``module:attribute`` reference may name (the app's own).
 PLUGIN_PACKAGES = ("strategies", "clients", "tests")
+#: Environment variable: comma-separated modules of a user's algorithms, imported before any lookup.
+PLUGINS_ENV = "DPFL_PLUGINS"
+
+
+def plugin_modules() -> list[str]:
+    """The modules :data:`PLUGINS_ENV` names (none when unset)."""
+    return [name.strip() for name in os.environ.get(PLUGINS_ENV, "").split(",") if name.strip()]
+
+
+def load_plugins() -> None:
+    """Import every module :data:`PLUGINS_ENV` names (once each; Python caches imports).
+
+    Raises
+    ------
+    ConfigError
+        One line naming the variable, the module and why, when it cannot be imported.
+
+    """
+    from fl_app.config_checks import ConfigError
+
+    for name in plugin_modules():
+        try:
+            importlib.import_module(name)
+        except ImportError as error:
+            raise ConfigError(
+                PLUGINS_ENV,
+                os.environ[PLUGINS_ENV],
+                f"cannot import {name} ({error}): it must be importable from the working directory "
+                "or PYTHONPATH",
+            ) from None
+
+
+def referable_packages() -> tuple[str, ...]:
+    """Top-level packages a ``module:attribute`` reference may name: the app's own and the plug-ins'."""
+    return PLUGIN_PACKAGES + tuple(name.split(".")[0] for name in plugin_modules())
 
 
 def lazy_exports(package: str, module: str, names: list[str]) -> Callable[[str], Any]:
@@ -71,6 +114,7 @@ class Registry(Generic[T]):
         """
         if self._discovered:
             return
+        load_plugins()
         package: ModuleType = importlib.import_module(self.package)
         for module in pkgutil.iter_modules(package.__path__):
             if module.name.startswith("_"):
@@ -88,16 +132,16 @@ class Registry(Generic[T]):
         A reference (``tests.test_plugin:ShrinkClient``) lets an algorithm defined outside the
         package, a user's module or a test module, be found in a process that has not imported it
         (a simulation's actor): its module is imported, whose decorator registers it. Only modules
-        of the app's own packages (:data:`PLUGIN_PACKAGES`) may be named, so a message cannot make a
-        device import anything else that happens to be installed.
+        of the app's own packages (:data:`PLUGIN_PACKAGES`) and of the plug-ins the process was started
+        with (:data:`PLUGINS_ENV`) may be named, so a message cannot make a device import anything
+        else that happens to be installed.
         """
         self.discover()
         if name not in self._entries and ":" in name:
             module, _, attribute = name.partition(":")
-            if module.split(".")[0] not in PLUGIN_PACKAGES:
-                raise KeyError(
-                    f"{self.kind} {name!r}: only modules of {', '.join(PLUGIN_PACKAGES)} may be named"
-                )
+            allowed = referable_packages()
+            if module.split(".")[0] not in allowed:
+                raise KeyError(f"{self.kind} {name!r}: only modules of {', '.join(allowed)} may be named")
             entry = getattr(importlib.import_module(module), attribute)
             self._entries.setdefault(name, entry)
         if name not in self._entries:

@@ -37,6 +37,42 @@ def _never(cfg: DictConfig) -> None:
     """No check beyond the settings."""
 
 
+#: The comparison groups an algorithm can have an arm in (``conf/<group>/<name>.yaml``).
+COMPARISONS = ("comparison", "cross_device", "record_level")
+
+
+@dataclass(frozen=True)
+class QuickExample:
+    """A shape and a budget where the algorithm learns, and its one real simulation in the suite.
+
+    ``python -m fl_app +experiment=quick strategy=<name>`` runs ``overrides`` (after the examples'
+    common settings, ``conf/example/quick.yaml``; the command line still wins);
+    ``tests/test_simulations.py`` runs it with ``suite_rounds`` rounds (and ``suite_overrides``) and
+    requires the final accuracy to reach ``beats_chance``, the budget to be spent in the unit the
+    results name and not more.
+
+    Attributes
+    ----------
+    overrides : tuple[str, ...]
+        Hydra overrides, e.g. ``("num_clients=100", "clients_per_round=10", "num_rounds=20")``.
+    suite_rounds : int
+        Rounds of the suite's run (the budget stays the example's: fewer releases, less noise each).
+    suite_overrides : tuple[str, ...]
+        What the suite adds (e.g. ``privacy.diagnostics=true`` to read secret cohort sizes).
+    beats_chance : float
+        The least final accuracy of the suite's run (chance is 0.1 on Fashion-MNIST).
+    about : str
+        One line: what the example shows (the README's quick-example table).
+
+    """
+
+    overrides: tuple[str, ...]
+    suite_rounds: int
+    suite_overrides: tuple[str, ...] = ()
+    beats_chance: float = 0.3
+    about: str = ""
+
+
 @dataclass(frozen=True)
 class Declaration:
     """Everything the platform knows about an algorithm before a run starts.
@@ -68,6 +104,17 @@ class Declaration:
         Whether a run with ``cfg`` claims a finite epsilon (None: ``unit != "none"``).
     check : Callable[[DictConfig], None]
         Checks beyond the settings (keys outside ``strategy.*``; raise ``ConfigError``).
+    quick : QuickExample | None
+        Its quick example and suite simulation (None: it has none; the repository test asks for one).
+    comparisons : tuple[str, ...]
+        The comparison groups (:data:`COMPARISONS`) with an arm of it (``conf/<group>/<name>.yaml``);
+        empty: it is in no comparison.
+    deploy : tuple[str, ...]
+        Overrides a deployment of one round on two SuperNodes needs (``tests/test_deploy.py``), e.g.
+        a model that fits the devices' data.
+    min_clients : int
+        The fewest clients a round needs (its check refuses smaller cohorts): one with more than two
+        is deployed by a test of its own, not on the two-SuperNode federation.
 
     """
 
@@ -85,6 +132,15 @@ class Declaration:
     release_hint: str = ""
     private: Callable[[DictConfig], bool] | None = None
     check: Callable[[DictConfig], None] = field(default=_never)
+    quick: QuickExample | None = None
+    comparisons: tuple[str, ...] = ()
+    deploy: tuple[str, ...] = ()
+    min_clients: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.comparisons) - set(COMPARISONS))
+        if unknown:
+            raise ValueError(f"{self.name}: comparisons {unknown} unknown; allowed: {', '.join(COMPARISONS)}")
 
     def is_private(self, cfg: DictConfig) -> bool:
         """Whether a run of this algorithm with ``cfg`` claims a finite epsilon."""

@@ -69,7 +69,7 @@ from fl_app.training import array_values
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
 from strategies.cohorts import max_participations
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.settings import StrategySettings, one_of, positive
 
 SAMPLINGS = ("poisson", "fixed", "balanced")
@@ -96,6 +96,21 @@ class DPFedAvgStrategy(FederatedStrategy):
         client="fedavg",  # plain local training: clipping and noise run on the server
         settings=DPFedAvgSettings,
         canaries=None,
+        quick=QuickExample(
+            overrides=(
+                "num_clients=1000",
+                "clients_per_round=100",
+                "num_rounds=100",
+                "privacy.epsilon=8.0",
+            ),
+            suite_rounds=15,
+            suite_overrides=("privacy.diagnostics=true",),
+            about=(
+                "DP-FedAvg at epsilon 8 per client (delta 1e-5) in the cross-device shape it needs: 1000 "
+                "clients, Poisson cohorts of expected size 100 (amplification), 100 rounds"
+            ),
+        ),
+        comparisons=("comparison", "cross_device"),
     )
     settings: DPFedAvgSettings
     ROUND_STATE = (*FederatedStrategy.ROUND_STATE, "_norms")  # un-noised: never checkpointed

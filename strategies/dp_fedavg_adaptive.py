@@ -88,7 +88,7 @@ from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
 from strategies.base import FederatedStrategy
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.settings import StrategySettings, between, positive
 
 # --------------------------------------------------------------------------------------
@@ -225,6 +225,21 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
         client="fedavg",  # plain local training: the bits, the clipping and the noise run on the server
         settings=AdaptiveClippingSettings,
         canaries=None,
+        quick=QuickExample(
+            overrides=(
+                "num_clients=1000",
+                "clients_per_round=100",
+                "num_rounds=100",
+                "privacy.epsilon=8.0",
+            ),
+            suite_rounds=15,
+            about=(
+                "DP-FedAvgM with adaptive clipping at epsilon 8 per client (delta 1e-5), cross-device: 1000"
+                " clients, Poisson cohorts of expected size 100, 100 rounds"
+            ),
+        ),
+        comparisons=("cross_device",),
+        deploy=("strategy.bit_noise=1.0",),
     )
     settings: AdaptiveClippingSettings
 

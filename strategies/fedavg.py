@@ -30,7 +30,7 @@ from fl_app.training import array_values
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like, mean_arrays
 from strategies.base import FederatedStrategy
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.settings import StrategySettings, between, one_of, positive
 
 WEIGHTINGS = ("num_examples", "uniform")
@@ -57,6 +57,12 @@ class FedAvgStrategy(FederatedStrategy):
         client="fedavg",
         settings=FedAvgSettings,
         canaries="is not private: there is no claim to check (the estimate would be large, as it should)",
+        quick=QuickExample(
+            overrides=("num_clients=100", "clients_per_round=10", "num_rounds=20"),
+            suite_rounds=4,
+            about="FedAvg (not private), 100 clients, 10 per round, 20 rounds",
+        ),
+        comparisons=("comparison", "cross_device"),
     )
     settings: FedAvgSettings
 

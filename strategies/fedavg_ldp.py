@@ -53,7 +53,7 @@ from fl_app.training import array_values
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
 from strategies.cohorts import SCHEDULES, max_participations
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.settings import StrategySettings, flag, one_of, positive
 
 
@@ -82,6 +82,23 @@ class FedAvgLDPStrategy(FederatedStrategy):
         client="fedavg_ldp",
         settings=FedAvgLDPSettings,
         canaries=None,
+        quick=QuickExample(
+            overrides=(
+                "num_clients=1000",
+                "clients_per_round=100",
+                "num_rounds=30",
+                "privacy.epsilon=100.0",
+                "strategy.schedule=balanced",
+                "strategy.project=false",
+            ),
+            suite_rounds=10,
+            about=(
+                "FedAvg with local DP on each clipped update, 1000 clients, 100 per round on a balanced "
+                "schedule, 30 rounds; epsilon 100 per client (local DP: a weak guarantee; below it this "
+                "method barely learns in this shape)"
+            ),
+        ),
+        comparisons=("comparison", "cross_device"),
     )
     settings: FedAvgLDPSettings
 

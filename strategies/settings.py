@@ -157,9 +157,9 @@ class StrategySettings:
         for item in fields(cls):
             key = f"{cls.section}.{item.name}"
             if item.name not in section:
-                if item.default is MISSING:
+                if item.default is MISSING and item.default_factory is MISSING:
                     raise ConfigError(key, None, cls.missing_text(cfg))
-                values[item.name] = item.default
+                values[item.name] = item.default if item.default is not MISSING else item.default_factory()
                 continue
             value = section[item.name]
             if isinstance(value, DictConfig | ListConfig):

@@ -76,16 +76,10 @@ COMMON = [
 #: each further round costs two ClientApp processes per run.
 TWO_ROUNDS = ("dpfl_bnn", "kd_dp")
 #: What an algorithm needs beyond COMMON on two clients.
-ALGORITHM_SETTINGS: dict[str, list[str]] = {
-    "dpfl_bnn": ["model=bnn_cnn", "num_rounds=2"],
-    "kd_dp": ["strategy.teacher_rounds=1", "num_rounds=2"],
-    # 2 devices: the paper's bit noise m/20 cannot carry the effective noise multiplier (docs)
-    "dp_fedavg_adaptive": ["strategy.bit_noise=1.0"],
-}
-#: Algorithms deployed by a module of their own (on their own federation), not on this one.
-DEPLOYED_ELSEWHERE = {"dp_fedavg_secagg": "tests/test_deploy_secagg.py: four SuperNodes, one killed"}
-#: The algorithms this module deploys.
-DEPLOYED = [name for name in STRATEGIES.names() if name not in DEPLOYED_ELSEWHERE]
+#: The algorithms this module deploys: every registered one whose rounds run on two SuperNodes (a
+#: declaration's ``min_clients`` above 2, e.g. distributed DP's sum of at least 3, is deployed by a test of
+#: its own: tests/test_deploy_secagg.py); each with the settings its declaration asks for (``deploy``).
+DEPLOYED = [name for name in STRATEGIES.names() if STRATEGIES.get(name).declaration.min_clients <= 2]
 #: The federation's mode: TLS and SuperNode authentication.
 MODE = "secure"
 RUN_DEADLINE_S = 1800.0  # a safety limit only: a dead process the runs need fails a test at once
@@ -233,7 +227,7 @@ class Federation:
 
 def algorithm_overrides(name: str) -> list[str]:
     """The overrides of the deployment run of algorithm ``name``."""
-    return [*COMMON, f"strategy={name}", *ALGORITHM_SETTINGS.get(name, [])]
+    return [*COMMON, f"strategy={name}", *STRATEGIES.get(name).declaration.deploy]
 
 
 @pytest.fixture(scope="module")

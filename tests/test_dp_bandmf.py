@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import dp_accounting as dpa
 import numpy as np
@@ -332,3 +333,26 @@ def test_bad_settings_are_one_line_config_errors(overrides, key):
         validate_config(cfg, check_data=False)
     assert error.value.key == key
     assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ its quick example (test_simulations)
+
+
+def check_quick_example(results: dict[str, Any], example: Any) -> None:
+    """What its quick example's run must show beyond the common checks (tests/test_simulations.py)."""
+    import dp_accounting as dpa
+
+    privacy = results["privacy"]
+    bands, rounds = privacy["groups"], len(results["rounds"])  # strategy.bands=auto chose it
+    rate = example.clients_per_round * bands / example.num_clients
+    assert privacy["sampling_rate"] == pytest.approx(rate) and privacy["randomness"]["source"] == "seeded"
+    assert privacy["bands_chosen"].startswith("strategy.bands=auto")
+    assert privacy["max_participations"] == math.ceil(rounds / bands)
+    assert [r["group"] for r in results["rounds"]] == [(t - 1) % bands + 1 for t in range(1, rounds + 1)]
+    matrix = privacy["strategy_matrix"]
+    assert len(matrix["coefficients"]) == bands and matrix["loss_relative_to_independent_noise"] < 0.5
+    # the paper's Theorem 4: DP-SGD with q and ceil(T / b) steps, by dp_accounting's PLD directly
+    accountant = dpa.pld.PLDAccountant()
+    sampled = dpa.PoissonSampledDpEvent(rate, dpa.GaussianDpEvent(privacy["noise_multiplier"]))
+    accountant.compose(sampled, math.ceil(rounds / bands))
+    assert results["final"]["epsilon"] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-3)

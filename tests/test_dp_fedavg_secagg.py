@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -574,3 +575,36 @@ def test_a_sum_of_two_is_refused_before_the_run(tmp_path):
     # and a cohort of 3 may lose nobody: its floor is 3 survivors whatever min_survivors says
     strategy = secagg_strategy(tmp_path, 3, "strategy.min_survivors=0.6")
     assert strategy.survivors == 3
+
+
+# ------------------------------------------------------------------ its quick example (test_simulations)
+
+
+def check_quick_example(results: dict[str, Any], example: Any) -> None:
+    """What its quick example's run must show beyond the common checks (tests/test_simulations.py)."""
+    from dp_accounting.rdp import rdp_privacy_accountant
+
+    from fl_app.privacy.rdp import skellam_rdp
+
+    privacy = results["privacy"]
+    plan = privacy["plan"]
+    cohort = example.clients_per_round
+    assert plan["bits"] == example.strategy.bits and plan["survivors"] == math.ceil(0.9 * cohort)
+    for r in results["rounds"]:  # every scheduled client completed SecAgg+, the sum was released
+        assert r["clients"] == cohort and r["failures"] == 0
+        assert r["secure_aggregation"] == f"released: sum of {cohort} clients"
+        # the masked vector: 8 bytes per coordinate of the padded dimension (Flower's int64), and more
+        assert r["upload_bytes"] >= 8 * plan["dim"] * cohort
+    # the epsilon, recomputed from the plan with dp-accounting's conversion on the papers' orders
+    participations = math.ceil(len(results["rounds"]) / (example.num_clients // cohort))
+    assert privacy["planned_max_participations"] == participations == plan["participations"]
+    orders = np.arange(2, 257, dtype=float)
+    rdp = participations * skellam_rdp(
+        orders=orders,
+        variance=plan["survivors"] * plan["local_variance"],
+        l1_sensitivity=plan["l1_sensitivity"],
+        l2_sensitivity=plan["l2_sensitivity"],
+    )
+    independent, _ = rdp_privacy_accountant.compute_epsilon(orders, rdp, example.privacy.delta)
+    assert results["final"]["epsilon"] == pytest.approx(independent, rel=1e-3)
+    assert "adversary" in privacy and "the server" in privacy["unit"] + privacy["adversary"]

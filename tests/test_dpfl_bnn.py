@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +29,7 @@ from fl_app.models import BinaryCNN, BinaryLinear, binarize
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.events import BinaryRandomizedResponse, PrivacyEvent
 from fl_app.privacy.mechanisms import binary_randomized_response
+from fl_app.results import load_model_arrays
 from fl_app.validation import ConfigError, validate_config
 from strategies.dpfl_bnn.privacy import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
 from strategies.dpfl_bnn.strategy import DPFLBNNStrategy
@@ -387,3 +390,26 @@ def test_validation_accepts_gamma_zero_noise_free_and_auto_model(tmp_path):
         validate_config(
             compose_config([*DIGITS, "strategy.noise=none", "strategy.gamma=0.1"]), check_data=False
         )
+
+
+# ------------------------------------------------------------------ its quick example (test_simulations)
+
+
+def check_quick_example(results: dict[str, Any], example: Any) -> None:
+    """What its quick example's run must show beyond the common checks (tests/test_simulations.py)."""
+    spec, arrays = load_model_arrays(Path(results["_output_dir"]) / "final_model.npz")
+    assert spec.name == "bnn_cnn"
+    assert all(np.all(np.abs(a) <= 1) for a in arrays.values())  # W~: a mean of +-1 uploads
+    privacy = results["privacy"]
+    gamma, bits, delta = privacy["gamma"], privacy["bits_per_upload"], example.privacy.delta
+    rounds = results["rounds"]
+    for t, r in enumerate(rounds, start=1):
+        assert r["epsilon"] == pytest.approx(
+            binary_rr_epsilon(gamma=gamma, delta=delta, rounds=t, bits_per_round=bits), rel=1e-6
+        )
+        assert r["epsilon_per_coordinate"] == pytest.approx(
+            binary_rr_epsilon(gamma=gamma, delta=delta, rounds=t), rel=1e-6
+        )
+        assert r["uploads_aggregated"] == r["clients"] == example.clients_per_round
+        assert bits / 8 * r["clients"] <= r["upload_bytes"] <= (bits / 8 + 700) * r["clients"]
+        assert "local_model_accuracy" not in r  # un-noised local models never in rounds

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from conftest import (
@@ -213,3 +215,19 @@ def test_projection_never_moves_the_mean_away_from_the_true_mean():
         noisy = true + rng.normal(scale=rng.choice([0.01, 1.0, 100.0]), size=50)
         (projected,), _ = clip_l2(arrays=[noisy], max_norm=clip)
         assert np.linalg.norm(projected - true) <= np.linalg.norm(noisy - true) + 1e-12
+
+
+# ------------------------------------------------------------------ its quick example (test_simulations)
+
+
+def check_quick_example(results: dict[str, Any], example: Any) -> None:
+    """What its quick example's run must show beyond the common checks (tests/test_simulations.py)."""
+    privacy = results["privacy"]
+    assert privacy["budget_scope"] == "total"
+    assert privacy["noise_multiplier"] > 0
+    assert privacy["noise_std"] == pytest.approx(2 * privacy["clip"] * privacy["noise_multiplier"])
+    # calibrated to the most-selected client's uploads: the whole budget, and no more, is spent
+    assert 0.975 * example.privacy.epsilon < results["final"]["epsilon"] <= example.privacy.epsilon + 1e-9
+    for r in results["rounds"]:  # each client uploads one model-sized update (no metrics)
+        assert r["reports"] == r["clients"] == example.clients_per_round
+        assert r["upload_array_bytes"] == r["download_array_bytes"] > 0

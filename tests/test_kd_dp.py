@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -629,3 +630,26 @@ def test_svhn_fails_clearly_offline_and_loads_mat_files(tmp_path: Path):
     assert arrays.x_test.shape == (3, 3, 32, 32)
     raw = images  # the test file: channel c of image 0 is X[:, :, c, 0]
     assert np.array_equal(arrays.x_test[0, 1], raw[:, :, 1, 0])
+
+
+# ------------------------------------------------------------------ its quick example (test_simulations)
+
+
+def check_quick_example(results: dict[str, Any], example: Any) -> None:
+    """What its quick example's run must show beyond the common checks (tests/test_simulations.py)."""
+    privacy = results["privacy"]
+    stages = privacy["stages"]
+    assert stages["teacher_rounds"] >= 1 and stages["student_rounds"] >= 1
+    assert [r["stage"] for r in results["rounds"]] == ["teacher"] * stages["teacher_rounds"] + [
+        "student"
+    ] * stages["student_rounds"]
+    assert 0.975 * example.privacy.epsilon < results["final"]["epsilon"] <= example.privacy.epsilon
+    groups = privacy["epsilon_by_group"]
+    assert groups["large"] == pytest.approx(groups["large_teacher_only"] + groups["special"])
+    assert privacy["epsilon_overall"] == pytest.approx(max(groups["large"], groups["general"]))
+    assert results["final"]["epsilon"] == pytest.approx(privacy["epsilon_overall"])
+    large, general = privacy["groups"]["large"], privacy["groups"]["general"]
+    assert len(large["ids"]) == math.ceil(example.strategy.large_fraction * example.num_clients)
+    assert sorted(large["ids"] + general["ids"]) == list(range(example.num_clients))
+    assert min(large["sizes"]) >= max(general["sizes"])  # the largest clients train the teacher
+    assert all(r["rejected"] == 0 for r in results["rounds"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -313,3 +314,26 @@ def test_validation_rejects_bad_settings():
         with pytest.raises(ConfigError) as error:
             check(bad)
         assert error.value.key == key
+
+
+# ------------------------------------------------------------------ its quick example (test_simulations)
+
+
+def check_quick_example(results: dict[str, Any], example: Any) -> None:
+    """What its quick example's run must show beyond the common checks (tests/test_simulations.py)."""
+    privacy = results["privacy"]
+    z, uploads = privacy["noise_multiplier"], privacy["L"]
+    assert all(r["clients"] == r["uploads"] == example.clients_per_round for r in results["rounds"])
+    delta = example.privacy.delta
+    # the run's epsilon is client level (sensitivity 2C), proven for the multi-step SGD that runs
+    assert privacy["unit"].startswith("one client's entire data set")
+    assert z == pytest.approx(privacy["sigma_up"] / (2 * example.strategy.clip))
+    assert results["final"]["epsilon"] == pytest.approx(
+        compose_epsilon({Gaussian(z): uploads}, delta=delta, method="pld").epsilon, rel=1e-9
+    )
+    # the example calibrates the document's record-level reading, reported beside it by name
+    assert example.strategy.unit == "document_record"
+    reading = results["final"]["epsilon_document_record"]
+    assert 0.975 * example.privacy.epsilon < reading <= example.privacy.epsilon
+    assert results["final"]["epsilon"] > 10 * reading
+    assert privacy["budget"]["epsilon"] == example.privacy.epsilon

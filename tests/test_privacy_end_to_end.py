@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from algorithm_tests import declared
 from conftest import InProcessGrid, client_for, dense_lower_toeplitz, error_reply, make_context, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 from torch import nn
@@ -67,7 +68,7 @@ from fl_app.privacy.rng import RandomSource
 from fl_app.roster import ClientInfo
 from fl_app.run import make_run_context
 from fl_app.run_context import RunContext
-from strategies import STRATEGIES
+from strategies import EVALUATION_STAGES, STRATEGIES
 from strategies.arrays import flat_vector, split_vector
 from strategies.dp_bandmf import strategy as bandmf_strategy
 from strategies.dp_fedavg_secagg import strategy as secagg_strategy
@@ -296,7 +297,22 @@ class Audited:
 
 # ------------------------------------------------------------------------------ one round per strategy
 
+AuditFunction = Callable[[Path, dict[int, ClientDataset], int], "Audited"]
+AUDITS: dict[str, tuple[AuditFunction, int, float]] = {}
 
+
+def audit_of(name: str, *, rounds: int, power: float) -> Callable[[AuditFunction], AuditFunction]:
+    """Register the decorated function as ``name``'s one-round audit (``rounds`` per input; it must find
+    at least ``power`` times the reported epsilon, or passing would prove nothing)."""
+
+    def register(function: AuditFunction) -> AuditFunction:
+        AUDITS[name] = (function, rounds, power)
+        return function
+
+    return register
+
+
+@audit_of("dp_fedavg", rounds=4000, power=0.15)  # a Poisson mixture at q = 1/2: a weaker statistic
 def dp_fedavg_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """DP-FedAvg, add or remove one client: client 0 holds ZEROS or is absent (a zero update).
 
@@ -358,6 +374,7 @@ def central_update_audit(
     return Audited(audit(*outputs, delta=run.delta), float(reported.epsilon().epsilon))
 
 
+@audit_of("dp_fedavg_adaptive", rounds=4000, power=0.1)  # as dp_fedavg; the count is not looked at
 def dp_fedavg_adaptive_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """Adaptive clipping, add or remove one client; Poisson q = 1/2 from the privacy randomness.
 
@@ -373,12 +390,14 @@ def dp_fedavg_adaptive_audit(tmp_path: Path, held: dict[int, ClientDataset], tri
     return central_update_audit("dp_fedavg_adaptive", overrides, [9, 10], tmp_path, held, trials)
 
 
+@audit_of("dp_ftrl", rounds=1500, power=0.3)  # one tree leaf: the Gaussian mechanism with z
 def dp_ftrl_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """DP-FTRL, zero-out neighbours: the one scheduled client's update is its own or zero (one leaf)."""
     overrides = ["clients_per_round=1", "strategy.clip=0.1", "privacy.epsilon=2"]
     return central_update_audit("dp_ftrl", overrides, [9], tmp_path, held, trials)
 
 
+@audit_of("dp_bandmf", rounds=1500, power=0.3)  # two participations in three rounds of correlated noise
 def dp_bandmf_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """DP-BandMF over three rounds, two bands: a client takes part in rounds 1 and 3 (its group's) or not.
 
@@ -446,6 +465,7 @@ def shifted(arrays: ArrayRecord, update: np.ndarray) -> ArrayRecord:
     return ArrayRecord({n: Array(p.astype(np.float32)) for n, p in zip(names, parts, strict=True)})
 
 
+@audit_of("dp_fedavg_secagg", rounds=800, power=0.2)  # one Skellam sum of 3 shares: 0.54 of 2.0
 def dp_fedavg_secagg_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """Distributed DP-FedAvg, zero-out neighbours: client 0's update is its own (ZEROS) or zero (UNIFORM).
 
@@ -488,6 +508,7 @@ def dp_fedavg_secagg_audit(tmp_path: Path, held: dict[int, ClientDataset], trial
     return Audited(audit(*outputs, delta=run.delta), float(reporter.epsilon().epsilon))
 
 
+@audit_of("fedavg_ldp", rounds=1500, power=0.3)
 def fedavg_ldp_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """FedAvg+LDP, replace a client's data set: ZEROS or OTHERS, clipped updates exactly 2C apart."""
     run = audit_run(
@@ -502,6 +523,7 @@ def fedavg_ldp_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int
     return Audited(audit(a, b, delta=run.delta), reported_after_one_round(strategy, start))
 
 
+@audit_of("nbafl", rounds=1500, power=0.3)  # client level: uploads exactly 2C apart
 def nbafl_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """NbAFL, replace a client's data set (its proven unit): ZEROS or OTHERS.
 
@@ -530,6 +552,7 @@ def nbafl_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> 
     return Audited(audit(a, b, delta=run.delta), reported_after_one_round(fresh, start))
 
 
+@audit_of("privatekt", rounds=1500, power=0.5)
 def privatekt_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """PrivateKT, replace a client's data set: its K = 2 predicted labels are all 0 (ZEROS) or all 1.
 
@@ -553,6 +576,7 @@ def privatekt_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int)
     return Audited(audit(a, b, delta=run.delta, discrete=True), reported_after_one_round(strategy, start))
 
 
+@audit_of("dpfl_bnn", rounds=1000, power=0.3)
 def dpfl_bnn_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """DPFL-BNN, replace a client's data set (which determines its latent weights): all d binary
     weights +1 or all -1 (latent state +-1, aggregate 0, a learning rate too small to flip a sign).
@@ -593,6 +617,7 @@ def dpfl_bnn_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) 
     return Audited(audit(a, b, delta=run.delta), reported_after_one_round(strategy, start))
 
 
+@audit_of("kd_dp", rounds=1000, power=0.25)
 def kd_dp_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """KD-DP's teacher round, add or remove one record of the large-data client (its unit).
 
@@ -629,6 +654,7 @@ def kd_dp_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> 
     return Audited(audit(a, b, delta=run.delta), reported_after_one_round(strategy, start))
 
 
+@audit_of("laplace_eval", rounds=2000, power=0.4)
 def laplace_eval_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """The clustering evaluation, replace one local example (its unit): the global model maps
     example a to (nearly) e_0 and example b to e_1, so their softmax vectors are 2 apart in L1.
@@ -670,20 +696,12 @@ def laplace_eval_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: i
     return Audited(audit(*outputs, delta=run.delta), float(stage.ledger.example_epsilon()))
 
 
-AUDITS: dict[str, tuple[Callable[[Path, dict[int, ClientDataset], int], Audited], int, float]] = {
-    # strategy: (its one-round audit, rounds per input, the least the audit must find)
-    "dp_fedavg": (dp_fedavg_audit, 4000, 0.15),  # a Poisson mixture at q = 1/2: a weaker statistic
-    "dp_fedavg_adaptive": (dp_fedavg_adaptive_audit, 4000, 0.1),  # as dp_fedavg; the count is not looked at
-    "dp_ftrl": (dp_ftrl_audit, 1500, 0.3),  # one tree leaf: the Gaussian mechanism with z
-    "dp_bandmf": (dp_bandmf_audit, 1500, 0.3),  # two participations in three rounds of correlated noise
-    "dp_fedavg_secagg": (dp_fedavg_secagg_audit, 800, 0.2),  # one Skellam sum of 3 shares: 0.54 of 2.0
-    "fedavg_ldp": (fedavg_ldp_audit, 1500, 0.3),
-    "nbafl": (nbafl_audit, 1500, 0.3),  # client level: uploads exactly 2C apart
-    "privatekt": (privatekt_audit, 1500, 0.5),
-    "dpfl_bnn": (dpfl_bnn_audit, 1000, 0.3),
-    "kd_dp": (kd_dp_audit, 1000, 0.25),
-    "laplace_eval": (laplace_eval_audit, 2000, 0.4),
-}
+#: Each private algorithm's one-round audit: name -> (audit, rounds per input, the least fraction of the
+#: reported epsilon the audit must find). Filled by :func:`audit_of` here and by ``PRIVACY_AUDIT`` in an
+#: algorithm's own test module (``tests/test_<name>.py``, :mod:`algorithm_tests`), so no list is kept.
+for _name in [*STRATEGIES.names(), *EVALUATION_STAGES.names()]:
+    if _name not in AUDITS and declared(_name, "PRIVACY_AUDIT") is not None:
+        AUDITS[_name] = declared(_name, "PRIVACY_AUDIT")
 
 
 # ------------------------------------------------------------------------------ tests

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -468,3 +469,18 @@ def test_server_training_with_dropout_is_seeded_and_moves_the_weights():
         results.append(_flat_record(model_to_arrays(model)))
     assert np.abs(results[0] - before).max() > 1e-5
     assert np.array_equal(results[0], results[1])
+
+
+# ------------------------------------------------------------------ its quick example (test_simulations)
+
+
+def check_quick_example(results: dict[str, Any], example: Any) -> None:
+    """What its quick example's run must show beyond the common checks (tests/test_simulations.py)."""
+    privacy = results["privacy"]
+    k = privacy["k"]
+    for r in results["rounds"]:  # K one-byte labels per report, nothing else
+        assert r["reports"] == r["clients"] == example.clients_per_round
+        assert r["upload_array_bytes"] == example.clients_per_round * k
+    assert privacy["epsilon_cumulative"] == pytest.approx(results["final"]["epsilon"])
+    assert privacy["epsilon_per_round"] == pytest.approx(k * privacy["epsilon_per_label"])
+    assert privacy["kt_data_sent_as"] == "indices"

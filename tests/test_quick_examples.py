@@ -1,7 +1,7 @@
 """The quick example of every strategy (``python -m fl_app +experiment=quick strategy=<name>``): its config.
 
-Each strategy has ``conf/examples/quick/<name>.yaml``. Here: it composes, validates and yields to the
-command line. ``tests/test_simulations.py`` runs each as a real simulation.
+Each strategy declares its quick example (``Declaration(quick=QuickExample(...))``). Here: it composes,
+validates and yields to the command line. ``tests/test_simulations.py`` runs each as a real simulation.
 """
 
 from __future__ import annotations

@@ -707,11 +707,24 @@ def test_a_rounds_writes_do_not_grow_with_the_run_and_resume_restores_the_record
 
 def test_num_clients_below_clients_per_round_names_both_keys(tmp_path):
     """num_clients=1 was refused with a message about clients_per_round alone (42.9)."""
-    from fl_app.config import compose_config
+    result = preflight_cli("num_clients=1", "clients_per_round=30", cwd=tmp_path)
+    assert_one_line(result, "clients_per_round=30", "num_clients=1", "at most 1")
 
-    default = compose_config([]).clients_per_round  # the key the user did not write: its default
-    result = preflight_cli("num_clients=1", cwd=tmp_path)
-    assert_one_line(result, f"clients_per_round={default}", "num_clients=1", "at most 1")
+
+def test_the_default_cohort_fits_any_population():
+    """``clients_per_round`` defaults to a fraction (issue 56): num_clients=20 just runs, 6 per round.
+
+    The main job's cohort is unchanged: 0.3 of the default 100 clients is the 30 it always drew.
+    """
+    from fl_app.config import compose_config
+    from fl_app.run_context import resolve_clients_per_round
+    from fl_app.validation import validate_config
+
+    default = compose_config([])
+    assert resolve_clients_per_round(default.clients_per_round, default.num_clients) == 30
+    small = compose_config(["num_clients=20", "dataset=digits"])
+    validate_config(small, check_data=False)
+    assert resolve_clients_per_round(small.clients_per_round, small.num_clients) == 6
 
 
 def group_processes(pgid: int) -> list[psutil.Process]:

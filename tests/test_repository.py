@@ -193,8 +193,46 @@ def lines_of(files: list[Path]) -> int:
     return sum(len(path.read_text().splitlines()) for path in files)
 
 
-def test_each_algorithm_has_one_bounded_home_and_none_imports_another():
-    """Issue 37: an algorithm's server side, privacy math and helpers live in one home, capped as a whole."""
+def imported_names(path: Path) -> list[tuple[str, str]]:
+    """``(module, name)`` for every ``from module import name`` in ``path`` (module level or in functions)."""
+    import ast
+
+    return [
+        (node.module, alias.name)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+        for alias in node.names
+    ]
+
+
+def private_reaches(path: Path, homes: set[str], own: str) -> list[str]:
+    """What ``path`` (in home ``own``) takes of another algorithm's private names (a leading ``_``)."""
+    import re
+
+    reaches = [
+        f"{path.relative_to(ROOT)} imports {module}.{name}"
+        for module, name in imported_names(path)
+        if module.startswith("strategies.")
+        and module.split(".")[1] in homes
+        and module.split(".")[1] != own
+        and (name.startswith("_") or any(part.startswith("_") for part in module.split(".")[2:]))
+    ]
+    text = path.read_text()
+    for home in sorted(homes - {own}):  # `import strategies.other as x` then `x._private`
+        for alias in re.findall(rf"import strategies\.{home}(?:\.\w+)* as (\w+)", text):
+            reaches += [
+                f"{path.relative_to(ROOT)} uses {alias}.{m}" for m in re.findall(rf"\b{alias}\.(_\w+)", text)
+            ]
+    return reaches
+
+
+def test_each_algorithm_has_one_bounded_home_and_reaches_into_no_other():
+    """Issue 37/56: an algorithm's server side, privacy math and helpers live in one home, capped as a whole.
+
+    One algorithm may build on another's public classes (``dp_flower`` on ``dp_fedavg``'s settings and
+    strategy and on ``flower``'s adapter); it never takes another home's private names (a leading
+    underscore, in the name or in the module path).
+    """
     from strategies import EVALUATION_STAGES, STRATEGIES
 
     homes = algorithm_homes()
@@ -203,14 +241,20 @@ def test_each_algorithm_has_one_bounded_home_and_none_imports_another():
     assert too_long == {}
     plumbing = [ROOT / "strategies" / f"{name}.py" for name in sorted(STRATEGY_PLUMBING)]
     assert lines_of(plumbing) <= MAX_PLUMBING_LINES
-    arrows = [
-        f"{path.relative_to(ROOT)} imports {target}"
+    reaches = [
+        reach
         for name, files in homes.items()
         for path in files
-        for target in imported_modules(path)
-        if target.startswith("strategies.") and target.split(".")[1] in homes and target.split(".")[1] != name
+        for reach in private_reaches(path, set(homes), name)
     ]
-    assert arrows == []
+    assert reaches == []
+    # the check sees a private name taken from another home, and one reached through a module alias
+    probe = ROOT / "strategies" / "_probe_reach.py"
+    try:
+        probe.write_text("from strategies.dp_fedavg import _x\nimport strategies.flower as f\nf._y\n")
+        assert len(private_reaches(probe, set(homes), "dp_flower")) == 2
+    finally:
+        probe.unlink()
     # nothing of one algorithm left in the shared core
     for moved in ("fl_app/knowledge.py", "fl_app/bits.py", "fl_app/clustering.py", "fl_app/privacy/kd_dp.py"):
         assert not (ROOT / moved).exists(), moved
@@ -351,19 +395,20 @@ def test_no_import_cycles_among_the_projects_modules(tmp_path):
 def test_every_algorithm_is_registered_where_the_platform_expects_it():
     """One declaration per algorithm; this names what a new one still lacks (docs/DEVELOPING.md).
 
-    Its conf file, its quick example, its suite simulation and check, its end-to-end audit when it is
-    private by default, and an arm in at least one comparison.
+    Its conf file (or a ``store_strategy_config`` of its module), its declared quick example, its
+    end-to-end audit when it is private by default (``@audit_of`` in tests/test_privacy_end_to_end.py
+    or ``PRIVACY_AUDIT`` in its own test module), and an arm in exactly the comparisons it declares.
+    Nothing else: suite rounds, checks, deployment settings all come from the declaration.
     """
     from fl_app.config import compose_config
     from strategies import STRATEGIES
+    from strategies.contract import COMPARISONS
     from tests.test_privacy_end_to_end import AUDITS
-    from tests.test_simulations import CHECKS, SUITE_ROUNDS
 
     conf = ROOT / "conf"
     arms = {
-        path.stem
-        for group in ("comparison", "cross_device", "record_level")
-        for path in (conf / group).glob("*.yaml")
+        group: {p.stem.removesuffix("_untuned") for p in (conf / group).glob("*.yaml")}
+        for group in COMPARISONS
     }
     missing: dict[str, list[str]] = {}
     for name in STRATEGIES.names():
@@ -373,14 +418,14 @@ def test_every_algorithm_is_registered_where_the_platform_expects_it():
         lacks = []
         if not (conf / "strategy" / f"{name}.yaml").exists():
             lacks.append(f"conf/strategy/{name}.yaml")
-        if not (conf / "examples" / "quick" / f"{name}.yaml").exists():
-            lacks.append(f"conf/examples/quick/{name}.yaml")
-        if name not in SUITE_ROUNDS or name not in CHECKS:
-            lacks.append("SUITE_ROUNDS and CHECKS in tests/test_simulations.py")
+        if declaration.quick is None:
+            lacks.append("a quick example (Declaration(quick=QuickExample(...)))")
         if declaration.is_private(compose_config([f"strategy={name}"])) and name not in AUDITS:
-            lacks.append("AUDITS in tests/test_privacy_end_to_end.py")
-        if name not in arms:
-            lacks.append("an arm in conf/comparison, conf/cross_device or conf/record_level")
+            lacks.append("an end-to-end audit (PRIVACY_AUDIT in tests/test_<name>.py)")
+        for group in COMPARISONS:
+            if (group in declaration.comparisons) != (name in arms[group]):
+                lacks.append(f"conf/{group}/{name}.yaml and comparisons={declaration.comparisons} disagree")
         if lacks:
             missing[name] = lacks
     assert missing == {}
+    assert not (conf / "examples").exists()  # quick examples live in the declarations

@@ -62,7 +62,7 @@ from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
 from strategies.base import FederatedStrategy
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.dp_bandmf.factorization import CorrelatedNoise, optimal_banded_toeplitz
 from strategies.settings import StrategySettings, between, positive, setting
 
@@ -181,6 +181,20 @@ class DPBandMFStrategy(FederatedStrategy):
         settings=DPBandMFSettings,
         canaries=None,
         check=check,
+        quick=QuickExample(
+            overrides=(
+                "num_clients=1000",
+                "clients_per_round=100",
+                "num_rounds=100",
+                "privacy.epsilon=8.0",
+            ),
+            suite_rounds=15,
+            about=(
+                "DP-BandMF at epsilon 8 per client (delta 1e-5), cross-device: 1000 clients, 100 per round "
+                "on average, 100 rounds; strategy.bands=auto picks the band count"
+            ),
+        ),
+        comparisons=("cross_device",),
     )
     settings: DPBandMFSettings
 

@@ -70,7 +70,7 @@ from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
 from strategies.cohorts import max_participations
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.dp_fedavg_secagg.secagg import SecAggAbortedError, SecAggRound
 from strategies.settings import StrategySettings, between, integer, positive
 
@@ -190,6 +190,23 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
         ),
         release_hint=": the models are the release",
         check=check,
+        quick=QuickExample(
+            overrides=(
+                "num_clients=1000",
+                "clients_per_round=100",
+                "num_rounds=30",
+                "local_epochs=5",
+                "privacy.epsilon=8.0",
+            ),
+            suite_rounds=5,
+            about=(
+                "distributed DP-FedAvg at epsilon 8 per client (delta 1e-5) against the server: 1000 "
+                "clients, 100 per round on a balanced public schedule, 16-bit SecAgg+, noise calibrated for"
+                " 90 survivors, 30 rounds of 5 local epochs"
+            ),
+        ),
+        comparisons=("cross_device",),
+        min_clients=MIN_SUM,
     )
     settings: DPFedAvgSecAggSettings
     ROUND_STATE = (*FederatedStrategy.ROUND_STATE, "_secagg", "_aborted")

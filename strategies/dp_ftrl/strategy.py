@@ -77,7 +77,7 @@ from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.dp_ftrl.privacy import tree_sensitivity_increments
 from strategies.settings import StrategySettings, between, one_of, positive
 
@@ -121,6 +121,15 @@ class DPFTRLStrategy(FederatedStrategy):
         client="fedavg",  # plain local training: clipping and the tree's noise run on the server
         settings=DPFTRLSettings,
         canaries=None,
+        quick=QuickExample(
+            overrides=("num_clients=1000", "clients_per_round=100", "num_rounds=100", "privacy.epsilon=8.0"),
+            suite_rounds=15,
+            about=(
+                "DP-FTRL at epsilon 8 per client (delta 1e-5), cross-device: 1000 clients, 100 per round on"
+                " a balanced schedule (each client once per 10 rounds), 100 rounds"
+            ),
+        ),
+        comparisons=("cross_device",),
     )
     settings: DPFTRLSettings
 

@@ -75,7 +75,7 @@ from fl_app.run_context import RunContext
 from fl_app.training import evaluate, load_arrays
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.dpfl_bnn.privacy import CALIBRATIONS, CLIENT_UNIT, BinaryRRLedger, GammaPlan
 from strategies.settings import StrategySettings, between, integer, one_of
 
@@ -150,6 +150,29 @@ class DPFLBNNStrategy(FederatedStrategy):
         release_hint=" (strategy.local_eval_clients runs the document's local-model diagnostic)",
         private=lambda cfg: str(cfg.strategy.noise) != "none",
         check=lambda cfg: check_binary_model(cfg),
+        quick=QuickExample(
+            overrides=(
+                "model=auto",
+                "num_clients=100",
+                "clients_per_round=100",
+                "num_rounds=10",
+                "lr=0.1",
+                "batch_size=64",
+                "partition.alpha=100.0",
+                "privacy.epsilon=16.0",
+                "strategy.calibration=per_coordinate",
+                "strategy.lr_decay_every=4",
+            ),
+            suite_rounds=3,
+            beats_chance=0.2,
+            about=(
+                "DPFL-BNN in the document's setting (100 clients, all per round, near-IID), 10 rounds; "
+                "budget in the document's reading, epsilon 16 per weight coordinate (not client level: "
+                "final.epsilon is)"
+            ),
+        ),
+        comparisons=("comparison",),
+        deploy=("model=bnn_cnn", "num_rounds=2"),
     )
     settings: DPFLBNNSettings
     ROUND_STATE = (*FederatedStrategy.ROUND_STATE, "_local_accuracy")  # un-noised: never checkpointed

@@ -62,7 +62,7 @@ from fl_app.training import load_arrays
 from strategies import register_strategy
 from strategies.arrays import mean_arrays
 from strategies.base import FederatedStrategy, RecentRounds
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.kd_dp.privacy import (
     GENERAL,
     LARGE,
@@ -174,6 +174,23 @@ class KDDPStrategy(FederatedStrategy):
             "releases per training example (DP-SGD): the analogue is a canary record, not a canary "
             "client's update (see docs/empirical_privacy.md)"
         ),
+        quick=QuickExample(
+            overrides=(
+                "num_clients=20",
+                "clients_per_round=5",
+                "num_rounds=10",
+                "batch_size=64",
+                "lr=0.4",
+                "privacy.epsilon=4.0",
+                "strategy.large_fraction=0.25",
+                "strategy.epsilon_special=2.0",
+            ),
+            suite_rounds=4,
+            beats_chance=0.15,
+            about="KD-DP at epsilon 4 per training example (record level, delta 1e-5)",
+        ),
+        comparisons=("comparison", "record_level"),
+        deploy=("strategy.teacher_rounds=1", "num_rounds=2"),
     )
     settings: KDDPSettings
 

@@ -72,7 +72,7 @@ from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.arrays import mean_arrays
 from strategies.base import FederatedStrategy
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.nbafl.privacy import (
     NBAFL_AMPLIFICATIONS,
     NBAFL_CALIBRATIONS,
@@ -136,6 +136,26 @@ class NbAFLStrategy(FederatedStrategy):
             "uploads noised parameters, not updates: the analogue would be a canary whose parameters "
             "differ along u_k; not built (see docs/empirical_privacy.md)"
         ),
+        quick=QuickExample(
+            overrides=(
+                "num_clients=50",
+                "clients_per_round=50",
+                "num_rounds=25",
+                "lr=0.05",
+                "partition.alpha=100.0",
+                "privacy.epsilon=4.0",
+                "privacy.delta=0.01",
+                "strategy.clip=10.0",
+                "strategy.unit=document_record",
+                "strategy.calibration=accountant",
+            ),
+            suite_rounds=4,
+            about=(
+                "NbAFL with its noise calibrated for the document's record-level reading at epsilon 4 "
+                "(delta 0.01); the run's headline epsilon is the client-level one of the same noise"
+            ),
+        ),
+        comparisons=("comparison", "record_level"),
     )
     settings: NbAFLSettings
 

@@ -80,7 +80,7 @@ from fl_app.training import has_dropout, load_arrays, model_to_arrays, predict_p
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
 from strategies.cohorts import SCHEDULES, max_participations
-from strategies.contract import Declaration
+from strategies.contract import Declaration, QuickExample
 from strategies.privatekt.knowledge import (
     KNOWLEDGE_MODES,
     KnowledgeBuffer,
@@ -172,6 +172,22 @@ class PrivateKTStrategy(FederatedStrategy):
             "uploads labels (k-ary randomized response): the analogue is a canary label with a known "
             "answer, a membership test on the label histogram, not a cosine (see docs/empirical_privacy.md)"
         ),
+        quick=QuickExample(
+            overrides=(
+                "num_clients=80",
+                "clients_per_round=40",
+                "num_rounds=60",
+                "local_epochs=2",
+                "dataset.public_fraction=0.2",
+                "privacy.epsilon=150.0",
+            ),
+            suite_rounds=10,
+            about=(
+                "PrivateKT in the shape of the authors' demo (80 clients, 40 per round, 20% public split), "
+                "60 rounds; epsilon 150 per client over its ~30 reports (local DP)"
+            ),
+        ),
+        comparisons=("comparison", "cross_device"),
     )
     settings: PrivateKTSettings
 
