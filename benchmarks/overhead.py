@@ -427,6 +427,7 @@ def breakdown(args: argparse.Namespace) -> None:
     from fl_app.roster import ClientInfo
     from fl_app.run import noise_source
     from fl_app.run_context import RunContext
+    from fl_app.validation import typed_settings
     from strategies import STRATEGIES
 
     set_task_identity(run_id=77)
@@ -501,15 +502,14 @@ def breakdown(args: argparse.Namespace) -> None:
         replies.append(answer)
     roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
     for name in ("fedavg", "dp_fedavg"):
-        run_cfg = compose_config([*overrides, f"strategy={name}"])
+        settings = typed_settings(compose_config([*overrides, f"strategy={name}"]))
         run = RunContext(
-            cfg=run_cfg,
+            settings=settings,
             roster=roster,
             data=data,
-            data_spec=spec,
             model_spec=model_spec,
-            randomness=RandomSource(seed=int(run_cfg.seed)),
-            noise=noise_source(run_cfg),
+            randomness=RandomSource(seed=settings.seed),
+            noise=noise_source(settings),
             output_dir=args.out,
         )
         strategy = STRATEGIES.get(name)(run)

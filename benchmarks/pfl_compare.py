@@ -179,7 +179,6 @@ def export_partition(path: Path, overrides: Sequence[str] = TASK) -> dict[str, A
     """
     from fl_app.harness import run_context_for
     from fl_app.run import evaluation_arrays
-    from fl_app.run_settings import RunSettings
     from strategies import STRATEGIES
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -189,7 +188,7 @@ def export_partition(path: Path, overrides: Sequence[str] = TASK) -> dict[str, A
     client_rows = [np.asarray(rows, dtype=np.int64) for rows in data.client_rows]
     rows = np.concatenate(client_rows) if client_rows else np.zeros(0, dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum([len(r) for r in client_rows])]).astype(np.int64)
-    subset = RunSettings.from_config(run.cfg).evaluation.test_subset
+    subset = run.settings.evaluation.test_subset
     x_eval, y_eval = evaluation_arrays(data, subset=subset, randomness=run.randomness)
     names = list(initial.keys())
     params = {f"param_{k}": initial[name].numpy() for k, name in enumerate(names)}

@@ -198,22 +198,22 @@ class SpecialPseudoClient:
         spec: ModelSpec,
         start: ArrayRecord,
         *,
-        cfg: Mapping[str, Any],
+        sgd: Mapping[str, Any],
         rng: np.random.Generator,
         correction: bool,
     ) -> tuple[ArrayRecord, float]:
         """One student round: a copy of the model ``start`` trained as :meth:`train`; its arrays, mean loss.
 
-        ``cfg`` gives the run's ``local_epochs``, ``batch_size``, ``lr`` and ``momentum``.
+        ``sgd`` gives the run's ``local_epochs``, ``batch_size``, ``lr`` and ``momentum``.
         """
         model = spec.build()
         load_arrays(model, start)
         loss = self.train(
             model,
-            epochs=int(cfg["local_epochs"]),
-            batch_size=int(cfg["batch_size"]),
-            lr=float(cfg["lr"]),
-            momentum=float(cfg["momentum"]),
+            epochs=int(sgd["local_epochs"]),
+            batch_size=int(sgd["batch_size"]),
+            lr=float(sgd["lr"]),
+            momentum=float(sgd["momentum"]),
             rng=rng,
             correction=correction,
         )

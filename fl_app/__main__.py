@@ -21,7 +21,9 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -36,12 +38,14 @@ from fl_app.engine.logs import colour_only_at_a_terminal
 from fl_app.lifecycle import (
     STOP_FILE_ENV,
     SWEEP_COMMAND_ENV,
+    Outcome,
     RunFailed,
     command_stop_requested,
     sigterm_like_ctrl_c,
     stop_workers_on_signals,
 )
 from fl_app.output_claim import claim_output_dir
+from fl_app.run_settings import RunSettings
 from fl_app.timeline import mark
 
 # Hydra flags that take a value in the next argument.
@@ -176,7 +180,7 @@ class SweepState:
 
     def job_finished(self) -> str | None:
         """Count one finished job; the progress line to print (None outside a sweep)."""
-        from fl_app.run import format_duration, interactive, progress_bar
+        from fl_app.run_text import format_duration, interactive, progress_bar
 
         self._append("done", "1")
         total = int((self.directory / "total").read_text())
@@ -198,14 +202,14 @@ class SweepState:
         digest = hashlib.sha256(json.dumps(run_overrides).encode()).hexdigest()[:32]
         return self.directory / "jobs" / f"{digest}.pickle"
 
-    def keep_config(self, overrides: list[str], cfg: DictConfig) -> None:
-        """Keep a job's composed and validated configuration for the job itself (:meth:`composed`)."""
+    def keep_config(self, overrides: list[str], cfg: DictConfig, settings: RunSettings) -> None:
+        """Keep a job's composed configuration and its validated settings for the job itself."""
         path = self._job_file(overrides)
         path.parent.mkdir(exist_ok=True)
-        path.write_bytes(pickle.dumps(cfg))
+        path.write_bytes(pickle.dumps((cfg, settings)))
 
-    def composed(self, overrides: list[str]) -> DictConfig | None:
-        """The configuration :func:`preflight` composed and validated for the job of ``overrides``.
+    def composed(self, overrides: list[str]) -> tuple[DictConfig, RunSettings] | None:
+        """The configuration :func:`preflight` composed for the job of ``overrides``, and its settings.
 
         Read from the state directory, so that a job run by a parallel launcher in another process
         gets it too. None for a job the preflight did not see.
@@ -231,7 +235,7 @@ class SweepState:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def preflight(argv: list[str], *, on_valid: Callable[[DictConfig, int], None] | None = None) -> list[str]:
+def preflight(argv: list[str], *, on_valid: Callable[[RunSettings, int], None] | None = None) -> list[str]:
     """Compose and validate every job; return one error line per bad job.
 
     Each job's configuration is kept for the job itself (:meth:`SweepState.composed`): composed and
@@ -250,13 +254,13 @@ def preflight(argv: list[str], *, on_valid: Callable[[DictConfig, int], None] | 
 
     state = SweepState.create(len(jobs) if multirun else 1)
     errors: list[str] = []
-    first: DictConfig | None = None
+    first: RunSettings | None = None
     for job in jobs:
         try:
             cfg = compose_config(job)
-            validate_config(cfg)
-            state.keep_config(job, cfg)
-            first = cfg if first is None else first
+            settings = validate_config(cfg)
+            state.keep_config(job, cfg, settings)
+            first = settings if first is None else first
         except (HydraException, OmegaConfBaseException, ValueError) as error:
             prefix = f"[{' '.join(job)}] " if multirun and len(jobs) > 1 else ""
             errors.append(prefix + _one_line(error))
@@ -327,82 +331,261 @@ def _run_job() -> bool:
 
     Returns whether the job is done (False: a parallel sweep was stopped before or during it).
     """
-    from fl_app.simulation import run_in_simulation
-    from fl_app.sweep_resume import plan_sweep_job
-    from fl_app.validation import check_output_dir, validate_config
+    job = _current_job()
+    if command_stop_requested() is not None:  # a parallel sweep stopped: no job starts any more
+        _discard_if_empty(job.output_dir)
+        return False
+    if not _settle_job(job):  # a sweep run again into its directory: this job was done before
+        return True
+    return _simulate_job(job)
 
+
+@dataclass
+class _Job:
+    """The Hydra job :func:`_run_job` runs, as it settles what to run and where.
+
+    Attributes
+    ----------
+    overrides : list[str]
+        The job's overrides (a resumed sweep's plan may replace them).
+    hydra_dir : Path
+        Hydra's output directory of the job (removed when the job refuses to start and it is empty).
+    output_dir : Path
+        Where the run writes: ``hydra_dir``, or the configuration's ``output_dir``.
+    cfg : DictConfig or None
+        The composed configuration (None: a job the preflight did not see, composed by the job).
+    settings : RunSettings or None
+        Its validated settings (None with ``cfg``).
+    multirun : bool
+        Whether the job is one of a Hydra multirun (a sweep).
+    state : SweepState or None
+        The command's sweep state (None outside ``python -m fl_app``).
+
+    """
+
+    overrides: list[str]
+    hydra_dir: Path
+    output_dir: Path
+    cfg: DictConfig | None
+    settings: RunSettings | None
+    multirun: bool
+    state: SweepState | None
+
+
+def _current_job() -> _Job:
+    """The running Hydra job, with what the preflight kept for it; notes a sweep's directory.
+
+    Returns
+    -------
+    _Job
+        The job, its output directory still Hydra's.
+
+    """
     hydra_cfg = HydraConfig.get()
     overrides = list(hydra_cfg.overrides.task)
     output_dir = Path(hydra_cfg.runtime.output_dir)
     state = SweepState.current()
-    cfg = state.composed(overrides) if state is not None else None
+    kept = state.composed(overrides) if state is not None else None
+    cfg, settings = kept if kept is not None else (None, None)
     multirun = str(hydra_cfg.mode) == "RunMode.MULTIRUN"
     if multirun and state is not None:
         state.note_sweep_dir(Path(hydra_cfg.sweep.dir).expanduser().resolve())
-    if command_stop_requested() is not None:  # a parallel sweep stopped: no job starts any more
-        _discard_if_empty(output_dir)
-        return False
+    return _Job(
+        overrides=overrides,
+        hydra_dir=output_dir,
+        output_dir=output_dir,
+        cfg=cfg,
+        settings=settings,
+        multirun=multirun,
+        state=state,
+    )
+
+
+def _settle_job(job: _Job) -> bool:
+    """Compose the job if the preflight did not, follow a resumed sweep's plan, check the output directory.
+
+    Parameters
+    ----------
+    job : _Job
+        The job; its configuration, settings, overrides and output directory are settled in place.
+
+    Returns
+    -------
+    bool
+        Whether to run it (False: a sweep run again skips a job it completed before).
+
+    Raises
+    ------
+    SystemExit
+        With status 2 (one ``error:`` line) for a configuration or output directory it refuses.
+
+    """
+    from fl_app.validation import check_output_dir, validate_config
+
     try:
-        if cfg is None:  # a job the preflight did not see (a launcher of its own): the same functions
-            cfg = compose_config(overrides)
-            validate_config(cfg)
-        if cfg.output_dir is not None:
-            output_dir = Path(cfg.output_dir).expanduser().resolve()
-        if multirun:  # a sweep run again into its directory continues (fl_app.sweep_resume)
-            job_cfg = OmegaConf.merge(cfg, {"output_dir": str(output_dir)})
-            plan = plan_sweep_job(job_cfg, overrides, output_dir)
-            if plan.note:
-                print(f"dpfl sweep: job {hydra_cfg.job.num}: {plan.note}", file=sys.stderr, flush=True)
-            if plan.action == "skip":
-                return True
-            if plan.cfg is not None:
-                cfg, overrides = plan.cfg, list(plan.overrides)
+        if job.cfg is None or job.settings is None:  # a job the preflight did not see (a launcher of its own)
+            job.cfg = compose_config(job.overrides)
+            job.settings = validate_config(job.cfg)
+        if job.cfg.output_dir is not None:
+            job.output_dir = Path(job.cfg.output_dir).expanduser().resolve()
+        if job.multirun and not _follow_sweep_plan(job):
+            return False
         # checked now, not only in the preflight: an earlier job of the sweep may have written there
         # (and Hydra's run directory, hydra.run.dir=..., may name an old one)
-        check_output_dir(OmegaConf.merge(cfg, {"output_dir": str(output_dir)}))
+        check_output_dir(OmegaConf.merge(job.cfg, {"output_dir": str(job.output_dir)}))
     except ValueError as error:
-        _discard_if_empty(Path(hydra_cfg.runtime.output_dir))
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        _refuse_job(job, error)
+    return True
+
+
+def _follow_sweep_plan(job: _Job) -> bool:
+    """Apply :func:`fl_app.sweep_resume.plan_sweep_job` to a sweep's job (a sweep run again continues).
+
+    Parameters
+    ----------
+    job : _Job
+        A multirun's job, composed; a resumed job's configuration, settings and overrides are replaced.
+
+    Returns
+    -------
+    bool
+        Whether to run it (False: the plan skips it).
+
+    """
+    from fl_app.sweep_resume import plan_sweep_job
+
+    job_cfg = OmegaConf.merge(job.cfg, {"output_dir": str(job.output_dir)})
+    plan = plan_sweep_job(job_cfg, job.overrides, job.output_dir)
+    if plan.note:
+        print(f"dpfl sweep: job {HydraConfig.get().job.num}: {plan.note}", file=sys.stderr, flush=True)
+    if plan.action == "skip":
+        return False
+    if plan.cfg is not None and plan.settings is not None:
+        job.cfg, job.settings, job.overrides = plan.cfg, plan.settings, list(plan.overrides)
+    return True
+
+
+def _refuse_job(job: _Job, error: Exception) -> NoReturn:
+    """Print ``error: <error>`` and exit with status 2, leaving no empty Hydra directory behind.
+
+    Parameters
+    ----------
+    job : _Job
+        The job that does not start.
+    error : Exception
+        Why (a bad configuration, an output directory another run holds or wrote).
+
+    """
+    _discard_if_empty(job.hydra_dir)
+    print(f"error: {error}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _simulate_job(job: _Job) -> bool:
+    """Run the settled job in its claimed output directory and report how it ended.
+
+    Parameters
+    ----------
+    job : _Job
+        The job, settled by :func:`_settle_job`.
+
+    Returns
+    -------
+    bool
+        Whether the job is done: its results are written (a failed run's too), or it was skipped.
+
+    Raises
+    ------
+    SystemExit
+        Status 2 when the output directory is refused; outside a sweep, the failed or interrupted
+        run's status (an interrupted run ends a sweep too).
+
+    """
+    from fl_app.simulation import run_in_simulation
+
     try:
-        with claim_output_dir(output_dir, resume=cfg.get("resume") is not None):
-            outcome = run_in_simulation(cfg, overrides, output_dir)
+        with claim_output_dir(job.output_dir, resume=job.settings.resume is not None):
+            outcome = run_in_simulation(job.settings, job.overrides, job.output_dir)
     except ConfigError as error:  # another run holds the directory, or wrote there meanwhile
-        _discard_if_empty(Path(hydra_cfg.runtime.output_dir))
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        _refuse_job(job, error)
     except RunFailed as error:
-        line = f"job failed ({' '.join(overrides) or 'defaults'}): {error} [results in {output_dir}]"
-        print(f"error: {line}", file=sys.stderr)
-        _record_failure(line)
-        if not multirun:
-            sys.exit(1)
+        _job_failed(job, error, f"results in {job.output_dir}", exit_code=1)
         return True
     except Exception as error:
-        try:
-            output_dir.mkdir(parents=True, exist_ok=True)
-            (output_dir / "error.txt").write_text(traceback.format_exc())
-            where = f"traceback in {output_dir / 'error.txt'}"
-        except OSError as unwritable:  # a full disk: no half-written error.txt
-            (output_dir / "error.txt").unlink(missing_ok=True)
-            where = f"no traceback written: {unwritable.strerror or unwritable}"
-        line = f"job failed ({' '.join(overrides) or 'defaults'}): {_one_line(error)} [{where}]"
-        print(f"error: {line}", file=sys.stderr)
-        _record_failure(line)
-        if not multirun:
-            sys.exit(1)
-        return (output_dir / "results.json").is_file()  # done only when its results are written
+        _job_failed(job, _one_line(error), _write_traceback(job.output_dir), exit_code=1)
+        return (job.output_dir / "results.json").is_file()  # done only when its results are written
+    return _outcome_done(job, outcome)
+
+
+def _write_traceback(output_dir: Path) -> str:
+    """Write the exception being handled to ``error.txt`` in ``output_dir``; say where it went.
+
+    Parameters
+    ----------
+    output_dir : Path
+        The run's output directory (created if missing).
+
+    Returns
+    -------
+    str
+        ``traceback in <path>``, or ``no traceback written: <why>`` (a full disk: no half-written
+        ``error.txt``).
+
+    """
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "error.txt").write_text(traceback.format_exc())
+        return f"traceback in {output_dir / 'error.txt'}"
+    except OSError as unwritable:  # a full disk: no half-written error.txt
+        (output_dir / "error.txt").unlink(missing_ok=True)
+        return f"no traceback written: {unwritable.strerror or unwritable}"
+
+
+def _job_failed(job: _Job, reason: object, where: str, *, exit_code: int) -> None:
+    """Report a failed job (``error: job failed (...)``), remember it for the sweep's summary.
+
+    Parameters
+    ----------
+    job : _Job
+        The failed job.
+    reason : object
+        Why it failed (formatted into the line).
+    where : str
+        Where its results or its traceback are (the line's ``[...]``).
+    exit_code : int
+        The command's exit status outside a sweep (a sweep goes on with its next job).
+
+    """
+    line = f"job failed ({' '.join(job.overrides) or 'defaults'}): {reason} [{where}]"
+    print(f"error: {line}", file=sys.stderr)
+    _record_failure(line)
+    if not job.multirun:
+        sys.exit(exit_code)
+
+
+def _outcome_done(job: _Job, outcome: Outcome) -> bool:
+    """Turn the run's outcome into the job's report, its exit status and whether it is done.
+
+    Parameters
+    ----------
+    job : _Job
+        The job that ran.
+    outcome : Outcome
+        How its run ended.
+
+    Returns
+    -------
+    bool
+        Whether the job is done (False: a parallel launcher's worker whose run was interrupted).
+
+    """
     if outcome.exit_code and outcome.status.startswith("completed"):  # a client never contributed
-        line = f"job failed ({' '.join(overrides) or 'defaults'}): {outcome.reason} [results in {output_dir}]"
-        print(f"error: {line}", file=sys.stderr)
-        _record_failure(line)
-        if not multirun:
-            sys.exit(outcome.exit_code)
+        _job_failed(job, outcome.reason, f"results in {job.output_dir}", exit_code=outcome.exit_code)
         return True
     if outcome.status == "interrupted":
-        if not multirun:  # a sweep says how to continue the sweep instead
+        if not job.multirun:  # a sweep says how to continue the sweep instead
             print(f"dpfl: run interrupted ({outcome.reason}); {outcome.resume_hint()}", file=sys.stderr)
-        if multirun and state is not None and not state.runs_here():
+        if job.multirun and job.state is not None and not job.state.runs_here():
             # a parallel launcher's worker: its SystemExit would make the launcher kill the other
             # workers while they write their results; the command's process reports the stop
             return False
@@ -431,12 +614,12 @@ def run_dir_overrides(argv: list[str], state: SweepState | None) -> list[str]:
     """
     overrides, multirun, informational = split_command_line(argv)
     chosen = any(o.startswith(("hydra.run.dir=", "hydra.output_subdir=")) for o in overrides)
-    cfg = (
+    kept = (
         state.composed(overrides) if state is not None and not (multirun or informational or chosen) else None
     )
-    if cfg is None or cfg.get("output_dir") is None:
+    if kept is None or kept[1].output_dir is None:
         return []
-    directory = str(Path(str(cfg.output_dir)).expanduser().resolve())
+    directory = str(Path(kept[1].output_dir).expanduser().resolve())
     if any(character in directory for character in "'\\$"):  # not a plain quoted Hydra value
         return []
     return [f"hydra.run.dir='{directory}'", "hydra.output_subdir=null"]
@@ -449,7 +632,7 @@ def parallel_launcher(argv: list[str]) -> bool:
     return multirun and any(name != "basic" for name in launchers)
 
 
-def begin_ray_early(argv: list[str]) -> Callable[[DictConfig, int], None] | None:
+def begin_ray_early(argv: list[str]) -> Callable[[RunSettings, int], None] | None:
     """What starts Ray in the background for this process's jobs, and keeps it for all of them.
 
     Only when Hydra's basic launcher runs the jobs here, one after another (a parallel launcher runs
@@ -464,10 +647,10 @@ def begin_ray_early(argv: list[str]) -> Callable[[DictConfig, int], None] | None
     if informational or parallel_launcher(argv):
         return None
 
-    def begin(first: DictConfig, jobs: int) -> None:
+    def begin(first: RunSettings, jobs: int) -> None:
         SESSION.keep = True
         SESSION.jobs_left = jobs
-        SESSION.begin(ray_init_args(first), ActorPlan.from_config(first))
+        SESSION.begin(ray_init_args(first), ActorPlan.of(first))
 
     return begin
 

@@ -60,11 +60,11 @@ def run_experiment(*overrides: str, output_dir: str | Path | None = None) -> dic
         directory = (DEFAULT_ROOT / f"{stamp}-{cfg.strategy.name}").resolve()
         items.append(f"output_dir={directory}")
         cfg = with_values(cfg, {"output_dir": str(directory)})
-    validate_config(cfg)
+    settings = validate_config(cfg)
     check_output_dir(cfg)
-    directory = Path(str(cfg.output_dir))
-    with claim_output_dir(directory, resume=cfg.get("resume") is not None):
-        run_in_simulation(cfg, items, directory)
+    directory = Path(str(settings.output_dir))
+    with claim_output_dir(directory, resume=settings.resume is not None):
+        run_in_simulation(settings, items, directory)
     results = json.loads((directory / RESULTS_FILE).read_text())
     results["output_dir"] = str(directory)
     return results

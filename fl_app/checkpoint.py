@@ -65,7 +65,7 @@ class Checkpoint:
 
 
 def _context_members(run: RunContext) -> dict[int, str]:
-    members = {"run": run, "cfg": run.cfg, "data": run.data, "roster": run.roster}
+    members = {"run": run, "settings": run.settings, "data": run.data, "roster": run.roster}
     members.update({"noise": run.noise, "randomness": run.randomness, "model_spec": run.model_spec})
     return {id(value): name for name, value in members.items()}
 

@@ -92,7 +92,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -528,6 +528,64 @@ def train_cohort(
         the plan.
 
     """
+    _check_arguments(model, global_params, xs, ys, plan, chunk)
+    first = next(iter(global_params.values()))
+    target = torch.device(device) if device is not None else first.device
+    trainer = _prepare(
+        model,
+        global_params,
+        xs,
+        ys,
+        plan,
+        target,
+        lr=lr,
+        momentum=momentum,
+        proximal_mu=proximal_mu,
+        record=chunk == "auto",
+    )
+    out = {
+        n: value.unsqueeze(0).repeat(plan.clients, *([1] * value.dim())).contiguous()
+        for n, value in trainer.reference.items()
+    }
+    losses = np.full(plan.clients, np.nan)
+    chunk_size = _chunk_size(chunk, trainer)
+    for members, sorted_desc in _groups(plan, schedule, max(chunk_size, 1)):
+        _train_group(trainer, members, sorted_desc, out, losses)
+    return CohortResult(params=out, losses=losses)
+
+
+#: Per client, an array or tensor (its examples or labels).
+_Arrays = Sequence[np.ndarray | torch.Tensor]
+#: Per dropout call of one forward pass, its ``p`` and the shape of one example's input.
+_Layers = list[tuple[float, tuple[int, ...]]]
+#: One step of the stacked clients: ``(trainable, frozen, reference, x, y, weight, count, masks)`` ->
+#: ``(gradients, losses)``.
+_StepFn = Callable[..., tuple[dict[str, torch.Tensor], torch.Tensor]]
+
+
+def _check_arguments(
+    model: nn.Module,
+    global_params: Mapping[str, torch.Tensor],
+    xs: _Arrays,
+    ys: _Arrays,
+    plan: BatchPlan,
+    chunk: int | Literal["auto"] | None,
+) -> None:
+    """Refuse what :func:`train_cohort` cannot train, before anything is moved or allocated.
+
+    Parameters
+    ----------
+    model, global_params, xs, ys, plan, chunk
+        :func:`train_cohort`'s arguments.
+
+    Raises
+    ------
+    ValueError
+        A model :func:`check_model` refuses, ``global_params`` that do not name the model's parameters,
+        ``xs`` or ``ys`` for another number of clients than ``plan``'s, a bad ``chunk``, or a model
+        with dropout and a plan without dropout seeds.
+
+    """
     check_model(model)
     model_name = type(model).__name__
     names = [name for name, _ in model.named_parameters()]
@@ -540,19 +598,158 @@ def train_cohort(
         raise ValueError(f"{len(xs)} clients' x and {len(ys)} clients' y for a plan of {plan.clients}")
     if chunk is not None and chunk != "auto" and (isinstance(chunk, str) or chunk < 1):
         raise ValueError(f"chunk must be a positive number of clients, 'auto' or None, got {chunk!r}")
-    dropout = has_dropout(model)
-    if dropout and plan.dropout_seeds is None:
+    if has_dropout(model) and plan.dropout_seeds is None:
         raise ValueError(
             f"{model_name} has dropout: the plan needs the clients' dropout seeds "
             "(plan_from_generators(..., dropout=True) or plan_batches(..., dropout_seeds=...))"
         )
-    first = next(iter(global_params.values()))
-    target = torch.device(device) if device is not None else first.device
-    trainable_names = [n for n, p in model.named_parameters() if p.requires_grad]
-    reference = {n: global_params[n].detach().to(target) for n in names}
-    frozen = {n: reference[n] for n in names if n not in trainable_names}
 
-    # All clients' examples in one tensor; the plan's local indices are shifted by each client's offset.
+
+@dataclass
+class _CohortTrainer:
+    """What every group of clients of one :func:`train_cohort` call trains with.
+
+    Attributes
+    ----------
+    plan : BatchPlan
+        The cohort's batches.
+    model_name : str
+        The model's class name (error messages name it).
+    target : torch.device
+        Where the cohort trains.
+    trainable : list[str]
+        Names of the parameters SGD updates (``requires_grad``), in the model's order.
+    reference : dict[str, torch.Tensor]
+        Every parameter's global value (each client's start, the FedProx reference), on ``target``.
+    flat_x, flat_y : torch.Tensor or None
+        Every client's examples and labels, concatenated in client order, on ``target`` (None when no
+        client has examples).
+    offsets : np.ndarray
+        ``int64 [clients]``: where each client's examples start in ``flat_x``.
+    dropout : bool
+        Whether the model has ``nn.Dropout`` layers.
+    layers : list of (float, tuple of int)
+        Per dropout call of one forward pass, its ``p`` and the shape of one example's input.
+    activations : int
+        Numbers the model's layers output for one example (0 when not measured).
+    step_fn : callable
+        ``vmap(grad(loss))`` of one step of the stacked clients (:func:`_per_client_loss`).
+    lr, momentum : float
+        SGD's step size and momentum.
+    frozen : dict[str, torch.Tensor]
+        The ``reference`` values of the parameters that are not trainable (derived).
+    client_steps, counts : np.ndarray, torch.Tensor
+        ``plan.client_steps`` and ``plan.counts``, computed once (derived).
+    checked : bool
+        Whether a step has run (``torch.func`` could transform the forward pass).
+
+    """
+
+    plan: BatchPlan
+    model_name: str
+    target: torch.device
+    trainable: list[str]
+    reference: dict[str, torch.Tensor]
+    flat_x: torch.Tensor | None
+    flat_y: torch.Tensor | None
+    offsets: np.ndarray
+    dropout: bool
+    layers: _Layers
+    activations: int
+    step_fn: _StepFn
+    lr: float
+    momentum: float
+    frozen: dict[str, torch.Tensor] = field(init=False)
+    client_steps: np.ndarray = field(init=False)
+    counts: torch.Tensor = field(init=False)
+    checked: bool = False
+
+    def __post_init__(self) -> None:
+        self.frozen = {n: value for n, value in self.reference.items() if n not in self.trainable}
+        self.client_steps = self.plan.client_steps
+        self.counts = self.plan.counts
+
+
+def _prepare(
+    model: nn.Module,
+    global_params: Mapping[str, torch.Tensor],
+    xs: _Arrays,
+    ys: _Arrays,
+    plan: BatchPlan,
+    target: torch.device,
+    *,
+    lr: float,
+    momentum: float,
+    proximal_mu: float,
+    record: bool,
+) -> _CohortTrainer:
+    """What the groups of a cohort share: the global model and inputs on ``target``, the step function.
+
+    Parameters
+    ----------
+    model, global_params, xs, ys, plan, lr, momentum, proximal_mu
+        :func:`train_cohort`'s arguments, checked (:func:`_check_arguments`).
+    target : torch.device
+        Where the cohort trains.
+    record : bool
+        Whether to measure one example's activations (for ``chunk="auto"``).
+
+    Returns
+    -------
+    _CohortTrainer
+        The shared state, before any step.
+
+    """
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    reference = {n: global_params[n].detach().to(target) for n, _ in model.named_parameters()}
+    flat_x, flat_y, offsets = _flattened_inputs(xs, ys, plan, target)
+    step_fn, layers, activations = _step_function(model, reference, flat_x, proximal_mu, record=record)
+    return _CohortTrainer(
+        plan=plan,
+        model_name=type(model).__name__,
+        target=target,
+        trainable=trainable,
+        reference=reference,
+        flat_x=flat_x,
+        flat_y=flat_y,
+        offsets=offsets,
+        dropout=has_dropout(model),
+        layers=layers,
+        activations=activations,
+        step_fn=step_fn,
+        lr=float(lr),
+        momentum=float(momentum),
+    )
+
+
+def _flattened_inputs(
+    xs: _Arrays, ys: _Arrays, plan: BatchPlan, target: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None, np.ndarray]:
+    """All clients' examples in one tensor; the plan's local indices are shifted by each client's offset.
+
+    Parameters
+    ----------
+    xs, ys : Sequence of arrays or tensors
+        Per client, its examples (``uint8`` scaled to [0, 1]) and integer labels.
+    plan : BatchPlan
+        The cohort's batches (``plan.sizes``: each client's number of examples).
+    target : torch.device
+        Where the cohort trains.
+
+    Returns
+    -------
+    flat_x, flat_y : torch.Tensor or None
+        The examples (float32) and labels (int64) of the clients with examples, in client order, on
+        ``target``; None when no client has examples.
+    offsets : np.ndarray
+        ``int64 [clients]``: where each client's examples start.
+
+    Raises
+    ------
+    ValueError
+        A client with another number of examples or labels than the plan's.
+
+    """
     sizes = plan.sizes
     for client, (x, y) in enumerate(zip(xs, ys, strict=True)):
         if len(x) != sizes[client] or len(y) != sizes[client]:
@@ -561,95 +758,307 @@ def train_cohort(
             )
     nonempty = [c for c in range(plan.clients) if sizes[c] > 0]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    if nonempty:
-        flat_x = torch.cat([_as_inputs(xs[c]) for c in nonempty]).to(target)
-        labels = [torch.as_tensor(np.asarray(ys[c]), dtype=torch.int64) for c in nonempty]
-        flat_y = torch.cat(labels).to(target)
+    if not nonempty:
+        return None, None, offsets
+    flat_x = torch.cat([_as_inputs(xs[c]) for c in nonempty]).to(target)
+    labels = [torch.as_tensor(np.asarray(ys[c]), dtype=torch.int64) for c in nonempty]
+    return flat_x, torch.cat(labels).to(target), offsets
 
+
+def _step_function(
+    model: nn.Module,
+    reference: dict[str, torch.Tensor],
+    flat_x: torch.Tensor | None,
+    proximal_mu: float,
+    *,
+    record: bool,
+) -> tuple[_StepFn, _Layers, int]:
+    """``vmap(grad(loss))`` of one step, and what one example's forward pass records.
+
+    Parameters
+    ----------
+    model : nn.Module
+        The architecture (a model with dropout is copied: its ``nn.Dropout`` layers take given masks).
+    reference : dict[str, torch.Tensor]
+        Every parameter's global value, in the model's order.
+    flat_x : torch.Tensor or None
+        The cohort's examples (the first one goes through the model); None: nothing is recorded.
+    proximal_mu : float
+        The FedProx coefficient.
+    record : bool
+        Whether to measure one example's activations (always done for a model with dropout).
+
+    Returns
+    -------
+    step_fn : callable
+        Of the stacked trainable parameters, the frozen ones, the reference and the step's stacked
+        inputs: the gradients and the losses (:func:`_per_client_loss`).
+    layers : list of (float, tuple of int)
+        The dropout layers' calls (``p`` and one example's shape), empty when nothing was recorded.
+    activations : int
+        Numbers the model's layers output for one example (0 when nothing was recorded).
+
+    """
+    dropout = has_dropout(model)
     source = _MaskSource()
     module = _with_given_masks(model, source) if dropout else model
-    layers: list[tuple[float, tuple[int, ...]]] = []
+    layers: _Layers = []
     activations = 0
-    if nonempty and (dropout or chunk == "auto"):
+    if flat_x is not None and (dropout or record):
         # One example through the model: the dropout layers' calls and shapes, the activations' size.
         source.recording = layers
-        activations = activation_numel(module, {n: reference[n] for n in names}, flat_x[:1])
+        activations = activation_numel(module, dict(reference), flat_x[:1])
         source.recording = None
-
     step_fn = vmap(
-        grad(_per_client_loss(module, source, names, float(proximal_mu)), argnums=0, has_aux=True),
+        grad(_per_client_loss(module, source, list(reference), float(proximal_mu)), argnums=0, has_aux=True),
         in_dims=(0, None, None, 0, 0, 0, 0, 0),
     )
-    client_steps = plan.client_steps
-    counts = plan.counts
-    out = {
-        n: reference[n].unsqueeze(0).repeat(plan.clients, *([1] * reference[n].dim())).contiguous()
-        for n in names
-    }
-    losses = np.full(plan.clients, np.nan)
+    return step_fn, layers, activations
+
+
+def _chunk_size(chunk: int | Literal["auto"] | None, trainer: _CohortTrainer) -> int:
+    """Clients per group: ``chunk``, all of them (None), or :func:`auto_chunk`'s choice ("auto").
+
+    Parameters
+    ----------
+    chunk : int, "auto" or None
+        :func:`train_cohort`'s argument.
+    trainer : _CohortTrainer
+        The cohort (its plan, model size, activations and device).
+
+    Returns
+    -------
+    int
+        Clients trained at once.
+
+    """
+    plan = trainer.plan
     if chunk == "auto":
-        chunk_size = auto_chunk(
-            sum(reference[n].numel() for n in trainable_names), activations, plan.batch_size, target
-        )
+        parameters = sum(trainer.reference[n].numel() for n in trainer.trainable)
+        return auto_chunk(parameters, trainer.activations, plan.batch_size, trainer.target)
+    return plan.clients if chunk is None else int(chunk)
+
+
+@dataclass
+class _Group:
+    """Clients trained together: their batches, parameters, momentum buffers and summed losses, stacked.
+
+    Attributes
+    ----------
+    members : torch.Tensor
+        ``int64 [k]``: the clients (positions in the cohort).
+    steps : np.ndarray
+        ``int64 [k]``: each member's number of steps.
+    sorted_desc : bool
+        Whether ``members`` are sorted by steps, longest first (the active ones are a prefix).
+    index : torch.Tensor
+        ``int64 [k, steps, batch_size]``: the batches' rows of the cohort's flattened inputs.
+    weight, count : torch.Tensor
+        ``float32 [k, steps, batch_size]`` and ``[k, steps]``: which entries are real examples, and
+        how many (at least 1).
+    params, buffers : dict[str, torch.Tensor]
+        The members' trainable parameters and momentum buffers (none without momentum), ``[k, ...]``.
+    total : torch.Tensor
+        ``float64 [k]``: the members' summed losses.
+    generators : list[torch.Generator]
+        The members' dropout generators (empty for a model without dropout).
+
+    """
+
+    members: torch.Tensor
+    steps: np.ndarray
+    sorted_desc: bool
+    index: torch.Tensor
+    weight: torch.Tensor
+    count: torch.Tensor
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    total: torch.Tensor
+    generators: list[torch.Generator]
+
+
+def _train_group(
+    trainer: _CohortTrainer,
+    members: np.ndarray,
+    sorted_desc: bool,
+    out: dict[str, torch.Tensor],
+    losses: np.ndarray,
+) -> None:
+    """Train one group of clients from their values in ``out``; write back their parameters and losses.
+
+    Parameters
+    ----------
+    trainer : _CohortTrainer
+        The cohort.
+    members : np.ndarray
+        ``int64``: the group's clients (a :func:`_groups` entry).
+    sorted_desc : bool
+        Whether they are sorted by steps, longest first.
+    out : dict[str, torch.Tensor]
+        Every client's parameters, stacked; the members' rows are replaced by their trained values.
+    losses : np.ndarray
+        Every client's mean loss; the members' entries are set (NaN for a client without a step).
+
+    """
+    group_steps = trainer.client_steps[members]
+    if len(members) == 0 or group_steps.max() == 0:
+        return
+    group = _stack_group(trainer, members, sorted_desc, out)
+    for step in range(int(group_steps.max())):
+        _train_step(trainer, group, step)
+    mean = (group.total / torch.from_numpy(group_steps).to(trainer.target)).cpu().numpy()
+    for n in trainer.trainable:
+        out[n][group.members] = group.params[n].to(out[n].device)
+    losses[members] = np.where(group_steps > 0, mean, np.nan)
+
+
+def _stack_group(
+    trainer: _CohortTrainer, members: np.ndarray, sorted_desc: bool, out: Mapping[str, torch.Tensor]
+) -> _Group:
+    """The group's batches, its members' parameters from ``out`` and fresh buffers, on ``trainer.target``.
+
+    Parameters
+    ----------
+    trainer : _CohortTrainer
+        The cohort.
+    members : np.ndarray
+        ``int64``: the group's clients.
+    sorted_desc : bool
+        Whether they are sorted by steps, longest first.
+    out : Mapping[str, torch.Tensor]
+        Every client's parameters, stacked (the members' starting values).
+
+    Returns
+    -------
+    _Group
+        The group before its first step.
+
+    """
+    plan, target = trainer.plan, trainer.target
+    members_t = torch.from_numpy(members)
+    real = plan.example_mask[members_t]
+    # Padded entries point at example 0 of the cohort (a real row; its loss is weighted 0).
+    shift = torch.from_numpy(trainer.offsets[members])[:, None, None]
+    index = torch.where(real, plan.index[members_t] + shift, 0).to(target)
+    weight = real.to(device=target, dtype=torch.float32)
+    count = trainer.counts[members_t].clamp(min=1).to(device=target, dtype=torch.float32)
+    params = {n: out[n][members_t].to(target) for n in trainer.trainable}
+    return _Group(
+        members=members_t,
+        steps=trainer.client_steps[members],
+        sorted_desc=sorted_desc,
+        index=index,
+        weight=weight,
+        count=count,
+        params=params,
+        buffers={n: torch.zeros_like(params[n]) for n in trainer.trainable} if trainer.momentum != 0 else {},
+        total=torch.zeros(len(members), dtype=torch.float64, device=target),
+        generators=_dropout_generators(trainer, members),
+    )
+
+
+def _dropout_generators(trainer: _CohortTrainer, members: np.ndarray) -> list[torch.Generator]:
+    """The members' dropout generators, seeded from the plan.
+
+    Parameters
+    ----------
+    trainer : _CohortTrainer
+        The cohort.
+    members : np.ndarray
+        ``int64``: the group's clients.
+
+    Returns
+    -------
+    list[torch.Generator]
+        One CPU generator per member (seed 0 for a client without examples); empty without dropout.
+
+    """
+    seeds = trainer.plan.dropout_seeds
+    if not trainer.dropout or seeds is None:
+        return []
+    return [torch.Generator().manual_seed(int(seeds[c] or 0)) for c in members.tolist()]
+
+
+def _train_step(trainer: _CohortTrainer, group: _Group, step: int) -> None:
+    """The group's ``step``-th step: every member that still has a step takes it, in one computation.
+
+    Parameters
+    ----------
+    trainer : _CohortTrainer
+        The cohort.
+    group : _Group
+        The group; its parameters, buffers and summed losses are updated in place.
+    step : int
+        The step (from 0).
+
+    """
+    active_np = group.steps > step
+    if group.sorted_desc:
+        # Longest first: the clients with a step are a prefix; the others are simply not computed.
+        width, valid = int(active_np.sum()), None
     else:
-        chunk_size = plan.clients if chunk is None else int(chunk)
-    checked = False
-    for members, sorted_desc in _groups(plan, schedule, max(chunk_size, 1)):
-        group_steps = client_steps[members]
-        if len(members) == 0 or group_steps.max() == 0:
-            continue
-        k = len(members)
-        members_t = torch.from_numpy(members)
-        real = plan.example_mask[members_t]
-        # Padded entries point at example 0 of the cohort (a real row; its loss is weighted 0).
-        shift = torch.from_numpy(offsets[members])[:, None, None]
-        index = torch.where(real, plan.index[members_t] + shift, 0).to(target)
-        weight = real.to(device=target, dtype=torch.float32)
-        count = counts[members_t].clamp(min=1).to(device=target, dtype=torch.float32)
-        params = {n: out[n][members_t].to(target) for n in trainable_names}
-        buffers = {n: torch.zeros_like(params[n]) for n in trainable_names} if momentum != 0 else {}
-        total = torch.zeros(k, dtype=torch.float64, device=target)
-        generators = (
-            [torch.Generator().manual_seed(int(plan.dropout_seeds[c] or 0)) for c in members.tolist()]
-            if dropout and plan.dropout_seeds is not None
-            else []
-        )
-        for step in range(int(group_steps.max())):
-            active_np = group_steps > step
-            if sorted_desc:
-                # Longest first: the clients with a step are a prefix; the others are simply not computed.
-                width, valid = int(active_np.sum()), None
-            else:
-                width = k
-                valid = None if active_np.all() else torch.from_numpy(active_np).to(target)
-            rows = index[:width, step]
-            masks: tuple[torch.Tensor, ...] = ()
-            if dropout:
-                masks = _stacked_masks(
-                    generators[:width], layers, counts[members_t[:width], step], plan, target
-                )
-            current = {n: params[n][:width] for n in trainable_names}
-            try:
-                grads, loss = step_fn(
-                    current, frozen, reference, flat_x[rows], flat_y[rows], weight[:width, step],
-                    count[:width, step], masks,
-                )  # fmt: skip
-            except torch.OutOfMemoryError:
-                raise
-            except RuntimeError as error:
-                if checked:
-                    raise
-                raise ValueError(
-                    f"{model_name} cannot be trained as a cohort by torch.func: {error}"
-                ) from error
-            checked = True
-            _sgd_update(current, buffers, grads, width, lr=float(lr), momentum=float(momentum), valid=valid)
-            total[:width] += loss.double() if valid is None else torch.where(valid, loss.double(), 0.0)
-        mean = (total / torch.from_numpy(group_steps).to(target)).cpu().numpy()
-        for n in trainable_names:
-            out[n][members_t] = params[n].to(out[n].device)
-        losses[members] = np.where(group_steps > 0, mean, np.nan)
-    return CohortResult(params=out, losses=losses)
+        width = len(group.members)
+        valid = None if active_np.all() else torch.from_numpy(active_np).to(trainer.target)
+    rows = group.index[:width, step]
+    masks: tuple[torch.Tensor, ...] = ()
+    if trainer.dropout:
+        counts = trainer.counts[group.members[:width], step]
+        masks = _stacked_masks(group.generators[:width], trainer.layers, counts, trainer.plan, trainer.target)
+    current = {n: group.params[n][:width] for n in trainer.trainable}
+    grads, loss = _step_gradients(
+        trainer, current, rows, group.weight[:width, step], group.count[:width, step], masks
+    )
+    _sgd_update(current, group.buffers, grads, width, lr=trainer.lr, momentum=trainer.momentum, valid=valid)
+    group.total[:width] += loss.double() if valid is None else torch.where(valid, loss.double(), 0.0)
+
+
+def _step_gradients(
+    trainer: _CohortTrainer,
+    current: dict[str, torch.Tensor],
+    rows: torch.Tensor,
+    weight: torch.Tensor,
+    count: torch.Tensor,
+    masks: tuple[torch.Tensor, ...],
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The active clients' gradients and losses of one step (``trainer.step_fn``).
+
+    Parameters
+    ----------
+    trainer : _CohortTrainer
+        The cohort (its step function, frozen parameters, reference and flattened inputs).
+    current : dict[str, torch.Tensor]
+        The active clients' trainable parameters, ``[width, ...]``.
+    rows : torch.Tensor
+        ``int64 [width, batch_size]``: their batches' rows of the flattened inputs.
+    weight, count, masks : torch.Tensor, torch.Tensor, tuple of torch.Tensor
+        Which entries are real examples, how many, and the dropout masks (empty without dropout).
+
+    Returns
+    -------
+    tuple of (dict[str, torch.Tensor], torch.Tensor)
+        The gradients, stacked as ``current``, and the ``[width]`` losses.
+
+    Raises
+    ------
+    ValueError
+        On the cohort's first step, when ``torch.func`` cannot transform the model's forward pass.
+
+    """
+    try:
+        grads, loss = trainer.step_fn(
+            current, trainer.frozen, trainer.reference, trainer.flat_x[rows], trainer.flat_y[rows], weight,
+            count, masks,
+        )  # fmt: skip
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as error:
+        if trainer.checked:
+            raise
+        raise ValueError(
+            f"{trainer.model_name} cannot be trained as a cohort by torch.func: {error}"
+        ) from error
+    trainer.checked = True
+    return grads, loss
 
 
 def activation_numel(module: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor) -> int:

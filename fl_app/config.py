@@ -127,11 +127,12 @@ OPEN_MAPPINGS = ("kwargs",)
 
 
 def _in_open_mapping(key: str, schema: DictConfig) -> bool:
-    """Whether ``key`` is a new key of a mapping named in :data:`OPEN_MAPPINGS`."""
-    parent = key.rpartition(".")[0]
-    if parent.rpartition(".")[2] not in OPEN_MAPPINGS:
-        return False
-    return isinstance(OmegaConf.select(schema, parent, default=None), DictConfig)
+    """Whether ``key`` is a mapping named in :data:`OPEN_MAPPINGS` or a key inside one.
+
+    (``~strategy.kwargs '+strategy.kwargs={proximal_mu: 0.1}'`` gives one anew; ``+strategy.kwargs.eta=0.01``
+    adds to it.)
+    """
+    return any(part in OPEN_MAPPINGS for part in key.split(".")[1:])
 
 
 def _adds_key(item: str) -> bool:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -23,9 +24,15 @@ FINGERPRINT_IGNORES: tuple[str, ...] = (
 )
 
 
-def config_fingerprint(cfg: DictConfig, *, ignore: Sequence[str] = ()) -> str:
-    """A hex digest of the resolved configuration without :data:`FINGERPRINT_IGNORES` (and ``ignore``)."""
-    container = OmegaConf.to_container(cfg, resolve=True)
+def config_fingerprint(cfg: DictConfig | Mapping[str, Any], *, ignore: Sequence[str] = ()) -> str:
+    """A hex digest of the resolved configuration without :data:`FINGERPRINT_IGNORES` (and ``ignore``).
+
+    ``cfg``: a composed configuration, or its plain data (``RunSettings.config``).
+    """
+    if isinstance(cfg, DictConfig):
+        container = OmegaConf.to_container(cfg, resolve=True)
+    else:
+        container = copy.deepcopy(dict(cfg))
     assert isinstance(container, dict)
     for dotted in (*FINGERPRINT_IGNORES, *ignore):
         node: Any = container

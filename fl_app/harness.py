@@ -17,39 +17,39 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, Re
 
 from fl_app import keys
 from fl_app.config import compose_config
-from fl_app.data.federated import DataSpec, federated_data
+from fl_app.data.federated import federated_data
 from fl_app.model_spec import ModelSpec
 from fl_app.privacy.rng import RandomSource
 from fl_app.roster import ClientInfo
 from fl_app.run import noise_source
 from fl_app.run_context import RunContext
+from fl_app.validation import typed_settings
 from strategies import STRATEGIES
 from strategies.arrays import flat_vector, split_vector
 
 
 def run_context_for(overrides: Sequence[str], output_dir: Path) -> RunContext:
-    """The RunContext of ``overrides``: composed config, real data, a synthetic roster.
+    """The RunContext of ``overrides``: typed settings, real data, a synthetic roster.
 
-    Node ids are ``1000 + partition id`` and sizes are the real partition sizes; the privacy
-    randomness is the platform's (:func:`fl_app.run.noise_source`).
+    The settings are read as validation reads them (:func:`fl_app.validation.typed_settings`: each
+    group's own checks, not the environment's); node ids are ``1000 + partition id`` and sizes are
+    the real partition sizes; the privacy randomness is the platform's (:func:`fl_app.run.noise_source`).
     """
-    cfg = compose_config(list(overrides))
-    spec = DataSpec.from_config(cfg)
-    data = federated_data(spec)
+    settings = typed_settings(compose_config(list(overrides)))
+    data = federated_data(settings.data)
     roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
     model_spec = ModelSpec(
-        STRATEGIES.get(str(cfg.strategy.name)).declaration.model_name(cfg, data.input_shape),
+        STRATEGIES.get(settings.strategy).declaration.model_name(settings, data.input_shape),
         data.input_shape,
         data.num_classes,
     )
     return RunContext(
-        cfg=cfg,
+        settings=settings,
         roster=roster,
         data=data,
-        data_spec=spec,
         model_spec=model_spec,
-        randomness=RandomSource(seed=int(cfg.seed)),
-        noise=noise_source(cfg),
+        randomness=RandomSource(seed=settings.seed),
+        noise=noise_source(settings),
         output_dir=output_dir,
     )
 

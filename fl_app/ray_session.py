@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import psutil
-from omegaconf import DictConfig
 
 from fl_app.engine.launch import import_ray_modules, start_ray
 from fl_app.engine.pool import end_prestarted_actors, prestart_actors
@@ -36,15 +35,15 @@ from fl_app.timeline import mark
 START_TIMEOUT_S = 120.0
 
 
-def client_resources(cfg: DictConfig) -> dict[str, Any]:
+def client_resources(settings: RunSettings) -> dict[str, Any]:
     """The Ray resources each client actor of a run holds."""
-    simulation = RunSettings.from_config(cfg).simulation
+    simulation = settings.simulation
     return {"num_cpus": simulation.client_cpus, "num_gpus": simulation.client_gpus}
 
 
-def ray_init_args(cfg: DictConfig) -> dict[str, Any]:
+def ray_init_args(settings: RunSettings) -> dict[str, Any]:
     """``ray.init``'s arguments for a run (Flower's Ray backend gets the same as its ``init_args``)."""
-    simulation = RunSettings.from_config(cfg).simulation
+    simulation = settings.simulation
     init_args: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": True}
     if simulation.ray_address:
         init_args["address"] = simulation.ray_address
@@ -63,10 +62,9 @@ class ActorPlan:
     limit: int | None = None
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> ActorPlan:
-        """The plan of a composed run configuration (``simulation.client_cpus``, ...)."""
-        simulation = RunSettings.from_config(cfg).simulation
-        return cls(client_resources(cfg), simulation.max_concurrent_clients)
+    def of(cls, settings: RunSettings) -> ActorPlan:
+        """The plan of a run's settings (``simulation.client_cpus``, ...)."""
+        return cls(client_resources(settings), settings.simulation.max_concurrent_clients)
 
 
 class RaySession:

@@ -73,16 +73,17 @@ and ``run.log``.
 
 from __future__ import annotations
 
+import copy
 import csv
 import io
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from flwr.app import ArrayRecord
-from omegaconf import DictConfig, OmegaConf
 
 from fl_app.code_version import code_version
 from fl_app.files import write_atomically, writing
@@ -169,14 +170,13 @@ class RunRecorder:
     def __init__(
         self,
         output_dir: Path,
-        cfg: DictConfig,
+        settings: RunSettings,
         *,
         diagnostics: bool = False,
         tracker: RoundTracker | None = None,
     ) -> None:
         self.output_dir = output_dir
-        self.cfg = cfg
-        self.settings = RunSettings.from_config(cfg)
+        self.settings = settings
         self.tracker = tracker  # gets exactly the rounds' records (fl_app.tracking)
         self.rounds: list[dict[str, Any]] = []
         self.initial: dict[str, Any] = {}
@@ -190,7 +190,7 @@ class RunRecorder:
         #: cached per process, whose modules were imported once.
         self.code = code_version()
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        (output_dir / "config.yaml").write_text(settings.to_yaml())
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the results so far.
@@ -302,8 +302,8 @@ class RunRecorder:
             "code": self.code,
             "strategy": strategy,
             "dataset": self.settings.dataset,
-            "partition": describe_partition(self.cfg),
-            "config": OmegaConf.to_container(self.cfg, resolve=True),
+            "partition": describe_partition(self.settings.data.partition),
+            "config": copy.deepcopy(dict(self.settings.config)),
             "initial": self.initial,
             "rounds": self.rounds,
             "final": final,
@@ -350,7 +350,7 @@ class RunRecorder:
         right.set_ylabel("test loss", color="tab:red")
         left.legend(accuracy + loss, ["accuracy", "loss"], loc="center right", fontsize=8)
         suffix = "" if status == "completed" else f" ({status})"
-        left.set_title(f"{self.cfg.strategy.name} on {self.cfg.dataset.name}{suffix}")
+        left.set_title(f"{self.settings.strategy} on {self.settings.dataset}{suffix}")
         figure.tight_layout()
         figure.savefig(self.output_dir / "accuracy_loss.png", dpi=110)
         plt.close(figure)
@@ -378,13 +378,13 @@ class RunRecorder:
             else:
                 axis.set_ylim(bottom=0)
             axis.legend(fontsize=8, loc=legend_at)
-            axis.set_title(f"{self.cfg.strategy.name}: privacy spent per {short_unit(unit)}", fontsize=10)
+            axis.set_title(f"{self.settings.strategy}: privacy spent per {short_unit(unit)}", fontsize=10)
         else:
             axis.set_axis_off()
             axis.text(
                 0.5,
                 0.5,
-                f"{self.cfg.strategy.name}: not private\n(no finite epsilon: nothing to plot)",
+                f"{self.settings.strategy}: not private\n(no finite epsilon: nothing to plot)",
                 ha="center",
                 va="center",
                 transform=axis.transAxes,
@@ -411,10 +411,10 @@ def short_unit(unit: str) -> str:
     return min(found)[1] if found else unit.split("(")[0].strip() or "unit"
 
 
-def describe_partition(cfg: DictConfig) -> str:
-    """Short text such as ``dirichlet(alpha=0.5)`` or ``iid``."""
+def describe_partition(partition: Mapping[str, Any]) -> str:
+    """Short text such as ``dirichlet(alpha=0.5)`` or ``iid`` (``partition``: the partition group)."""
     options = {
-        k: v for k, v in cfg.partition.items() if k not in ("name", "min_partition_size", "self_balancing")
+        k: v for k, v in partition.items() if k not in ("name", "min_partition_size", "self_balancing")
     }
     inner = ", ".join(f"{k}={v}" for k, v in options.items())
-    return f"{cfg.partition.name}({inner})" if inner else str(cfg.partition.name)
+    return f"{partition['name']}({inner})" if inner else str(partition["name"])

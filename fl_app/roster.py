@@ -134,11 +134,47 @@ def discover_roster(
         stops changing, :data:`SIMULATED_SETTLE_S`), or nodes fail.
 
     """
-    wait = timeout if simulated is None else max(timeout, SIMULATED_REGISTRATION_S)
+    nodes = _wait_for_nodes(grid, expected, timeout, simulated=simulated is not None)
+    _check_not_too_many(nodes, expected)
+    known = _simulated_nodes(simulated, nodes) if simulated is not None else None
+    if known is not None:
+        return _checked(_simulated_roster(known, nodes))
+    replies = _query_roster(grid, nodes, config, timeout)
+    roster = [_client_info(reply) for reply in replies]
+    roster.sort(key=lambda info: info.client_id)
+    return _checked(roster)
+
+
+def _wait_for_nodes(grid: Grid, expected: int, timeout: float, *, simulated: bool) -> list[int]:
+    """Poll the grid until ``expected`` nodes are connected; return their sorted node ids.
+
+    Parameters
+    ----------
+    grid : Grid
+        The run's grid.
+    expected : int
+        ``num_clients`` of the configuration.
+    timeout : float
+        Seconds to wait (in a simulation at least :data:`SIMULATED_REGISTRATION_S`).
+    simulated : bool
+        Whether the run is a simulation (its node count is also refused once it stops changing).
+
+    Returns
+    -------
+    list[int]
+        The connected nodes' ids, sorted (at least ``expected`` of them).
+
+    Raises
+    ------
+    RosterError
+        Fewer nodes at the deadline, or a simulation whose node count settled below ``expected``.
+
+    """
+    wait = timeout if not simulated else max(timeout, SIMULATED_REGISTRATION_S)
     deadline = time.monotonic() + wait
     reported = -1
     poll = FIRST_POLL_S
-    registered = _SimulatedCount(expected) if simulated is not None else None
+    registered = _SimulatedCount(expected) if simulated else None
     while len(nodes := sorted(grid.get_node_ids())) < expected:
         if registered is not None:
             registered.check(len(nodes))
@@ -150,26 +186,102 @@ def discover_roster(
             )
         # said only once the wait is noticeable: a simulation's nodes are all there within milliseconds
         if len(nodes) != reported and poll >= ROSTER_POLL_S:
-            log(
-                INFO,
-                "Waiting for SuperNodes: %d of %d (num_clients) connected; giving up in %.0f s",
-                len(nodes),
-                expected,
-                deadline - time.monotonic(),
-            )
+            _log_waiting(len(nodes), expected, deadline)
             reported = len(nodes)
         time.sleep(poll)
         poll = min(2 * poll, ROSTER_POLL_S)
+    return nodes
+
+
+def _log_waiting(connected: int, expected: int, deadline: float) -> None:
+    """Log how many nodes are connected and how long the roster still waits.
+
+    Parameters
+    ----------
+    connected, expected : int
+        Nodes connected now, and ``num_clients``.
+    deadline : float
+        ``time.monotonic()`` at which the wait gives up.
+
+    """
+    log(
+        INFO,
+        "Waiting for SuperNodes: %d of %d (num_clients) connected; giving up in %.0f s",
+        connected,
+        expected,
+        deadline - time.monotonic(),
+    )
+
+
+def _check_not_too_many(nodes: list[int], expected: int) -> None:
+    """Refuse a federation with more nodes than ``num_clients``.
+
+    Parameters
+    ----------
+    nodes : list[int]
+        The connected nodes' ids.
+    expected : int
+        ``num_clients`` of the configuration.
+
+    Raises
+    ------
+    RosterError
+        More than ``expected`` nodes.
+
+    """
     if len(nodes) > expected:
         raise RosterError(
             f"num_clients={expected}, but the federation has {len(nodes)} SuperNodes; set "
             f"num_clients={len(nodes)}, or stop SuperNodes (deployment) or set num-supernodes "
             f"(simulation) to {expected}"
         )
-    known = _simulated_nodes(simulated, nodes) if simulated is not None else None
-    if known is not None:
-        roster = [ClientInfo(known[node][0], node, known[node][1]) for node in nodes]
-        return _checked(sorted(roster, key=lambda info: info.client_id))
+
+
+def _simulated_roster(known: Mapping[int, tuple[int, int]], nodes: list[int]) -> list[ClientInfo]:
+    """The simulated clients, from the engine's numbering, ordered by partition id.
+
+    Parameters
+    ----------
+    known : Mapping[int, tuple[int, int]]
+        Node id -> (partition id, data set size), naming exactly ``nodes``.
+    nodes : list[int]
+        The connected nodes' ids, sorted.
+
+    Returns
+    -------
+    list[ClientInfo]
+        One per node, sorted by client id (the partition id).
+
+    """
+    roster = [ClientInfo(known[node][0], node, known[node][1]) for node in nodes]
+    return sorted(roster, key=lambda info: info.client_id)
+
+
+def _query_roster(grid: Grid, nodes: list[int], config: ConfigRecord, timeout: float) -> list[Message]:
+    """Ask every node for its identity (a roster ``query`` message); return the replies.
+
+    Parameters
+    ----------
+    grid : Grid
+        The run's grid.
+    nodes : list[int]
+        The nodes to ask.
+    config : ConfigRecord
+        Sent with the query.
+    timeout : float
+        Seconds to wait for the replies.
+
+    Returns
+    -------
+    list[Message]
+        One reply per node, none of them an error.
+
+    Raises
+    ------
+    RosterError
+        When a node answers with an error or does not answer in time.
+
+    """
     queries = [
         Message(
             content=RecordDict({keys.CONFIG: config}),
@@ -186,21 +298,32 @@ def discover_roster(
             f"{len(failed) + len(nodes) - len(replies)} of {len(nodes)} clients did not answer the "
             f"roster query: {reasons or 'timeout'}"
         )
-    roster = []
-    for reply in replies:
-        metrics = reply.content.metric_records[keys.METRICS]
-        partition = int(metrics[keys.PARTITION_ID])
-        node = int(reply.metadata.src_node_id)
-        roster.append(
-            ClientInfo(
-                partition if partition >= 0 else node,
-                node,
-                int(metrics[keys.NUM_EXAMPLES]),
-                device=partition < 0,
-            )
-        )
-    roster.sort(key=lambda info: info.client_id)
-    return _checked(roster)
+    return replies
+
+
+def _client_info(reply: Message) -> ClientInfo:
+    """One client, from its reply to the roster query.
+
+    Parameters
+    ----------
+    reply : Message
+        The node's reply: its partition id (negative on a device) and data set size.
+
+    Returns
+    -------
+    ClientInfo
+        Identified by the partition id, or by the node id on a device.
+
+    """
+    metrics = reply.content.metric_records[keys.METRICS]
+    partition = int(metrics[keys.PARTITION_ID])
+    node = int(reply.metadata.src_node_id)
+    return ClientInfo(
+        partition if partition >= 0 else node,
+        node,
+        int(metrics[keys.NUM_EXAMPLES]),
+        device=partition < 0,
+    )
 
 
 #: Longest wait for the simulation engine's node numbering once all nodes are connected (it is

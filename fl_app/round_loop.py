@@ -1,8 +1,9 @@
 """The round loop: Flower's ``Strategy.start`` with a first round, stop checks and a per-round hook.
 
 The same calls in the same order as ``flwr.serverapp.strategy.Strategy.start`` (configure and
-aggregate training, configure and aggregate federated evaluation, central evaluation), so a
-strategy written for Flower runs unchanged; in addition the loop can begin after a checkpoint
+aggregate training, configure and aggregate federated evaluation, central evaluation) on dpfl's
+strategy contract (:class:`strategies.contract.Strategy`); a Flower strategy object runs through
+the ``flower`` adapter (:mod:`strategies.flower`). In addition the loop can begin after a checkpoint
 (``first_round``), stops between rounds when a stop was requested
 (:func:`fl_app.lifecycle.raise_if_stopped`; the grid also checks while it waits), and calls
 ``after_round`` (evaluate, record, check health, checkpoint) after each round.

@@ -1,21 +1,30 @@
-"""The run-wide configuration, typed: read from the composed configuration once, after validation.
+"""The run's configuration, typed: what every part of a run reads after validation.
 
-``conf/`` composes into one ``DictConfig`` (Hydra), which :func:`fl_app.validation.validate_config`
-checks value by value (one line naming the key on a bad value). :meth:`RunSettings.from_config` then
-reads it once into frozen dataclasses, the only place where a configuration value is converted; the
-platform (the run, the results, the simulation) and :class:`~fl_app.run_context.RunContext` read these
-typed fields. An algorithm's own keys are typed by its settings class
-(:mod:`strategies.settings`, named by its declaration).
+``conf/`` composes into one ``DictConfig`` (Hydra, :mod:`fl_app.config`), which
+:func:`fl_app.validation.validate_config` checks value by value (one line naming the key on a bad
+value) and reads, once, into a :class:`RunSettings`: the run-wide keys as frozen dataclasses, the data
+split (:class:`~fl_app.data.federated.DataSpec`), the algorithm's own settings (its declaration's
+:class:`~strategies.settings.StrategySettings`) and the evaluation stage's. Nothing after validation
+reads the ``DictConfig``: the platform (the run, the results, the simulation), the strategies (through
+:class:`~fl_app.run_context.RunContext`) and the declarations' callables take these typed fields
+(``tests/test_repository.py`` checks that no raw read comes back outside the configuration modules).
+
+:attr:`RunSettings.config` keeps the resolved configuration as plain data, for what must echo it:
+``config.yaml`` and ``results.json`` (``config``), TensorBoard's text, and the fingerprint that
+checkpoints and derived noise seeds are tied to. No value is read from it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from fl_app.read_once import read_once
+from fl_app.data.federated import DataSpec
+from fl_app.fingerprint import config_fingerprint
 
 
 @dataclass(frozen=True)
@@ -57,9 +66,21 @@ class SimulationSettings:
     max_failure_fraction: float
 
 
+def cohort_size(clients_per_round: int | float, num_clients: int) -> int:
+    """Turn ``clients_per_round`` (a count, or a fraction in (0, 1]) into a count."""
+    if isinstance(clients_per_round, float):
+        return max(1, round(clients_per_round * num_clients))
+    return int(clients_per_round)
+
+
 @dataclass(frozen=True)
 class RunSettings:
-    """The whole run's typed configuration (the ``strategy`` node stays the algorithm's settings')."""
+    """The whole run's typed configuration (see the module docstring).
+
+    ``strategy`` is the algorithm's name; ``strategy_settings`` its typed ``strategy`` group (None for
+    an algorithm without settings); ``stage_settings`` the evaluation stage's typed keys (None: no
+    stage); ``data`` the split every process rebuilds identically.
+    """
 
     strategy: str
     dataset: str
@@ -81,19 +102,24 @@ class RunSettings:
     privacy: PrivacySettings
     evaluation: EvaluationSettings
     simulation: SimulationSettings
+    data: DataSpec
+    strategy_settings: Any = None
+    stage_settings: Any = None
+    config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> RunSettings:
-        """Read ``cfg`` (composed and validated) into typed fields; once per frozen ``cfg`` (read_once)."""
-        return read_once(cfg, cls, cls._read)
+    def from_config(
+        cls, cfg: DictConfig, *, strategy_settings: Any = None, stage_settings: Any = None
+    ) -> RunSettings:
+        """Read ``cfg`` (composed and validated) into typed fields; the algorithm's and stage's settings."""
 
-    @classmethod
-    def _read(cls, cfg: DictConfig) -> RunSettings:
         def optional(value: Any, kind: type) -> Any:
             return None if value is None else kind(value)
 
         privacy, evaluation, simulation = cfg.privacy, cfg.evaluation, cfg.simulation
         per_round = cfg.clients_per_round
+        config = OmegaConf.to_container(cfg, resolve=True)
+        assert isinstance(config, dict)
         return cls(
             strategy=str(cfg.strategy.name),
             dataset=str(cfg.dataset.name),
@@ -139,4 +165,43 @@ class RunSettings:
                 timeout=float(simulation.timeout),
                 max_failure_fraction=float(simulation.get("max_failure_fraction", 0.5)),
             ),
+            data=DataSpec.from_config(cfg),
+            strategy_settings=strategy_settings,
+            stage_settings=stage_settings,
+            config=config,
         )
+
+    @property
+    def cohort(self) -> int:
+        """Clients per round as a count (``clients_per_round`` of ``num_clients``)."""
+        return cohort_size(self.clients_per_round, self.num_clients)
+
+    def fingerprint(self, *, ignore: Sequence[str] = ()) -> str:
+        """The fingerprint of the run (:func:`fl_app.fingerprint.config_fingerprint`)."""
+        return config_fingerprint(self.config, ignore=ignore)
+
+    def to_yaml(self) -> str:
+        """The resolved configuration as YAML (``config.yaml``, TensorBoard's text)."""
+        return OmegaConf.to_yaml(OmegaConf.create(dict(self.config)))
+
+    def with_values(self, values: Mapping[str, Any]) -> RunSettings:
+        """These settings with dotted keys set (``{"privacy.epsilon": 3.0}``), the echo included.
+
+        For what the platform decides after validation: OS entropy on real devices, the training's
+        share of the budget under an evaluation stage.
+        """
+        config = copy.deepcopy(dict(self.config))
+        for dotted, value in values.items():
+            node = config
+            *parents, leaf = dotted.split(".")
+            for part in parents:
+                node = node[part]
+            node[leaf] = value
+        cfg = OmegaConf.create(config)
+        return RunSettings.from_config(
+            cfg, strategy_settings=self.strategy_settings, stage_settings=self.stage_settings
+        )
+
+    def with_strategy(self, strategy_settings: Any) -> RunSettings:
+        """These settings with the algorithm's own."""
+        return replace(self, strategy_settings=strategy_settings)

@@ -4,13 +4,13 @@ import sys
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
-from omegaconf import DictConfig
 
 from fl_app.engine import SIMULATION_ENGINE_MODULE
 from fl_app.engine.launch import install_engine_patches
 from fl_app.engine.logs import one_line_app_failures
 from fl_app.lifecycle import RunFailed
 from fl_app.run import run_federation
+from fl_app.run_settings import RunSettings
 
 # Under `flwr run` with a simulation federation, the engine runs in the process that loads this
 # module (``flwr-simulation``, which has imported the engine already). A deployment's ServerApp
@@ -31,16 +31,16 @@ def main(grid: Grid, context: Context) -> None:
     run_federation(grid, context)
 
 
-def server_app_for(cfg: DictConfig) -> ServerApp:
-    """A ServerApp that runs ``cfg``, composed and validated already (``python -m fl_app``'s jobs).
+def server_app_for(settings: RunSettings) -> ServerApp:
+    """A ServerApp that runs ``settings``, validated already (``python -m fl_app``'s jobs).
 
-    The configuration travels in the object, not in a module global: the local simulation hands
-    this ServerApp to Flower's engine, which runs it in the same process.
+    The settings travel in the object, not in a module global: the local simulation hands this
+    ServerApp to Flower's engine, which runs it in the same process.
     """
-    composed = ServerApp()
+    validated = ServerApp()
 
-    @composed.main()
-    def run_composed(grid: Grid, context: Context) -> None:
-        run_federation(grid, context, composed=cfg)
+    @validated.main()
+    def run_validated(grid: Grid, context: Context) -> None:
+        run_federation(grid, context, settings)
 
-    return composed
+    return validated

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from flwr.app import Context, RecordDict
-from omegaconf import DictConfig
 
 from fl_app.config import overrides_to_run_config
 from fl_app.engine.launch import run_simulation_engine
@@ -46,12 +45,12 @@ PROJECT_ROOT: Path = Path(__file__).resolve().parent.parent
 CLIENT_APP = "fl_app.client_app:app"
 
 
-def backend_config(cfg: DictConfig) -> dict[str, Any]:
+def backend_config(settings: RunSettings) -> dict[str, Any]:
     """Ray backend settings from the ``simulation`` group."""
-    return {"client_resources": client_resources(cfg), "init_args": ray_init_args(cfg)}
+    return {"client_resources": client_resources(settings), "init_args": ray_init_args(settings)}
 
 
-def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Path) -> Outcome:
+def run_in_simulation(settings: RunSettings, overrides: Sequence[str], output_dir: Path) -> Outcome:
     """Run the configured experiment as a local simulation; results go to ``output_dir``.
 
     SIGINT and SIGTERM stop the run (:mod:`fl_app.lifecycle`). Returns how the run ended;
@@ -64,8 +63,7 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
         state=RecordDict(),
         run_config=overrides_to_run_config(list(overrides), str(output_dir)),
     )
-    settings = RunSettings.from_config(cfg)
-    backend = backend_config(cfg)
+    backend = backend_config(settings)
     outcome: Outcome | None = None
     with stop_on_signals():
         try:
@@ -76,7 +74,7 @@ def run_in_simulation(cfg: DictConfig, overrides: Sequence[str], output_dir: Pat
             mark("ray_started")
             run_simulation_engine(
                 num_supernodes=settings.num_clients,
-                server_app=server_app_for(cfg),
+                server_app=server_app_for(settings),
                 client_app_attr=CLIENT_APP,
                 app_dir=str(PROJECT_ROOT),
                 server_app_context=context,

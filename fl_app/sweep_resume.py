@@ -22,6 +22,7 @@ from fl_app.fingerprint import config_fingerprint
 from fl_app.lifecycle import COMPLETED_STATUSES
 from fl_app.output_claim import RUN_FILES, earlier_run_files
 from fl_app.overrides import override_key
+from fl_app.run_settings import RunSettings
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class JobPlan:
     note: str = ""
     cfg: DictConfig | None = None
     overrides: tuple[str, ...] = ()
+    settings: RunSettings | None = None
 
 
 def plan_sweep_job(cfg: DictConfig, overrides: list[str], directory: Path) -> JobPlan:
@@ -65,12 +67,12 @@ def plan_sweep_job(cfg: DictConfig, overrides: list[str], directory: Path) -> Jo
         kept = [o for o in overrides if override_key(o).startswith(("simulation.", "hydra."))]
         resume = [f"resume={directory}", *kept]
         resumed = compose_config(resume)
-        validate_config(resumed)
+        settings = validate_config(resumed)
         done = header["completed_round"]
         note = f"resuming after round {done} in {directory}"
         if done >= header["num_rounds"]:  # stopped after its last round, before its results were written
             note = f"all {done} rounds done in {directory}, its results not written: writing them"
-        return JobPlan("resume", note, resumed, tuple(resume))
+        return JobPlan("resume", note, resumed, tuple(resume), settings)
     # stopped before its first round: nothing to continue, nothing worth keeping
     for name in RUN_FILES:
         (directory / name).unlink(missing_ok=True)

@@ -174,17 +174,18 @@ def validate_data_options(cfg: DictConfig) -> None:
         require_bool("partition.self_balancing", partition.self_balancing)
 
 
-def locate_data(cfg: DictConfig) -> None:
+def locate_data(settings: RunSettings) -> None:
     """Make sure the data set's files exist (raises a ConfigError naming dataset.data_dir)."""
-    download = bool(cfg.dataset.get("download", True))
+    dataset = settings.data.dataset
+    download = bool(dataset.get("download", True))
     try:
-        if cfg.dataset.name in IDX_DATASETS:
-            resolve_idx_folder(cfg.dataset.name, data_dir=cfg.dataset.data_dir, download=download)
-        elif cfg.dataset.name == "svhn":
-            resolve_svhn_folder(data_dir=cfg.dataset.data_dir, download=download)
+        if dataset["name"] in IDX_DATASETS:
+            resolve_idx_folder(dataset["name"], data_dir=dataset.get("data_dir"), download=download)
+        elif dataset["name"] == "svhn":
+            resolve_svhn_folder(data_dir=dataset.get("data_dir"), download=download)
     except DataNotFoundError as error:
         key, _, rest = str(error).partition(": ")
-        raise ConfigError(key.split("=")[0], cfg.dataset.data_dir, " ".join(rest.split())) from error
+        raise ConfigError(key.split("=")[0], dataset.get("data_dir"), " ".join(rest.split())) from error
 
 
 #: Data specs whose split was already checked in this process (a sweep validates many jobs that
@@ -192,85 +193,104 @@ def locate_data(cfg: DictConfig) -> None:
 _CHECKED_SPLITS: set[str] = set()
 
 
-def check_partitions(cfg: DictConfig) -> None:
+def check_partitions(settings: RunSettings) -> None:
     """Build the split (cached per process) and make sure every client gets data."""
-    from fl_app.data.federated import DataSpec, federated_data
+    from fl_app.data.federated import federated_data
 
-    spec = DataSpec.from_config(cfg)
+    spec = settings.data
     key = spec.to_json()
     if key in _CHECKED_SPLITS:
         return
     try:
         data = federated_data(spec)
     except DataFileError as error:
-        raise ConfigError("dataset.data_dir", cfg.dataset.data_dir, " ".join(str(error).split())) from error
+        raise ConfigError(
+            "dataset.data_dir", spec.dataset.get("data_dir"), " ".join(str(error).split())
+        ) from error
     except ValueError as error:
         raise ConfigError(
             "num_clients",
-            cfg.num_clients,
-            f"the {cfg.partition.name} partition of {cfg.dataset.name} failed: "
+            settings.num_clients,
+            f"the {settings.partition} partition of {settings.dataset} failed: "
             f"{' '.join(str(error).split())}",
         ) from error
     sizes = data.client_sizes()
     if min(sizes) < 1:
         raise ConfigError(
             "num_clients",
-            cfg.num_clients,
-            f"too many clients for {cfg.dataset.name}: {sizes.count(0)} of them get no "
+            settings.num_clients,
+            f"too many clients for {settings.dataset}: {sizes.count(0)} of them get no "
             "examples; use fewer clients or another partition",
         )
     _CHECKED_SPLITS.add(key)
 
 
-def validate_releases(declaration: Declaration, cfg: DictConfig) -> None:
+def validate_releases(declaration: Declaration, settings: RunSettings) -> None:
     """The platform's release rule: a private run refuses federated evaluation.
 
     Clients' evaluation replies (local loss and accuracy) are un-noised functions of their data: no
     epsilon covers them.
     """
-    if declaration.is_private(cfg) and RunSettings.from_config(cfg).evaluation.federated_fraction > 0:
+    fraction = settings.evaluation.federated_fraction
+    if declaration.is_private(settings) and fraction > 0:
         raise ConfigError(
             "evaluation.federated_fraction",
-            cfg.evaluation.federated_fraction,
-            f"must be 0 with strategy={cfg.strategy.name}: clients' evaluation metrics are un-noised "
+            fraction,
+            f"must be 0 with strategy={settings.strategy}: clients' evaluation metrics are un-noised "
             f"functions of their data, outside the reported epsilon{declaration.release_hint}",
         )
 
 
-def validate_config(cfg: DictConfig, *, check_data: bool = True) -> None:
+def typed_settings(cfg: DictConfig) -> RunSettings:
+    """``cfg`` read once into :class:`RunSettings`: run-wide keys, the algorithm's and the stage's settings.
+
+    Each group's own checks run as it is read (one :class:`ConfigError` naming the key); the
+    environment (data files, output folder) is not looked at: :func:`validate_config` does that.
+    """
+    from strategies import EVALUATION_STAGES, STRATEGIES
+
+    require_choice("strategy.name", cfg.strategy.name, STRATEGIES.names())
+    base = RunSettings.from_config(cfg)
+    declaration = STRATEGIES.get(base.strategy).declaration
+    strategy = None if declaration.settings is None else declaration.settings.from_config(cfg, base)
+    stage = None
+    if base.evaluation.stage is not None:
+        require_choice("evaluation.stage", base.evaluation.stage, EVALUATION_STAGES.names())
+        stage_type = EVALUATION_STAGES.get(base.evaluation.stage).settings_type
+        stage = None if stage_type is None else stage_type.from_config(cfg, base)
+    return RunSettings.from_config(cfg, strategy_settings=strategy, stage_settings=stage)
+
+
+def validate_config(cfg: DictConfig, *, check_data: bool = True) -> RunSettings:
     """Check everything: common keys, the strategy's and the stage's, the output, the data and its split.
 
     The one validation of a job (before any simulation starts); ``check_data=False`` skips the data.
+    Returns the run's typed settings: nothing after this reads ``cfg``.
     """
     from strategies import STRATEGIES
 
     require_choice("strategy.name", cfg.strategy.name, STRATEGIES.names())
     validate_common(cfg)
-    declaration = STRATEGIES.get(cfg.strategy.name).declaration
-    declaration.validate(cfg)
-    validate_releases(declaration, cfg)
-    if cfg.privacy.get("canaries", 0) and declaration.canaries is not None:
+    settings = typed_settings(cfg)
+    declaration = STRATEGIES.get(settings.strategy).declaration
+    declaration.check(settings)
+    validate_releases(declaration, settings)
+    canaries = settings.privacy.canaries
+    if canaries and declaration.canaries is not None:
         raise ConfigError(
-            "privacy.canaries",
-            cfg.privacy.canaries,
-            f"must be 0: strategy={cfg.strategy.name} {declaration.canaries}",
+            "privacy.canaries", canaries, f"must be 0: strategy={settings.strategy} {declaration.canaries}"
         )
-    stage = cfg.evaluation.get("stage")
-    if stage is not None:
-        from strategies import EVALUATION_STAGES
-
-        require_choice("evaluation.stage", stage, EVALUATION_STAGES.names())
-        EVALUATION_STAGES.get(stage).validate_config(cfg)
     check_output_dir(cfg)
-    if cfg.get("resume") is not None:
+    if settings.resume is not None:
         if declaration.resume is not None:
-            raise ConfigError("resume", cfg.resume, f"strategy={cfg.strategy.name} {declaration.resume}")
+            raise ConfigError("resume", settings.resume, f"strategy={settings.strategy} {declaration.resume}")
         from fl_app.resume import validate_resume
 
-        validate_resume(cfg, is_private=declaration.is_private(cfg))
+        validate_resume(cfg, is_private=declaration.is_private(settings))
     if check_data:
-        locate_data(cfg)
-        check_partitions(cfg)
+        locate_data(settings)
+        check_partitions(settings)
+    return settings
 
 
 def check_output_dir(cfg: DictConfig) -> None:

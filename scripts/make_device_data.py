@@ -30,7 +30,8 @@ from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
 from fl_app.config import compose_config
-from fl_app.data.federated import DataSpec, federated_data
+from fl_app.data.federated import federated_data
+from fl_app.run_settings import RunSettings
 from fl_app.validation import locate_data, require_int, validate_data_options
 
 
@@ -39,8 +40,9 @@ def write_device_files(out_dir: Path, overrides: Sequence[str]) -> list[Path]:
     cfg = compose_config(list(overrides))
     require_int("num_clients", cfg.num_clients, minimum=1)
     validate_data_options(cfg)
-    locate_data(cfg)
-    data = federated_data(DataSpec.from_config(cfg))
+    settings = RunSettings.from_config(cfg)
+    locate_data(settings)
+    data = federated_data(settings.data)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for client in range(int(cfg.num_clients)):

@@ -19,7 +19,7 @@ register_strategy = STRATEGIES.register
 
 #: Evaluation stages: classes in this package decorated ``@register_evaluation_stage(name)`` that wrap
 #: the built strategy when ``evaluation.stage`` names them (absent or null: no stage). A stage has a
-#: classmethod ``validate_config(cfg)`` and is built as ``Stage(strategy)``.
+#: ``settings_type`` (its typed keys, read by validation) and is built as ``Stage(strategy)``.
 EVALUATION_STAGES: Registry[Any] = Registry("evaluation stage", __name__)
 register_evaluation_stage = EVALUATION_STAGES.register
 

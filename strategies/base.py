@@ -23,6 +23,7 @@ and declares its algorithm in the class attribute ``declaration``.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from logging import INFO
@@ -40,7 +41,6 @@ from flwr.app import (
 )
 from flwr.common import log
 from flwr.serverapp import Grid
-from omegaconf import DictConfig
 
 from fl_app import keys
 from fl_app.privacy.accountant import LEDGER_FILE, PrivacyAccountant
@@ -74,19 +74,19 @@ def base_train_config(run: RunContext, *, client: str, server_round: int) -> Con
         {
             keys.ALGORITHM: client,
             keys.SERVER_ROUND: server_round,
-            keys.DATA_SPEC: run.data_spec.to_json(),
+            keys.DATA_SPEC: run.settings.data.to_json(),
             keys.MODEL_SPEC: run.model_spec.to_json(),
-            keys.LOCAL_EPOCHS: run.local_epochs,
-            keys.BATCH_SIZE: run.batch_size,
-            keys.LR: run.lr * run.lr_decay ** (server_round - 1),
-            keys.MOMENTUM: run.momentum,
-            keys.SEED: run.seed,
+            keys.LOCAL_EPOCHS: run.settings.local_epochs,
+            keys.BATCH_SIZE: run.settings.batch_size,
+            keys.LR: run.settings.lr * run.settings.lr_decay ** (server_round - 1),
+            keys.MOMENTUM: run.settings.momentum,
+            keys.SEED: run.settings.seed,
             keys.SECURE_RNG: bool(run.noise.secure),
         }
     )
     if not run.noise.secure and run.noise.seed is not None:
         record[keys.NOISE_SEED] = int(run.noise.seed)
-    if run.client_gpus > 0:
+    if run.settings.simulation.client_gpus > 0:
         record[keys.DEVICE] = "cuda"
     return record
 
@@ -98,7 +98,7 @@ def randomness_of(run: RunContext, *, cohort: str, secret_cohort: bool = False) 
     if not noise.secure:
         origin = (
             "privacy.noise_seed"
-            if run.cfg.privacy.noise_seed is not None
+            if run.settings.privacy.noise_seed is not None
             else "derived from seed and the whole configuration (fl_app.privacy.rng.derive_noise_seed)"
         )
     return Randomness(
@@ -123,11 +123,15 @@ class FederatedStrategy:
 
     def __init__(self, run: RunContext, settings: StrategySettings | None = None) -> None:
         self.run = run
-        self.cfg: DictConfig = run.cfg
         settings_type = self.declaration.settings
         if settings is None and settings_type is not None:
-            settings = settings_type.from_config(run.cfg)
-        #: The checked ``cfg.strategy`` (an instance of the declaration's settings type).
+            settings = run.settings.strategy_settings
+            if not isinstance(settings, settings_type):
+                raise TypeError(
+                    f"{type(self).__name__} needs {settings_type.__name__}: the run is configured for "
+                    f"strategy={run.settings.strategy}"
+                )
+        #: The checked ``strategy`` group (an instance of the declaration's settings type).
         self.settings = settings
         #: The unit and mechanism of this run (the declaration's; a noise-free variant says "none").
         self.privacy_unit: str = self.declaration.unit
@@ -202,7 +206,7 @@ class FederatedStrategy:
     ) -> Iterable[Message]:
         """Select the cohort and send each client the global arrays and the train config."""
         self._round_global = arrays
-        count = self.run.canaries
+        count = self.run.settings.privacy.canaries
         if self._initial_vector is None and count and self.declaration.canaries is None:
             self._initial_vector = flat_vector(arrays)  # the canaries' cosines are against the total change
             self.canaries = CanaryPopulation(
@@ -297,7 +301,7 @@ class FederatedStrategy:
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Federated evaluation on ``evaluation.federated_fraction`` of the clients (0: none)."""
-        fraction = self.run.federated_fraction
+        fraction = self.run.settings.evaluation.federated_fraction
         if fraction <= 0:
             return []
         rng = self.run.randomness.generator("evaluate-sampling", server_round=server_round)
@@ -351,7 +355,7 @@ class FederatedStrategy:
             randomness=self.randomness(),
             total=PrivacyTotal(
                 epsilon=None if total is None else total.epsilon,
-                delta=self.run.delta,
+                delta=self.run.settings.privacy.delta,
                 method=None if total is None else total.method,
                 unit=self.privacy_unit,
                 per_stage=dict(self.stage_epsilons()),
@@ -391,8 +395,9 @@ class FederatedStrategy:
     def describe(self) -> None:
         """Log the strategy's configuration, the privacy unit and the budget asked for."""
         log(INFO, "\t├──> %s: %s", type(self).__name__, self.cohort_text())
-        for key, value in self.cfg.strategy.items():
-            log(INFO, "\t│\t├── strategy.%s = %s", key, value)
+        log(INFO, "\t│\t├── strategy.name = %s", self.declaration.name)
+        for item in dataclasses.fields(self.settings) if self.settings is not None else ():
+            log(INFO, "\t│\t├── strategy.%s = %s", item.name, getattr(self.settings, item.name))
         budget = f", {self.budget_text()}" if self.privacy_unit != "none" else ""
         log(
             INFO,
@@ -415,9 +420,9 @@ class FederatedStrategy:
 
     def budget_text(self) -> str:
         """The budget asked for, for :meth:`describe` (override where it is not in the unit)."""
-        privacy = self.cfg.privacy
+        privacy = self.run.settings.privacy
         return (
-            f"budget epsilon={self.run.epsilon:g} delta={self.run.delta:g} "
+            f"budget epsilon={privacy.epsilon:g} delta={privacy.delta:g} "
             f"(privacy.budget_scope={privacy.budget_scope})"
         )
 
@@ -428,7 +433,7 @@ class FederatedStrategy:
         """
         if self.accountant is None:
             return None
-        return self.accountant.epsilon(delta=self.run.delta)
+        return self.accountant.epsilon(delta=self.run.settings.privacy.delta)
 
     def training_epsilon(self) -> EpsilonReport | None:
         """The training stage's epsilon alone (``rounds[].epsilon_training``)."""
@@ -483,7 +488,7 @@ class FederatedStrategy:
             return None
         estimate = self.canaries.estimate(
             flat_vector(final) - self._initial_vector,
-            delta=self.run.delta,
+            delta=self.run.settings.privacy.delta,
             rng=self.run.randomness.generator("canary-bootstrap"),
         )
         return estimate.to_json()

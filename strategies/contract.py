@@ -23,9 +23,9 @@ if TYPE_CHECKING:
     import numpy as np
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
     from flwr.serverapp import Grid
-    from omegaconf import DictConfig
 
     from fl_app.run_context import RunContext
+    from fl_app.run_settings import RunSettings
     from strategies.reporting import Randomness, RoundReport, RunReport
     from strategies.settings import StrategySettings
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 JSON = Any
 
 
-def _never(cfg: DictConfig) -> None:
+def _never(settings: RunSettings) -> None:
     """No check beyond the settings."""
 
 
@@ -62,7 +62,7 @@ class QuickExample:
     beats_chance : float
         The least final accuracy of the suite's run (chance is 0.1 on Fashion-MNIST).
     about : str
-        One line: what the example shows (the README's quick-example table).
+        One line: what the example shows (docs/algorithms/README.md's quick-example table).
 
     """
 
@@ -91,19 +91,20 @@ class Declaration:
         Registry name of the client class that answers its train messages (``clients/<name>.py``).
     settings : type[StrategySettings] | None
         Its typed ``cfg.strategy`` (None: no settings of its own).
-    model : Callable[[DictConfig, tuple[int, ...]], str | None] | None
-        Its own network for ``model=auto`` given the input shape (None or returning None: the
-        platform's default).
+    model : Callable[[RunSettings, tuple[int, ...]], str | None] | None
+        Its own network for ``model=auto`` given the run's settings and the input shape (None or
+        returning None: the platform's default).
     canaries : str | None
         None when ``privacy.canaries`` applies; else why not (completes "strategy=<name> ...").
     resume : str | None
         None when ``resume=`` continues a run exactly; else why not.
     release_hint : str
         Appended to the refusal of federated evaluation for a private run (what to use instead).
-    private : Callable[[DictConfig], bool] | None
-        Whether a run with ``cfg`` claims a finite epsilon (None: ``unit != "none"``).
-    check : Callable[[DictConfig], None]
-        Checks beyond the settings (keys outside ``strategy.*``; raise ``ConfigError``).
+    private : Callable[[RunSettings], bool] | None
+        Whether a run with these settings claims a finite epsilon (None: ``unit != "none"``).
+    check : Callable[[RunSettings], None]
+        Checks beyond the settings (keys outside ``strategy.*``; raise ``ConfigError``). All three
+        take the run's typed settings (``settings.strategy_settings`` is the algorithm's own).
     quick : QuickExample | None
         Its quick example and suite simulation (None: it has none; the repository test asks for one).
     comparisons : tuple[str, ...]
@@ -124,14 +125,15 @@ class Declaration:
     mechanism: str
     client: str
     settings: type[StrategySettings] | None = None
-    model: Callable[[DictConfig, tuple[int, ...]], str | None] | None = None
+    model: Callable[[RunSettings, tuple[int, ...]], str | None] | None = None
     canaries: str | None = (
-        "has no model-update upload that a canary direction could ride on (see docs/empirical_privacy.md)"
+        "does not declare canary support (a canary needs the strategy to add its upload to what it "
+        "aggregates: see docs/empirical_privacy.md)"
     )
     resume: str | None = None
     release_hint: str = ""
-    private: Callable[[DictConfig], bool] | None = None
-    check: Callable[[DictConfig], None] = field(default=_never)
+    private: Callable[[RunSettings], bool] | None = None
+    check: Callable[[RunSettings], None] = field(default=_never)
     quick: QuickExample | None = None
     comparisons: tuple[str, ...] = ()
     deploy: tuple[str, ...] = ()
@@ -142,25 +144,19 @@ class Declaration:
         if unknown:
             raise ValueError(f"{self.name}: comparisons {unknown} unknown; allowed: {', '.join(COMPARISONS)}")
 
-    def is_private(self, cfg: DictConfig) -> bool:
-        """Whether a run of this algorithm with ``cfg`` claims a finite epsilon."""
-        return self.private(cfg) if self.private is not None else self.unit != "none"
+    def is_private(self, settings: RunSettings) -> bool:
+        """Whether a run of this algorithm with ``settings`` claims a finite epsilon."""
+        return self.private(settings) if self.private is not None else self.unit != "none"
 
-    def model_name(self, cfg: DictConfig, input_shape: tuple[int, ...]) -> str:
+    def model_name(self, settings: RunSettings, input_shape: tuple[int, ...]) -> str:
         """The network to train: ``model`` unless ``auto``, then the algorithm's own or the default."""
         from fl_app.models import resolve_model_name
 
-        if str(cfg.model) == "auto" and self.model is not None:
-            own = self.model(cfg, input_shape)
+        if settings.model == "auto" and self.model is not None:
+            own = self.model(settings, input_shape)
             if own is not None:
                 return own
-        return resolve_model_name(str(cfg.model), input_shape)
-
-    def validate(self, cfg: DictConfig) -> None:
-        """Check the algorithm's own keys (its settings, then :attr:`check`); raise ``ConfigError``."""
-        if self.settings is not None:
-            self.settings.from_config(cfg)
-        self.check(cfg)
+        return resolve_model_name(settings.model, input_shape)
 
 
 @runtime_checkable

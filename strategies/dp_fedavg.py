@@ -121,7 +121,7 @@ class DPFedAvgStrategy(FederatedStrategy):
         self.clip = settings.clip
         self.sampling = settings.sampling
         self.rate = run.clients_per_round / run.num_clients
-        rounds = self.run.num_rounds
+        rounds = self.run.settings.num_rounds
         if self.sampling == "balanced":
             self.cohorts.plan(self.cohorts.seeded_schedule(rounds, balanced=True))
             rounds = max_participations(self.cohorts.planned)
@@ -129,17 +129,17 @@ class DPFedAvgStrategy(FederatedStrategy):
             self.noise_multiplier = settings.noise_multiplier
         else:
             self.noise_multiplier = dp_fedavg_noise_multiplier(
-                epsilon=self.run.epsilon,
-                delta=run.delta,
+                epsilon=self.run.settings.privacy.epsilon,
+                delta=run.settings.privacy.delta,
                 sampling_rate=self.rate if self.sampling == "poisson" else 1.0,
                 rounds=rounds,
-                method=self.run.accountant_method,
+                method=self.run.settings.privacy.accountant,
             )
         self.denominator = (
             self.rate * run.num_clients if self.sampling == "poisson" else float(run.clients_per_round)
         )
         self.accountant = PrivacyAccountant(
-            population=run.client_ids, unit=self.privacy_unit, method=self.run.accountant_method
+            population=run.client_ids, unit=self.privacy_unit, method=self.run.settings.privacy.accountant
         )
         self.secret_cohort = self.sampling == "poisson"
         self._norms: dict[int, list[float]] = RecentRounds()

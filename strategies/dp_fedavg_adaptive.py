@@ -71,7 +71,6 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common import log
-from omegaconf import DictConfig
 
 from fl_app.config_checks import ConfigError
 from fl_app.privacy.accountant import PrivacyAccountant
@@ -83,7 +82,7 @@ from fl_app.privacy.events import (
 )
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext, resolve_clients_per_round
+from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
@@ -152,9 +151,9 @@ class AdaptiveClippingSettings(StrategySettings):
 
     budget_scopes = ("total",)  # calibrated for the whole run
 
-    def check(self, cfg: DictConfig) -> None:
+    def check(self, run: RunSettings) -> None:
         """The noise split must exist (``z < 2 sigma_b``)."""
-        noise_plan(cfg, self)
+        noise_plan(run, self)
 
 
 @dataclass(frozen=True)
@@ -176,18 +175,17 @@ def _calibrated(epsilon: float, delta: float, rate: float, rounds: int, method: 
     )
 
 
-def noise_plan(cfg: DictConfig, settings: AdaptiveClippingSettings) -> NoisePlan:
+def noise_plan(run: RunSettings, settings: AdaptiveClippingSettings) -> NoisePlan:
     """Calibrate ``z`` and split it (Andrew et al. Theorem 1); :class:`ConfigError` if impossible."""
-    run = RunSettings.from_config(cfg)
     num_clients = run.num_clients
-    expected = float(resolve_clients_per_round(run.clients_per_round, num_clients))
+    expected = float(run.cohort)
     rate = expected / num_clients
     if settings.noise_multiplier is not None:
         z = settings.noise_multiplier
         source = "strategy.noise_multiplier"
     else:
         z = _calibrated(run.privacy.epsilon, run.privacy.delta, rate, run.num_rounds, run.privacy.accountant)
-        source = f"calibrated from privacy.epsilon={cfg.privacy.epsilon}"
+        source = f"calibrated from privacy.epsilon={run.privacy.epsilon:g}"
     default = adaptive_clipping_default_bit_noise(expected_clients=expected)
     bit_noise = settings.bit_noise if settings.bit_noise is not None else default
     if z >= 2.0 * bit_noise:
@@ -246,10 +244,10 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
     def __init__(self, run: RunContext, settings: AdaptiveClippingSettings | None = None) -> None:
         super().__init__(run, settings)
         self.secret_cohort = True  # amplification by sampling needs the cohort secret
-        self.plan = noise_plan(self.cfg, self.settings)
+        self.plan = noise_plan(run.settings, self.settings)
         self.clip = self.settings.initial_clip
         self.accountant = PrivacyAccountant(
-            population=run.client_ids, unit=self.privacy_unit, method=self.run.accountant_method
+            population=run.client_ids, unit=self.privacy_unit, method=self.run.settings.privacy.accountant
         )
         self.server_optimizer = ServerMomentum(
             lr=self.settings.server_lr, momentum=self.settings.server_momentum

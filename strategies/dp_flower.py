@@ -63,9 +63,9 @@ class DPFlowerSettings(DPFedAvgSettings):
     flower: str = setting(check_aggregator)
     kwargs: dict[str, Any] = field(default_factory=dict, metadata={CHECK: check_kwargs})
 
-    def check(self, cfg: Any) -> None:
+    def check(self, run: Any) -> None:
         """The Flower class must take the keyword arguments (built once here, one line if not)."""
-        super().check(cfg)
+        super().check(run)
         try:
             build_flower_strategy(self.flower, self.kwargs)
         except ValueError as error:
@@ -102,10 +102,7 @@ class DPFlowerStrategy(DPFedAvgStrategy):
                 "clients_per_round=100",
                 "num_rounds=100",
                 "privacy.epsilon=8.0",
-                "+strategy.kwargs.eta=0.01",
-                "+strategy.kwargs.beta_1=0.9",
-                "+strategy.kwargs.beta_2=0.99",
-                "+strategy.kwargs.tau=0.001",
+                "++strategy.kwargs={eta: 0.01, beta_1: 0.9, beta_2: 0.99, tau: 0.001}",
             ),
             suite_rounds=15,
             about=(

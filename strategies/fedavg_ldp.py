@@ -108,23 +108,25 @@ class FedAvgLDPStrategy(FederatedStrategy):
         self.clip = settings.clip
         self.project = settings.project
         self.cohorts.plan(
-            self.cohorts.seeded_schedule(self.run.num_rounds, balanced=settings.schedule == "balanced")
+            self.cohorts.seeded_schedule(
+                self.run.settings.num_rounds, balanced=settings.schedule == "balanced"
+            )
         )
         self.max_participations = max_participations(self.cohorts.planned)
-        self.budget_scope = self.run.budget_scope
-        self.method = self.run.accountant_method
+        self.budget_scope = self.run.settings.privacy.budget_scope
+        self.method = self.run.settings.privacy.accountant
         if settings.noise_multiplier is not None:
             self.noise_multiplier = settings.noise_multiplier
         else:
             self.noise_multiplier = local_gaussian_noise_multiplier(
-                epsilon=self.run.epsilon,
-                delta=run.delta,
+                epsilon=self.run.settings.privacy.epsilon,
+                delta=run.settings.privacy.delta,
                 participations=max(self.max_participations, 1) if self.budget_scope == "total" else 1,
                 method=self.method,
             )
         self.sigma = local_gaussian_sigma(clip=self.clip, noise_multiplier=self.noise_multiplier)
         self.epsilon_per_round = compose_epsilon(
-            {Gaussian(self.noise_multiplier): 1}, delta=run.delta, method=self.method
+            {Gaussian(self.noise_multiplier): 1}, delta=run.settings.privacy.delta, method=self.method
         ).epsilon
         self.accountant = PrivacyAccountant(
             population=run.client_ids, unit=self.privacy_unit, method=self.method
@@ -213,7 +215,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
         return {
             **super().privacy_summary(),
             "budget_scope": self.budget_scope,
-            "epsilon_target": self.run.epsilon,
+            "epsilon_target": self.run.settings.privacy.epsilon,
             "epsilon_per_round": self.epsilon_per_round,
             "epsilon_cumulative": None if cumulative is None else cumulative.epsilon,
             "noise_multiplier": self.noise_multiplier,

@@ -202,7 +202,7 @@ class FlowerSettings(StrategySettings):
     flower: str = setting(check_flower)
     kwargs: dict[str, Any] = field(default_factory=dict, metadata={CHECK: check_kwargs})
 
-    def check(self, cfg: Any) -> None:
+    def check(self, run: Any) -> None:
         """The class must take the keyword arguments (built once here, one line if not)."""
         try:
             build_flower_strategy(self.flower, self.kwargs)
@@ -231,10 +231,7 @@ class FlowerStrategy(FederatedStrategy):
                 "clients_per_round=10",
                 "num_rounds=20",
                 "strategy.flower=FedAdam",
-                "+strategy.kwargs.eta=0.01",
-                "+strategy.kwargs.beta_1=0.9",
-                "+strategy.kwargs.beta_2=0.99",
-                "+strategy.kwargs.tau=0.001",
+                "++strategy.kwargs={eta: 0.01, beta_1: 0.9, beta_2: 0.99, tau: 0.001}",
             ),
             suite_rounds=4,
             about="Flower's FedAdam (not private), 100 clients, 10 per round, 20 rounds",

@@ -12,8 +12,9 @@ with the check that key must pass::
 
 :meth:`StrategySettings.from_config` reads every field from ``cfg.strategy``, runs its check
 (which raises :class:`fl_app.validation.ConfigError` naming the key, the value and what is
-allowed) and then :meth:`StrategySettings.check` for constraints between keys. The strategy's
-``validate_config`` (before any simulation starts) and its constructor both go through it, so a
+allowed) and then :meth:`StrategySettings.check` for constraints between keys and with the run's
+typed settings. Validation reads them once (:func:`fl_app.validation.typed_settings`) into
+:attr:`fl_app.run_settings.RunSettings.strategy_settings`, which the strategy is built with, so a
 setting is checked in one place and the strategy reads typed values (no ``float(cfg.strategy.x)``).
 """
 
@@ -34,7 +35,7 @@ from fl_app.config_checks import (
     require_positive,
     require_range,
 )
-from fl_app.read_once import read_once
+from fl_app.run_settings import RunSettings
 
 #: The metadata key of a field's check: ``check(key, value) -> value``.
 CHECK = "check"
@@ -141,15 +142,12 @@ class StrategySettings:
     budget_scopes: ClassVar[tuple[str, ...] | None] = ("total", "per_round")
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> Self:
+    def from_config(cls, cfg: DictConfig, run: RunSettings | None = None) -> Self:
         """Read and check ``cfg.<section>`` (raises :class:`ConfigError`; undeclared keys are not read).
 
-        Once per frozen ``cfg`` (:mod:`fl_app.read_once`): the check and the constructor both ask.
+        Called once, by validation (:func:`fl_app.validation.typed_settings`); :meth:`check` then sees
+        the run's typed settings ``run`` (read from ``cfg`` when not given).
         """
-        return read_once(cfg, cls, cls._read)
-
-    @classmethod
-    def _read(cls, cfg: DictConfig) -> Self:
         if cls.budget_scopes is not None:
             require_choice("privacy.budget_scope", cfg.privacy.budget_scope, cls.budget_scopes)
         section = cfg[cls.section]
@@ -158,7 +156,7 @@ class StrategySettings:
             key = f"{cls.section}.{item.name}"
             if item.name not in section:
                 if item.default is MISSING and item.default_factory is MISSING:
-                    raise ConfigError(key, None, cls.missing_text(cfg))
+                    raise ConfigError(key, None, cls.missing_text(str(cfg.strategy.get("name"))))
                 values[item.name] = item.default if item.default is not MISSING else item.default_factory()
                 continue
             value = section[item.name]
@@ -166,13 +164,15 @@ class StrategySettings:
                 value = OmegaConf.to_container(value, resolve=True)
             values[item.name] = item.metadata[CHECK](key, value) if CHECK in item.metadata else value
         settings = cls(**values)
-        settings.check(cfg)
+        if run is None and type(settings).check is not StrategySettings.check:
+            run = RunSettings.from_config(cfg)  # the run's typed settings, for checks across keys
+        settings.check(run)  # type: ignore[arg-type]
         return settings
 
     @classmethod
-    def missing_text(cls, cfg: DictConfig) -> str:
-        """What to say about a key the config lacks (override)."""
-        return f"missing: a key strategy={cfg.strategy.get('name')} requires"
+    def missing_text(cls, strategy: str) -> str:
+        """What to say about a key the config lacks (override; ``strategy``: the run's algorithm)."""
+        return f"missing: a key strategy={strategy} requires"
 
-    def check(self, cfg: DictConfig) -> None:
-        """Constraints between settings or with the rest of ``cfg`` (override; raise :class:`ConfigError`)."""
+    def check(self, run: RunSettings) -> None:
+        """Constraints between settings or with the rest of the run (override; raise :class:`ConfigError`)."""

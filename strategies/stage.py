@@ -9,24 +9,26 @@ exactly what it changes and reaches the strategy only through the contract. A st
 something composes its cost into the reports (:meth:`report_round`'s ``epsilon``, the run report's
 total and stages) and adds its ledger to :meth:`ledgers`.
 
-Class-level hooks the platform calls before a run: ``validate_config(cfg)`` and
-``training_config(cfg)`` (the configuration the training strategy is built with, e.g. with a
-share of the budget taken out).
+Class-level hooks the platform calls before a run: :attr:`settings_type` (the stage's typed keys,
+read once by validation into ``RunSettings.stage_settings``) and ``training_settings(settings)`` (the
+settings the training strategy is built with, e.g. with a share of the budget taken out).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
+from typing import ClassVar
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
-from omegaconf import DictConfig
 
 from fl_app.run_context import RunContext
+from fl_app.run_settings import RunSettings
 from strategies.contract import JSON, Declaration, Strategy
 from strategies.reporting import Randomness, RoundReport, RunReport
+from strategies.settings import StrategySettings
 
 
 class EvaluationStage:
@@ -42,14 +44,14 @@ class EvaluationStage:
     def __init__(self, strategy: Strategy) -> None:
         self.inner = strategy
 
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """Check the stage's own keys (override); raise ``ConfigError``."""
+    #: The stage's typed keys (a :class:`~strategies.settings.StrategySettings` of ``section =
+    #: "evaluation"``), read and checked by validation; None: the stage has none.
+    settings_type: ClassVar[type[StrategySettings] | None] = None
 
     @classmethod
-    def training_config(cls, cfg: DictConfig) -> DictConfig:
-        """The configuration the training strategy is built with (override to take a share of the budget)."""
-        return cfg
+    def training_settings(cls, settings: RunSettings) -> RunSettings:
+        """The settings the training strategy is built with (override to take a share of the budget)."""
+        return settings
 
     @property
     def declaration(self) -> Declaration:  # type: ignore[override]

@@ -1,7 +1,8 @@
 """What an algorithm's own test module (``tests/test_<name>.py``) adds to the suite's generic tests.
 
-An algorithm is its home (docs/DEVELOPING.md): its strategy, client, conf and test module. The suite's
-generic tests iterate over the registered algorithms and take what each one's test module declares:
+An algorithm is its home (docs/contributing/adding-an-algorithm.md): its strategy, client, conf and
+test module. The suite's generic tests iterate over the registered algorithms and take what each
+one's test module declares:
 
 * ``check_quick_example(results, example)``: what its quick example's run must show beyond the common
   checks of ``tests/test_simulations.py`` (the cohort, the reports, the epsilon against an independent

@@ -25,11 +25,12 @@ from flwr.app import (
 import fl_app  # noqa: F401  (process set-up first)
 from fl_app import keys
 from fl_app.config import compose_config
-from fl_app.data.federated import DataSpec, federated_data
+from fl_app.data.federated import federated_data
 from fl_app.engine.messages import task_identity as engine_task_identity
 from fl_app.harness import run_context_for
 from fl_app.model_spec import ModelSpec
 from fl_app.run_context import RunContext
+from fl_app.run_settings import RunSettings
 from strategies import STRATEGIES
 
 #: Small, fast settings for simulations in tests (digits data, few clients, one client actor: a
@@ -55,11 +56,22 @@ TWO_ACTORS = "simulation.max_concurrent_clients=null"
 SIMULATION_FIXTURES = frozenset({"simulate", "ray_instance", "shared_simulation"})
 
 
+#: Markers of the tests the fast tier (``pytest -m "not slow"``) leaves out: each is marked ``slow`` too.
+SLOW_MARKERS = ("simulation", "audit", "deploy", "subprocess")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test that uses a :data:`SIMULATION_FIXTURES` fixture ``simulation``."""
+    """Mark the tests that use a :data:`SIMULATION_FIXTURES` fixture ``simulation``; the slow ones ``slow``.
+
+    ``slow``: a real simulation, an end-to-end audit, a deployment or a test that runs the command in a
+    subprocess (:data:`SLOW_MARKERS`). ``pytest -m "not slow"`` is the fast tier for the inner loop
+    (docs/contributing/testing.md); CI runs everything.
+    """
     for item in items:
         if SIMULATION_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.simulation)
+        if any(item.get_closest_marker(name) for name in SLOW_MARKERS):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -200,25 +212,24 @@ def simulate_in_process(overrides: Sequence[str], output: Path, address: str | N
     test fails if any process the run started is still there :data:`REAP_WAIT_S` later. With no
     ``address`` the run starts and stops a Ray of its own, as the command line does.
     """
+    import dataclasses
     from unittest import mock
-
-    from omegaconf import OmegaConf
 
     from fl_app import simulation
     from fl_app.validation import validate_config
 
-    cfg = compose_config(list(overrides))
-    validate_config(cfg)
+    settings = validate_config(compose_config(list(overrides)))
     before = ray_process_ids()
     private = simulation.backend_config
 
-    def joined(cfg: Any) -> dict[str, Any]:
+    def joined(settings: Any) -> dict[str, Any]:
         # Ray's settings as with simulation.ray_address=<address>; the run's own configuration is
         # untouched (results and config.yaml are those of a run on a private Ray)
-        return private(OmegaConf.merge(cfg, {"simulation": {"ray_address": address}}))
+        on_cluster = dataclasses.replace(settings.simulation, ray_address=address)
+        return private(dataclasses.replace(settings, simulation=on_cluster))
 
     with mock.patch.object(simulation, "backend_config", joined if address else private):
-        simulation.run_in_simulation(cfg, list(overrides), output)
+        simulation.run_in_simulation(settings, list(overrides), output)
     wait_until(lambda: ray_process_ids() <= before, timeout=REAP_WAIT_S)
     assert ray_process_ids() <= before, "Ray processes still running after the simulation returned"
     results = json.loads((output / "results.json").read_text())
@@ -324,13 +335,20 @@ FEDAVG_RUN = [
 DP_FEDAVG_RUN = [*FAST, "strategy=dp_fedavg", "privacy.epsilon=8", "simulation.num_cpus=2"]
 
 
+def settings_of(overrides: Sequence[str]) -> RunSettings:
+    """The typed settings of ``overrides``, read as validation reads them (no data or output checks)."""
+    from fl_app.validation import typed_settings
+
+    return typed_settings(compose_config(list(overrides)))
+
+
 def spec_config(overrides: Sequence[str]) -> dict[str, Any]:
     """The base train-config keys a strategy would send (for client tests)."""
-    cfg = compose_config(list(overrides))
-    spec = DataSpec.from_config(cfg)
+    settings = settings_of(overrides)
+    spec = settings.data
     data = federated_data(spec)
     model_spec = ModelSpec(
-        STRATEGIES.get(str(cfg.strategy.name)).declaration.model_name(cfg, data.input_shape),
+        STRATEGIES.get(settings.strategy).declaration.model_name(settings, data.input_shape),
         data.input_shape,
         data.num_classes,
     )
@@ -342,9 +360,9 @@ def spec_config(overrides: Sequence[str]) -> dict[str, Any]:
         keys.BATCH_SIZE: 16,
         keys.LR: 0.1,
         keys.MOMENTUM: 0.0,
-        keys.SEED: int(cfg.seed),
+        keys.SEED: settings.seed,
         keys.SECURE_RNG: False,
-        keys.NOISE_SEED: int(cfg.seed),
+        keys.NOISE_SEED: settings.seed,
     }
 
 

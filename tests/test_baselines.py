@@ -189,7 +189,7 @@ def test_dp_fedavg_clips_noises_and_accounts(tmp_path):
 def test_dp_fedavg_calibration_meets_budget(tmp_path):
     run = build_run_context([*DIGITS, "strategy=dp_fedavg", "privacy.epsilon=2"], tmp_path)
     strategy = DPFedAvgStrategy(run)
-    assert strategy.run.accountant_method == "pld"  # the default: the tight accountant
+    assert strategy.run.settings.privacy.accountant == "pld"  # the default: the tight accountant
     spent = gaussian_epsilon(
         noise_multiplier=strategy.noise_multiplier, sampling_rate=0.5, rounds=4, delta=1e-5, method="pld"
     )

@@ -532,7 +532,7 @@ def test_privatekt_speed_tables_without_measurements_says_so(tmp_path):
 
 def test_the_recorded_authors_log_is_theirs_every_round():
     log = privatekt.authors_log()
-    # the rounds the issue and docs/privatekt.md quote from their notebook
+    # the rounds the issue and docs/algorithms/privatekt.md quote from their notebook
     quoted = {10: 0.298, 20: 0.473, 30: 0.610, 50: 0.761, 100: 0.894, 200: 0.929, 500: 0.951}
     assert all(abs(log[r] - value) <= 5e-4 + 1e-9 for r, value in quoted.items()), {r: log[r] for r in quoted}
     assert min(log) == 1 and max(log) == 500 and len(log) == 496  # 466-469 missing from their output

@@ -8,7 +8,12 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from fl_app.cli import config_groups, main_keys, overview
+
+pytestmark = pytest.mark.subprocess  # runs the command in subprocesses: not in the fast tier
+
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,9 +67,9 @@ def test_dispatch_and_errors():
 
 
 def test_progress_bars_only_for_a_person_at_a_terminal(monkeypatch):
-    import fl_app.run as run_module
+    import fl_app.run_text as run_module
     from fl_app.__main__ import SWEEP_STATE_ENV, SweepState
-    from fl_app.run import progress_bar
+    from fl_app.run_text import progress_bar
 
     assert progress_bar(0, 30) == "[" + "-" * 20 + "]"
     assert progress_bar(15, 30) == "[" + "#" * 10 + "-" * 10 + "]"

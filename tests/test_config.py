@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import settings_of
 from omegaconf import OmegaConf
 
 from fl_app.__main__ import expand_jobs, preflight, split_command_line
@@ -117,7 +118,8 @@ def test_compare_all_sweeps_every_arm_at_four_budgets_and_three_seeds():
 
     jobs = expand_jobs(["+experiment=compare_all"], multirun=True)
     # the algorithms that declare an arm in it (the client-level baselines only make sense in the
-    # cross-device regime, docs/client_level_baselines.md, docs/distributed_dp.md, not in this N = 20 demo)
+    # cross-device regime, docs/algorithms/client_level_baselines.md, docs/algorithms/distributed_dp.md,
+    # not in this N = 20 demo)
     declared = {n for n in STRATEGIES.names() if "comparison" in STRATEGIES.get(n).declaration.comparisons}
     assert declared == set(options("comparison"))
     arms = set(options("comparison")) - {"fedavg"}
@@ -242,6 +244,7 @@ def test_a_multirun_composes_and_validates_each_job_once(tmp_path, monkeypatch):
 
     composed: list[list[str]] = []
     validated: list[object] = []
+    settings: list[object] = []
     ran: list[tuple[object, list[str]]] = []
 
     def compose(overrides):
@@ -250,10 +253,11 @@ def test_a_multirun_composes_and_validates_each_job_once(tmp_path, monkeypatch):
 
     def validate(cfg, **kwargs):
         validated.append(cfg)
-        return validate_config(cfg, **kwargs)
+        settings.append(validate_config(cfg, **kwargs))
+        return settings[-1]
 
-    def run(cfg, overrides, output_dir):
-        ran.append((cfg, list(overrides)))
+    def run(typed, overrides, output_dir):
+        ran.append((typed, list(overrides)))
         return Outcome("completed", 0, "", str(output_dir))
 
     monkeypatch.setattr(command, "compose_config", compose)
@@ -265,12 +269,13 @@ def test_a_multirun_composes_and_validates_each_job_once(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["fl_app", "-m", *jobs, f"hydra.sweep.dir={tmp_path / 'sweep'}"])
     assert command.main() == 0
     assert len(composed) == len(validated) == 2
-    assert [cfg.seed for cfg, _ in ran] == [1, 2]
-    for (cfg, overrides), composed_for in zip(ran, composed, strict=True):
+    assert [typed.seed for typed, _ in ran] == [1, 2]
+    for (typed, overrides), composed_for, cfg in zip(ran, composed, validated, strict=True):
         # the job's own overrides, composed by the preflight (which also saw the hydra.* ones)
         assert overrides == [item for item in composed_for if not item.startswith("hydra.")]
-        assert cfg == compose_config(overrides)
-        assert OmegaConf.is_readonly(cfg)
+        assert cfg == compose_config(overrides) and OmegaConf.is_readonly(cfg)
+        # the job runs the settings the preflight validated (kept across processes: equal, not the same)
+        assert typed == settings[ran.index((typed, overrides))]
 
 
 BAD_VALUES = [
@@ -351,6 +356,7 @@ def test_config_error_names_key_value_and_allowed():
     assert str(error) == "privacy.delta=2.0: must be a number in (0.0, 1.0)"
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "override",
     [
@@ -534,7 +540,7 @@ def test_declared_settings_read_check_and_name_the_key():
         mode: str = one_of(("a", "b"))
         kinds: tuple[str, ...] = names(("x", "y"))
 
-        def check(self, cfg):
+        def check(self, run):
             if self.mode == "b" and self.k is None:
                 raise ConfigError("strategy.k", None, "must be set with strategy.mode=b")
 
@@ -542,7 +548,8 @@ def test_declared_settings_read_check_and_name_the_key():
         values = {"clip": 1, "k": None, "beta": 0.5, "mode": "a", "kinds": "x", **strategy}
         return OmegaConf.create({"strategy": values, "privacy": {"budget_scope": "total"}})
 
-    settings = Example.from_config(cfg(kinds=["x", "y"]))
+    run = settings_of(["dataset=digits"])  # the run's typed settings, which a cross-key check sees
+    settings = Example.from_config(cfg(kinds=["x", "y"]), run)
     assert settings == Example(clip=1.0, k=None, beta=0.5, mode="a", kinds=("x", "y"))
     assert isinstance(settings.clip, float)
     for bad, key in [
@@ -556,17 +563,17 @@ def test_declared_settings_read_check_and_name_the_key():
         ({"mode": "b"}, "strategy.k"),
     ]:
         with pytest.raises(ConfigError) as error:
-            Example.from_config(cfg(**bad))
+            Example.from_config(cfg(**bad), run)
         assert error.value.key == key, bad
     per_round = cfg()
     per_round.privacy.budget_scope = "per_round"
     with pytest.raises(ConfigError) as error:
-        Example.from_config(per_round)
+        Example.from_config(per_round, run)
     assert error.value.key == "privacy.budget_scope"
     incomplete = cfg()
     del incomplete.strategy["beta"]
     with pytest.raises(ConfigError) as error:
-        Example.from_config(incomplete)
+        Example.from_config(incomplete, run)
     assert error.value.key == "strategy.beta"
 
 
@@ -589,35 +596,27 @@ def test_per_budget_picks_the_setting_tuned_for_the_largest_budget_not_above_eps
         per_budget(1, "")
 
 
-def test_settings_are_read_once_per_frozen_config_and_every_time_from_a_mutable_one() -> None:
-    """RunSettings and a strategy's settings: one object per frozen config (a check and a
-    constructor both ask; an audit builds thousands of strategies from one config), a fresh read
-    of a config that may still change, and a config's values are never another config's."""
-    import gc
-    import weakref
-
-    from fl_app import read_once as memo
+def test_validation_reads_the_configuration_once_into_typed_settings() -> None:
+    """``validate_config`` returns the run's typed settings: the run-wide keys, the data split, the
+    algorithm's settings and the stage's; nothing after it reads the composed configuration
+    (``tests/test_repository.py`` checks the code for raw reads)."""
     from fl_app.run_settings import RunSettings
+    from fl_app.validation import typed_settings
     from strategies.dp_ftrl import DPFTRLSettings
+    from strategies.laplace_eval.stage import LaplaceEvalSettings
 
-    frozen = compose_config(["strategy=dp_ftrl", "dataset=digits"])
-    assert OmegaConf.is_readonly(frozen)
-    assert RunSettings.from_config(frozen) is RunSettings.from_config(frozen)
-    assert DPFTRLSettings.from_config(frozen) is DPFTRLSettings.from_config(frozen)
-    mutable = OmegaConf.create(OmegaConf.to_container(frozen))
-    assert RunSettings.from_config(mutable).lr == RunSettings.from_config(frozen).lr
-    mutable.lr = 0.25
-    assert RunSettings.from_config(mutable).lr == 0.25
-    other = compose_config(["strategy=dp_ftrl", "dataset=digits", "lr=0.5", "strategy.clip=3"])
-    assert RunSettings.from_config(other).lr == 0.5 != RunSettings.from_config(frozen).lr
-    assert DPFTRLSettings.from_config(other).clip == 3.0 != DPFTRLSettings.from_config(frozen).clip
+    cfg = compose_config(["strategy=dp_ftrl", "dataset=digits", "lr=0.5", "strategy.clip=3"])
+    settings = validate_config(cfg, check_data=False)
+    assert isinstance(settings, RunSettings) and settings.lr == 0.5 and settings.dataset == "digits"
+    assert isinstance(settings.strategy_settings, DPFTRLSettings) and settings.strategy_settings.clip == 3.0
+    assert settings.data.dataset["name"] == "digits" and settings.data.num_clients == settings.num_clients
+    assert settings.config["strategy"]["clip"] == 3.0 and settings.stage_settings is None
+    staged = typed_settings(compose_config(["dataset=digits", "evaluation=laplace_eval"]))
+    assert isinstance(staged.stage_settings, LaplaceEvalSettings)
+    # a value changed after validation changes the typed field and the published echo alike
+    secure = settings.with_values({"privacy.secure_rng": True, "privacy.noise_seed": None})
+    assert secure.privacy.secure_rng and secure.config["privacy"]["secure_rng"] is True
+    assert secure.strategy_settings is settings.strategy_settings and not settings.privacy.secure_rng
     bad = compose_config(["strategy=dp_ftrl", "dataset=digits", "strategy.clip=-1"])
-    for _ in range(2):  # an error is raised on every read, never kept as a value
-        with pytest.raises(ConfigError, match=r"strategy\.clip"):
-            DPFTRLSettings.from_config(bad)
-    gone = weakref.ref(frozen)
-    slots = [slot for slot in memo._READ if slot[0] == id(frozen)]
-    assert len(slots) == 2  # the run's settings and the strategy's
-    del frozen
-    gc.collect()
-    assert gone() is None and not set(slots) & set(memo._READ)  # forgotten with their config
+    with pytest.raises(ConfigError, match=r"strategy\.clip"):
+        typed_settings(bad)

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import make_context, make_message, spec_config
+from conftest import make_context, make_message, settings_of, spec_config
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fl_app import keys
@@ -673,30 +673,31 @@ def test_roster_rejects_a_federation_of_another_size(monkeypatch: pytest.MonkeyP
 
 
 def test_server_noise_is_secure_once_devices_are_seen() -> None:
-    cfg = compose_config([*DATA, "strategy=dp_fedavg", "privacy.noise_seed=7"])
-    assert not noise_source(cfg).secure
-    forced = with_secure_noise(cfg)
+    settings = settings_of([*DATA, "strategy=dp_fedavg", "privacy.noise_seed=7"])
+    assert not noise_source(settings).secure
+    forced = with_secure_noise(settings)
     assert forced.privacy.secure_rng is True
     assert forced.privacy.noise_seed is None
     assert noise_source(forced).secure
-    assert forced.strategy == cfg.strategy
-    assert forced.num_clients == cfg.num_clients
+    assert forced.config["privacy"]["secure_rng"] is True  # and the published echo says so
+    assert forced.strategy == settings.strategy
+    assert forced.strategy_settings is settings.strategy_settings
+    assert forced.num_clients == settings.num_clients
 
 
 def _device_strategy(name: str, overrides: list[str], tmp_path: Path) -> Any:
     """A strategy as the SuperLink builds it for three real devices (ClientInfo(device=True))."""
     from fl_app.model_spec import ModelSpec
 
-    cfg = compose_config([*DATA, f"strategy={name}", *overrides])
-    spec = DataSpec.from_config(cfg)
-    data = federated_data(spec)
+    settings = settings_of([*DATA, f"strategy={name}", *overrides])
+    data = federated_data(settings.data)
     roster = [ClientInfo(node, node, 60, device=True) for node in (7001, 7002, 7003)]
     model_spec = ModelSpec(
-        STRATEGIES.get(name).declaration.model_name(cfg, data.input_shape), data.input_shape, data.num_classes
+        STRATEGIES.get(name).declaration.model_name(settings, data.input_shape),
+        data.input_shape,
+        data.num_classes,
     )
-    run = make_run_context(
-        cfg, roster=roster, data=data, data_spec=spec, model_spec=model_spec, output_dir=tmp_path
-    )
+    run = make_run_context(settings, roster=roster, data=data, model_spec=model_spec, output_dir=tmp_path)
     return STRATEGIES.get(name)(run)
 
 
@@ -707,7 +708,7 @@ def test_device_server_cohorts_and_noise_never_repeat_across_runs(tmp_path: Path
 
     def cohorts_and_noise(name: str, overrides: list[str]) -> tuple[list[list[int]], np.ndarray]:
         strategy = _device_strategy(name, ["privacy.noise_seed=7", "num_rounds=12", *overrides], tmp_path)
-        assert strategy.run.noise.secure and strategy.run.cfg.privacy.noise_seed is None
+        assert strategy.run.noise.secure and strategy.run.settings.privacy.noise_seed is None
         drawn = [[c.client_id for c in strategy.select_clients(t)] for t in range(1, 13)]
         start = strategy.initial_arrays()
         start = ArrayRecord({k: Array(np.zeros_like(v.numpy())) for k, v in start.items()})
@@ -770,11 +771,9 @@ def test_make_certs_makes_a_ca_a_loopback_server_certificate_and_node_keys(tmp_p
 
 
 def test_simulation_joins_an_existing_ray_cluster() -> None:
-    joined = backend_config(
-        compose_config(["simulation.ray_address=127.0.0.1:6379", "simulation.num_cpus=2"])
-    )
+    joined = backend_config(settings_of(["simulation.ray_address=127.0.0.1:6379", "simulation.num_cpus=2"]))
     assert joined["init_args"]["address"] == "127.0.0.1:6379"
     assert "num_cpus" not in joined["init_args"]  # the cluster decides its resources
-    private = backend_config(compose_config(["simulation.num_cpus=2"]))
+    private = backend_config(settings_of(["simulation.num_cpus=2"]))
     assert private["init_args"]["address"] == "local"  # never a cluster `ray start` left running
     assert private["init_args"]["num_cpus"] == 2

@@ -211,7 +211,7 @@ def test_one_band_without_noise_is_dp_fedavg_and_calibrates_as_dp_fedavg(tmp_pat
     strategy = DPBandMFStrategy(run)
     assert strategy.rate == pytest.approx(3 / 12) and strategy.steps == 5 and strategy.secret_cohort
     assert strategy.noise_multiplier == dp_fedavg_noise_multiplier(
-        epsilon=2, delta=1e-5, sampling_rate=0.25, rounds=5, method=run.accountant_method
+        epsilon=2, delta=1e-5, sampling_rate=0.25, rounds=5, method=run.settings.privacy.accountant
     )
     quiet = DPBandMFStrategy(
         build_run_context(
@@ -307,7 +307,7 @@ def test_auto_bands_trade_correlation_against_amplification(tmp_path):
     assert errors[large - 1] == min(errors) < errors[0]
     run = build_run_context([*DIGITS, "num_rounds=6", "strategy=dp_bandmf", "privacy.epsilon=8"], tmp_path)
     strategy = DPBandMFStrategy(run)  # the default is auto; N / m = 4 groups at most
-    assert run.cfg.strategy.bands == "auto" and 1 <= strategy.num_groups <= 4
+    assert run.settings.strategy_settings.bands == "auto" and 1 <= strategy.num_groups <= 4
     assert strategy.num_groups == choose_bands(
         epsilon=8.0, delta=1e-5, num_clients=12, clients_per_round=3, rounds=6, momentum=0.0
     )

@@ -253,7 +253,9 @@ def test_a_round_decodes_exactly_the_sum_of_the_clients_noisy_vectors(tmp_path, 
     step = decode_modular_sum(expected, plan=strategy.plan, signs=signs, size=strategy.size) / 6
     np.testing.assert_allclose(flat_vector(new) - flat_vector(arrays), step, atol=1e-6)
     assert strategy.report_round(1).extras["secure_aggregation"] == "released: sum of 6 clients"
-    one_round = compose_epsilon({strategy.plan.mechanism: 1}, delta=strategy.run.delta, method="rdp").epsilon
+    one_round = compose_epsilon(
+        {strategy.plan.mechanism: 1}, delta=strategy.run.settings.privacy.delta, method="rdp"
+    ).epsilon
     assert strategy.epsilon().epsilon == pytest.approx(one_round)  # 1 of the 2 planned participations
     assert one_round < 8.0
 

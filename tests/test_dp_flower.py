@@ -52,7 +52,7 @@ def test_dp_flowers_epsilon_is_the_pld_of_its_rounds(tmp_path):
     accountant = dpa.pld.PLDAccountant()
     event = dpa.PoissonSampledDpEvent(0.5, dpa.GaussianDpEvent(strategy.noise_multiplier))
     accountant.compose(event, 3)
-    expected = accountant.get_epsilon(strategy.run.delta)
+    expected = accountant.get_epsilon(strategy.run.settings.privacy.delta)
     assert strategy.epsilon().epsilon == pytest.approx(expected, rel=1e-3)
     assert strategy.epsilon().epsilon == pytest.approx(4.0, rel=1e-3)  # calibrated to the budget
     summary = strategy.report_run(arrays).privacy.summary

@@ -28,7 +28,7 @@ from fl_app.privacy.calibration import (
     local_update_sensitivity,
 )
 from fl_app.training import model_to_arrays
-from fl_app.validation import ConfigError
+from fl_app.validation import ConfigError, typed_settings, validate_config
 from strategies.fedavg_ldp import FedAvgLDPStrategy
 
 DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=5", "strategy=fedavg_ldp"]
@@ -133,7 +133,6 @@ def test_per_round_scope_calibrates_one_upload(tmp_path):
     ],
 )
 def test_validation(override, key):
-    from fl_app.validation import validate_config
 
     with pytest.raises(ConfigError) as error:
         validate_config(compose_config([*DIGITS, override]), check_data=False)
@@ -179,7 +178,7 @@ def test_balanced_schedule_gives_every_report_the_whole_budget(tmp_path, strateg
 
 def test_unknown_schedule_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"strategy\.schedule"):
-        FedAvgLDPStrategy.declaration.validate(compose_config([*DIGITS, "strategy.schedule=round_robin"]))
+        typed_settings(compose_config([*DIGITS, "strategy.schedule=round_robin"]))
 
 
 @pytest.mark.parametrize("project", [True, False])

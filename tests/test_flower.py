@@ -34,7 +34,7 @@ def one_round(strategy, grid: InProcessGrid, server_round: int = 1, arrays=None)
 
 def strategy_of(tmp_path, *overrides: str):
     run = build_run_context([*SHAPE, *overrides], tmp_path)
-    return STRATEGIES.get(str(run.cfg.strategy.name))(run)
+    return STRATEGIES.get(run.settings.strategy)(run)
 
 
 def test_flowers_fedavg_averages_as_dpfls_fedavg_does(tmp_path):

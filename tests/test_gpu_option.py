@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAST, build_run_context, make_context, make_message, numpy_close, spec_config
+from conftest import (
+    FAST,
+    build_run_context,
+    make_context,
+    make_message,
+    numpy_close,
+    settings_of,
+    spec_config,
+)
 
 from clients.fedavg import FedAvgClient
 from clients.kd_dp import KDDPTeacherClient
@@ -35,9 +43,9 @@ def test_client_gpus_needs_a_cuda_device_and_a_share_in_0_1(monkeypatch):
 
 
 def test_client_gpus_reach_ray_and_the_train_config(tmp_path):
-    assert backend_config(compose_config(FAST))["client_resources"] == {"num_cpus": 1.0, "num_gpus": 0.0}
+    assert backend_config(settings_of(FAST))["client_resources"] == {"num_cpus": 1.0, "num_gpus": 0.0}
     gpu = [*FAST, "simulation.client_gpus=0.25"]
-    assert backend_config(compose_config(gpu))["client_resources"]["num_gpus"] == 0.25
+    assert backend_config(settings_of(gpu))["client_resources"]["num_gpus"] == 0.25
     # the CPU default adds no key (messages and their metered bytes stay what they were)
     cpu_record = STRATEGIES.get("fedavg")(build_run_context(FAST, tmp_path)).base_config(1)
     assert keys.DEVICE not in cpu_record

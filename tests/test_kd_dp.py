@@ -42,7 +42,7 @@ from fl_app.privacy.dp_sgd import (
 )
 from fl_app.privacy.events import Gaussian, PrivacyEvent, RandomizedResponse, SampledGaussian
 from fl_app.training import load_arrays, model_to_arrays
-from fl_app.validation import ConfigError
+from fl_app.validation import ConfigError, validate_config
 from strategies.kd_dp.privacy import GENERAL, LARGE, SPECIAL_CLIENT_ID, group_by_size, split_kd_dp_budget
 from strategies.kd_dp.strategy import KDDPStrategy
 
@@ -322,7 +322,7 @@ def test_experiment_preset_is_the_benchmark_setting():
     )
     explicit = compose_config(setting.split(" "))
     assert preset == explicit
-    KDDPStrategy.declaration.validate(preset)
+    validate_config(preset, check_data=False)
 
 
 def test_regime_preset_groups_exactly_the_large_tier_and_its_arms_differ_only_in_the_budget_use():
@@ -348,7 +348,7 @@ def test_regime_preset_groups_exactly_the_large_tier_and_its_arms_differ_only_in
         for arm in ("kd_dp", "kd_dp_label_free", "fed_dp_sgd")
     }
     for cfg in arms.values():
-        KDDPStrategy.declaration.validate(cfg)
+        validate_config(cfg, check_data=False)
     assert (arms["kd_dp"].strategy.epsilon_special, arms["kd_dp"].strategy.teacher_rounds) == (2, 5)
     assert (
         arms["kd_dp_label_free"].strategy.epsilon_special,

@@ -21,6 +21,7 @@ from conftest import (
     make_context,
     make_message,
     reply_to,
+    settings_of,
     spec_config,
 )
 from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType
@@ -172,8 +173,8 @@ def _reports_reply(message, vectors: np.ndarray):
 
 
 def test_stage_is_off_unless_configured(tmp_path):
-    assert evaluation_stage(compose_config(DIGITS)) is None
-    assert evaluation_stage(compose_config(STAGE)) is LaplaceEvalStage
+    assert evaluation_stage(settings_of(DIGITS)) is None
+    assert evaluation_stage(settings_of(STAGE)) is LaplaceEvalStage
     strategy = FedAvgStrategy(build_run_context(DIGITS, tmp_path))
     assert list(strategy.configure_evaluate(1, strategy.initial_arrays(), ConfigRecord(), grid=None)) == []
 

@@ -10,6 +10,10 @@ from pathlib import Path
 from types import ModuleType
 
 import psutil
+import pytest
+
+pytestmark = pytest.mark.subprocess  # runs the command in subprocesses: not in the fast tier
+
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "local_deployment.py"
 

@@ -48,7 +48,15 @@ import numpy as np
 import pytest
 import torch
 from algorithm_tests import declared
-from conftest import InProcessGrid, client_for, dense_lower_toeplitz, error_reply, make_context, reply_to
+from conftest import (
+    InProcessGrid,
+    client_for,
+    dense_lower_toeplitz,
+    error_reply,
+    make_context,
+    reply_to,
+    settings_of,
+)
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 from torch import nn
 
@@ -58,8 +66,7 @@ from clients.dpfl_bnn import BNN_PACKED_SIGNS, BNN_STATE_LATENT, unpack_signs
 from clients.laplace_eval import INFERENCE_REPORTS
 from clients.privatekt import KT_LABELS, KT_LABELS_ARRAY, decode_labels
 from fl_app import keys
-from fl_app.config import compose_config
-from fl_app.data.federated import ClientDataset, DataSpec, federated_data
+from fl_app.data.federated import ClientDataset, federated_data
 from fl_app.model_spec import ModelSpec
 from fl_app.models import MODELS
 from fl_app.privacy import calibration, composition, distributed
@@ -162,18 +169,15 @@ def held(monkeypatch: pytest.MonkeyPatch) -> dict[int, ClientDataset]:
 
 def audit_run(overrides: Sequence[str], tmp_path: Path, sizes: Sequence[int], delta: float) -> RunContext:
     """The platform's RunContext for a federation whose clients hold ``sizes`` examples."""
-    cfg = compose_config([*COMMON, f"num_clients={len(sizes)}", f"privacy.delta={delta}", *overrides])
-    spec = DataSpec.from_config(cfg)
-    data = federated_data(spec)
+    settings = settings_of([*COMMON, f"num_clients={len(sizes)}", f"privacy.delta={delta}", *overrides])
+    data = federated_data(settings.data)
     roster = [ClientInfo(i, 1000 + i, int(n)) for i, n in enumerate(sizes)]
     model = ModelSpec(
-        STRATEGIES.get(str(cfg.strategy.name)).declaration.model_name(cfg, data.input_shape),
+        STRATEGIES.get(settings.strategy).declaration.model_name(settings, data.input_shape),
         data.input_shape,
         data.num_classes,
     )
-    return make_run_context(
-        cfg, roster=roster, data=data, data_spec=spec, model_spec=model, output_dir=tmp_path
-    )
+    return make_run_context(settings, roster=roster, data=data, model_spec=model, output_dir=tmp_path)
 
 
 def zero_model(run: RunContext) -> ArrayRecord:
@@ -371,7 +375,7 @@ def central_update_audit(
     reported = STRATEGIES.get(name)(run)
     list(reported.configure_train(1, start, ConfigRecord(), grid=None))
     reported.aggregate_train(1, [])
-    return Audited(audit(*outputs, delta=run.delta), float(reported.epsilon().epsilon))
+    return Audited(audit(*outputs, delta=run.settings.privacy.delta), float(reported.epsilon().epsilon))
 
 
 @audit_of("dp_fedavg_adaptive", rounds=4000, power=0.1)  # as dp_fedavg; the count is not looked at
@@ -455,7 +459,7 @@ def dp_bandmf_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int)
     ]
     reporter = reseeded(STRATEGIES.get("dp_bandmf")(run), 99_999)
     released(reporter, True)
-    return Audited(audit(*outputs, delta=run.delta), float(reporter.epsilon().epsilon))
+    return Audited(audit(*outputs, delta=run.settings.privacy.delta), float(reporter.epsilon().epsilon))
 
 
 def shifted(arrays: ArrayRecord, update: np.ndarray) -> ArrayRecord:
@@ -505,7 +509,7 @@ def dp_fedavg_secagg_audit(tmp_path: Path, held: dict[int, ClientDataset], trial
         outputs.append(np.asarray(values))
     reporter = reseeded(STRATEGIES.get("dp_fedavg_secagg")(run), 99_999)
     released(reporter)
-    return Audited(audit(*outputs, delta=run.delta), float(reporter.epsilon().epsilon))
+    return Audited(audit(*outputs, delta=run.settings.privacy.delta), float(reporter.epsilon().epsilon))
 
 
 @audit_of("fedavg_ldp", rounds=1500, power=0.3)
@@ -520,7 +524,7 @@ def fedavg_ldp_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int
     strategy = STRATEGIES.get("fedavg_ldp")(run)
     start = zero_model(run)
     a, b = repeat(strategy, start, held, (ZEROS, OTHERS), projection(bias_direction(start)), trials)
-    return Audited(audit(a, b, delta=run.delta), reported_after_one_round(strategy, start))
+    return Audited(audit(a, b, delta=run.settings.privacy.delta), reported_after_one_round(strategy, start))
 
 
 @audit_of("nbafl", rounds=1500, power=0.3)  # client level: uploads exactly 2C apart
@@ -549,7 +553,7 @@ def nbafl_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> 
     a, b = repeat(strategy, start, held, (ZEROS, OTHERS), released, trials)
     fresh = STRATEGIES.get("nbafl")(run)
     held[0] = ZEROS
-    return Audited(audit(a, b, delta=run.delta), reported_after_one_round(fresh, start))
+    return Audited(audit(a, b, delta=run.settings.privacy.delta), reported_after_one_round(fresh, start))
 
 
 @audit_of("privatekt", rounds=1500, power=0.5)
@@ -573,7 +577,10 @@ def privatekt_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int)
 
     a, b = repeat(strategy, start, held, (ZEROS, OTHERS), zeros_reported, trials)
     held[0] = ZEROS
-    return Audited(audit(a, b, delta=run.delta, discrete=True), reported_after_one_round(strategy, start))
+    return Audited(
+        audit(a, b, delta=run.settings.privacy.delta, discrete=True),
+        reported_after_one_round(strategy, start),
+    )
 
 
 @audit_of("dpfl_bnn", rounds=1000, power=0.3)
@@ -614,7 +621,7 @@ def dpfl_bnn_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) 
         return float(np.sum(unpack_signs(packed, d, dtype=np.float64) > 0))
 
     a, b = repeat(strategy, start, held, (ZEROS, ZEROS), ones, trials, context=with_latent)
-    return Audited(audit(a, b, delta=run.delta), reported_after_one_round(strategy, start))
+    return Audited(audit(a, b, delta=run.settings.privacy.delta), reported_after_one_round(strategy, start))
 
 
 @audit_of("kd_dp", rounds=1000, power=0.25)
@@ -651,7 +658,7 @@ def kd_dp_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> 
         trials,
     )
     held[0] = examples([*background, 0])
-    return Audited(audit(a, b, delta=run.delta), reported_after_one_round(strategy, start))
+    return Audited(audit(a, b, delta=run.settings.privacy.delta), reported_after_one_round(strategy, start))
 
 
 @audit_of("laplace_eval", rounds=2000, power=0.4)
@@ -693,7 +700,7 @@ def laplace_eval_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: i
             values.append(float(vectors[0, 0] - vectors[0, 1]))
         outputs.append(np.asarray(values))
     stage.aggregate_evaluate(1, [reply])
-    return Audited(audit(*outputs, delta=run.delta), float(stage.ledger.example_epsilon()))
+    return Audited(audit(*outputs, delta=run.settings.privacy.delta), float(stage.ledger.example_epsilon()))
 
 
 #: Each private algorithm's one-round audit: name -> (audit, rounds per input, the least fraction of the

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DP_FEDAVG_RUN, build_run_context, error_reply, reply_to
+from conftest import DP_FEDAVG_RUN, build_run_context, error_reply, reply_to, settings_of
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
 from fl_app import calculator as cli
 from fl_app import keys
 from fl_app.config import compose_config
-from fl_app.data.federated import DataSpec, federated_data
+from fl_app.data.federated import federated_data
 from fl_app.model_spec import ModelSpec
 from fl_app.privacy.rng import RandomSource
 from fl_app.results import OUTSIDE_GUARANTEE_NOTE, RunRecorder
@@ -51,19 +51,16 @@ DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=
 
 def platform_run(overrides: list[str], tmp_path: Path, roster: list[ClientInfo] | None = None) -> RunContext:
     """The RunContext the platform builds (``fl_app.run.make_run_context``) for ``overrides``."""
-    cfg = compose_config(overrides)
-    spec = DataSpec.from_config(cfg)
-    data = federated_data(spec)
+    settings = settings_of(overrides)
+    data = federated_data(settings.data)
     if roster is None:
         roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
     model_spec = ModelSpec(
-        STRATEGIES.get(str(cfg.strategy.name)).declaration.model_name(cfg, data.input_shape),
+        STRATEGIES.get(settings.strategy).declaration.model_name(settings, data.input_shape),
         data.input_shape,
         data.num_classes,
     )
-    return make_run_context(
-        cfg, roster=roster, data=data, data_spec=spec, model_spec=model_spec, output_dir=tmp_path
-    )
+    return make_run_context(settings, roster=roster, data=data, model_spec=model_spec, output_dir=tmp_path)
 
 
 def zeros_like(arrays: ArrayRecord) -> ArrayRecord:
@@ -82,7 +79,7 @@ def test_secure_runs_with_one_config_draw_different_poisson_cohorts(tmp_path):
     overrides = [*DIGITS, "strategy=dp_fedavg", "privacy.secure_rng=true", "num_rounds=12"]
     first = DPFedAvgStrategy(platform_run(overrides, tmp_path))
     second = DPFedAvgStrategy(platform_run(overrides, tmp_path))
-    assert first.run.noise.secure and first.run.cfg.seed == second.run.cfg.seed
+    assert first.run.noise.secure and first.run.settings.seed == second.run.settings.seed
     assert cohorts(first) != cohorts(second)
     # ... and the accountant credits amplification (a Poisson-sampled event for every client).
     first.configure_train(1, first.initial_arrays(), ConfigRecord(), grid=None)
@@ -122,17 +119,17 @@ def test_a_seeded_run_says_its_cohort_and_noise_are_reproducible(tmp_path):
 
 
 def test_default_noise_seed_is_derived_from_seed_and_the_whole_configuration():
-    cfg = compose_config([*DIGITS, "strategy=dp_fedavg"])
-    source = noise_source(cfg)
+    settings = settings_of([*DIGITS, "strategy=dp_fedavg"])
+    source = noise_source(settings)
     assert not source.secure
-    assert source.seed != cfg.seed  # not the published `seed`
-    assert noise_source(compose_config([*DIGITS, "strategy=dp_fedavg"])).seed == source.seed  # reproducible
+    assert source.seed != settings.seed  # not the published `seed`
+    assert noise_source(settings_of([*DIGITS, "strategy=dp_fedavg"])).seed == source.seed  # reproducible
     for change in ("privacy.epsilon=2", "seed=43", "strategy.clip=0.5", "num_rounds=5"):
-        assert noise_source(compose_config([*DIGITS, "strategy=dp_fedavg", change])).seed != source.seed
+        assert noise_source(settings_of([*DIGITS, "strategy=dp_fedavg", change])).seed != source.seed
     for same in ("output_dir=/tmp/elsewhere", "simulation.client_cpus=0.5", "evaluation.every=2"):
-        assert noise_source(compose_config([*DIGITS, "strategy=dp_fedavg", same])).seed == source.seed
-    assert noise_source(compose_config([*DIGITS, "privacy.noise_seed=7"])).seed == 7
-    assert noise_source(compose_config([*DIGITS, "privacy.secure_rng=true"])).secure
+        assert noise_source(settings_of([*DIGITS, "strategy=dp_fedavg", same])).seed == source.seed
+    assert noise_source(settings_of([*DIGITS, "privacy.noise_seed=7"])).seed == 7
+    assert noise_source(settings_of([*DIGITS, "privacy.secure_rng=true"])).secure
 
 
 def _central_noise(tmp_path: Path, epsilon: float) -> np.ndarray:
@@ -205,11 +202,11 @@ def test_dpfl_bnn_local_model_diagnostic_is_opt_in_outside_the_guarantee():
 
 
 def test_unnoised_statistics_are_written_only_in_the_marked_block(tmp_path):
-    cfg = compose_config(DIGITS)
+    settings = settings_of(DIGITS)
     spec = ModelSpec("mlp", (1, 8, 8), 10)
     for enabled in (False, True):
         out = tmp_path / str(enabled)
-        recorder = RunRecorder(out, cfg, diagnostics=enabled)
+        recorder = RunRecorder(out, settings, diagnostics=enabled)
         recorder.add_round({"round": 1, "accuracy": 0.5, "loss": 1.0, "epsilon": 1.0})
         recorder.add_diagnostics(1, {"update_norm_median": 3.0, "clipped_fraction": 0.5})
         results = recorder.finalize(
@@ -235,8 +232,8 @@ def test_unnoised_statistics_are_written_only_in_the_marked_block(tmp_path):
 
 
 def test_outside_guarantee_block_is_opt_in_and_never_written_on_devices():
-    assert not diagnostics_enabled(compose_config(DIGITS), devices=False)
-    wanted = compose_config([*DIGITS, "privacy.diagnostics=true"])
+    assert not diagnostics_enabled(settings_of(DIGITS), devices=False)
+    wanted = settings_of([*DIGITS, "privacy.diagnostics=true"])
     assert diagnostics_enabled(wanted, devices=False)
     assert not diagnostics_enabled(wanted, devices=True)
 
@@ -291,8 +288,8 @@ def test_laplace_evaluation_default_fits_in_privacy_epsilon_and_enters_the_total
     """The evaluation used to default to 230,260 per report and never entered rounds[].epsilon."""
     overrides = [*DIGITS, "strategy=dp_fedavg", "evaluation=laplace_eval", "privacy.epsilon=4"]
     run = platform_run(overrides, tmp_path)
-    assert run.cfg.privacy.epsilon == pytest.approx(3.6)  # training gets the rest of the budget
-    assert run.cfg.evaluation.epsilon_budget == pytest.approx(0.4)
+    assert run.settings.privacy.epsilon == pytest.approx(3.6)  # training gets the rest of the budget
+    assert run.settings.stage_settings.epsilon_budget == pytest.approx(0.4)
     stage = LaplaceEvalStage(DPFedAvgStrategy(run))
     largest = max(info.num_examples for info in run.roster)
     assert stage.plan.epsilon_per_report == pytest.approx(0.4 / (largest * 4))

@@ -14,6 +14,7 @@ from conftest import (
     error_reply,
     make_context,
     reply_to,
+    settings_of,
 )
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
@@ -212,7 +213,7 @@ def test_client_reply_holds_only_k_perturbed_labels(tmp_path):
     from fl_app.training import predict_proba
 
     model = client.global_model()
-    data = federated_data(strategy.run.data_spec)
+    data = federated_data(strategy.run.settings.data)
     client.train_locally(model, *(lambda d: (d.x, d.y))(client.local_data()))
     predicted = predict_proba(model, data.public_x()[strategy._kt[1]]).argmax(axis=1)
     assert labels.tolist() == predicted.tolist()
@@ -438,9 +439,9 @@ def test_first_round_transfer_samples_follow_first_draw(tmp_path, first_draw):
 def test_model_auto_is_the_authors_cnn_on_28x28_images():
     from fl_app.models import build_model
 
-    cfg = compose_config(["strategy=privatekt", "dataset=fashion_mnist"])
-    assert PrivateKTStrategy.declaration.model_name(cfg, (1, 28, 28)) == "privatekt_cnn"
-    assert PrivateKTStrategy.declaration.model_name(cfg, (1, 8, 8)) == "mlp"  # digits: too small for it
+    settings = settings_of(["strategy=privatekt", "dataset=fashion_mnist"])
+    assert PrivateKTStrategy.declaration.model_name(settings, (1, 28, 28)) == "privatekt_cnn"
+    assert PrivateKTStrategy.declaration.model_name(settings, (1, 8, 8)) == "mlp"  # digits: too small
     model = build_model("privatekt_cnn", (1, 28, 28), 10)
     assert sum(p.numel() for p in model.parameters()) == 1_682_890  # the authors' ~1.68 M
     assert sum(isinstance(m, torch.nn.Dropout) for m in model.modules()) == 5

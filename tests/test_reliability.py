@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import settings_of
 from omegaconf import OmegaConf
 
 from fl_app.checkpoint import CHECKPOINT_FILE, load_checkpoint, read_header
@@ -257,7 +258,7 @@ def test_checkpoint_rebinds_clients_and_context_to_the_resumed_run(tmp_path):
     other = build_run_context(overrides, tmp_path)
     other.roster[:] = [type(c)(c.client_id, c.node_id + 500, c.num_examples) for c in other.roster]
     restored = load_checkpoint(tmp_path, other).strategy
-    assert restored.run is other and restored.cfg is other.cfg
+    assert restored.run is other and restored.run.settings is other.settings
     assert [c.node_id for c in restored.cohorts.planned[1]] == [1500, 1501, 1502]
     assert restored.replies.selected(1) == [] and strategy.replies.selected(1)  # the original keeps it
     assert restored.noise_multiplier == strategy.noise_multiplier
@@ -451,7 +452,7 @@ def test_a_round_that_breaks_the_failure_rule_is_neither_recorded_nor_checkpoint
     from dataclasses import replace
 
     from fl_app.results import RunRecorder
-    from fl_app.run import RoundReporter
+    from fl_app.round_reporter import RoundReporter
 
     run = build_run_context([*FAST, "strategy=fedavg", "num_rounds=3"], tmp_path)
     strategy = STRATEGIES.get("fedavg")(run)
@@ -469,7 +470,7 @@ def test_a_round_that_breaks_the_failure_rule_is_neither_recorded_nor_checkpoint
         ]
     )
     monkeypatch.setattr(type(strategy), "report_round", lambda self, server_round: next(reports))
-    recorder = RunRecorder(run.output_dir, run.cfg)
+    recorder = RunRecorder(run.output_dir, run.settings)
     test = run.data.test()
     reporter = RoundReporter(
         strategy, Grid(), recorder, test.x, test.y, num_rounds=3, every=1, max_failure_fraction=0.5
@@ -679,8 +680,8 @@ def test_a_rounds_writes_do_not_grow_with_the_run_and_resume_restores_the_record
 
     from fl_app.results import METRICS_FILE, ROUNDS_FILE, RunRecorder
 
-    cfg = compose_config([*FAST, "strategy=fedavg"])
-    recorder = RunRecorder(tmp_path, cfg)
+    settings = settings_of([*FAST, "strategy=fedavg"])
+    recorder = RunRecorder(tmp_path, settings)
     states, metrics_sizes = {}, {}
     for server_round in range(1, 301):
         recorder.add_round({"round": server_round, "accuracy": 0.5, "loss": 1.0, "epsilon": None})
@@ -693,7 +694,7 @@ def test_a_rounds_writes_do_not_grow_with_the_run_and_resume_restores_the_record
     state = recorder.state()
     recorder.add_round({"round": 301, "accuracy": 0.6, "loss": 0.9, "epsilon": None})  # after the checkpoint
 
-    resumed = RunRecorder(tmp_path, cfg)
+    resumed = RunRecorder(tmp_path, settings)
     resumed.restore(state)
     assert resumed.rounds == recorder.rounds[:300]
     assert len((tmp_path / ROUNDS_FILE).read_text().splitlines()) == 300

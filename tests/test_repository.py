@@ -393,7 +393,9 @@ def test_no_import_cycles_among_the_projects_modules(tmp_path):
 
 
 def test_every_algorithm_is_registered_where_the_platform_expects_it():
-    """One declaration per algorithm; this names what a new one still lacks (docs/DEVELOPING.md).
+    """One declaration per algorithm; this names what a new one still lacks.
+
+    docs/contributing/adding-an-algorithm.md says how to add one.
 
     Its conf file (or a ``store_strategy_config`` of its module), its declared quick example, its
     end-to-end audit when it is private by default (``@audit_of`` in tests/test_privacy_end_to_end.py
@@ -401,6 +403,7 @@ def test_every_algorithm_is_registered_where_the_platform_expects_it():
     Nothing else: suite rounds, checks, deployment settings all come from the declaration.
     """
     from fl_app.config import compose_config
+    from fl_app.validation import typed_settings
     from strategies import STRATEGIES
     from strategies.contract import COMPARISONS
     from tests.test_privacy_end_to_end import AUDITS
@@ -420,7 +423,10 @@ def test_every_algorithm_is_registered_where_the_platform_expects_it():
             lacks.append(f"conf/strategy/{name}.yaml")
         if declaration.quick is None:
             lacks.append("a quick example (Declaration(quick=QuickExample(...)))")
-        if declaration.is_private(compose_config([f"strategy={name}"])) and name not in AUDITS:
+        if (
+            declaration.is_private(typed_settings(compose_config([f"strategy={name}"])))
+            and name not in AUDITS
+        ):
             lacks.append("an end-to-end audit (PRIVACY_AUDIT in tests/test_<name>.py)")
         for group in COMPARISONS:
             if (group in declaration.comparisons) != (name in arms[group]):
@@ -429,3 +435,60 @@ def test_every_algorithm_is_registered_where_the_platform_expects_it():
             missing[name] = lacks
     assert missing == {}
     assert not (conf / "examples").exists()  # quick examples live in the declarations
+
+
+#: The modules that compose, validate and read the configuration (and the entry points that compose a
+#: job); everything else reads the typed :class:`fl_app.run_settings.RunSettings` (issue 56).
+CONFIG_MODULES = {
+    "fl_app/config.py",
+    "fl_app/validation.py",
+    "fl_app/config_checks.py",
+    "fl_app/run_settings.py",
+    "fl_app/overrides.py",
+    "fl_app/fingerprint.py",
+    "fl_app/conf_dir.py",
+    "fl_app/engine/hydra.py",
+    "fl_app/__main__.py",
+    "fl_app/api.py",
+    "fl_app/resume.py",
+    "fl_app/sweep_resume.py",
+    "strategies/settings.py",
+}
+
+
+def raw_config_reads(path: Path) -> list[str]:
+    """Reads of a composed configuration in ``path``: ``cfg.x``, ``cfg[x]``, ``self.cfg...``, ``f(cfg)``."""
+    import ast
+
+    def is_cfg(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "cfg") or (
+            isinstance(node, ast.Attribute) and node.attr == "cfg"
+        )
+
+    reads = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute | ast.Subscript) and is_cfg(node.value):
+            reads.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call) and any(is_cfg(argument) for argument in node.args):
+            reads.append(f"{node.lineno}: {ast.unparse(node)[:80]}")
+        elif isinstance(node, ast.Name) and node.id == "DictConfig":
+            reads.append(f"{node.lineno}: DictConfig")
+    return reads
+
+
+def test_nothing_reads_the_raw_configuration_after_validation(tmp_path):
+    """Issue 56: past composition and validation, code reads typed settings, never the ``DictConfig``.
+
+    (126 raw reads outside these modules before, by this check at commit d5874e7.)
+    """
+    reads = {
+        path.relative_to(ROOT).as_posix(): found
+        for folder in ("fl_app", "strategies", "clients")
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if path.relative_to(ROOT).as_posix() not in CONFIG_MODULES and (found := raw_config_reads(path))
+    }
+    assert reads == {}
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f(run):\n    return run.cfg.lr, cfg['x'], g(cfg)\n")
+    assert len(raw_config_reads(probe)) == 3
+    assert all((ROOT / module).exists() for module in CONFIG_MODULES)

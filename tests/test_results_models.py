@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import settings_of
 
 from fl_app.config import compose_config
 from fl_app.model_spec import ModelSpec
@@ -26,8 +27,8 @@ def test_json_safe_makes_strict_json():
 
 
 def test_recorder_writes_the_contract(tmp_path):
-    cfg = compose_config(["dataset=digits", "strategy=fedavg"])
-    recorder = RunRecorder(tmp_path, cfg)
+    settings = settings_of(["dataset=digits", "strategy=fedavg"])
+    recorder = RunRecorder(tmp_path, settings)
     recorder.initial = {"accuracy": 0.1, "loss": 2.3}
     for r in (1, 2):
         recorder.add_round(
@@ -91,7 +92,7 @@ def test_tracking_logs_the_finite_numbers_of_each_record_and_refuses_what_it_can
     }
     assert make_tracker("none", tmp_path, config_text="") is None
     tracker = make_tracker("tensorboard", tmp_path, config_text="seed: 1")
-    recorder = RunRecorder(tmp_path, compose_config(["dataset=digits"]), tracker=tracker)
+    recorder = RunRecorder(tmp_path, settings_of(["dataset=digits"]), tracker=tracker)
     recorder.add_initial({"accuracy": 0.1, "loss": 2.3})
     recorder.add_round({"round": 1, "accuracy": 0.4, "loss": 1.5, "epsilon": 0.25})
     tracker.close()

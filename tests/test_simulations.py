@@ -2,13 +2,13 @@
 
 Each algorithm declares a quick example (``python -m fl_app +experiment=quick strategy=<name>``,
 :class:`strategies.contract.QuickExample`): a shape and a budget where it learns. The full examples
-(1-2 minutes each, measured values in the README) are too long for the suite, so each runs here as a
-real Ray-backed simulation with fewer rounds (its ``suite_rounds``) and must still beat chance clearly
-(a quick example that stopped learning, a default that diverges or a budget too small for its shape,
-fails here), spend the example's budget in the unit its results name and not more, and show what the
-algorithm releases, round by round (``check_quick_example`` in the algorithm's own test module,
-``tests/test_<name>.py``: the cohort, the reports, the bytes, the accountant's epsilon against an
-independent computation).
+(1-2 minutes each, measured values in docs/algorithms/README.md) are too long for the suite, so each
+runs here as a real Ray-backed simulation with fewer rounds (its ``suite_rounds``) and must still beat
+chance clearly (a quick example that stopped learning, a default that diverges or a budget too small
+for its shape, fails here), spend the example's budget in the unit its results name and not more, and
+show what the algorithm releases, round by round (``check_quick_example`` in the algorithm's own test
+module, ``tests/test_<name>.py``: the cohort, the reports, the bytes, the accountant's epsilon against
+an independent computation).
 """
 
 from __future__ import annotations

@@ -64,15 +64,15 @@ class DataSpec:
     _key: str = field(default="", compare=False, repr=False)
 
     @classmethod
-    def from_config(cls, cfg: Mapping[str, Any]) -> DataSpec:
-        """Build the spec from a composed run configuration."""
-        evaluation = cfg.get("evaluation") or {}
+    def from_config(cls, composed: Mapping[str, Any]) -> DataSpec:
+        """Build the spec from a composed run configuration (read once, by :mod:`fl_app.run_settings`)."""
+        evaluation = composed.get("evaluation") or {}
         validation = evaluation.get("split", "test") == "validation"
         return cls(
-            dataset=dict(cfg["dataset"]),
-            partition=dict(cfg["partition"]),
-            num_clients=int(cfg["num_clients"]),
-            seed=int(cfg["seed"]),
+            dataset=dict(composed["dataset"]),
+            partition=dict(composed["partition"]),
+            num_clients=int(composed["num_clients"]),
+            seed=int(composed["seed"]),
             validation_fraction=float(evaluation["validation_fraction"]) if validation else 0.0,
         )
 

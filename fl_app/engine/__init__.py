@@ -16,6 +16,8 @@ replaces and why:
 * :mod:`~fl_app.engine.messages`: message sizes, reply ids and senders, the task identity;
 * :mod:`~fl_app.engine.logs`: Flower's console handler;
 * :mod:`~fl_app.engine.tooling`: the ``flwr`` CLI's FAB builder and config file;
+* :mod:`~fl_app.engine.secagg`: SecAgg+'s client mod, with masks from the whole agreed key, and the
+  primitives the server's side of the protocol needs;
 * :mod:`~fl_app.engine.hydra`: Hydra's global state and its basic sweeper's job split.
 
 One patch lives outside this package: ``dpfl_env.py`` (imported by the environment's ``.pth`` at the

@@ -5,7 +5,8 @@
 registered node* for that node's next message, and each ask walks every stored message:
 ``N x stored`` checks per sweep, ten sweeps a second, for the whole run. At 1000 nodes and 100
 messages in flight that is a CPU core spent on dispatch (the cross-device round was 7.7x plain
-PyTorch, BENCHMARKS.md), and the 1000-message roster query alone took 30 s. The replacement walks
+PyTorch, docs/benchmarks/platform.md), and the 1000-message roster query alone took 30 s. The
+replacement walks
 the stored messages once per sweep, hands out the same messages (undelivered, not expired, one per
 node per sweep, marked delivered exactly as ``get_message_ins`` does), and polls with an interval
 that adapts to its own cost instead of a fixed 100 ms. Other LinkState implementations fall back

@@ -9,7 +9,7 @@ and checks.
 
 **Masks.** Flower's ``pseudo_rand_gen`` seeds numpy's ``RandomState`` with 32 bits folded from the
 256-bit secret, which lets a curious server recover a survivor's vector when one pairwise mask is
-all that hides it (docs/distributed_dp.md). :func:`secure_aggregation_mod` is Flower's
+all that hides it (docs/algorithms/distributed_dp.md). :func:`secure_aggregation_mod` is Flower's
 ``secaggplus_mod`` with one stage replaced: in the collect stage the self mask and the pairwise
 masks come from :func:`fl_app.privacy.masks.mask_arrays` (ChaCha20 keyed by HKDF-SHA256 of the
 whole secret), and the server removes them with the same function. The setup stage is Flower's,

@@ -50,14 +50,13 @@ from typing import Any
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 from flwr.common import log
-from omegaconf import DictConfig
 
 from fl_app.config_checks import ConfigError, require_int
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
 from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, SampledGaussian
 from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext, resolve_clients_per_round
+from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
@@ -98,14 +97,13 @@ def group_sampling_rate(*, num_clients: int, clients_per_round: int, bands: int)
     return min(rate, 1.0)
 
 
-def check(cfg: DictConfig) -> None:
+def check(run: RunSettings) -> None:
     """The groups must hold a cohort (``clients_per_round * bands <= num_clients``)."""
-    settings = DPBandMFSettings.from_config(cfg)
-    run = RunSettings.from_config(cfg)
+    settings: DPBandMFSettings = run.strategy_settings
     if settings.bands != "auto":
         group_sampling_rate(
             num_clients=run.num_clients,
-            clients_per_round=resolve_clients_per_round(run.clients_per_round, run.num_clients),
+            clients_per_round=run.cohort,
             bands=int(settings.bands),
         )
 
@@ -201,12 +199,12 @@ class DPBandMFStrategy(FederatedStrategy):
     def __init__(self, run: RunContext, settings: DPBandMFSettings | None = None) -> None:
         super().__init__(run, settings)
         settings = self.settings
-        self.num_rounds = run.num_rounds
+        self.num_rounds = run.settings.num_rounds
         if settings.bands == "auto":
             #: Groups of clients (= bands, unless there are fewer rounds than groups).
             self.num_groups = choose_bands(
-                epsilon=run.epsilon,
-                delta=run.delta,
+                epsilon=run.settings.privacy.epsilon,
+                delta=run.settings.privacy.delta,
                 num_clients=run.num_clients,
                 clients_per_round=run.clients_per_round,
                 rounds=self.num_rounds,
@@ -227,15 +225,15 @@ class DPBandMFStrategy(FederatedStrategy):
             self.noise_multiplier = settings.noise_multiplier
         else:
             self.noise_multiplier = dp_fedavg_noise_multiplier(
-                epsilon=run.epsilon,
-                delta=run.delta,
+                epsilon=run.settings.privacy.epsilon,
+                delta=run.settings.privacy.delta,
                 sampling_rate=self.rate,
                 rounds=self.steps,
-                method=run.accountant_method,
+                method=run.settings.privacy.accountant,
             )
         self.noise = CorrelatedNoise(self.matrix.coefficients, sigma=self.noise_multiplier * settings.clip)
         self.accountant = PrivacyAccountant(
-            population=run.client_ids, unit=self.privacy_unit, method=run.accountant_method
+            population=run.client_ids, unit=self.privacy_unit, method=run.settings.privacy.accountant
         )
         self.secret_cohort = self.rate < 1.0
         self.server_optimizer = ServerMomentum(lr=settings.server_lr, momentum=settings.server_momentum)

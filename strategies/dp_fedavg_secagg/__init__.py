@@ -8,7 +8,7 @@ The algorithm's home (with ``clients/dp_fedavg_secagg.py`` and ``conf/strategy/d
   Flower's primitives.
 
 The mechanism itself (rotation, rounding, Skellam noise, its RDP and calibration) is
-:mod:`fl_app.privacy.distributed`; docs/distributed_dp.md has the threat model.
+:mod:`fl_app.privacy.distributed`; docs/algorithms/distributed_dp.md has the threat model.
 """
 
 from fl_app.registry import lazy_exports

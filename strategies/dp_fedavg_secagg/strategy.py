@@ -28,7 +28,7 @@ that round; a client's rounds compose by RDP (the mechanism's own bound; no PLD)
 come from :func:`fl_app.privacy.distributed.plan_skellam`: the largest scale whose sum fits in
 ``strategy.bits`` with ``strategy.k_stddevs`` standard deviations, and the smallest noise with
 which the busiest client of the schedule ends at ``privacy.epsilon``. Trust: an honest-but-curious
-server that runs the protocol as written and honest clients; docs/distributed_dp.md states the
+server that runs the protocol as written and honest clients; docs/algorithms/distributed_dp.md states the
 threat model and what breaks it.
 
 Released: the models only. The replies carry no loss and no example count (SecAgg+ hides each
@@ -50,7 +50,6 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import bytes_to_ndarray, log
 from flwr.serverapp import Grid
-from omegaconf import DictConfig
 
 from clients.dp_fedavg_secagg import ECHOED, ROTATION_SEED, SECAGG_PLAN
 from fl_app import keys
@@ -65,7 +64,7 @@ from fl_app.privacy.distributed import (
     rotation_signs,
 )
 from fl_app.privacy.events import PrivacyEvent
-from fl_app.run_context import RunContext, resolve_clients_per_round
+from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
@@ -104,20 +103,20 @@ class DPFedAvgSecAggSettings(StrategySettings):
         return max(shares // 2 + 1, math.ceil(self.threshold * shares - 1e-9))
 
 
-def model_size(cfg: DictConfig) -> int:
+def model_size(run: RunSettings) -> int:
     """Number of parameters of the run's network (the rotation's length before padding).
 
     Needs the data set's shape: the data and its split are checked first (each a one-line
     ``ConfigError``; the split is built once per process and reused by the run's own check).
     """
-    from fl_app.data.federated import DataSpec, federated_data
+    from fl_app.data.federated import federated_data
     from fl_app.model_spec import ModelSpec
     from fl_app.validation import check_partitions, locate_data
 
-    locate_data(cfg)
-    check_partitions(cfg)
-    data = federated_data(DataSpec.from_config(cfg))
-    name = DPFedAvgSecAggStrategy.declaration.model_name(cfg, data.input_shape)
+    locate_data(run)
+    check_partitions(run)
+    data = federated_data(run.data)
+    name = DPFedAvgSecAggStrategy.declaration.model_name(run, data.input_shape)
     model = ModelSpec(name, data.input_shape, data.num_classes).build()
     return int(sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()))
 
@@ -126,10 +125,10 @@ def model_size(cfg: DictConfig) -> int:
 _plan = functools.lru_cache(maxsize=32)(plan_skellam)
 
 
-def skellam_plan(cfg: DictConfig, settings: DPFedAvgSecAggSettings, *, size: int) -> SkellamPlan:
+def skellam_plan(run: RunSettings, *, size: int) -> SkellamPlan:
     """The run's plan; :class:`ConfigError` naming ``strategy.bits`` when the sum cannot fit."""
-    run = RunSettings.from_config(cfg)
-    cohort = min(resolve_clients_per_round(run.clients_per_round, run.num_clients), run.num_clients)
+    settings: DPFedAvgSecAggSettings = run.strategy_settings
+    cohort = min(run.cohort, run.num_clients)
     passes = max(1, run.num_clients // cohort)
     participations = math.ceil(run.num_rounds / passes)
     try:
@@ -149,18 +148,16 @@ def skellam_plan(cfg: DictConfig, settings: DPFedAvgSecAggSettings, *, size: int
         raise ConfigError("strategy.bits", settings.bits, f"too small: {error}") from None
 
 
-def check(cfg: DictConfig) -> None:
+def check(run: RunSettings) -> None:
     """The plan must exist (enough bits for the cohort, the model and the budget)."""
-    settings = DPFedAvgSecAggSettings.from_config(cfg)
-    run = RunSettings.from_config(cfg)
-    if resolve_clients_per_round(run.clients_per_round, run.num_clients) < MIN_SUM:
+    if run.cohort < MIN_SUM:
         raise ConfigError(
             "clients_per_round",
-            cfg.clients_per_round,
+            run.clients_per_round,
             f"must be at least {MIN_SUM} clients for secure aggregation (a released sum holds at least "
             f"{MIN_SUM}: from a sum of 2 each client learns the other's vector)",
         )
-    skellam_plan(cfg, settings, size=model_size(cfg))
+    skellam_plan(run, size=model_size(run))
 
 
 @register_strategy("dp_fedavg_secagg")
@@ -214,17 +211,17 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
     def __init__(self, run: RunContext, settings: DPFedAvgSecAggSettings | None = None) -> None:
         super().__init__(run, settings)
         settings = self.settings
-        self.cohorts.plan(self.cohorts.seeded_schedule(run.num_rounds, balanced=True))
+        self.cohorts.plan(self.cohorts.seeded_schedule(run.settings.num_rounds, balanced=True))
         self.max_participations = max_participations(self.cohorts.planned)
         self.size = int(sum(int(np.prod(a.shape)) for a in self.initial_arrays().values()))
-        self.plan = skellam_plan(run.cfg, settings, size=self.size)
+        self.plan = skellam_plan(run.settings, size=self.size)
         if self.max_participations > self.plan.participations:
             raise RuntimeError("the schedule gives a client more rounds than the calibration counted")
         self.survivors = self.plan.survivors
         self.denominator = float(run.clients_per_round)
-        self.timeout = float(run.cfg.simulation.timeout)
+        self.timeout = run.settings.simulation.timeout
         self.accountant = PrivacyAccountant(
-            population=run.client_ids, unit=self.privacy_unit, method=run.accountant_method
+            population=run.client_ids, unit=self.privacy_unit, method=run.settings.privacy.accountant
         )
         self._secagg: SecAggRound | None = None
         self._aborted: str | None = None
@@ -422,7 +419,7 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
             **super().privacy_summary(),
             "adversary": (
                 "the server (honest but curious: runs SecAgg+ as written) and anyone who sees the models; "
-                "the clients are honest; see docs/distributed_dp.md"
+                "the clients are honest; see docs/algorithms/distributed_dp.md"
             ),
             "plan": self.plan.to_json(),
             "rounding_beta": self.settings.rounding_beta,

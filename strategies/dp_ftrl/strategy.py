@@ -135,19 +135,19 @@ class DPFTRLStrategy(FederatedStrategy):
 
     def __init__(self, run: RunContext, settings: DPFTRLSettings | None = None) -> None:
         super().__init__(run, settings)
-        self.num_rounds = self.run.num_rounds
+        self.num_rounds = self.run.settings.num_rounds
         self.cohort_size = run.clients_per_round
         self.rounds_per_epoch = run.num_clients // self.cohort_size
         self.schedule = self._public_schedule()
-        self.method = self.run.accountant_method
+        self.method = self.run.settings.privacy.accountant
         self._leaves = self._leaves_by_client()
         worst = self._worst_histories()
         if self.settings.noise_multiplier is not None:
             self.noise_multiplier = self.settings.noise_multiplier
         else:
             self.noise_multiplier = noise_multiplier_for_histories(
-                epsilon=self.run.epsilon,
-                delta=run.delta,
+                epsilon=self.run.settings.privacy.epsilon,
+                delta=run.settings.privacy.delta,
                 histories_of=worst,
                 method=self.method,
             )
@@ -346,7 +346,7 @@ class DPFTRLStrategy(FederatedStrategy):
             "clip": self.settings.clip,
             "restart": self.settings.restart,
             "schedule": (
-                f"public and seeded (seed {self.run.seed}): per epoch a permutation of the "
+                f"public and seeded (seed {self.run.settings.seed}): per epoch a permutation of the "
                 f"{self.run.num_clients} clients cut into {self.rounds_per_epoch} cohorts of "
                 f"{self.cohort_size}; no sampling amplification"
             ),

@@ -1,7 +1,7 @@
 """DPFL-BNN's accounting: RR_gamma on every uploaded bit, in the client unit and the document's.
 
 "Differentially Private Federated Learning with Binary Neural Networks" (DPFL-BNN; the seed
-document, Definition 3 and Theorem 1; ``docs/dpfl_bnn.md``). Each upload carries the ``d``
+document, Definition 3 and Theorem 1; ``docs/algorithms/dpfl_bnn.md``). Each upload carries the ``d``
 binary weights of a client's model, each kept with probability ``1/2 + gamma`` and flipped
 otherwise (:class:`~fl_app.privacy.events.BinaryRandomizedResponse`). A client's data set decides
 all ``d`` bits, so one upload is ``d`` uses of the mechanism in the client unit (the headline

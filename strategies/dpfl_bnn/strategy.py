@@ -50,7 +50,6 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
-from omegaconf import DictConfig
 
 from clients.dpfl_bnn import (
     BNN_ADAM_BETA1,
@@ -72,6 +71,7 @@ from fl_app import keys
 from fl_app.config_checks import ConfigError
 from fl_app.metering import content_bytes
 from fl_app.run_context import RunContext
+from fl_app.run_settings import RunSettings
 from fl_app.training import evaluate, load_arrays
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
@@ -101,17 +101,17 @@ class DPFLBNNSettings(StrategySettings):
     local_eval_every: int = integer(minimum=1)
     local_eval_test_subset: int | None = integer(minimum=1, optional=True)
 
-    def check(self, cfg: DictConfig) -> None:
+    def check(self, run: RunSettings) -> None:
         """A gamma only with noise; a whole-run calibration; diagnostics opted into."""
         if self.gamma is not None and self.noise == "none":
             raise ConfigError("strategy.gamma", self.gamma, "must be null with strategy.noise=none")
-        if self.gamma is None and self.noise == "rr" and cfg.privacy.budget_scope != "total":
+        if self.gamma is None and self.noise == "rr" and run.privacy.budget_scope != "total":
             raise ConfigError(
                 "privacy.budget_scope",
-                cfg.privacy.budget_scope,
+                run.privacy.budget_scope,
                 "must be total: DPFL-BNN calibrates gamma for the whole run (Theorem 1 over num_rounds)",
             )
-        if self.local_eval_clients > 0 and self.noise == "rr" and not cfg.privacy.get("diagnostics", False):
+        if self.local_eval_clients > 0 and self.noise == "rr" and not run.privacy.diagnostics:
             raise ConfigError(
                 "strategy.local_eval_clients",
                 self.local_eval_clients,
@@ -120,10 +120,10 @@ class DPFLBNNSettings(StrategySettings):
             )
 
 
-def check_binary_model(cfg: DictConfig) -> None:
+def check_binary_model(run: RunSettings) -> None:
     """DPFL-BNN trains its binary network: ``model`` is auto or bnn_cnn."""
-    if cfg.model not in ("auto", MODEL_NAME):
-        raise ConfigError("model", cfg.model, f"dpfl_bnn trains its binary network: auto or {MODEL_NAME}")
+    if run.model not in ("auto", MODEL_NAME):
+        raise ConfigError("model", run.model, f"dpfl_bnn trains its binary network: auto or {MODEL_NAME}")
 
 
 @register_strategy("dpfl_bnn")
@@ -137,7 +137,7 @@ class DPFLBNNStrategy(FederatedStrategy):
         mechanism=MECHANISM,
         client="dpfl_bnn",
         settings=DPFLBNNSettings,
-        model=lambda cfg, shape: MODEL_NAME,
+        model=lambda run, shape: MODEL_NAME,
         canaries=(
             "uploads randomized-response bits of binary weights: the analogue is a canary bit pattern, "
             "measured by the final binary weights' agreement with it; not built "
@@ -148,8 +148,8 @@ class DPFLBNNStrategy(FederatedStrategy):
             "(never sent), which a new simulation starts afresh"
         ),
         release_hint=" (strategy.local_eval_clients runs the document's local-model diagnostic)",
-        private=lambda cfg: str(cfg.strategy.noise) != "none",
-        check=lambda cfg: check_binary_model(cfg),
+        private=lambda run: run.strategy_settings.noise != "none",
+        check=check_binary_model,
         quick=QuickExample(
             overrides=(
                 "model=auto",
@@ -188,24 +188,24 @@ class DPFLBNNStrategy(FederatedStrategy):
         self.shapes = [tuple(p.shape) for p in parameters.values()]
         self.num_bits = int(sum(p.numel() for p in parameters.values()))
         self.noise = settings.noise == "rr"
-        self.rounds = self.run.num_rounds
+        self.rounds = self.run.settings.num_rounds
         self.ledger: BinaryRRLedger | None = None
         if self.noise:
             plan = GammaPlan.make(
                 gamma=settings.gamma,
                 calibration=settings.calibration,
-                epsilon=self.run.epsilon,
-                delta=run.delta,
+                epsilon=self.run.settings.privacy.epsilon,
+                delta=run.settings.privacy.delta,
                 rounds=self.rounds,
                 num_bits=self.num_bits,
-                method=self.run.accountant_method,
+                method=self.run.settings.privacy.accountant,
             )
             self.ledger = BinaryRRLedger(
                 plan=plan,
                 num_bits=self.num_bits,
                 population=run.client_ids,
-                method=self.run.accountant_method,
-                delta=run.delta,
+                method=self.run.settings.privacy.accountant,
+                delta=run.settings.privacy.delta,
             )
             self.accountant = self.ledger.accountant
         else:
@@ -235,7 +235,7 @@ class DPFLBNNStrategy(FederatedStrategy):
         if self.ledger is None:
             log(INFO, "DPFL-BNN: noise-free BNN (no RR), d=%d binary weights: not private", self.num_bits)
             return
-        plan, target = self.ledger.plan, self.run.epsilon
+        plan, target = self.ledger.plan, self.run.settings.privacy.epsilon
         log(
             INFO,
             "DPFL-BNN: gamma=%.6g (flip probability %.6g; %s), d=%d bits per upload; epsilon after %d "
@@ -246,7 +246,7 @@ class DPFLBNNStrategy(FederatedStrategy):
             plan.source,
             self.num_bits,
             self.rounds,
-            self.run.delta,
+            self.run.settings.privacy.delta,
             plan.client_level,
             plan.per_coordinate,
         )
@@ -254,7 +254,7 @@ class DPFLBNNStrategy(FederatedStrategy):
             log(
                 WARNING,
                 "DPFL-BNN: the client-level epsilon (%.6g) exceeds privacy.epsilon=%g; the per-coordinate "
-                "epsilon is not a guarantee for a client's data set (see docs/dpfl_bnn.md)",
+                "epsilon is not a guarantee for a client's data set (see docs/algorithms/dpfl_bnn.md)",
                 plan.client_level,
                 target,
             )
@@ -270,8 +270,8 @@ class DPFLBNNStrategy(FederatedStrategy):
         """``lr * lr_decay ** floor((t - 1) / lr_decay_every)`` (0.1 every 40 rounds in the document)."""
         every = self.settings.lr_decay_every
         if every is None:
-            return self.run.lr
-        return self.run.lr * self.settings.lr_decay ** ((server_round - 1) // every)
+            return self.run.settings.lr
+        return self.run.settings.lr * self.settings.lr_decay ** ((server_round - 1) // every)
 
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """gamma, beta, local steps, Adam, d and the decayed learning rate."""
@@ -405,7 +405,9 @@ class DPFLBNNStrategy(FederatedStrategy):
             }
         )
         if self.ledger is not None:
-            summary.update(self.ledger.summary(target_epsilon=self.run.epsilon, rounds=self.rounds))
+            summary.update(
+                self.ledger.summary(target_epsilon=self.run.settings.privacy.epsilon, rounds=self.rounds)
+            )
         if self.settings.local_eval_clients > 0:
             summary["diagnostics_outside_accounting"] = (
                 "outside_guarantee.rounds[].local_model_accuracy: clients report the test accuracy of "

@@ -1,7 +1,7 @@
 """KD-DP's accounting: per-client DP-SGD plans, the two ledgers, and how they compose.
 
 Tan, Xu, Wang, Luo, Computer Science 51(6A), 2024, 230600002 (the design: ``strategies/kd_dp.py``;
-the reading: ``docs/kd_dp.md``). Two units, never mixed:
+the reading: ``docs/algorithms/kd_dp.md``). Two units, never mixed:
 
 * **one training example of a federated client** (add or remove; record-level DP): each client's
   local DP-SGD, planned by :class:`DPSGDGroupPlan` and recorded in :attr:`KDDPLedger.accountant`;

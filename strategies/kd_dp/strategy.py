@@ -4,7 +4,7 @@ Tan, Xu, Wang, Luo, "Differential Privacy Federated Learning Method Based on
 Knowledge Distillation" (基于知识蒸馏的差分隐私联邦学习方法), Computer Science
 (计算机科学) 51(6A), 2024, 230600002. Only the abstract is available; it gives
 the design (1-4 below), not the details. Every detail it leaves open is a choice,
-listed with its reason in ``docs/kd_dp.md``.
+listed with its reason in ``docs/algorithms/kd_dp.md``.
 
 1. Clients are grouped by (public) data size into large-data and general clients
    (:func:`group_by_size`: ``n_k >= strategy.large_threshold``, or the
@@ -40,7 +40,6 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
-from omegaconf import DictConfig
 
 from clients.kd_dp import (
     KDDP_CLIP,
@@ -111,7 +110,7 @@ class KDDPSettings(StrategySettings):
             total=total, epsilon_special=self.epsilon_special, epsilon_general=self.epsilon_general
         )
 
-    def check(self, cfg: DictConfig) -> None:
+    def check(self, run: RunSettings) -> None:
         """Grouping, stages, the budget split (within ``privacy.epsilon``), a public split to label."""
         if (self.large_threshold is None) == (self.large_fraction is None):
             raise ConfigError(
@@ -120,7 +119,7 @@ class KDDPSettings(StrategySettings):
                 "set exactly one of strategy.large_threshold and strategy.large_fraction "
                 f"(got {self.large_fraction!r})",
             )
-        rounds = RunSettings.from_config(cfg).num_rounds
+        rounds = run.num_rounds
         teacher = self.stage_rounds(rounds)
         if teacher > 0 and rounds < 2:
             raise ConfigError(
@@ -133,7 +132,7 @@ class KDDPSettings(StrategySettings):
                 self.epsilon_special,
                 "must be null with strategy.teacher_rounds=0 (no teacher, no pseudo-labels to protect)",
             )
-        total = RunSettings.from_config(cfg).privacy.epsilon
+        total = run.privacy.epsilon
         if self.epsilon_special is not None and self.epsilon_special >= total:
             raise ConfigError(
                 "strategy.epsilon_special",
@@ -148,10 +147,10 @@ class KDDPSettings(StrategySettings):
                 f"must be <= privacy.epsilon={total:g} (null: the total)",
             )
         self.budget(total)
-        if teacher > 0 and float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
+        if teacher > 0 and float(run.data.dataset.get("public_fraction", 0.0)) <= 0:
             raise ConfigError(
                 "dataset.public_fraction",
-                cfg.dataset.get("public_fraction", 0.0),
+                run.data.dataset.get("public_fraction", 0.0),
                 "kd_dp needs a public split to pseudo-label: must be > 0",
             )
 
@@ -201,8 +200,8 @@ class KDDPStrategy(FederatedStrategy):
     def __init__(self, run: RunContext, settings: KDDPSettings | None = None) -> None:
         super().__init__(run, settings)
         settings = self.settings
-        self.num_rounds = self.run.num_rounds
-        self.budget: KDDPBudget = settings.budget(self.run.epsilon)
+        self.num_rounds = self.run.settings.num_rounds
+        self.budget: KDDPBudget = settings.budget(self.run.settings.privacy.epsilon)
         self.teacher_rounds = settings.stage_rounds(self.num_rounds)
         large, general = self._groups()
         self.teacher_per_round = min(settings.teacher_clients_per_round or len(large), len(large))
@@ -217,7 +216,7 @@ class KDDPStrategy(FederatedStrategy):
             cohorts = [clients for r, clients in self._schedule.items() if self.stage(r) == stage]
             plan.calibrate(
                 Counter(c.client_id for clients in cohorts for c in clients),
-                delta=run.delta,
+                delta=run.settings.privacy.delta,
                 method=self.ACCOUNTANT_METHOD,
             )
         self.ledger = KDDPLedger(
@@ -226,7 +225,7 @@ class KDDPStrategy(FederatedStrategy):
             budget=self.budget,
             num_classes=int(run.model_spec.num_classes),
             method=self.ACCOUNTANT_METHOD,
-            delta=run.delta,
+            delta=run.settings.privacy.delta,
         )
         self.accountant = self.ledger.accountant
         self.special: SpecialPseudoClient | None = None
@@ -256,8 +255,8 @@ class KDDPStrategy(FederatedStrategy):
                 name,
                 {client: self.run.info(client).num_examples for client in ids},
                 epsilon=epsilon,
-                batch_size=self.run.batch_size,
-                local_epochs=self.run.local_epochs,
+                batch_size=self.run.settings.batch_size,
+                local_epochs=self.run.settings.local_epochs,
             )
         except ValueError as error:
             raise ConfigError("num_clients", self.run.num_clients, str(error)) from error
@@ -366,7 +365,14 @@ class KDDPStrategy(FederatedStrategy):
             rng = self.run.randomness.generator("kd-dp-special-data-order", server_round=server_round)
             forward = self.settings.special_loss == "forward"
             spec = self.run.model_spec
-            arrays, loss = self.special.train_from(spec, start, cfg=self.cfg, rng=rng, correction=forward)
+            run = self.run.settings
+            sgd = {
+                "local_epochs": run.local_epochs,
+                "batch_size": run.batch_size,
+                "lr": run.lr,
+                "momentum": run.momentum,
+            }
+            arrays, loss = self.special.train_from(spec, start, sgd=sgd, rng=rng, correction=forward)
             self._special_loss[server_round] = metrics["kd-dp-special-train-loss"] = loss
             records.append(arrays)
             weights.append(float(len(self.special)))

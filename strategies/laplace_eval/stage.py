@@ -23,7 +23,7 @@ uses of ``Laplace(2 / b)`` (its data set decides all ``n_c`` of its vectors) com
 training's epsilon; ``rounds[].epsilon_training`` is the training stage alone.
 
 Budget: ``evaluation.laplace_eval_eps: null`` (default) gives the evaluation ``budget_fraction``
-of ``privacy.epsilon`` and the training the rest (:meth:`LaplaceEvalStage.training_config`), with
+of ``privacy.epsilon`` and the training the rest (:meth:`LaplaceEvalStage.training_settings`), with
 ``budget / (max_c n_c x evaluation rounds)`` per report; a number sets the per-report epsilon
 (the document's 230260: ``+experiment=laplace_eval``) and the total reports what both cost.
 
@@ -48,7 +48,6 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common import log
 from flwr.serverapp import Grid
-from omegaconf import DictConfig
 
 from clients.laplace_eval import (
     EVAL_SENSITIVITY,
@@ -59,7 +58,6 @@ from clients.laplace_eval import (
     reported_vectors,
 )
 from fl_app import keys
-from fl_app.config import with_values
 from fl_app.config_checks import ConfigError
 from fl_app.privacy.accountant import LEDGER_FILE, PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
@@ -103,11 +101,11 @@ class LaplaceEvalSettings(StrategySettings):
     eval_type: tuple[str, ...] = names(EVAL_TYPES)
     cluster_every: int = integer(minimum=1)
     silhouette_sample_size: int | None = integer(minimum=2, optional=True)
-    #: Set by :meth:`LaplaceEvalStage.training_config`: the evaluation's share of ``privacy.epsilon``.
+    #: Set by :meth:`LaplaceEvalStage.training_settings`: the evaluation's share of ``privacy.epsilon``.
     epsilon_budget: float | None = field(default=None)
 
     @classmethod
-    def missing_text(cls, cfg: DictConfig) -> str:
+    def missing_text(cls, strategy: str) -> str:
         """The stage's keys come with its config group."""
         return "missing: select the stage with evaluation=laplace_eval"
 
@@ -116,9 +114,9 @@ class LaplaceEvalSettings(StrategySettings):
         """Whether the stage calibrates its noise from a share of ``privacy.epsilon``."""
         return self.privacy_eval_type == LAPLACE and self.laplace_eval_eps is None
 
-    def check(self, cfg: DictConfig) -> None:
+    def check(self, run: RunSettings) -> None:
         """A total budget to split."""
-        if self.calibrated and cfg.privacy.budget_scope != "total":
+        if self.calibrated and run.privacy.budget_scope != "total":
             raise ConfigError(
                 "evaluation.laplace_eval_eps",
                 None,
@@ -126,11 +124,11 @@ class LaplaceEvalSettings(StrategySettings):
                 "default splits a total budget",
             )
 
-    def budget(self, cfg: DictConfig) -> float:
+    def budget(self, run: RunSettings) -> float:
         """The evaluation's share of the per-client epsilon (set by the budget split, or the fraction)."""
         if self.epsilon_budget is not None:
             return self.epsilon_budget
-        return RunSettings.from_config(cfg).privacy.epsilon * self.budget_fraction
+        return run.privacy.epsilon * self.budget_fraction
 
 
 @register_evaluation_stage(STAGE_NAME)
@@ -140,14 +138,14 @@ class LaplaceEvalStage(EvaluationStage):
     def __init__(self, strategy: Strategy) -> None:
         super().__init__(strategy)
         run = strategy.run
-        self.settings = settings = LaplaceEvalSettings.from_config(run.cfg)
-        self.num_rounds = run.num_rounds
+        self.settings = settings = run.settings.stage_settings
+        self.num_rounds = run.settings.num_rounds
         self.clients_per_evaluation = min(settings.cluster_client_num, run.num_clients)
         self.evaluation_rounds = sum(1 for t in range(1, self.num_rounds + 1) if self.evaluates(t))
         self.plan = LaplaceReportPlan.for_settings(
             laplace=settings.privacy_eval_type == LAPLACE,
             epsilon=settings.laplace_eval_eps,
-            budget=settings.budget(run.cfg),
+            budget=settings.budget(run.settings),
             largest_client=max(1, max(info.num_examples for info in run.roster)),
             rounds=self.evaluation_rounds,
             sensitivity=settings.sensitivity,
@@ -160,8 +158,8 @@ class LaplaceEvalStage(EvaluationStage):
             population=run.client_ids,
             training_unit=strategy.declaration.unit,
             epsilon_per_report=None if self.plan is None else self.plan.epsilon_per_report,
-            delta=run.delta,
-            method=run.accountant_method,
+            delta=run.settings.privacy.delta,
+            method=run.settings.privacy.accountant,
         )
         self.replies = ReplyBook(run)
         self._training: EpsilonReport | None = None  # the training's epsilon after the last round
@@ -171,25 +169,19 @@ class LaplaceEvalStage(EvaluationStage):
         self._scores: dict[int, ClusteringScores] = {}
         self._train_loss: dict[int, float] = {}
 
-    @classmethod
-    def validate_config(cls, cfg: DictConfig) -> None:
-        """Check the stage's ``evaluation.*`` keys; raise :class:`ConfigError`."""
-        LaplaceEvalSettings.from_config(cfg)
+    settings_type = LaplaceEvalSettings
 
     @classmethod
-    def training_config(cls, cfg: DictConfig) -> DictConfig:
+    def training_settings(cls, settings: RunSettings) -> RunSettings:
         """Calibrated noise: training gets ``privacy.epsilon`` minus the evaluation's ``budget_fraction``."""
-        settings = LaplaceEvalSettings.from_config(cfg)
-        if not settings.calibrated:
-            return cfg
-        budget = settings.budget(cfg)
-        return with_values(
-            cfg,
-            {
-                "privacy.epsilon": RunSettings.from_config(cfg).privacy.epsilon - budget,
-                "evaluation.epsilon_budget": budget,
-            },
+        stage: LaplaceEvalSettings = settings.stage_settings
+        if not stage.calibrated:
+            return settings
+        budget = stage.budget(settings)
+        training = settings.with_values(
+            {"privacy.epsilon": settings.privacy.epsilon - budget, "evaluation.epsilon_budget": budget}
         )
+        return dataclasses.replace(training, stage_settings=dataclasses.replace(stage, epsilon_budget=budget))
 
     def describe(self) -> None:
         """The training strategy's header, then the stage's settings."""
@@ -216,7 +208,7 @@ class LaplaceEvalStage(EvaluationStage):
         A private strategy's is not: an un-noised training loss would leave the run outside its epsilon.
         """
         arrays, metrics = self.inner.aggregate_train(server_round, replies)
-        private = self.inner.declaration.is_private(self.run.cfg)
+        private = self.inner.declaration.is_private(self.run.settings)
         if not private and metrics is not None and keys.TRAIN_LOSS in metrics:
             self._train_loss[server_round] = float(metrics[keys.TRAIN_LOSS])
         return arrays, metrics
@@ -232,7 +224,7 @@ class LaplaceEvalStage(EvaluationStage):
         joint = None
         if state is not None and training is not None:
             accountant = PrivacyAccountant.from_state_dict(state)
-            if accountant.epsilon(delta=self.run.delta).epsilon == training.epsilon:
+            if accountant.epsilon(delta=self.run.settings.privacy.delta).epsilon == training.epsilon:
                 joint = accountant
         return self.ledger.total(training, joint_with=joint)
 
@@ -421,7 +413,9 @@ class LaplaceEvalStage(EvaluationStage):
             "stage": STAGE_NAME,
             "privacy_eval_type": self.settings.privacy_eval_type,
             **(clear if plan is None else plan.to_json()),
-            "training_budget": None if plan is None or plan.budget is None else self.run.epsilon,
+            "training_budget": None
+            if plan is None or plan.budget is None
+            else self.run.settings.privacy.epsilon,
             "evaluation_rounds": self.evaluation_rounds,
             **self.ledger.summary(),
             "ledger": None if plan is None else EVALUATION_LEDGER_FILE,

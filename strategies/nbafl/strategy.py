@@ -19,7 +19,7 @@ if ``T > epsilon / gamma``). Each round:
    (zero unless ``T`` exceeds the threshold) before the broadcast; the noised
    aggregate is the new global model.
 
-Privacy accounting (see ``docs/nbafl.md``). The reported epsilon comes from the
+Privacy accounting (see ``docs/algorithms/nbafl.md``). The reported epsilon comes from the
 accountant and is **client level**: one ``Gaussian(sigma_U / 2C)`` event per round for
 every scheduled client (failures included), composed over the uploads each client
 actually made. Any two data sets of a client give clipped parameter vectors at most
@@ -53,7 +53,6 @@ from typing import Any
 
 from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.common import log
-from omegaconf import DictConfig
 
 from clients.nbafl import NBAFL_CLIP, NBAFL_MU, NBAFL_SIGMA_UP
 from fl_app import keys
@@ -110,12 +109,12 @@ class NbAFLSettings(StrategySettings):
     sigma_up: float | None = non_negative(optional=True)
     sigma_down: float | None = non_negative(optional=True)
 
-    def check(self, cfg: DictConfig) -> None:
+    def check(self, run: RunSettings) -> None:
         """K at most N; the (epsilon, delta) the calibration targets."""
         if self.k is not None:
-            require_int("strategy.k", self.k, minimum=1, maximum=RunSettings.from_config(cfg).num_clients)
-        require_positive("privacy.epsilon", cfg.privacy.epsilon)
-        require_range("privacy.delta", cfg.privacy.delta, 0.0, 1.0, low_open=True, high_open=True)
+            require_int("strategy.k", self.k, minimum=1, maximum=run.num_clients)
+        require_positive("privacy.epsilon", run.privacy.epsilon)
+        require_range("privacy.delta", run.privacy.delta, 0.0, 1.0, low_open=True, high_open=True)
 
 
 @register_strategy("nbafl")
@@ -166,8 +165,8 @@ class NbAFLStrategy(FederatedStrategy):
         self.mu = settings.mu
         self.calibration = settings.calibration
         self.amplification = settings.amplification
-        self.num_rounds = self.run.num_rounds
-        self.epsilon_target = self.run.epsilon
+        self.num_rounds = self.run.settings.num_rounds
+        self.epsilon_target = self.run.settings.privacy.epsilon
         self.k = settings.k if settings.k is not None else run.clients_per_round
         if not 1 <= self.k <= run.num_clients:
             raise ValueError(f"K={self.k} clients per round is not in [1, N={run.num_clients}]")
@@ -195,12 +194,12 @@ class NbAFLStrategy(FederatedStrategy):
                 warnings.simplefilter("always", ClassicGaussianRangeWarning)
                 self.sigma_up = nbafl_uplink_sigma(
                     epsilon=self.epsilon_target,
-                    delta=run.delta,
+                    delta=run.settings.privacy.delta,
                     clip=self.clip,
                     min_dataset_size=self.min_dataset_size,
                     exposures=self.exposures,
                     calibration=self.calibration,
-                    method=self.run.accountant_method,
+                    method=self.run.settings.privacy.accountant,
                     unit=self.unit,
                 )
             self.sigma_up_source = f"calibration={self.calibration}, unit={self.unit}"
@@ -225,7 +224,7 @@ class NbAFLStrategy(FederatedStrategy):
         else:
             self.sigma_down = nbafl_downlink_sigma(
                 epsilon=self.epsilon_target,
-                delta=run.delta,
+                delta=run.settings.privacy.delta,
                 clip=self.clip,
                 # Theorem 1's 2C/m is the unit's sensitivity: 2C (m = 1) for the client unit
                 min_dataset_size=self.min_dataset_size if self.unit == "document_record" else 1,
@@ -240,10 +239,10 @@ class NbAFLStrategy(FederatedStrategy):
         self.document_accountant: PrivacyAccountant | None = None
         if self.sigma_up > 0:
             self.accountant = PrivacyAccountant(
-                population=run.client_ids, unit=CLIENT_UNIT, method=self.run.accountant_method
+                population=run.client_ids, unit=CLIENT_UNIT, method=self.run.settings.privacy.accountant
             )
             self.document_accountant = PrivacyAccountant(
-                population=run.client_ids, unit=RECORD_UNIT, method=self.run.accountant_method
+                population=run.client_ids, unit=RECORD_UNIT, method=self.run.settings.privacy.accountant
             )
         if self.unit == "document_record":
             log(
@@ -347,7 +346,7 @@ class NbAFLStrategy(FederatedStrategy):
         """The document's record-level reading of the worst client (None: no noise); not a guarantee."""
         if self.document_accountant is None:
             return None
-        return self.document_accountant.epsilon(delta=self.run.delta).epsilon
+        return self.document_accountant.epsilon(delta=self.run.settings.privacy.delta).epsilon
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
         """Uploads aggregated, downlink sigma used, the document's record-level reading so far."""
@@ -366,7 +365,8 @@ class NbAFLStrategy(FederatedStrategy):
             "document_reading": {
                 "unit": RECORD_UNIT,
                 "accountant": (
-                    f"{self.run.accountant_method}, Gaussian(sigma_U / (2C/m)) per upload: what the "
+                    f"{self.run.settings.privacy.accountant}, Gaussian(sigma_U / (2C/m)) per upload: what "
+                    "the "
                     "document's Delta s_U = 2C/m would give; not a guarantee for multi-step local SGD"
                 ),
                 "noise_multiplier": self.sigma_up / self.record_sensitivity,
@@ -374,7 +374,7 @@ class NbAFLStrategy(FederatedStrategy):
             },
             "budget": {
                 "epsilon": self.epsilon_target,
-                "delta": self.run.delta,
+                "delta": self.run.settings.privacy.delta,
                 "unit": self.unit,
                 "per_upload_epsilon": self.per_exposure_epsilon,
                 "classic_bound_holds": self.classic_bound_holds,
@@ -391,7 +391,7 @@ class NbAFLStrategy(FederatedStrategy):
             "clip": self.clip,
             "sensitivity": self.client_sensitivity,
             "sensitivity_document_record": self.record_sensitivity,
-            "c": classic_gaussian_constant(delta=self.run.delta),
+            "c": classic_gaussian_constant(delta=self.run.settings.privacy.delta),
             "m": self.min_dataset_size,
             "N": self.run.num_clients,
             "K": self.k,
@@ -417,7 +417,8 @@ class NbAFLStrategy(FederatedStrategy):
         if self.calibration == "classic" and not self.classic_bound_holds:
             return f"{reading}: not proven (epsilon/L >= 1, see warning); the accountant's epsilon is"
         return (
-            f"{reading}: (epsilon, L delta) = ({self.epsilon_target:g}, {self.exposures * self.run.delta:g}) "
+            f"{reading}: (epsilon, L delta) = ({self.epsilon_target:g}, "
+            f"{self.exposures * self.run.settings.privacy.delta:g}) "
             "by basic composition of L uploads at (epsilon/L, delta)"
         )
 
@@ -454,7 +455,7 @@ class NbAFLStrategy(FederatedStrategy):
             log(WARNING, "NbAFL: %s", self.range_warning)
         if self.sigma_up <= 0:
             log(WARNING, "NbAFL: sigma_U = 0: uploads are not noised, epsilon is reported as null (infinite)")
-        if self.run.federated_fraction > 0:
+        if self.run.settings.evaluation.federated_fraction > 0:
             log(
                 WARNING,
                 "NbAFL: federated evaluation sends un-noised local metrics; they are outside the guarantee",

@@ -55,7 +55,6 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid
-from omegaconf import DictConfig
 
 from clients.privatekt import (
     KT_INDICES,
@@ -68,7 +67,7 @@ from clients.privatekt import (
 )
 from fl_app import keys
 from fl_app.config_checks import ConfigError
-from fl_app.data.federated import DataSpec, federated_data
+from fl_app.data.federated import federated_data
 from fl_app.models import is_28x28_image
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import compose_epsilon
@@ -76,6 +75,7 @@ from fl_app.privacy.events import PrivacyEvent, RandomizedResponse
 from fl_app.privacy.mechanisms import debias_label_average
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
+from fl_app.run_settings import RunSettings
 from fl_app.training import has_dropout, load_arrays, model_to_arrays, predict_proba
 from strategies import register_strategy
 from strategies.base import FederatedStrategy, RecentRounds
@@ -105,10 +105,10 @@ SELF_TRAIN_INPUT_DROPOUT = 0.2
 MAX_CLASSES = 256
 
 
-def public_split_size(cfg: DictConfig) -> int | None:
-    """Rows of the public split of ``cfg`` (None when the data cannot be loaded here)."""
+def public_split_size(run: RunSettings) -> int | None:
+    """Rows of the run's public split (None when the data cannot be loaded here)."""
     try:
-        return len(federated_data(DataSpec.from_config(cfg)).public_rows)
+        return len(federated_data(run.data).public_rows)
     except (OSError, ValueError):  # missing files: locate_data reports them
         return None
 
@@ -139,15 +139,15 @@ class PrivateKTSettings(StrategySettings):
     send_kt_data: bool | None = flag(optional=True)
     schedule: str = one_of(SCHEDULES)
 
-    def check(self, cfg: DictConfig) -> None:
+    def check(self, run: RunSettings) -> None:
         """An unlabeled public split with at least K (and M) rows."""
-        if float(cfg.dataset.get("public_fraction", 0.0)) <= 0:
+        if float(run.data.dataset.get("public_fraction", 0.0)) <= 0:
             raise ConfigError(
                 "dataset.public_fraction",
-                cfg.dataset.get("public_fraction"),
+                run.data.dataset.get("public_fraction"),
                 "PrivateKT needs an unlabeled public split: must be > 0",
             )
-        public = public_split_size(cfg)
+        public = public_split_size(run)
         for key, value in (("strategy.k", self.k), ("strategy.self_train", self.self_train)):
             if public is not None and value is not None and value > public:
                 raise ConfigError(key, value, f"must be <= the public split size {public}")
@@ -167,7 +167,7 @@ class PrivateKTStrategy(FederatedStrategy):
         mechanism="k-ary randomized response on each of the K predicted labels (Eq. 2)",
         client="privatekt",
         settings=PrivateKTSettings,
-        model=lambda cfg, shape: PRIVATEKT_MODEL if is_28x28_image(shape) else None,
+        model=lambda run, shape: PRIVATEKT_MODEL if is_28x28_image(shape) else None,
         canaries=(
             "uploads labels (k-ary randomized response): the analogue is a canary label with a known "
             "answer, a membership test on the label histogram, not a cosine (see docs/empirical_privacy.md)"
@@ -209,29 +209,33 @@ class PrivateKTStrategy(FederatedStrategy):
                 "dataset", self.num_classes, f"PrivateKT sends labels as uint8: <= {MAX_CLASSES}"
             )
         self.buffer = KnowledgeBuffer(settings.buffer_size)
-        self.local_epochs = self.run.local_epochs if settings.local_epochs is None else settings.local_epochs
+        self.local_epochs = (
+            self.run.settings.local_epochs if settings.local_epochs is None else settings.local_epochs
+        )
         simulated = simulated_roster(run.roster)
         self.send_kt_data = not simulated if settings.send_kt_data is None else settings.send_kt_data
 
         self.cohorts.plan(
-            self.cohorts.seeded_schedule(self.run.num_rounds, balanced=settings.schedule == "balanced")
+            self.cohorts.seeded_schedule(
+                self.run.settings.num_rounds, balanced=settings.schedule == "balanced"
+            )
         )
         self.max_participations = max_participations(self.cohorts.planned)
-        self.budget_scope = self.run.budget_scope
-        self.method = self.run.accountant_method
+        self.budget_scope = self.run.settings.privacy.budget_scope
+        self.method = self.run.settings.privacy.accountant
         self.epsilon_per_label = privatekt_epsilon_per_label(
-            epsilon=self.run.epsilon,
+            epsilon=self.run.settings.privacy.epsilon,
             k=self.k,
             num_classes=self.num_classes,
             budget_scope=self.budget_scope,
             max_participations=max(self.max_participations, 1),
-            delta=run.delta,
+            delta=run.settings.privacy.delta,
             method=self.method,
         )
         self.mechanism = RandomizedResponse(self.epsilon_per_label, self.num_classes)
         self.beta = self.mechanism.keep_probability
         self.epsilon_per_round = compose_epsilon(
-            {self.mechanism: self.k}, delta=run.delta, method=self.method
+            {self.mechanism: self.k}, delta=run.settings.privacy.delta, method=self.method
         ).epsilon
         self.accountant = PrivacyAccountant(
             population=run.client_ids, unit=self.privacy_unit, method=self.method
@@ -340,7 +344,7 @@ class PrivateKTStrategy(FederatedStrategy):
 
         model = self.run.model_spec.build()
         load_arrays(model, global_arrays)
-        lr = self.run.lr
+        lr = self.run.settings.lr
         rows, targets = self.buffer.fetch()
         finetune_loss = fit_targets(
             model,
@@ -359,7 +363,7 @@ class PrivateKTStrategy(FederatedStrategy):
             pseudo = probabilities[chosen]
             if self.settings.self_train_targets == "hard":
                 pseudo = np.eye(self.num_classes)[pseudo.argmax(axis=1)]
-            batch = self.run.batch_size
+            batch = self.run.settings.batch_size
             self_train_loss = fit_targets(
                 model,
                 self.public_x[chosen],
@@ -397,11 +401,11 @@ class PrivateKTStrategy(FederatedStrategy):
     def privacy_summary(self) -> dict[str, Any]:
         """Budget scope, per-label / per-round / cumulative epsilon, beta and the schedule."""
         assert self.accountant is not None
-        cumulative = self.accountant.epsilon(delta=self.run.delta)
+        cumulative = self.accountant.epsilon(delta=self.run.settings.privacy.delta)
         return {
             **super().privacy_summary(),
             "budget_scope": self.budget_scope,
-            "epsilon_target": self.run.epsilon,
+            "epsilon_target": self.run.settings.privacy.epsilon,
             "epsilon_per_label": self.epsilon_per_label,
             "epsilon_per_round": self.epsilon_per_round,
             "epsilon_cumulative": cumulative.epsilon,
