@@ -1,12 +1,12 @@
-"""Assemble ``BENCHMARKS.md`` and the README's results section from generated benchmark pages.
+"""Build ``BENCHMARKS.md`` (an index), the pages' report tables and the README's headline table.
 
-Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
-``python -m fl_app.report`` wrote from the runs' ``results.json`` files:
+Every number in the benchmark pages comes from a benchmark script or ``python -m fl_app.report``,
+which wrote it from the runs' ``results.json`` files:
 
 * ``docs/benchmarks/platform.md``: ``python benchmarks/overhead.py section ...``;
 * ``docs/benchmarks/compare_all/report.md`` (+ its PNGs): ``python -m fl_app.report ... --out
   docs/benchmarks/compare_all``; ``docs/benchmarks/compare_all.md`` holds the commands and the
-  reading of that table (no numbers of its own);
+  reading of that table;
 * ``docs/benchmarks/cross_device.md`` with ``docs/benchmarks/cross_device/report.md``:
   ``python -m fl_app.report docs/benchmarks/cross_device/runs --out docs/benchmarks/cross_device``
   (the central arms' command and the reference, kept with ``benchmarks/keep_runs.py``), and its second
@@ -16,32 +16,35 @@ Every number in ``BENCHMARKS.md`` comes from a page that a benchmark script or
   ``python -m fl_app.report <sweep dir> --out docs/benchmarks/record_level``;
 * ``docs/benchmarks/empirical_privacy.md`` with ``docs/benchmarks/empirical_privacy/report.md``:
   ``python -m fl_app.report multirun/canaries --out docs/benchmarks/empirical_privacy``;
-* ``docs/benchmarks/deployment_load.md``: ``python benchmarks/serverapp_storm.py ...`` (its JSON lines
-  in ``docs/benchmarks/deployment_load/storm.jsonl``);
-* ``docs/benchmarks/startup.md``: ``python benchmarks/startup.py breakdown|sweep|population|commands ...``
-  (its runs in ``docs/benchmarks/startup/*.json``; ``python benchmarks/startup.py tables --out
-  docs/benchmarks/startup`` prints the tables);
+* ``docs/benchmarks/deployment_load.md``: ``python benchmarks/serverapp_storm.py ...``;
+* ``docs/benchmarks/startup.md``: ``python benchmarks/startup.py breakdown|sweep|population|commands ...``;
 * ``docs/benchmarks/pfl_research.md``: ``python -P benchmarks/pfl_compare.py table --out
-  docs/benchmarks/pfl_research --write-doc`` (its runs in ``docs/benchmarks/pfl_research/runs.json``);
-* ``docs/benchmarks/distributed_dp.md``: ``python -P benchmarks/distributed_dp.py table --write-doc``
-  (its runs in ``docs/benchmarks/distributed_dp/runs.json``);
+  docs/benchmarks/pfl_research --write-doc``;
+* ``docs/benchmarks/distributed_dp.md``: ``python -P benchmarks/distributed_dp.py table --write-doc``;
 * ``docs/benchmarks/<algorithm>.md``: each algorithm's benchmark script.
 
-This script only concatenates them (headings demoted one level, relative links rewritten for the
-repository root) and copies the cross-device comparison's table (``cross_device/report.md``,
-regenerated from the runs kept in ``docs/benchmarks/cross_device/runs/``) between the README's
-``<!-- RESULTS:BEGIN -->`` and ``<!-- RESULTS:END -->`` markers, and the further tables of
-:data:`README_BLOCKS` between theirs (the cross-device comparison's second table, the server not
-trusted, between ``<!-- UNTRUSTED:BEGIN -->`` and ``<!-- UNTRUSTED:END -->``; the record-level table
-between ``<!-- RECORD:BEGIN -->`` and ``<!-- RECORD:END -->``), so numbers are never typed by hand.
+This script types no number either. It does three things:
+
+1. **The pages' report tables.** A page marks where a ``python -m fl_app.report`` table of its own
+   goes: ``<!-- REPORT -->`` for ``docs/benchmarks/<page>/report.md``, ``<!-- REPORT:sub -->`` for
+   ``docs/benchmarks/<page>/sub/report.md``. The first build turns the marker into a block
+   (``<!-- REPORT:BEGIN -->`` ... ``<!-- REPORT:END -->``, or ``<!-- REPORT:sub:BEGIN -->`` ...)
+   holding a copy of that table, and every build after it refreshes the copy.
+2. **``BENCHMARKS.md``**: an index, one entry per page (:data:`ORDER`: its title, a one-line summary
+   and the link; a page not listed there is listed under "Other pages", never left out), the
+   history pages of ``docs/benchmarks/history/``, and the headline table.
+3. **The headline table** (:func:`headline_table`): the cross-device comparison's rows at epsilon 8
+   per client, tuned arms and the non-private reference, cut from its two ``report.md`` tables,
+   between the README's ``<!-- HEADLINE:BEGIN -->`` and ``<!-- HEADLINE:END -->`` (and in the index).
+
 Usage (from the repository root)::
 
     python -P benchmarks/build_docs.py [--from-runs] [--check]
 
 ``--from-runs`` first regenerates every table made from runs kept in the repository
 (:data:`KEPT_RUN_PAGES`: ``python -m fl_app.report <page>/runs --out <page>``, then the pages' own
-tables and plots of those runs), so that one command rebuilds the README's tables from the recorded
-runs. ``--check`` exits with status 1 if either file is not what the pages generate.
+tables and plots of those runs), so that one command rebuilds every table from the recorded runs.
+``--check`` writes nothing and exits with status 1 if any file is not what this script generates.
 """
 
 from __future__ import annotations
@@ -58,33 +61,109 @@ from benchmarks.tables import with_generated_block
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ROOT / "docs" / "benchmarks"
-#: Pages in BENCHMARKS.md order (missing pages are listed as missing, not skipped silently).
-ORDER = (
-    "platform",
-    "startup",
-    "partition_cache",
-    "pfl_research",
-    "deployment_load",
-    "cross_device",
-    "banded_mf",
-    "distributed_dp",
-    "record_level",
-    "compare_all",
-    "empirical_privacy",
-    "nbafl",
-    "privatekt",
-    "dpfl_bnn",
-    "kd_dp",
-    "laplace_eval",
-    "suite",
-    "blas_threads",
+HISTORY = PAGES / "history"
+#: The index: groups of (page, one-line summary), in BENCHMARKS.md order. A listed page that is
+#: missing is named as missing; a page that is not listed is still indexed (under "Other pages").
+ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    (
+        "Comparisons at an equal budget",
+        (
+            (
+                "cross_device",
+                "**The comparison**: every client-level arm at epsilon 1, 2, 4 and 8 per client in the "
+                "cross-device regime (N = 1000), the server trusted (central arms, tuned and untuned) and "
+                "not trusted (distributed and local DP); its first edition and the PLD re-run as history.",
+            ),
+            (
+                "record_level",
+                "KD-DP, federated DP-SGD and NbAFL in the same shape, per training example: a table of "
+                "their own, tuned and untuned rows, how the rules were chosen.",
+            ),
+            (
+                "banded_mf",
+                "The central arms' earlier run, on an earlier commit, with the tuning of banded MF and the "
+                "arithmetic of its band choice.",
+            ),
+            (
+                "distributed_dp",
+                "SecAgg+ with Skellam noise beside central DP-FedAvg on the same public schedule, per bit "
+                "width; masks from the whole key, before and after (issue 54).",
+            ),
+            (
+                "compare_all",
+                "The quick demo: every training algorithm at an equal budget on 20 clients, where the "
+                "client-level arms sit near chance.",
+            ),
+            (
+                "empirical_privacy",
+                "Canary estimates of epsilon beside the accountant's for every supporting strategy, and "
+                "how much under-noising the estimate catches.",
+            ),
+        ),
+    ),
+    (
+        "Each algorithm against its source",
+        (
+            ("nbafl", "NbAFL's findings (epsilon, N, T, K-random scheduling) on MNIST and Fashion-MNIST."),
+            (
+                "privatekt",
+                "PrivateKT: the authors' demo as they run it, what a demo round costs, and the earlier "
+                "MLP benchmarks (per-round reading, equal total budget, self-training probes).",
+            ),
+            (
+                "dpfl_bnn",
+                "DPFL-BNN in its paper's setting: accuracy per gamma, upload size, both accountings.",
+            ),
+            (
+                "kd_dp",
+                "KD-DP against DP-FedAvg, NbAFL and federated DP-SGD at equal record-level budgets, and in "
+                "its paper's population (a few large-data clients, many small ones).",
+            ),
+            (
+                "laplace_eval",
+                "Does the silhouette score of Laplace-protected softmax vectors follow the clear one, and "
+                "down to which epsilon.",
+            ),
+        ),
+    ),
+    (
+        "Speed and the platform",
+        (
+            (
+                "platform",
+                "The main job over seeds, and what Flower + Ray cost per round against a plain PyTorch "
+                "loop, cross-silo and cross-device, with a profile of the cross-device round.",
+            ),
+            (
+                "startup",
+                "What a run costs besides its rounds: start-up phases, a sweep, populations up to 100,000 "
+                "clients, the main job and quick examples as whole commands.",
+            ),
+            ("partition_cache", "Start-up and memory with and without the partition cache."),
+            (
+                "pfl_research",
+                "The same cross-device DP-FedAvg task in Apple's pfl-research and in dpfl, interleaved: "
+                "round time, whole command, accuracy, the calibrated noise.",
+            ),
+            (
+                "cohort_training",
+                "A cohort as one torch.func computation against the per-client loop, on the CPU "
+                "(issue 58; not yet wired into the engine, no GPU measured).",
+            ),
+            (
+                "deployment_load",
+                "Many runs submitted to a local deployment on a busy machine: the ServerApp launch gate.",
+            ),
+            ("blas_threads", "Why every process starts with one BLAS thread."),
+            ("suite", "The test suite's wall and CPU time per number of pytest-xdist processes."),
+        ),
+    ),
 )
-BEGIN, END = "<!-- RESULTS:BEGIN -->", "<!-- RESULTS:END -->"
-#: Further README blocks: (begin marker, end marker, the report copied between them).
-README_BLOCKS = (
-    ("<!-- UNTRUSTED:BEGIN -->", "<!-- UNTRUSTED:END -->", PAGES / "cross_device/untrusted/report.md"),
-    ("<!-- RECORD:BEGIN -->", "<!-- RECORD:END -->", PAGES / "record_level" / "report.md"),
-)
+HEADLINE_BEGIN, HEADLINE_END = "<!-- HEADLINE:BEGIN -->", "<!-- HEADLINE:END -->"
+#: The reports the headline table is cut from (the two tables of the cross-device comparison).
+HEADLINE_REPORTS = (PAGES / "cross_device" / "report.md", PAGES / "cross_device" / "untrusted" / "report.md")
+#: The budget of the headline table's private rows.
+HEADLINE_EPSILON = "8"
 #: Pages whose table ``python -m fl_app.report`` makes from the runs kept in ``<page>/runs``
 #: (benchmarks/keep_runs.py), with the number of jobs of the one command that made them.
 KEPT_RUN_PAGES = {
@@ -100,87 +179,150 @@ KEPT_RUN_PAGES = {
 }
 HEADER = """# Benchmarks
 
-Generated by `python -P benchmarks/build_docs.py` from the pages in `docs/benchmarks/`, which the
-benchmark scripts and `python -m fl_app.report` write from the runs' `results.json` files. Each
-section gives the exact commands. The machine: 2 CPU cores, 24 GiB, no GPU, shared with other work
-while most of these runs were made, so wall times are noisy; compare ratios measured in one run.
+An index, generated by `python -P benchmarks/build_docs.py`: every number lives in its page in
+[`docs/benchmarks/`](docs/benchmarks/), which the benchmark scripts and `python -m fl_app.report`
+write from the runs' `results.json` files, with the exact commands. The machine: 2 CPU cores,
+24 GiB, no GPU, shared with other work while most of these runs were made, so wall times are noisy;
+compare ratios measured in one run.
 """
 
-_LINK = re.compile(r"(\]\()(?!https?://|#|/)([^)\s]+)(\))")
+#: ``<!-- REPORT -->`` or ``<!-- REPORT:sub -->``: where a page's report table goes (first build).
+REPORT_MARKER = re.compile(r"<!-- REPORT(?::((?!BEGIN -->|END -->)[\w/]+))? -->")
+#: ``<!-- REPORT[:sub]:BEGIN -->``: a report table's block in a page.
+REPORT_BLOCK = re.compile(r"<!-- REPORT(?::([\w/]+?))?:BEGIN -->")
 
 
-def rewrite_links(text: str, page: Path) -> str:
-    """Rewrite relative Markdown links of ``page`` so they resolve from the repository root."""
-
-    def fix(match: re.Match[str]) -> str:
-        target, _, anchor = match.group(2).partition("#")
-        resolved = (page.parent / target).resolve()
-        try:
-            relative = resolved.relative_to(ROOT).as_posix()
-        except ValueError:
-            return match.group(0)
-        return f"{match.group(1)}{relative}{'#' + anchor if anchor else ''}{match.group(3)}"
-
-    return _LINK.sub(fix, text)
+def report_markers(sub: str | None) -> tuple[str, str]:
+    """The begin and end markers of the block holding report ``sub`` (None: the page's own)."""
+    name = f"REPORT:{sub}" if sub else "REPORT"
+    return f"<!-- {name}:BEGIN -->", f"<!-- {name}:END -->"
 
 
-def demote(text: str) -> str:
-    """One more ``#`` on every Markdown heading outside code blocks."""
-    lines, fenced = [], False
-    for line in text.splitlines():
-        if line.startswith("```"):
-            fenced = not fenced
-        lines.append("#" + line if not fenced and line.startswith("#") else line)
-    return "\n".join(lines)
-
-
-REPORT_MARKER = re.compile(r"<!-- REPORT(?::([\w/]+))? -->")
-
-
-def benchmarks_text() -> str:
-    """The whole ``BENCHMARKS.md``."""
-    parts, missing = [HEADER], []
-    for name in ORDER:
-        page = PAGES / f"{name}.md"
-        if not page.is_file():
-            missing.append(page.relative_to(ROOT).as_posix())
+def page_text(page: Path, missing: list[str]) -> str:
+    """``page`` with each report block (or first-build marker) holding its report's current table."""
+    text = page.read_text()
+    folder = page.with_suffix("")
+    subs = [m.group(1) for pattern in (REPORT_MARKER, REPORT_BLOCK) for m in pattern.finditer(text)]
+    for sub in subs:
+        report = folder / (sub or "") / "report.md"
+        if not report.is_file():
+            missing.append(report.relative_to(ROOT).as_posix())
             continue
-        text = page.read_text()
-        # <!-- REPORT --> is the page's python -m fl_app.report table (PAGES/name/report.md),
-        # <!-- REPORT:sub --> that of a further report of the page (PAGES/name/sub/report.md)
-        for marker in REPORT_MARKER.finditer(text):
-            table = PAGES / name / (marker.group(1) or "") / "report.md"
-            if not table.is_file():
-                missing.append(table.relative_to(ROOT).as_posix())
+        table = report.read_text().strip()
+        begin, end = report_markers(sub)
+        bare = f"<!-- REPORT:{sub} -->" if sub else "<!-- REPORT -->"
+        if bare in text:
+            text = text.replace(bare, f"{begin}\n{table}\n{end}", 1)
+        else:
+            updated = with_generated_block(text, table, begin=begin, end=end)
+            if updated is None:
+                raise SystemExit(f"{page.relative_to(ROOT)}: {begin} has no {end}")
+            text = updated
+    return text
+
+
+def title_of(page: Path) -> str:
+    """The page's first level-1 heading (its file name when it has none)."""
+    for line in page.read_text().splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    return page.stem
+
+
+def table_rows(report: str) -> list[tuple[str, dict[str, str]]]:
+    """Each table row of an ``fl_app.report`` table with the heading of its section (the privacy unit)."""
+    rows, heading, columns = [], "", []
+    for line in report.splitlines():
+        if line.startswith("#"):
+            heading, columns = line.lstrip("#").strip(), []
+        elif line.startswith("|") and not line.startswith("|---"):
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if not columns:
+                columns = cells
             else:
-                text = text.replace(marker.group(0), table.read_text().strip())
-        parts.append(demote(rewrite_links(text.strip(), page)))
+                rows.append((heading, dict(zip(columns, cells, strict=True))))
+    return rows
+
+
+def trust(heading: str) -> str:
+    """Whom a row's epsilon holds against, from its section heading (``fl_app.report``'s unit)."""
+    if "distributed DP" in heading:
+        return "distributed: the server too (SecAgg+)"
+    if "local DP" in heading:
+        return "local: the server too"
+    if "central DP" in heading:
+        return "central: model observers, not the server"
+    return "not private"
+
+
+def headline_table() -> list[str]:
+    """The cross-device comparison at epsilon 8 per client: tuned arms, then the non-private reference."""
+    private, reference = [], []
+    for report in HEADLINE_REPORTS:
+        if not report.is_file():
+            return [f"(not yet measured: `{report.relative_to(ROOT).as_posix()}` is missing)"]
+        for heading, row in table_rows(report.read_text()):
+            if "(untuned)" in row["algorithm"]:
+                continue
+            line = (
+                f"| `{row['algorithm']}` | {trust(heading)} | {row['epsilon (cumulative)']} | "
+                f"{row['final accuracy (mean ± std)']} | {row['T']} |"
+            )
+            if row["target epsilon"] == HEADLINE_EPSILON:
+                private.append(line)
+            elif row["target epsilon"] == "-":
+                reference.append(line)
+    header = [
+        "| `strategy=` | epsilon holds against | epsilon per client | test accuracy (mean ± std, 3 seeds) "
+        "| rounds |",
+        "|---|---|---|---|---|",
+    ]
+    return header + private + reference
+
+
+def benchmarks_text(missing: list[str]) -> str:
+    """The whole ``BENCHMARKS.md``: the index of the pages, the history, the headline table."""
+    parts, listed = [HEADER.strip()], {"history"}
+    parts.append(
+        "## Headline: the cross-device comparison at epsilon 8\n\n"
+        "Fashion-MNIST, Dirichlet(0.5) over N = 1000 clients, the MLP, delta 1e-5; each arm's settings "
+        "chosen on a validation split ([the page](docs/benchmarks/cross_device.md), which has every "
+        "budget, the untuned rows and the commands):\n\n" + "\n".join(headline_table())
+    )
+    for group, entries in ORDER:
+        lines = [f"## {group}", ""]
+        for name, summary in entries:
+            listed.add(name)
+            page = PAGES / f"{name}.md"
+            if not page.is_file():
+                missing.append(page.relative_to(ROOT).as_posix())
+                continue
+            lines.append(f"- [{title_of(page)}](docs/benchmarks/{name}.md): {summary}")
+        parts.append("\n".join(lines))
+    others = sorted(p for p in PAGES.glob("*.md") if p.stem not in listed)
+    if others:
+        parts.append(
+            "## Other pages\n\n" + "\n".join(f"- [{title_of(p)}](docs/benchmarks/{p.name})" for p in others)
+        )
+    history = sorted(HISTORY.glob("*.md")) if HISTORY.is_dir() else []
+    if history:
+        parts.append(
+            "## History\n\nWhat earlier versions measured or changed, kept as it was written (some pages "
+            "above also keep their own earlier editions, e.g. the cross-device comparison's first):\n\n"
+            + "\n".join(f"- [{title_of(p)}](docs/benchmarks/history/{p.name})" for p in history)
+        )
     if missing:
-        parts.append("## Not yet measured\n\n" + "\n".join(f"- `{m}` is missing" for m in missing))
+        parts.append(
+            "## Not yet measured\n\n" + "\n".join(f"- `{m}` is missing" for m in sorted(set(missing)))
+        )
     return "\n\n".join(parts) + "\n"
 
 
 def readme_text(readme: str) -> str:
-    """The README with the cross-device comparison's table between the results markers.
-
-    That is the comparison in the regime client-level DP is meant for (``+experiment=compare_cross_device``);
-    the N = 20 ``compare_all`` preset is the quick demo and stays on its own page.
-    """
-    table = PAGES / "cross_device" / "report.md"
-    body = (
-        table.read_text().strip()
-        if table.is_file()
-        else "(not yet measured: run the commands above, then `python -P benchmarks/build_docs.py`)"
-    )
-    text = with_generated_block(readme, body, begin=BEGIN, end=END)
+    """The README with the headline table between its markers."""
+    text = with_generated_block(readme, headline_table(), begin=HEADLINE_BEGIN, end=HEADLINE_END)
     if text is None:
-        raise SystemExit(f"README.md: the markers {BEGIN} and {END} are missing")
-    for begin, end, report in README_BLOCKS:
-        block = report.read_text().strip() if report.is_file() else "(not yet measured)"
-        updated = with_generated_block(text, block, begin=begin, end=end)
-        if updated is None:
-            raise SystemExit(f"README.md: the markers {begin} and {end} are missing")
-        text = updated
+        raise SystemExit(f"README.md: the markers {HEADLINE_BEGIN} and {HEADLINE_END} are missing")
     return text
 
 
@@ -205,8 +347,17 @@ def rebuild_from_runs() -> None:
         raise SystemExit("error: the KD-DP regime table failed")
 
 
+def outputs() -> dict[Path, str]:
+    """Every file this script writes, with its text."""
+    missing: list[str] = []
+    files = {page: page_text(page, missing) for page in sorted(PAGES.glob("*.md"))}
+    files[ROOT / "BENCHMARKS.md"] = benchmarks_text(missing)
+    files[ROOT / "README.md"] = readme_text((ROOT / "README.md").read_text())
+    return files
+
+
 def main() -> int:
-    """Write (or with ``--check`` compare) ``BENCHMARKS.md`` and the README's results section."""
+    """Write (or with ``--check`` compare) ``BENCHMARKS.md``, the pages' tables and the README's."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -217,18 +368,16 @@ def main() -> int:
     args = parser.parse_args()
     if args.from_runs:
         rebuild_from_runs()
-    outputs = {
-        ROOT / "BENCHMARKS.md": benchmarks_text(),
-        ROOT / "README.md": readme_text((ROOT / "README.md").read_text()),
-    }
-    stale = [path.name for path, text in outputs.items() if not path.is_file() or path.read_text() != text]
+    files = outputs()
+    stale = [path for path, text in files.items() if not path.is_file() or path.read_text() != text]
+    names = [path.relative_to(ROOT).as_posix() for path in stale]
     if args.check:
-        for name in stale:
+        for name in names:
             print(f"{name} is not what benchmarks/build_docs.py generates", file=sys.stderr)
         return 1 if stale else 0
-    for path, text in outputs.items():
-        path.write_text(text)
-    print("wrote " + ", ".join(path.name for path in outputs))
+    for path in stale:
+        path.write_text(files[path])
+    print("wrote " + (", ".join(names) if names else "nothing (every file is current)"))
     return 0
 
 
