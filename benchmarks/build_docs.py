@@ -147,8 +147,9 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
             ),
             (
                 "cohort_training",
-                "A cohort as one torch.func computation against the per-client loop, on the CPU "
-                "(issue 58; not yet wired into the engine, no GPU measured).",
+                "A cohort as one torch.func computation against the per-client loop, on the CPU and "
+                "on an NVIDIA H200, and a torch-only DP-FedAvg round on it (issue 58; not yet wired "
+                "into the engine).",
             ),
             (
                 "deployment_load",

@@ -272,6 +272,41 @@ def test_uint8_images_are_scaled_as_train_local_scales_them() -> None:
     run_both(model, xs, ys, epochs=1, batch_size=4, kinks=True)
 
 
+def test_tensor_inputs_train_as_the_arrays_they_hold() -> None:
+    """Examples given as tensors (views of one population tensor, as an engine keeps them on the device)
+    and in mixed dtypes train exactly as the numpy arrays they hold."""
+    model = make_model("mlp", IMAGE)
+    rng = np.random.default_rng(5)
+    sizes = (5, 11, 2)
+    pixels = rng.integers(0, 256, (sum(sizes), *IMAGE), dtype=np.uint8)
+    labels = rng.integers(0, CLASSES, sum(sizes))
+    xs, ys = np.split(pixels, np.cumsum(sizes)[:-1]), np.split(labels, np.cumsum(sizes)[:-1])
+    plan = plan_from_generators(generators(3), sizes, epochs=2, batch_size=4)
+    arrays = train_cohort(model, stack_params(model), xs, ys, plan, lr=0.1)
+    views_x = torch.from_numpy(pixels).split(list(sizes))
+    views_y = torch.from_numpy(labels).split(list(sizes))
+    mixed_x = [views_x[0], xs[1].astype(np.float32) / 255.0, views_x[2]]
+    for tx, ty in ((views_x, views_y), (mixed_x, ys)):
+        tensors = train_cohort(model, stack_params(model), tx, ty, plan, lr=0.1)
+        for name, values in arrays.params.items():
+            torch.testing.assert_close(tensors.params[name], values, rtol=0, atol=1e-7)
+
+
+def test_round_benchmark_runs_without_flower_ray_or_hydra(tmp_path: Path) -> None:
+    """benchmarks/cohort_round.py (the GPU rows' script) runs with only torch and numpy, on both paths."""
+    out = tmp_path / "round.json"
+    command = [
+        sys.executable, "-P", str(ROOT / "benchmarks" / "cohort_round.py"), "--population", "40",
+        "--cohort", "6", "--rounds", "1", "--test", "50", "--paths", "cohort,loop", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    completed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["path"] for r in rows] == ["cohort", "loop"]
+    assert all(r["median_s"]["round"] > 0 and set(r["median_s"]) >= {"plan", "train"} for r in rows)
+
+
 class DropoutMLP(nn.Module):
     """A small model with two dropout layers of different rates (the masks' shapes differ)."""
 
