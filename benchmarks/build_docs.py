@@ -148,8 +148,8 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
             (
                 "cohort_training",
                 "A cohort as one torch.func computation against the per-client loop, on the CPU and "
-                "on an NVIDIA H200, and a torch-only DP-FedAvg round on it (issue 58; not yet wired "
-                "into the engine).",
+                "on an NVIDIA H200, a torch-only DP-FedAvg round on it, and the engine's "
+                "simulation.vectorise (issue 58).",
             ),
             (
                 "deployment_load",

@@ -20,6 +20,7 @@ from torch import nn
 
 from clients.node import NodeClient, parse_model_spec
 from fl_app import keys
+from fl_app.cohort_execution import TrainSettings, precomputed
 from fl_app.training import evaluate, load_arrays, model_to_arrays, train_local
 
 #: Built models of this process, by model spec and device (see :func:`process_model`).
@@ -65,6 +66,11 @@ class FederatedClient(NodeClient):
 
     #: Whether this client's training may run on the GPU the simulation gives it.
     uses_gpu: bool = True
+    #: Whether its train messages may be trained as one computation with the others of an actor's
+    #: batch (``simulation.vectorise``, :mod:`fl_app.cohort_execution`): true only where the local
+    #: update is :meth:`train_locally` on the global model as received, its own data, the train
+    #: config and its ``"data-order"`` generator, with :meth:`cohort_proximal_mu` as FedProx term.
+    cohort_form: bool = False
 
     def __init__(self, message: Message, context: Context) -> None:
         threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
@@ -100,19 +106,41 @@ class FederatedClient(NodeClient):
             parameter.grad = None
         return model
 
-    def train_locally(self, model: nn.Module, x: np.ndarray, y: np.ndarray, **extra: Any) -> float:
-        """Local SGD with the train config's hyperparameters; returns the mean loss.
+    def cohort_proximal_mu(self) -> float:
+        """The FedProx coefficient this client's :meth:`train_locally` call passes (0: none)."""
+        return 0.0
 
-        ``extra`` goes to :func:`fl_app.training.train_local` (e.g. ``proximal_mu``).
-        """
-        return train_local(
-            model,
-            x,
-            y,
+    def train_settings(self, examples: int, proximal_mu: float) -> TrainSettings:
+        """The train config's SGD settings for ``examples`` examples."""
+        return TrainSettings(
+            examples=int(examples),
             epochs=int(self.config[keys.LOCAL_EPOCHS]),
             batch_size=int(self.config[keys.BATCH_SIZE]),
             lr=float(self.config[keys.LR]),
             momentum=float(self.config.get(keys.MOMENTUM, 0.0)),
+            proximal_mu=float(proximal_mu),
+        )
+
+    def train_locally(self, model: nn.Module, x: np.ndarray, y: np.ndarray, **extra: Any) -> float:
+        """Local SGD with the train config's hyperparameters; returns the mean loss.
+
+        ``extra`` goes to :func:`fl_app.training.train_local` (e.g. ``proximal_mu`` with the global
+        model as ``reference``). When this message was trained in its cohort
+        (:mod:`fl_app.cohort_execution`) with exactly these settings, ``model`` takes that result.
+        """
+        settings = self.train_settings(len(y), float(extra.get("proximal_mu", 0.0)))
+        planned = precomputed(self.message)
+        if planned is not None and planned.matches(settings) and set(extra) <= {"proximal_mu", "reference"}:
+            planned.load_into(model)
+            return planned.loss
+        return train_local(
+            model,
+            x,
+            y,
+            epochs=settings.epochs,
+            batch_size=settings.batch_size,
+            lr=settings.lr,
+            momentum=settings.momentum,
             rng=self.generator("data-order"),
             **extra,
         )

@@ -19,6 +19,8 @@ from fl_app.training import model_to_arrays
 class FedAvgClient(FederatedClient):
     """Trains the global model on local data and returns it."""
 
+    cohort_form = True
+
     def train(self) -> Message:
         """One round of local training."""
         data = self.local_data()

@@ -27,6 +27,8 @@ LDP_NOISE_MULTIPLIER = "ldp-noise-multiplier"  # z: Gaussian std = z * 2C per co
 class FedAvgLDPClient(FederatedClient):
     """Uploads a clipped, locally noised model update."""
 
+    cohort_form = True  # local_update: train_locally, then clipping and noise per message
+
     def train(self) -> Message:
         """One round: train, clip, noise, reply with the noisy update only."""
         clip = float(self.config[LDP_CLIP])

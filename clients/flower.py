@@ -23,6 +23,10 @@ PROXIMAL_MU = "proximal-mu"
 class FlowerClient(FedAvgClient):
     """Local SGD on the received model (with the proximal term when the config asks), the model back."""
 
+    def cohort_proximal_mu(self) -> float:
+        """FedProx's ``proximal-mu`` from the Flower strategy's train config (0: plain FedAvg)."""
+        return max(float(self.config.get(PROXIMAL_MU, 0.0)), 0.0)
+
     def train(self) -> Message:
         """One round of local training."""
         mu = float(self.config.get(PROXIMAL_MU, 0.0))

@@ -35,6 +35,12 @@ NBAFL_MU = "nbafl-mu"  # FedProx proximal coefficient mu of local training (0: p
 class NbAFLClient(FederatedClient):
     """Trains, clips the model to norm C, adds N(0, sigma_U^2) per coordinate, uploads."""
 
+    cohort_form = True
+
+    def cohort_proximal_mu(self) -> float:
+        """The proximal coefficient of its local training (``strategy.mu``)."""
+        return max(float(self.config.get(NBAFL_MU, 0.0)), 0.0)
+
     def train(self) -> Message:
         """One round: local (proximal) SGD, clip, noise, upload."""
         clip = float(self.config[NBAFL_CLIP])

@@ -73,6 +73,8 @@ def decode_labels(array: Array, *, k: int, num_classes: int) -> np.ndarray:
 class PrivateKTClient(FederatedClient):
     """Trains locally and uploads K randomized-response labels."""
 
+    cohort_form = True  # train_locally, then predictions and randomized response per message
+
     def kt_samples(self) -> np.ndarray:
         """The round's KT samples: sent in the message, or rebuilt from indices in a simulation."""
         records = self.message.content.array_records

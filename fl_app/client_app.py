@@ -11,6 +11,8 @@ with masks from the whole agreed key; :func:`train`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from flwr.app import Context, Message
@@ -34,6 +36,23 @@ def warm_up() -> None:
     the driver's set-up instead of delaying round 1 by about a second. Devices do not call it.
     """
     CLIENTS.names()
+
+
+def trained_as_cohorts(jobs: Sequence[tuple[Message, Context]]) -> AbstractContextManager[int]:
+    """Train an actor batch's cohort-form train messages as one computation first (the engine's hook).
+
+    :func:`fl_app.cohort_execution.trained_as_cohorts`, imported here, with torch, only when a batch
+    runs (a device's roster answer imports no torch).
+    """
+    from fl_app.cohort_execution import trained_as_cohorts as train_together
+
+    def plain_client(message: Message, context: Context) -> FederatedClient | None:
+        # a SecAgg+ stage message reaches the client only through the protocol's mod
+        if RECORD_KEY_CONFIGS in message.content.config_records:
+            return None
+        return client_for(message, context)
+
+    return train_together(jobs, plain_client)
 
 
 def client_for(message: Message, context: Context) -> FederatedClient:

@@ -22,6 +22,7 @@ MOMENTUM = "momentum"
 SEED = "seed"  # run seed (training order, non-privacy randomness)
 NOISE_SEED = "noise-seed"  # seed of privacy noise; absent with secure randomness
 SECURE_RNG = "secure-rng"  # bool: draw privacy noise from OS entropy
+VECTORISE = "vectorise"  # True: an actor trains the batch's train messages as one computation
 DEVICE = "device"  # "cuda": train on the GPU Ray gave the client (absent: CPU; simulation.client_gpus)
 
 # Metric keys in replies

@@ -64,6 +64,18 @@ class SimulationSettings:
     messages_per_task: int
     timeout: float
     max_failure_fraction: float
+    vectorise: str = "auto"
+
+    @property
+    def trains_cohorts(self) -> bool:
+        """Whether actors train a batch's train messages as one computation (``simulation.vectorise``).
+
+        ``auto``: where clients train on CUDA (``client_gpus > 0``); on the CPU the per-client loop
+        is as fast or faster (docs/benchmarks/cohort_training.md).
+        """
+        if self.vectorise == "auto":
+            return self.client_gpus > 0
+        return self.vectorise == "true"
 
 
 def cohort_size(clients_per_round: int | float, num_clients: int) -> int:
@@ -164,6 +176,7 @@ class RunSettings:
                 messages_per_task=int(simulation.get("messages_per_task", 8)),
                 timeout=float(simulation.timeout),
                 max_failure_fraction=float(simulation.get("max_failure_fraction", 0.5)),
+                vectorise=str(simulation.get("vectorise", "auto")).lower(),
             ),
             data=DataSpec.from_config(cfg),
             strategy_settings=strategy_settings,

@@ -127,6 +127,9 @@ def validate_common(cfg: DictConfig) -> None:
     if simulation.get("max_concurrent_clients") is not None:
         require_int("simulation.max_concurrent_clients", simulation.max_concurrent_clients, minimum=1)
     require_int("simulation.messages_per_task", simulation.get("messages_per_task", 8), minimum=1)
+    vectorise = simulation.get("vectorise", "auto")
+    if not isinstance(vectorise, bool):
+        require_choice("simulation.vectorise", vectorise, ("auto", "true", "false"))
     require_positive("simulation.timeout", simulation.timeout)
     require_range("simulation.max_failure_fraction", simulation.get("max_failure_fraction", 0.5), 0.0, 1.0)
 

@@ -88,6 +88,8 @@ def base_train_config(run: RunContext, *, client: str, server_round: int) -> Con
         record[keys.NOISE_SEED] = int(run.noise.seed)
     if run.settings.simulation.client_gpus > 0:
         record[keys.DEVICE] = "cuda"
+    if run.settings.simulation.trains_cohorts:
+        record[keys.VECTORISE] = True
     return record
 
 

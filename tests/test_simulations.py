@@ -43,7 +43,7 @@ def quick_example_of(name: str) -> QuickExample:
 @pytest.mark.parametrize("name", sorted(STRATEGIES.names()))
 def test_quick_example_learns_within_its_budget(simulate, name: str) -> None:
     quick = quick_example_of(name)
-    example = compose_config([QUICK, f"strategy={name}"])
+    example = compose_config([QUICK, f"strategy={name}", *quick.suite_overrides])  # what the run ran
     results = simulate(
         [QUICK, f"strategy={name}", f"num_rounds={quick.suite_rounds}", *quick.suite_overrides]
     )

@@ -164,15 +164,29 @@ def run_jobs(client_app_fn: Callable[[], Any], jobs: list[Job]) -> list[Outcome]
         code, reason = client_app_error(ex)
         return [("error", code, reason, traceback.format_exc()) for _ in jobs]
     outcomes: list[Outcome] = []
-    for message, context in jobs:
-        try:
-            reply = app(message=message, context=context)
-        except Exception as ex:  # reported as the message's error reply
-            code, reason = client_app_error(ClientAppException(str(ex)))
-            outcomes.append(("error", code, reason, traceback.format_exc()))
-            continue
-        outcomes.append(("reply", reply, context))
+    with cohort_hook(jobs):
+        for message, context in jobs:
+            try:
+                reply = app(message=message, context=context)
+            except Exception as ex:  # reported as the message's error reply
+                code, reason = client_app_error(ClientAppException(str(ex)))
+                outcomes.append(("error", code, reason, traceback.format_exc()))
+                continue
+            outcomes.append(("reply", reply, context))
     return outcomes
+
+
+def cohort_hook(jobs: list[Job]) -> contextlib.AbstractContextManager[Any]:
+    """What trains the batch's train messages as one computation before they run one by one.
+
+    :func:`fl_app.client_app.trained_as_cohorts` (``simulation.vectorise``); nothing where the
+    ClientApp's modules cannot be imported (that error is each message's, reported by the loop).
+    """
+    try:
+        from fl_app.client_app import trained_as_cohorts
+    except Exception:
+        return contextlib.nullcontext()
+    return trained_as_cohorts(jobs)
 
 
 def warm_up_client_process() -> None:

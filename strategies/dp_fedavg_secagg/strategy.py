@@ -196,6 +196,10 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
                 "privacy.epsilon=8.0",
             ),
             suite_rounds=5,
+            # 40 of the 1000 per round in the suite: SecAgg+'s four stages per round cost about the
+            # cohort's size in messages and key agreements (100: 43.6 s for 5 rounds; 40: 26.7 s,
+            # accuracy 0.604 against 0.486 at the same epsilon)
+            suite_overrides=("clients_per_round=40",),
             about=(
                 "distributed DP-FedAvg at epsilon 8 per client (delta 1e-5) against the server: 1000 "
                 "clients, 100 per round on a balanced public schedule, 16-bit SecAgg+, noise calibrated for"

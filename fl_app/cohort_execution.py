@@ -1,0 +1,186 @@
+"""The train messages of one Ray task trained as one computation (issue 58): the actor's batch hook.
+
+A client class whose local update is :meth:`clients.base.FederatedClient.train_locally` on the global
+model, its own data, the train config and its ``"data-order"`` generator, and nothing else, sets
+``cohort_form = True`` (and says its FedProx coefficient in ``cohort_proximal_mu``). When the train
+config asks for it (``keys.VECTORISE``, from ``simulation.vectorise``), :func:`trained_as_cohorts`
+trains every such message of an actor's batch that shares the global model and the SGD settings with
+:func:`fl_app.cohort_training.train_cohort`, before the batch's messages run one by one through the
+ClientApp as before. Each client's ``train_locally`` then takes its own precomputed parameters and
+loss (:func:`precomputed`) instead of looping; everything else a client does (clipping, local noise,
+randomized response, metrics, its reply) still runs per message, with its own generators. A message
+whose preparation fails, a model ``train_cohort`` refuses, or a ``train_locally`` call that differs
+from what was planned (:meth:`Planned.matches`) trains on its own, as without this module.
+
+The result equals the per-message path to float tolerance (``tests/test_cohort_execution.py``), not
+bit for bit: batched kernels sum in other orders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fl_app import keys
+from fl_app.cohort_training import has_dropout, plan_from_generators, train_cohort
+
+if TYPE_CHECKING:
+    from clients.base import FederatedClient
+
+#: The fewest messages worth one computation.
+MIN_COHORT = 2
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What a ``train_locally`` call trains with, besides the model, the data and the generator."""
+
+    examples: int
+    epochs: int
+    batch_size: int
+    lr: float
+    momentum: float
+    proximal_mu: float
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One message's local training, done in its cohort: what it was planned for, and the result."""
+
+    settings: TrainSettings
+    params: dict[str, torch.Tensor]
+    loss: float
+
+    def matches(self, settings: TrainSettings) -> bool:
+        """Whether a ``train_locally`` call asks for exactly what was trained."""
+        return settings == self.settings
+
+    def load_into(self, model: nn.Module) -> None:
+        """Set ``model``'s parameters to the trained ones."""
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                parameter.copy_(self.params[name].to(parameter.device))
+
+
+_planned: dict[str, Planned] = {}
+
+
+def message_key(message: Any) -> str:
+    """What identifies a message within a batch (its id; the engine numbers batched messages)."""
+    return str(message.metadata.message_id) or f"object-{id(message)}"
+
+
+def precomputed(message: Any) -> Planned | None:
+    """The message's training, done in its cohort by :func:`trained_as_cohorts`, if it was."""
+    return _planned.get(message_key(message))
+
+
+@contextmanager
+def trained_as_cohorts(
+    jobs: Sequence[tuple[Any, Any]], client_of: Callable[[Any, Any], FederatedClient | None]
+) -> Iterator[int]:
+    """Train the batch's cohort-form train messages together; yield how many were trained so.
+
+    Parameters
+    ----------
+    jobs : Sequence of (Message, Context)
+        An actor's batch (:func:`fl_app.engine.batching.run_jobs`).
+    client_of : callable
+        The client the ClientApp would build for a plain train message (None for one it would not
+        hand to a client's ``train`` as it is, e.g. a SecAgg+ stage; may raise).
+
+    """
+    groups: dict[tuple[Any, ...], list[tuple[Any, FederatedClient]]] = {}
+    for message, context in jobs:
+        client = _cohort_client(message, context, client_of)
+        if client is not None:
+            key = _group_key(client)
+            if key is not None:
+                groups.setdefault(key, []).append((message, client))
+    done = 0
+    try:
+        for members in groups.values():
+            if len(members) >= MIN_COHORT:
+                done += _train_group(members)
+        yield done
+    finally:
+        _planned.clear()
+
+
+def _cohort_client(
+    message: Any, context: Any, client_of: Callable[[Any, Any], FederatedClient | None]
+) -> FederatedClient | None:
+    """The message's client when it is a plain train message of a cohort-form client asking for it."""
+    content = message.content
+    if not str(message.metadata.message_type).startswith("train"):
+        return None
+    if keys.CONFIG not in content.config_records:
+        return None
+    if not bool(content.config_records[keys.CONFIG].get(keys.VECTORISE, False)):
+        return None
+    try:
+        client = client_of(message, context)
+    except Exception:  # the message's own run raises it, reported
+        return None
+    return client if getattr(client, "cohort_form", False) else None
+
+
+def _group_key(client: FederatedClient) -> tuple[Any, ...] | None:
+    """Messages with equal keys train together: same global model, architecture, SGD and device."""
+    try:
+        config = client.config
+        digest = hashlib.blake2b(digest_size=16)
+        for name, array in client.incoming_arrays().items():
+            digest.update(name.encode())
+            digest.update(array.data)
+        return (
+            digest.hexdigest(),
+            str(config[keys.MODEL_SPEC]),
+            int(config[keys.LOCAL_EPOCHS]),
+            int(config[keys.BATCH_SIZE]),
+            float(config[keys.LR]),
+            float(config.get(keys.MOMENTUM, 0.0)),
+            float(client.cohort_proximal_mu()),
+            str(client.device),
+        )
+    except Exception:  # trains on its own, where the error (if any) is reported
+        return None
+
+
+def _train_group(members: list[tuple[Any, FederatedClient]]) -> int:
+    """Train one group with ``train_cohort`` and record each member's result; the number trained."""
+    first = members[0][1]
+    try:
+        model = first.global_model()
+        global_params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        datasets = [client.local_data() for _, client in members]
+        settings = [
+            client.train_settings(len(data), client.cohort_proximal_mu())
+            for data, (_, client) in zip(datasets, members, strict=True)
+        ]
+        plan = plan_from_generators(
+            [client.generator("data-order") for _, client in members],
+            np.array([len(data) for data in datasets], dtype=np.int64),
+            epochs=settings[0].epochs,
+            batch_size=settings[0].batch_size,
+            dropout=has_dropout(model),
+        )
+        result = train_cohort(
+            model, global_params, [d.x for d in datasets], [d.y for d in datasets], plan,
+            lr=settings[0].lr, momentum=settings[0].momentum, proximal_mu=settings[0].proximal_mu,
+            device=first.device,
+        )  # fmt: skip
+    except Exception:  # e.g. a model train_cohort refuses: each message trains (and reports) on its own
+        return 0
+    for index, (message, _) in enumerate(members):
+        _planned[message_key(message)] = Planned(
+            settings=settings[index], params=result.client(index), loss=float(result.losses[index])
+        )
+    return len(members)

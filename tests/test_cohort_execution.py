@@ -1,0 +1,174 @@
+"""An actor's batch of train messages trained as one computation (``simulation.vectorise``, issue 58).
+
+Each algorithm whose client declares ``cohort_form`` builds its real train messages (its strategy's
+``configure_train``, digits, six clients of unequal sizes); the same batch runs through the engine's
+``run_jobs`` with the cohort path and without it, and every reply must agree to float tolerance:
+the trained model (FedAvg, FedProx through Flower's strategy), the clipped and noised update
+(FedAvg+LDP, NbAFL: the same seeded noise on the same update), PrivateKT's randomized labels. The
+cohort path must really have been taken, and a ``train_locally`` call that differs from the plan
+must train on its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import FAST, build_run_context, make_context
+from flwr.app import ConfigRecord
+
+from fl_app import cohort_execution, keys
+from fl_app.client_app import app
+from fl_app.engine.batching import run_jobs
+from strategies import STRATEGIES
+
+SIX = ["dataset=digits", "num_clients=6", "clients_per_round=6", "partition=dirichlet", "local_epochs=2"]
+#: Algorithm -> extra overrides; each one's client declares cohort_form.
+ALGORITHMS = {
+    "fedavg": [],
+    "dp_fedavg": [],
+    "fedavg_ldp": [],
+    "nbafl": ["strategy.mu=0.01"],
+    "privatekt": [],
+    "flower": ["strategy.flower=FedProx", "+strategy.kwargs.proximal_mu=0.1"],
+}
+
+
+def batch_of(name: str, tmp_path: Any, extra: list[str] | None = None) -> list[tuple[Any, Any]]:
+    """Round 1's train messages of ``name`` with the cohort path asked for, and their nodes' contexts."""
+    overrides = [*FAST, *SIX, f"strategy={name}", "simulation.vectorise=true", *ALGORITHMS.get(name, [])]
+    overrides += extra or []
+    strategy = STRATEGIES.get(name)(build_run_context(overrides, tmp_path))
+    messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
+    assert len(messages) == 6
+    return [
+        (m, make_context(partition_id=m.metadata.dst_node_id - 1000, node_id=m.metadata.dst_node_id))
+        for m in messages
+    ]
+
+
+def replies_of(jobs: list[tuple[Any, Any]], *, vectorise: bool) -> list[Any]:
+    """``run_jobs`` on the batch, with the train config's switch set to ``vectorise``."""
+    for message, _ in jobs:
+        message.content.config_records[keys.CONFIG][keys.VECTORISE] = vectorise
+    outcomes = run_jobs(lambda: app, jobs)
+    assert all(outcome[0] == "reply" for outcome in outcomes), [o[1:3] for o in outcomes if o[0] != "reply"]
+    return [outcome[1] for outcome in outcomes]
+
+
+def arrays_of(reply: Any) -> dict[str, np.ndarray]:
+    """Every array of a reply, by record and name."""
+    return {  # PrivateKT's labels are packed bytes ("raw"): compared as bytes
+        f"{record}/{name}": array.numpy() if array.stype != "raw" else np.frombuffer(array.data, np.uint8)
+        for record, arrays in reply.content.array_records.items()
+        for name, array in arrays.items()
+    }
+
+
+@pytest.fixture
+def loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the messages whose training came from their cohort."""
+    counted: list[int] = []
+    real = cohort_execution.Planned.load_into
+
+    def counting(self: cohort_execution.Planned, model: Any) -> None:
+        counted.append(1)
+        real(self, model)
+
+    monkeypatch.setattr(cohort_execution.Planned, "load_into", counting)
+    return counted
+
+
+def test_every_cohort_form_algorithm_is_listed() -> None:
+    """The algorithms above are exactly those whose client declares cohort_form (a new one is tested)."""
+    from clients import CLIENTS
+
+    declared = {
+        name
+        for name in STRATEGIES.names()
+        if getattr(CLIENTS.get(STRATEGIES.get(name).declaration.client), "cohort_form", False)
+        and STRATEGIES.get(name).declaration.min_clients <= 6
+    }
+    assert declared == set(ALGORITHMS) | {"dp_fedavg_adaptive", "dp_ftrl", "dp_bandmf", "dp_flower"}
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_replies_equal_the_per_message_path(name: str, tmp_path: Any, loads: list[int]) -> None:
+    jobs = batch_of(name, tmp_path)
+    together = replies_of(jobs, vectorise=True)
+    assert len(loads) == 6, f"{name}: {len(loads)} of 6 messages trained in their cohort"
+    alone = replies_of(jobs, vectorise=False)
+    assert len(loads) == 6
+    for a, b in zip(together, alone, strict=True):
+        arrays_a, arrays_b = arrays_of(a), arrays_of(b)
+        assert arrays_a.keys() == arrays_b.keys()
+        for key, value in arrays_a.items():
+            if value.dtype.kind in "iu":  # PrivateKT's randomized labels: argmax may flip at a near tie
+                assert np.mean(value == arrays_b[key]) >= 0.95, (name, key)
+            else:
+                np.testing.assert_allclose(
+                    value, arrays_b[key], rtol=1e-4, atol=2e-5, err_msg=f"{name} {key}"
+                )
+        metrics_a = {k: v for r in a.content.metric_records.values() for k, v in r.items()}
+        metrics_b = {k: v for r in b.content.metric_records.values() for k, v in r.items()}
+        assert metrics_a.keys() == metrics_b.keys()
+        for key, value in metrics_a.items():
+            assert value == pytest.approx(metrics_b[key], rel=1e-4), (name, key)
+
+
+def test_a_call_that_differs_from_the_plan_trains_on_its_own(
+    tmp_path: Any, loads: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NbAFL's plan made with another proximal coefficient than its call uses: nothing is taken from it,
+    and the replies are the per-message path's bit for bit."""
+    from clients.nbafl import NbAFLClient
+
+    jobs = batch_of("nbafl", tmp_path)
+    monkeypatch.setattr(NbAFLClient, "cohort_proximal_mu", lambda self: 0.5)
+    together = replies_of(jobs, vectorise=True)
+    assert loads == []
+    alone = replies_of(jobs, vectorise=False)
+    for a, b in zip(together, alone, strict=True):
+        for key, value in arrays_of(a).items():
+            np.testing.assert_array_equal(value, arrays_of(b)[key])
+
+
+def test_without_the_switch_or_for_other_clients_nothing_is_planned(tmp_path: Any, loads: list[int]) -> None:
+    replies_of(batch_of("fedavg", tmp_path), vectorise=False)
+    replies_of(batch_of("fedavg", tmp_path / "b", ["model=cnn"]), vectorise=True)
+    assert len(loads) == 6  # the CNN cohort (vmap-able): planned; the switch off: not
+    loads.clear()
+    replies_of(batch_of("dpfl_bnn", tmp_path / "c"), vectorise=True)  # its own binary training loop
+    assert loads == []
+
+
+def test_auto_is_on_only_where_clients_train_on_cuda(tmp_path: Any) -> None:
+    from fl_app.config import compose_config
+    from fl_app.validation import typed_settings
+
+    def trains_cohorts(*overrides: str) -> bool:
+        return typed_settings(compose_config([*FAST, *overrides])).simulation.trains_cohorts
+
+    assert trains_cohorts() is False  # auto, CPU
+    assert trains_cohorts("simulation.vectorise=true") is True
+    assert trains_cohorts("simulation.vectorise=false", "simulation.client_gpus=0.5") is False
+
+
+@pytest.mark.simulation
+def test_a_seeded_dp_fedavg_run_learns_the_same_on_both_paths(simulate: Any) -> None:
+    """The whole engine: eight messages per task trained together, the same seeded DP-FedAvg run's
+    accuracy and epsilon as with one loop per message (float noise apart)."""
+    common = [
+        *FAST, "strategy=dp_fedavg", "num_clients=12", "clients_per_round=8", "num_rounds=3",
+        "privacy.epsilon=8", "simulation.messages_per_task=8", "simulation.max_concurrent_clients=1",
+    ]  # fmt: skip
+    vectorised = simulate([*common, "simulation.vectorise=true"], "vectorised")
+    looped = simulate([*common, "simulation.vectorise=false"], "looped")
+    assert vectorised["status"] == looped["status"] == "completed"
+    assert vectorised["final"]["epsilon"] == looped["final"]["epsilon"]
+    assert vectorised["final"]["accuracy"] == pytest.approx(looped["final"]["accuracy"], abs=0.02)
+    assert vectorised["final"]["loss"] == pytest.approx(looped["final"]["loss"], rel=1e-2)
+    # ... and not bit for bit: the actors did train the batches together (batched kernels round
+    # differently; with the switch ignored, the two seeded runs would be identical)
+    assert vectorised["final"]["loss"] != looped["final"]["loss"], vectorised["final"]
