@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -723,6 +724,67 @@ def test_one_round_of_each_private_strategy_meets_the_epsilon_it_reports(name, t
     # The audit can see a leak: the neighbours are extreme enough for the bound to reach a
     # good part of the reported epsilon (otherwise passing would prove nothing).
     assert audited.result.epsilon_lower_bound >= power * audited.reported, f"{name}: {audited}"
+
+
+# ------------------------------------------------------------------------------ the vectorised path
+
+
+@pytest.fixture
+def vectorised(monkeypatch: pytest.MonkeyPatch, held: dict[int, ClientDataset]) -> list[int]:
+    """Every audited train message runs as an actor runs a batch with ``simulation.vectorise``:
+    with a second client (client 1, holding OTHERS) through the engine's ``run_jobs``, both trained as
+    one computation (fl_app/cohort_execution.py) before each builds its own reply. Counts the
+    audited client's trainings taken from the cohort."""
+    from fl_app import cohort_execution
+    from fl_app.client_app import app
+    from fl_app.engine.batching import run_jobs
+
+    taken: list[int] = []
+    real = cohort_execution.Planned.load_into
+
+    def counting(self: Any, model: Any) -> None:
+        taken.append(1)
+        real(self, model)
+
+    def in_a_batch(
+        message: Message, client: int, num_clients: int, context: Context | None = None
+    ) -> Message:
+        held.setdefault(1, OTHERS)
+        message.content.config_records[keys.CONFIG][keys.VECTORISE] = True
+        companion = Message(
+            content=message.content, dst_node_id=1001, message_type=message.metadata.message_type
+        )
+        jobs = [
+            (message, context or context_of(message, client, max(num_clients, 2))),
+            (companion, make_context(partition_id=1, num_partitions=max(num_clients, 2), node_id=1001)),
+        ]
+        (outcome, reply, *_), _ = run_jobs(lambda: app, jobs)
+        assert outcome == "reply", reply
+        return reply
+
+    monkeypatch.setattr(cohort_execution.Planned, "load_into", counting)
+    monkeypatch.setattr(sys.modules[__name__], "run_client", in_a_batch)
+    return taken
+
+
+@pytest.mark.audit
+@pytest.mark.parametrize("name", ["fedavg_ldp", "nbafl"])
+def test_the_vectorised_path_meets_the_epsilon_it_reports(name, tmp_path, held, vectorised):
+    """The local-DP clients whose noise is added after a cohort-trained update: the same audit."""
+    function, trials, power = AUDITS[name]
+    audited = function(tmp_path, held, trials)
+    assert len(vectorised) >= 2 * trials, f"{name}: the cohort path was not taken ({len(vectorised)})"
+    assert audited.holds, f"{name}: {audited}"
+    assert audited.result.epsilon_lower_bound >= power * audited.reported, f"{name}: {audited}"
+
+
+@pytest.mark.audit
+def test_audit_catches_a_wrong_sensitivity_on_the_vectorised_path(tmp_path, held, vectorised, monkeypatch):
+    """Mutant 1 (noise sized for C instead of 2C) through the vectorised path is caught too."""
+    monkeypatch.setattr(calibration, "local_update_sensitivity", lambda *, clip: clip)
+    audited = fedavg_ldp_audit(tmp_path, held, 1500)
+    assert len(vectorised) >= 3000
+    assert not audited.holds, f"the audit missed a sensitivity of C instead of 2C: {audited}"
 
 
 # ------------------------------------------------------------------------------ the audit catches bugs
