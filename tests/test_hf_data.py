@@ -198,6 +198,13 @@ def test_missing_or_mistyped_columns_and_missing_data_are_one_line(saved, hf_hom
         load_hf_dataset(source(saved, group_column="user"), seed=0)
     with pytest.raises(DataNotFoundError, match=r"dataset.test_split='valid': .* one split"):
         load_hf_dataset(source(saved, test_split="valid"), seed=0)
+    sizes = datasets.Dataset.from_dict(
+        {"image": [Image.new("L", (8, 8)), Image.new("L", (9, 8))], "label": [0, 1]},
+        features=datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")}),
+    )
+    sizes.save_to_disk(str(hf_home / "sizes"))
+    with pytest.raises(DataFileError, match=r"row 1 is an image of shape \(8, 9\), row 0 of \(8, 8\)"):
+        load_hf_dataset(HFSource.from_options({"path": str(hf_home / "sizes")}), seed=0)
 
 
 # --------------------------------------------------------------------------- the natural partition

@@ -365,26 +365,25 @@ def decode_images(dataset: Any, column: str) -> np.ndarray:
     from PIL import Image
 
     table = dataset.with_format("arrow", columns=[column])
-    arrays: list[np.ndarray] = []
-    shape: tuple[int, ...] | None = None
+    images: np.ndarray | None = None
     for start in range(0, len(dataset), BATCH_ROWS):
         cells = table[start : start + BATCH_ROWS][column].to_pylist()
         for row, cell in enumerate(cells, start=start):
             with Image.open(io.BytesIO(cell["bytes"]) if cell["bytes"] else cell["path"]) as image:
                 mode = "L" if image.mode in ("1", "L", "I;16", "I", "F") else "RGB"
                 pixels = np.asarray(image.convert(mode) if image.mode != mode else image)
-            if shape is None:
-                shape = pixels.shape
-            elif pixels.shape != shape:
+            if images is None:  # one array for every row: no list of 100,000 small arrays
+                images = np.empty((len(dataset), *pixels.shape), dtype=pixels.dtype)
+            elif pixels.shape != images.shape[1:]:
                 raise column_error(
                     "dataset.image_column",
                     column,
                     dataset,
-                    f"row {row} is an image of shape {pixels.shape}, "
-                    f"row 0 of {shape}: dpfl needs one size (resize them first)",
+                    f"row {row} is an image of shape {pixels.shape}, row 0 of {images.shape[1:]}: dpfl "
+                    "needs one size (resize them first)",
                 )
-            arrays.append(pixels)
-    return np.stack(arrays) if arrays else np.zeros((0, 1, 1), dtype=np.uint8)
+            images[row] = pixels
+    return images if images is not None else np.zeros((0, 1, 1), dtype=np.uint8)
 
 
 def channels_first(images: np.ndarray, dataset: Any, column: str) -> np.ndarray:
