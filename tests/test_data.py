@@ -317,9 +317,8 @@ def test_a_process_that_finds_its_partition_cached_never_imports_the_partitioner
 
 def test_partition_schemes_are_the_registered_partitioners():
     from fl_app.conf_dir import config_groups
-    from fl_app.data.partition import PARTITIONERS
-
     from fl_app.data.federated import NATURAL
+    from fl_app.data.partition import PARTITIONERS
 
     # every scheme but the natural one splits the labels (fl_app.data.natural splits the users)
     assert NATURAL not in PARTITIONERS

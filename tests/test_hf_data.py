@@ -345,3 +345,9 @@ def test_dp_fedavg_on_natural_users_trains_each_client_on_one_users_rows(saved, 
         np.testing.assert_array_equal(np.sort(rows), np.flatnonzero(groups == user))
     log = (Path(results["_output_dir"]) / "run.log").read_text()
     assert "a client is one user" in log
+    from fl_app.report import main as report
+
+    assert report([results["_output_dir"], "--out", str(hf_home / "report")]) == 0
+    table = (hf_home / "report" / "report.md").read_text()
+    assert "### Privacy unit: one client's entire data set" in table
+    assert "a client is one user (partition=natural)" in table
