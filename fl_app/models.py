@@ -110,6 +110,8 @@ def check_model_fits(name: str, example: np.ndarray, num_classes: int) -> None:
     """
     shape = tuple(int(d) for d in example.shape[1:])
     batch = torch.from_numpy(np.ascontiguousarray(example, dtype=np.float32))
+    if example.dtype == np.uint8:
+        batch /= 255.0  # as training sees it
     try:
         network = build_model(name, shape, num_classes)
         network.eval()

@@ -165,6 +165,17 @@ def test_rgb_parquet_with_a_test_split_and_array_columns(hf_home):
     )
     assert arrays.x_train.dtype == np.float32 and arrays.x_train.shape[1:] == (1, SIDE, SIDE)
     assert arrays.x_train.min() >= 0.0 and arrays.x_train.max() <= 1.0 and arrays.num_classes == 4
+    integers = datasets.Dataset.from_dict(
+        {"pixels": images[..., 0].astype(np.int64).tolist(), "label": labels.tolist()},
+        features=datasets.Features(
+            {"pixels": datasets.List(datasets.List(datasets.Value("int64"))), "label": datasets.ClassLabel(4)}
+        ),
+    )
+    integers.save_to_disk(str(hf_home / "integers"))
+    as_lists = load_hf_dataset(
+        HFSource.from_options({"path": str(hf_home / "integers"), "image_column": "pixels"}), seed=0
+    )
+    assert as_lists.x_train.dtype == np.uint8  # 8-bit pixels in wider integers: scaled in training
 
 
 def test_the_second_run_reads_the_cache_and_a_changed_file_is_converted_again(saved, monkeypatch):
@@ -182,6 +193,33 @@ def test_the_second_run_reads_the_cache_and_a_changed_file_is_converted_again(sa
     os.utime(arrow, ns=(arrow.stat().st_atime_ns, arrow.stat().st_mtime_ns + 10**9))
     with pytest.raises(AssertionError, match="converted again"):
         load_hf_dataset(source(saved), seed=3)
+
+
+def test_a_hub_data_set_is_converted_once_and_read_offline_from_the_cache(hf_home, monkeypatch):
+    """The hub path (``datasets.load_dataset(name, split=...)``, stubbed: nothing downloads)."""
+    calls: list[tuple[str, str]] = []
+
+    def hub(path: str, *, split: str, revision: str | None) -> datasets.Dataset:
+        calls.append((path, split))
+        if split != "train":
+            raise ValueError(f"Unknown split \"{split}\". Should be one of ['train'].")
+        return make_dataset()
+
+    monkeypatch.setattr(datasets, "load_dataset", hub)
+    first = load_hf_dataset(source("flwrlabs/femnist"), seed=3)
+    assert calls == [("flwrlabs/femnist", "train"), ("flwrlabs/femnist", "test")]
+
+    def offline(*args: object, **kwargs: object) -> None:
+        raise ConnectionError("Couldn't reach 'flwrlabs/femnist' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    again = load_hf_dataset(source("flwrlabs/femnist"), seed=3)  # a second run: the dpfl cache only
+    np.testing.assert_array_equal(first.x_train, again.x_train)
+    np.testing.assert_array_equal(first.y_test, again.y_test)
+    with pytest.raises(DataNotFoundError) as error:  # another revision is not in the cache
+        load_hf_dataset(source("flwrlabs/femnist", revision="v2"), seed=3)
+    assert str(error.value).startswith("dataset.path='flwrlabs/femnist': not a local folder or file")
+    assert "OfflineModeIsEnabled" in str(error.value) and "save_to_disk" in str(error.value)
 
 
 def test_missing_or_mistyped_columns_and_missing_data_are_one_line(saved, hf_home):

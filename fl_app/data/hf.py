@@ -7,9 +7,10 @@ glob of parquet files, or a folder of data files (``load_dataset(<folder>)``, sp
 
 The split ``dataset.split`` is converted once to arrays: images ``(n, C, H, W)`` (grayscale PIL
 images give ``1xHxW``, RGB ``3xHxW``; array columns ``HxW``, ``HxWxC`` or ``CxHxW``), kept as
-``uint8`` when the source is 8-bit (training scales them by 1/255 to [0, 1], as for MNIST) or
-``float32`` otherwise; labels ``int64`` from a ``ClassLabel`` or integer column; and, for a natural
-partition, the id column (``partition.column``) as ``int64`` codes of its sorted distinct values.
+``uint8`` when the source is 8-bit, integer arrays in 0..255 included (training scales them by 1/255
+to [0, 1], as for MNIST), else ``float32`` as they are; labels ``int64`` from a ``ClassLabel`` or
+integer column; and, for a natural partition, the id column (``partition.column``) as ``int64``
+codes of its sorted distinct values.
 The test split is ``dataset.test_split`` (null: ``test`` when the data set has one); without one,
 a seeded ``dataset.test_fraction`` of the rows is held out (whole ids when there is an id column,
 so that test users are never clients).
@@ -370,7 +371,7 @@ def decode_images(dataset: Any, column: str) -> np.ndarray:
         cells = table[start : start + BATCH_ROWS][column].to_pylist()
         for row, cell in enumerate(cells, start=start):
             with Image.open(io.BytesIO(cell["bytes"]) if cell["bytes"] else cell["path"]) as image:
-                mode = "L" if image.mode in ("1", "L", "I;16", "I", "F") else "RGB"
+                mode = "L" if image.mode in ("1", "L", "LA", "I;16", "I", "F") else "RGB"
                 pixels = np.asarray(image.convert(mode) if image.mode != mode else image)
             if images is None:  # one array for every row: no list of 100,000 small arrays
                 images = np.empty((len(dataset), *pixels.shape), dtype=pixels.dtype)
@@ -392,6 +393,9 @@ def channels_first(images: np.ndarray, dataset: Any, column: str) -> np.ndarray:
         images = images[:, None]
     elif images.shape[-1] in (1, 3) and images.shape[1] not in (1, 3):
         images = np.transpose(images, (0, 3, 1, 2))
+    wide = images.dtype != np.uint8 and np.issubdtype(images.dtype, np.integer) and images.size > 0
+    if wide and images.min() >= 0 and images.max() <= 255:  # 8-bit pixels stored as wider integers
+        images = images.astype(np.uint8)
     if images.dtype == np.uint8:
         return np.ascontiguousarray(images)
     if images.dtype == bool or not np.issubdtype(images.dtype, np.number):
