@@ -98,7 +98,8 @@ def make_dataset(seed: int = 0, *, rgb: bool = False) -> datasets.Dataset:
 def hf_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The dpfl cache and the Hugging Face cache in ``tmp_path``; the hub offline."""
     monkeypatch.setenv("DPFL_DATA_HOME", str(tmp_path / "dpfl"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))  # subprocesses
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")  # read at import
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return tmp_path
 

@@ -181,7 +181,7 @@ def convert_source(source: HFSource) -> tuple[Converted, Converted | None]:
 
 @contextlib.contextmanager
 def quiet_datasets() -> Iterator[None]:
-    """No progress bars and no retry warnings from ``datasets`` and the hub (errors are dpfl's one line)."""
+    """No progress bars, warnings or error logs from ``datasets`` and the hub (errors are dpfl's one line)."""
     import datasets
 
     bars = datasets.utils.logging.is_progress_bar_enabled()
@@ -189,7 +189,7 @@ def quiet_datasets() -> Iterator[None]:
     loggers = [logging.getLogger(name) for name in ("datasets", "huggingface_hub", "fsspec")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
-        logger.setLevel(logging.ERROR)
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
@@ -205,7 +205,13 @@ def open_split(source: HFSource, split: str, *, key: str) -> Any:
 
     local = source.local_path()
     if local is not None and local.is_dir() and any((local / m).is_file() for m in SAVED_MARKERS):
-        loaded = datasets.load_from_disk(str(local))
+        try:
+            loaded = datasets.load_from_disk(str(local))
+        except (OSError, ValueError) as error:
+            raise DataFileError(
+                f"dataset.path={source.path!r}: a save_to_disk folder that datasets cannot read "
+                f"({first_line(error)}); save it again"
+            ) from None
         if isinstance(loaded, datasets.Dataset):  # one saved split: it is the training split
             if split == source.split:
                 return loaded
@@ -242,7 +248,9 @@ def hub_split(source: HFSource, split: str, *, key: str) -> Any:
 
 def not_found(source: HFSource, error: BaseException) -> str:
     """The one line for a data set that is neither local nor loadable from the hub."""
-    hf_cache = os.environ.get("HF_DATASETS_CACHE") or "~/.cache/huggingface/datasets"
+    import datasets
+
+    hf_cache = datasets.config.HF_DATASETS_CACHE
     return (
         f"dataset.path={source.path!r}: not a local folder or file ({Path(source.path).expanduser()}), "
         f"not in the dpfl cache ({cache_folder()}) or the Hugging Face cache ({hf_cache}), and the hub "
