@@ -277,7 +277,8 @@ def keyed_error(message: str, spec: DataSpec) -> ConfigError:
     key = head.split("=")[0]
     group, _, leaf = key.partition(".")
     options = {"dataset": spec.dataset, "partition": spec.partition}.get(group, {})
-    return ConfigError(key, options.get(leaf, head.partition("=")[2]), rest)
+    value = options.get(leaf)
+    return ConfigError(key, head.partition("=")[2].strip("'\"") if value is None else value, rest)
 
 
 def check_model(settings: RunSettings, declaration: Declaration) -> None:

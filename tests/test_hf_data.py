@@ -148,6 +148,11 @@ def test_rgb_parquet_with_a_test_split_and_array_columns(hf_home):
     assert data.x_train.shape == (len(labels), 3, SIDE, SIDE)  # RGB -> 3xHxW, every train row kept
     np.testing.assert_array_equal(data.x_train, images.transpose(0, 3, 1, 2))
     assert len(data.y_test) == len(labels) and data.groups_train is None
+    datasets.DatasetDict({"train": make_dataset(rgb=True), "test": make_dataset()}).save_to_disk(
+        str(hf_home / "mixed")
+    )
+    with pytest.raises(DataFileError, match=r"dataset.test_split='test': examples of shape \(1, 8, 8\), but"):
+        load_hf_dataset(source(hf_home / "mixed", group_column=None), seed=0)
     make_dataset(rgb=True).to_parquet(str(hf_home / "rows.parquet"))
     from_parquet = load_hf_dataset(source(hf_home / "rows.parquet"), seed=3)
     assert from_parquet.x_train.shape[1:] == (3, SIDE, SIDE) and len(from_parquet.y_test) > 0

@@ -160,8 +160,7 @@ def load_hf_dataset(source: HFSource, *, seed: int) -> ArrayDataset:
     if test is None:
         train, test = hold_out_test(train, fraction=source.test_fraction, seed=seed)
     num_classes = max(train.num_classes, test.num_classes)
-    dataset = ArrayDataset("hf", train.x, train.y, test.x, test.y, num_classes, groups_train=train.groups)
-    return dataset
+    return ArrayDataset("hf", train.x, train.y, test.x, test.y, num_classes, groups_train=train.groups)
 
 
 def convert_source(source: HFSource) -> tuple[Converted, Converted | None]:
@@ -176,6 +175,11 @@ def convert_source(source: HFSource) -> tuple[Converted, Converted | None]:
                 test_set = open_split(source, "test", key="dataset.test_split")
         train = convert_split(train_set, source, group_column=source.group_column)
         test = None if test_set is None else convert_split(test_set, source, group_column=None)
+    if test is not None and test.x.shape[1:] != train.x.shape[1:]:
+        raise DataFileError(
+            f"dataset.test_split={source.test_split or 'test'!r}: examples of shape {test.x.shape[1:]}, "
+            f"but the training split's are {train.x.shape[1:]}; one network cannot take both"
+        )
     return train, test
 
 
