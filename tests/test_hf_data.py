@@ -296,6 +296,18 @@ def test_hf_data_works_with_the_label_skew_partitions_and_auto_models(saved):
         check_model_fits("tests.test_hf_data:WrongWidth", data.arrays.x_train[:1], data.num_classes)
 
 
+def test_a_device_builds_a_users_network_only_from_a_module_its_operator_allowed(monkeypatch):
+    from clients.node import check_device_model
+
+    monkeypatch.delenv("DPFL_PLUGINS", raising=False)
+    check_device_model("cnn")
+    check_device_model("tests.test_hf_data:TinyNet")  # the app's own packages
+    with pytest.raises(ValueError, match=r"model='my_lab.nets:Net': .* DPFL_PLUGINS=my_lab.nets to allow"):
+        check_device_model("my_lab.nets:Net")
+    monkeypatch.setenv("DPFL_PLUGINS", "my_lab.nets")
+    check_device_model("my_lab.nets:Net")
+
+
 # --------------------------------------------------------------------------- refusals on the command line
 
 
