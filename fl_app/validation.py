@@ -245,6 +245,7 @@ def check_partitions(settings: RunSettings) -> None:
     key = spec.to_json()
     if key in _CHECKED_SPLITS:
         return
+    announce_conversion(spec)
     try:
         data = federated_data(spec)
     except (DataFileError, DataNotFoundError) as error:
@@ -269,6 +270,20 @@ def check_partitions(settings: RunSettings) -> None:
             "examples; use fewer clients or another partition",
         )
     _CHECKED_SPLITS.add(key)
+
+
+def announce_conversion(spec: DataSpec) -> None:
+    """Say on stdout that a Hugging Face data set is read and converted now (once: then cached)."""
+    from fl_app.data.federated import hf_source
+    from fl_app.data.hf import cache_path
+
+    source = hf_source(spec)
+    if source is not None and not cache_path(source).is_file():
+        print(
+            f"dpfl: reading {source.path} ({source.split}) with datasets and converting it to arrays, once: "
+            f"later runs read {cache_path(source)}",
+            flush=True,
+        )
 
 
 def keyed_error(message: str, spec: DataSpec) -> ConfigError:

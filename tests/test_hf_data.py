@@ -334,9 +334,15 @@ def test_bad_columns_users_and_models_are_one_line_before_anything_starts(saved,
         (["model=tests.test_hf_data:WrongWidth"], ["model='tests.test_hf_data:WrongWidth'", "(1, 4)"]),
         (["model=no_such_module:Net"], ["model='no_such_module:Net': cannot import no_such_module"]),
     ]
+    outputs = []
     for extra, fragments in cases:
         result = preflight_cli(*hf_args(saved, *extra), cwd=hf_home)
         assert_one_line(result, *fragments)
+        outputs.append(result.stdout)
+    assert "converting it to arrays, once" in outputs[0]  # a first read of the data set says so
+    again = preflight_cli(*hf_args(saved, "model=tests.test_hf_data:WrongWidth"), cwd=hf_home)
+    assert_one_line(again, "(1, 4)")
+    assert "converting" not in again.stdout  # the same data set again: read from the dpfl cache
     assert_one_line(
         preflight_cli(*FAST, "partition=natural", "partition.column=w", cwd=hf_home),
         "partition.name='natural': needs a data set with a user column: dataset=hf",

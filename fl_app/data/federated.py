@@ -225,11 +225,19 @@ def build_federated_data(spec: DataSpec, *, use_cache: bool = True) -> Federated
 
 def load_arrays(spec: DataSpec) -> ArrayDataset:
     """The data set of ``spec``: a built-in one, or a Hugging Face one (with users, for ``natural``)."""
-    if spec.dataset["name"] != "hf":
+    source = hf_source(spec)
+    if source is None:
         return load_dataset(spec.dataset, seed=spec.seed)
+    return load_hf_dataset(source, seed=spec.seed)
+
+
+def hf_source(spec: DataSpec) -> HFSource | None:
+    """The Hugging Face data set ``spec`` reads (its users' column for ``natural``); None: a built-in one."""
+    if spec.dataset["name"] != "hf":
+        return None
     natural = spec.partition["name"] == NATURAL
     column = str(spec.partition["column"]) if natural else None
-    return load_hf_dataset(HFSource.from_options(spec.dataset, group_column=column), seed=spec.seed)
+    return HFSource.from_options(spec.dataset, group_column=column)
 
 
 def describe_client(spec: DataSpec) -> str:

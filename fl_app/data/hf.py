@@ -138,6 +138,11 @@ def cache_key(source: HFSource) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
+def cache_path(source: HFSource) -> Path:
+    """The file the converted arrays of ``source`` are (or will be) kept in."""
+    return cache_folder() / f"{cache_key(source)}.npz"
+
+
 def load_hf_dataset(source: HFSource, *, seed: int) -> ArrayDataset:
     """The train and test arrays of ``source`` (from the cache, else loaded, converted and cached).
 
@@ -151,7 +156,7 @@ def load_hf_dataset(source: HFSource, *, seed: int) -> ArrayDataset:
         the key, the column and the columns that exist).
 
     """
-    path = cache_folder() / f"{cache_key(source)}.npz"
+    path = cache_path(source)
     splits = read_cache(path)
     if splits is None:
         splits = convert_source(source)
