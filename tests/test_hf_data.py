@@ -393,6 +393,7 @@ def test_dp_fedavg_on_natural_users_trains_each_client_on_one_users_rows(saved, 
     )
     results = simulate(overrides, private_ray=True)  # its actors inherit DPFL_DATA_HOME and HF_HUB_OFFLINE
     assert results["status"] == "completed" and len(results["rounds"]) == 2
+    assert results["dataset"] == f"hf:{saved}" and results["partition"] == "natural(column=writer_id)"
     assert results["client"].startswith("one user: every training row of one writer_id")
     assert "epsilon per client is an epsilon per user" in results["client"]
     assert results["final"]["epsilon"] is not None and results["final"]["epsilon"] <= 8.0 + 1e-9
