@@ -185,13 +185,17 @@ def test_rgb_parquet_with_a_test_split_and_array_columns(hf_home):
 
 
 def test_the_second_run_reads_the_cache_and_a_changed_file_is_converted_again(saved, monkeypatch):
-    first = load_hf_dataset(source(saved), seed=3)
-    assert len(list((saved.parent / "dpfl" / "hf").glob("*.npz"))) == 1
+    plain = load_hf_dataset(source(saved, group_column=None), seed=3)  # a label partition's run
+    assert plain.groups_train is None and len(list((saved.parent / "dpfl" / "hf").glob("*.npz"))) == 1
 
     def no_conversion(src: HFSource) -> None:
         raise AssertionError("converted again")
 
     monkeypatch.setattr(hf_module, "convert_source", no_conversion)
+    first = load_hf_dataset(source(saved), seed=3)  # the natural partition's: the users' column only
+    assert len(list((saved.parent / "dpfl" / "hf").glob("*.npz"))) == 2
+    codes = np.unique(make_rows()[2], return_inverse=True)[1]  # every row's writer, as sorted codes
+    np.testing.assert_array_equal(first.groups_train, codes[np.isin(codes, first.groups_train)])
     again = load_hf_dataset(source(saved), seed=3)
     np.testing.assert_array_equal(first.x_train, again.x_train)
     np.testing.assert_array_equal(first.groups_train, again.groups_train)

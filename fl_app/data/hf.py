@@ -15,8 +15,9 @@ The test split is ``dataset.test_split`` (null: ``test`` when the data set has o
 a seeded ``dataset.test_fraction`` of the rows is held out (whole ids when there is an id column,
 so that test users are never clients).
 
-The converted arrays are cached in ``$DPFL_DATA_HOME/hf/<key>.npz``, keyed by the path, revision,
-splits, columns and a fingerprint of the files (a local path: every file's name, size and
+The converted arrays are cached in ``$DPFL_DATA_HOME/hf/<key>.npz`` (the users' codes beside them,
+``<key>.users-<column>.npz``, so that a natural and a label partition share the arrays), keyed by
+the path, revision, splits, image and label columns and a fingerprint of the files (a local path: every file's name, size and
 modification time; a hub name: the name and ``dataset.revision``), so a second run, in any
 process, reads numpy files and touches neither ``datasets`` nor the hub. A hub data set changed
 upstream is picked up with another ``dataset.revision`` (or by deleting the cache file).
@@ -34,7 +35,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ import numpy as np
 from fl_app.data.sources import ArrayDataset, DataFileError, DataNotFoundError, data_home
 
 #: Bump when the conversion changes: cached arrays of another version are not read.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 #: Files whose presence marks a ``save_to_disk`` folder.
 SAVED_MARKERS = ("dataset_dict.json", "state.json")
 #: Rows decoded per batch (bounds the memory of the Python objects of one batch).
@@ -135,12 +136,22 @@ def cache_key(source: HFSource) -> str:
     """The cache file's name: the source (path, splits, columns) and :func:`fingerprint`."""
     fields = {**asdict(source), "fingerprint": fingerprint(source), "version": CONVERTER_VERSION}
     del fields["test_fraction"]  # the hold-out is drawn after the cache (it depends on the seed)
+    del fields["group_column"]  # the users' column is cached beside (:func:`groups_path`)
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def cache_path(source: HFSource) -> Path:
     """The file the converted arrays of ``source`` are (or will be) kept in."""
     return cache_folder() / f"{cache_key(source)}.npz"
+
+
+def groups_path(source: HFSource) -> Path:
+    """The file of the users' codes (``source.group_column``) of the training split, beside the arrays.
+
+    Apart from the arrays: a natural partition and a label partition of one data set share them.
+    """
+    column = hashlib.sha256(str(source.group_column).encode()).hexdigest()[:12]
+    return cache_folder() / f"{cache_key(source)}.users-{column}.npz"
 
 
 def load_hf_dataset(source: HFSource, *, seed: int) -> ArrayDataset:
@@ -156,16 +167,34 @@ def load_hf_dataset(source: HFSource, *, seed: int) -> ArrayDataset:
         the key, the column and the columns that exist).
 
     """
-    path = cache_path(source)
-    splits = read_cache(path)
+    splits = read_cache(cache_path(source))
     if splits is None:
         splits = convert_source(source)
-        write_cache(path, splits)
+        write_cache(cache_path(source), splits)
+        if splits[0].groups is not None:
+            write_arrays(groups_path(source), {"groups": splits[0].groups})
+    elif source.group_column is not None:
+        splits = (replace(splits[0], groups=cached_groups(source, rows=len(splits[0].y))), splits[1])
     train, test = splits
     if test is None:
         train, test = hold_out_test(train, fraction=source.test_fraction, seed=seed)
     num_classes = max(train.num_classes, test.num_classes)
     return ArrayDataset("hf", train.x, train.y, test.x, test.y, num_classes, groups_train=train.groups)
+
+
+def cached_groups(source: HFSource, *, rows: int) -> np.ndarray:
+    """The users' codes of the training split: from the cache, else read from the id column alone."""
+    path = groups_path(source)
+    with contextlib.suppress(OSError, KeyError, ValueError), np.load(path, allow_pickle=False) as stored:
+        if len(stored["groups"]) == rows:
+            return stored["groups"]
+    with quiet_datasets():
+        dataset = open_split(source, source.split, key="dataset.split")
+        if source.group_column not in dataset.features:
+            raise column_error("partition.column", str(source.group_column), dataset, "no such column")
+        groups = convert_groups(dataset, str(source.group_column))
+    write_arrays(path, {"groups": groups})
+    return groups
 
 
 def convert_source(source: HFSource) -> tuple[Converted, Converted | None]:
@@ -446,8 +475,7 @@ def read_cache(path: Path) -> tuple[Converted, Converted | None] | None:
     try:
         with np.load(path, allow_pickle=False) as stored:
             classes = int(stored["num_classes"])
-            groups = stored.get("groups_train")
-            train = Converted(stored["x_train"], stored["y_train"], groups, classes)
+            train = Converted(stored["x_train"], stored["y_train"], None, classes)
             test = (
                 Converted(stored["x_test"], stored["y_test"], None, classes) if "x_test" in stored else None
             )
@@ -457,15 +485,18 @@ def read_cache(path: Path) -> tuple[Converted, Converted | None] | None:
 
 
 def write_cache(path: Path, splits: tuple[Converted, Converted | None]) -> None:
-    """Store the converted splits (temporary name, then renamed; nothing happens if unwritable)."""
+    """Store the converted splits, without the users (:func:`groups_path` keeps those)."""
     train, test = splits
     arrays = {"x_train": train.x, "y_train": train.y, "num_classes": np.int64(train.num_classes)}
-    if train.groups is not None:
-        arrays["groups_train"] = train.groups
     if test is not None:
         arrays.update(
             x_test=test.x, y_test=test.y, num_classes=np.int64(max(train.num_classes, test.num_classes))
         )
+    write_arrays(path, arrays)
+
+
+def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` to ``path`` (temporary name, then renamed; nothing happens if unwritable)."""
     temporary: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
