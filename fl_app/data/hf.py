@@ -19,8 +19,9 @@ The converted arrays are cached in ``$DPFL_DATA_HOME/hf/<key>.npz`` (the users' 
 ``<key>.users-<column>.npz``, so that a natural and a label partition share the arrays), keyed by
 the path, revision, splits, image and label columns and a fingerprint of the files (a local path:
 every file's name, size and modification time; a hub name: the name and ``dataset.revision``), so
-a second run, in any process, reads numpy files and touches neither ``datasets`` nor the hub. A hub data set changed
-upstream is picked up with another ``dataset.revision`` (or by deleting the cache file).
+a second run, in any process, reads numpy files and touches neither ``datasets`` nor the hub. A hub
+data set changed upstream is picked up with another ``dataset.revision`` (or by deleting the cache
+file).
 
 Every problem is one line naming the key (:class:`DataNotFoundError`, :class:`DataFileError`).
 """
