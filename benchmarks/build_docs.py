@@ -140,6 +140,7 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
                 "clients, the main job and quick examples as whole commands.",
             ),
             ("partition_cache", "Start-up and memory with and without the partition cache."),
+            ("hf_loader", "A Hugging Face data set of 100,000 rows, 3,500 users: first run and cache."),
             (
                 "pfl_research",
                 "The same cross-device DP-FedAvg task in Apple's pfl-research and in dpfl, interleaved: "

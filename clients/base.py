@@ -100,6 +100,7 @@ class FederatedClient(NodeClient):
         The instance is shared by the messages this process serves one after
         another (:func:`process_model`): use it for this message only.
         """
+        self.model_spec()  # a device refuses a network its operator did not allow (check_device_model)
         model = process_model(str(self.config[keys.MODEL_SPEC]), self.device)
         load_arrays(model, self.incoming_arrays())
         for parameter in model.parameters():

@@ -27,6 +27,7 @@ from fl_app.data.federated import ClientDataset, DataSpec, federated_data
 from fl_app.data.local import check_local_dataset, load_local_dataset
 from fl_app.model_spec import ModelSpec
 from fl_app.privacy.rng import RandomSource, make_generator
+from fl_app.registry import PLUGINS_ENV, referable_packages
 
 #: Fault injection for failure-handling tests: ``DPFL_INJECT_FAILURES="3,5@2"``
 #: makes client 3 raise in every round and client 5 in round 2 (train and
@@ -46,6 +47,20 @@ INJECT_HOLD_MAX_S = 600.0
 def parse_model_spec(text: str) -> ModelSpec:
     """The :class:`ModelSpec` of a message's JSON (parsed once per process)."""
     return ModelSpec.from_json(text)
+
+
+def check_device_model(name: str) -> None:
+    """Refuse, on a device, a ``module:Class`` network outside the app's packages and ``DPFL_PLUGINS``.
+
+    As for algorithms (:meth:`fl_app.registry.Registry.get`), a message cannot make a device import
+    whatever happens to be installed: the operator names the user's module in ``DPFL_PLUGINS``.
+    """
+    module = name.partition(":")[0]
+    if ":" in name and module.split(".")[0] not in referable_packages():
+        raise ValueError(
+            f"the server's model={name!r}: a device imports only modules of "
+            f"{', '.join(referable_packages())}; start this SuperNode with {PLUGINS_ENV}={module} to allow it"
+        )
 
 
 class InjectedFailureError(RuntimeError):
@@ -115,8 +130,11 @@ class NodeClient:
     # ------------------------------------------------------------------ data
 
     def model_spec(self) -> ModelSpec:
-        """The architecture the server asked for."""
-        return parse_model_spec(str(self.config[keys.MODEL_SPEC]))
+        """The architecture the server asked for (a device builds a user's network only if allowed)."""
+        spec = parse_model_spec(str(self.config[keys.MODEL_SPEC]))
+        if not self.in_simulation:
+            check_device_model(spec.name)
+        return spec
 
     def local_data(self) -> ClientDataset:
         """Return the labelled training data of this client.

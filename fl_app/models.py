@@ -3,12 +3,25 @@
 ``model=auto`` picks the CNN for 28x28 images and the MLP otherwise. A model is
 described by a :class:`ModelSpec` (name, input shape, classes), which travels to
 clients in the train message so that they build the same architecture.
+
+A user's own network, without editing dpfl: ``model=<module>:<Class>`` names an
+``nn.Module`` subclass whose constructor takes ``(input_shape, num_classes)``
+(``input_shape`` is ``(channels, height, width)``) and whose forward pass returns
+class logits of shape ``(batch, num_classes)``; every process that builds the
+model (the server, each simulated client, a device) imports the module, so it must
+be importable there (the working directory or ``PYTHONPATH``). A factory function
+is registered under a name instead, with ``@register_model("name")`` in a module
+that ``DPFL_PLUGINS`` names (``fl_app/registry.py``), and chosen with ``model=name``.
+Validation runs one example through the network and checks it gives one score per
+class (:func:`check_model_fits`).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -40,11 +53,82 @@ def is_28x28_image(input_shape: tuple[int, ...]) -> bool:
     return tuple(input_shape[-2:]) == (28, 28)
 
 
+def model_factory(name: str) -> ModelFactory:
+    """The factory of the registered model ``name``, or the ``nn.Module`` class ``module:Class`` names.
+
+    Raises
+    ------
+    ValueError
+        ``model=<name>: ...`` in one line: unknown, not importable, or not an ``nn.Module`` class.
+
+    """
+    if name in MODELS:
+        return MODELS[name]
+    if ":" not in name:
+        raise ValueError(
+            f"model={name!r}: unknown; allowed: auto, {', '.join(sorted(MODELS))}, <module>:<Class>"
+        )
+    module_name, _, attribute = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"model={name!r}: cannot import {module_name} ({error}); it must be importable from the "
+            "working directory or PYTHONPATH"
+        ) from None
+    found = getattr(module, attribute, None)
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        raise ValueError(
+            f"model={name!r}: {module_name} has no nn.Module class {attribute!r} (a factory function is "
+            "registered with @register_model instead)"
+        )
+    return found
+
+
 def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """Build the registered model ``name``."""
-    if name not in MODELS:
-        raise ValueError(f"model={name!r} is unknown; allowed: auto, {', '.join(sorted(MODELS))}")
-    return MODELS[name](tuple(input_shape), num_classes)
+    """Build the registered model ``name`` (or the user's ``module:Class``)."""
+    return model_factory(name)(tuple(input_shape), num_classes)
+
+
+def check_model_fits(name: str, example: np.ndarray, num_classes: int) -> None:
+    """Build ``name`` for ``example``'s shape and check one forward pass gives ``num_classes`` scores.
+
+    Parameters
+    ----------
+    name : str
+        A registered model or ``module:Class``.
+    example : np.ndarray
+        One example of the data, shape ``(1, channels, height, width)`` (``uint8`` or float).
+    num_classes : int
+        Number of classes of the data.
+
+    Raises
+    ------
+    ValueError
+        One line naming the model, the input shape and what went wrong.
+
+    """
+    shape = tuple(int(d) for d in example.shape[1:])
+    batch = torch.from_numpy(np.ascontiguousarray(example, dtype=np.float32))
+    if example.dtype == np.uint8:
+        batch /= 255.0  # as training sees it
+    try:
+        network = build_model(name, shape, num_classes)
+        network.eval()
+        with torch.no_grad():
+            output = network(batch)
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        message = " ".join(str(error).split())[:200]
+        raise ValueError(
+            f"the network {name!r} does not take this data's examples of shape {shape} with {num_classes} "
+            f"classes: {type(error).__name__}: {message}"
+        ) from None
+    if not isinstance(output, torch.Tensor) or tuple(output.shape) != (1, num_classes):
+        got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ValueError(
+            f"the network {name!r} gives {got} for one example of shape {shape}; it must give class "
+            f"logits of shape (1, {num_classes}) (the data has {num_classes} classes)"
+        )
 
 
 class SmallCNN(nn.Module):

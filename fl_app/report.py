@@ -95,6 +95,18 @@ COLUMNS = (
 )
 
 
+def epsilon_unit(results: dict[str, Any]) -> str:
+    """The run's privacy unit, saying so when a client is one user (``partition=natural``).
+
+    A user-level epsilon and an epsilon per drawn share of rows are not the same unit: their rows go
+    into separate tables.
+    """
+    unit = str(results["privacy"].get("unit", ""))
+    if unit and unit != "none" and str(results.get("client", "")).startswith("one user"):
+        return f"{unit}; a client is one user (partition=natural)"
+    return unit
+
+
 @dataclass
 class Run:
     """One run's results.json, with where it came from."""
@@ -315,7 +327,7 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
                 "rounds": len(first["rounds"]),
                 "epsilon_target": first["config"].get("privacy", {}).get("epsilon") if private else None,
                 "epsilon": max(finite) if private else None,
-                "epsilon_unit": first["privacy"].get("unit", ""),
+                "epsilon_unit": epsilon_unit(first),
                 # the largest estimate over seeds, with its interval: compared with the largest claim
                 **_largest_estimate(estimates),
                 "delta": first["final"].get("delta"),

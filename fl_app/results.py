@@ -7,6 +7,7 @@
       "status": "completed" | "completed_with_failures" | "failed" | "interrupted",
       "code": {"package": str|null, "commit": str|null, "dirty": bool|null},  # fl_app.code_version
       "strategy": str, "dataset": str, "partition": str,
+      "client": str,  # what one client's data is: one user's (partition=natural) or a drawn share
       "config": {...resolved configuration...},
       "initial": {"accuracy": float, "loss": float},
       "rounds": [{"round": int, "accuracy": float|null, "loss": float|null,
@@ -86,6 +87,7 @@ import numpy as np
 from flwr.app import ArrayRecord
 
 from fl_app.code_version import code_version
+from fl_app.data.federated import describe_client
 from fl_app.files import write_atomically, writing
 from fl_app.lifecycle import diverged
 from fl_app.model_spec import ModelSpec
@@ -303,6 +305,7 @@ class RunRecorder:
             "strategy": strategy,
             "dataset": self.settings.dataset,
             "partition": describe_partition(self.settings.data.partition),
+            "client": describe_client(self.settings.data),
             "config": copy.deepcopy(dict(self.settings.config)),
             "initial": self.initial,
             "rounds": self.rounds,

@@ -31,7 +31,7 @@ from fl_app import keys
 from fl_app.checkpoint import Checkpoint, load_checkpoint, remove_checkpoint, restore_rng_states
 from fl_app.config import RUN_CONFIG_OUTPUT_DIR, compose_config, overrides_from_run_config
 from fl_app.config_checks import ConfigError
-from fl_app.data.federated import FederatedData, federated_data
+from fl_app.data.federated import NATURAL, FederatedData, describe_client, federated_data
 from fl_app.engine.dispatch import is_in_memory_grid, simulated_partitions
 from fl_app.engine.logs import colour_only_at_a_terminal, console_filter
 from fl_app.files import WriteFailed, one_modification_time, write_failed
@@ -396,6 +396,8 @@ def announce(strategy: Strategy, settings: RunSettings, randomness: Randomness) 
     """The header lines on the privacy randomness (a private run's) and the canaries."""
     if strategy.declaration.is_private(settings):  # a non-private run has no privacy randomness to describe
         log(INFO, "dpfl: %s", randomness.describe())
+    if settings.data.partition["name"] == NATURAL:
+        log(INFO, "dpfl: a client is %s", describe_client(settings.data))
     if settings.privacy.canaries:
         log(INFO, "dpfl: %s", CANARY_HEADER.format(count=settings.privacy.canaries))
 

@@ -85,6 +85,15 @@ def cohort_size(clients_per_round: int | float, num_clients: int) -> int:
     return int(clients_per_round)
 
 
+def dataset_label(dataset: Mapping[str, Any]) -> str:
+    """The data set's name in results and reports: ``dataset.name``, or ``hf:<path>`` for ``dataset=hf``.
+
+    Two Hugging Face data sets are two data sets in a report (tables, chance levels).
+    """
+    name = str(dataset["name"])
+    return f"hf:{dataset['path']}" if name == "hf" else name
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """The whole run's typed configuration (see the module docstring).
@@ -134,7 +143,7 @@ class RunSettings:
         assert isinstance(config, dict)
         return cls(
             strategy=str(cfg.strategy.name),
-            dataset=str(cfg.dataset.name),
+            dataset=dataset_label(cfg.dataset),
             partition=str(cfg.partition.name),
             num_clients=int(cfg.num_clients),
             clients_per_round=per_round if isinstance(per_round, float) else int(per_round),

@@ -36,6 +36,7 @@ from fl_app.run_settings import RunSettings
 from fl_app.tracking import TRACKERS, tracker_available
 
 if TYPE_CHECKING:
+    from fl_app.data.federated import DataSpec
     from strategies.contract import Declaration
 
 BUDGET_SCOPES = ("total", "per_round")
@@ -72,9 +73,15 @@ def validate_common(cfg: DictConfig) -> None:
     require_range("lr_decay", cfg.lr_decay, 0.0, 1.0, low_open=True)
     require_int("seed", cfg.seed, minimum=0)
     if cfg.model != "auto":
-        from fl_app.models import MODELS  # imports torch: only when a model is named
+        from fl_app.models import MODELS, model_factory  # imports torch: only when a model is named
 
-        require_choice("model", cfg.model, ["auto", *sorted(MODELS)])
+        if isinstance(cfg.model, str) and ":" in cfg.model:
+            try:
+                model_factory(cfg.model)
+            except ValueError as error:
+                raise ConfigError("model", cfg.model, str(error).partition(": ")[2]) from None
+        else:
+            require_choice("model", cfg.model, ["auto", *sorted(MODELS), "<module>:<Class>"])
 
     privacy = cfg.privacy
     require_positive("privacy.epsilon", privacy.epsilon)
@@ -155,6 +162,8 @@ def validate_data_options(cfg: DictConfig) -> None:
         for key in ("num_train", "num_test", "image_size", "num_classes"):
             require_int(f"dataset.{key}", dataset[key], minimum=2)
         require_positive("dataset.class_sep", dataset.class_sep)
+    if name == "hf":
+        validate_hf_options(dataset)
     with_files = (*IDX_DATASETS, "svhn")
     if name in with_files and dataset.data_dir is not None and not isinstance(dataset.data_dir, str):
         raise ConfigError("dataset.data_dir", dataset.data_dir, "must be a folder path or null")
@@ -175,6 +184,41 @@ def validate_data_options(cfg: DictConfig) -> None:
         require_positive("partition.alpha", partition.alpha)
         require_int("partition.min_partition_size", partition.min_partition_size, minimum=0)
         require_bool("partition.self_balancing", partition.self_balancing)
+    if partition.name == "natural":
+        require_text("partition.column", partition.get("column"), "the column naming each row's user")
+        if name != "hf":
+            raise ConfigError(
+                "partition.name",
+                partition.name,
+                f"needs a data set with a user column: dataset=hf (dataset={name} has no users; use iid, "
+                "dirichlet, ...)",
+            )
+
+
+def validate_hf_options(dataset: DictConfig) -> None:
+    """Check ``dataset=hf``'s keys (the data set itself is looked at by :func:`check_partitions`)."""
+    require_text(
+        "dataset.path",
+        dataset.get("path"),
+        "a Hugging Face data set name (flwrlabs/femnist), a save_to_disk folder or parquet file(s)",
+    )
+    require_text("dataset.split", dataset.get("split"), "the training split's name")
+    if dataset.get("test_split") is not None:
+        require_text("dataset.test_split", dataset.test_split, "null or the test split's name")
+    require_range(
+        "dataset.test_fraction", dataset.get("test_fraction"), 0.0, 1.0, low_open=True, high_open=True
+    )
+    require_text("dataset.image_column", dataset.get("image_column"), "the column of images")
+    require_text("dataset.label_column", dataset.get("label_column"), "the column of class labels")
+    if dataset.get("revision") is not None:
+        require_text("dataset.revision", dataset.revision, "null or a hub revision (branch, tag, commit)")
+
+
+def require_text(key: str, value: object, what: str) -> str:
+    """A non-empty one-line string."""
+    if not isinstance(value, str) or not value.strip() or "\n" in value:
+        raise ConfigError(key, value, f"must be {what}")
+    return value
 
 
 def locate_data(settings: RunSettings) -> None:
@@ -204,9 +248,12 @@ def check_partitions(settings: RunSettings) -> None:
     key = spec.to_json()
     if key in _CHECKED_SPLITS:
         return
+    announce_conversion(spec)
     try:
         data = federated_data(spec)
-    except DataFileError as error:
+    except (DataFileError, DataNotFoundError) as error:
+        if spec.dataset["name"] == "hf":
+            raise keyed_error(str(error), spec) from None
         raise ConfigError(
             "dataset.data_dir", spec.dataset.get("data_dir"), " ".join(str(error).split())
         ) from error
@@ -226,6 +273,46 @@ def check_partitions(settings: RunSettings) -> None:
             "examples; use fewer clients or another partition",
         )
     _CHECKED_SPLITS.add(key)
+
+
+def announce_conversion(spec: DataSpec) -> None:
+    """Say on stdout that a Hugging Face data set is read and converted now (once: then cached)."""
+    from fl_app.data.federated import hf_source
+    from fl_app.data.hf import cache_path
+
+    source = hf_source(spec)
+    if source is not None and not cache_path(source).is_file():
+        print(
+            f"dpfl: reading {source.path} ({source.split}) with datasets and converting it to arrays, once: "
+            f"later runs read {cache_path(source)}",
+            flush=True,
+        )
+
+
+def keyed_error(message: str, spec: DataSpec) -> ConfigError:
+    """A data error whose message starts ``key='value': ...`` as the ConfigError of that key."""
+    head, _, rest = " ".join(message.split()).partition(": ")
+    key = head.split("=")[0]
+    group, _, leaf = key.partition(".")
+    options = {"dataset": spec.dataset, "partition": spec.partition}.get(group, {})
+    value = options.get(leaf)
+    return ConfigError(key, head.partition("=")[2].strip("'\"") if value is None else value, rest)
+
+
+def check_model(settings: RunSettings, declaration: Declaration) -> None:
+    """The run's network takes the data's examples and gives one score per class (a forward pass).
+
+    Raises a :class:`ConfigError` naming ``model`` when it does not fit.
+    """
+    from fl_app.data.federated import federated_data
+    from fl_app.models import check_model_fits
+
+    data = federated_data(settings.data)
+    name = declaration.model_name(settings, data.input_shape)
+    try:
+        check_model_fits(name, data.arrays.x_train[:1], data.num_classes)
+    except ValueError as error:
+        raise ConfigError("model", settings.model, " ".join(str(error).split())) from None
 
 
 def validate_releases(declaration: Declaration, settings: RunSettings) -> None:
@@ -293,6 +380,7 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> RunSettings:
     if check_data:
         locate_data(settings)
         check_partitions(settings)
+        check_model(settings, declaration)
     return settings
 
 

@@ -34,6 +34,10 @@ def test_every_option_of_every_group_composes_and_validates(group):
         overrides = [f"{group}={option}"]
         if group == "dataset" and option == "mnist":
             overrides.append("dataset.data_dir=/nonexistent")
+        if group == "dataset" and option == "hf":
+            overrides.append("dataset.path=flwrlabs/femnist")  # required (the presets set it)
+        if group == "partition" and option == "natural":
+            overrides += ["dataset=femnist", "partition.column=writer_id"]  # users: only dataset=hf has them
         cfg = compose_config(overrides)
         validate_config(cfg, check_data=False)
         own = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")

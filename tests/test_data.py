@@ -317,9 +317,12 @@ def test_a_process_that_finds_its_partition_cached_never_imports_the_partitioner
 
 def test_partition_schemes_are_the_registered_partitioners():
     from fl_app.conf_dir import config_groups
+    from fl_app.data.federated import NATURAL
     from fl_app.data.partition import PARTITIONERS
 
-    assert sorted(PARTITION_SCHEMES) == sorted(PARTITIONERS) == config_groups()["partition"]
+    # every scheme but the natural one splits the labels (fl_app.data.natural splits the users)
+    assert NATURAL not in PARTITIONERS
+    assert sorted(PARTITION_SCHEMES) == sorted([*PARTITIONERS, NATURAL]) == config_groups()["partition"]
 
 
 def test_validation_split_belongs_to_no_client_and_replaces_the_test_split():
@@ -388,7 +391,7 @@ def test_local_device_data_npz_and_idx(tmp_path):
         load_local_dataset(str(tmp_path / "missing.npz"))
 
 
-@pytest.mark.parametrize("scheme", PARTITION_SCHEMES)
+@pytest.mark.parametrize("scheme", [s for s in PARTITION_SCHEMES if s != "natural"])  # natural: users
 @pytest.mark.parametrize(("clients", "rows"), [(7, 2000), (13, 5001), (40, 6000)])
 def test_fast_partition_rows_equal_flower_datasets_public_path(scheme: str, clients: int, rows: int) -> None:
     """The per-client rows without one load_partition per client are exactly the public path's."""

@@ -10,4 +10,5 @@ PARTITION_SCHEMES: tuple[str, ...] = (
     "linear",
     "exponential",
     "two_tier",
+    "natural",
 )

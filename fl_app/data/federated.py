@@ -20,8 +20,13 @@ from typing import Any
 
 import numpy as np
 
+from fl_app.data.hf import HFSource, load_hf_dataset
+from fl_app.data.natural import natural_split
 from fl_app.data.partition_cache import load_rows, partition_key, store_rows
 from fl_app.data.sources import ArrayDataset, load_dataset
+
+#: The partition whose clients are the data set's own users (``partition.column``).
+NATURAL = "natural"
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,11 @@ class DataSpec:
         """Build the spec from a composed run configuration (read once, by :mod:`fl_app.run_settings`)."""
         evaluation = composed.get("evaluation") or {}
         validation = evaluation.get("split", "test") == "validation"
+        dataset = dict(composed["dataset"])
+        if dataset.get("name") == "hf" and dataset.get("path"):
+            dataset["path"] = absolute_if_local(str(dataset["path"]))
         return cls(
-            dataset=dict(composed["dataset"]),
+            dataset=dataset,
             partition=dict(composed["partition"]),
             num_clients=int(composed["num_clients"]),
             seed=int(composed["seed"]),
@@ -101,6 +109,12 @@ class DataSpec:
         )
 
 
+def absolute_if_local(path: str) -> str:
+    """``path`` made absolute when it names a local file, folder or glob (Ray's workers run elsewhere)."""
+    local = HFSource(path, "train", None, 0.0, "", "").local_path()
+    return str(local.resolve()) if local is not None else path
+
+
 @dataclass(frozen=True)
 class FederatedData:
     """A data set split into test, public (unlabeled), validation and per-client parts."""
@@ -124,6 +138,11 @@ class FederatedData:
         """Return the labelled examples of client ``partition_id``."""
         rows = self.client_rows[partition_id]
         return ClientDataset(self.arrays.x_train[rows], self.arrays.y_train[rows])
+
+    @property
+    def natural(self) -> bool:
+        """Whether every client is one user of the data set (``partition=natural``)."""
+        return self.arrays.groups_train is not None
 
     def client_sizes(self) -> list[int]:
         """Number of examples of every client."""
@@ -161,11 +180,23 @@ def build_federated_data(spec: DataSpec, *, use_cache: bool = True) -> Federated
     another process (or an earlier run) computed them, else they are computed and stored there;
     ``use_cache=False`` always computes them and stores nothing.
     """
-    arrays = load_dataset(spec.dataset, seed=spec.seed)
-    key = partition_key(spec.to_json(), arrays.y_train) if use_cache else None
+    arrays = load_arrays(spec)
+    key = partition_key(spec.to_json(), arrays.y_train, arrays.groups_train) if use_cache else None
     cached = load_rows(key) if key is not None else None
     if cached is not None:
         public_rows, client_rows, validation_rows = cached
+        return FederatedData(arrays, public_rows, client_rows, validation_rows)
+    if arrays.groups_train is not None:
+        public_rows, client_rows, validation_rows = natural_split(
+            arrays.groups_train,
+            num_clients=spec.num_clients,
+            public_fraction=float(spec.dataset.get("public_fraction", 0.0)),
+            validation_fraction=spec.validation_fraction,
+            seed=spec.seed,
+            column=f"partition.column={spec.partition.get('column')!r}",
+        )
+        if key is not None:
+            store_rows(key, public_rows, client_rows, validation_rows)
         return FederatedData(arrays, public_rows, client_rows, validation_rows)
     # Imported here: the partitioners pull in flwr-datasets, datasets, pandas, pyarrow, scipy and
     # matplotlib (about 2 s of CPU), which a device's ClientApp process never needs.
@@ -190,6 +221,36 @@ def build_federated_data(spec: DataSpec, *, use_cache: bool = True) -> Federated
     if key is not None:
         store_rows(key, public_rows, client_rows, validation_rows)
     return FederatedData(arrays, public_rows, client_rows, validation_rows)
+
+
+def load_arrays(spec: DataSpec) -> ArrayDataset:
+    """The data set of ``spec``: a built-in one, or a Hugging Face one (with users, for ``natural``)."""
+    source = hf_source(spec)
+    if source is None:
+        return load_dataset(spec.dataset, seed=spec.seed)
+    return load_hf_dataset(source, seed=spec.seed)
+
+
+def hf_source(spec: DataSpec) -> HFSource | None:
+    """The Hugging Face data set ``spec`` reads (its users' column for ``natural``); None: a built-in one."""
+    if spec.dataset["name"] != "hf":
+        return None
+    natural = spec.partition["name"] == NATURAL
+    column = str(spec.partition["column"]) if natural else None
+    return HFSource.from_options(spec.dataset, group_column=column)
+
+
+def describe_client(spec: DataSpec) -> str:
+    """What one client's data is: one user's (a natural partition), or a drawn share of the rows."""
+    if spec.partition["name"] == NATURAL:
+        return (
+            f"one user: every training row of one {spec.partition['column']} of {spec.dataset.get('path')} "
+            "(partition=natural), so an epsilon per client is an epsilon per user"
+        )
+    return (
+        f"a share of {spec.dataset['name']}'s training rows drawn by the {spec.partition['name']} "
+        "partition, not one person's data"
+    )
 
 
 @functools.lru_cache(maxsize=2)

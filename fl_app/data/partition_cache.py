@@ -8,7 +8,8 @@ them with numpy alone.
 
 The key covers everything the rows depend on: the :class:`~fl_app.data.federated.DataSpec` (data
 set and partition options, number of clients, seed), the labels of the training split (a hash: a
-copy of the data set with other labels or another order gets its own rows), and the code that
+copy of the data set with other labels or another order gets its own rows; with a natural partition
+its users too), and the code that
 computes them (the sources of :mod:`fl_app.data.partition` and :mod:`fl_app.data.federated`, the
 installed flwr-datasets, datasets and numpy versions). Files are written to a temporary name and
 renamed, so a reader never sees half a file; a file that cannot be read is computed again.
@@ -40,7 +41,7 @@ CACHE_ENV = "DPFL_PARTITION_CACHE"
 MAX_FILES = 64
 _CODE_PACKAGES = ("flwr-datasets", "datasets", "numpy")
 #: The modules whose source decides the rows (the partitioners, and how the split uses them).
-_CODE_MODULES = ("fl_app.data.partition", "fl_app.data.federated")
+_CODE_MODULES = ("fl_app.data.partition", "fl_app.data.natural", "fl_app.data.federated")
 
 Rows = tuple[np.ndarray, tuple[np.ndarray, ...], np.ndarray]  # public, clients, validation
 
@@ -69,13 +70,17 @@ def _code_version() -> bytes:
     return b"\n".join([*sources, "\n".join(versions).encode()])
 
 
-def partition_key(spec_json: str, labels: np.ndarray) -> str:
-    """The cache key of the partition of ``labels`` (the training split's) that ``spec_json`` asks for."""
+def partition_key(spec_json: str, labels: np.ndarray, groups: np.ndarray | None = None) -> str:
+    """The cache key of the partition of ``labels`` (the training split's) that ``spec_json`` asks for.
+
+    ``groups``: each training row's user, for a natural partition (its rows depend on them too).
+    """
     digest = hashlib.sha256()
     digest.update(spec_json.encode())
-    labels = np.ascontiguousarray(labels)
-    digest.update(f"{labels.dtype.str}{labels.shape}".encode())
-    digest.update(labels.tobytes())
+    for array in (labels,) if groups is None else (labels, groups):
+        array = np.ascontiguousarray(array)
+        digest.update(f"{array.dtype.str}{array.shape}".encode())
+        digest.update(array.tobytes())
     digest.update(_code_version())
     return digest.hexdigest()[:32]
 

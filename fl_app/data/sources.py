@@ -1,7 +1,8 @@
 """Data sets as local numpy arrays, found on disk (or downloaded) without a hub.
 
 Supported names: ``fashion_mnist`` (default), ``mnist``, ``digits``
-(scikit-learn's bundled 8x8 set) and ``synthetic`` (seeded, generated).
+(scikit-learn's bundled 8x8 set), ``synthetic`` (seeded, generated) and ``svhn``;
+``hf`` (any Hugging Face data set) is :mod:`fl_app.data.hf`'s.
 
 The two IDX data sets are searched in this order:
 
@@ -95,7 +96,7 @@ HOW_TO_GET: dict[str, str] = {
 }
 
 IDX_DATASETS: tuple[str, ...] = ("fashion_mnist", "mnist")
-DATASET_NAMES: tuple[str, ...] = ("fashion_mnist", "mnist", "digits", "synthetic", "svhn")
+DATASET_NAMES: tuple[str, ...] = ("fashion_mnist", "mnist", "digits", "synthetic", "svhn", "hf")
 
 # SVHN (cropped digits): torchvision's file names; ``extra_32x32.mat`` is not used.
 SVHN_FILES: dict[str, str] = {"train": "train_32x32.mat", "test": "test_32x32.mat"}
@@ -120,7 +121,9 @@ class ArrayDataset:
     """A labelled data set held as numpy arrays.
 
     Images are ``uint8`` (scaled by 1/255 for training) or ``float32`` with
-    shape ``(n, channels, height, width)``; labels are ``int64``.
+    shape ``(n, channels, height, width)``; labels are ``int64``. ``groups_train`` is, for a data
+    set with natural users (``dataset=hf`` with ``partition=natural``), each training row's user as
+    an ``int64`` code; None otherwise.
     """
 
     name: str
@@ -129,6 +132,7 @@ class ArrayDataset:
     x_test: np.ndarray
     y_test: np.ndarray
     num_classes: int
+    groups_train: np.ndarray | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -452,4 +456,7 @@ def load_dataset(options: Mapping[str, Any], *, seed: int) -> ArrayDataset:
             class_sep=float(options["class_sep"]),
             seed=seed,
         )
-    raise ValueError(f"dataset.name={name!r} is unknown; allowed: {', '.join(DATASET_NAMES)}")
+    raise ValueError(
+        f"dataset.name={name!r} is unknown here; allowed: {', '.join(DATASET_NAMES[:-1])} "
+        "(dataset=hf: fl_app.data.hf.load_hf_dataset)"
+    )

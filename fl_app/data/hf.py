@@ -1,0 +1,511 @@
+"""Any Hugging Face data set (``dataset=hf``) as the numpy arrays dpfl trains on.
+
+``dataset.path`` names the data set: a hub name (``flwrlabs/femnist``, loaded with
+``datasets.load_dataset``, which needs the machine online the first time or a copy in the Hugging
+Face cache), a folder written by ``save_to_disk`` (``datasets.load_from_disk``), a parquet file, a
+glob of parquet files, or a folder of data files (``load_dataset(<folder>)``, splits by file names).
+
+The split ``dataset.split`` is converted once to arrays: images ``(n, C, H, W)`` (grayscale PIL
+images give ``1xHxW``, RGB ``3xHxW``; array columns ``HxW``, ``HxWxC`` or ``CxHxW``), kept as
+``uint8`` when the source is 8-bit, integer arrays in 0..255 included (training scales them by 1/255
+to [0, 1], as for MNIST), else ``float32`` as they are; labels ``int64`` from a ``ClassLabel`` or
+integer column; and, for a natural partition, the id column (``partition.column``) as ``int64``
+codes of its sorted distinct values.
+The test split is ``dataset.test_split`` (null: ``test`` when the data set has one); without one,
+a seeded ``dataset.test_fraction`` of the rows is held out (whole ids when there is an id column,
+so that test users are never clients).
+
+The converted arrays are cached in ``$DPFL_DATA_HOME/hf/<key>.npz`` (the users' codes beside them,
+``<key>.users-<column>.npz``, so that a natural and a label partition share the arrays), keyed by
+the path, revision, splits, image and label columns and a fingerprint of the files (a local path:
+every file's name, size and modification time; a hub name: the name and ``dataset.revision``), so
+a second run, in any process, reads numpy files and touches neither ``datasets`` nor the hub. A hub
+data set changed upstream is picked up with another ``dataset.revision`` (or by deleting the cache
+file).
+
+Every problem is one line naming the key (:class:`DataNotFoundError`, :class:`DataFileError`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fl_app.data.sources import ArrayDataset, DataFileError, DataNotFoundError, data_home
+
+#: Bump when the conversion changes: cached arrays of another version are not read.
+CONVERTER_VERSION = 2
+#: Files whose presence marks a ``save_to_disk`` folder.
+SAVED_MARKERS = ("dataset_dict.json", "state.json")
+#: Rows decoded per batch (bounds the memory of the Python objects of one batch).
+BATCH_ROWS = 8192
+HOW_TO_PROVIDE = (
+    "run once on a machine that is online (the converted arrays are then kept in the dpfl cache), "
+    "or save the data set with datasets' save_to_disk (or as parquet files) and set "
+    "dataset.path=<that folder or file>"
+)
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """Which Hugging Face data set, split and columns (the ``dataset`` group of ``dataset=hf``).
+
+    ``group_column`` is the natural partition's id column (``partition.column``), kept per row;
+    None when the partition does not need one.
+    """
+
+    path: str
+    split: str
+    test_split: str | None
+    test_fraction: float
+    image_column: str
+    label_column: str
+    group_column: str | None = None
+    revision: str | None = None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any], *, group_column: str | None = None) -> HFSource:
+        """Read the ``dataset`` group (validated) and the partition's id column."""
+        test_split = options.get("test_split")
+        revision = options.get("revision")
+        return cls(
+            path=str(options["path"]),
+            split=str(options.get("split", "train")),
+            test_split=None if test_split is None else str(test_split),
+            test_fraction=float(options.get("test_fraction", 0.2)),
+            image_column=str(options.get("image_column", "image")),
+            label_column=str(options.get("label_column", "label")),
+            group_column=group_column,
+            revision=None if revision is None else str(revision),
+        )
+
+    def local_path(self) -> Path | None:
+        """The local file, folder or glob ``path`` names, or None (then it is a hub name)."""
+        path = Path(self.path).expanduser()
+        if path.exists():
+            return path
+        if any(ch in self.path for ch in "*?[") and any(path.parent.glob(path.name)):
+            return path
+        return None
+
+
+@dataclass(frozen=True)
+class Converted:
+    """One converted split: images, labels, id codes (or None) and the classes the labels count."""
+
+    x: np.ndarray
+    y: np.ndarray
+    groups: np.ndarray | None
+    num_classes: int
+
+
+def cache_folder() -> Path:
+    """Where converted data sets are kept: ``$DPFL_DATA_HOME/hf``."""
+    return data_home() / "hf"
+
+
+def fingerprint(source: HFSource) -> str:
+    """What identifies the data behind ``source.path``: its files' names, sizes and times, or the hub name."""
+    local = source.local_path()
+    if local is None:
+        return f"hub:{source.path}@{source.revision or 'main'}"
+    if local.is_file():
+        files = [local]
+    elif local.is_dir():
+        files = sorted(p for p in local.rglob("*") if p.is_file())
+    else:
+        files = sorted(p for p in local.parent.glob(local.name) if p.is_file())
+    digest = hashlib.sha256(str(local.resolve()).encode())
+    for file in files:
+        stat = file.stat()
+        digest.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+    return f"local:{digest.hexdigest()}"
+
+
+def cache_key(source: HFSource) -> str:
+    """The cache file's name: the source (path, splits, columns) and :func:`fingerprint`."""
+    fields = {**asdict(source), "fingerprint": fingerprint(source), "version": CONVERTER_VERSION}
+    del fields["test_fraction"]  # the hold-out is drawn after the cache (it depends on the seed)
+    del fields["group_column"]  # the users' column is cached beside (:func:`groups_path`)
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def cache_path(source: HFSource) -> Path:
+    """The file the converted arrays of ``source`` are (or will be) kept in."""
+    return cache_folder() / f"{cache_key(source)}.npz"
+
+
+def groups_path(source: HFSource) -> Path:
+    """The file of the users' codes (``source.group_column``) of the training split, beside the arrays.
+
+    Apart from the arrays: a natural partition and a label partition of one data set share them.
+    """
+    column = hashlib.sha256(str(source.group_column).encode()).hexdigest()[:12]
+    return cache_folder() / f"{cache_key(source)}.users-{column}.npz"
+
+
+def load_hf_dataset(source: HFSource, *, seed: int) -> ArrayDataset:
+    """The train and test arrays of ``source`` (from the cache, else loaded, converted and cached).
+
+    Raises
+    ------
+    DataNotFoundError
+        The data set is neither local nor reachable (one line: ``dataset.path``, where dpfl looked,
+        how to provide it), or a split does not exist.
+    DataFileError
+        A column is missing or of the wrong type, or the images disagree in shape (one line naming
+        the key, the column and the columns that exist).
+
+    """
+    splits = read_cache(cache_path(source))
+    if splits is None:
+        splits = convert_source(source)
+        write_cache(cache_path(source), splits)
+        if splits[0].groups is not None:
+            write_arrays(groups_path(source), {"groups": splits[0].groups})
+    elif source.group_column is not None:
+        splits = (replace(splits[0], groups=cached_groups(source, rows=len(splits[0].y))), splits[1])
+    train, test = splits
+    if test is None:
+        train, test = hold_out_test(train, fraction=source.test_fraction, seed=seed)
+    num_classes = max(train.num_classes, test.num_classes)
+    return ArrayDataset("hf", train.x, train.y, test.x, test.y, num_classes, groups_train=train.groups)
+
+
+def cached_groups(source: HFSource, *, rows: int) -> np.ndarray:
+    """The users' codes of the training split: from the cache, else read from the id column alone."""
+    path = groups_path(source)
+    with contextlib.suppress(OSError, KeyError, ValueError), np.load(path, allow_pickle=False) as stored:
+        if len(stored["groups"]) == rows:
+            return stored["groups"]
+    with quiet_datasets():
+        dataset = open_split(source, source.split, key="dataset.split")
+        if source.group_column not in dataset.features:
+            raise column_error("partition.column", str(source.group_column), dataset, "no such column")
+        groups = convert_groups(dataset, str(source.group_column))
+    write_arrays(path, {"groups": groups})
+    return groups
+
+
+def convert_source(source: HFSource) -> tuple[Converted, Converted | None]:
+    """Load ``source``'s train split (and its test split, if any) with ``datasets`` and convert them."""
+    with quiet_datasets():
+        train_set = open_split(source, source.split, key="dataset.split")
+        test_set = None
+        if source.test_split is not None:
+            test_set = open_split(source, source.test_split, key="dataset.test_split")
+        elif source.split != "test":
+            with contextlib.suppress(DataNotFoundError):
+                test_set = open_split(source, "test", key="dataset.test_split")
+        train = convert_split(train_set, source, group_column=source.group_column)
+        test = None if test_set is None else convert_split(test_set, source, group_column=None)
+    if test is not None and test.x.shape[1:] != train.x.shape[1:]:
+        raise DataFileError(
+            f"dataset.test_split={source.test_split or 'test'!r}: examples of shape {test.x.shape[1:]}, "
+            f"but the training split's are {train.x.shape[1:]}; one network cannot take both"
+        )
+    return train, test
+
+
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """No progress bars, warnings or error logs from ``datasets`` and the hub (errors are dpfl's one line)."""
+    import datasets
+
+    bars = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.utils.logging.disable_progress_bar()
+    loggers = [logging.getLogger(name) for name in ("datasets", "huggingface_hub", "fsspec")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        if bars:
+            datasets.utils.logging.enable_progress_bar()
+
+
+def open_split(source: HFSource, split: str, *, key: str) -> Any:
+    """The ``datasets.Dataset`` of ``split`` (raises :class:`DataNotFoundError` naming ``key``)."""
+    import datasets
+
+    local = source.local_path()
+    if local is not None and local.is_dir() and any((local / m).is_file() for m in SAVED_MARKERS):
+        try:
+            loaded = datasets.load_from_disk(str(local))
+        except (OSError, ValueError) as error:
+            raise DataFileError(
+                f"dataset.path={source.path!r}: a save_to_disk folder that datasets cannot read "
+                f"({first_line(error)}); save it again"
+            ) from None
+        if isinstance(loaded, datasets.Dataset):  # one saved split: it is the training split
+            if split == source.split:
+                return loaded
+            raise DataNotFoundError(f"{key}={split!r}: {source.path} holds one split (a saved Dataset)")
+        return pick_split(loaded, split, key=key, where=source.path)
+    if local is not None:
+        parquet = local.is_file() or not local.is_dir()
+        loader = ("parquet",) if parquet else (str(local),)
+        options = {"data_files": {"train": str(local)}} if parquet else {}
+        try:
+            loaded = datasets.load_dataset(*loader, **options)
+        except (OSError, ValueError) as error:
+            raise DataFileError(
+                f"dataset.path={source.path!r}: datasets cannot read it ({first_line(error)}); "
+                "expected a save_to_disk folder, parquet file(s) or a folder of data files"
+            ) from None
+        return pick_split(loaded, split, key=key, where=source.path)
+    return hub_split(source, split, key=key)
+
+
+def hub_split(source: HFSource, split: str, *, key: str) -> Any:
+    """``split`` of the hub data set ``source.path`` (the Hugging Face cache first when offline)."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(source.path, split=split, revision=source.revision)
+    except ValueError as error:
+        if "split" in str(error).lower():
+            raise DataNotFoundError(f"{key}={split!r}: {source.path} has no such split") from None
+        raise DataNotFoundError(not_found(source, error)) from None
+    except OSError as error:  # ConnectionError (offline), FileNotFoundError (no such data set)
+        raise DataNotFoundError(not_found(source, error)) from None
+
+
+def not_found(source: HFSource, error: BaseException) -> str:
+    """The one line for a data set that is neither local nor loadable from the hub."""
+    import datasets
+
+    hf_cache = datasets.config.HF_DATASETS_CACHE
+    return (
+        f"dataset.path={source.path!r}: not a local folder or file ({Path(source.path).expanduser()}), "
+        f"not in the dpfl cache ({cache_folder()}) or the Hugging Face cache ({hf_cache}), and the hub "
+        f"failed ({first_line(error)}); {HOW_TO_PROVIDE}"
+    )
+
+
+def first_line(error: BaseException) -> str:
+    """``Type: message`` on one line, at most 200 characters."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:200]
+
+
+def pick_split(loaded: Any, split: str, *, key: str, where: str) -> Any:
+    """``loaded[split]`` of a ``DatasetDict`` (raises :class:`DataNotFoundError` naming the splits)."""
+    if split not in loaded:
+        raise DataNotFoundError(
+            f"{key}={split!r}: {where} has no such split; it has {', '.join(sorted(loaded))}"
+        )
+    return loaded[split]
+
+
+def column_error(key: str, column: str, dataset: Any, problem: str) -> DataFileError:
+    """One line naming ``key=column``, the problem and the columns (with their types) that exist."""
+    columns = ", ".join(f"{name} ({describe_feature(feature)})" for name, feature in dataset.features.items())
+    return DataFileError(f"{key}={column!r}: {problem}; the columns are {columns}")
+
+
+def describe_feature(feature: Any) -> str:
+    """A short name of a ``datasets`` feature type (``Image``, ``ClassLabel(62)``, ``string``)."""
+    import datasets
+
+    if isinstance(feature, datasets.ClassLabel):
+        return f"ClassLabel({feature.num_classes})"
+    if isinstance(feature, datasets.Value):
+        return str(feature.dtype)
+    return type(feature).__name__
+
+
+def convert_split(dataset: Any, source: HFSource, *, group_column: str | None) -> Converted:
+    """Images, labels and (if asked) id codes of one ``datasets.Dataset``."""
+    for key, column in (
+        ("dataset.image_column", source.image_column),
+        ("dataset.label_column", source.label_column),
+        ("partition.column", group_column),
+    ):
+        if column is not None and column not in dataset.features:
+            raise column_error(key, column, dataset, "no such column")
+    y, num_classes = convert_labels(dataset, source.label_column)
+    x = convert_images(dataset, source.image_column)
+    groups = None if group_column is None else convert_groups(dataset, group_column)
+    return Converted(x, y, groups, num_classes)
+
+
+def convert_labels(dataset: Any, column: str) -> tuple[np.ndarray, int]:
+    """Integer labels ``0..k-1`` and ``k`` (a ``ClassLabel``'s size, else the largest label + 1)."""
+    import datasets
+
+    feature = dataset.features[column]
+    integer = isinstance(feature, datasets.Value) and feature.dtype.startswith(("int", "uint"))
+    if not isinstance(feature, datasets.ClassLabel) and not integer:
+        raise column_error(
+            "dataset.label_column",
+            column,
+            dataset,
+            f"is {describe_feature(feature)}, not class labels (ClassLabel or integers)",
+        )
+    labels = dataset.with_format("arrow", columns=[column])[:][column].to_numpy().astype(np.int64)
+    if len(labels) and labels.min() < 0:
+        raise column_error("dataset.label_column", column, dataset, f"holds the label {labels.min()} (< 0)")
+    if isinstance(feature, datasets.ClassLabel):
+        return labels, int(feature.num_classes)
+    return labels, int(labels.max()) + 1 if len(labels) else 0
+
+
+def convert_groups(dataset: Any, column: str) -> np.ndarray:
+    """The id column as ``int64`` codes of its sorted distinct values (as text)."""
+    import datasets
+
+    feature = dataset.features[column]
+    if not isinstance(feature, datasets.Value | datasets.ClassLabel):
+        raise column_error("partition.column", column, dataset, f"is {describe_feature(feature)}, not an id")
+    values = dataset.with_format("arrow", columns=[column])[:][column].to_numpy(zero_copy_only=False)
+    _, codes = np.unique(values.astype(str), return_inverse=True)
+    return codes.astype(np.int64)
+
+
+def convert_images(dataset: Any, column: str) -> np.ndarray:
+    """The image column as ``(n, C, H, W)`` arrays (``uint8`` from 8-bit sources, else ``float32``)."""
+    import datasets
+
+    feature = dataset.features[column]
+    if isinstance(feature, datasets.Image):
+        images = decode_images(dataset, column)
+    elif isinstance(feature, datasets.Array2D | datasets.Array3D | datasets.Sequence | datasets.List):
+        parts = [batch[column] for batch in dataset.with_format("numpy", columns=[column]).iter(BATCH_ROWS)]
+        try:
+            images = np.concatenate([np.asarray(part) for part in parts]) if parts else np.zeros((0, 1, 1))
+        except ValueError:
+            raise column_error(
+                "dataset.image_column", column, dataset, "holds arrays of different shapes"
+            ) from None
+        if images.dtype == object or images.ndim not in (3, 4):
+            raise column_error(
+                "dataset.image_column",
+                column,
+                dataset,
+                f"holds arrays of shape {images.shape[1:]}, not images (HxW, HxWxC or CxHxW)",
+            )
+    else:
+        raise column_error(
+            "dataset.image_column",
+            column,
+            dataset,
+            f"is {describe_feature(feature)}, not images (an Image column or arrays)",
+        )
+    return channels_first(images, dataset, column)
+
+
+def decode_images(dataset: Any, column: str) -> np.ndarray:
+    """Decode an ``Image`` column with PIL (grayscale stays one channel; other modes become RGB)."""
+    from PIL import Image
+
+    table = dataset.with_format("arrow", columns=[column])
+    images: np.ndarray | None = None
+    for start in range(0, len(dataset), BATCH_ROWS):
+        cells = table[start : start + BATCH_ROWS][column].to_pylist()
+        for row, cell in enumerate(cells, start=start):
+            with Image.open(io.BytesIO(cell["bytes"]) if cell["bytes"] else cell["path"]) as image:
+                mode = "L" if image.mode in ("1", "L", "LA", "I;16", "I", "F") else "RGB"
+                pixels = np.asarray(image.convert(mode) if image.mode != mode else image)
+            if images is None:  # one array for every row: no list of 100,000 small arrays
+                images = np.empty((len(dataset), *pixels.shape), dtype=pixels.dtype)
+            elif pixels.shape != images.shape[1:]:
+                raise column_error(
+                    "dataset.image_column",
+                    column,
+                    dataset,
+                    f"row {row} is an image of shape {pixels.shape}, row 0 of {images.shape[1:]}: dpfl "
+                    "needs one size (resize them first)",
+                )
+            images[row] = pixels
+    return images if images is not None else np.zeros((0, 1, 1), dtype=np.uint8)
+
+
+def channels_first(images: np.ndarray, dataset: Any, column: str) -> np.ndarray:
+    """Images as ``(n, C, H, W)``: ``HxW`` -> ``1xHxW``, ``HxWxC`` (C 1 or 3) -> ``CxHxW``."""
+    if images.ndim == 3:
+        images = images[:, None]
+    elif images.shape[-1] in (1, 3) and images.shape[1] not in (1, 3):
+        images = np.transpose(images, (0, 3, 1, 2))
+    wide = images.dtype != np.uint8 and np.issubdtype(images.dtype, np.integer) and images.size > 0
+    if wide and images.min() >= 0 and images.max() <= 255:  # 8-bit pixels stored as wider integers
+        images = images.astype(np.uint8)
+    if images.dtype == np.uint8:
+        return np.ascontiguousarray(images)
+    if images.dtype == bool or not np.issubdtype(images.dtype, np.number):
+        raise column_error("dataset.image_column", column, dataset, f"holds values of type {images.dtype}")
+    images = np.ascontiguousarray(images, dtype=np.float32)
+    if not np.isfinite(images).all():
+        raise column_error("dataset.image_column", column, dataset, "holds NaN or infinite values")
+    return images
+
+
+def hold_out_test(train: Converted, *, fraction: float, seed: int) -> tuple[Converted, Converted]:
+    """A seeded ``fraction`` of ``train`` as the test split (whole ids when ``train`` has ids)."""
+    rng = np.random.default_rng([seed, 0x7E57])
+    if train.groups is not None:
+        ids = np.unique(train.groups)
+        chosen = rng.permutation(ids)[: max(1, round(fraction * len(ids)))]
+        test_rows = np.isin(train.groups, chosen)
+    else:
+        test_rows = np.zeros(len(train.y), dtype=bool)
+        test_rows[rng.permutation(len(train.y))[: max(1, round(fraction * len(train.y)))]] = True
+
+    def take(rows: np.ndarray, groups: bool) -> Converted:
+        kept = train.groups[rows] if groups and train.groups is not None else None
+        return Converted(train.x[rows], train.y[rows], kept, train.num_classes)
+
+    return take(~test_rows, True), take(test_rows, False)
+
+
+def read_cache(path: Path) -> tuple[Converted, Converted | None] | None:
+    """The cached splits at ``path``; None when absent or unreadable (then converted again)."""
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            classes = int(stored["num_classes"])
+            train = Converted(stored["x_train"], stored["y_train"], None, classes)
+            test = (
+                Converted(stored["x_test"], stored["y_test"], None, classes) if "x_test" in stored else None
+            )
+    except (OSError, KeyError, ValueError):
+        return None
+    return train, test
+
+
+def write_cache(path: Path, splits: tuple[Converted, Converted | None]) -> None:
+    """Store the converted splits, without the users (:func:`groups_path` keeps those)."""
+    train, test = splits
+    arrays = {"x_train": train.x, "y_train": train.y, "num_classes": np.int64(train.num_classes)}
+    if test is not None:
+        arrays.update(
+            x_test=test.x, y_test=test.y, num_classes=np.int64(max(train.num_classes, test.num_classes))
+        )
+    write_arrays(path, arrays)
+
+
+def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Write ``arrays`` to ``path`` (temporary name, then renamed; nothing happens if unwritable)."""
+    temporary: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+        with os.fdopen(handle, "wb") as out:
+            np.savez(out, **arrays)
+        os.replace(temporary, path)
+    except OSError:
+        if temporary is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
