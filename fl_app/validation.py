@@ -281,7 +281,9 @@ def announce_conversion(spec: DataSpec) -> None:
     from fl_app.data.hf import cache_path
 
     source = hf_source(spec)
-    if source is not None and not cache_path(source).is_file():
+    missing_path = source is not None and source.path.startswith(("/", "./", "../", "~"))
+    missing_path = missing_path and not Path(source.path).expanduser().exists()  # one line follows
+    if source is not None and not missing_path and not cache_path(source).is_file():
         print(
             f"dpfl: reading {source.path} ({source.split}) with datasets and converting it to arrays, once: "
             f"later runs read {cache_path(source)}",

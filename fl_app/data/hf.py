@@ -290,6 +290,11 @@ def not_found(source: HFSource, error: BaseException) -> str:
     import datasets
 
     hf_cache = datasets.config.HF_DATASETS_CACHE
+    if source.path.startswith(("/", "./", "../", "~")):  # a path, not a hub name: the hub is no answer
+        return (
+            f"dataset.path={source.path!r}: no such folder or file ({Path(source.path).expanduser()}); "
+            f"{HOW_TO_PROVIDE}"
+        )
     return (
         f"dataset.path={source.path!r}: not a local folder or file ({Path(source.path).expanduser()}), "
         f"not in the dpfl cache ({cache_folder()}) or the Hugging Face cache ({hf_cache}), and the hub "
