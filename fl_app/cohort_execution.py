@@ -135,21 +135,12 @@ def _cohort_client(
 def _group_key(client: FederatedClient) -> tuple[Any, ...] | None:
     """Messages with equal keys train together: same global model, architecture, SGD and device."""
     try:
-        config = client.config
         digest = hashlib.blake2b(digest_size=16)
         for name, array in client.incoming_arrays().items():
             digest.update(name.encode())
             digest.update(array.data)
-        return (
-            digest.hexdigest(),
-            str(config[keys.MODEL_SPEC]),
-            int(config[keys.LOCAL_EPOCHS]),
-            int(config[keys.BATCH_SIZE]),
-            float(config[keys.LR]),
-            float(config.get(keys.MOMENTUM, 0.0)),
-            float(client.cohort_proximal_mu()),
-            str(client.device),
-        )
+        sgd = client.train_settings(0, client.cohort_proximal_mu())  # the settings but the data's size
+        return digest.hexdigest(), str(client.config[keys.MODEL_SPEC]), sgd, str(client.device)
     except Exception:  # trains on its own, where the error (if any) is reported
         return None
 

@@ -33,8 +33,6 @@ import hashlib
 import io
 import json
 import logging
-import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from fl_app.data.partition_cache import write_npz
 from fl_app.data.sources import ArrayDataset, DataFileError, DataNotFoundError, data_home
 
 #: Bump when the conversion changes: cached arrays of another version are not read.
@@ -173,7 +172,7 @@ def load_hf_dataset(source: HFSource, *, seed: int) -> ArrayDataset:
         splits = convert_source(source)
         write_cache(cache_path(source), splits)
         if splits[0].groups is not None:
-            write_arrays(groups_path(source), {"groups": splits[0].groups})
+            write_npz(groups_path(source), {"groups": splits[0].groups})
     elif source.group_column is not None:
         splits = (replace(splits[0], groups=cached_groups(source, rows=len(splits[0].y))), splits[1])
     train, test = splits
@@ -194,7 +193,7 @@ def cached_groups(source: HFSource, *, rows: int) -> np.ndarray:
         if source.group_column not in dataset.features:
             raise column_error("partition.column", str(source.group_column), dataset, "no such column")
         groups = convert_groups(dataset, str(source.group_column))
-    write_arrays(path, {"groups": groups})
+    write_npz(path, {"groups": groups})
     return groups
 
 
@@ -498,19 +497,4 @@ def write_cache(path: Path, splits: tuple[Converted, Converted | None]) -> None:
         arrays.update(
             x_test=test.x, y_test=test.y, num_classes=np.int64(max(train.num_classes, test.num_classes))
         )
-    write_arrays(path, arrays)
-
-
-def write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write ``arrays`` to ``path`` (temporary name, then renamed; nothing happens if unwritable)."""
-    temporary: str | None = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
-        with os.fdopen(handle, "wb") as out:
-            np.savez(out, **arrays)
-        os.replace(temporary, path)
-    except OSError:
-        if temporary is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+    write_npz(path, arrays)

@@ -116,20 +116,30 @@ def store_rows(
     sizes = [len(rows) for rows in client_rows]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     rows = np.concatenate(client_rows) if client_rows else np.zeros(0, dtype=np.int64)
+    validation = np.zeros(0, dtype=np.int64) if validation_rows is None else validation_rows
+    arrays = {"public": public_rows, "rows": rows, "offsets": offsets, "validation": validation}
+    if write_npz(folder / f"{key}.npz", arrays):
+        _prune(folder)
+
+
+def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> bool:
+    """Write ``arrays`` to ``path`` atomically (a temporary name, then renamed); False if unwritable.
+
+    Readers of a cache never see half a file: another process writing the same key only replaces it.
+    """
     temporary: str | None = None
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".tmp")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
         with os.fdopen(handle, "wb") as out:
-            validation = np.zeros(0, dtype=np.int64) if validation_rows is None else validation_rows
-            np.savez(out, public=public_rows, rows=rows, offsets=offsets, validation=validation)
-        os.replace(temporary, folder / f"{key}.npz")
+            np.savez(out, **arrays)
+        os.replace(temporary, path)
     except OSError:
         if temporary is not None:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
-        return
-    _prune(folder)
+        return False
+    return True
 
 
 def _prune(folder: Path) -> None:
