@@ -36,11 +36,6 @@ INJECT_FAILURES_ENV = "DPFL_INJECT_FAILURES"
 #: ``DPFL_INJECT_DELAY="0.5"``: every client message of a round > 0 takes that many seconds more
 #: (interrupt tests need rounds that last). Unset in normal use.
 INJECT_DELAY_ENV = "DPFL_INJECT_DELAY"
-#: ``DPFL_INJECT_HOLD="/some/file"``: every client message of a round > 0 waits until that file exists
-#: (at most :data:`INJECT_HOLD_MAX_S`), so that a test can act while devices are inside a round (kill
-#: one) without relying on how long anything takes. Unset in normal use.
-INJECT_HOLD_ENV = "DPFL_INJECT_HOLD"
-INJECT_HOLD_MAX_S = 600.0
 
 
 @functools.lru_cache(maxsize=8)
@@ -98,11 +93,6 @@ class NodeClient:
         delay = float(os.environ.get(INJECT_DELAY_ENV, "0") or 0)
         if self.server_round > 0 and delay > 0:
             time.sleep(delay)
-        hold = os.environ.get(INJECT_HOLD_ENV)
-        if self.server_round > 0 and hold:
-            deadline = time.monotonic() + INJECT_HOLD_MAX_S
-            while not os.path.exists(hold) and time.monotonic() < deadline:
-                time.sleep(0.2)
         if self.server_round > 0 and injected_failure(self.client_id, self.server_round):
             raise InjectedFailureError(
                 f"client {self.client_id} fails in round {self.server_round} ({INJECT_FAILURES_ENV})"

@@ -31,10 +31,13 @@ def staged_app(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return local_deployment.stage_app(ROOT, tmp_path_factory.mktemp("app") / "dpfl")
 
 
-#: SecAgg+ with a SuperNode killed while the round's train messages are out. Every device holds in the
-#: collect stage until the test has killed the SuperNode (DPFL_INJECT_HOLD: it waits for a file the
-#: test writes after the kill), so no device can have answered before, however loaded the machine (a
-#: fixed delay of 12 s did not hold on a loaded machine: a run's devices answered before the kill).
+#: SecAgg+ with a SuperNode killed inside a round, after the key sharing and before the collect stage.
+#: Every ServerApp holds before it sends the collect stage's messages until the test has killed the
+#: SuperNode (SERVER_HOLD_PATCH: it waits for a file the test writes after the kill), so no device can
+#: have answered before, however loaded the machine (a fixed delay of 12 s did not hold on a loaded
+#: machine). The hold is on the servers, not on the devices: a SuperNode answers one message at a time,
+#: so a device holding one run's collect message kept the other run's key sharing waiting behind it,
+#: and the other run timed out (seen under the whole suite: 712 s, then a failure).
 #: The SuperLink declares a silent node offline after two missed heartbeats and
 #: answers for it with an error: the SuperNodes here beat every HEARTBEAT_S seconds (Flower's default,
 #: 30 s, would keep the test waiting a minute). The stage's wait (simulation.timeout) is a bound only.
@@ -44,6 +47,48 @@ KILL_TIMEOUT_S = 600  # a bound only: under the whole suite on 2 cores, 240 s wa
 HEARTBEAT_PATCH = f"""import flwr.common.constant as constant
 
 constant.HEARTBEAT_DEFAULT_INTERVAL = {HEARTBEAT_S}
+"""
+#: Names the file whose existence releases the held ServerApps.
+SERVER_HOLD_ENV = "DPFL_TEST_SERVER_HOLD"
+#: Set in the SuperLink's processes (its ServerApps inherit it): SecAggRound.collect_messages, the
+#: collect stage's first step, waits for the file named by SERVER_HOLD_ENV (at most 600 s).
+SERVER_HOLD_PATCH = f"""import importlib.abc
+import importlib.machinery
+import os
+import sys
+import time
+
+TARGET = "strategies.dp_fedavg_secagg.secagg"
+
+
+def _held(collect_messages):
+    def held(self, *args, **kwargs):
+        deadline = time.monotonic() + 600
+        while not os.path.exists(os.environ["{SERVER_HOLD_ENV}"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return collect_messages(self, *args, **kwargs)
+
+    return held
+
+
+class _Hold(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TARGET:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            module.SecAggRound.collect_messages = _held(module.SecAggRound.collect_messages)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Hold())
 """
 
 
@@ -80,8 +125,10 @@ def fail_if_finished(
 
 
 @pytest.mark.deploy
-def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, staged_app: Path) -> None:
-    """Four SuperNodes (TLS, authentication); one is killed while the devices train inside SecAgg+.
+def test_a_supernode_killed_during_a_secure_aggregation_round(
+    tmp_path: Path, staged_app: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four SuperNodes (TLS, authentication); one is killed inside a SecAgg+ round, after the key sharing.
 
     Two runs of one round share the federation: calibrated for 3 survivors of 4 (a released sum
     holds at least 3), the round completes with the other three (one failure, one release charged to
@@ -95,7 +142,15 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, st
     patch.mkdir()
     (patch / "sitecustomize.py").write_text(HEARTBEAT_PATCH)
     python_path = os.pathsep.join(filter(None, [str(patch), os.environ.get("PYTHONPATH", "")]))
-    killed = tmp_path / "supernode-killed"  # the devices' collect stage waits for this file
+    killed = tmp_path / "supernode-killed"  # the servers' collect stage waits for this file
+    server_patch = tmp_path / "server-hold"
+    server_patch.mkdir()
+    (server_patch / "sitecustomize.py").write_text(SERVER_HOLD_PATCH)
+    # the SuperLink starts with this process's environment; its ServerApps inherit it
+    monkeypatch.setenv(SERVER_HOLD_ENV, str(killed))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(server_patch), os.environ.get("PYTHONPATH")]))
+    )
     deployment = local_deployment.start(
         tmp_path / "federation",
         data_files=files,
@@ -103,7 +158,7 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(tmp_path: Path, st
         port=local_deployment.free_port(),
         connection="dpfl-test-kill",
         cli_env=cli_env,
-        supernode_env={"DPFL_INJECT_HOLD": str(killed), "PYTHONPATH": python_path},
+        supernode_env={"PYTHONPATH": python_path},
         die_with_parent=True,
     )
     federation = Federation("secure", tmp_path, staged_app, deployment, cli_env)
