@@ -157,6 +157,10 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
                 "Many runs submitted to a local deployment on a busy machine: the ServerApp launch gate.",
             ),
             ("blas_threads", "Why every process starts with one BLAS thread."),
+            (
+                "shamir_combine",
+                "SecAgg+ unmasking: Flower's Shamir recombination against dpfl's.",
+            ),
             ("suite", "The test suite's wall and CPU time per number of pytest-xdist processes."),
         ),
     ),
