@@ -9,6 +9,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+#: One OpenMP (torch intra-op) thread in every test process and every process it starts (``python -m
+#: fl_app``, Ray's workers, SuperNodes), unless the caller chose a number: the suite runs three
+#: processes on two cores, and torch's default of one thread per core in each made them spin against
+#: each other (the fast tier: 399 s of CPU and 205 s wall with the default, 267 s and 138 s with one
+#: thread; docs/benchmarks/suite.md). Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import numpy as np
 import pytest
 from flwr.app import (

@@ -292,6 +292,7 @@ def test_tensor_inputs_train_as_the_arrays_they_hold() -> None:
             torch.testing.assert_close(tensors.params[name], values, rtol=0, atol=1e-7)
 
 
+@pytest.mark.subprocess
 def test_round_benchmark_runs_without_flower_ray_or_hydra(tmp_path: Path) -> None:
     """benchmarks/cohort_round.py (the GPU rows' script) runs with only torch and numpy, on both paths."""
     out = tmp_path / "round.json"
@@ -456,6 +457,7 @@ def test_random_cohorts_equal_train_local(
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.subprocess
 def test_benchmark_runs_without_flower_ray_or_hydra(tmp_path: Path) -> None:
     """The benchmark (which makes importing flwr/ray/hydra/omegaconf fail) runs, and its paths agree."""
     out = tmp_path / "rows.json"

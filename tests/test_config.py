@@ -188,6 +188,7 @@ def test_flwr_run_config_round_trip_equals_direct_composition():
     assert compose_config(overrides_from_run_config(run_config)) == compose_config(overrides)
 
 
+@pytest.mark.subprocess
 def test_hydra_main_and_compose_config_give_the_same_job_config():
     """What `python -m fl_app` hands its job equals what `flwr run` composes from the run config."""
     overrides = ["strategy=fedavg", "dataset=digits", "num_rounds=7", "privacy.delta=1e-6"]

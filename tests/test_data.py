@@ -294,6 +294,7 @@ def test_partition_cache_off_and_bounded(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("*.npz"))) == 2
 
 
+@pytest.mark.subprocess
 def test_a_process_that_finds_its_partition_cached_never_imports_the_partitioners(tmp_path, monkeypatch):
     """What a simulation's Ray worker does: the driver computed the split, the worker reads it."""
     monkeypatch.setenv(partition_cache.CACHE_ENV, str(tmp_path))

@@ -478,6 +478,7 @@ def test_a_dead_superexec_fails_a_waiting_test_within_a_minute_naming_it(
 # ------------------------------------------------------------------------------ unit tests
 
 
+@pytest.mark.subprocess
 def test_device_guard_refuses_the_servers_data_set(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text(GUARD)
     probe = (
@@ -524,6 +525,7 @@ def test_device_client_draws_noise_from_os_entropy(tmp_path: Path) -> None:
     assert np.array_equal(first, second)  # the simulation stays reproducible
 
 
+@pytest.mark.subprocess
 def test_a_devices_roster_answer_does_not_import_torch(tmp_path: Path) -> None:
     """The roster query's ClientApp process reads the data file's size and replies, without torch."""
     path = _device_file(tmp_path, rows=11)

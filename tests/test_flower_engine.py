@@ -726,6 +726,7 @@ def test_results_do_not_depend_on_how_messages_are_batched(shared_simulation: An
     ]
 
 
+@pytest.mark.subprocess
 def test_the_server_app_patches_the_engine_only_where_the_engine_runs() -> None:
     """``flwr-simulation`` loads the engine before the ServerApp; a deployment's ServerApp never does."""
     import subprocess
@@ -774,6 +775,7 @@ def test_shamir_shares_are_made_and_joined_without_a_thread_per_call(monkeypatch
     assert below != secret
 
 
+@pytest.mark.subprocess
 def test_every_process_of_the_environment_serialises_flowers_fab_installs() -> None:
     """The installed .pth wraps ``flwr.cli.install.validate_and_install`` in a fresh interpreter (as in
     Flower's own flwr-serverapp and flwr-clientapp processes, which install the run's FAB first)."""
@@ -788,6 +790,7 @@ def test_every_process_of_the_environment_serialises_flowers_fab_installs() -> N
     assert Path(module).read_text() == (ROOT / "dpfl_env.py").read_text()
 
 
+@pytest.mark.subprocess
 def test_every_process_of_the_environment_runs_numpy_on_one_blas_thread() -> None:
     """The .pth sets OPENBLAS_NUM_THREADS=1 before numpy loads (a fresh interpreter's numpy reports one
     BLAS thread; docs/benchmarks/blas_threads.md), unless the user exported a value."""

@@ -184,6 +184,7 @@ def test_compose_command_matches_library(capsys):
         assert answer["epsilon"] <= answer["epsilon_basic"]
 
 
+@pytest.mark.subprocess
 @pytest.mark.parametrize(
     "argv",
     [
@@ -258,6 +259,7 @@ COMMANDS_WITHOUT_TORCH = [
 ]
 
 
+@pytest.mark.subprocess
 def test_the_calculator_answers_without_importing_torch():
     """Every command but ``bnn`` (whose bit count is the BNN's) is privacy arithmetic: it imports neither
     torch nor a strategy's server (an algorithm package's ``__init__`` imports nothing eagerly)."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -150,6 +152,7 @@ def test_the_core_imports_nothing_from_the_app_shell():
     assert "fl_app.simulation" in imported_modules(ROOT / "fl_app" / "api.py")  # inside run_experiment
 
 
+@pytest.mark.subprocess
 def test_fl_app_defers_torch_and_shims_torchvision_before_it_loads():
     """``import fl_app`` alone costs no torch import; torchvision still imports after it (the shim)."""
     import subprocess

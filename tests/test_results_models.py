@@ -176,6 +176,7 @@ def test_sgd_is_torch_optim_sgd_bit_for_bit(momentum: float) -> None:
             assert torch.equal(mine, reference), step
 
 
+@pytest.mark.subprocess
 def test_local_training_does_not_import_torch_dynamo() -> None:
     """torch.optim's first call imports torch._dynamo (1.6 s of CPU in every actor and ClientApp process)."""
     import subprocess

@@ -121,6 +121,7 @@ def test_a_sweeps_command_takes_a_repeat_within_the_grace_period_as_the_same_req
     assert received == [signal.SIGINT] and stop_file.read_text() == str(int(signal.SIGINT))
 
 
+@pytest.mark.subprocess
 def test_sigterm_twice_between_two_runs_is_one_stop_of_the_command():
     """Between two jobs of a sweep SIGTERM stops the command as Ctrl-C does; the group's copy of it
     ended the process at once (no line saying how to continue the sweep)."""
@@ -431,6 +432,7 @@ def test_the_folder_of_a_run_that_ended_before_its_first_round_is_reused_and_res
         assert not (out / "run.log").exists()  # the new run's run.log replaces it
 
 
+@pytest.mark.subprocess
 def test_a_folder_in_use_names_the_process_and_resume_of_a_missing_folder_says_no_such_directory(tmp_path):
     """A folder in use by another run said "holds an earlier run"; ``resume=/nonexistent`` said there
     was no checkpoint (55.5)."""
