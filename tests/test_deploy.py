@@ -106,11 +106,37 @@ RUN_DEADLINE_S = 1800.0  # a safety limit only: a dead process the runs need fai
 LOG_TIMEOUT_S = 60.0  # `flwr log --show` prints what the run logged so far and returns
 STATUS_POLL_S = 30.0  # `flwr ls` costs a second of CPU; results.json is checked every second
 
-GUARD = '''"""dpfl deployment test: a device has neither the server's data set nor Hydra."""
+#: The end of a ``sitecustomize.py`` that changes a module in the processes a test starts: it calls
+#: ``PATCHES[name](module)`` as soon as module ``name`` has run. The text before it defines ``PATCHES``
+#: (module name -> function of the module).
+AFTER_IMPORT = """
 import importlib.abc
 import importlib.machinery
 import sys
 
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in PATCHES:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            PATCHES[fullname](module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _AfterImport())
+"""
+
+GUARD = (
+    '''"""dpfl deployment test: a device has neither the server's data set nor Hydra."""
 GUARDED = {"fl_app.data.sources": ("load_dataset",), "fl_app.config": ("compose_config",)}
 
 
@@ -121,26 +147,15 @@ def _refuse(name):
     return refuse
 
 
-class _Guard(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in GUARDED:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            execute(module)
-            for attr in GUARDED[fullname]:
-                setattr(module, attr, _refuse(f"{fullname}.{attr}"))
-
-        spec.loader.exec_module = exec_module
-        return spec
+def _guard(module):
+    for attr in GUARDED[module.__name__]:
+        setattr(module, attr, _refuse(f"{module.__name__}.{attr}"))
 
 
-sys.meta_path.insert(0, _Guard())
+PATCHES = dict.fromkeys(GUARDED, _guard)
 '''
+    + AFTER_IMPORT
+)
 
 
 def _load_script(name: str) -> ModuleType:

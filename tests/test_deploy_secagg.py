@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from test_deploy import (
+    AFTER_IMPORT,
     ROOT,
     RUN_DEADLINE_S,
     STATUS_POLL_S,
@@ -52,13 +53,9 @@ constant.HEARTBEAT_DEFAULT_INTERVAL = {HEARTBEAT_S}
 SERVER_HOLD_ENV = "DPFL_TEST_SERVER_HOLD"
 #: Set in the SuperLink's processes (its ServerApps inherit it): SecAggRound.collect_messages, the
 #: collect stage's first step, waits for the file named by SERVER_HOLD_ENV (at most 600 s).
-SERVER_HOLD_PATCH = f"""import importlib.abc
-import importlib.machinery
-import os
-import sys
+SERVER_HOLD_PATCH = (
+    f"""import os
 import time
-
-TARGET = "strategies.dp_fedavg_secagg.secagg"
 
 
 def _held(collect_messages):
@@ -71,25 +68,14 @@ def _held(collect_messages):
     return held
 
 
-class _Hold(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.loader is None:
-            return spec
-        execute = spec.loader.exec_module
-
-        def exec_module(module):
-            execute(module)
-            module.SecAggRound.collect_messages = _held(module.SecAggRound.collect_messages)
-
-        spec.loader.exec_module = exec_module
-        return spec
+def _hold(module):
+    module.SecAggRound.collect_messages = _held(module.SecAggRound.collect_messages)
 
 
-sys.meta_path.insert(0, _Hold())
+PATCHES = {{"strategies.dp_fedavg_secagg.secagg": _hold}}
 """
+    + AFTER_IMPORT
+)
 
 
 def collecting(submission: Submission) -> bool:
