@@ -322,7 +322,7 @@ def dp_sgd_noise_multiplier(
         good = 1.0
         while meets(good / 2.0):
             good /= 2.0
-            if good < 1e-6:
+            if good < SMALLEST_SEARCHED_NOISE:
                 _DP_SGD_CACHE[key] = good
                 return good
         bad = good / 2.0
