@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.pfl_compare import dpfl_command  # noqa: E402
+from benchmarks.pfl_compare import dpfl_command, median_after_first  # noqa: E402
 
 #: Settings compared: the command's environment additions.
 SETTINGS = {"default threads": {}, "OMP_NUM_THREADS=1": {"OMP_NUM_THREADS": "1"}}
@@ -47,17 +46,16 @@ def one_run(extra_env: dict[str, str], rounds: int, output: Path) -> dict[str, f
     subprocess.run(dpfl_command("fedavg", rounds, output), cwd=ROOT, env=env, check=True, capture_output=True)
     wall, cpu = time.monotonic() - started, busy_seconds() - before
     results = json.loads((output / "results.json").read_text())
-    rounds_s = [r["round_s"] for r in results["rounds"][1:]]
     return {
         "wall_s": wall,
         "cpu_s": cpu,
-        "round_s": statistics.median(rounds_s),
+        "round_s": median_after_first([r["round_s"] for r in results["rounds"]]),
         "accuracy": results["final"]["accuracy"],
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Alternate the settings ``--repeats`` times; print one row per run and the medians."""
+    """Alternate the settings ``--repeats`` times; print one row per run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
