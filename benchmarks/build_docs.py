@@ -161,6 +161,10 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
                 "shamir_combine",
                 "SecAgg+ unmasking: Flower's Shamir recombination against dpfl's.",
             ),
+            (
+                "inline_backend",
+                "simulation.backend=inline against Ray: wall time and CPU with the clients in the driver.",
+            ),
             ("suite", "The test suite's wall and CPU time per number of pytest-xdist processes."),
         ),
     ),

@@ -54,7 +54,7 @@ class EvaluationSettings:
 
 @dataclass(frozen=True)
 class SimulationSettings:
-    """``simulation.*``: Ray, the client actors and the round's deadline and failure rule."""
+    """``simulation.*``: where the clients run (Ray's actors or inline), the round's deadline and failures."""
 
     num_cpus: int | None
     client_cpus: float
@@ -65,6 +65,14 @@ class SimulationSettings:
     timeout: float
     max_failure_fraction: float
     vectorise: str = "auto"
+    #: ``ray``: client actors on a Ray instance; ``inline``: the clients run in the command's own
+    #: process, one after another (:mod:`fl_app.engine.inline`).
+    backend: str = "ray"
+
+    @property
+    def inline(self) -> bool:
+        """Whether the clients run in the command's own process (``simulation.backend=inline``)."""
+        return self.backend == "inline"
 
     @property
     def trains_cohorts(self) -> bool:
@@ -186,6 +194,7 @@ class RunSettings:
                 timeout=float(simulation.timeout),
                 max_failure_fraction=float(simulation.get("max_failure_fraction", 0.5)),
                 vectorise=str(simulation.get("vectorise", "auto")).lower(),
+                backend=str(simulation.get("backend", "ray")),
             ),
             data=DataSpec.from_config(cfg),
             strategy_settings=strategy_settings,

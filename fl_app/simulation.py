@@ -13,7 +13,8 @@ on one machine, ``ray start --address=<head>:6379`` on the others) instead of
 starting a private instance. Without it the run always starts a private
 instance (Ray's ``address="local"``): a bare ``ray.init()`` would join a
 cluster that ``ray start`` left running on this machine. The instance belongs to
-:data:`fl_app.ray_session.SESSION`: a sweep's jobs share it.
+:data:`fl_app.ray_session.SESSION`: a sweep's jobs share it. ``simulation.backend=inline`` starts no
+Ray at all: the clients run in this process (:mod:`fl_app.engine.inline`).
 """
 
 from __future__ import annotations
@@ -64,14 +65,16 @@ def run_in_simulation(settings: RunSettings, overrides: Sequence[str], output_di
         run_config=overrides_to_run_config(list(overrides), str(output_dir)),
     )
     backend = backend_config(settings)
+    inline = settings.simulation.inline
     outcome: Outcome | None = None
     with stop_on_signals():
         try:
             mark("job")
-            actors = ActorPlan(backend["client_resources"], settings.simulation.max_concurrent_clients)
-            SESSION.ready(backend["init_args"], actors)
-            reinstall_handlers()  # if a library replaced the stop handlers (ray.init does on this thread)
-            mark("ray_started")
+            if not inline:
+                actors = ActorPlan(backend["client_resources"], settings.simulation.max_concurrent_clients)
+                SESSION.ready(backend["init_args"], actors)
+                reinstall_handlers()  # if a library replaced the stop handlers (ray.init does on this thread)
+                mark("ray_started")
             run_simulation_engine(
                 num_supernodes=settings.num_clients,
                 server_app=server_app_for(settings),
@@ -82,12 +85,15 @@ def run_in_simulation(settings: RunSettings, overrides: Sequence[str], output_di
                 max_actors=settings.simulation.max_concurrent_clients,
                 messages_per_task=settings.simulation.messages_per_task,
                 keep_ray=True,  # SESSION shuts Ray down (and puts back the SIGTERM handler it resets)
+                inline=inline,
             )
             outcome = take_outcome()
         finally:
             restore_signal_dispositions()  # Flower's Ray backend may have shut Ray down (it resets SIGTERM)
             mark("engine_done")
-            if outcome is not None and outcome.status.startswith("completed"):
+            if inline:
+                SESSION.jobs_left -= 1  # nothing of Ray's to keep or end
+            elif outcome is not None and outcome.status.startswith("completed"):
                 SESSION.after_job()  # kept for the sweep's next job when SESSION.keep
             else:  # a failed or stopped run may leave Ray unwell: the next job starts a fresh one
                 SESSION.end()

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 BUDGET_SCOPES = ("total", "per_round")
 EVALUATION_SPLITS = ("test", "validation")
+#: Where a simulation's clients run (``simulation.backend``): Ray's actors, or the command's own process.
+SIMULATION_BACKENDS = ("ray", "inline")
 
 
 def cuda_available() -> bool:
@@ -137,6 +139,13 @@ def validate_common(cfg: DictConfig) -> None:
     vectorise = simulation.get("vectorise", "auto")
     if not isinstance(vectorise, bool):
         require_choice("simulation.vectorise", vectorise, ("auto", "true", "false"))
+    backend = require_choice("simulation.backend", simulation.get("backend", "ray"), SIMULATION_BACKENDS)
+    if backend == "inline" and simulation.ray_address:
+        raise ConfigError(
+            "simulation.ray_address",
+            simulation.ray_address,
+            "must be null with simulation.backend=inline (the clients run in this process, not on Ray)",
+        )
     require_positive("simulation.timeout", simulation.timeout)
     require_range("simulation.max_failure_fraction", simulation.get("max_failure_fraction", 0.5), 0.0, 1.0)
 

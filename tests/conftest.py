@@ -56,6 +56,11 @@ FAST = [
 ]
 #: Appended to FAST where a test needs two client actors (concurrency, a worker to kill, two nodes).
 TWO_ACTORS = "simulation.max_concurrent_clients=null"
+#: Appended where what a test checks does not depend on where the clients run (resume, sweeps, failure
+#: reports): they run in the command's own process, so the run starts no Ray instance and no client
+#: actor (a tiny run: about 6 s of CPU instead of 14). test_flower_engine.py checks that both backends
+#: give the golden rounds; the tests of Ray's start, stop and signals keep Ray.
+INLINE = "simulation.backend=inline"
 
 
 #: Fixtures that start (or join) a Ray-backed simulation: a test using one is marked ``simulation``,

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FAST
+from conftest import FAST, INLINE
 
 pytestmark = pytest.mark.simulation
 ROOT = Path(__file__).resolve().parent.parent
@@ -117,12 +117,21 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
             assert float(row["epsilon"]) == pytest.approx(result["final"]["epsilon"])
 
 
-def test_failing_client_does_not_end_the_run(simulate, monkeypatch):
+@pytest.mark.parametrize("backend", ["ray", "inline"])
+def test_failing_client_does_not_end_the_run(simulate, monkeypatch, backend):
     # Client 1 raises in every round, client 4 in round 2 only; the run completes. (A private Ray:
-    # its actors inherit the injection from this process's environment.)
+    # its actors inherit the injection from this process's environment; inline: the clients run in
+    # this process, and their errors are reported as an actor's are.)
     monkeypatch.setenv("DPFL_INJECT_FAILURES", "1,4@2")
     results = simulate(
-        [*FAST, "strategy=dp_fedavg", "strategy.sampling=fixed", "clients_per_round=6", "num_rounds=2"],
+        [
+            *FAST,
+            "strategy=dp_fedavg",
+            "strategy.sampling=fixed",
+            "clients_per_round=6",
+            "num_rounds=2",
+            f"simulation.backend={backend}",
+        ],
         private_ray=True,
     )
     assert [r["failures"] for r in results["rounds"]] == [1, 2]
@@ -138,8 +147,8 @@ def test_failing_client_does_not_end_the_run(simulate, monkeypatch):
 #: Hydra's basic launcher (jobs one after another, in this process) and the joblib launcher (jobs in
 #: parallel worker processes: the sweep's count and failures must cross processes).
 LAUNCHERS = {
-    "sequential": [],
-    "parallel": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "simulation.num_cpus=1"],
+    "sequential": [INLINE],
+    "parallel": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", INLINE],
 }
 
 

@@ -305,6 +305,9 @@ BAD_VALUES = [
     ("evaluation.every=0", "evaluation.every"),
     ("evaluation.split=train", "evaluation.split"),
     ("simulation.client_cpus=0", "simulation.client_cpus"),
+    ("simulation.backend=threads", "simulation.backend"),
+    ("simulation.backend=inline simulation.ray_address=auto", "simulation.ray_address"),
+    ("simulation.backend=inline", None),
     ("privacy.secure_rng=true", None),  # fine on its own
 ]
 

@@ -288,17 +288,21 @@ def test_mean_arrays_is_bitwise_the_sequential_float64_mean() -> None:
         ),
     ],
 )
+@pytest.mark.parametrize("backend", ["ray", "inline"])
 def test_results_equal_the_code_before_the_speed_work(
-    shared_simulation: Any, name: str, overrides: list[str]
+    shared_simulation: Any, name: str, overrides: list[str], backend: str
 ) -> None:
     """Round by round, the same accuracy, epsilon and bytes as commit 48fef10 (tests/data).
 
-    The loss is compared to 1e-6: that code summed the replies in the order they arrived, which
-    varies from run to run in the last bits of a float; replies are now summed by client id.
+    On Ray's client actors and with the clients in the driver (``simulation.backend=inline``): where
+    a client runs changes nothing it computes. The loss is compared to 1e-6: that code summed the
+    replies in the order they arrived, which varies from run to run in the last bits of a float;
+    replies are now summed by client id.
     """
     golden = json.loads(GOLDEN.read_text())["runs"][name]
     fast = [item for item in FAST if not item.startswith("num_rounds=")]
-    results = shared_simulation([*fast, "num_rounds=3", *overrides])  # fedavg: FEDAVG_RUN
+    inline = ["simulation.backend=inline"] if backend == "inline" else []
+    results = shared_simulation([*fast, "num_rounds=3", *overrides, *inline])  # fedavg on ray: FEDAVG_RUN
     assert len(results["rounds"]) == len(golden)
     for got, want in zip(results["rounds"], golden, strict=True):
         assert {key: got[key] for key in want if key != "loss"} == {
@@ -852,3 +856,65 @@ def test_a_second_install_of_the_same_fab_waits_for_a_complete_app(tmp_path: Pat
     first.join(60)
     second.join(60)
     assert seen == {"first": ["app.py", "pyproject.toml"], "second": ["app.py", "pyproject.toml"]}
+
+
+def _inline_jobs(count: int) -> list[tuple[Message, Any]]:
+    from tests.conftest import make_context, make_message
+
+    return [
+        (make_message({}, ArrayRecord({"w": Array(np.full(3, i, dtype=np.float32))})), make_context())
+        for i in range(count)
+    ]
+
+
+def test_the_inline_backend_runs_a_batch_on_copies_and_refuses_after_a_stop() -> None:
+    """Each batch runs through run_jobs on a pickled copy (as Ray's transport makes one); the
+    engine's own Message and Context objects are never handed to a client; a stopped run's batch is
+    abandoned before it starts."""
+    from fl_app.engine.inline import InlineBackend, inline_backend, isolated
+
+    jobs = _inline_jobs(2)
+    seen: list[tuple[Any, Any]] = []
+
+    def client_app(message: Message, context: Any) -> Message:
+        seen.append((message, context))
+        context.state["touched"] = ConfigRecord({"yes": True})
+        return Message(RecordDict(), reply_to=message)
+
+    backend = InlineBackend({})
+    backend.build(lambda: client_app)
+    batching = getattr(backend, batching_module.BATCHING_FLAG)
+    assert backend.num_workers == 1 and batching.slots == 1
+    outcomes = batching.send(jobs)
+    assert [o[0] for o in outcomes] == ["reply", "reply"]
+    for (message, context), (got_message, got_context) in zip(jobs, seen, strict=True):
+        assert got_message is not message and got_context is not context
+        assert "touched" not in context.state  # the engine's Context changes only through the outcome
+    assert all("touched" in o[2].state for o in outcomes)
+    copy = isolated(jobs)
+    assert copy[0][0].content["arrays"]["w"].numpy().tolist() == [0.0, 0.0, 0.0]
+
+    stop = threading.Event()
+    batching.stop_event = stop
+    stop.set()
+    with pytest.raises(batching_module.AbandonedBatchError):
+        batching.send(jobs)
+
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    original = raybackend.RayBackend
+    with inline_backend():
+        assert raybackend.RayBackend is InlineBackend
+    assert raybackend.RayBackend is original
+
+
+def test_the_inline_backend_reports_a_raising_client_as_its_error_reply() -> None:
+    from fl_app.engine.inline import InlineBackend
+
+    def client_app(message: Message, context: Any) -> Message:
+        raise ValueError("no data here")
+
+    backend = InlineBackend({})
+    backend.build(lambda: client_app)
+    outcomes = getattr(backend, batching_module.BATCHING_FLAG).send(_inline_jobs(1))
+    assert outcomes[0][0] == "error" and "no data here" in outcomes[0][2]

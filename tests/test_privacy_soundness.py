@@ -500,16 +500,19 @@ def test_the_private_state_file_keeps_only_what_resuming_needs(tmp_path, name):
 
 
 @pytest.mark.simulation
-def test_a_secret_cohorts_failing_client_leaves_nothing_in_run_log(simulate, monkeypatch):
+@pytest.mark.parametrize("backend", ["ray", "inline"])
+def test_a_secret_cohorts_failing_client_leaves_nothing_in_run_log(simulate, monkeypatch, backend):
     """A client failing in a secret Poisson cohort: its error goes to the console only, never run.log.
 
     How often it failed follows the secret coins. The engine (fl_app/engine, Flower's seam) logs a
     failing client's error and traceback on Flower's behalf: those records are withheld like Flower's.
+    Inline, the clients run (and log) in the process that writes run.log: nothing of theirs gets in.
     """
     from conftest import FAST
 
     monkeypatch.setenv("DPFL_INJECT_FAILURES", "1")  # client 1 fails whenever it is sampled
-    results = simulate([*FAST, "strategy=dp_fedavg", "num_rounds=3"], private_ray=True)
+    overrides = [*FAST, "strategy=dp_fedavg", "num_rounds=3", f"simulation.backend={backend}"]
+    results = simulate(overrides, private_ray=True)
     log = (Path(results["_output_dir"]) / "run.log").read_text()
     assert "secret" in results["privacy"]["randomness"]["cohort"]
     for leaked in ("InjectedFailure", "Traceback", "client 1", "failed"):

@@ -31,7 +31,7 @@ from fl_app.round_loop import check_round
 from fl_app.run_log import one_line_console
 from fl_app.validation import ConfigError, check_output_dir, validate_config
 from strategies import STRATEGIES
-from tests.conftest import FAST, TWO_ACTORS, build_run_context, wait_until
+from tests.conftest import FAST, INLINE, TWO_ACTORS, build_run_context, wait_until
 
 RUN = [*FAST, "num_rounds=4", "simulation.num_cpus=2"]
 ROUND_KEYS = ("round", "accuracy", "loss", "epsilon", "upload_bytes", "download_bytes", "clients", "failures")
@@ -507,7 +507,7 @@ def test_an_interrupted_sweep_continues_into_its_directory(tmp_path):
     """Running a stopped sweep again skips its completed jobs and resumes the stopped one (42.5);
     the stopped job is not counted as done, and the line to continue the sweep is printed."""
     sweep = tmp_path / "sweep"
-    args = ["-m", *FAST, "num_rounds=3", "strategy=fedavg", "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    args = ["-m", *FAST, INLINE, "num_rounds=3", "strategy=fedavg", "seed=1,2", f"hydra.sweep.dir={sweep}"]
     run = Run(args, tmp_path)
     run.wait_for("1/2 jobs done")
     run.wait_for("dpfl round 1/3: accuracy")

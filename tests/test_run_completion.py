@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import FAST, wait_until
+from tests.conftest import FAST, INLINE, wait_until
 from tests.test_reliability import GONE_WITHIN_S, RUN, Run, alive, group_processes
 
 # --------------------------------------------------------------------------- 1. signals
@@ -223,7 +223,7 @@ def test_a_private_run_killed_before_its_results_is_finished_by_resume(tmp_path,
     from fl_app.checkpoint import CHECKPOINT_FILE
 
     monkeypatch.setattr(run_module, "remove_checkpoint", lambda output_dir: None)
-    reference = simulate([*FAST, "strategy=dp_fedavg"], name="run")
+    reference = simulate([*FAST, "strategy=dp_fedavg", INLINE], name="run")
     monkeypatch.undo()
     out = tmp_path / "run"
     for name in ("results.json", "final_model.npz", "accuracy_loss.png", "epsilon.png"):
@@ -241,7 +241,7 @@ def test_a_sweep_finishes_a_job_stopped_before_its_results_and_counts_only_writt
     """Re-running the sweep refused the job with ``num_rounds=2: must be > 2``, said ``2/2 jobs done``
     and the report left the job out (55.2)."""
     sweep = tmp_path / "sweep"
-    args = ["-m", *FAST, "strategy=fedavg", "seed=1,2", f"hydra.sweep.dir={sweep}"]
+    args = ["-m", *FAST, INLINE, "strategy=fedavg", "seed=1,2", f"hydra.sweep.dir={sweep}"]
     first = Run(args, tmp_path, delay=0.0)
     assert first.finish(timeout=300) == 0, first.output[-3000:]
     (sweep / "1-fedavg" / "results.json").unlink()  # killed after its last checkpoint
@@ -330,7 +330,7 @@ def test_a_client_that_fails_every_round_is_named_on_the_last_line_and_the_exit_
         "strategy=dp_fedavg",
         f"output_dir={out}",
     ]
-    run = Run([*args, "simulation.num_cpus=2"], tmp_path, delay=0.0)
+    run = Run([*args, INLINE], tmp_path, delay=0.0)
     assert run.finish(timeout=300) == 1, run.output[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert results["status"] == "completed_with_failures" and len(results["rounds"]) == 30
@@ -471,7 +471,7 @@ def test_a_run_into_output_dir_leaves_no_hydra_folder_and_a_nan_loss_is_said_at_
     current directory; a NaN loss showed as ``loss -`` with no word of why (55.6)."""
     out = tmp_path / "elsewhere" / "run"
     run = Run(
-        [*FAST, "strategy=fedavg", "lr=1e6", "simulation.num_cpus=2", f"output_dir={out}"],
+        [*FAST, INLINE, "strategy=fedavg", "lr=1e6", f"output_dir={out}"],
         tmp_path,
         delay=0.0,
     )

@@ -13,6 +13,8 @@ replaces and why:
   by-reference ClientApp loader);
 * :mod:`~fl_app.engine.launch`: running the engine in this process (``_run_simulation``, Ray started
   first, the actor count capped);
+* :mod:`~fl_app.engine.inline`: a backend that runs the clients in this process instead of on Ray's
+  actors (``simulation.backend=inline``);
 * :mod:`~fl_app.engine.messages`: message sizes, reply ids and senders, the task identity;
 * :mod:`~fl_app.engine.logs`: Flower's console handler;
 * :mod:`~fl_app.engine.tooling`: the ``flwr`` CLI's FAB builder and config file;

@@ -6,6 +6,8 @@
 * :func:`start_ray` starts Ray with the arguments Flower's Ray backend would use (which then finds it
   running), so the driver can handle SIGTERM itself.
 * :func:`actor_limit` caps the actor pool (Flower sizes it from the whole Ray cluster).
+* :func:`~fl_app.engine.inline.inline_backend` runs the clients in this process instead
+  (``simulation.backend=inline``);
 * :func:`ray_left_running` stops Flower's Ray backend from shutting Ray down when a run ends, so
   that the jobs of a sweep share one Ray instance (:mod:`fl_app.ray_session` owns it).
 """
@@ -18,6 +20,7 @@ from typing import Any
 from fl_app.engine import batching
 from fl_app.engine.batching import MAX_BATCH, install_batched_workers
 from fl_app.engine.dispatch import forget_node_partitions, install_fast_dispatch
+from fl_app.engine.inline import inline_backend
 from fl_app.engine.pool import install_pipelined_pool
 
 
@@ -90,13 +93,15 @@ def run_simulation_engine(
     max_actors: int | None = None,
     messages_per_task: int = MAX_BATCH,
     keep_ray: bool = False,
+    inline: bool = False,
 ) -> None:
-    """Run a ServerApp and ClientApp in Flower's Ray-backed simulation engine, in this process.
+    """Run a ServerApp and ClientApp in Flower's simulation engine, in this process.
 
     ``server_app`` is the ServerApp object to run (built for the run's composed configuration);
     ``max_actors`` caps the number of client actors (:func:`actor_limit`); ``messages_per_task``
     is the most messages one Ray task carries to an actor (1: one per task, as Flower sends them);
-    ``keep_ray``: Ray stays up when the run ends (:func:`ray_left_running`).
+    ``keep_ray``: Ray stays up when the run ends (:func:`ray_left_running`); ``inline``: no Ray at
+    all, the clients run in this process (:mod:`fl_app.engine.inline`).
     """
     from flwr.simulation.run_simulation import _run_simulation
     from flwr.supercore.telemetry import EventType
@@ -106,7 +111,8 @@ def run_simulation_engine(
     batching.set_messages_per_task(messages_per_task)
     install_engine_patches()
     forget_node_partitions()  # this run's engine records its own
-    with actor_limit(max_actors), ray_left_running(keep_ray):
+    backend = inline_backend() if inline else contextlib.nullcontext()
+    with backend, actor_limit(None if inline else max_actors), ray_left_running(keep_ray and not inline):
         _run_simulation(
             num_supernodes=num_supernodes,
             exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,

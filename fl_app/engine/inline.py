@@ -1,0 +1,112 @@
+"""``simulation.backend=inline``: the clients run in the command's own process (flwr 1.41 private APIs).
+
+Flower's simulation engine always builds a ``RayBackend`` (``vce_api.start_vce`` imports it by name
+when the run starts). :func:`inline_backend` puts :class:`InlineBackend` under that name for the
+run: no Ray instance, no client actors. The engine's batched workers (:mod:`fl_app.engine.batching`)
+send each batch to :func:`~fl_app.engine.batching.run_jobs` in this process instead of to an actor,
+one batch at a time: the same ClientApp calls, replies, error replies and Context updates as on an
+actor. Each batch is pickled and unpickled first, as Ray's transport does, so a client never holds
+the engine's own Message or Context objects (a ClientApp that changed one, or raised half-way
+through changing its Context, would otherwise change what the engine stores).
+
+What it saves: starting and stopping a private Ray instance (its GCS, raylet and five helper
+processes) and every client actor (a new Python process that imports Flower, dpfl and torch): a
+2-round run of the tests' size took 6 s of CPU and 6 s of wall time instead of 14 and 14, a 30-round
+cross-device command half the CPU (docs/benchmarks/inline_backend.md). What it costs: one client at a
+time, on this process's torch threads; a Ctrl-C waits for the batch under way (at most
+``simulation.messages_per_task`` messages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copyreg
+import io
+import pickle
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from fl_app.engine.batching import (
+    BATCHING_FLAG,
+    AbandonedBatchError,
+    Batching,
+    Job,
+    Outcome,
+    run_jobs,
+)
+
+
+def _reduce_memoryview(view: memoryview) -> tuple[Any, ...]:
+    # Flower's Array keeps the chunks it was inflated from as memoryviews (what Ray's pickler sends
+    # as buffers); the copy holds the same bytes
+    return memoryview, (view.tobytes(),)
+
+
+def isolated(jobs: list[Job]) -> list[Job]:
+    """A copy of ``jobs`` made as Ray's transport makes one (pickle; shared objects stay shared)."""
+    buffer = io.BytesIO()
+    pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = {**copyreg.dispatch_table, memoryview: _reduce_memoryview}
+    pickler.dump(jobs)
+    copied: list[Job] = pickle.loads(buffer.getvalue())
+    return copied
+
+
+class InlineBackend:
+    """Flower's simulation ``Backend`` interface, answered in this process by one worker thread.
+
+    ``process_message`` (Flower's one-message path) is never reached: :meth:`build` marks the
+    backend for dpfl's batched workers (``BATCHING_FLAG``), which call :attr:`Batching.send`.
+    """
+
+    def __init__(self, backend_config: dict[str, Any]) -> None:
+        self.backend_config = backend_config
+        self.app_fn: Callable[[], Any] | None = None
+        self._lock = threading.Lock()
+
+    def build(self, app_fn: Callable[[], Any]) -> None:
+        """Keep the ClientApp loader and give the batched workers an in-process sender."""
+        self.app_fn = app_fn
+        batching = Batching(None, slots=1)
+        batching.send = self._sender(batching)
+        setattr(self, BATCHING_FLAG, batching)
+
+    def _sender(self, batching: Batching) -> Callable[[list[Job]], list[Outcome]]:
+        def send(jobs: list[Job]) -> list[Outcome]:
+            if batching.stopped():
+                raise AbandonedBatchError(f"the run stopped with {len(jobs)} messages queued")
+            assert self.app_fn is not None, "build() runs before the first message"
+            with self._lock:  # one client at a time, whatever the number of worker threads
+                return run_jobs(self.app_fn, isolated(jobs))
+
+        return send
+
+    @property
+    def num_workers(self) -> int:
+        """One worker thread: clients run one after another."""
+        return 1
+
+    def is_worker_idle(self) -> bool:
+        """Flower's hook for its own worker; the batched workers do not ask."""
+        return True
+
+    def terminate(self) -> None:
+        """Nothing to end: no process was started."""
+
+    def process_message(self, message: Any, context: Any) -> tuple[Any, Any]:
+        """Flower's one-message path; dpfl's batched workers never take it."""
+        raise RuntimeError("the inline backend runs messages through dpfl's batched workers only")
+
+
+@contextlib.contextmanager
+def inline_backend() -> Iterator[None]:
+    """While the block runs, the simulation engine builds an :class:`InlineBackend` instead of Ray's."""
+    from flwr.server.superlink.fleet.vce.backend import raybackend
+
+    original = raybackend.RayBackend
+    raybackend.RayBackend = InlineBackend  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        raybackend.RayBackend = original  # type: ignore[misc]
