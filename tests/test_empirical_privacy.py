@@ -224,14 +224,14 @@ def test_a_clip_twice_the_accounted_one_is_caught(tmp_path):
 
 @pytest.mark.simulation
 def test_a_simulation_reports_the_estimate_apart_from_the_real_clients(simulate):
-    from conftest import FAST
+    from conftest import FAST, INLINE
 
     results = simulate(
         [
             *FAST,
+            INLINE,
             "strategy=dp_fedavg",
             "privacy.canaries=20",
-            "simulation.num_cpus=2",
             "privacy.diagnostics=true",
         ]
     )

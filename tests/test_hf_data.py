@@ -25,7 +25,7 @@ from fl_app.data.hf import HFSource, load_hf_dataset
 from fl_app.data.natural import group_rows, natural_split
 from fl_app.data.sources import DataFileError, DataNotFoundError
 from fl_app.models import check_model_fits
-from tests.conftest import FAST
+from tests.conftest import FAST, INLINE
 from tests.test_reliability import assert_one_line, preflight_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -394,8 +394,9 @@ def test_dp_fedavg_on_natural_users_trains_each_client_on_one_users_rows(saved, 
         "model=tests.test_hf_data:TinyNet",
         "privacy.epsilon=8",
         "num_rounds=2",
+        INLINE,
     )
-    results = simulate(overrides, private_ray=True)  # its actors inherit DPFL_DATA_HOME and HF_HUB_OFFLINE
+    results = simulate(overrides)  # inline: the clients see this process's DPFL_DATA_HOME and HF_HUB_OFFLINE
     assert results["status"] == "completed" and len(results["rounds"]) == 2
     assert results["dataset"] == f"hf:{saved}" and results["partition"] == "natural(column=writer_id)"
     assert results["client"].startswith("one user: every training row of one writer_id")

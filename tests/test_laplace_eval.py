@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import (
     FAST,
+    INLINE,
     build_run_context,
     client_for,
     error_reply,
@@ -331,7 +332,7 @@ def test_invalid_stage_settings_fail_in_one_line():
 
 @pytest.mark.simulation
 def test_simulation_in_both_modes(simulate):
-    common = [*FAST, "simulation.num_cpus=2", "evaluation=laplace_eval", "evaluation.cluster_client_num=4"]
+    common = [*FAST, INLINE, "evaluation=laplace_eval", "evaluation.cluster_client_num=4"]
     clear = simulate([*common, "evaluation.privacy_eval_type=NOT_ENCRYPT"], name="clear")
     noised = simulate([*common, "evaluation.laplace_eval_eps=1"], name="laplace")
     for results in (clear, noised):
