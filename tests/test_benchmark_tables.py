@@ -701,3 +701,25 @@ def test_suite_time_reads_pytests_summary_and_marks_a_run_beside_other_work():
     assert lines[2] == "| 2026-11-26 09:00 | `-n 3` | 540 s (9.0 min) | 900 s | 83% | 0.1 | a |"
     assert "| 2.4 (not quiet) | b |" in lines[3]
     assert suite_time.main(["run", "--workers", "0"]) == 2  # refused before anything runs
+
+
+def test_process_cpu_names_the_kinds_of_the_suites_processes():
+    from benchmarks.process_cpu import kind_of
+
+    assert kind_of("/venv/bin/python -u -c import sys;exec(eval(sys.stdin.readline()))") == "pytest worker"
+    assert kind_of("/venv/bin/python -m fl_app dataset=digits") == "python -m fl_app"
+    assert kind_of("ray::BatchingActor.run_batch") == "Ray worker (client actor)"
+    assert kind_of("/venv/lib/ray/core/src/ray/raylet/raylet --x") == "Ray GCS and raylet"
+    assert kind_of("/venv/bin/python -I /tmp/fed/superlink/bin/flwr-serverapp --run-once") == "flwr-serverapp"
+    assert kind_of("/usr/bin/sleep 1") == "other" and kind_of("") == "(exited before its first look)"
+
+
+@pytest.mark.subprocess
+def test_process_cpu_counts_a_child_that_burns_cpu(capsys):
+    from benchmarks.process_cpu import main
+
+    burn = "import time\nend = time.process_time() + 1.2\nwhile time.process_time() < end: pass"
+    assert main(["--", sys.executable, "-c", burn]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| other |"))
+    assert 0.8 <= float(row.split("|")[3]) <= 2.0, out
