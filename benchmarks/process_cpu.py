@@ -1,11 +1,14 @@
 """Where a command's CPU goes, by kind of process: a ``/proc`` sampler around the command.
 
-``getrusage`` misses Ray's processes (they are re-parented away from the command), so this samples
-every process on the machine every half second while the command runs and keeps, per process, its
-last CPU time (user + system), its command line and the test (``PYTEST_CURRENT_TEST`` in its
-environment at start) that started it. Processes that started before the command are left out. A
-process shorter than the interval may be missed or under-counted; the total is checked against the
-machine's busy time (``/proc/stat``), so the machine must be quiet.
+``getrusage`` misses Ray's processes (they are re-parented away from the command), so this starts the
+command with a marker in its environment (:data:`MARK`, inherited by every process it starts, Ray's
+workers and Flower's SuperNodes' ClientApps included), looks at every process on the machine every
+half second while the command runs, and keeps, for each one that carries the marker, its last CPU
+time (user + system), its command line and the test (``PYTEST_CURRENT_TEST`` in its environment at
+start) that started it; nothing else running on the machine is counted. A
+process shorter than the interval may be missed, and so may up to half a second of a process's CPU just
+before it exits; the total is printed beside the machine's busy time (``/proc/stat``), which on a quiet
+machine shows how much was missed.
 
     python -P benchmarks/process_cpu.py -- .venv/bin/python -m pytest -q -p no:cacheprovider
 
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +35,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.driver_threads import busy_seconds  # noqa: E402
 
 INTERVAL_S = 0.5
+#: The environment variable that marks the command's processes (its value: this run's token).
+MARK = "DPFL_PROCESS_CPU"
 TICKS = os.sysconf("SC_CLK_TCK")
 #: (text in the first 120 characters of the command line, kind), first match wins.
 KINDS = (
@@ -38,6 +44,7 @@ KINDS = (
     (" -u -c ", "pytest worker"),
     ("-m fl_app", "python -m fl_app"),
     ("default_worker.py", "Ray worker (client actor)"),
+    ("setup_worker.py", "Ray worker (client actor)"),  # a worker with a runtime_env, before its exec
     ("ray::", "Ray worker (client actor)"),
     ("gcs_server", "Ray GCS and raylet"),
     ("raylet", "Ray GCS and raylet"),
@@ -74,28 +81,35 @@ def _read(pid: str) -> tuple[tuple[int, int], float] | None:
     return (int(pid), int(fields[19])), (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def _describe(pid: int) -> tuple[str, str]:
+def _describe(pid: int, token: str) -> tuple[str, str] | None:
+    """The command line and test module of a process of the command (None: not one of its processes)."""
     try:
         command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
-        return "", ""
+        return None
+    if f"{MARK}={token}".encode() not in environment:
+        return None
     marker = b"PYTEST_CURRENT_TEST="
     test = next((e[len(marker) :].decode(errors="replace") for e in environment if e.startswith(marker)), "")
     return command, test.split(" ")[0].split("::")[0]
 
 
-def sample(stop: threading.Event, seen: dict[tuple[int, int], list]) -> None:
-    """Until ``stop``: every process's last CPU time, with its command line and test module."""
-    before = {read[0] for pid in os.listdir("/proc") if pid.isdigit() and (read := _read(pid)) is not None}
+def sample(stop: threading.Event, token: str, seen: dict[tuple[int, int], list]) -> None:
+    """Until ``stop``: the last CPU time of every process marked with ``token``, its command line and test."""
+    others: set[tuple[int, int]] = set()
     while not stop.wait(INTERVAL_S):
         for pid in os.listdir("/proc"):
             read = _read(pid) if pid.isdigit() else None
-            if read is None or read[0] in before:
+            if read is None or read[0] in others:
                 continue
             key, cpu = read
             if key not in seen:
-                seen[key] = [*_describe(key[0]), cpu]
+                described = _describe(key[0], token)
+                if described is None:
+                    others.add(key)
+                    continue
+                seen[key] = [*described, cpu]
             seen[key][2] = cpu
 
 
@@ -106,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     seen: dict[tuple[int, int], list] = {}
-    stop = threading.Event()
-    sampler = threading.Thread(target=sample, args=(stop, seen), daemon=True)
+    stop, token = threading.Event(), uuid.uuid4().hex
+    sampler = threading.Thread(target=sample, args=(stop, token, seen), daemon=True)
     busy, started = busy_seconds(), time.monotonic()
     sampler.start()
-    code = subprocess.call(command, cwd=ROOT)
+    code = subprocess.call(command, cwd=ROOT, env={**os.environ, MARK: token})
     wall, busy = time.monotonic() - started, busy_seconds() - busy
     stop.set()
     sampler.join()

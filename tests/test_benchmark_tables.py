@@ -709,6 +709,7 @@ def test_process_cpu_names_the_kinds_of_the_suites_processes():
     assert kind_of("/venv/bin/python -u -c import sys;exec(eval(sys.stdin.readline()))") == "pytest worker"
     assert kind_of("/venv/bin/python -m fl_app dataset=digits") == "python -m fl_app"
     assert kind_of("ray::BatchingActor.run_batch") == "Ray worker (client actor)"
+    assert kind_of("/venv/bin/python /ray/workers/setup_worker.py x") == "Ray worker (client actor)"
     assert kind_of("/venv/lib/ray/core/src/ray/raylet/raylet --x") == "Ray GCS and raylet"
     assert kind_of("/venv/bin/python -I /tmp/fed/superlink/bin/flwr-serverapp --run-once") == "flwr-serverapp"
     assert kind_of("/usr/bin/sleep 1") == "other" and kind_of("") == "(exited before its first look)"
@@ -718,7 +719,9 @@ def test_process_cpu_names_the_kinds_of_the_suites_processes():
 def test_process_cpu_counts_a_child_that_burns_cpu(capsys):
     from benchmarks.process_cpu import main
 
-    burn = "import time\nend = time.process_time() + 1.2\nwhile time.process_time() < end: pass"
+    # after burning it waits, so the sampler's last look (every 0.5 s) sees all of its CPU
+    burn = "import time\nend = time.process_time() + 1.2\nwhile time.process_time() < end: pass\n"
+    burn += "time.sleep(3)"
     assert main(["--", sys.executable, "-c", burn]) == 0
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| other |"))

@@ -45,7 +45,7 @@ from fl_app.engine.pool import BalancedSlots, load_dpfl_client_app, pipeline_poo
 from fl_app.metering import MeteredGrid, content_bytes
 from fl_app.training import array_values
 from strategies.arrays import mean_arrays
-from tests.conftest import FAST, TWO_ACTORS
+from tests.conftest import FAST, INLINE, TWO_ACTORS
 
 GOLDEN = Path(__file__).parent / "data" / "golden_rounds.json"
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,7 +301,7 @@ def test_results_equal_the_code_before_the_speed_work(
     """
     golden = json.loads(GOLDEN.read_text())["runs"][name]
     fast = [item for item in FAST if not item.startswith("num_rounds=")]
-    inline = ["simulation.backend=inline"] if backend == "inline" else []
+    inline = [INLINE] if backend == "inline" else []
     results = shared_simulation([*fast, "num_rounds=3", *overrides, *inline])  # fedavg on ray: FEDAVG_RUN
     assert len(results["rounds"]) == len(golden)
     for got, want in zip(results["rounds"], golden, strict=True):

@@ -23,7 +23,6 @@ import contextlib
 import copyreg
 import io
 import pickle
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -56,6 +55,8 @@ def isolated(jobs: list[Job]) -> list[Job]:
 class InlineBackend:
     """Flower's simulation ``Backend`` interface, answered in this process by one worker thread.
 
+    :attr:`num_workers` is 1, so the engine starts one worker thread: one client at a time.
+
     ``process_message`` (Flower's one-message path) is never reached: :meth:`build` marks the
     backend for dpfl's batched workers (``BATCHING_FLAG``), which call :attr:`Batching.send`.
     """
@@ -63,7 +64,6 @@ class InlineBackend:
     def __init__(self, backend_config: dict[str, Any]) -> None:
         self.backend_config = backend_config
         self.app_fn: Callable[[], Any] | None = None
-        self._lock = threading.Lock()
 
     def build(self, app_fn: Callable[[], Any]) -> None:
         """Keep the ClientApp loader and give the batched workers an in-process sender."""
@@ -77,8 +77,7 @@ class InlineBackend:
             if batching.stopped():
                 raise AbandonedBatchError(f"the run stopped with {len(jobs)} messages queued")
             assert self.app_fn is not None, "build() runs before the first message"
-            with self._lock:  # one client at a time, whatever the number of worker threads
-                return run_jobs(self.app_fn, isolated(jobs))
+            return run_jobs(self.app_fn, isolated(jobs))
 
         return send
 

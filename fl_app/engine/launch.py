@@ -82,6 +82,13 @@ def ray_left_running(keep: bool) -> Any:
         RayBackend.terminate = original
 
 
+@contextlib.contextmanager
+def ray_backend(max_actors: int | None, keep_ray: bool) -> Any:
+    """Flower's Ray backend with dpfl's pool cap (:func:`actor_limit`) and end (:func:`ray_left_running`)."""
+    with actor_limit(max_actors), ray_left_running(keep_ray):
+        yield
+
+
 def run_simulation_engine(
     *,
     num_supernodes: int,
@@ -111,8 +118,7 @@ def run_simulation_engine(
     batching.set_messages_per_task(messages_per_task)
     install_engine_patches()
     forget_node_partitions()  # this run's engine records its own
-    backend = inline_backend() if inline else contextlib.nullcontext()
-    with backend, actor_limit(None if inline else max_actors), ray_left_running(keep_ray and not inline):
+    with inline_backend() if inline else ray_backend(max_actors, keep_ray):
         _run_simulation(
             num_supernodes=num_supernodes,
             exit_event=EventType.PYTHON_API_RUN_SIMULATION_LEAVE,

@@ -38,8 +38,8 @@ its 110 s in the pools.
 
 The server recombines secrets with :func:`fl_app.privacy.shamir.combine_shares` (exported here as
 ``combine_shares``): Flower's format and pycryptodome's field, the same bytes out, with the Lagrange
-weights computed once per set of share indices instead of once per 16-byte chunk (17-20x faster with 5
-shares, 70-80x with 51: docs/benchmarks/shamir_combine.md).
+weights computed once per set of share indices instead of once per 16-byte chunk (measured in
+docs/benchmarks/shamir_combine.md).
 """
 
 from __future__ import annotations

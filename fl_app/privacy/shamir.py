@@ -15,7 +15,7 @@ across the secrets of a round:
 :func:`combine_shares` computes them once per set of indices (:func:`lagrange_weights`, cached) and
 recombines each chunk with ``k`` multiplications. Same field (x^128 + x^7 + x^2 + x + 1, the LSB the
 constant coefficient, values big-endian as pycryptodome encodes them), same bytes out; the tests check
-it against pycryptodome's and Flower's ``combine_shares`` (``tests/test_privacy_mechanisms.py``).
+it against pycryptodome's and Flower's ``combine_shares`` (``tests/test_shamir.py``).
 
 The weights are public (they follow from the indices alone); nothing here touches a secret but the
 chunks being recombined.
