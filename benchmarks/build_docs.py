@@ -153,6 +153,11 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
                 "simulation.vectorise (issue 58).",
             ),
             (
+                "engine_gpu",
+                "dpfl's whole engine on one NVIDIA H200: rounds of 100 and 1000 clients, cohort against "
+                "loop, where a round's time goes, and why the per-message engine misses issue 58's goals.",
+            ),
+            (
                 "deployment_load",
                 "Many runs submitted to a local deployment on a busy machine: the ServerApp launch gate.",
             ),

@@ -27,6 +27,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+#: The caller's environment: importing tests.conftest (for FAST) sets OMP_NUM_THREADS=1 for the tests,
+#: which the measured commands must not inherit (it made the inline rows one torch thread's).
+CALLER_ENV = dict(os.environ)
 
 from benchmarks.driver_threads import busy_seconds  # noqa: E402
 from benchmarks.pfl_compare import dpfl_command, median_after_first  # noqa: E402
@@ -50,7 +53,9 @@ def command(task: str, backend: str, rounds: int, output: Path) -> list[str]:
 def one_run(task: str, backend: str, rounds: int, output: Path) -> dict[str, float]:
     """Run the command once: its wall time, the machine's CPU, its median round and accuracy."""
     before, started = busy_seconds(), time.monotonic()
-    subprocess.run(command(task, backend, rounds, output), cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        command(task, backend, rounds, output), cwd=ROOT, env=CALLER_ENV, check=True, capture_output=True
+    )
     wall, cpu = time.monotonic() - started, busy_seconds() - before
     results = json.loads((output / "results.json").read_text())
     return {

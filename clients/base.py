@@ -85,8 +85,13 @@ class FederatedClient(NodeClient):
         """Where this client trains: CUDA or the CPU.
 
         CUDA when the server asked for it (``simulation.client_gpus > 0``), this client can use it
-        (:attr:`uses_gpu`) and torch sees a device; the CPU otherwise.
+        (:attr:`uses_gpu`) and torch sees a device; the CPU otherwise, and for a message whose
+        training was done in its cohort (:mod:`fl_app.cohort_execution`, which moves the cohort's
+        results to the CPU at once): what is left of it (the update, clipping, local noise, the
+        reply's arrays) would otherwise pay a dozen host-device transfers per message.
         """
+        if precomputed(self.message) is not None:
+            return torch.device("cpu")
         wanted = str(self.config.get(keys.DEVICE, "cpu")) == "cuda"
         return torch.device("cuda" if wanted and self.uses_gpu and torch.cuda.is_available() else "cpu")
 

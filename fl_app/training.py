@@ -87,7 +87,7 @@ def numpy_array(values: np.ndarray) -> Array:
         dtype=str(values.dtype),
         shape=tuple(values.shape),
         stype="numpy.ndarray",
-        data=header + values.tobytes(),
+        data=b"".join((header, values.data)),  # one copy (header + tobytes() made two)
     )
 
 

@@ -11,6 +11,7 @@ must train on its own.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -132,6 +133,56 @@ def test_a_call_that_differs_from_the_plan_trains_on_its_own(
     for a, b in zip(together, alone, strict=True):
         for key, value in arrays_of(a).items():
             np.testing.assert_array_equal(value, arrays_of(b)[key])
+
+
+def test_messages_with_other_global_models_train_in_their_own_cohort(
+    tmp_path: Any, loads: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Half the batch carries a global model that differs in one weight: two cohorts of three, not one
+    of six (a cohort trains from one model), and every reply still equals the per-message path's."""
+    from fl_app.training import array_values, numpy_array
+
+    jobs = batch_of("fedavg", tmp_path)
+    for message, _ in jobs[::2]:
+        message.content = copy.deepcopy(message.content)  # the strategy's messages share one record
+        arrays = message.content.array_records[keys.ARRAYS]
+        name = next(iter(arrays.keys()))
+        changed = array_values(arrays[name]).copy()
+        changed.flat[0] += 1e-3
+        arrays[name] = numpy_array(changed)
+    sizes: list[int] = []
+    real = cohort_execution._train_group
+
+    def spy(members: list[Any]) -> int:
+        sizes.append(len(members))
+        return real(members)
+
+    monkeypatch.setattr(cohort_execution, "_train_group", spy)
+    together = replies_of(jobs, vectorise=True)
+    assert sorted(sizes) == [3, 3] and len(loads) == 6
+    alone = replies_of(jobs, vectorise=False)
+    for a, b in zip(together, alone, strict=True):
+        for key, value in arrays_of(a).items():
+            np.testing.assert_allclose(value, arrays_of(b)[key], rtol=1e-4, atol=2e-5)
+
+
+def test_a_message_trained_in_its_cohort_finishes_on_the_cpu(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client asked to train on CUDA keeps CUDA for its own training, and moves to the CPU (where
+    the cohort's results are) once its message was trained in the cohort."""
+    import torch
+
+    from fl_app.client_app import client_for
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    message, context = batch_of("fedavg", tmp_path)[0]
+    message.content.config_records[keys.CONFIG][keys.DEVICE] = "cuda"
+    client = client_for(message, context)
+    assert client.device.type == "cuda"
+    planned = cohort_execution.Planned(settings=client.train_settings(1, 0.0), params={}, loss=0.0)
+    monkeypatch.setitem(cohort_execution._planned, cohort_execution.message_key(message), planned)
+    assert client.device.type == "cpu"
 
 
 def test_without_the_switch_or_for_other_clients_nothing_is_planned(tmp_path: Any, loads: list[int]) -> None:

@@ -918,3 +918,31 @@ def test_the_inline_backend_reports_a_raising_client_as_its_error_reply() -> Non
     backend.build(lambda: client_app)
     outcomes = getattr(backend, batching_module.BATCHING_FLAG).send(_inline_jobs(1))
     assert outcomes[0][0] == "error" and "no data here" in outcomes[0][2]
+
+
+@pytest.mark.parametrize("cpus", [1.0, 2.0])
+def test_inline_clients_run_on_client_cpus_torch_threads(cpus: float) -> None:
+    """As an actor gets ``simulation.client_cpus`` threads, an inline batch runs on that many torch
+    threads (on 2 cores, torch's default of one per core made rounds 1.8x slower), and the
+    process's own setting comes back after the batch."""
+    import torch
+
+    from fl_app.engine.inline import InlineBackend
+
+    seen: list[int] = []
+
+    def client_app(message: Message, context: Any) -> Message:
+        seen.append(torch.get_num_threads())
+        return Message(RecordDict(), reply_to=message)
+
+    before = torch.get_num_threads()
+    other = 3 if before != 3 else 4
+    torch.set_num_threads(other)
+    try:
+        backend = InlineBackend({"client_resources": {"num_cpus": cpus, "num_gpus": 0.0}})
+        backend.build(lambda: client_app)
+        getattr(backend, batching_module.BATCHING_FLAG).send(_inline_jobs(2))
+        assert seen == [int(cpus), int(cpus)]
+        assert torch.get_num_threads() == other
+    finally:
+        torch.set_num_threads(before)

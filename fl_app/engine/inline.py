@@ -13,8 +13,8 @@ What it saves: starting and stopping a private Ray instance (its GCS, raylet and
 processes) and every client actor (a new Python process that imports Flower, dpfl and torch): a
 2-round run of the tests' size took 6 s of CPU and 6 s of wall time instead of 14 and 14, a 30-round
 cross-device command half the CPU (docs/benchmarks/inline_backend.md). What it costs: one client at a
-time, on this process's torch threads; a Ctrl-C waits for the batch under way (at most
-``simulation.messages_per_task`` messages).
+time, on ``simulation.client_cpus`` torch threads of this process (as an actor gets); a Ctrl-C waits
+for the batch under way (at most ``simulation.messages_per_task`` messages).
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ class InlineBackend:
     def __init__(self, backend_config: dict[str, Any]) -> None:
         self.backend_config = backend_config
         self.app_fn: Callable[[], Any] | None = None
+        resources = backend_config.get("client_resources") or {}
+        #: torch threads while a batch runs: ``simulation.client_cpus``, as a Ray actor gets (at least 1)
+        self.threads = max(1, int(float(resources.get("num_cpus", 1))))
 
     def build(self, app_fn: Callable[[], Any]) -> None:
         """Keep the ClientApp loader and give the batched workers an in-process sender."""
@@ -77,7 +80,8 @@ class InlineBackend:
             if batching.stopped():
                 raise AbandonedBatchError(f"the run stopped with {len(jobs)} messages queued")
             assert self.app_fn is not None, "build() runs before the first message"
-            return run_jobs(self.app_fn, isolated(jobs))
+            with torch_threads(self.threads):
+                return run_jobs(self.app_fn, isolated(jobs))
 
         return send
 
@@ -96,6 +100,27 @@ class InlineBackend:
     def process_message(self, message: Any, context: Any) -> tuple[Any, Any]:
         """Flower's one-message path; dpfl's batched workers never take it."""
         raise RuntimeError("the inline backend runs messages through dpfl's batched workers only")
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """While the block runs, torch uses ``count`` intra-op threads (then as many as before).
+
+    The clients share this process with the engine's and the driver's threads: on 2 cores, torch's
+    default of one thread per core made the cross-device round 0.78 s against 0.49 s with one
+    (docs/benchmarks/inline_backend.md).
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    if before == count:
+        yield
+        return
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
