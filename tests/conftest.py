@@ -41,8 +41,8 @@ from fl_app.run_settings import RunSettings
 from strategies import STRATEGIES
 
 #: Small, fast settings for simulations in tests (digits data, few clients, one client actor: a
-#: second one costs each run about 3.5 s of CPU for 3 clients of digits; the quick examples of
-#: tests/test_simulations.py and the tests named in TWO_ACTORS run as many as the CPUs allow).
+#: second one costs each run about 3.5 s of CPU for 3 clients of digits; the tests named in
+#: TWO_ACTORS run as many as the CPUs allow).
 FAST = [
     "dataset=digits",
     "num_clients=6",

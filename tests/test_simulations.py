@@ -3,7 +3,10 @@
 Each algorithm declares a quick example (``python -m fl_app +experiment=quick strategy=<name>``,
 :class:`strategies.contract.QuickExample`): a shape and a budget where it learns. The full examples
 (1-2 minutes each, measured values in docs/algorithms/README.md) are too long for the suite, so each
-runs here as a real Ray-backed simulation with fewer rounds (its ``suite_rounds``) and must still beat
+runs here as a real simulation through Flower's engine with fewer rounds (its ``suite_rounds``), its
+clients in this process (``INLINE``: what a quick example checks does not depend on where the clients
+run; each client class runs in its own processes in tests/test_deploy.py, and the Ray backend is
+checked against the golden rounds in tests/test_flower_engine.py), and must still beat
 chance clearly (a quick example that stopped learning, a default that diverges or a budget too small
 for its shape, fails here), spend the example's budget in the unit its results name and not more, and
 show what the algorithm releases, round by round (``check_quick_example`` in the algorithm's own test
@@ -17,6 +20,7 @@ from typing import Any
 
 import pytest
 from algorithm_tests import declared
+from conftest import INLINE
 
 from fl_app.config import compose_config
 from fl_app.results import COHORT_FIELDS
@@ -45,7 +49,7 @@ def test_quick_example_learns_within_its_budget(simulate, name: str) -> None:
     quick = quick_example_of(name)
     example = compose_config([QUICK, f"strategy={name}", *quick.suite_overrides])  # what the run ran
     results = simulate(
-        [QUICK, f"strategy={name}", f"num_rounds={quick.suite_rounds}", *quick.suite_overrides]
+        [QUICK, f"strategy={name}", f"num_rounds={quick.suite_rounds}", *quick.suite_overrides, INLINE]
     )
     assert results["status"] == "completed"
     final = results["final"]
