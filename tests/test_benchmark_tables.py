@@ -726,3 +726,41 @@ def test_process_cpu_counts_a_child_that_burns_cpu(capsys):
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| other |"))
     assert 0.8 <= float(row.split("|")[3]) <= 2.0, out
+
+
+def test_round_phases_charges_each_py_spy_sample_to_its_phase():
+    """py-spy's raw lines (outermost frame first) sorted by benchmarks/round_phases.py's rules: the
+    innermost specific frame decides (a forward pass inside train_local is training, inside
+    evaluate_global evaluation), general rules only where no specific one matches, waits dropped."""
+    from benchmarks import round_phases
+
+    def frame(name: str, path: str, line: int = 1) -> str:
+        return f"{name} ({path}:{line})"
+
+    main = frame("main", "/w/fl_app/__main__.py")
+    forward = frame("MLP.forward", "/w/fl_app/models.py")
+    raw = "\n".join(
+        [
+            'process 1:"python -m fl_app";thread (0x1);'
+            + ";".join([main, frame("train_local", "/w/fl_app/training.py", 204), forward])
+            + " 30",
+            ";".join([main, frame("evaluate_global", "/w/strategies/base.py", 173), forward]) + " 20",
+            ";".join([main, frame("run", "/w/flwr/engine.py")]) + " 5",
+            ";".join([main, frame("wait", "/usr/lib/python3.11/threading.py")]) + " 1000",
+            ";".join([frame("<module>", "/usr/lib/python3.11/json/decoder.py")]) + " 2",
+            "not a sample line",
+        ]
+    )
+    by_phase, by_frame = round_phases.read_samples(raw, rate=10)
+    assert by_phase == {
+        "local training": 3.0,
+        "central evaluation": 2.0,
+        "Flower: engine, records, messages": 0.5,
+        round_phases.OTHER: 0.2,
+    }
+    assert by_frame["local training", "fl_app/training.py:204 train_local"] == 3.0
+    assert round_phases.parse_frame("Module._call_impl (/t/torch/nn/module.py:1775)") == (
+        "/t/torch/nn/module.py",
+        "Module._call_impl",
+        "1775",
+    )
