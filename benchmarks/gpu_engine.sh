@@ -85,7 +85,7 @@ one small_dp_cohort $((10 / SCALE)) $SMALL $DP $GPUS simulation.vectorise=true
 one small_dp_loop $((10 / SCALE)) $SMALL $DP $GPUS simulation.vectorise=false
 one large_cnn_cohort $((4 / SCALE)) $LARGE model=cnn strategy=fedavg $GPUS simulation.vectorise=true
 if [ "$GPU" = 1 ]; then  # the same process's CPU (16 cores), one client at a time
-  one small_fedavg_cpu16 10 $SMALL strategy=fedavg simulation.client_gpus=0 simulation.vectorise=false
+  one small_fedavg_cpu16 10 $SMALL strategy=fedavg simulation.client_gpus=0 simulation.client_cpus=16 simulation.vectorise=false
 fi
 tar -czf "$OUT/engine_gpu.tgz" -C "$RUNS" --exclude='*/final_model.npz' --exclude='*/private_server_state.pkl' .
 echo done
