@@ -204,10 +204,9 @@ def _train_group(members: list[tuple[Any, FederatedClient]]) -> int:
         return 0
     # one transfer per parameter for the whole cohort; each message's own work after training
     # (the update, clipping, local noise, its reply) then runs on the CPU (FederatedClient.device)
-    trained = {name: values.to("cpu") for name, values in result.params.items()}
+    result = result.to("cpu")
     for index, (message, _) in enumerate(members):
-        params = {name: values[index] for name, values in trained.items()}
         _planned[message_key(message)] = Planned(
-            settings=settings[index], params=params, loss=float(result.losses[index])
+            settings=settings[index], params=result.client(index), loss=float(result.losses[index])
         )
     return len(members)

@@ -421,6 +421,10 @@ class CohortResult:
         """Every client's trained parameters, in order."""
         return (self.client(i) for i in range(len(self)))
 
+    def to(self, device: torch.device | str) -> CohortResult:
+        """The same result with its stacked parameters on ``device`` (one transfer per parameter)."""
+        return CohortResult(params={n: v.to(device) for n, v in self.params.items()}, losses=self.losses)
+
 
 def _as_inputs(x: np.ndarray | torch.Tensor) -> torch.Tensor:
     """Float input as ``fl_app.training.to_tensor`` makes it: ``uint8`` scaled to [0, 1], else float32."""
