@@ -155,7 +155,8 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
             (
                 "engine_gpu",
                 "dpfl's whole engine on one NVIDIA H200: rounds of 100 and 1000 clients, cohort against "
-                "loop, where a round's time goes, and why the per-message engine misses issue 58's goals.",
+                "loop, where a round's time goes (host and GPU), and why the per-message engine misses "
+                "issue 58's goals.",
             ),
             (
                 "deployment_load",

@@ -10,7 +10,8 @@
 # Ray: Flower's simulation modules import it, the inline backend never calls it; a stand-in module
 # written below answers the imports and raises on any use (so a run that reached Ray would fail).
 #
-# Usage: OUT=folder bash benchmarks/gpu_engine.sh            (on the GPU machine; ONLY="run names" for some)
+# Usage: OUT=folder bash benchmarks/gpu_engine.sh            (on the GPU machine; ONLY="run names" for some;
+#        PROFILE=1 adds benchmarks/engine_cuda_profile.py's runs of the 1000-client cohort, ONLY=none alone)
 #        LOCAL=1 OUT=folder bash benchmarks/gpu_engine.sh    (here: .venv's python, the CPU, fewer rounds)
 # Every run is bounded; the rows (round times, accuracy, CPU by phase) land in $OUT/engine_gpu.tgz
 # and one line per run on stdout.
@@ -86,6 +87,17 @@ one small_dp_loop $((10 / SCALE)) $SMALL $DP $GPUS simulation.vectorise=false
 one large_cnn_cohort $((4 / SCALE)) $LARGE model=cnn strategy=fedavg $GPUS simulation.vectorise=true
 if [ "$GPU" = 1 ]; then  # the same process's CPU (16 cores), one client at a time
   one small_fedavg_cpu16 10 $SMALL strategy=fedavg simulation.client_gpus=0 simulation.client_cpus=16 simulation.vectorise=false
+fi
+if [ "${PROFILE:-0}" = 1 ]; then  # the GPU's own timings of the 1000-client cohort, pinned and pageable copies
+  for repeat in 1 2; do
+    for variant in pinned pageable; do
+      name="profile_${variant}_$repeat"; flag=""; [ "$variant" = pageable ] && flag=--pageable
+      timeout 240 $PY -P benchmarks/engine_cuda_profile.py $flag --json "$RUNS/$name.json" -- $LARGE model=mlp \
+        strategy=fedavg $GPUS simulation.vectorise=true simulation.backend=inline num_rounds=$((4 / SCALE)) \
+        output_dir="$RUNS/$name" > "$RUNS/$name.log" 2>&1
+      echo "$name: rc $?"; $PY -c "import json,sys; d=json.load(open(sys.argv[1])); print('  ', d['median_round_s'], d['device_s_by_kind'])" "$RUNS/$name.json"
+    done
+  done
 fi
 tar -czf "$OUT/engine_gpu.tgz" -C "$RUNS" --exclude='*/final_model.npz' --exclude='*/private_server_state.pkl' .
 echo done

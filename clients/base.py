@@ -21,7 +21,7 @@ from torch import nn
 from clients.node import NodeClient, parse_model_spec
 from fl_app import keys
 from fl_app.cohort_execution import TrainSettings, precomputed
-from fl_app.training import evaluate, load_arrays, model_to_arrays, train_local
+from fl_app.training import array_values, evaluate, load_arrays, train_local
 
 #: Built models of this process, by model spec and device (see :func:`process_model`).
 _PROCESS_MODELS: dict[tuple[str, str], nn.Module] = {}
@@ -159,16 +159,17 @@ class FederatedClient(NodeClient):
         """
         received = self.incoming_arrays()
         names = list(received.keys())
+        start = {name: array_values(received[name]) for name in names}  # read in place, not decoded
         for name in names:
-            if not np.issubdtype(received[name].numpy().dtype, np.floating):
+            if not np.issubdtype(start[name].dtype, np.floating):
                 raise ValueError(f"model array {name!r} is not floating point: it has no model update")
         data = self.local_data()
         model = self.global_model()
         self.train_locally(model, data.x, data.y)
-        trained = model_to_arrays(model)
-        return names, [
-            trained[n].numpy().astype(np.float64) - received[n].numpy().astype(np.float64) for n in names
-        ]
+        # the model's own values, as model_to_arrays would encode them (without encoding and decoding
+        # 0.44 MB three times per message: about 2 ms of the message's CPU)
+        trained = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
+        return names, [trained[n].astype(np.float64) - start[n].astype(np.float64) for n in names]
 
     # ------------------------------------------------------------------ entry points
 

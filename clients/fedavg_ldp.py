@@ -17,6 +17,7 @@ from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
 from fl_app.privacy.mechanisms import local_gaussian_update
+from fl_app.training import array_values
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
 LDP_CLIP = "ldp-clip"  # C: L2 bound of a client's model update
@@ -41,6 +42,6 @@ class FedAvgLDPClient(FederatedClient):
             rng=self.noise_generator("ldp-update-noise"),
         )
         arrays = ArrayRecord(
-            {n: Array(v.astype(received[n].numpy().dtype)) for n, v in zip(names, noised, strict=True)}
+            {n: Array(v.astype(array_values(received[n]).dtype)) for n, v in zip(names, noised, strict=True)}
         )
         return Message(content=RecordDict({keys.ARRAYS: arrays}), reply_to=self.message)

@@ -422,8 +422,21 @@ class CohortResult:
         return (self.client(i) for i in range(len(self)))
 
     def to(self, device: torch.device | str) -> CohortResult:
-        """The same result with its stacked parameters on ``device`` (one transfer per parameter)."""
-        return CohortResult(params={n: v.to(device) for n, v in self.params.items()}, losses=self.losses)
+        """The same result with its stacked parameters on ``device`` (one transfer per parameter).
+
+        From a GPU to the host the copies land in page-locked memory (torch's caching host
+        allocator: reused from round to round), all queued before one wait: a 1000-client MLP
+        cohort is 437 MB, which a copy to pageable memory moves several times slower.
+        """
+        target = torch.device(device)
+        if target.type != "cpu" or not any(v.is_cuda for v in self.params.values()):
+            return CohortResult(params={n: v.to(target) for n, v in self.params.items()}, losses=self.losses)
+        host = {}
+        for name, values in self.params.items():
+            host[name] = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host[name].copy_(values, non_blocking=True)
+        torch.cuda.synchronize()
+        return CohortResult(params=host, losses=self.losses)
 
 
 def _as_inputs(x: np.ndarray | torch.Tensor) -> torch.Tensor:

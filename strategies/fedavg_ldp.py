@@ -181,7 +181,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
             if received is None or list(received.keys()) != names:
                 log(WARNING, "FedAvg+LDP: client %d sent no matching update; ignored", info.client_id)
                 continue
-            updates.append([received[n].numpy().astype(np.float64) for n in names])
+            updates.append([array_values(received[n]).astype(np.float64) for n in names])
         self._reports[server_round] = len(updates)
         like = [array_values(global_arrays[n]) for n in names]
         for canary, upload in enumerate(self.canary_uploads(server_round, clip=self.clip, like=like)):
@@ -198,7 +198,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
             means, _ = clip_l2(arrays=means, max_norm=self.clip)
         new = {}
         for name, mean in zip(names, means, strict=True):
-            reference = global_arrays[name].numpy()
+            reference = array_values(global_arrays[name])
             new[name] = Array((reference.astype(np.float64) + mean).astype(reference.dtype))
         return ArrayRecord(new), MetricRecord({"reports": len(updates)})
 

@@ -65,7 +65,7 @@ INLINE = "simulation.backend=inline"
 
 #: Fixtures that start (or join) a Ray-backed simulation: a test using one is marked ``simulation``,
 #: so ``pytest -m "not simulation and not deploy and not audit"`` is the quick layer.
-SIMULATION_FIXTURES = frozenset({"simulate", "ray_instance", "shared_simulation"})
+SIMULATION_FIXTURES = frozenset({"simulate", "ray_instance", "session_ray", "shared_simulation"})
 
 
 #: Markers of the tests the fast tier (``pytest -m "not slow"``) leaves out: each is marked ``slow`` too.
@@ -202,27 +202,31 @@ def client_for(message: Message, context: Context) -> Any:
 
 
 @pytest.fixture
-def simulate(tmp_path: Path, ray_instance: str) -> Callable[..., dict[str, Any]]:
-    """Run a real (Ray-backed) simulation in-process; return its results.json.
+def simulate(tmp_path: Path, session_ray: SessionRay) -> Callable[..., dict[str, Any]]:
+    """Run a real simulation in-process; return its results.json.
 
-    The run joins this test process's Ray instance (:func:`ray_instance`), or starts its own with
-    ``private_ray=True`` (as ``python -m fl_app`` does: its actors then inherit this process's
-    environment, e.g. a fault injection a test sets). The returned dict also has ``_output_dir``:
-    the run's output directory.
+    A Ray-backed run joins this test process's Ray instance (:class:`SessionRay`, started by the
+    first run that needs it), or starts its own with ``private_ray=True`` (as ``python -m fl_app``
+    does: its actors then inherit this process's environment, e.g. a fault injection a test sets); an
+    inline run (:data:`INLINE`) needs none. The returned dict also has ``_output_dir``: the run's
+    output directory.
     """
 
     def run(overrides: Sequence[str], name: str = "run", *, private_ray: bool = False) -> dict[str, Any]:
-        return simulate_in_process(overrides, tmp_path / name, None if private_ray else ray_instance)
+        return simulate_in_process(overrides, tmp_path / name, None if private_ray else session_ray.address)
 
     return run
 
 
-def simulate_in_process(overrides: Sequence[str], output: Path, address: str | None) -> dict[str, Any]:
+def simulate_in_process(
+    overrides: Sequence[str], output: Path, address: str | Callable[[], str] | None
+) -> dict[str, Any]:
     """Validate and run one simulation on the Ray instance at ``address``; return its results.json.
 
     Flower starts the run's client actors on that instance and ends them when the run ends; the
     test fails if any process the run started is still there :data:`REAP_WAIT_S` later. With no
-    ``address`` the run starts and stops a Ray of its own, as the command line does.
+    ``address`` the run starts and stops a Ray of its own, as the command line does; a callable
+    ``address`` is called only by a run on Ray (an inline run never starts one).
     """
     import dataclasses
     from unittest import mock
@@ -231,6 +235,8 @@ def simulate_in_process(overrides: Sequence[str], output: Path, address: str | N
     from fl_app.validation import validate_config
 
     settings = validate_config(compose_config(list(overrides)))
+    if callable(address):
+        address = None if settings.simulation.inline else address()
     before = ray_process_ids()
     private = simulation.backend_config
 
@@ -260,25 +266,55 @@ def wait_until(condition: Callable[[], bool], *, timeout: float, interval: float
         time.sleep(interval)
 
 
-@pytest.fixture(scope="session")
-def ray_instance() -> Iterator[str]:
+class SessionRay:
     """One Ray instance (two CPUs) per test process, which the in-process simulations join.
 
-    Starting Ray costs each simulation about 3 s (measured: a 2-round digits run took 10.3 s
-    with its own Ray, 7.0 s joining a running one, with identical results); the client actors
-    are still started and ended per run, by Flower. Stopped at the end of the session, and
-    none of its processes may be left.
+    Started by the first caller of :meth:`address` (a test process whose tests run inline or need no
+    Ray never starts one: about 10 s of CPU for its GCS, raylet and helpers). Starting Ray costs each
+    simulation about 3 s (measured: a 2-round digits run took 10.3 s with its own Ray, 7.0 s joining
+    a running one, with identical results); the client actors are still started and ended per run,
+    by Flower.
     """
-    from ray.cluster_utils import Cluster
 
-    before = ray_process_ids()
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    def __init__(self) -> None:
+        self.cluster: Any = None
+        self.before: set[int] = set()
+
+    def address(self) -> str:
+        """The instance's address; starts it on the first call."""
+        if self.cluster is None:
+            from ray.cluster_utils import Cluster
+
+            self.before = ray_process_ids()
+            self.cluster = Cluster(
+                initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False}
+            )
+        return str(self.cluster.address)
+
+    def stop(self) -> None:
+        """Stop the instance if it was started; none of its processes may be left."""
+        if self.cluster is None:
+            return
+        self.cluster.shutdown()
+        wait_until(lambda: ray_process_ids() <= self.before, timeout=REAP_WAIT_S)
+        left = ray_process_ids() - self.before
+        assert not left, f"processes of the test session's Ray instance are still running: {sorted(left)}"
+
+
+@pytest.fixture(scope="session")
+def session_ray() -> Iterator[SessionRay]:
+    """This test process's :class:`SessionRay`, stopped at the end of the session."""
+    instance = SessionRay()
     try:
-        yield str(cluster.address)
+        yield instance
     finally:
-        cluster.shutdown()
-    wait_until(lambda: ray_process_ids() <= before, timeout=REAP_WAIT_S)
-    assert ray_process_ids() <= before, "processes of the test session's Ray instance are still running"
+        instance.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_instance(session_ray: SessionRay) -> str:
+    """The address of this test process's Ray instance (:class:`SessionRay`), started now."""
+    return session_ray.address()
 
 
 #: Set in this test process and inherited by every process it starts (Ray's GCS, raylet and workers,
@@ -318,7 +354,7 @@ def ray_process_ids() -> set[int]:
 
 @pytest.fixture(scope="session")
 def shared_simulation(
-    tmp_path_factory: pytest.TempPathFactory, ray_instance: str
+    tmp_path_factory: pytest.TempPathFactory, session_ray: SessionRay
 ) -> Callable[..., dict[str, Any]]:
     """Like :func:`simulate`, but runs each distinct override list once per session.
 
@@ -332,7 +368,9 @@ def shared_simulation(
     def run(overrides: Sequence[str]) -> dict[str, Any]:
         key = tuple(overrides)
         if key not in cache:
-            cache[key] = simulate_in_process(overrides, tmp_path_factory.mktemp("shared-run"), ray_instance)
+            cache[key] = simulate_in_process(
+                overrides, tmp_path_factory.mktemp("shared-run"), session_ray.address
+            )
         return copy.deepcopy(cache[key])
 
     return run

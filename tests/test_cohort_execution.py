@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import FAST, build_run_context, make_context
+from conftest import FAST, INLINE, build_run_context, make_context
 from flwr.app import ConfigRecord
 
 from fl_app import cohort_execution, keys
@@ -209,10 +209,12 @@ def test_auto_is_on_only_where_clients_train_on_cuda(tmp_path: Any) -> None:
 @pytest.mark.simulation
 def test_a_seeded_dp_fedavg_run_learns_the_same_on_both_paths(simulate: Any) -> None:
     """The whole engine: eight messages per task trained together, the same seeded DP-FedAvg run's
-    accuracy and epsilon as with one loop per message (float noise apart)."""
+    accuracy and epsilon as with one loop per message (float noise apart). Its clients run inline
+    (the same batch hook as on an actor, :mod:`fl_app.engine.inline`; two Ray sessions took 40 s more
+    of CPU); the Ray actors' batches are checked against the golden rounds in test_flower_engine.py."""
     common = [
         *FAST, "strategy=dp_fedavg", "num_clients=12", "clients_per_round=8", "num_rounds=3",
-        "privacy.epsilon=8", "simulation.messages_per_task=8", "simulation.max_concurrent_clients=1",
+        "privacy.epsilon=8", "simulation.messages_per_task=8", "simulation.max_concurrent_clients=1", INLINE,
     ]  # fmt: skip
     vectorised = simulate([*common, "simulation.vectorise=true"], "vectorised")
     looped = simulate([*common, "simulation.vectorise=false"], "looped")

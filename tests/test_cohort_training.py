@@ -272,6 +272,19 @@ def test_uint8_images_are_scaled_as_train_local_scales_them() -> None:
     run_both(model, xs, ys, epochs=1, batch_size=4, kinks=True)
 
 
+def test_a_cohort_moved_to_the_host_keeps_its_values_and_losses() -> None:
+    """``CohortResult.to``: ``Tensor.to`` on the CPU; from a GPU, pinned copies (checked where one is)."""
+    params = {"w": torch.arange(24, dtype=torch.float32).reshape(4, 2, 3), "b": torch.ones(4, 3)}
+    result = CohortResult(params=params, losses=np.array([0.5, 1.0, np.nan, 2.0]))
+    moved = result.to("cpu")
+    assert all(torch.equal(moved.params[n], params[n]) for n in params)
+    assert moved.losses is result.losses and torch.equal(moved.client(1)["w"], params["w"][1])
+    if torch.cuda.is_available():
+        on_gpu = CohortResult(params={n: v.cuda() for n, v in params.items()}, losses=result.losses).to("cpu")
+        assert all(v.device.type == "cpu" and v.is_pinned() for v in on_gpu.params.values())
+        assert all(torch.equal(on_gpu.params[n], params[n]) for n in params)
+
+
 def test_tensor_inputs_train_as_the_arrays_they_hold() -> None:
     """Examples given as tensors (views of one population tensor, as an engine keeps them on the device)
     and in mixed dtypes train exactly as the numpy arrays they hold."""

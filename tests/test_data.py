@@ -112,6 +112,19 @@ def test_load_idx_dataset_shapes(tmp_path):
     assert data.input_shape == (1, 28, 28)
 
 
+def test_digits_read_without_importing_sklearn_equal_sklearns_loader(monkeypatch):
+    from sklearn.datasets import load_digits
+
+    images, target = sources.bundled_digits()
+    bunch = load_digits()
+    assert images.dtype == bunch.images.dtype and np.array_equal(images, bunch.images)
+    assert np.array_equal(target, bunch.target)
+    # where the bundled file is not found, scikit-learn's own loader is used
+    monkeypatch.setattr(sources.importlib.util, "find_spec", lambda name: None)
+    fallback_images, fallback_target = sources.bundled_digits()
+    assert np.array_equal(fallback_images, bunch.images) and np.array_equal(fallback_target, bunch.target)
+
+
 def test_digits_and_synthetic():
     digits = sources.load_dataset({"name": "digits", "test_fraction": 0.25}, seed=1)
     assert digits.x_train.shape[1:] == (1, 8, 8)

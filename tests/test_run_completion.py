@@ -62,10 +62,12 @@ def test_sigterm_from_timeout_to_the_process_group_writes_the_results_and_leaves
 def test_sigterm_to_the_command_then_to_its_group_is_one_stop_request(tmp_path, monkeypatch):
     """A scheduler's pattern (the command, then every process of the job) made the group's copy, which
     came after the first message, an "exit at once" (55.1). The grace period is set far above the time
-    this test takes to react to the message, so the test does not depend on it."""
+    this test takes to react to the message, so the test does not depend on it. The clients run
+    inline (the subject is the command's count of signals; Ray's processes under the group's signal
+    are the test above's)."""
     monkeypatch.setenv(GRACE, "600")
     out = tmp_path / "run"
-    run = Run([*RUN, "num_rounds=50", "strategy=dp_fedavg", f"output_dir={out}"], tmp_path)
+    run = Run([*RUN, INLINE, "num_rounds=50", "strategy=dp_fedavg", f"output_dir={out}"], tmp_path)
     run.wait_for("dpfl round 1/")
     processes = [psutil.Process(run.process.pid), *run.descendants()]
     run.process.send_signal(signal.SIGTERM)
@@ -151,16 +153,18 @@ def test_sigterm_twice_between_two_runs_is_one_stop_of_the_command():
 def test_a_parallel_sweep_under_timeout_stops_its_jobs_and_leaves_nothing(tmp_path):
     """``timeout 75`` on a joblib sweep ended in ``TerminatedWorkerError``: a worker that was setting a
     job up died of the group's SIGTERM and the launcher killed the others (55.1). Signalled when the
-    first job is done: its worker is then setting its next job up."""
+    first job is done: its worker is then setting its next job up. The jobs run their clients inline
+    (the subject is the launcher's workers; six Ray sessions cost a minute of CPU): a run's Ray
+    processes under ``timeout`` are checked by the single-run test above."""
     sweep = tmp_path / "sweep"
     args = [
         "-m",
         *FAST,
+        INLINE,
         "strategy=fedavg",
         "seed=1,2,3,4,5,6",
         "hydra/launcher=joblib",
         "hydra.launcher.n_jobs=2",
-        "simulation.num_cpus=1",
         f"hydra.sweep.dir={sweep}",
     ]
     run = Run(args, tmp_path, delay=0.0, prefix=("timeout", "600"))

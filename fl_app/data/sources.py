@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -328,13 +329,32 @@ def load_idx_dataset(name: str, folder: Path) -> ArrayDataset:
     return ArrayDataset(name, *splits["train"], *splits["test"], num_classes=10)
 
 
-def load_digits_dataset(*, test_fraction: float, seed: int) -> ArrayDataset:
-    """Load scikit-learn's bundled 8x8 digits, split into train and test."""
-    from sklearn.datasets import load_digits
+def bundled_digits() -> tuple[np.ndarray, np.ndarray]:
+    """Scikit-learn's bundled 8x8 digits: ``float64`` images of shape (1797, 8, 8) in 0..16, labels.
 
-    bunch = load_digits()
-    images = np.clip(bunch.images * 16.0, 0, 255).astype(np.uint8)[:, None]
-    labels = bunch.target.astype(np.int64)
+    Read from the file ``sklearn.datasets.load_digits`` reads (``sklearn/datasets/data/digits.csv.gz``,
+    found without importing scikit-learn: its import costs 0.6-0.9 s of CPU, as much as the rest of a
+    small run's start, in every process that loads the set); through ``load_digits`` where that file
+    is not there. ``tests/test_data.py`` checks that both give the same arrays.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    origin = spec.origin if spec is not None else None
+    path = Path(origin).parent / "datasets" / "data" / "digits.csv.gz" if origin else None
+    if path is None or not path.is_file():
+        from sklearn.datasets import load_digits
+
+        bunch = load_digits()
+        return bunch.images, bunch.target
+    with gzip.open(path, "rt") as text:
+        table = np.loadtxt(text, delimiter=",", dtype=np.float64)
+    return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
+
+
+def load_digits_dataset(*, test_fraction: float, seed: int) -> ArrayDataset:
+    """Load scikit-learn's bundled 8x8 digits (:func:`bundled_digits`), split into train and test."""
+    images, target = bundled_digits()
+    images = np.clip(images * 16.0, 0, 255).astype(np.uint8)[:, None]
+    labels = target.astype(np.int64)
     order = np.random.default_rng(seed).permutation(len(labels))
     num_test = round(test_fraction * len(labels))
     test, train = order[:num_test], order[num_test:]

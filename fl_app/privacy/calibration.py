@@ -10,6 +10,7 @@ All functions are keyword-only and validate their arguments.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterable
@@ -185,13 +186,16 @@ def smallest_noise_multiplier(
     )
 
 
+@functools.lru_cache(maxsize=64)
 def dp_fedavg_noise_multiplier(
     *, epsilon: float, delta: float, sampling_rate: float, rounds: int, method: str = "rdp"
 ) -> float:
     """Smallest noise multiplier z whose run of ``rounds`` releases meets (epsilon, delta).
 
     The search evaluates the accountant's own composition and returns the upper
-    end of the final bracket, so the reported epsilon never exceeds the target.
+    end of the final bracket, so the reported epsilon never exceeds the target. A pure function of
+    its arguments, kept for the process (a strategy built again for the same run, as a sweep's
+    jobs, a resume or an audit's thousands of trials do, does not search again: 1.2 s with PLD).
     """
     require_positive("epsilon", epsilon)
     require_probability("delta", delta)
