@@ -39,6 +39,7 @@ from flwr.serverapp import strategy as flower_strategies
 
 from fl_app.config_checks import ConfigError
 from fl_app.run_context import RunContext
+from fl_app.training import array_values
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
 from strategies.contract import Declaration, QuickExample
@@ -167,7 +168,8 @@ class FlowerRounds:
             arrays, metrics = self.strategy.aggregate_train(server_round, replies)
         if arrays is None:
             return None, metrics
-        cast = {name: Array(arrays[name].numpy().astype(like[name].numpy().dtype)) for name in like}
+        dtypes = {name: array_values(like[name]).dtype for name in like}  # read in place, not decoded
+        cast = {name: Array(array_values(arrays[name]).astype(dtypes[name])) for name in like}
         return ArrayRecord(cast), metrics
 
     def summary(self) -> None:
