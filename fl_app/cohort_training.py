@@ -435,7 +435,8 @@ class CohortResult:
         for name, values in self.params.items():
             host[name] = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
             host[name].copy_(values, non_blocking=True)
-        torch.cuda.synchronize()
+        for source in {values.device for values in self.params.values() if values.is_cuda}:
+            torch.cuda.synchronize(source)  # the copies are queued on their GPU's stream
         return CohortResult(params=host, losses=self.losses)
 
 
