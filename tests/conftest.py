@@ -270,7 +270,8 @@ class SessionRay:
     """One Ray instance (two CPUs) per test process, which the in-process simulations join.
 
     Started by the first caller of :meth:`address` (a test process whose tests run inline or need no
-    Ray never starts one: about 10 s of CPU for its GCS, raylet and helpers). Starting Ray costs each
+    Ray never starts one: its GCS, raylet and helper processes take about 6 s of CPU, from
+    ``benchmarks/process_cpu.py``'s counts over the suite). Starting Ray costs each
     simulation about 3 s (measured: a 2-round digits run took 10.3 s with its own Ray, 7.0 s joining
     a running one, with identical results); the client actors are still started and ended per run,
     by Flower.
