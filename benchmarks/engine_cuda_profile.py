@@ -96,9 +96,9 @@ def main() -> int:
         if device_us <= 0:
             continue
         kind = _kind(average.key)
-        entry = by_kind.setdefault(kind, {"seconds": 0.0, "count": 0})
-        entry["seconds"] += device_us / 1e6
-        entry["count"] += int(average.count)
+        totals = by_kind.setdefault(kind, {"seconds": 0.0, "count": 0})
+        totals["seconds"] += device_us / 1e6
+        totals["count"] += int(average.count)
         if kind == "kernels":
             kernels.append((device_us / 1e6, int(average.count), average.key[:120]))
     summary = {

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fl_app.models import MLP
-from fl_app.training import array_values, load_arrays, model_to_arrays
+from fl_app.training import array_values, load_arrays, model_state, model_to_arrays
 
 
 def main() -> int:
@@ -50,7 +50,7 @@ def main() -> int:
         for name in names:
             np.issubdtype(start[name].dtype, np.floating)
         load_arrays(model, received)
-        trained = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
+        trained = model_state(model)
         return [trained[n].astype(np.float64) - start[n].astype(np.float64) for n in names]
 
     assert all(np.array_equal(a, b) for a, b in zip(before(), after(), strict=True))

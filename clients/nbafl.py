@@ -23,7 +23,7 @@ from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
 from fl_app.privacy.mechanisms import clip_l2, gaussian_mechanism
-from fl_app.training import numpy_to_arrays
+from fl_app.training import model_state, numpy_to_arrays
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
 NBAFL_CLIP = "nbafl-clip"  # C: L2 bound of a client's whole uploaded parameter vector
@@ -53,7 +53,7 @@ class NbAFLClient(FederatedClient):
             self.train_locally(model, data.x, data.y, proximal_mu=mu, reference=reference)
         else:
             self.train_locally(model, data.x, data.y)
-        trained = {name: value.detach().cpu().numpy() for name, value in model.state_dict().items()}
+        trained = model_state(model)
         names = list(trained)
         clipped, _ = clip_l2(arrays=[trained[name] for name in names], max_norm=clip)
         rng = self.noise_generator("nbafl-uplink")

@@ -91,9 +91,18 @@ def numpy_array(values: np.ndarray) -> Array:
     )
 
 
+def model_state(model: nn.Module) -> dict[str, np.ndarray]:
+    """The model's state as numpy arrays (keys = state_dict names; views of CPU tensors, not copies).
+
+    What :func:`model_to_arrays` encodes: a client that needs the values, not a reply, reads them here
+    instead of encoding 0.44 MB and decoding it again.
+    """
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
 def model_to_arrays(model: nn.Module) -> ArrayRecord:
     """The model's state as an ArrayRecord (keys = state_dict names)."""
-    return ArrayRecord({k: numpy_array(v.detach().cpu().numpy()) for k, v in model.state_dict().items()})
+    return ArrayRecord({k: numpy_array(v) for k, v in model_state(model).items()})
 
 
 def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
