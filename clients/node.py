@@ -25,6 +25,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from fl_app import keys
 from fl_app.data.federated import ClientDataset, DataSpec, federated_data
 from fl_app.data.local import check_local_dataset, load_local_dataset
+from fl_app.engine.messages import config_record
 from fl_app.model_spec import ModelSpec
 from fl_app.privacy.rng import RandomSource, make_generator
 from fl_app.registry import PLUGINS_ENV, referable_packages
@@ -86,10 +87,7 @@ class NodeClient:
     def __init__(self, message: Message, context: Context) -> None:
         self.message = message
         self.context = context
-        content = message.content
-        self.config: ConfigRecord = (
-            content.config_records[keys.CONFIG] if keys.CONFIG in content.config_records else ConfigRecord()
-        )
+        self.config: ConfigRecord = config_record(message.content, keys.CONFIG) or ConfigRecord()
         delay = float(os.environ.get(INJECT_DELAY_ENV, "0") or 0)
         if self.server_round > 0 and delay > 0:
             time.sleep(delay)

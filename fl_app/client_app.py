@@ -21,6 +21,7 @@ from flwr.clientapp import ClientApp
 from clients import CLIENTS
 from clients.node import NodeClient
 from fl_app import keys
+from fl_app.engine.messages import config_record
 from fl_app.engine.secagg import RECORD_KEY_CONFIGS, secure_aggregation_mod
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ def trained_as_cohorts(jobs: Sequence[tuple[Message, Context]]) -> AbstractConte
 
     def plain_client(message: Message, context: Context) -> FederatedClient | None:
         # a SecAgg+ stage message reaches the client only through the protocol's mod
-        if RECORD_KEY_CONFIGS in message.content.config_records:
+        if config_record(message.content, RECORD_KEY_CONFIGS) is not None:
             return None
         return client_for(message, context)
 
@@ -57,7 +58,9 @@ def trained_as_cohorts(jobs: Sequence[tuple[Message, Context]]) -> AbstractConte
 
 def client_for(message: Message, context: Context) -> FederatedClient:
     """Instantiate the client class the message's config names."""
-    config = message.content.config_records[keys.CONFIG]
+    config = config_record(message.content, keys.CONFIG)
+    if config is None:
+        raise KeyError(f"the message has no {keys.CONFIG!r} config record")
     return CLIENTS.get(str(config[keys.ALGORITHM]))(message, context)
 
 
@@ -69,7 +72,7 @@ def train(message: Message, context: Context) -> Message:
     through :func:`~fl_app.engine.secagg.secure_aggregation_mod`, which answers the protocol's stages
     itself and calls the configured client in the stage that collects the masked vectors.
     """
-    if RECORD_KEY_CONFIGS in message.content.config_records:
+    if config_record(message.content, RECORD_KEY_CONFIGS) is not None:
         return secure_aggregation_mod(message, context, lambda inner, node: client_for(inner, node).train())
     return client_for(message, context).train()
 

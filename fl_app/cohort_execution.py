@@ -29,6 +29,7 @@ from torch import nn
 
 from fl_app import keys
 from fl_app.cohort_training import has_dropout, plan_from_generators, train_cohort
+from fl_app.engine.messages import config_record
 
 if TYPE_CHECKING:
     from clients.base import FederatedClient
@@ -116,12 +117,10 @@ def _cohort_client(
     message: Any, context: Any, client_of: Callable[[Any, Any], FederatedClient | None]
 ) -> FederatedClient | None:
     """The message's client when it is a plain train message of a cohort-form client asking for it."""
-    content = message.content
     if not str(message.metadata.message_type).startswith("train"):
         return None
-    if keys.CONFIG not in content.config_records:
-        return None
-    if not bool(content.config_records[keys.CONFIG].get(keys.VECTORISE, False)):
+    config = config_record(message.content, keys.CONFIG)
+    if config is None or not bool(config.get(keys.VECTORISE, False)):
         return None
     try:
         client = client_of(message, context)

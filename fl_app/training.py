@@ -119,14 +119,15 @@ def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
     with torch.no_grad():
         for key, array in arrays.items():
             values = array_values(array)
-            if not values.flags.writeable:
-                values = values.copy()
             target = state[key]
             if tuple(values.shape) != tuple(target.shape):
                 raise RuntimeError(
                     f"array {key!r} has shape {tuple(values.shape)}, the model {tuple(target.shape)}"
                 )
-            target.copy_(torch.from_numpy(values))
+            if target.device.type == "cpu":  # straight from the message's bytes: one copy, not two
+                np.copyto(target.numpy(), values, casting="unsafe")
+            else:
+                target.copy_(torch.from_numpy(values if values.flags.writeable else values.copy()))
 
 
 def numpy_to_arrays(keys: Sequence[str], values: Sequence[np.ndarray]) -> ArrayRecord:

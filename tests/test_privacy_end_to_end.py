@@ -230,6 +230,18 @@ def run_client(message: Message, client: int, num_clients: int, context: Context
     return client_for(message, context or context_of(message, client, num_clients)).train()
 
 
+#: One train message of :func:`repeat`: (message, client, number of clients, the node's context or None).
+Call = tuple[Message, int, int, Context | None]
+#: How many repetitions :func:`repeat` hands :func:`run_clients` at once (the vectorised path trains
+#: them as one cohort, as an actor trains a batch).
+CHUNK = 250
+
+
+def run_clients(calls: Sequence[Call]) -> list[Message]:
+    """:func:`run_client` on each call, in order (the vectorised fixture runs them as one batch)."""
+    return [run_client(*call) for call in calls]
+
+
 def repeat(
     strategy: Any,
     start: ArrayRecord,
@@ -247,12 +259,15 @@ def repeat(
     outputs = []
     for world, data in enumerate(inputs):
         held[0] = data
-        values = []
-        for trial in range(trials):
-            message = train_message(reseeded(strategy, 2 * trial + world), start, 0)
-            assert message is not None
-            node = None if context is None else context(world, message)
-            values.append(statistic(run_client(message, 0, strategy.run.num_clients, node)))
+        values: list[float] = []
+        for first in range(0, trials, CHUNK):
+            calls: list[Call] = []
+            for trial in range(first, min(first + CHUNK, trials)):  # each message carries its own seeds
+                message = train_message(reseeded(strategy, 2 * trial + world), start, 0)
+                assert message is not None
+                node = None if context is None else context(world, message)
+                calls.append((message, 0, strategy.run.num_clients, node))
+            values += [statistic(reply) for reply in run_clients(calls)]
         outputs.append(np.asarray(values))
     return outputs
 
@@ -733,9 +748,11 @@ def test_one_round_of_each_private_strategy_meets_the_epsilon_it_reports(name, t
 @pytest.fixture
 def vectorised(monkeypatch: pytest.MonkeyPatch, held: dict[int, ClientDataset]) -> list[int]:
     """Every audited train message runs as an actor runs a batch with ``simulation.vectorise``:
-    with a second client (client 1, holding OTHERS) through the engine's ``run_jobs``, both trained as
-    one computation (fl_app/cohort_execution.py) before each builds its own reply. Counts the
-    audited client's trainings taken from the cohort."""
+    beside a second client (client 1, holding OTHERS) through the engine's ``run_jobs``, trained as
+    one computation (fl_app/cohort_execution.py) before each builds its own reply. :func:`repeat`'s
+    repetitions go :data:`CHUNK` at a time, each with its companion, in one batch (one cohort of
+    2 x CHUNK members, as an actor trains its batch); a single message goes with its companion alone.
+    Counts the trainings taken from the cohort (companions included)."""
     from fl_app import cohort_execution
     from fl_app.client_app import app
     from fl_app.engine.batching import run_jobs
@@ -763,8 +780,25 @@ def vectorised(monkeypatch: pytest.MonkeyPatch, held: dict[int, ClientDataset]) 
         assert outcome == "reply", reply
         return reply
 
+    def chunk_in_a_batch(calls: Sequence[Call]) -> list[Message]:
+        held.setdefault(1, OTHERS)
+        jobs = []
+        for message, client, num_clients, context in calls:
+            message.content.config_records[keys.CONFIG][keys.VECTORISE] = True
+            companion = Message(
+                content=message.content, dst_node_id=1001, message_type=message.metadata.message_type
+            )
+            jobs += [
+                (message, context or context_of(message, client, max(num_clients, 2))),
+                (companion, make_context(partition_id=1, num_partitions=max(num_clients, 2), node_id=1001)),
+            ]
+        outcomes = run_jobs(lambda: app, jobs)
+        assert all(outcome[0] == "reply" for outcome in outcomes), [o for o in outcomes if o[0] != "reply"]
+        return [outcome[1] for outcome in outcomes[::2]]
+
     monkeypatch.setattr(cohort_execution.Planned, "load_into", counting)
     monkeypatch.setattr(sys.modules[__name__], "run_client", in_a_batch)
+    monkeypatch.setattr(sys.modules[__name__], "run_clients", chunk_in_a_batch)
     return taken
 
 

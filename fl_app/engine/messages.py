@@ -7,6 +7,9 @@
   sender; Flower's own worker sets the attribute directly, and so do these;
 * :func:`task_identity`: messages built outside a run (tests, benchmarks) need the process's task
   identity that a ServerApp or ClientApp process has (``flwr.supercore.task_identity``).
+
+:func:`config_record` uses only the public ``Mapping`` API of a ``RecordDict``; it lives here with the
+other message helpers of the per-message path.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from flwr.app import Message
+from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE, SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.task_identity import TaskIdentity
@@ -23,6 +26,16 @@ from flwr.supercore.task_identity import TaskIdentity
 MAX_ARRAY_CHUNK_BYTES: int = FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 #: The sender of the error replies the SuperLink writes itself (a node that is gone).
 LINK_NODE_ID: int = SUPERLINK_NODE_ID
+
+
+def config_record(content: RecordDict, name: str) -> ConfigRecord | None:
+    """The ConfigRecord ``name`` of a message's content, or None when it has none of that name.
+
+    One dictionary lookup: Flower's ``content.config_records`` builds a new synchronised view of every
+    record on each access (about 7 us here), and a train message's path read it six times.
+    """
+    record = content.get(name)
+    return record if isinstance(record, ConfigRecord) else None
 
 
 def content_bytes(message: Message) -> int:
