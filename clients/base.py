@@ -151,6 +151,25 @@ class FederatedClient(NodeClient):
             **extra,
         )
 
+    def trained_in_cohort(self, examples: int) -> tuple[dict[str, np.ndarray], float] | None:
+        """The model state this message's training reached in its cohort (by name) and its loss.
+
+        None unless the message was trained in its cohort (:mod:`fl_app.cohort_execution`) with
+        exactly this client's settings for ``examples`` examples and the cohort's parameters are the
+        model's whole state. Then the client needs no model: loading the global arrays, then the
+        trained parameters, then encoding the model were three copies of it per message, most of a
+        1000-client round's host time on a GPU (docs/benchmarks/engine_gpu.md). The arrays equal
+        what :func:`~fl_app.training.model_state` reads from a model that took the result.
+        """
+        planned = precomputed(self.message)
+        if planned is None or not planned.matches(self.train_settings(examples, self.cohort_proximal_mu())):
+            return None
+        state = planned.state(list(self.incoming_arrays().keys()))
+        if state is None:
+            return None
+        self.model_spec()  # the same check global_model() makes
+        return state, planned.loss
+
     def local_update(self) -> tuple[list[str], list[np.ndarray]]:
         """Train the received model on the local data; its arrays' names and ``w_k - w_t`` in float64.
 
@@ -164,9 +183,13 @@ class FederatedClient(NodeClient):
             if not np.issubdtype(start[name].dtype, np.floating):
                 raise ValueError(f"model array {name!r} is not floating point: it has no model update")
         data = self.local_data()
-        model = self.global_model()
-        self.train_locally(model, data.x, data.y)
-        trained = model_state(model)  # not encoded and decoded again: about 2 ms of the message's CPU
+        cohort = self.trained_in_cohort(len(data))
+        if cohort is not None:
+            trained = cohort[0]
+        else:
+            model = self.global_model()
+            self.train_locally(model, data.x, data.y)
+            trained = model_state(model)  # not encoded and decoded again: about 2 ms of the message's CPU
         return names, [trained[n].astype(np.float64) - start[n].astype(np.float64) for n in names]
 
     # ------------------------------------------------------------------ entry points

@@ -68,6 +68,16 @@ class Planned:
             for name, parameter in model.named_parameters():
                 parameter.copy_(self.params[name].to(parameter.device))
 
+    def state(self, names: Sequence[str]) -> dict[str, np.ndarray] | None:
+        """The trained parameters as numpy arrays in the order of ``names`` (views, not copies).
+
+        None unless ``names`` are exactly the trained parameters (a model with buffers, whose state
+        has more than its parameters, goes through :meth:`load_into`).
+        """
+        if set(names) != set(self.params) or len(names) != len(self.params):
+            return None
+        return {name: self.params[name].detach().cpu().numpy() for name in names}
+
 
 _planned: dict[str, Planned] = {}
 

@@ -101,13 +101,18 @@ def model_state(model: nn.Module) -> dict[str, np.ndarray]:
 
 
 def model_to_arrays(model: nn.Module) -> ArrayRecord:
-    """The model's state as an ArrayRecord (keys = state_dict names).
+    """The model's state as an ArrayRecord (keys = state_dict names)."""
+    return state_to_arrays(model_state(model))
+
+
+def state_to_arrays(state: dict[str, np.ndarray]) -> ArrayRecord:
+    """Numpy arrays by name as an ArrayRecord, as :func:`model_to_arrays` encodes a model's state.
 
     Filled item by item: ``ArrayRecord(dict)`` builds every ``Array`` a second time (flwr 1.41's
-    ``from_array_dict``), a third of this function's time; the record is the same (equal object id).
+    ``from_array_dict``), a third of the encoding's time; the record is the same (equal object id).
     """
     record = ArrayRecord()
-    for name, values in model_state(model).items():
+    for name, values in state.items():
         record[name] = numpy_array(values)
     return record
 

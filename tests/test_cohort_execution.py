@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from conftest import FAST, INLINE, build_run_context, make_context
 from flwr.app import ConfigRecord
 
@@ -69,15 +70,22 @@ def arrays_of(reply: Any) -> dict[str, np.ndarray]:
 
 @pytest.fixture
 def loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the messages whose training came from their cohort."""
+    """Counts the messages whose training came from their cohort (loaded into a model, or read as is)."""
     counted: list[int] = []
-    real = cohort_execution.Planned.load_into
+    real_load, real_state = cohort_execution.Planned.load_into, cohort_execution.Planned.state
 
-    def counting(self: cohort_execution.Planned, model: Any) -> None:
+    def counting_load(self: cohort_execution.Planned, model: Any) -> None:
         counted.append(1)
-        real(self, model)
+        real_load(self, model)
 
-    monkeypatch.setattr(cohort_execution.Planned, "load_into", counting)
+    def counting_state(self: cohort_execution.Planned, names: Any) -> Any:
+        state = real_state(self, names)
+        if state is not None:
+            counted.append(1)
+        return state
+
+    monkeypatch.setattr(cohort_execution.Planned, "load_into", counting_load)
+    monkeypatch.setattr(cohort_execution.Planned, "state", counting_state)
     return counted
 
 
@@ -225,3 +233,38 @@ def test_a_seeded_dp_fedavg_run_learns_the_same_on_both_paths(simulate: Any) -> 
     # ... and not bit for bit: the actors did train the batches together (batched kernels round
     # differently; with the switch ignored, the two seeded runs would be identical)
     assert vectorised["final"]["loss"] != looped["final"]["loss"], vectorised["final"]
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedavg_ldp"])
+def test_a_reply_read_from_the_cohorts_result_equals_one_through_a_model(
+    name: str, tmp_path: Any, loads: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FedAvg's reply and the LDP update come straight from the cohort's trained parameters
+    (``FederatedClient.trained_in_cohort``): byte for byte what loading them into a model gives."""
+    jobs = batch_of(name, tmp_path)
+    direct = replies_of(copy.deepcopy(jobs), vectorise=True)
+    assert len(loads) == 6
+    loads.clear()
+    monkeypatch.setattr(cohort_execution.Planned, "state", lambda self, names: None)
+    through_model = replies_of(copy.deepcopy(jobs), vectorise=True)
+    assert len(loads) == 6  # load_into this time
+    for a, b in zip(direct, through_model, strict=True):
+        assert {k: v.tobytes() for k, v in arrays_of(a).items()} == {
+            k: v.tobytes() for k, v in arrays_of(b).items()
+        }
+        assert {k: dict(r) for k, r in a.content.metric_records.items()} == {
+            k: dict(r) for k, r in b.content.metric_records.items()
+        }
+
+
+def test_a_planned_state_covers_exactly_the_trained_parameters() -> None:
+    """A model whose state has more than its parameters (buffers) is loaded, not read (None)."""
+    weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    settings = cohort_execution.TrainSettings(
+        examples=4, epochs=1, batch_size=2, lr=0.1, momentum=0.0, proximal_mu=0.0
+    )
+    planned = cohort_execution.Planned(settings=settings, params={"w": weight}, loss=0.5)
+    state = planned.state(["w"])
+    assert state is not None and np.array_equal(state["w"], weight.numpy())
+    assert planned.state(["w", "running_mean"]) is None
+    assert planned.state([]) is None

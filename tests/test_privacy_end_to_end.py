@@ -758,11 +758,17 @@ def vectorised(monkeypatch: pytest.MonkeyPatch, held: dict[int, ClientDataset]) 
     from fl_app.engine.batching import run_jobs
 
     taken: list[int] = []
-    real = cohort_execution.Planned.load_into
+    real_load, real_state = cohort_execution.Planned.load_into, cohort_execution.Planned.state
 
-    def counting(self: Any, model: Any) -> None:
+    def counting_load(self: Any, model: Any) -> None:
         taken.append(1)
-        real(self, model)
+        real_load(self, model)
+
+    def counting_state(self: Any, names: Any) -> Any:
+        state = real_state(self, names)
+        if state is not None:
+            taken.append(1)
+        return state
 
     def in_a_batch(
         message: Message, client: int, num_clients: int, context: Context | None = None
@@ -796,7 +802,8 @@ def vectorised(monkeypatch: pytest.MonkeyPatch, held: dict[int, ClientDataset]) 
         assert all(outcome[0] == "reply" for outcome in outcomes), [o for o in outcomes if o[0] != "reply"]
         return [outcome[1] for outcome in outcomes[::2]]
 
-    monkeypatch.setattr(cohort_execution.Planned, "load_into", counting)
+    monkeypatch.setattr(cohort_execution.Planned, "load_into", counting_load)
+    monkeypatch.setattr(cohort_execution.Planned, "state", counting_state)
     monkeypatch.setattr(sys.modules[__name__], "run_client", in_a_batch)
     monkeypatch.setattr(sys.modules[__name__], "run_clients", chunk_in_a_batch)
     return taken
