@@ -1,0 +1,143 @@
+"""Issue 58's 2-core goal: the cross-device FedAvg task in pfl-research and in dpfl, interleaved, machine CPU.
+
+The task is ``benchmarks/pfl_compare.py``'s non-private one (Fashion-MNIST, Dirichlet(0.5) over
+N = 1000, 100 clients per round, the MLP, one local epoch of batch 32, lr 0.1, evaluation on 2,000
+test images after every round; dpfl's own split exported for pfl). Per repeat, in this order:
+
+* ``pfl``: pfl-research 0.6.0, one process, one torch thread (``pfl_compare.py pfl-run``, ``.venv-pfl``);
+* ``dpfl-inline``: ``python -m fl_app ... simulation.backend=inline`` from this checkout;
+* ``dpfl-inline-before``: the same from ``--before TREE`` (another checkout, e.g. ``git worktree add``),
+  only with ``--before``;
+* ``dpfl-ray``: the same command with dpfl's defaults (Ray, two client actors here).
+
+Each command is timed from outside; its CPU is the machine's busy time over the command from
+``/proc/stat`` (Ray's processes escape ``getrusage``), so run it on a quiet machine. The round is the
+median of rounds 2..R (dpfl: ``results.json``; pfl: its own ``results.json``). The commands inherit
+the caller's environment minus ``OMP_NUM_THREADS`` (a user's shell has none)::
+
+    python -P benchmarks/cross_device_cpu.py [--rounds 30] [--repeats 2] [--before TREE] [--out DIR]
+
+Prints one JSON line per command and a Markdown table; writes ``rows.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import pfl_compare  # noqa: E402 - the pfl side and the exported split
+
+TASK = (
+    "strategy=fedavg",
+    "dataset=fashion_mnist",
+    "partition=dirichlet",
+    "num_clients=1000",
+    "clients_per_round=100",
+    "model=mlp",
+    "local_epochs=1",
+    "batch_size=32",
+    "lr=0.1",
+    "evaluation.test_subset=2000",
+    "seed=42",
+)
+
+
+def machine_busy_s() -> float:
+    """Seconds the machine's CPUs have been busy since boot (user, nice, system, irq, softirq)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / os.sysconf("SC_CLK_TCK")
+
+
+def dpfl_command(tree: Path, rounds: int, output: Path, inline: bool) -> tuple[list[str], Path]:
+    """``python -m fl_app`` on the task from ``tree`` (with this checkout's ``.venv``)."""
+    extra = ["simulation.backend=inline"] if inline else []
+    command = [str(pfl_compare.DPFL_PYTHON), "-m", "fl_app", *TASK, f"num_rounds={rounds}", *extra]
+    return [*command, f"output_dir={output}"], tree
+
+
+def pfl_command(data: Path, rounds: int, output: Path) -> tuple[list[str], Path]:
+    """pfl-research's run of the task on the exported split."""
+    script = str(pfl_compare.SCRIPT)
+    command = [str(pfl_compare.PFL_PYTHON), "-P", script, "pfl-run", "--data", str(data)]
+    command += ["--config", "fedavg"]
+    return [*command, "--rounds", str(rounds), "--output-dir", str(output), "--seed", "43"], ROOT
+
+
+def summary(arm: str, output: Path) -> tuple[float, float]:
+    """Median round after the first and final accuracy of a finished run."""
+    if arm == "pfl":
+        result = pfl_compare.pfl_run_summary(output)
+        rounds, accuracy = list(result["round_s"]), float(result["final_accuracy"])
+    else:
+        result = json.loads((output / "results.json").read_text())
+        rounds, accuracy = [r["round_s"] for r in result["rounds"]], float(result["final"]["accuracy"])
+    return statistics.median(rounds[1:]), accuracy
+
+
+def main() -> int:
+    """Run the arms interleaved and print the rows."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--before", type=Path, help="another checkout to run as dpfl-inline-before")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "cross_device_cpu")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    data = args.out / "partition.npz"
+    if not data.exists():
+        export = [str(pfl_compare.DPFL_PYTHON), "-P", str(pfl_compare.SCRIPT), "export", "--data", str(data)]
+        subprocess.run(export, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    arms: dict[str, Callable[[Path], tuple[list[str], Path]]] = {
+        "pfl": lambda out: pfl_command(data, args.rounds, out),
+        "dpfl-inline": lambda out: dpfl_command(ROOT, args.rounds, out, inline=True),
+    }
+    if args.before is not None:
+        before = args.before.resolve()
+        arms["dpfl-inline-before"] = lambda out: dpfl_command(before, args.rounds, out, inline=True)
+    arms["dpfl-ray"] = lambda out: dpfl_command(ROOT, args.rounds, out, inline=False)
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    rows = []
+    for repeat in range(1, args.repeats + 1):
+        for arm, make in arms.items():
+            output = args.out / f"{arm}-{repeat}-{time.strftime('%H%M%S')}"
+            command, cwd = make(output)
+            busy, started = machine_busy_s(), time.perf_counter()
+            finished = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=environment)
+            wall, cpu = time.perf_counter() - started, machine_busy_s() - busy
+            if finished.returncode != 0:
+                raise SystemExit(f"{arm} failed ({finished.returncode}): {finished.stderr[-2000:]}")
+            median, accuracy = summary(arm, output)
+            row = {
+                "arm": arm,
+                "repeat": repeat,
+                "command_s": round(wall, 2),
+                "machine_cpu_s": round(cpu, 2),
+                "median_round_s": round(median, 4),
+                "accuracy": accuracy,
+                "load_1min": round(os.getloadavg()[0], 2),
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    (args.out / "rows.json").write_text(json.dumps(rows, indent=1))
+    print("\n| arm | repeat | command s | machine CPU s | median round s | final accuracy |")
+    print("|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['arm']} | {row['repeat']} | {row['command_s']} | {row['machine_cpu_s']} | "
+            f"{row['median_round_s']} | {row['accuracy']:.4f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""CPU per train message, client side and server side, without Flower's engine (one thread).
+
+A strategy's real ``configure_train`` messages for one round, each with its node's Context, run
+through the engine's ``run_jobs`` (every message through the ClientApp, as an actor runs a batch; no
+Ray, no pickling, no Flower engine), then the strategy's ``aggregate_train`` on the replies. Prints
+the process CPU per message of each side for rounds 2-4 (round 1 warms up the data and the model);
+``--profile`` adds a cProfile of round 6 (the profiler's overhead inflates Python-heavy frames).
+What a Flower message per client costs beside training, where issue 58's goals need under 0.1 ms::
+
+    python -P benchmarks/message_path.py [--population 1000] [--cohort 100] [--dataset fashion_mnist]
+        [--strategy fedavg] [--profile] [OVERRIDE ...]     # e.g. simulation.vectorise=true
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fl_app import keys
+from fl_app.client_app import app
+from fl_app.engine.batching import run_jobs
+from fl_app.engine.messages import set_task_identity
+from fl_app.harness import run_context_for
+from strategies import STRATEGIES
+
+
+def node_context(message: Message, population: int) -> Context:
+    """The Context the simulation gives the message's node (partition id = node id - 1000)."""
+    node = int(message.metadata.dst_node_id)
+    config = {keys.NODE_PARTITION_ID: node - 1000, keys.NODE_NUM_PARTITIONS: population}
+    return Context(run_id=77, node_id=node, node_config=config, state=RecordDict(), run_config={})
+
+
+def one_round(strategy: Any, arrays: Any, server_round: int, population: int) -> tuple[float, float, int]:
+    """Client-side and server-side CPU seconds of one round, and its number of messages."""
+    messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None))
+    jobs = [(message, node_context(message, population)) for message in messages]
+    started = time.process_time()
+    outcomes = run_jobs(lambda: app, jobs)
+    clients_done = time.process_time()
+    strategy.aggregate_train(server_round, [outcome[1] for outcome in outcomes if outcome[0] == "reply"])
+    return clients_done - started, time.process_time() - clients_done, len(messages)
+
+
+def main() -> int:
+    """Print the CPU per message of each side."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--population", type=int, default=1000)
+    parser.add_argument("--cohort", type=int, default=100)
+    parser.add_argument("--dataset", default="fashion_mnist")
+    parser.add_argument("--strategy", default="fedavg")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    set_task_identity(run_id=77)
+    partition = "partition=iid" if args.dataset == "digits" else "partition=dirichlet"
+    overrides = [
+        f"dataset={args.dataset}",
+        partition,
+        f"num_clients={args.population}",
+        f"clients_per_round={args.cohort}",
+        "model=mlp",
+        "local_epochs=1",
+        "batch_size=32",
+        "lr=0.1",
+        "seed=42",
+        f"strategy={args.strategy}",
+        *args.overrides,
+    ]
+    strategy = STRATEGIES.get(args.strategy)(run_context_for(overrides, Path(tempfile.mkdtemp())))
+    arrays = strategy.initial_arrays()
+    one_round(strategy, arrays, 1, args.population)
+    for server_round in range(2, 5):
+        client_s, server_s, count = one_round(strategy, arrays, server_round, args.population)
+        print(
+            f"round {server_round}: {count} messages, client side {client_s / count * 1e3:.3f} ms "
+            f"per message, server side {server_s / count * 1e3:.3f} ms per reply"
+        )
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        one_round(strategy, arrays, 6, args.population)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
