@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
@@ -32,6 +33,8 @@ from fl_app.client_app import app
 from fl_app.engine.batching import run_jobs
 from fl_app.engine.messages import set_task_identity
 from fl_app.harness import run_context_for
+from fl_app.privacy.rng import make_generator
+from fl_app.training import array_values, model_state, train_local
 from strategies import STRATEGIES
 
 
@@ -51,6 +54,41 @@ def one_round(strategy: Any, arrays: Any, server_round: int, population: int) ->
     clients_done = time.process_time()
     strategy.aggregate_train(server_round, [outcome[1] for outcome in outcomes if outcome[0] == "reply"])
     return clients_done - started, time.process_time() - clients_done, len(messages)
+
+
+def floor_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, int]:
+    """CPU seconds of the same round's work without messages, and its number of clients.
+
+    What a cohort that crossed the engine as one message would still do per member on this CPU: the
+    global model copied into the process's model, the member's local SGD (its data, its ``data-order``
+    generator, the train config's settings) and its weighted model added to a float64 sum; then the
+    mean. The difference to :func:`one_round` is the most such a design could take off.
+    """
+    messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None))
+    run, config = strategy.run, messages[0].content.config_records[keys.CONFIG]
+    started = time.process_time()
+    model = run.model_spec.build()
+    names = list(arrays.keys())
+    start = {name: torch.from_numpy(array_values(arrays[name]).copy()) for name in names}
+    total = np.zeros(sum(int(v.numel()) for v in start.values()), dtype=np.float64)
+    weight = 0.0
+    for message in messages:
+        client = int(message.metadata.dst_node_id) - 1000
+        data = run.data.client(client)
+        model.load_state_dict(start)
+        rng = make_generator(
+            seed=int(config[keys.SEED]), secure=False, purpose="data-order", client=client,
+            server_round=server_round,
+        )  # fmt: skip
+        train_local(
+            model, data.x, data.y, epochs=int(config[keys.LOCAL_EPOCHS]),
+            batch_size=int(config[keys.BATCH_SIZE]), lr=float(config[keys.LR]), rng=rng,
+        )  # fmt: skip
+        state = model_state(model)
+        total += len(data) * np.concatenate([state[name].ravel() for name in names]).astype(np.float64)
+        weight += len(data)
+    total /= weight
+    return time.process_time() - started, len(messages)
 
 
 def main() -> int:
@@ -87,6 +125,11 @@ def main() -> int:
         print(
             f"round {server_round}: {count} messages, client side {client_s / count * 1e3:.3f} ms "
             f"per message, server side {server_s / count * 1e3:.3f} ms per reply"
+        )
+    for server_round in range(2, 5):
+        floor_s, count = floor_round(strategy, arrays, server_round)
+        print(
+            f"round {server_round}, the same work without messages: {floor_s / count * 1e3:.3f} ms per client"
         )
     if args.profile:
         profile = cProfile.Profile()
