@@ -159,8 +159,11 @@ class FederatedClient(NodeClient):
         model's whole state. Then the client needs no model: loading the global arrays, then the
         trained parameters, then encoding the model were three copies of it per message, most of a
         1000-client round's host time on a GPU (docs/benchmarks/engine_gpu.md). The arrays equal
-        what :func:`~fl_app.training.model_state` reads from a model that took the result.
+        what :func:`~fl_app.training.model_state` reads from a model that took the result. A subclass
+        that overrides :meth:`train_locally` keeps its own (None: it trains through it).
         """
+        if type(self).train_locally is not FederatedClient.train_locally:
+            return None
         planned = precomputed(self.message)
         if planned is None or not planned.matches(self.train_settings(examples, self.cohort_proximal_mu())):
             return None

@@ -268,3 +268,22 @@ def test_a_planned_state_covers_exactly_the_trained_parameters() -> None:
     assert state is not None and np.array_equal(state["w"], weight.numpy())
     assert planned.state(["w", "running_mean"]) is None
     assert planned.state([]) is None
+
+
+def test_a_client_that_overrides_train_locally_trains_through_it(
+    tmp_path: Any, loads: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FedAvg client subclass with its own ``train_locally`` is not answered from the cohort's result
+    directly: its override runs (and takes the cohort's parameters through ``load_into``)."""
+    from clients.base import FederatedClient
+    from clients.fedavg import FedAvgClient
+
+    called: list[int] = []
+
+    def own(self: Any, model: Any, x: Any, y: Any, **extra: Any) -> float:
+        called.append(1)
+        return FederatedClient.train_locally(self, model, x, y, **extra)
+
+    monkeypatch.setattr(FedAvgClient, "train_locally", own)
+    replies_of(batch_of("fedavg", tmp_path), vectorise=True)
+    assert len(called) == 6 and len(loads) == 6  # every message through the override, from its cohort
