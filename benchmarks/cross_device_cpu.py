@@ -37,19 +37,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import pfl_compare  # noqa: E402 - the pfl side and the exported split
 
-TASK = (
-    "strategy=fedavg",
-    "dataset=fashion_mnist",
-    "partition=dirichlet",
-    "num_clients=1000",
-    "clients_per_round=100",
-    "model=mlp",
-    "local_epochs=1",
-    "batch_size=32",
-    "lr=0.1",
-    "evaluation.test_subset=2000",
-    "seed=42",
-)
+#: pfl_compare's dpfl command for the non-private configuration (the split it exports is this task's).
+TASK = (*pfl_compare.CONFIG_OVERRIDES["fedavg"], *pfl_compare.TASK)
 
 
 def machine_busy_s() -> float:

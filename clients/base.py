@@ -21,6 +21,7 @@ from torch import nn
 from clients.node import NodeClient, parse_model_spec
 from fl_app import keys
 from fl_app.cohort_execution import TrainSettings, precomputed
+from fl_app.data.federated import ClientDataset
 from fl_app.training import array_values, evaluate, load_arrays, model_state, train_local
 
 #: Built models of this process, by model spec and device (see :func:`process_model`).
@@ -173,6 +174,19 @@ class FederatedClient(NodeClient):
         self.model_spec()  # the same check global_model() makes
         return state, planned.loss
 
+    def locally_trained(self, data: ClientDataset) -> tuple[dict[str, np.ndarray], float]:
+        """The model state after this message's local training on ``data`` (by name), and its loss.
+
+        From the message's cohort when it was trained in one (:meth:`trained_in_cohort`), else the
+        global model trained here with :meth:`train_locally`.
+        """
+        cohort = self.trained_in_cohort(len(data))
+        if cohort is not None:
+            return cohort
+        model = self.global_model()
+        loss = self.train_locally(model, data.x, data.y)
+        return model_state(model), loss  # not encoded and decoded again: about 2 ms of the message's CPU
+
     def local_update(self) -> tuple[list[str], list[np.ndarray]]:
         """Train the received model on the local data; its arrays' names and ``w_k - w_t`` in float64.
 
@@ -185,14 +199,7 @@ class FederatedClient(NodeClient):
         for name in names:
             if not np.issubdtype(start[name].dtype, np.floating):
                 raise ValueError(f"model array {name!r} is not floating point: it has no model update")
-        data = self.local_data()
-        cohort = self.trained_in_cohort(len(data))
-        if cohort is not None:
-            trained = cohort[0]
-        else:
-            model = self.global_model()
-            self.train_locally(model, data.x, data.y)
-            trained = model_state(model)  # not encoded and decoded again: about 2 ms of the message's CPU
+        trained, _ = self.locally_trained(self.local_data())
         return names, [trained[n].astype(np.float64) - start[n].astype(np.float64) for n in names]
 
     # ------------------------------------------------------------------ entry points

@@ -26,6 +26,7 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
 from clients import register_client
 from clients.base import FederatedClient
+from fl_app.engine.messages import config_record
 from fl_app.engine.secagg import RECORD_KEY_CONFIGS, fitres_to_recorddict
 from fl_app.privacy.distributed import SkellamPlan, encode_update, rotation_signs
 
@@ -42,7 +43,7 @@ class DistributedDPClient(FederatedClient):
 
     def train(self) -> Message:
         """One round inside SecAgg+'s collect stage: train, encode, reply in the layout the mod reads."""
-        if RECORD_KEY_CONFIGS not in self.message.content.config_records:
+        if config_record(self.message.content, RECORD_KEY_CONFIGS) is None:
             raise RuntimeError(
                 "dp_fedavg_secagg uploads only inside the SecAgg+ protocol; this train message is outside it"
             )

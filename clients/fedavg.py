@@ -12,7 +12,7 @@ from flwr.app import Message
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
-from fl_app.training import model_to_arrays, state_to_arrays
+from fl_app.training import state_to_arrays
 
 
 @register_client("fedavg")
@@ -24,12 +24,7 @@ class FedAvgClient(FederatedClient):
     def train(self) -> Message:
         """One round of local training."""
         data = self.local_data()
-        cohort = self.trained_in_cohort(len(data))
-        if cohort is not None:  # trained with its cohort: the reply straight from the result
-            state, loss = cohort
-            arrays = state_to_arrays(state)
-        else:
-            model = self.global_model()
-            loss = self.train_locally(model, data.x, data.y)
-            arrays = model_to_arrays(model)
-        return self.reply(arrays=arrays, metrics={keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss})
+        state, loss = self.locally_trained(data)
+        return self.reply(
+            arrays=state_to_arrays(state), metrics={keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss}
+        )

@@ -146,7 +146,7 @@ def numpy_to_arrays(keys: Sequence[str], values: Sequence[np.ndarray]) -> ArrayR
     """Build an ArrayRecord from keys and numpy arrays."""
     if len(keys) != len(values):
         raise ValueError(f"{len(keys)} keys for {len(values)} arrays")
-    return ArrayRecord({k: Array(np.asarray(v)) for k, v in zip(keys, values, strict=True)})
+    return state_to_arrays({k: np.asarray(v) for k, v in zip(keys, values, strict=True)})
 
 
 def model_device(model: nn.Module) -> torch.device:
