@@ -185,6 +185,29 @@ def error_reply(message: Message, reason: str = "client crashed") -> Message:
     return Message(Error(code=0, reason=reason), reply_to=message)
 
 
+def count_trainings_from_cohorts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one for every message whose training is taken from its cohort
+    (:mod:`fl_app.cohort_execution`: loaded into a model, or read as it is)."""
+    from fl_app.cohort_execution import Planned
+
+    counted: list[int] = []
+    real_load, real_state = Planned.load_into, Planned.state
+
+    def counting_load(self: Planned, model: Any) -> None:
+        counted.append(1)
+        real_load(self, model)
+
+    def counting_state(self: Planned, names: Sequence[str]) -> Any:
+        state = real_state(self, names)
+        if state is not None:
+            counted.append(1)
+        return state
+
+    monkeypatch.setattr(Planned, "load_into", counting_load)
+    monkeypatch.setattr(Planned, "state", counting_state)
+    return counted
+
+
 def build_run_context(overrides: Sequence[str], tmp_path: Path) -> RunContext:
     """A RunContext for strategy tests: composed config, real data, a synthetic roster.
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, INLINE, build_run_context, make_context
+from conftest import FAST, INLINE, build_run_context, count_trainings_from_cohorts, make_context
 from flwr.app import ConfigRecord
 
 from fl_app import cohort_execution, keys
@@ -71,22 +71,7 @@ def arrays_of(reply: Any) -> dict[str, np.ndarray]:
 @pytest.fixture
 def loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Counts the messages whose training came from their cohort (loaded into a model, or read as is)."""
-    counted: list[int] = []
-    real_load, real_state = cohort_execution.Planned.load_into, cohort_execution.Planned.state
-
-    def counting_load(self: cohort_execution.Planned, model: Any) -> None:
-        counted.append(1)
-        real_load(self, model)
-
-    def counting_state(self: cohort_execution.Planned, names: Any) -> Any:
-        state = real_state(self, names)
-        if state is not None:
-            counted.append(1)
-        return state
-
-    monkeypatch.setattr(cohort_execution.Planned, "load_into", counting_load)
-    monkeypatch.setattr(cohort_execution.Planned, "state", counting_state)
-    return counted
+    return count_trainings_from_cohorts(monkeypatch)
 
 
 def test_every_cohort_form_algorithm_is_listed() -> None:

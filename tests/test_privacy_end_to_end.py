@@ -52,6 +52,7 @@ from algorithm_tests import declared
 from conftest import (
     InProcessGrid,
     client_for,
+    count_trainings_from_cohorts,
     dense_lower_toeplitz,
     error_reply,
     make_context,
@@ -753,38 +754,10 @@ def vectorised(monkeypatch: pytest.MonkeyPatch, held: dict[int, ClientDataset]) 
     repetitions go :data:`CHUNK` at a time, each with its companion, in one batch (one cohort of
     2 x CHUNK members, as an actor trains its batch); a single message goes with its companion alone.
     Counts the trainings taken from the cohort (companions included)."""
-    from fl_app import cohort_execution
     from fl_app.client_app import app
     from fl_app.engine.batching import run_jobs
 
-    taken: list[int] = []
-    real_load, real_state = cohort_execution.Planned.load_into, cohort_execution.Planned.state
-
-    def counting_load(self: Any, model: Any) -> None:
-        taken.append(1)
-        real_load(self, model)
-
-    def counting_state(self: Any, names: Any) -> Any:
-        state = real_state(self, names)
-        if state is not None:
-            taken.append(1)
-        return state
-
-    def in_a_batch(
-        message: Message, client: int, num_clients: int, context: Context | None = None
-    ) -> Message:
-        held.setdefault(1, OTHERS)
-        message.content.config_records[keys.CONFIG][keys.VECTORISE] = True
-        companion = Message(
-            content=message.content, dst_node_id=1001, message_type=message.metadata.message_type
-        )
-        jobs = [
-            (message, context or context_of(message, client, max(num_clients, 2))),
-            (companion, make_context(partition_id=1, num_partitions=max(num_clients, 2), node_id=1001)),
-        ]
-        (outcome, reply, *_), _ = run_jobs(lambda: app, jobs)
-        assert outcome == "reply", reply
-        return reply
+    taken = count_trainings_from_cohorts(monkeypatch)
 
     def chunk_in_a_batch(calls: Sequence[Call]) -> list[Message]:
         held.setdefault(1, OTHERS)
@@ -802,8 +775,11 @@ def vectorised(monkeypatch: pytest.MonkeyPatch, held: dict[int, ClientDataset]) 
         assert all(outcome[0] == "reply" for outcome in outcomes), [o for o in outcomes if o[0] != "reply"]
         return [outcome[1] for outcome in outcomes[::2]]
 
-    monkeypatch.setattr(cohort_execution.Planned, "load_into", counting_load)
-    monkeypatch.setattr(cohort_execution.Planned, "state", counting_state)
+    def in_a_batch(
+        message: Message, client: int, num_clients: int, context: Context | None = None
+    ) -> Message:
+        return chunk_in_a_batch([(message, client, num_clients, context)])[0]
+
     monkeypatch.setattr(sys.modules[__name__], "run_client", in_a_batch)
     monkeypatch.setattr(sys.modules[__name__], "run_clients", chunk_in_a_batch)
     return taken
