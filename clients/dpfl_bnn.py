@@ -45,6 +45,7 @@ from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
 from fl_app.data.federated import DataSpec, federated_data
+from fl_app.optim import Adam, AdamMoments
 from fl_app.privacy.mechanisms import binary_randomized_response
 from fl_app.privacy.rng import make_generator
 from fl_app.training import evaluate, to_tensor
@@ -207,47 +208,46 @@ class DPFLBNNClient(FederatedClient):
         model.load_state_dict({name: torch.from_numpy(value) for name, value in merged.items()})
         return model, merged
 
-    def _optimizer(self, model: nn.Module) -> torch.optim.Adam:
-        optimizer = torch.optim.Adam(
-            model.parameters(),
+    def _optimizer(self, model: nn.Module) -> Adam:
+        """Adam on the latent weights, resumed from the moments this client kept last round."""
+        parameters = list(model.named_parameters())
+        optimizer = Adam(
+            [p for _, p in parameters],
             lr=float(self.config[keys.LR]),
             betas=(float(self.config[BNN_ADAM_BETA1]), float(self.config[BNN_ADAM_BETA2])),
         )
         state = self.context.state
         if BNN_STATE_ADAM in state.array_records:
             record = state.array_records[BNN_STATE_ADAM]
-            saved = optimizer.state_dict()
-            step = torch.tensor(float(record[STATE_STEP].numpy()))
-            saved["state"] = {
-                index: {
-                    "step": step.clone(),
-                    "exp_avg": torch.from_numpy(record[f"{name}.exp_avg"].numpy().copy()),
-                    "exp_avg_sq": torch.from_numpy(record[f"{name}.exp_avg_sq"].numpy().copy()),
-                }
-                for index, (name, _) in enumerate(model.named_parameters())
+            step = float(record[STATE_STEP].numpy())
+            optimizer.state = {
+                index: AdamMoments(
+                    step,
+                    torch.from_numpy(record[f"{name}.exp_avg"].numpy().copy()),
+                    torch.from_numpy(record[f"{name}.exp_avg_sq"].numpy().copy()),
+                )
+                for index, (name, _) in enumerate(parameters)
             }
-            optimizer.load_state_dict(saved)
         return optimizer
 
-    def _save_state(self, model: nn.Module, optimizer: torch.optim.Adam) -> None:
+    def _save_state(self, model: nn.Module, optimizer: Adam) -> None:
         """Keep ``W-bar^i`` and the Adam moments in ``context.state`` (they never leave the client)."""
         parameters = dict(model.named_parameters())
         self.context.state[BNN_STATE_LATENT] = ArrayRecord(
             {name: Array(p.detach().cpu().numpy().copy()) for name, p in parameters.items()}
         )
-        entries = [optimizer.state.get(p, {}) for p in parameters.values()]
-        if not all(entries):
+        stepped = [optimizer.state[i] for i in range(len(parameters)) if i in optimizer.state]
+        if len(stepped) != len(parameters):  # no step taken (no data): nothing to keep
             return
-        moments: dict[str, Array] = {}
-        for (name, _), entry in zip(parameters.items(), entries, strict=True):
-            moments[f"{name}.exp_avg"] = Array(entry["exp_avg"].detach().cpu().numpy().copy())
-            moments[f"{name}.exp_avg_sq"] = Array(entry["exp_avg_sq"].detach().cpu().numpy().copy())
-        moments[STATE_STEP] = Array(np.asarray(float(entries[0]["step"]), dtype=np.float64))
+        moments: dict[str, Array] = {STATE_STEP: Array(np.asarray(stepped[0].step, dtype=np.float64))}
+        for name, entry in zip(parameters, stepped, strict=True):
+            moments[f"{name}.exp_avg"] = Array(entry.exp_avg.detach().cpu().numpy().copy())
+            moments[f"{name}.exp_avg_sq"] = Array(entry.exp_avg_sq.detach().cpu().numpy().copy())
         self.context.state[BNN_STATE_ADAM] = ArrayRecord(moments)
 
     # ------------------------------------------------------------------ training
 
-    def _train(self, model: nn.Module, optimizer: torch.optim.Adam, x: np.ndarray, y: np.ndarray) -> float:
+    def _train(self, model: nn.Module, optimizer: Adam, x: np.ndarray, y: np.ndarray) -> float:
         """Adam steps on the latent weights, each followed by ``clip(W-bar, -1, 1)`` (Eq. 5, 6)."""
         if len(y) == 0:
             return float("nan")

@@ -1,8 +1,10 @@
-"""Stochastic gradient descent without ``torch.optim``.
+"""Stochastic gradient descent and Adam without ``torch.optim``.
 
 :class:`SGD` computes exactly what ``torch.optim.SGD(params, lr=lr, momentum=momentum)`` computes
-on CPU tensors (its single-tensor path: no weight decay, dampening 0, no Nesterov; bit for bit,
-``tests/test_results_models.py``). Why not ``torch.optim``: its ``Optimizer`` methods are wrapped in
+on CPU tensors (its single-tensor path: no weight decay, dampening 0, no Nesterov), :class:`Adam`
+what ``torch.optim.Adam(params, lr=lr, betas=betas, eps=eps)`` computes (its single-tensor path:
+no weight decay, no AMSGrad), bit for bit (``tests/test_results_models.py``). Why not
+``torch.optim``: its ``Optimizer`` methods are wrapped in
 ``torch._disable_dynamo``, whose first call imports ``torch._dynamo``, 1.6 s of CPU here. Every Ray
 actor of a simulation and every ClientApp process of a deployment (Flower starts one per message)
 paid it before its first training step.
@@ -11,8 +13,20 @@ paid it before its first training step.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
+
+
+def clear_gradients(params: Iterable[torch.Tensor], *, set_to_none: bool) -> None:
+    """Set every parameter's gradient to ``None`` (``set_to_none``) or to zeros."""
+    for parameter in params:
+        if parameter.grad is None:
+            continue
+        if set_to_none:
+            parameter.grad = None
+        else:
+            parameter.grad.detach_().zero_()
 
 
 class SGD:
@@ -35,13 +49,7 @@ class SGD:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every parameter's gradient (``None``, or zeros with ``set_to_none=False``)."""
-        for parameter in self.params:
-            if parameter.grad is None:
-                continue
-            if set_to_none:
-                parameter.grad = None
-            else:
-                parameter.grad.detach_().zero_()
+        clear_gradients(self.params, set_to_none=set_to_none)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -59,3 +67,63 @@ class SGD:
                     buffer.mul_(self.momentum).add_(grad, alpha=1)
                 grad = buffer
             parameter.add_(grad, alpha=-self.lr)
+
+
+@dataclass
+class AdamMoments:
+    """One parameter's Adam state: how many steps it took and its two moment estimates."""
+
+    step: float
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+
+
+class Adam:
+    """Adam (Kingma and Ba, ICLR 2015) with ``torch.optim.Adam``'s update rule.
+
+    ``step()``: for every parameter with a gradient ``g``, ``t <- t + 1``,
+    ``m <- lerp(m, g, 1 - beta1)``, ``v <- beta2 * v + (1 - beta2) * g * g``, then
+    ``p <- p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``.
+    :attr:`state` maps a parameter's index to its :class:`AdamMoments` once it has been stepped; a
+    caller may set it to resume from saved moments.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        *,
+        lr: float,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not all(0.0 <= beta < 1.0 for beta in betas):
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        self.params = list(params)
+        self.lr = float(lr)
+        self.beta1, self.beta2 = (float(beta) for beta in betas)
+        self.eps = float(eps)
+        self.state: dict[int, AdamMoments] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's gradient (``None``, or zeros with ``set_to_none=False``)."""
+        clear_gradients(self.params, set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One update of every parameter that has a gradient."""
+        for index, parameter in enumerate(self.params):
+            grad = parameter.grad
+            if grad is None:
+                continue
+            moments = self.state.get(index)
+            if moments is None:
+                zeros = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+                moments = self.state[index] = AdamMoments(0.0, zeros, zeros.clone())
+            moments.step += 1.0  # torch.optim's float32 count: exact below 2**24 steps
+            moments.exp_avg.lerp_(grad, 1 - self.beta1)
+            moments.exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+            step_size = self.lr / (1 - self.beta1**moments.step)
+            denom = (moments.exp_avg_sq.sqrt() / (1 - self.beta2**moments.step) ** 0.5).add_(self.eps)
+            parameter.addcdiv_(moments.exp_avg, denom, value=-step_size)

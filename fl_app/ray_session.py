@@ -19,6 +19,7 @@ Each job still gets its own client actors (Flower starts them with the run and
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -264,9 +265,8 @@ def shutdown_ray(watch: RayProcessWatch | None = None) -> None:
 
     psutil checks a process's start time before signalling it, so a reused pid is never hit.
     """
-    import ray
-
-    if ray.is_initialized():
+    ray = sys.modules.get("ray")  # None: this process never imported Ray (an inline command)
+    if ray is not None and ray.is_initialized():
         if watch is not None:
             end_autoscaler_monitor(watch)
         ray.shutdown()

@@ -908,6 +908,22 @@ def test_the_inline_backend_runs_a_batch_on_copies_and_refuses_after_a_stop() ->
     assert raybackend.RayBackend is original
 
 
+def test_the_inline_backend_stands_in_for_flowers_ray_backend_without_importing_it(monkeypatch) -> None:
+    """Where Flower's Ray backend module is not imported yet, the engine's by-name import finds a
+    stand-in holding the inline backend (so an inline run never imports Ray), gone after the run."""
+    import importlib
+    import sys
+
+    from fl_app.engine.inline import RAY_BACKEND_MODULE, InlineBackend, inline_backend
+
+    monkeypatch.delitem(sys.modules, RAY_BACKEND_MODULE, raising=False)
+    with inline_backend():
+        # what vce_api.start_vce does: ``from .backend.raybackend import RayBackend``
+        assert importlib.import_module(RAY_BACKEND_MODULE).RayBackend is InlineBackend
+    assert RAY_BACKEND_MODULE not in sys.modules
+    assert importlib.import_module(RAY_BACKEND_MODULE).RayBackend.__name__ == "RayBackend"  # the real one
+
+
 def test_the_inline_backend_reports_a_raising_client_as_its_error_reply() -> None:
     from fl_app.engine.inline import InlineBackend
 

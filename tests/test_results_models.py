@@ -176,9 +176,44 @@ def test_sgd_is_torch_optim_sgd_bit_for_bit(momentum: float) -> None:
             assert torch.equal(mine, reference), step
 
 
+def test_adam_is_torch_optim_adam_bit_for_bit() -> None:
+    """``fl_app.optim.Adam`` replaces ``torch.optim.Adam`` (DPFL-BNN's clients): the same parameters and
+    moments after every step, also when resumed from saved moments in a new optimizer."""
+    from fl_app.optim import Adam, AdamMoments
+
+    torch.manual_seed(0)
+    ours = build_model("mlp", (8, 8), 10)
+    theirs = build_model("mlp", (8, 8), 10)
+    theirs.load_state_dict(ours.state_dict())
+    settings = {"lr": 0.01, "betas": (0.8, 0.95)}
+    mine, reference = Adam(ours.parameters(), **settings), torch.optim.Adam(theirs.parameters(), **settings)
+    for step in range(7):
+        if step == 4:  # a new optimizer resumed from the saved moments (a client's next round)
+            saved = mine.state
+            mine = Adam(ours.parameters(), **settings)
+            mine.state = {
+                i: AdamMoments(m.step, m.exp_avg.clone(), m.exp_avg_sq.clone()) for i, m in saved.items()
+            }
+        x, y = torch.randn(16, 8, 8), torch.randint(0, 10, (16,))
+        for model, optimizer in ((ours, mine), (theirs, reference)):
+            optimizer.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            if step == 2:  # a parameter without a gradient is left alone
+                next(iter(model.parameters())).grad = None
+            optimizer.step()
+        for index, (a, b) in enumerate(zip(ours.parameters(), theirs.parameters(), strict=True)):
+            assert torch.equal(a, b), step
+            if index in mine.state:
+                moments, expected = mine.state[index], reference.state[b]
+                assert torch.equal(moments.exp_avg, expected["exp_avg"]), step
+                assert torch.equal(moments.exp_avg_sq, expected["exp_avg_sq"]), step
+                assert moments.step == float(expected["step"]), step
+
+
 @pytest.mark.subprocess
 def test_local_training_does_not_import_torch_dynamo() -> None:
-    """torch.optim's first call imports torch._dynamo (1.6 s of CPU in every actor and ClientApp process)."""
+    """torch.optim's first call imports torch._dynamo (1.6 s of CPU in every actor and ClientApp process);
+    dpfl's SGD and Adam do not."""
     import subprocess
 
     code = (
@@ -189,6 +224,10 @@ def test_local_training_does_not_import_torch_dynamo() -> None:
         "x = np.random.default_rng(0).random((20, 8, 8)).astype('float32')\n"
         "train_local(model, x, np.arange(20) % 10, epochs=1, batch_size=8, lr=0.1, momentum=0.5,\n"
         "            rng=np.random.default_rng(1))\n"
+        "from fl_app.optim import Adam\n"  # DPFL-BNN's optimizer
+        "adam = Adam(model.parameters(), lr=0.1)\n"
+        "model(__import__('torch').ones(1, 8, 8)).sum().backward()\n"
+        "adam.step(); adam.zero_grad()\n"
         "print('torch._dynamo' in sys.modules)\n"
     )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -23,6 +23,8 @@ import contextlib
 import copyreg
 import io
 import pickle
+import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -123,14 +125,32 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+#: The module ``vce_api.start_vce`` takes ``RayBackend`` from (flwr 1.41); importing it imports Ray.
+RAY_BACKEND_MODULE = "flwr.server.superlink.fleet.vce.backend.raybackend"
+
+
 @contextlib.contextmanager
 def inline_backend() -> Iterator[None]:
-    """While the block runs, the simulation engine builds an :class:`InlineBackend` instead of Ray's."""
-    from flwr.server.superlink.fleet.vce.backend import raybackend
+    """While the block runs, the simulation engine builds an :class:`InlineBackend` instead of Ray's.
 
-    original = raybackend.RayBackend
-    raybackend.RayBackend = InlineBackend  # type: ignore[misc,assignment]
+    When Flower's Ray backend module is not imported yet, a stand-in module holding only
+    ``RayBackend = InlineBackend`` takes its name for the block, so an inline run never imports Ray
+    (0.4 s of CPU at every start); it is removed afterwards, and a later Ray run imports the real one.
+    """
+    original = sys.modules.get(RAY_BACKEND_MODULE)
+    if original is None:
+        stand_in = types.ModuleType(RAY_BACKEND_MODULE, "dpfl's inline stand-in for Flower's Ray backend")
+        stand_in.RayBackend = InlineBackend  # type: ignore[attr-defined]
+        sys.modules[RAY_BACKEND_MODULE] = stand_in
+        try:
+            yield
+        finally:
+            if sys.modules.get(RAY_BACKEND_MODULE) is stand_in:
+                del sys.modules[RAY_BACKEND_MODULE]
+        return
+    ray_backend = original.RayBackend
+    original.RayBackend = InlineBackend  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        raybackend.RayBackend = original  # type: ignore[misc]
+        original.RayBackend = ray_backend  # type: ignore[attr-defined]

@@ -24,11 +24,15 @@ from fl_app.engine.inline import inline_backend
 from fl_app.engine.pool import install_pipelined_pool
 
 
-def install_engine_patches() -> None:
-    """Install the fast dispatcher, batched workers and the pipelined actor pool (idempotent)."""
+def install_engine_patches(*, ray: bool = True) -> None:
+    """Install the fast dispatcher, batched workers and, with ``ray``, the pipelined actor pool (idempotent).
+
+    An inline run (``ray=False``) leaves Flower's Ray backend alone: importing it imports Ray.
+    """
     install_fast_dispatch()
     install_batched_workers()
-    install_pipelined_pool()
+    if ray:
+        install_pipelined_pool()
 
 
 @contextlib.contextmanager
@@ -116,7 +120,7 @@ def run_simulation_engine(
     if messages_per_task < 1:
         raise ValueError(f"messages_per_task must be >= 1, got {messages_per_task}")
     batching.set_messages_per_task(messages_per_task)
-    install_engine_patches()
+    install_engine_patches(ray=not inline)
     forget_node_partitions()  # this run's engine records its own
     with inline_backend() if inline else ray_backend(max_actors, keep_ray):
         _run_simulation(

@@ -128,6 +128,9 @@ def prestart_actors(client_resources: dict[str, Any], limit: int | None = None) 
 
 def end_prestarted_actors() -> None:
     """End the actors :func:`prestart_actors` started that no pool took."""
+    if not _prestarted:  # none (an inline command never imports Ray)
+        _prestarted_resources.clear()
+        return
     import ray
 
     for actor in _prestarted:
