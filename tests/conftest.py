@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -84,6 +85,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.simulation)
         if any(item.get_closest_marker(name) for name in SLOW_MARKERS):
             item.add_marker(pytest.mark.slow)
+    items[:] = longest_modules_first(items, json.loads(MODULE_SECONDS.read_text()))
+
+
+#: Seconds of each test module in a measured whole-suite run (benchmarks/module_seconds.py writes it).
+MODULE_SECONDS = Path(__file__).with_name("module_seconds.json")
+
+
+def longest_modules_first(items: Sequence[pytest.Item], seconds: dict[str, float]) -> list[pytest.Item]:
+    """The tests, module by module, the modules longest first (``seconds``; an unknown module: the median).
+
+    With ``--dist loadscope --no-loadscope-reorder`` (``pyproject.toml``) pytest-xdist hands whole modules
+    to its processes in this order, so no long module starts last and runs alone at the end of the
+    suite (xdist's own order, by number of tests, started the 280-s quick examples at 457 s and the
+    115-s SecAgg+ deployment at 580 s of a 762-s run). Within a module the order is kept.
+    """
+    median = statistics.median(seconds.values()) if seconds else 0.0
+    position = {item.nodeid.split("::")[0]: index for index, item in reversed(list(enumerate(items)))}
+    return sorted(
+        items,
+        key=lambda item: (
+            -seconds.get(item.nodeid.split("::")[0], median),
+            position[item.nodeid.split("::")[0]],
+        ),
+    )
 
 
 @pytest.fixture(scope="session", autouse=True)

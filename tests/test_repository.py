@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -495,3 +496,26 @@ def test_nothing_reads_the_raw_configuration_after_validation(tmp_path):
     probe.write_text("def f(run):\n    return run.cfg.lr, cfg['x'], g(cfg)\n")
     assert len(raw_config_reads(probe)) == 3
     assert all((ROOT / module).exists() for module in CONFIG_MODULES)
+
+
+def test_the_suite_hands_out_its_longest_modules_first() -> None:
+    """Modules by measured seconds, longest first; an unknown one by the median; a module's order kept."""
+    from types import SimpleNamespace
+
+    from conftest import MODULE_SECONDS, longest_modules_first
+
+    items = [
+        SimpleNamespace(nodeid=f"tests/{m}.py::t{i}")
+        for m, i in [("a", 1), ("b", 1), ("a", 2), ("new", 1), ("c", 1)]
+    ]
+    seconds = {"tests/a.py": 5.0, "tests/b.py": 50.0, "tests/c.py": 20.0, "tests/d.py": 1.0}  # median 12.5
+    ordered = [item.nodeid for item in longest_modules_first(items, seconds)]  # type: ignore[arg-type]
+    assert ordered == [
+        "tests/b.py::t1",
+        "tests/c.py::t1",
+        "tests/new.py::t1",
+        "tests/a.py::t1",
+        "tests/a.py::t2",
+    ]
+    recorded = json.loads(MODULE_SECONDS.read_text())
+    assert all((ROOT / module).is_file() for module in recorded), "regenerate tests/module_seconds.json"
