@@ -73,11 +73,13 @@ def _tiny_mlp(seed: int = 0) -> nn.Module:
 # ----------------------------------------------------------------------------- DP-SGD mechanism
 
 
-def test_per_example_gradients_match_an_autograd_loop():
+@pytest.mark.parametrize("chunk", [3, 7, 256])  # three chunks; one chunk (its tensors returned as they are)
+def test_per_example_gradients_match_an_autograd_loop(chunk):
     model = _tiny_mlp()
     x = torch.randn(7, 1, 2, 3, generator=torch.Generator().manual_seed(1))
     y = torch.tensor([0, 1, 2, 0, 1, 2, 0])
-    grads, losses = per_example_gradients(model, x, y, chunk=3)
+    grads, losses = per_example_gradients(model, x, y, chunk=chunk)
+    assert [tuple(g.shape) for g in grads] == [(7, *p.shape) for p in model.parameters()]
     for i in range(7):
         model.zero_grad()
         loss = F.cross_entropy(model(x[i : i + 1]), y[i : i + 1])

@@ -133,7 +133,8 @@ def per_example_gradients(
         losses.append(loss)
     if not losses:
         return [torch.zeros((0, *p.shape)) for p in params.values()], torch.zeros(0)
-    return [torch.cat(g) for g in grads], torch.cat(losses)
+    # one chunk (a batch of at most ``chunk`` examples): its tensors as they are, not a copy by torch.cat
+    return [g[0] if len(g) == 1 else torch.cat(g) for g in grads], torch.cat(losses)
 
 
 def clipped_gradient_sum(
