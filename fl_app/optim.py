@@ -18,18 +18,41 @@ from dataclasses import dataclass
 import torch
 
 
-def clear_gradients(params: Iterable[torch.Tensor], *, set_to_none: bool) -> None:
-    """Set every parameter's gradient to ``None`` (``set_to_none``) or to zeros."""
-    for parameter in params:
-        if parameter.grad is None:
-            continue
-        if set_to_none:
-            parameter.grad = None
-        else:
-            parameter.grad.detach_().zero_()
+class ParameterOptimizer:
+    """What :class:`SGD` and :class:`Adam` share: the parameters, ``zero_grad`` and the step loop.
+
+    ``step()`` calls :meth:`update` for every parameter that has a gradient, in order, with its index.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], *, lr: float) -> None:
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        self.params = list(params)
+        self.lr = float(lr)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every parameter's gradient (``None``, or zeros with ``set_to_none=False``)."""
+        for parameter in self.params:
+            if parameter.grad is None:
+                continue
+            if set_to_none:
+                parameter.grad = None
+            else:
+                parameter.grad.detach_().zero_()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One update of every parameter that has a gradient."""
+        for index, parameter in enumerate(self.params):
+            if parameter.grad is not None:
+                self.update(index, parameter, parameter.grad)
+
+    def update(self, index: int, parameter: torch.Tensor, grad: torch.Tensor) -> None:
+        """Change ``parameter`` (the ``index``-th) in place by its gradient ``grad``."""
+        raise NotImplementedError
 
 
-class SGD:
+class SGD(ParameterOptimizer):
     """Mini-batch SGD with optional heavy-ball momentum (``torch.optim.SGD``'s update rule).
 
     ``step()``: for every parameter with a gradient ``g``, ``b <- g`` on the first step and
@@ -38,35 +61,23 @@ class SGD:
     """
 
     def __init__(self, params: Iterable[torch.Tensor], *, lr: float, momentum: float = 0.0) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
+        super().__init__(params, lr=lr)
         if not momentum >= 0.0:
             raise ValueError(f"Invalid momentum value: {momentum}")
-        self.params = list(params)
-        self.lr = float(lr)
         self.momentum = float(momentum)
         self.momentum_buffers: list[torch.Tensor | None] = [None] * len(self.params)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear every parameter's gradient (``None``, or zeros with ``set_to_none=False``)."""
-        clear_gradients(self.params, set_to_none=set_to_none)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """One update of every parameter that has a gradient."""
-        for index, parameter in enumerate(self.params):
-            grad = parameter.grad
-            if grad is None:
-                continue
-            if self.momentum != 0:
-                buffer = self.momentum_buffers[index]
-                if buffer is None:
-                    buffer = grad.detach().clone()
-                    self.momentum_buffers[index] = buffer
-                else:
-                    buffer.mul_(self.momentum).add_(grad, alpha=1)
-                grad = buffer
-            parameter.add_(grad, alpha=-self.lr)
+    def update(self, index: int, parameter: torch.Tensor, grad: torch.Tensor) -> None:
+        """``p <- p - lr * b`` with ``b`` the momentum buffer (or ``g`` without momentum)."""
+        if self.momentum != 0:
+            buffer = self.momentum_buffers[index]
+            if buffer is None:
+                buffer = grad.detach().clone()
+                self.momentum_buffers[index] = buffer
+            else:
+                buffer.mul_(self.momentum).add_(grad, alpha=1)
+            grad = buffer
+        parameter.add_(grad, alpha=-self.lr)
 
 
 @dataclass
@@ -78,7 +89,7 @@ class AdamMoments:
     exp_avg_sq: torch.Tensor
 
 
-class Adam:
+class Adam(ParameterOptimizer):
     """Adam (Kingma and Ba, ICLR 2015) with ``torch.optim.Adam``'s update rule.
 
     ``step()``: for every parameter with a gradient ``g``, ``t <- t + 1``,
@@ -96,34 +107,22 @@ class Adam:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
     ) -> None:
-        if not lr >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
+        super().__init__(params, lr=lr)
         if not all(0.0 <= beta < 1.0 for beta in betas):
             raise ValueError(f"Invalid beta parameters: {betas}")
-        self.params = list(params)
-        self.lr = float(lr)
         self.beta1, self.beta2 = (float(beta) for beta in betas)
         self.eps = float(eps)
         self.state: dict[int, AdamMoments] = {}
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear every parameter's gradient (``None``, or zeros with ``set_to_none=False``)."""
-        clear_gradients(self.params, set_to_none=set_to_none)
-
-    @torch.no_grad()
-    def step(self) -> None:
-        """One update of every parameter that has a gradient."""
-        for index, parameter in enumerate(self.params):
-            grad = parameter.grad
-            if grad is None:
-                continue
-            moments = self.state.get(index)
-            if moments is None:
-                zeros = torch.zeros_like(parameter, memory_format=torch.preserve_format)
-                moments = self.state[index] = AdamMoments(0.0, zeros, zeros.clone())
-            moments.step += 1.0  # torch.optim's float32 count: exact below 2**24 steps
-            moments.exp_avg.lerp_(grad, 1 - self.beta1)
-            moments.exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
-            step_size = self.lr / (1 - self.beta1**moments.step)
-            denom = (moments.exp_avg_sq.sqrt() / (1 - self.beta2**moments.step) ** 0.5).add_(self.eps)
-            parameter.addcdiv_(moments.exp_avg, denom, value=-step_size)
+    def update(self, index: int, parameter: torch.Tensor, grad: torch.Tensor) -> None:
+        """One Adam step of ``parameter`` (its moments start at zero on its first step)."""
+        moments = self.state.get(index)
+        if moments is None:
+            zeros = torch.zeros_like(parameter, memory_format=torch.preserve_format)
+            moments = self.state[index] = AdamMoments(0.0, zeros, zeros.clone())
+        moments.step += 1.0  # torch.optim's float32 count: exact below 2**24 steps
+        moments.exp_avg.lerp_(grad, 1 - self.beta1)
+        moments.exp_avg_sq.mul_(self.beta2).addcmul_(grad, grad, value=1 - self.beta2)
+        step_size = self.lr / (1 - self.beta1**moments.step)
+        denom = (moments.exp_avg_sq.sqrt() / (1 - self.beta2**moments.step) ** 0.5).add_(self.eps)
+        parameter.addcdiv_(moments.exp_avg, denom, value=-step_size)
