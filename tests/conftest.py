@@ -101,14 +101,14 @@ def longest_modules_first(items: Sequence[pytest.Item], seconds: dict[str, float
     115-s SecAgg+ deployment at 580 s of a 762-s run). Within a module the order is kept.
     """
     median = statistics.median(seconds.values()) if seconds else 0.0
-    position = {item.nodeid.split("::")[0]: index for index, item in reversed(list(enumerate(items)))}
-    return sorted(
-        items,
-        key=lambda item: (
-            -seconds.get(item.nodeid.split("::")[0], median),
-            position[item.nodeid.split("::")[0]],
-        ),
-    )
+    first: dict[str, int] = {}  # each module's first position: modules of equal seconds stay apart
+    for index, item in enumerate(items):
+        first.setdefault(_module_of(item), index)
+    return sorted(items, key=lambda item: (-seconds.get(_module_of(item), median), first[_module_of(item)]))
+
+
+def _module_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 @pytest.fixture(scope="session", autouse=True)
