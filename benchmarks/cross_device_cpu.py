@@ -8,14 +8,20 @@ test images after every round; dpfl's own split exported for pfl). Per repeat, i
 * ``dpfl-inline``: ``python -m fl_app ... simulation.backend=inline`` from this checkout;
 * ``dpfl-inline-before``: the same from ``--before TREE`` (another checkout, e.g. ``git worktree add``),
   only with ``--before``;
-* ``dpfl-ray``: the same command with dpfl's defaults (Ray, two client actors here).
+* ``dpfl-ray``: the same command with dpfl's defaults (Ray, two client actors here);
+* ``dpfl-inline-plain`` and ``dpfl-ray-plain``: the two dpfl commands with one message per client
+  (``simulation.cohort_messages=false``; by default a round goes as one message per 16 clients,
+  ``fl_app/cohort_messages.py``).
+
+``--arms`` picks some of them (default: all but ``dpfl-inline-before``, which needs ``--before``).
 
 Each command is timed from outside; its CPU is the machine's busy time over the command from
 ``/proc/stat`` (Ray's processes escape ``getrusage``), so run it on a quiet machine. The round is the
 median of rounds 2..R (dpfl: ``results.json``; pfl: its own ``results.json``). The commands inherit
 the caller's environment minus ``OMP_NUM_THREADS`` (a user's shell has none)::
 
-    python -P benchmarks/cross_device_cpu.py [--rounds 30] [--repeats 2] [--before TREE] [--out DIR]
+    python -P benchmarks/cross_device_cpu.py [--rounds 30] [--repeats 2] [--before TREE] \
+        [--arms A,B] [--out DIR]
 
 Prints one JSON line per command and a Markdown table; writes ``rows.json`` under ``--out``.
 """
@@ -47,9 +53,15 @@ def machine_busy_s() -> float:
     return (fields[0] + fields[1] + fields[2] + fields[5] + fields[6]) / os.sysconf("SC_CLK_TCK")
 
 
-def dpfl_command(tree: Path, rounds: int, output: Path, inline: bool) -> tuple[list[str], Path]:
-    """``python -m fl_app`` on the task from ``tree`` (with this checkout's ``.venv``)."""
+def dpfl_command(
+    tree: Path, rounds: int, output: Path, inline: bool, plain: bool = False
+) -> tuple[list[str], Path]:
+    """``python -m fl_app`` on the task from ``tree`` (with this checkout's ``.venv``).
+
+    ``plain``: one message per client (``simulation.cohort_messages=false``).
+    """
     extra = ["simulation.backend=inline"] if inline else []
+    extra += ["simulation.cohort_messages=false"] if plain else []
     command = [str(pfl_compare.DPFL_PYTHON), "-m", "fl_app", *TASK, f"num_rounds={rounds}", *extra]
     return [*command, f"output_dir={output}"], tree
 
@@ -79,6 +91,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--before", type=Path, help="another checkout to run as dpfl-inline-before")
+    parser.add_argument("--arms", help="comma-separated arms to run (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "cross_device_cpu")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -94,6 +107,14 @@ def main() -> int:
         before = args.before.resolve()
         arms["dpfl-inline-before"] = lambda out: dpfl_command(before, args.rounds, out, inline=True)
     arms["dpfl-ray"] = lambda out: dpfl_command(ROOT, args.rounds, out, inline=False)
+    arms["dpfl-inline-plain"] = lambda out: dpfl_command(ROOT, args.rounds, out, inline=True, plain=True)
+    arms["dpfl-ray-plain"] = lambda out: dpfl_command(ROOT, args.rounds, out, inline=False, plain=True)
+    if args.arms:
+        wanted = args.arms.split(",")
+        unknown = sorted(set(wanted) - set(arms))
+        if unknown:
+            raise SystemExit(f"--arms: unknown {unknown}; the arms are {sorted(arms)}")
+        arms = {name: arms[name] for name in wanted}
     environment = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     rows = []
     for repeat in range(1, args.repeats + 1):

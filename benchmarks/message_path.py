@@ -56,6 +56,27 @@ def one_round(strategy: Any, arrays: Any, server_round: int, population: int) ->
     return clients_done - started, time.process_time() - clients_done, len(messages)
 
 
+def cohort_round(strategy: Any, arrays: Any, server_round: int, population: int) -> tuple[float, float, int]:
+    """:func:`one_round` with the round sent as cohort messages (``fl_app/cohort_messages.py``)."""
+    from fl_app import cohort_messages
+    from fl_app.engine.messages import set_message_id
+
+    messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None))
+    partitions = {int(m.metadata.dst_node_id): int(m.metadata.dst_node_id) - 1000 for m in messages}
+    started = time.process_time()
+    packed = cohort_messages.pack(
+        messages, partitions=partitions, summand=strategy.reply_summand(server_round)
+    )
+    ids = [f"cohort-{i}" for i in range(len(packed))]
+    for cohort, message_id in zip(packed, ids, strict=True):
+        set_message_id(cohort.message, message_id)
+    outcomes = run_jobs(lambda: app, [(c.message, node_context(c.message, population)) for c in packed])
+    clients_done = time.process_time()
+    replies = cohort_messages.unpack([o[1] for o in outcomes if o[0] == "reply"], packed, ids)
+    strategy.aggregate_train(server_round, replies)
+    return clients_done - started, time.process_time() - clients_done, len(messages)
+
+
 def floor_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, int]:
     """CPU seconds of the same round's work without messages, and its number of clients.
 
@@ -99,6 +120,7 @@ def main() -> int:
     parser.add_argument("--dataset", default="fashion_mnist")
     parser.add_argument("--strategy", default="fedavg")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--cohort-messages", action="store_true", help="profile the cohort-message round")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -127,6 +149,12 @@ def main() -> int:
             f"per message, server side {server_s / count * 1e3:.3f} ms per reply"
         )
     for server_round in range(2, 5):
+        client_s, server_s, count = cohort_round(strategy, arrays, server_round, args.population)
+        print(
+            f"round {server_round} as cohort messages: client side {client_s / count * 1e3:.3f} ms per "
+            f"member, server side {server_s / count * 1e3:.3f} ms per member"
+        )
+    for server_round in range(2, 5):
         floor_s, count = floor_round(strategy, arrays, server_round)
         print(
             f"round {server_round}, the same work without messages: {floor_s / count * 1e3:.3f} ms per client"
@@ -134,7 +162,7 @@ def main() -> int:
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
-        one_round(strategy, arrays, 6, args.population)
+        (cohort_round if args.cohort_messages else one_round)(strategy, arrays, 6, args.population)
         profile.disable()
         pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
     return 0

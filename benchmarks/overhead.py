@@ -529,7 +529,7 @@ def breakdown(args: argparse.Namespace) -> None:
         lambda i: [content_bytes(r) for r in replies], 3
     )
     try:  # dpfl's layout cache (absent before the cross-device work)
-        from fl_app.metering import message_bytes
+        from fl_app.message_sizes import message_bytes
 
         server["metering: bytes of 100 replies, by layout (dpfl)"] = timed(
             lambda i: [message_bytes(r) for r in replies], 3

@@ -53,6 +53,7 @@ SPECIFIC: tuple[Rule, ...] = (
     ("message copy (pickle)", ("fl_app/engine/inline.py", frozenset({"isolated"}))),
     ("vectorised cohort preparation", ("fl_app/cohort_execution.py", None)),
     ("dpfl driver: traffic metering", ("fl_app/metering.py", None)),
+    ("dpfl driver: traffic metering", ("fl_app/message_sizes.py", None)),
     ("privacy: accounting, mechanisms", ("fl_app/privacy/", None)),
 )
 GENERAL: tuple[Rule, ...] = (

@@ -51,6 +51,8 @@ def trained_as_cohorts(jobs: Sequence[tuple[Message, Context]]) -> AbstractConte
         # a SecAgg+ stage message reaches the client only through the protocol's mod
         if config_record(message.content, RECORD_KEY_CONFIGS) is not None:
             return None
+        if config_record(message.content, keys.COHORT) is not None:
+            return None  # a cohort message trains its members together itself (fl_app.cohort_messages)
         return client_for(message, context)
 
     return train_together(jobs, plain_client)
@@ -70,10 +72,18 @@ def train(message: Message, context: Context) -> Message:
 
     A message of the SecAgg+ protocol (it carries Flower's ``secaggplus_configs`` record) goes
     through :func:`~fl_app.engine.secagg.secure_aggregation_mod`, which answers the protocol's stages
-    itself and calls the configured client in the stage that collects the masked vectors.
+    itself and calls the configured client in the stage that collects the masked vectors. A cohort
+    message (a simulation's round sent as a few messages) runs each member's client on the member's
+    plain message and answers with the partial sum (:func:`fl_app.cohort_messages.answer`).
     """
     if config_record(message.content, RECORD_KEY_CONFIGS) is not None:
         return secure_aggregation_mod(message, context, lambda inner, node: client_for(inner, node).train())
+    if config_record(message.content, keys.COHORT) is not None:
+        from fl_app.cohort_messages import answer
+
+        return answer(
+            message, context, lambda member, node: client_for(member, node).train(), trained_as_cohorts
+        )
     return client_for(message, context).train()
 
 

@@ -25,6 +25,11 @@ SECURE_RNG = "secure-rng"  # bool: draw privacy noise from OS entropy
 VECTORISE = "vectorise"  # True: an actor trains the batch's train messages as one computation
 DEVICE = "device"  # "cuda": train on the GPU Ray gave the client (absent: CPU; simulation.client_gpus)
 
+# Cohort messages (fl_app.cohort_messages): the members of one message, and what failed of them
+COHORT = "cohort"
+COHORT_FAILURES = "cohort-failures"
+REPLY_SUM = "reply-sum"  # in the cohort record: JSON of the strategy's per-client term (fl_app.reply_sums)
+
 # Metric keys in replies
 NUM_EXAMPLES = "num-examples"
 TRAIN_LOSS = "train-loss"

@@ -12,92 +12,27 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-from flwr.app import ArrayRecord, Message
+from flwr.app import Message
 from flwr.serverapp import Grid
 
+from fl_app.cohort_messages import metered, pack, packable, unpack
 from fl_app.engine.dispatch import (
     MESSAGES_PUSHED,
     REPLIES_STORED,
     adaptive_interval,
     is_in_memory_grid,
     replied_ids,
+    simulated_partitions,
 )
-from fl_app.engine.messages import LINK_NODE_ID, MAX_ARRAY_CHUNK_BYTES, content_bytes, set_reply_source
+from fl_app.engine.messages import LINK_NODE_ID, set_reply_source
 from fl_app.lifecycle import raise_if_stopped
+from fl_app.message_sizes import array_payload_bytes, message_bytes
+from fl_app.reply_sums import Summand
 
 #: Most message ids named in one pull of the in-memory grid (see ``MeteredGrid._exchange``).
 PULL_WINDOW = 128
 #: Seconds between pulls that name every pending id, not only those with a stored reply.
 FULL_PULL_S = 0.5
-
-#: Serialised sizes by content layout (see :func:`message_bytes`).
-_SIZES: dict[tuple[Any, ...], int] = {}
-_MAX_SIZES = 4096
-
-
-def content_layout(message: Message) -> tuple[Any, ...]:
-    """Everything the serialised size of a message's content depends on, cheaply.
-
-    Flower serialises a content as its distinct nested objects (records,
-    arrays, array chunks of at most ``MAX_ARRAY_CHUNK_BYTES``
-    bytes); an object refers to its children by fixed-length SHA-256 ids, so
-    the total length is fixed by: the record names and kinds, each array's
-    name, dtype, shape, serialisation type and data length, which chunks are
-    byte-identical (identical objects are sent once), and the serialised
-    length of every small record (and which of those are identical). This
-    tuple holds exactly that; chunks are compared byte by byte, after a cheap
-    fingerprint (length, first and last 32 bytes), so the layout is exact.
-    """
-    groups: dict[tuple[int, bytes, bytes], list[tuple[int, memoryview]]] = {}
-    small: dict[bytes, int] = {}
-    parts: list[tuple[Any, ...]] = []
-    for name, record in message.content.items():
-        if isinstance(record, ArrayRecord):
-            arrays = []
-            for key, array in record.items():
-                view = memoryview(array.data).cast("B")
-                chunks = []
-                for start in range(0, len(view), MAX_ARRAY_CHUNK_BYTES):
-                    chunk = view[start : start + MAX_ARRAY_CHUNK_BYTES]
-                    bucket = groups.setdefault((len(chunk), bytes(chunk[:32]), bytes(chunk[-32:])), [])
-                    group = next((gid for gid, other in bucket if other == chunk), None)
-                    if group is None:
-                        group = sum(len(b) for b in groups.values())
-                        bucket.append((group, chunk))
-                    chunks.append(group)
-                arrays.append((key, array.dtype, tuple(array.shape), array.stype, len(view), tuple(chunks)))
-            parts.append((name, "ArrayRecord", tuple(arrays)))
-        else:
-            body = record.deflate()
-            parts.append((name, type(record).__name__, len(body), small.setdefault(body, len(small))))
-    return tuple(parts)
-
-
-def message_bytes(message: Message) -> int:
-    """:func:`content_bytes`, computed once per content layout (:func:`content_layout`).
-
-    Serialising and hashing a 0.4 MB model reply costs about 0.5 ms of the
-    server's time per reply (more under load); at 100 replies a round that was
-    a large share of a cross-device round. Replies of one run share few layouts.
-    """
-    if not message.has_content():
-        return 0
-    layout = content_layout(message)
-    size = _SIZES.get(layout)
-    if size is None:
-        if len(_SIZES) >= _MAX_SIZES:
-            _SIZES.clear()
-        size = _SIZES[layout] = content_bytes(message)
-    return size
-
-
-def array_payload_bytes(message: Message) -> int:
-    """Raw bytes of the array data in a message's ArrayRecords (no framing)."""
-    if not message.has_content():
-        return 0
-    return sum(
-        len(array.data) for record in message.content.array_records.values() for array in record.values()
-    )
 
 
 def attribute_link_errors(outgoing: list[Message], replies: list[Message]) -> list[Message]:
@@ -138,9 +73,14 @@ class MeteredGrid:
         return self._grid.get_node_ids()
 
     def send_and_receive(
-        self, messages: Iterable[Message], *, timeout: float | None = None
+        self, messages: Iterable[Message], *, timeout: float | None = None, summand: Summand | None = None
     ) -> Iterable[Message]:
-        """Send, wait for replies, and count both directions."""
+        """Send, wait for replies, and count both directions.
+
+        With ``summand`` (the strategy's, :meth:`strategies.base.FederatedStrategy.cohort_summand`) a
+        simulation sends the round as cohort messages (:meth:`_exchange_in_memory`); the messages and
+        replies are counted as the plain ones would weigh.
+        """
         outgoing = list(messages)
         sizes: dict[int, tuple[int, int]] = {}
         for message in outgoing:
@@ -154,7 +94,7 @@ class MeteredGrid:
         if not outgoing:
             return []
         if is_in_memory_grid(self._grid):
-            replies = self._exchange(outgoing, timeout)  # counts each reply as it arrives
+            replies = self._exchange_in_memory(outgoing, timeout, summand)
         else:  # a deployment's SuperLink: Flower's own pacing
             replies = list(self._grid.send_and_receive(outgoing, timeout=timeout))
             for reply in replies:
@@ -162,12 +102,39 @@ class MeteredGrid:
         return attribute_link_errors(outgoing, replies)
 
     def _count_reply(self, reply: Message) -> None:
+        """Count a reply; a cohort message's reply as its members' plain replies (:func:`metered`)."""
         category = reply.metadata.message_type.split(".")[0]
-        self._counts[f"{category}_upload_bytes"] += message_bytes(reply)
-        self._counts[f"{category}_upload_array_bytes"] += array_payload_bytes(reply)
-        self._counts[f"{category}_replies"] += 1
+        weighed = metered(reply)
+        size, array_size, count = (
+            weighed if weighed is not None else (message_bytes(reply), array_payload_bytes(reply), 1)
+        )
+        self._counts[f"{category}_upload_bytes"] += size
+        self._counts[f"{category}_upload_array_bytes"] += array_size
+        self._counts[f"{category}_replies"] += count
 
-    def _exchange(self, messages: list[Message], timeout: float | None) -> list[Message]:
+    def _exchange_in_memory(
+        self, messages: list[Message], timeout: float | None, summand: Summand | None
+    ) -> list[Message]:
+        """:meth:`_exchange`, with a round of a summed aggregation sent as cohort messages.
+
+        Packed (:func:`fl_app.cohort_messages.pack`) when there is a ``summand``, the messages can
+        go together (:func:`~fl_app.cohort_messages.packable`) and the engine's node numbering is
+        known; the replies, counted after :func:`~fl_app.cohort_messages.unpack`, weigh what the
+        members' plain replies would have.
+        """
+        partitions = simulated_partitions(self._grid)
+        if summand is None or partitions is None or not packable(messages):
+            return self._exchange(messages, timeout)[1]  # counts each reply as it arrives
+        packed = pack(messages, partitions=partitions, summand=summand)
+        pushed, replies = self._exchange([c.message for c in packed], timeout, count=False)
+        replies = unpack(replies, packed, pushed)
+        for reply in replies:
+            self._count_reply(reply)
+        return replies
+
+    def _exchange(
+        self, messages: list[Message], timeout: float | None, *, count: bool = True
+    ) -> tuple[list[str], list[Message]]:
         """Push ``messages`` and pull their replies until all arrived or ``timeout`` passed.
 
         For the simulation's in-memory grid: Flower's ``Grid.send_and_receive``
@@ -182,7 +149,8 @@ class MeteredGrid:
         clients still train. A stop request (:mod:`fl_app.lifecycle`) abandons the
         wait at once.
         """
-        order = list(self._grid.push_messages(messages))
+        pushed = list(self._grid.push_messages(messages))
+        order = list(pushed)
         MESSAGES_PUSHED.set()
         pending = set(order)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -204,14 +172,14 @@ class MeteredGrid:
                 last_full = started
             pulled = list(self._grid.pull_messages(window)) if window else []
             replies.extend(pulled)
-            for reply in pulled:  # while the other clients still work
+            for reply in pulled if count else ():  # while the other clients still work
                 self._count_reply(reply)
             pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
             if not pending or expired:
                 break
             if not pulled:
                 REPLIES_STORED.wait(adaptive_interval(time.perf_counter() - started, started - began))
-        return replies
+        return pushed, replies
 
     def take(self) -> dict[str, float]:
         """Return the counters since the last call and reset them."""

@@ -5,8 +5,9 @@ aggregate training, configure and aggregate federated evaluation, central evalua
 strategy contract (:class:`strategies.contract.Strategy`); a Flower strategy object runs through
 the ``flower`` adapter (:mod:`strategies.flower`). In addition the loop can begin after a checkpoint
 (``first_round``), stops between rounds when a stop was requested
-(:func:`fl_app.lifecycle.raise_if_stopped`; the grid also checks while it waits), and calls
-``after_round`` (evaluate, record, check health, checkpoint) after each round.
+(:func:`fl_app.lifecycle.raise_if_stopped`; the grid also checks while it waits), calls
+``after_round`` (evaluate, record, check health, checkpoint) after each round, and hands the grid the
+strategy's summand when the round may go as cohort messages (:mod:`fl_app.cohort_messages`).
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ def run_rounds(
     """Run rounds ``first_round..num_rounds``; return the last global model."""
     for server_round in range(first_round, num_rounds + 1):
         raise_if_stopped()
-        replies = grid.send_and_receive(
-            strategy.configure_train(server_round, arrays, ConfigRecord(), grid), timeout=timeout
-        )
+        messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
+        summand = cohort_summand(strategy, server_round)
+        if summand is None:
+            replies = grid.send_and_receive(messages, timeout=timeout)
+        else:  # a dpfl grid: it may send the round as cohort messages (fl_app.cohort_messages)
+            replies = grid.send_and_receive(messages, timeout=timeout, summand=summand)
         aggregated, _ = strategy.aggregate_train(server_round, replies)
         if aggregated is not None:
             arrays = aggregated
@@ -53,6 +57,12 @@ def run_rounds(
         strategy.aggregate_evaluate(server_round, replies)
         after_round(server_round, arrays)
     return arrays
+
+
+def cohort_summand(strategy: Any, server_round: int) -> Any:
+    """The strategy's summand for the round's cohort messages (None: plain messages; a Flower strategy)."""
+    method = getattr(strategy, "cohort_summand", None)
+    return None if method is None else method(server_round)
 
 
 def check_round(

@@ -65,6 +65,8 @@ class SimulationSettings:
     timeout: float
     max_failure_fraction: float
     vectorise: str = "auto"
+    #: ``true``: a round of a summed aggregation goes as cohort messages (:mod:`fl_app.cohort_messages`).
+    cohort_messages: str = "auto"
     #: ``ray``: client actors on a Ray instance; ``inline``: the clients run in the command's own
     #: process, one after another (:mod:`fl_app.engine.inline`).
     backend: str = "ray"
@@ -84,6 +86,14 @@ class SimulationSettings:
         if self.vectorise == "auto":
             return self.client_gpus > 0
         return self.vectorise == "true"
+
+    @property
+    def sends_cohort_messages(self) -> bool:
+        """Whether a summed aggregation's round goes as cohort messages (``simulation.cohort_messages``).
+
+        ``auto``: yes; the results are the same bit for bit (:func:`fl_app.reply_sums.summed`).
+        """
+        return self.cohort_messages in ("auto", "true")
 
 
 def cohort_size(clients_per_round: int | float, num_clients: int) -> int:
@@ -194,6 +204,7 @@ class RunSettings:
                 timeout=float(simulation.timeout),
                 max_failure_fraction=float(simulation.get("max_failure_fraction", 0.5)),
                 vectorise=str(simulation.get("vectorise", "auto")).lower(),
+                cohort_messages=str(simulation.get("cohort_messages", "auto")).lower(),
                 backend=str(simulation.get("backend", "ray")),
             ),
             data=DataSpec.from_config(cfg),

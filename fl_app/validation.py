@@ -139,6 +139,9 @@ def validate_common(cfg: DictConfig) -> None:
     vectorise = simulation.get("vectorise", "auto")
     if not isinstance(vectorise, bool):
         require_choice("simulation.vectorise", vectorise, ("auto", "true", "false"))
+    cohort_messages = simulation.get("cohort_messages", "auto")
+    if not isinstance(cohort_messages, bool):
+        require_choice("simulation.cohort_messages", cohort_messages, ("auto", "true", "false"))
     backend = require_choice("simulation.backend", simulation.get("backend", "ray"), SIMULATION_BACKENDS)
     if backend == "inline" and simulation.ray_address:
         raise ConfigError(

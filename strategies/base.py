@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
 from collections.abc import Iterable
 from logging import INFO
 from typing import Any, ClassVar
@@ -46,7 +45,8 @@ from fl_app import keys
 from fl_app.privacy.accountant import LEDGER_FILE, PrivacyAccountant
 from fl_app.privacy.canaries import CanaryPopulation
 from fl_app.privacy.composition import EpsilonReport
-from fl_app.privacy.mechanisms import sum_clipped_updates
+from fl_app.privacy.mechanisms import clip_l2
+from fl_app.reply_sums import ClippedUpdate, PartialSum, Summand, blocks_of, summed
 from fl_app.roster import ClientInfo, on_devices
 from fl_app.run_context import RunContext
 from fl_app.training import array_values, evaluate, load_arrays, model_to_arrays, torch_seed
@@ -191,6 +191,41 @@ class FederatedStrategy:
             record[key] = value
         return record
 
+    def reply_summand(self, server_round: int) -> Summand | None:
+        """The per-client term this round's aggregation sums, or None: it needs every reply (override).
+
+        A strategy that returns one aggregates with :meth:`summed_replies` (or
+        :meth:`clipped_update_sum`), which take cohort messages' partial sums
+        (:mod:`fl_app.cohort_messages`) as well as plain replies.
+        """
+        return None
+
+    def cohort_summand(self, server_round: int) -> Summand | None:
+        """The summand the round loop hands the grid: the round may go as cohort messages (else None).
+
+        :meth:`reply_summand` where the run asks for cohort messages (``simulation.cohort_messages``);
+        the grid packs only in a simulation (:class:`fl_app.metering.MeteredGrid`).
+        """
+        if not self.run.settings.simulation.sends_cohort_messages:
+            return None
+        return self.reply_summand(server_round)
+
+    def summed_replies(
+        self, valid: list[tuple[ClientInfo, Message]], summand: Summand, *, server_round: int | None = None
+    ) -> PartialSum:
+        """The sum of ``summand``'s terms over the valid replies, plain and partial sums alike.
+
+        In the blocks of the round's cohort in client order (:func:`fl_app.reply_sums.summed`; the
+        clients selected in ``server_round`` and those that replied), so a run sums the same way
+        whether its replies came one per client or as cohort messages.
+        """
+        cohort = {info.client_id: info for info, _ in valid}
+        if server_round is not None:
+            cohort.update((info.client_id, info) for info in self.replies.selected(server_round))
+        blocks = blocks_of(cohort[client].node_id for client in sorted(cohort))
+        pairs = ((info.node_id, reply) for info, reply in valid)
+        return summed(pairs, summand, self.round_global, blocks=blocks)
+
     def extra_train_config(self, server_round: int) -> dict[str, Any]:
         """Algorithm-specific hyperparameters for the clients (override)."""
         return {}
@@ -256,25 +291,23 @@ class FederatedStrategy:
         Returns the array names, the round's global arrays in float64, the float64 sum of the
         valid replies' updates ``w_k - w_t`` each clipped to L2 norm ``max_norm``
         (:func:`fl_app.privacy.mechanisms.sum_clipped_updates`), and each reply's update norm
-        before clipping (un-noised: never release it). With ``server_round`` and canaries
-        (``privacy.canaries``), the canaries sampled in that round join the sum through the same
-        clipping; their norms are not returned.
+        before clipping (un-noised: never release it), in client order. Summed by
+        :meth:`summed_replies`: plain replies and cohort messages' partial sums
+        (:mod:`fl_app.cohort_messages`, each member's update clipped where it ran, with the bound
+        this strategy sent and checks) give the same sum. With ``server_round`` and canaries
+        (``privacy.canaries``), the canaries sampled in that round join the sum after the clients,
+        through the same clipping; their norms are not returned.
         """
         names = list(self.round_global.keys())
         reference = [array_values(self.round_global[name]).astype(np.float64) for name in names]
-        updates: Iterable[list[np.ndarray]] = (
-            [
-                array_values(reply.content.array_records[keys.ARRAYS][name]).astype(np.float64) - r
-                for name, r in zip(names, reference, strict=True)
-            ]
-            for _, reply in valid
-        )
+        clients = self.summed_replies(valid, ClippedUpdate(clip=max_norm), server_round=server_round)
+        total = [clients.arrays[name] for name in names]
         if server_round is not None:
-            updates = itertools.chain(
-                updates, self.canary_uploads(server_round, clip=max_norm, like=reference)
-            )
-        total, norms = sum_clipped_updates(updates=updates, like=reference, max_norm=max_norm)
-        return names, reference, total, norms[: len(valid)]
+            for upload in self.canary_uploads(server_round, clip=max_norm, like=reference):
+                clipped, _ = clip_l2(arrays=upload, max_norm=max_norm)
+                for t, c in zip(total, clipped, strict=True):
+                    t += c
+        return names, reference, total, clients.per_member.get("norm", [])
 
     def canary_uploads(
         self, server_round: int, *, clip: float, like: list[np.ndarray]

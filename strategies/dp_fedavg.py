@@ -63,6 +63,7 @@ from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
 from fl_app.privacy.events import Gaussian, PrivacyEvent, SampledGaussian
 from fl_app.privacy.mechanisms import gaussian_mechanism
+from fl_app.reply_sums import ClippedUpdate
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
@@ -157,6 +158,10 @@ class DPFedAvgStrategy(FederatedStrategy):
         if self.sampling != "poisson":
             return super().select_clients(server_round)
         return self.cohorts.poisson(server_round, self.rate)
+
+    def reply_summand(self, server_round: int) -> ClippedUpdate:
+        """Each client's update clipped to the round's bound: the aggregation sums them (cohort messages)."""
+        return ClippedUpdate(clip=self.clip)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

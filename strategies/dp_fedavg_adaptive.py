@@ -81,6 +81,7 @@ from fl_app.privacy.events import (
     SampledGaussian,
 )
 from fl_app.privacy.mechanisms import gaussian_mechanism
+from fl_app.reply_sums import ClippedUpdate
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
@@ -267,6 +268,10 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
     def select_clients(self, server_round: int) -> list[ClientInfo]:
         """Poisson sampling with rate q; secret coins from the privacy randomness."""
         return self.cohorts.poisson(server_round, self.plan.sampling_rate)
+
+    def reply_summand(self, server_round: int) -> ClippedUpdate:
+        """Each client's update clipped to the round's bound: the aggregation sums them (cohort messages)."""
+        return ClippedUpdate(clip=self.clip)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

@@ -25,10 +25,11 @@ import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord
 
 from fl_app import keys
+from fl_app.reply_sums import WeightedModel
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
 from strategies import register_strategy
-from strategies.arrays import ServerMomentum, arrays_like, mean_arrays
+from strategies.arrays import ServerMomentum, arrays_like
 from strategies.base import FederatedStrategy
 from strategies.contract import Declaration, QuickExample
 from strategies.settings import StrategySettings, between, one_of, positive
@@ -82,19 +83,19 @@ class FedAvgStrategy(FederatedStrategy):
         updates = [array_values(average[n]) - w for n, w in zip(names, start, strict=True)]
         return arrays_like(self.server_optimizer.step(start, updates), current)
 
+    def reply_summand(self, server_round: int) -> WeightedModel:
+        """Each client's model times its weight: the average is a sum (cohort messages)."""
+        return WeightedModel(weighting=self.settings.weighting)
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Average the returned models (by examples or uniformly)."""
+        """Average the returned models (by examples or uniformly): ``sum_k n_k w_k / sum_k n_k``."""
         valid, _ = self.replies.split(server_round, replies)
         if not valid:
             return None, None
-        examples = [float(m.content.metric_records[keys.METRICS][keys.NUM_EXAMPLES]) for _, m in valid]
-        uniform = self.settings.weighting == "uniform"
-        arrays = mean_arrays(
-            [m.content.array_records[keys.ARRAYS] for _, m in valid], None if uniform else examples
-        )
-        losses = [float(m.content.metric_records[keys.METRICS][keys.TRAIN_LOSS]) for _, m in valid]
-        return self.server_step(arrays), MetricRecord(
-            {keys.TRAIN_LOSS: float(np.average(losses, weights=examples))}
-        )
+        total = self.summed_replies(valid, self.reply_summand(server_round), server_round=server_round)
+        weight = total.scalars["weight"]
+        average = arrays_like([total.arrays[name] / weight for name in total.arrays], self.round_global)
+        loss = total.scalars["weighted_loss"] / weight
+        return self.server_step(average), MetricRecord({keys.TRAIN_LOSS: float(loss)})

@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, Message
 from flwr.common import log
 
 from fl_app import keys
+from fl_app.reply_sums import PartialSum, is_partial_sum
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.run_log import withheld_from_file
@@ -108,6 +109,8 @@ class ReplyBook:
                     # the operator draws the cohort and sees it; run.log is published with the results
                     extra=withheld_from_file() if secret else None,
                 )
+            elif is_partial_sum(reply):  # a cohort message's sum: valid for each of its members
+                valid.extend((by_node[node], reply) for node in PartialSum.members_of(reply))
             else:
                 valid.append((info, reply))
         # Replies arrive in an order that depends on timing: aggregate them by client id, so a

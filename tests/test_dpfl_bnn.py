@@ -23,7 +23,7 @@ from clients.dpfl_bnn import (
 )
 from fl_app import keys
 from fl_app.config import compose_config
-from fl_app.metering import content_bytes
+from fl_app.engine.messages import content_bytes
 from fl_app.model_spec import ModelSpec
 from fl_app.models import BinaryCNN, BinaryLinear, binarize
 from fl_app.privacy.accountant import PrivacyAccountant

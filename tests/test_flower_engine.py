@@ -41,8 +41,9 @@ from fl_app.engine.dispatch import (
     take_undelivered,
 )
 from fl_app.engine.launch import actor_limit
+from fl_app.engine.messages import content_bytes
 from fl_app.engine.pool import BalancedSlots, load_dpfl_client_app, pipeline_pool
-from fl_app.metering import MeteredGrid, content_bytes
+from fl_app.metering import MeteredGrid
 from fl_app.training import array_values
 from strategies.arrays import mean_arrays
 from tests.conftest import FAST, INLINE, TWO_ACTORS
@@ -339,7 +340,7 @@ def _random_content(rng: np.random.Generator) -> RecordDict:
 
 def test_message_bytes_equals_flowers_serialised_size() -> None:
     """The layout-cached size equals the real one, duplicates (sent once) included."""
-    from fl_app.metering import message_bytes
+    from fl_app.message_sizes import message_bytes
 
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -349,7 +350,7 @@ def test_message_bytes_equals_flowers_serialised_size() -> None:
 
 def test_message_bytes_tells_duplicate_arrays_from_distinct_ones() -> None:
     """Same names, shapes and sizes; only whether two arrays are byte-identical differs."""
-    from fl_app import metering
+    from fl_app import message_sizes as metering
 
     base = np.arange(64, dtype=np.float32)
     twins = {"a": Array(base), "b": Array(base.copy()), "z": Array(np.zeros(64, dtype=np.float32))}

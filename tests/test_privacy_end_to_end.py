@@ -381,12 +381,8 @@ def central_update_audit(
         values = []
         for trial in range(trials):
             fresh = reseeded(STRATEGIES.get(name)(run), 2 * trial + world)
-            replies = [
-                error_reply(m, "absent")
-                if int(m.metadata.dst_node_id) == 1000 and not present
-                else reply_to(m, arrays=trained[int(m.metadata.dst_node_id) - 1000])
-                for m in fresh.configure_train(1, start, ConfigRecord(), grid=None)
-            ]
+            messages = list(fresh.configure_train(1, start, ConfigRecord(), grid=None))
+            replies = central_replies(fresh, messages, trained, present)
             arrays, _ = fresh.aggregate_train(1, replies)
             values.append(float(flat_vector(arrays) @ direction))
         outputs.append(np.asarray(values))
@@ -394,6 +390,18 @@ def central_update_audit(
     list(reported.configure_train(1, start, ConfigRecord(), grid=None))
     reported.aggregate_train(1, [])
     return Audited(audit(*outputs, delta=run.settings.privacy.delta), float(reported.epsilon().epsilon))
+
+
+def central_replies(
+    strategy: Any, messages: list[Message], trained: dict[int, ArrayRecord], present: bool
+) -> list[Message]:
+    """Each client's reply with its trained arrays; client 0's an error when it is absent."""
+    return [
+        error_reply(m, "absent")
+        if int(m.metadata.dst_node_id) == 1000 and not present
+        else reply_to(m, arrays=trained[int(m.metadata.dst_node_id) - 1000])
+        for m in messages
+    ]
 
 
 @audit_of("dp_fedavg_adaptive", rounds=4000, power=0.1)  # as dp_fedavg; the count is not looked at
@@ -803,6 +811,70 @@ def test_audit_catches_a_wrong_sensitivity_on_the_vectorised_path(tmp_path, held
     audited = fedavg_ldp_audit(tmp_path, held, 1500)
     assert len(vectorised) >= 3000
     assert not audited.holds, f"the audit missed a sensitivity of C instead of 2C: {audited}"
+
+
+# ------------------------------------------------------------------------------ cohort messages
+
+
+@pytest.fixture
+def cohort_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every audited central round goes as cohort messages (``simulation.cohort_messages``): the round's
+    messages packed (:func:`fl_app.cohort_messages.pack`), each answered where its members run
+    (:func:`~fl_app.cohort_messages.answer`: each member's update clipped there, summed), unpacked, and
+    the strategy aggregates the partial sums. Counts the members summed in cohort messages."""
+    from fl_app import cohort_messages
+    from fl_app.engine.messages import set_message_id
+
+    members: list[int] = []
+
+    def packed_replies(
+        strategy: Any, messages: list[Message], trained: dict[int, ArrayRecord], present: bool
+    ) -> list[Message]:
+        def run_member(member: Message, context: Context) -> Message:
+            client = int(member.metadata.dst_node_id) - 1000
+            if client == 0 and not present:
+                raise RuntimeError("absent")
+            members.append(client)
+            return reply_to(member, arrays=trained[client])
+
+        partitions = {int(m.metadata.dst_node_id): int(m.metadata.dst_node_id) - 1000 for m in messages}
+        packed = cohort_messages.pack(messages, partitions=partitions, summand=strategy.reply_summand(1))
+        replies = []
+        for index, cohort in enumerate(packed):
+            set_message_id(cohort.message, f"cohort-{index}")
+            node = int(cohort.message.metadata.dst_node_id)
+            context = make_context(partition_id=node - 1000, num_partitions=2, node_id=node)
+            replies.append(cohort_messages.answer(cohort.message, context, run_member))
+        return cohort_messages.unpack(replies, packed, [f"cohort-{i}" for i in range(len(packed))])
+
+    monkeypatch.setattr(sys.modules[__name__], "central_replies", packed_replies)
+    return members
+
+
+@pytest.mark.audit
+def test_dp_fedavg_as_cohort_messages_meets_the_epsilon_it_reports(tmp_path, held, cohort_path):
+    """DP-FedAvg's audit with the clipping and summing done in cohort messages."""
+    function, trials, power = AUDITS["dp_fedavg"]
+    audited = function(tmp_path, held, trials)
+    assert len(cohort_path) >= trials, f"the cohort path was not taken ({len(cohort_path)})"
+    assert audited.holds, f"dp_fedavg: {audited}"
+    assert audited.result.epsilon_lower_bound >= power * audited.reported, f"dp_fedavg: {audited}"
+
+
+@pytest.mark.audit
+def test_audit_catches_cohort_messages_that_do_not_clip(tmp_path, held, cohort_path, monkeypatch):
+    """Mutant 6: cohort messages sum their members' updates unclipped (the bound sent, not applied)."""
+    from fl_app.reply_sums import ClippedUpdate
+
+    real = ClippedUpdate.add_to
+
+    def unclipped(self: ClippedUpdate, total: Any, node: int, reply: Message, like: ArrayRecord) -> None:
+        real(ClippedUpdate(clip=1e9), total, node, reply, like)
+
+    monkeypatch.setattr(ClippedUpdate, "add_to", unclipped)
+    audited = dp_fedavg_audit(tmp_path, held, 1500)
+    assert len(cohort_path) >= 1500
+    assert not audited.holds, f"the audit missed unclipped updates in cohort messages: {audited}"
 
 
 # ------------------------------------------------------------------------------ the audit catches bugs

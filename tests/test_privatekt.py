@@ -29,7 +29,7 @@ from clients.privatekt import (
 )
 from fl_app import keys
 from fl_app.config import compose_config
-from fl_app.metering import array_payload_bytes
+from fl_app.message_sizes import array_payload_bytes
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import RandomizedResponse
 from fl_app.privacy.mechanisms import debias_label_average, randomized_response_labels

@@ -27,7 +27,9 @@ from queue import Empty, Queue
 from typing import Any
 from uuid import uuid4
 
-from fl_app.engine.messages import set_message_id
+from fl_app.engine.messages import client_app_error, raised_in_client_app, set_message_id
+
+__all__ = ["client_app_error"]  # where the engine's callers have found it
 
 #: How often a worker waiting for a batch looks whether the run has stopped (seconds).
 STOP_POLL_S = 0.5
@@ -132,20 +134,6 @@ def _no_sender(jobs: list[Job]) -> list[Outcome]:
     raise RuntimeError("Batching.send was not set")
 
 
-def client_app_error(ex: BaseException) -> tuple[int, str]:
-    """The error code and reason Flower's worker gives a message whose processing raised ``ex``."""
-    from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
-    from flwr.common.constant import ErrorCode
-
-    if isinstance(ex, ClientAppException):
-        code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
-    elif isinstance(ex, LoadClientAppError):
-        code = ErrorCode.LOAD_CLIENT_APP_EXCEPTION
-    else:
-        code = ErrorCode.UNKNOWN
-    return int(code), str(type(ex)) + ":<'" + str(ex) + "'>"
-
-
 def run_jobs(client_app_fn: Callable[[], Any], jobs: list[Job]) -> list[Outcome]:
     """Run each ``(message, context)`` through the ClientApp, in order (an actor's ``run_batch``).
 
@@ -156,7 +144,7 @@ def run_jobs(client_app_fn: Callable[[], Any], jobs: list[Job]) -> list[Outcome]
     """
     import traceback
 
-    from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
+    from flwr.clientapp.client_app import LoadClientAppError
 
     try:
         app = client_app_fn()
@@ -169,7 +157,7 @@ def run_jobs(client_app_fn: Callable[[], Any], jobs: list[Job]) -> list[Outcome]
             try:
                 reply = app(message=message, context=context)
             except Exception as ex:  # reported as the message's error reply
-                code, reason = client_app_error(ClientAppException(str(ex)))
+                code, reason = raised_in_client_app(ex)
                 outcomes.append(("error", code, reason, traceback.format_exc()))
                 continue
             outcomes.append(("reply", reply, context))

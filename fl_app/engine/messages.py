@@ -5,6 +5,10 @@
   :data:`MAX_ARRAY_CHUNK_BYTES`);
 * :func:`set_message_id`, :func:`set_reply_source`: ``Metadata`` has no setters for a reply's id and
   sender; Flower's own worker sets the attribute directly, and so do these;
+* :func:`client_app_error`: the error code and reason Flower's worker gives a message whose
+  ClientApp raised;
+* :func:`member_message`: a message built on the client side from another's metadata (a cohort
+  message's member, :mod:`fl_app.cohort_messages`; ``flwr.app.message.message.make_message``);
 * :func:`task_identity`: messages built outside a run (tests, benchmarks) need the process's task
   identity that a ServerApp or ClientApp process has (``flwr.supercore.task_identity``).
 
@@ -15,9 +19,11 @@ other message helpers of the per-message path.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app.message.message import make_message
 from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE, SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 from flwr.supercore.task_identity import TaskIdentity
@@ -46,6 +52,27 @@ def content_bytes(message: Message) -> int:
     return sum(len(obj.deflate()) for obj in objects.values())
 
 
+def client_app_error(ex: BaseException) -> tuple[int, str]:
+    """The error code and reason Flower's worker gives a message whose processing raised ``ex``."""
+    from flwr.clientapp.client_app import ClientAppException, LoadClientAppError
+    from flwr.common.constant import ErrorCode
+
+    if isinstance(ex, ClientAppException):
+        code = ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    elif isinstance(ex, LoadClientAppError):
+        code = ErrorCode.LOAD_CLIENT_APP_EXCEPTION
+    else:
+        code = ErrorCode.UNKNOWN
+    return int(code), str(type(ex)) + ":<'" + str(ex) + "'>"
+
+
+def raised_in_client_app(ex: BaseException) -> tuple[int, str]:
+    """The error code and reason of a message whose ClientApp raised ``ex`` (the engine wraps it first)."""
+    from flwr.clientapp.client_app import ClientAppException
+
+    return client_app_error(ClientAppException(str(ex)))
+
+
 def set_message_id(message: Message, message_id: str) -> None:
     """Give a reply built outside Flower's worker its own message id (as the worker does)."""
     message.metadata.__dict__["_message_id"] = message_id
@@ -54,6 +81,18 @@ def set_message_id(message: Message, message_id: str) -> None:
 def set_reply_source(reply: Message, node_id: int) -> None:
     """Credit a reply to ``node_id`` (the SuperLink's error reply for a node that is gone)."""
     reply.metadata.__dict__["_src_node_id"] = node_id
+
+
+def member_message(message: Message, *, node_id: int, message_id: str, content: RecordDict) -> Message:
+    """A message as ``message`` but for node ``node_id``, with its own id and ``content``.
+
+    What a client of a cohort message receives (:mod:`fl_app.cohort_messages`): the metadata of the
+    message that reached the node (run, sender, round type, deadline), addressed to the member.
+    """
+    metadata = copy.copy(message.metadata)
+    metadata.__dict__["_dst_node_id"] = int(node_id)
+    metadata.__dict__["_message_id"] = message_id
+    return make_message(metadata, content)
 
 
 @contextlib.contextmanager

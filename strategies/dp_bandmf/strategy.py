@@ -55,6 +55,7 @@ from fl_app.config_checks import ConfigError, require_int
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
 from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, SampledGaussian
+from fl_app.reply_sums import ClippedUpdate
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
@@ -285,6 +286,10 @@ class DPBandMFStrategy(FederatedStrategy):
         return [frozenset(t for t in rounds if rng.random() < self.rate) for _ in range(count)]
 
     # ------------------------------------------------------------------ rounds
+
+    def reply_summand(self, server_round: int) -> ClippedUpdate:
+        """Each client's update clipped to the round's bound: the aggregation sums them (cohort messages)."""
+        return ClippedUpdate(clip=self.settings.clip)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

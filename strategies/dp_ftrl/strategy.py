@@ -73,6 +73,7 @@ from fl_app.privacy.canaries import worst_client_patterns
 from fl_app.privacy.composition import History
 from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, TreeAggregation
 from fl_app.privacy.mechanisms import gaussian_mechanism, tree_prefix_nodes
+from fl_app.reply_sums import ClippedUpdate
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from strategies import register_strategy
@@ -265,6 +266,10 @@ class DPFTRLStrategy(FederatedStrategy):
     def select_clients(self, server_round: int) -> list[ClientInfo]:
         """The public schedule's cohort (no sampling)."""
         return self.cohort(server_round)
+
+    def reply_summand(self, server_round: int) -> ClippedUpdate:
+        """Each client's update clipped to the round's bound: the aggregation sums them (cohort messages)."""
+        return ClippedUpdate(clip=self.settings.clip)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]

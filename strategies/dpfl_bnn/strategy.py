@@ -69,7 +69,7 @@ from clients.dpfl_bnn import (
 )
 from fl_app import keys
 from fl_app.config_checks import ConfigError
-from fl_app.metering import content_bytes
+from fl_app.engine.messages import content_bytes
 from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from fl_app.training import evaluate, load_arrays

@@ -1,0 +1,250 @@
+"""A round's cohort sent as a few messages, each answered with a partial sum (issue 58).
+
+**Contract.** A strategy whose aggregation is a sum of per-client terms names the term
+(:meth:`strategies.base.FederatedStrategy.reply_summand`, a :class:`fl_app.reply_sums.Summand`) and
+aggregates with :func:`fl_app.reply_sums.summed`, which takes plain replies and partial sums alike.
+When the run asks for it (``simulation.cohort_messages``), the round loop hands the summand to the
+simulation's grid (:class:`fl_app.metering.MeteredGrid`), which sends the round's N train messages
+(one model, one config) as N / 16 *cohort messages* instead (:func:`pack`): each carries the model
+and config once, the node ids and partition ids of its members (a block of the cohort in client
+order) and the summand (:data:`fl_app.keys.COHORT`). The ClientApp answers one (:func:`answer`) by
+running every member's client on the member's own plain message and Context, exactly as it would run
+the plain message, applying the summand to each reply and adding it to a
+:class:`~fl_app.reply_sums.PartialSum`. The reply carries that sum, the members it holds, the members
+that failed (code, reason, traceback) and what the members' plain replies would have weighed on the
+wire; :func:`unpack` turns the failures into the error replies the plain messages would have had.
+Strategies that need every reply (PrivateKT, KD-DP, the Laplace evaluation, SecAgg+) never name a
+summand and are sent their plain messages.
+
+**Privacy.** Each member runs as its own client: its data, its ``"data-order"`` generator, its noise
+generators (seeded by the member's id), every step its privacy depends on. What reaches the server is
+the sum over a message's members of what each member's reply would have contributed, a function of
+the replies it receives today (post-processing: no guarantee changes), and the server alone sees it.
+How the cohort is split into messages depends on the cohort, which a Poisson-sampled run keeps secret:
+the split, the members per message and the messages' sizes stay on the server, as the cohort itself
+does (nothing here is logged or recorded; the round's upload bytes are metered per member as before).
+Only a simulation does this: on real devices every client is its own node, and the grid of a
+deployment never packs.
+
+**Results** equal the plain messages' bit for bit: the same terms, summed in float64 in the same
+blocks and order (:func:`fl_app.reply_sums.summed`), whatever the number of client processes
+(tests/test_cohort_messages.py).
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+from uuid import uuid4
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.common import MessageType
+
+from fl_app import keys
+from fl_app.engine.messages import config_record, member_message, raised_in_client_app, set_message_id
+from fl_app.reply_sums import BLOCK, BLOCK_INDEX, PartialSum, Summand, summand_of
+
+#: The cohort record's keys: the members' node ids and partition ids.
+NODES = "nodes"
+PARTITIONS = "partitions"
+#: The reply record with what the members' plain replies would have weighed (metering).
+METERING = "cohort-metering"
+
+#: Runs one member's plain message through the ClientApp's train path; returns its reply.
+MemberRunner = Callable[[Message, Context], Message]
+
+
+@dataclass(frozen=True)
+class CohortMessage:
+    """A cohort message and the plain messages it stands for (in the order its members run)."""
+
+    message: Message
+    members: list[Message]
+
+
+def packable(messages: Sequence[Message]) -> bool:
+    """Whether ``messages`` can go as cohort messages: train messages sharing one model and config."""
+    if len(messages) < 2:
+        return False
+    content = messages[0].content
+    if any(m.metadata.message_type != MessageType.TRAIN or m.content is not content for m in messages):
+        return False
+    return (
+        set(content.keys()) == {keys.ARRAYS, keys.CONFIG} and config_record(content, keys.CONFIG) is not None
+    )
+
+
+def pack(messages: Sequence[Message], *, partitions: dict[int, int], summand: Summand) -> list[CohortMessage]:
+    """``messages`` as cohort messages: in client order, one per block of ``BLOCK`` clients.
+
+    ``partitions`` maps each node to its partition id, the client id of a simulated node (the
+    engine's numbering); ``summand`` is the strategy's per-client term, which the members' replies
+    go through. Each cohort message goes to its first member's node and holds the block the
+    server sums its plain replies in (:func:`fl_app.reply_sums.blocks_of`), so both give the same sum.
+    """
+    ordered = sorted(messages, key=lambda m: partitions[int(m.metadata.dst_node_id)])
+    packed = []
+    for block, start in enumerate(range(0, len(ordered), BLOCK)):
+        members = ordered[start : start + BLOCK]
+        nodes = [int(m.metadata.dst_node_id) for m in members]
+        content = RecordDict(
+            {
+                keys.ARRAYS: members[0].content.array_records[keys.ARRAYS],
+                keys.CONFIG: config_record(members[0].content, keys.CONFIG) or ConfigRecord(),
+                keys.COHORT: ConfigRecord(
+                    {
+                        NODES: nodes,
+                        PARTITIONS: [partitions[n] for n in nodes],
+                        BLOCK_INDEX: block,
+                        keys.REPLY_SUM: summand.to_config(),
+                    }
+                ),
+            }
+        )
+        message = Message(content=content, dst_node_id=nodes[0], message_type=MessageType.TRAIN)
+        packed.append(CohortMessage(message, members))
+    return packed
+
+
+def unpack(
+    replies: Sequence[Message], packed: Sequence[CohortMessage], pushed_ids: Sequence[str]
+) -> list[Message]:
+    """The replies a strategy sees: each cohort reply, and an error reply per member that failed.
+
+    ``pushed_ids`` are the ids the grid gave ``packed``'s messages (same order). A cohort message
+    that failed as a whole (its actor died) fails each member with its error; one that got no reply
+    leaves its members unanswered (they did not reply in time).
+    """
+    by_id = dict(zip(pushed_ids, packed, strict=True))
+    out: list[Message] = []
+    for reply in replies:
+        cohort = by_id.get(reply.metadata.reply_to_message_id)
+        if cohort is None:
+            out.append(reply)
+        elif reply.has_error():
+            out.extend(_error_reply(m, reply.error.code, reply.error.reason) for m in cohort.members)
+        else:
+            out.append(reply)
+            out.extend(_member_failures(reply, cohort.members))
+    return out
+
+
+def _error_reply(member: Message, code: int, reason: str) -> Message:
+    reply = Message(Error(code=code, reason=reason), reply_to=member)
+    set_message_id(reply, str(uuid4()))
+    return reply
+
+
+def _member_failures(reply: Message, members: Sequence[Message]) -> list[Message]:
+    """Error replies for the members a cohort reply lists as failed (their tracebacks logged)."""
+    from logging import ERROR
+
+    from flwr.common import log
+
+    failures = reply.content.config_records.get(keys.COHORT_FAILURES)
+    if failures is None or not list(failures.get(NODES, [])):  # type: ignore[arg-type]
+        return []
+    by_node = {int(m.metadata.dst_node_id): m for m in members}
+    errors = []
+    for node, code, reason, trace in zip(
+        failures[NODES], failures["codes"], failures["reasons"], failures["tracebacks"], strict=True
+    ):
+        log(ERROR, reason)
+        log(ERROR, trace)
+        errors.append(_error_reply(by_node[int(node)], int(code), str(reason)))
+    return errors
+
+
+def metered(reply: Message) -> tuple[int, int, int] | None:
+    """What a cohort reply's members' plain replies would have weighed: bytes, array bytes, replies."""
+    if not reply.has_content() or METERING not in reply.content:
+        return None
+    record = reply.content.metric_records[METERING]
+    return int(record["upload-bytes"]), int(record["upload-array-bytes"]), int(record["replies"])  # type: ignore[arg-type]
+
+
+def is_cohort_message(message: Message) -> bool:
+    """Whether ``message`` is a cohort message (it carries :data:`fl_app.keys.COHORT`)."""
+    return config_record(message.content, keys.COHORT) is not None
+
+
+def answer(
+    message: Message,
+    context: Context,
+    run_member: MemberRunner,
+    together: Callable[[list[tuple[Message, Context]]], AbstractContextManager[Any]] = lambda jobs: (
+        nullcontext()
+    ),
+) -> Message:
+    """Run each member of a cohort message as its own client; reply with the partial sum (module doc).
+
+    ``run_member`` runs a member's plain message (the ClientApp's train path); ``together`` trains
+    the members' plain messages as one computation first where the config asks for it
+    (:func:`fl_app.client_app.trained_as_cohorts`).
+    """
+    from fl_app.message_sizes import array_payload_bytes, message_bytes
+
+    cohort = config_record(message.content, keys.COHORT)
+    config = config_record(message.content, keys.CONFIG)
+    summand = summand_of(cohort)
+    if cohort is None or config is None or summand is None:
+        raise ValueError("not a cohort message: it needs a config and a cohort record naming a summand")
+    global_arrays: ArrayRecord = message.content.array_records[keys.ARRAYS]
+    plain = RecordDict({keys.ARRAYS: global_arrays, keys.CONFIG: config})
+    jobs = [
+        (
+            member_message(
+                message, node_id=node, message_id=f"{message.metadata.message_id}/{node}", content=plain
+            ),
+            member_context(context, node_id=node, partition=partition),
+        )
+        for node, partition in zip(cohort[NODES], cohort[PARTITIONS], strict=True)  # type: ignore[call-overload]
+    ]
+    total = PartialSum.zeros_like(global_arrays, summand.to_config())
+    total.block = int(cohort[BLOCK_INDEX])  # type: ignore[arg-type]
+    failed: dict[str, list[Any]] = {NODES: [], "codes": [], "reasons": [], "tracebacks": []}
+    weighed = [0, 0, 0]
+    with together(jobs):
+        for member, member_ctx in jobs:
+            node = int(member.metadata.dst_node_id)
+            try:
+                reply = run_member(member, member_ctx)
+                if len(member_ctx.state) > 0:
+                    raise ValueError(
+                        "the client kept state in its Context: it cannot run in a cohort message"
+                    )
+                summand.add_to(total, node, reply, global_arrays)
+            except Exception as error:  # the member's failure, as its plain message's error reply
+                _record_failure(failed, node, error)
+                continue
+            weighed[0] += message_bytes(reply)
+            weighed[1] += array_payload_bytes(reply)
+            weighed[2] += 1
+    content = RecordDict(total.records())
+    content[keys.COHORT_FAILURES] = ConfigRecord(failed)
+    content[METERING] = MetricRecord(
+        {"upload-bytes": weighed[0], "upload-array-bytes": weighed[1], "replies": weighed[2]}
+    )
+    return Message(content=content, reply_to=message)
+
+
+def member_context(context: Context, *, node_id: int, partition: int) -> Context:
+    """The Context a member's node has in the simulation: its partition; no state (its client keeps none)."""
+    return Context(
+        run_id=context.run_id,
+        node_id=int(node_id),
+        node_config={**dict(context.node_config), keys.NODE_PARTITION_ID: int(partition)},
+        state=RecordDict(),
+        run_config=context.run_config,
+    )
+
+
+def _record_failure(failed: dict[str, list[Any]], node: int, error: Exception) -> None:
+    code, reason = raised_in_client_app(error)  # as the engine reports a plain message's
+    failed[NODES].append(node)
+    failed["codes"].append(code)
+    failed["reasons"].append(reason)
+    failed["tracebacks"].append(traceback.format_exc())

@@ -1,0 +1,264 @@
+"""A round sent as cohort messages answered with partial sums (``simulation.cohort_messages``, issue 58).
+
+For each strategy whose aggregation is a sum (it names a ``reply_summand``), round 1 runs twice on
+real train messages (digits, 40 clients of unequal sizes, so three blocks of 16, 16 and 8): once
+with one message per client through the ClientApp, once packed (:func:`fl_app.cohort_messages.pack`),
+each cohort message through the ClientApp and :func:`~fl_app.cohort_messages.unpack`. The two
+strategies (built alike, the same seeds) must release the same model bit for bit and record the same
+failures. The summing itself is checked on constructed replies against a plain float64 loop in the
+same blocks; a partial sum of another summand is refused; whole simulations agree round by round
+(accuracy, loss, epsilon, bytes, failures, the diagnostics).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import FAST, INLINE, build_run_context, make_context
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common import MessageType
+
+from clients.node import INJECT_FAILURES_ENV
+from fl_app import cohort_messages, keys
+from fl_app.client_app import app
+from fl_app.engine.batching import run_jobs
+from fl_app.reply_sums import (
+    BLOCK,
+    ClippedUpdate,
+    PartialSum,
+    WeightedModel,
+    blocks_of,
+    is_partial_sum,
+    summed,
+)
+from strategies import STRATEGIES
+
+FORTY = ["dataset=digits", "num_clients=40", "clients_per_round=40", "partition=dirichlet"]
+#: Every strategy whose aggregation is a sum of per-client terms, with what it needs to run here.
+SUMMED = {
+    "fedavg": [],
+    "dp_fedavg": ["strategy.sampling=fixed", "privacy.noise_seed=3"],
+    "dp_fedavg_adaptive": ["privacy.noise_seed=3"],
+    "dp_ftrl": ["privacy.noise_seed=3"],
+    "dp_bandmf": ["privacy.noise_seed=3"],
+}
+
+
+def strategy_of(name: str, tmp_path: Path) -> Any:
+    overrides = [*FAST, *FORTY, f"strategy={name}", *SUMMED[name]]
+    return STRATEGIES.get(name)(build_run_context(overrides, tmp_path))
+
+
+def node_context(node: int) -> Any:
+    return make_context(partition_id=node - 1000, num_partitions=40, node_id=node)
+
+
+def plain_replies(messages: list[Message]) -> list[Message]:
+    """Each train message through the ClientApp, as an actor runs a batch."""
+    outcomes = run_jobs(lambda: app, [(m, node_context(int(m.metadata.dst_node_id))) for m in messages])
+    return [o[1] if o[0] == "reply" else error_of(m, o) for m, o in zip(messages, outcomes, strict=True)]
+
+
+def error_of(message: Message, outcome: tuple[Any, ...]) -> Message:
+    from flwr.app import Error
+
+    return Message(Error(code=outcome[1], reason=outcome[2]), reply_to=message)
+
+
+def cohort_replies(messages: list[Message], strategy: Any) -> list[Message]:
+    """The same messages packed, each cohort message through the ClientApp, then unpacked."""
+    partitions = {int(m.metadata.dst_node_id): int(m.metadata.dst_node_id) - 1000 for m in messages}
+    packed = cohort_messages.pack(messages, partitions=partitions, summand=strategy.reply_summand(1))
+    assert [len(c.members) for c in packed] == [16, 16, 8]
+    for index, cohort in enumerate(packed):  # the engine gives each message its id when it is pushed
+        from fl_app.engine.messages import set_message_id
+
+        set_message_id(cohort.message, f"cohort-{index}")
+    replies = plain_replies([c.message for c in packed])
+    assert all(is_partial_sum(r) for r in replies), [r.error.reason for r in replies if r.has_error()]
+    return cohort_messages.unpack(replies, packed, [f"cohort-{i}" for i in range(len(packed))])
+
+
+@pytest.mark.parametrize("name", sorted(SUMMED))
+@pytest.mark.parametrize("failing", [False, True])
+def test_cohort_messages_release_what_plain_messages_release(
+    name: str, failing: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same model bit for bit, the same failures; with client 17 failing in round 1, too."""
+    if failing:
+        monkeypatch.setenv(INJECT_FAILURES_ENV, "17@1")
+    released = []
+    for path in ("plain", "cohort"):
+        strategy = strategy_of(name, tmp_path / path)
+        messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
+        assert len(messages) == 40
+        replies = plain_replies(messages) if path == "plain" else cohort_replies(messages, strategy)
+        arrays, _ = strategy.aggregate_train(1, replies)
+        assert arrays is not None
+        released.append(({n: arrays[n].numpy() for n in arrays}, strategy.replies.failures(1)))
+    (plain, plain_failures), (cohort, cohort_failures) = released
+    assert plain_failures == cohort_failures == ([17] if failing else [])
+    for key, values in plain.items():
+        np.testing.assert_array_equal(values, cohort[key], err_msg=f"{name} {key}")
+
+
+def test_the_cohort_path_really_ran_each_member_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three cohort messages carry 40 members; each member's client trains once, on its own node."""
+    from clients.fedavg import FedAvgClient
+
+    trained: list[int] = []
+    real_train = FedAvgClient.train
+    monkeypatch.setattr(
+        FedAvgClient, "train", lambda self: trained.append(self.client_id) or real_train(self)
+    )
+    strategy = strategy_of("fedavg", tmp_path)
+    messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
+    replies = cohort_replies(messages, strategy)
+    assert sorted(trained) == list(range(40))
+    assert len(replies) == 3
+    assert sorted(m for r in replies for m in PartialSum.members_of(r)) == list(range(1000, 1040))
+
+
+def constructed_replies(
+    count: int, rng: np.random.Generator
+) -> tuple[ArrayRecord, list[tuple[int, Message]]]:
+    """A global model and ``count`` replies with float32 models, example counts and losses."""
+    like = ArrayRecord(
+        {"w": Array(rng.normal(size=(5, 3)).astype(np.float32)), "b": Array(np.zeros(3, np.float32))}
+    )
+    replies = []
+    for k in range(count):
+        message = Message(content=RecordDict(), dst_node_id=2000 + k, message_type=MessageType.TRAIN)
+        arrays = ArrayRecord(
+            {n: Array((like[n].numpy() + rng.normal(size=like[n].shape)).astype(np.float32)) for n in like}
+        )
+        metrics = MetricRecord(
+            {keys.NUM_EXAMPLES: int(rng.integers(1, 90)), keys.TRAIN_LOSS: float(rng.random())}
+        )
+        replies.append(
+            (2000 + k, Message(RecordDict({keys.ARRAYS: arrays, keys.METRICS: metrics}), reply_to=message))
+        )
+    return like, replies
+
+
+def cohort_reply_of(partial: PartialSum, node: int) -> Message:
+    """A cohort message's reply carrying ``partial`` (as :func:`fl_app.cohort_messages.answer` builds it)."""
+    message = Message(content=RecordDict(), dst_node_id=node, message_type=MessageType.TRAIN)
+    return Message(RecordDict(partial.records()), reply_to=message)
+
+
+@pytest.mark.parametrize("summand", [WeightedModel(weighting="num_examples"), ClippedUpdate(clip=1.5)])
+def test_summed_is_a_float64_loop_in_blocks_whichever_way_the_replies_come(summand: Any) -> None:
+    """37 plain replies and the same as three partial sums (the blocks of 16) give the same bits, equal
+    to an independent loop: each block summed from zero in client order, the blocks added in order."""
+    rng = np.random.default_rng(5)
+    like, replies = constructed_replies(37, rng)
+    blocks = blocks_of(node for node, _ in replies)
+    plain = summed(replies, summand, like, blocks=blocks)
+    expected = {n: np.zeros(like[n].shape) for n in like}
+    for start in range(0, 37, BLOCK):
+        block = {n: np.zeros(like[n].shape) for n in like}
+        for _, reply in replies[start : start + BLOCK]:
+            model = {n: reply.content.array_records[keys.ARRAYS][n].numpy().astype(np.float64) for n in like}
+            if isinstance(summand, WeightedModel):
+                weight = float(reply.content.metric_records[keys.METRICS][keys.NUM_EXAMPLES])
+                terms = {n: model[n] * weight for n in like}
+            else:
+                update = {n: model[n] - like[n].numpy().astype(np.float64) for n in like}
+                norm = np.sqrt(sum(np.sum(u**2) for u in update.values()))
+                terms = {n: u * min(1.0, 1.5 / norm) for n, u in update.items()}
+            for n in like:
+                block[n] += terms[n]
+        for n in like:
+            expected[n] += block[n]
+    for n in like:
+        np.testing.assert_allclose(plain.arrays[n], expected[n], rtol=1e-12)
+    partials = []
+    for index, start in enumerate(range(0, 37, BLOCK)):
+        partial = PartialSum.zeros_like(like, summand.to_config())
+        partial.block = index
+        for node, reply in replies[start : start + BLOCK]:
+            summand.add_to(partial, node, reply, like)
+        partials.append(cohort_reply_of(partial, replies[start][0]))
+    listed = [(node, partials[i // BLOCK]) for i, (node, _) in enumerate(replies)]  # once per member
+    together = summed(listed[::-1], summand, like, blocks=blocks)  # any order of arrival
+    for n in like:
+        np.testing.assert_array_equal(together.arrays[n], plain.arrays[n])
+    assert together.scalars == plain.scalars
+    assert together.per_member == plain.per_member
+    assert together.members == plain.members
+
+
+def test_a_partial_sum_of_another_clipping_bound_is_refused() -> None:
+    """Clipped at 2C where C was sent: the sum's sensitivity is not the one accounted."""
+    like, replies = constructed_replies(3, np.random.default_rng(2))
+    partial = PartialSum.zeros_like(like, ClippedUpdate(clip=2.0).to_config())
+    for node, reply in replies:
+        ClippedUpdate(clip=2.0).add_to(partial, node, reply, like)
+    with pytest.raises(ValueError, match="clip"):
+        summed(
+            [(replies[0][0], cohort_reply_of(partial, replies[0][0]))],
+            ClippedUpdate(clip=1.0),
+            like,
+            blocks={},
+        )
+
+
+def test_a_malformed_member_reply_fails_that_member_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member whose reply lacks its model fails with the reason, as the server would refuse it; the
+    others are summed."""
+    from clients.fedavg import FedAvgClient
+
+    real_train = FedAvgClient.train
+
+    def train(self: FedAvgClient) -> Message:
+        reply = real_train(self)
+        if self.client_id == 5:
+            del reply.content[keys.ARRAYS]
+        return reply
+
+    monkeypatch.setattr(FedAvgClient, "train", train)
+    strategy = strategy_of("fedavg", tmp_path)
+    messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
+    replies = cohort_replies(messages, strategy)
+    errors = [r for r in replies if r.has_error()]
+    assert [int(r.metadata.src_node_id) for r in errors] == [1005]
+    assert "no arrays" in errors[0].error.reason
+    valid, failed = strategy.replies.split(1, replies)
+    assert [info.client_id for info in failed] == [5]
+    assert len(valid) == 39
+
+
+@pytest.mark.simulation
+@pytest.mark.parametrize("strategy", ["fedavg", "dp_fedavg"])
+def test_a_simulation_gives_the_same_rounds_with_cohort_messages(strategy: str, simulate: Any) -> None:
+    """Inline, 40 clients, client 3 failing in round 2: every round's accuracy, loss, epsilon, bytes and
+    failures, and the un-noised diagnostics, equal with one message per client and with cohort messages."""
+    overrides = [*FAST, *FORTY, "num_rounds=3", INLINE, f"strategy={strategy}", "privacy.diagnostics=true"]
+    results = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(INJECT_FAILURES_ENV, "3@2")
+        for cohort in ("false", "true"):
+            run = simulate([*overrides, f"simulation.cohort_messages={cohort}"], name=cohort)
+            results[cohort] = run
+    timing = {"wall_s", "round_s", "secret_cohort_round_s"}
+
+    def rounds(run: dict[str, Any]) -> list[dict[str, Any]]:
+        return [{k: v for k, v in r.items() if k not in timing} for r in run["rounds"]]
+
+    assert rounds(results["true"]) == rounds(results["false"])
+    outside = [results[c].get("outside_guarantee", {}).get("rounds", []) for c in ("false", "true")]
+    assert _without_timing(outside[0]) == _without_timing(outside[1])
+    # DP-FedAvg's Poisson cohort is secret: its size and failures are published outside the guarantee
+    published = outside[1] if strategy == "dp_fedavg" else results["true"]["rounds"]
+    assert [r.get("failures", r.get("secret_cohort_failures")) for r in published] == [0, 1, 0]
+    assert strategy == "fedavg" or all("update_norm_median" in r for r in outside[1])
+
+
+def _without_timing(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rounds]
