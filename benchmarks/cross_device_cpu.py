@@ -9,9 +9,10 @@ test images after every round; dpfl's own split exported for pfl). Per repeat, i
 * ``dpfl-inline-before``: the same from ``--before TREE`` (another checkout, e.g. ``git worktree add``),
   only with ``--before``;
 * ``dpfl-ray``: the same command with dpfl's defaults (Ray, two client actors here);
-* ``dpfl-inline-plain`` and ``dpfl-ray-plain``: the two dpfl commands with one message per client
-  (``simulation.cohort_messages=false``; by default a round goes as one message per 16 clients,
-  ``fl_app/cohort_messages.py``).
+* ``dpfl-inline-plain``, ``dpfl-inline-cohort``, ``dpfl-ray-plain``, ``dpfl-ray-cohort``: the two dpfl
+  commands with one message per client (``simulation.cohort_messages=false``) and with one message per
+  16 clients (``true``, ``fl_app/cohort_messages.py``); the default ``auto`` is the latter on Ray, the
+  former inline.
 
 ``--arms`` picks some of them (default: all but ``dpfl-inline-before``, which needs ``--before``).
 
@@ -29,6 +30,7 @@ Prints one JSON line per command and a Markdown table; writes ``rows.json`` unde
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -54,14 +56,14 @@ def machine_busy_s() -> float:
 
 
 def dpfl_command(
-    tree: Path, rounds: int, output: Path, inline: bool, plain: bool = False
+    tree: Path, rounds: int, output: Path, inline: bool, cohort: bool | None = None
 ) -> tuple[list[str], Path]:
     """``python -m fl_app`` on the task from ``tree`` (with this checkout's ``.venv``).
 
-    ``plain``: one message per client (``simulation.cohort_messages=false``).
+    ``cohort``: ``simulation.cohort_messages=true`` (True), ``false`` (False), the default (None).
     """
     extra = ["simulation.backend=inline"] if inline else []
-    extra += ["simulation.cohort_messages=false"] if plain else []
+    extra += [] if cohort is None else [f"simulation.cohort_messages={str(cohort).lower()}"]
     command = [str(pfl_compare.DPFL_PYTHON), "-m", "fl_app", *TASK, f"num_rounds={rounds}", *extra]
     return [*command, f"output_dir={output}"], tree
 
@@ -107,8 +109,11 @@ def main() -> int:
         before = args.before.resolve()
         arms["dpfl-inline-before"] = lambda out: dpfl_command(before, args.rounds, out, inline=True)
     arms["dpfl-ray"] = lambda out: dpfl_command(ROOT, args.rounds, out, inline=False)
-    arms["dpfl-inline-plain"] = lambda out: dpfl_command(ROOT, args.rounds, out, inline=True, plain=True)
-    arms["dpfl-ray-plain"] = lambda out: dpfl_command(ROOT, args.rounds, out, inline=False, plain=True)
+    for backend, inline in (("inline", True), ("ray", False)):
+        for kind, cohort in (("plain", False), ("cohort", True)):
+            arms[f"dpfl-{backend}-{kind}"] = functools.partial(
+                dpfl_command, ROOT, args.rounds, inline=inline, cohort=cohort
+            )
     if args.arms:
         wanted = args.arms.split(",")
         unknown = sorted(set(wanted) - set(arms))

@@ -130,16 +130,9 @@ def is_partial_sum(reply: Message) -> bool:
 
 
 class Summand:
-    """A per-client term of a summed aggregation; subclasses set :attr:`name` and :meth:`add_to`.
-
-    Terms are computed in float64 in reused buffers (a fresh 0.9 MB array per client and term cost
-    about a third of a member's time outside its training) and added in place.
-    """
+    """A per-client term of a summed aggregation; subclasses set :attr:`name` and :meth:`add_to`."""
 
     name: ClassVar[str] = ""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, tuple[int, ...]], np.ndarray] = {}
 
     def parameters(self) -> dict[str, Any]:
         """What the term depends on besides the reply (sent in the train config)."""
@@ -152,13 +145,6 @@ class Summand:
     def to_config(self) -> str:
         """The summand as the train config's :data:`fl_app.keys.REPLY_SUM` value."""
         return json.dumps({"name": self.name, **self.parameters()}, sort_keys=True)
-
-    def buffer(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A float64 scratch array for the term of array ``name`` (reused from client to client)."""
-        key = (name, tuple(shape))
-        if key not in self._buffers:
-            self._buffers[key] = np.empty(shape, dtype=np.float64)
-        return self._buffers[key]
 
 
 def model_arrays(reply: Message, global_arrays: ArrayRecord) -> dict[str, np.ndarray]:
@@ -187,7 +173,6 @@ class WeightedModel(Summand):
     name = "weighted_model"
 
     def __init__(self, *, weighting: str) -> None:
-        super().__init__()
         if weighting not in ("num_examples", "uniform"):
             raise ValueError(f"weighting={weighting!r}: expected num_examples or uniform")
         self.weighting = weighting
@@ -203,8 +188,7 @@ class WeightedModel(Summand):
         arrays = model_arrays(reply, global_arrays)
         weight = 1.0 if self.weighting == "uniform" else examples
         for name, values in arrays.items():
-            term = np.multiply(values, weight, out=self.buffer(name, values.shape), dtype=np.float64)
-            total.arrays[name] += term
+            total.arrays[name] += values.astype(np.float64) * weight
         total.add_member(node_id, {"weight": weight, "weighted_loss": weight * loss})
 
 
@@ -219,7 +203,6 @@ class ClippedUpdate(Summand):
     name = "clipped_update"
 
     def __init__(self, *, clip: float) -> None:
-        super().__init__()
         if not clip > 0:
             raise ValueError(f"clip={clip!r}: expected a positive number")
         self.clip = float(clip)
@@ -240,14 +223,11 @@ class ClippedUpdate(Summand):
         """The clipped update in float64 and the norm before clipping."""
         arrays = model_arrays(reply, global_arrays)
         start = self.start(global_arrays)
-        update = {
-            name: np.subtract(values, start[name], out=self.buffer(name, values.shape), dtype=np.float64)
-            for name, values in arrays.items()
-        }
+        update = {name: values.astype(np.float64) - start[name] for name, values in arrays.items()}
         norm = global_l2_norm(list(update.values()))
         scale = min(1.0, self.clip / norm) if norm > 0 else 1.0
         for name, values in update.items():
-            total.arrays[name] += np.multiply(values, scale, out=values)
+            total.arrays[name] += values * scale
         total.add_member(node_id, {}, {"norm": norm})
 
 

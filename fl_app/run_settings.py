@@ -91,9 +91,13 @@ class SimulationSettings:
     def sends_cohort_messages(self) -> bool:
         """Whether a summed aggregation's round goes as cohort messages (``simulation.cohort_messages``).
 
-        ``auto``: yes; the results are the same bit for bit (:func:`fl_app.reply_sums.summed`).
+        ``auto``: on Ray's actors, where it shortened the 2-core cross-device round by 15-20 %; not
+        inline, where the clients and the server share one process and it did not pay
+        (docs/benchmarks/pfl_research.md). The results are the same bit for bit either way.
         """
-        return self.cohort_messages in ("auto", "true")
+        if self.cohort_messages == "auto":
+            return not self.inline
+        return self.cohort_messages == "true"
 
 
 def cohort_size(clients_per_round: int | float, num_clients: int) -> int:

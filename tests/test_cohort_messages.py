@@ -44,7 +44,20 @@ SUMMED = {
     "dp_fedavg_adaptive": ["privacy.noise_seed=3"],
     "dp_ftrl": ["privacy.noise_seed=3"],
     "dp_bandmf": ["privacy.noise_seed=3"],
+    "dp_flower": ["privacy.noise_seed=3"],
 }
+
+
+def test_every_strategy_with_a_summand_is_checked_here() -> None:
+    """A strategy that names a per-client term (so its rounds may go as cohort messages) is listed above."""
+    from strategies.base import FederatedStrategy
+
+    named = {
+        name
+        for name in STRATEGIES.names()
+        if getattr(STRATEGIES.get(name), "reply_summand", None) not in (None, FederatedStrategy.reply_summand)
+    }
+    assert named == set(SUMMED)
 
 
 def strategy_of(name: str, tmp_path: Path) -> Any:
