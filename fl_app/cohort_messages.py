@@ -44,7 +44,13 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.common import MessageType
 
 from fl_app import keys
-from fl_app.engine.messages import config_record, member_message, raised_in_client_app, set_message_id
+from fl_app.engine.messages import (
+    config_record,
+    log_client_error,
+    member_message,
+    raised_in_client_app,
+    set_message_id,
+)
 from fl_app.reply_sums import BLOCK, BLOCK_INDEX, PartialSum, Summand, summand_of
 
 #: The cohort record's keys: the members' node ids and partition ids.
@@ -139,11 +145,11 @@ def _error_reply(member: Message, code: int, reason: str) -> Message:
 
 
 def _member_failures(reply: Message, members: Sequence[Message]) -> list[Message]:
-    """Error replies for the members a cohort reply lists as failed (their tracebacks logged)."""
-    from logging import ERROR
+    """Error replies for the members a cohort reply lists as failed.
 
-    from flwr.common import log
-
+    Their errors and tracebacks are logged as the engine logs a failing client's (withheld from
+    ``run.log`` with a secret cohort: :func:`fl_app.engine.messages.log_client_error`).
+    """
     failures = reply.content.config_records.get(keys.COHORT_FAILURES)
     if failures is None or not list(failures.get(NODES, [])):  # type: ignore[arg-type]
         return []
@@ -152,8 +158,7 @@ def _member_failures(reply: Message, members: Sequence[Message]) -> list[Message
     for node, code, reason, trace in zip(
         failures[NODES], failures["codes"], failures["reasons"], failures["tracebacks"], strict=True
     ):
-        log(ERROR, reason)
-        log(ERROR, trace)
+        log_client_error(str(reason), str(trace))
         errors.append(_error_reply(by_node[int(node)], int(code), str(reason)))
     return errors
 

@@ -27,7 +27,7 @@ from queue import Empty, Queue
 from typing import Any
 from uuid import uuid4
 
-from fl_app.engine.messages import client_app_error, raised_in_client_app, set_message_id
+from fl_app.engine.messages import client_app_error, log_client_error, raised_in_client_app, set_message_id
 
 __all__ = ["client_app_error"]  # where the engine's callers have found it
 
@@ -320,8 +320,7 @@ def process_batch(
         else:
             _, code, reason, remote_traceback = outcome
             if remote_traceback:
-                log(ERROR, reason)
-                log(ERROR, remote_traceback)
+                log_client_error(reason, remote_traceback)
             reply = Message(Error(code=code, reason=reason), reply_to=message)
         set_message_id(reply, str(uuid4()))
         replies.append(reply)

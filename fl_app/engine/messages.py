@@ -7,6 +7,7 @@
   sender; Flower's own worker sets the attribute directly, and so do these;
 * :func:`client_app_error`: the error code and reason Flower's worker gives a message whose
   ClientApp raised;
+* :func:`log_client_error`: a failing client's error and traceback, logged as Flower's worker logs them;
 * :func:`member_message`: a message built on the client side from another's metadata (a cohort
   message's member, :mod:`fl_app.cohort_messages`; ``flwr.app.message.message.make_message``);
 * :func:`task_identity`: messages built outside a run (tests, benchmarks) need the process's task
@@ -71,6 +72,20 @@ def raised_in_client_app(ex: BaseException) -> tuple[int, str]:
     from flwr.clientapp.client_app import ClientAppException
 
     return client_app_error(ClientAppException(str(ex)))
+
+
+def log_client_error(reason: str, remote_traceback: str) -> None:
+    """Log a failing client's error and traceback, as Flower's worker does, on the engine's behalf.
+
+    Logged from this seam, so ``run.log`` withholds them when the cohort is secret
+    (:class:`fl_app.run_log.PublishedLogFilter`: their number and timing follow the cohort).
+    """
+    from logging import ERROR
+
+    from flwr.common import log
+
+    log(ERROR, reason)
+    log(ERROR, remote_traceback)
 
 
 def set_message_id(message: Message, message_id: str) -> None:
