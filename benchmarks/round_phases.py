@@ -49,6 +49,7 @@ SPECIFIC: tuple[Rule, ...] = (
     ("model <-> message arrays", ("fl_app/training.py", frozenset({"load_arrays"}))),
     ("central evaluation", ("fl_app/round_reporter.py", frozenset({"evaluate"}))),
     ("central evaluation", ("strategies/base.py", frozenset({"evaluate_global"}))),
+    ("per-client terms summed (server or cohort message)", ("fl_app/reply_sums.py", None)),
     ("server aggregation", (None, frozenset({"aggregate_train", "aggregate"}))),
     ("message copy (pickle)", ("fl_app/engine/inline.py", frozenset({"isolated"}))),
     ("vectorised cohort preparation", ("fl_app/cohort_execution.py", None)),

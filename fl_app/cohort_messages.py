@@ -171,11 +171,6 @@ def metered(reply: Message) -> tuple[int, int, int] | None:
     return int(record["upload-bytes"]), int(record["upload-array-bytes"]), int(record["replies"])  # type: ignore[arg-type]
 
 
-def is_cohort_message(message: Message) -> bool:
-    """Whether ``message`` is a cohort message (it carries :data:`fl_app.keys.COHORT`)."""
-    return config_record(message.content, keys.COHORT) is not None
-
-
 def answer(
     message: Message,
     context: Context,

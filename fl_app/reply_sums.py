@@ -284,12 +284,3 @@ def summed(
     for block in sorted(sums):
         total.add(sums[block])
     return total
-
-
-def partial_sums(replies: Iterable[Message]) -> list[PartialSum]:
-    """The partial sums among ``replies``, each cohort reply once (it may be listed once per member)."""
-    distinct: dict[int, Message] = {}
-    for reply in replies:
-        if is_partial_sum(reply):
-            distinct.setdefault(id(reply), reply)
-    return [PartialSum.of_reply(reply) for reply in distinct.values()]
