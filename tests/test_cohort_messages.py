@@ -118,18 +118,6 @@ def test_cohort_messages_release_what_plain_messages_release(
         np.testing.assert_array_equal(values, cohort[key], err_msg=f"{name} {key}")
 
 
-def test_the_engine_sends_each_cohort_message_alone(tmp_path: Path) -> None:
-    """The batched workers tell a cohort message from a plain one (each block goes in its own task)."""
-    from fl_app.engine.batching import is_cohort_message
-
-    strategy = strategy_of("fedavg", tmp_path)
-    messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
-    partitions = {int(m.metadata.dst_node_id): int(m.metadata.dst_node_id) - 1000 for m in messages}
-    packed = cohort_messages.pack(messages, partitions=partitions, summand=strategy.reply_summand(1))
-    assert all(is_cohort_message(c.message) for c in packed)
-    assert not any(is_cohort_message(m) for m in messages)
-
-
 def test_the_cohort_path_really_ran_each_member_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three cohort messages carry 40 members; each member's client trains once, on its own node."""
     from clients.fedavg import FedAvgClient

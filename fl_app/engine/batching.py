@@ -12,9 +12,7 @@ through the ClientApp on its own with its node's Context and gets its own reply 
 the codes and reasons Flower's worker gives; a batch never holds two messages for one node. When the
 run stops (the ServerApp ended, e.g. on Ctrl-C), a worker waiting for a batch abandons it
 (:class:`AbandonedBatchError`) instead of waiting for the actor to finish it: Flower then ends the
-actors, and a stopped run exits in seconds rather than after the batch. A cohort message (a block of
-clients, :mod:`fl_app.cohort_messages`) goes alone in its task: the actors pull a round's blocks one by
-one and finish together.
+actors, and a stopped run exits in seconds rather than after the batch.
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from queue import Empty, Queue
 from typing import Any
 from uuid import uuid4
 
-from fl_app import keys
 from fl_app.engine.messages import client_app_error, log_client_error, raised_in_client_app, set_message_id
 
 __all__ = ["client_app_error"]  # where the engine's callers have found it
@@ -269,11 +266,6 @@ def ray_batch_sender(backend: Any, stopped: Callable[[], bool] = lambda: False) 
     return send
 
 
-def is_cohort_message(message: Any) -> bool:
-    """Whether ``message`` carries a block of clients (``fl_app.cohort_messages``: a ``cohort`` record)."""
-    return message.has_content() and keys.COHORT in message.content
-
-
 def take_batch(queue: Queue[Any], first: Any, limit: int) -> tuple[list[Any], Any]:
     """``first`` and up to ``limit - 1`` more queued messages, each for a different node.
 
@@ -367,8 +359,6 @@ def batched_worker(
             first, carried = carried, None
             senders = batching.waiting_count + 1
         limit = batch_size(messageins_queue.qsize() + 1, batching.sharers(senders), _messages_per_task)
-        if is_cohort_message(first):
-            limit = 1  # a block of clients already: the actors pull them one by one and finish together
         batch, carried = take_batch(messageins_queue, first, limit)
         started = time.perf_counter()
         try:
