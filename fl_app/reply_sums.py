@@ -165,7 +165,7 @@ def reply_metric(reply: Message, key: str) -> float:
 
 
 class WeightedModel(Summand):
-    """FedAvg's term: the client's model times its weight (examples, or 1), the weight, the weighted loss.
+    """FedAvg's term: the client's model times its weight (examples, or 1), the weight, its examples' loss.
 
     The average is ``arrays / weight`` (McMahan et al. 2017, Algorithm 1).
     """
@@ -182,14 +182,18 @@ class WeightedModel(Summand):
         return {"weighting": self.weighting}
 
     def add_to(self, total: PartialSum, node_id: int, reply: Message, global_arrays: ArrayRecord) -> None:
-        """``weight * w_k`` in float64 (``w_k.astype(float64) * weight``), ``weight``, ``weight * loss_k``."""
+        """``weight * w_k`` in float64 (``w_k.astype(float64) * weight``), weight, ``n_k``, ``n_k loss_k``.
+
+        The train loss is averaged over the examples whatever the weighting (the mean loss of the
+        round's training examples).
+        """
         examples = reply_metric(reply, keys.NUM_EXAMPLES)
         loss = reply_metric(reply, keys.TRAIN_LOSS)
         arrays = model_arrays(reply, global_arrays)
         weight = 1.0 if self.weighting == "uniform" else examples
         for name, values in arrays.items():
             total.arrays[name] += values.astype(np.float64) * weight
-        total.add_member(node_id, {"weight": weight, "weighted_loss": weight * loss})
+        total.add_member(node_id, {"weight": weight, "examples": examples, "example_loss": examples * loss})
 
 
 class ClippedUpdate(Summand):

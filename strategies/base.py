@@ -290,7 +290,7 @@ class FederatedStrategy:
 
         Returns the array names, the round's global arrays in float64, the float64 sum of the
         valid replies' updates ``w_k - w_t`` each clipped to L2 norm ``max_norm``
-        (:func:`fl_app.privacy.mechanisms.sum_clipped_updates`), and each reply's update norm
+        (:func:`fl_app.privacy.mechanisms.clip_l2`'s arithmetic), and each reply's update norm
         before clipping (un-noised: never release it), in client order. Summed by
         :meth:`summed_replies`: plain replies and cohort messages' partial sums
         (:mod:`fl_app.cohort_messages`, each member's update clipped where it ran, with the bound

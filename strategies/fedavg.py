@@ -97,5 +97,5 @@ class FedAvgStrategy(FederatedStrategy):
         total = self.summed_replies(valid, self.reply_summand(server_round), server_round=server_round)
         weight = total.scalars["weight"]
         average = arrays_like([total.arrays[name] / weight for name in total.arrays], self.round_global)
-        loss = total.scalars["weighted_loss"] / weight
+        loss = total.scalars["example_loss"] / total.scalars["examples"]  # per example, as before
         return self.server_step(average), MetricRecord({keys.TRAIN_LOSS: float(loss)})
