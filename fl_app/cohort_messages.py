@@ -13,8 +13,8 @@ the plain message, applying the summand to each reply and adding it to a
 :class:`~fl_app.reply_sums.PartialSum`. The reply carries that sum, the members it holds, the members
 that failed (code, reason, traceback) and what the members' plain replies would have weighed on the
 wire; :func:`unpack` turns the failures into the error replies the plain messages would have had.
-Strategies that need every reply (PrivateKT, KD-DP, the Laplace evaluation, SecAgg+) never name a
-summand and are sent their plain messages.
+Strategies that need every reply (PrivateKT, KD-DP, NbAFL, FedAvg+LDP, DPFL-BNN, the Laplace
+evaluation, SecAgg+) name no summand and are sent their plain messages.
 
 **Privacy.** Each member runs as its own client: its data, its ``"data-order"`` generator, its noise
 generators (seeded by the member's id), every step its privacy depends on. What reaches the server is
@@ -22,7 +22,8 @@ the sum over a message's members of what each member's reply would have contribu
 the replies it receives today (post-processing: no guarantee changes), and the server alone sees it.
 How the cohort is split into messages depends on the cohort, which a Poisson-sampled run keeps secret:
 the split, the members per message and the messages' sizes stay on the server, as the cohort itself
-does (nothing here is logged or recorded; the round's upload bytes are metered per member as before).
+does (none of it is recorded; a member's failure is logged as a plain client's, through the engine
+seam, so ``run.log`` withholds it with a secret cohort; the round's bytes are metered per member).
 Only a simulation does this: on real devices every client is its own node, and the grid of a
 deployment never packs.
 

@@ -2,8 +2,9 @@
 
 FedAvg averages ``sum_k n_k w_k / sum_k n_k``; DP-FedAvg and its adaptive, FTRL and banded-MF
 relatives add noise to ``sum_k clip(w_k - w_t, C)``. Such a strategy names its per-client term, a
-:class:`Summand`, in the train config (:data:`fl_app.keys.REPLY_SUM`); a simulation that sends the
-cohort as a few messages (``simulation.cohort_messages``, :mod:`fl_app.cohort_messages`) then applies
+:class:`Summand` (``reply_summand``); a simulation that sends the cohort as a few messages
+(``simulation.cohort_messages``, :mod:`fl_app.cohort_messages`) names it in each message's cohort
+record (:data:`fl_app.keys.REPLY_SUM`) and applies
 the summand to each member's reply where the member ran and returns one :class:`PartialSum` per
 message, which the strategy adds up instead of the replies. The server sees the sum over a message's
 members, a function of what it would have received; every step a client's privacy depends on (local
@@ -85,7 +86,7 @@ class PartialSum:
         self.members.extend(other.members)
 
     def records(self) -> dict[str, Any]:
-        """The two records a cohort message's reply carries (:data:`PARTIAL_SUM`, ``..._METRICS``)."""
+        """The records a cohort message's reply carries: the arrays, the numbers, the summand's name."""
         metrics: dict[str, Any] = {f"scalar:{name}": value for name, value in self.scalars.items()}
         metrics.update({f"member:{name}": list(values) for name, values in self.per_member.items()})
         metrics[MEMBERS] = list(self.members)
@@ -135,7 +136,7 @@ class Summand:
     name: ClassVar[str] = ""
 
     def parameters(self) -> dict[str, Any]:
-        """What the term depends on besides the reply (sent in the train config)."""
+        """What the term depends on besides the reply (sent with it in a cohort message)."""
         return {}
 
     def add_to(self, total: PartialSum, node_id: int, reply: Message, global_arrays: ArrayRecord) -> None:
@@ -143,19 +144,28 @@ class Summand:
         raise NotImplementedError
 
     def to_config(self) -> str:
-        """The summand as the train config's :data:`fl_app.keys.REPLY_SUM` value."""
+        """The summand as a cohort record's :data:`fl_app.keys.REPLY_SUM` value."""
         return json.dumps({"name": self.name, **self.parameters()}, sort_keys=True)
+
+
+def arrays_mismatch(reply: Message, like: ArrayRecord) -> str:
+    """Empty when the reply holds arrays with the names and shapes of ``like``, else what is wrong."""
+    if keys.ARRAYS not in reply.content.array_records:
+        return "no arrays"
+    received = reply.content.array_records[keys.ARRAYS]
+    if list(received.keys()) != list(like.keys()) or any(
+        tuple(received[k].shape) != tuple(like[k].shape) for k in like
+    ):
+        return "arrays do not match the model"
+    return ""
 
 
 def model_arrays(reply: Message, global_arrays: ArrayRecord) -> dict[str, np.ndarray]:
     """The reply's model arrays by name (read in place); ``ValueError`` unless shaped like the model."""
-    if keys.ARRAYS not in reply.content.array_records:
-        raise ValueError("the reply has no arrays")
+    problem = arrays_mismatch(reply, global_arrays)
+    if problem:
+        raise ValueError(f"malformed reply: {problem}")
     received = reply.content.array_records[keys.ARRAYS]
-    if list(received.keys()) != list(global_arrays.keys()) or any(
-        tuple(received[name].shape) != tuple(global_arrays[name].shape) for name in global_arrays
-    ):
-        raise ValueError("the reply's arrays do not match the model")
     return {name: array_values(received[name]) for name in received}
 
 
@@ -239,7 +249,7 @@ SUMMANDS: dict[str, type[Summand]] = {cls.name: cls for cls in (WeightedModel, C
 
 
 def summand_of(config: Mapping[str, Any] | ConfigRecord | None) -> Summand | None:
-    """The summand a train config names (None: the strategy needs every reply)."""
+    """The summand a cohort record names (None: it names none)."""
     if config is None or keys.REPLY_SUM not in config:
         return None
     spec = dict(json.loads(str(config[keys.REPLY_SUM])))

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from logging import WARNING
 from typing import Any
 
-from flwr.app import ArrayRecord, Message
+from flwr.app import Message
 from flwr.common import log
 
 from fl_app import keys
@@ -167,16 +167,4 @@ def echo_mismatch(reply: Message, expected: dict[str, float | int]) -> str:
     for key, value in expected.items():
         if key not in metrics or not math.isclose(float(metrics[key]), float(value), rel_tol=1e-9):
             return f"{key}={metrics.get(key)!r}, expected {float(value)!r}"
-    return ""
-
-
-def arrays_mismatch(reply: Message, like: ArrayRecord) -> str:
-    """Empty when the reply holds arrays with the names and shapes of ``like``, else what is wrong."""
-    if keys.ARRAYS not in reply.content.array_records:
-        return "no arrays"
-    received = reply.content.array_records[keys.ARRAYS]
-    if list(received.keys()) != list(like.keys()) or any(
-        tuple(received[k].shape) != tuple(like[k].shape) for k in like
-    ):
-        return "arrays do not match the model"
     return ""

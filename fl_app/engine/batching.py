@@ -29,8 +29,6 @@ from uuid import uuid4
 
 from fl_app.engine.messages import client_app_error, log_client_error, raised_in_client_app, set_message_id
 
-__all__ = ["client_app_error"]  # where the engine's callers have found it
-
 #: How often a worker waiting for a batch looks whether the run has stopped (seconds).
 STOP_POLL_S = 0.5
 

@@ -54,6 +54,7 @@ from clients.kd_dp import (
 from fl_app import keys
 from fl_app.config_checks import ConfigError, require_int
 from fl_app.privacy.composition import EpsilonReport
+from fl_app.reply_sums import arrays_mismatch
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
@@ -72,7 +73,7 @@ from strategies.kd_dp.privacy import (
     group_by_size,
     split_kd_dp_budget,
 )
-from strategies.replies import arrays_mismatch, echo_mismatch
+from strategies.replies import echo_mismatch
 from strategies.settings import StrategySettings, between, integer, one_of, positive
 
 STUDENT_INITS = ("teacher", "fresh")
