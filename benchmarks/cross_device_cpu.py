@@ -8,13 +8,14 @@ test images after every round; dpfl's own split exported for pfl). Per repeat, i
 * ``dpfl-inline``: ``python -m fl_app ... simulation.backend=inline`` from this checkout;
 * ``dpfl-inline-before``: the same from ``--before TREE`` (another checkout, e.g. ``git worktree add``),
   only with ``--before``;
-* ``dpfl-ray``: the same command with dpfl's defaults (Ray, two client actors here);
+* ``dpfl-ray``: the same command with dpfl's defaults (Ray, two client actors here); ``dpfl-ray-before``
+  the same from ``--before TREE``;
 * ``dpfl-inline-plain``, ``dpfl-inline-cohort``, ``dpfl-ray-plain``, ``dpfl-ray-cohort``: the two dpfl
   commands with one message per client (``simulation.cohort_messages=false``) and with one message per
   16 clients (``true``, ``fl_app/cohort_messages.py``); the default ``auto`` is the latter on Ray, the
   former inline.
 
-``--arms`` picks some of them (default: all but ``dpfl-inline-before``, which needs ``--before``).
+``--arms`` picks some of them (default: all; the ``-before`` arms only with ``--before``).
 
 Each command is timed from outside; its CPU is the machine's busy time over the command from
 ``/proc/stat`` (Ray's processes escape ``getrusage``), so run it on a quiet machine. The round is the
@@ -92,7 +93,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--before", type=Path, help="another checkout to run as dpfl-inline-before")
+    parser.add_argument("--before", type=Path, help="another checkout to run as dpfl-*-before")
     parser.add_argument("--arms", help="comma-separated arms to run (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "cross_device_cpu")
     args = parser.parse_args()
@@ -109,6 +110,8 @@ def main() -> int:
         before = args.before.resolve()
         arms["dpfl-inline-before"] = lambda out: dpfl_command(before, args.rounds, out, inline=True)
     arms["dpfl-ray"] = lambda out: dpfl_command(ROOT, args.rounds, out, inline=False)
+    if args.before is not None:
+        arms["dpfl-ray-before"] = lambda out: dpfl_command(before, args.rounds, out, inline=False)
     for backend, inline in (("inline", True), ("ray", False)):
         for kind, cohort in (("plain", False), ("cohort", True)):
             arms[f"dpfl-{backend}-{kind}"] = functools.partial(

@@ -22,6 +22,7 @@ from clients.node import NodeClient, parse_model_spec
 from fl_app import keys
 from fl_app.cohort_execution import TrainSettings, precomputed
 from fl_app.data.federated import ClientDataset
+from fl_app.train_results import TrainResult
 from fl_app.training import array_values, evaluate, load_arrays, model_state, train_local
 
 #: Built models of this process, by model spec and device (see :func:`process_model`).
@@ -204,9 +205,33 @@ class FederatedClient(NodeClient):
 
     # ------------------------------------------------------------------ entry points
 
+    def train_result(self) -> TrainResult | None:
+        """The round's training as its model state and metrics, for a client whose reply is just that.
+
+        Such a client implements this and not :meth:`train`, whose reply is then this result encoded
+        (:meth:`~fl_app.train_results.TrainResult.content`). None (the default): the client implements
+        :meth:`train` itself.
+        """
+        return None
+
     def train(self) -> Message:
-        """Local training for one round; subclasses implement it."""
-        raise NotImplementedError(f"{type(self).__name__} does not train")
+        """Local training for one round: :meth:`train_result` encoded; or a subclass's own reply."""
+        result = self.train_result()
+        if result is None:
+            raise NotImplementedError(f"{type(self).__name__} does not train")
+        return Message(content=result.content(), reply_to=self.message)
+
+    def train_unencoded(self) -> TrainResult | Message:
+        """What a cohort message's member returns (:mod:`fl_app.cohort_messages`).
+
+        The train result before encoding when :meth:`train` is only its encoding (the member's term is
+        read from it: no copy of the model into message arrays and back), else the reply.
+        """
+        if type(self).train is FederatedClient.train:
+            result = self.train_result()
+            if result is not None:
+                return result
+        return self.train()
 
     def evaluate(self) -> Message:
         """Evaluate the received global model on this client's local data."""

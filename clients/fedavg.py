@@ -7,12 +7,10 @@ McMahan et al., AISTATS 2017, Algorithm 1 (ClientUpdate): ``E`` local epochs
 
 from __future__ import annotations
 
-from flwr.app import Message
-
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
-from fl_app.training import state_to_arrays
+from fl_app.train_results import TrainResult
 
 
 @register_client("fedavg")
@@ -21,10 +19,8 @@ class FedAvgClient(FederatedClient):
 
     cohort_form = True
 
-    def train(self) -> Message:
-        """One round of local training."""
+    def train_result(self) -> TrainResult:
+        """One round of local training: the trained model, the number of examples, the mean loss."""
         data = self.local_data()
         state, loss = self.locally_trained(data)
-        return self.reply(
-            arrays=state_to_arrays(state), metrics={keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss}
-        )
+        return TrainResult(state, {keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss})

@@ -8,12 +8,11 @@ MLSys 2020, Algorithm 2), with ``w_t`` the received model. Without the key it is
 
 from __future__ import annotations
 
-from flwr.app import Message
-
 from clients import register_client
 from clients.fedavg import FedAvgClient
 from fl_app import keys
-from fl_app.training import model_to_arrays
+from fl_app.train_results import TrainResult
+from fl_app.training import model_state
 
 #: Flower's FedProx config key (``flwr.serverapp.strategy.FedProx.configure_train``).
 PROXIMAL_MU = "proximal-mu"
@@ -27,15 +26,13 @@ class FlowerClient(FedAvgClient):
         """FedProx's ``proximal-mu`` from the Flower strategy's train config (0: plain FedAvg)."""
         return max(float(self.config.get(PROXIMAL_MU, 0.0)), 0.0)
 
-    def train(self) -> Message:
-        """One round of local training."""
+    def train_result(self) -> TrainResult:
+        """One round of local training (with the proximal term when the config asks)."""
         mu = float(self.config.get(PROXIMAL_MU, 0.0))
         if mu <= 0:
-            return super().train()
+            return super().train_result()
         data = self.local_data()
         model = self.global_model()
         reference = [p.detach().clone() for p in model.parameters()]
         loss = self.train_locally(model, data.x, data.y, proximal_mu=mu, reference=reference)
-        return self.reply(
-            arrays=model_to_arrays(model), metrics={keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss}
-        )
+        return TrainResult(model_state(model), {keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss})

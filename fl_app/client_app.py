@@ -82,7 +82,10 @@ def train(message: Message, context: Context) -> Message:
         from fl_app.cohort_messages import answer
 
         return answer(
-            message, context, lambda member, node: client_for(member, node).train(), trained_as_cohorts
+            message,
+            context,
+            lambda member, node: client_for(member, node).train_unencoded(),
+            trained_as_cohorts,
         )
     return client_for(message, context).train()
 

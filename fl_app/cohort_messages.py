@@ -10,11 +10,14 @@ and config once, the node ids and partition ids of its members (a block of the c
 order) and the summand (:data:`fl_app.keys.COHORT`). The ClientApp answers one (:func:`answer`) by
 running every member's client on the member's own plain message and Context, exactly as it would run
 the plain message, applying the summand to each reply and adding it to a
-:class:`~fl_app.reply_sums.PartialSum`. The reply carries that sum, the members it holds, the members
-that failed (code, reason, traceback) and what the members' plain replies would have weighed on the
-wire; :func:`unpack` turns the failures into the error replies the plain messages would have had.
-Strategies that need every reply (PrivateKT, KD-DP, NbAFL, FedAvg+LDP, DPFL-BNN, the Laplace
-evaluation, SecAgg+) name no summand and are sent their plain messages.
+:class:`~fl_app.reply_sums.PartialSum`. A client whose reply is just its model and metrics hands
+over its train result before encoding instead (:class:`~fl_app.train_results.TrainResult`): the same
+numbers without copying the model into message arrays and reading it back. The reply carries that
+sum, the members it holds, the members that failed (code, reason, traceback) and what the members'
+plain replies would have weighed on the wire; :func:`unpack` turns the failures into the error
+replies the plain messages would have had. Strategies that need every reply (PrivateKT, KD-DP,
+NbAFL, FedAvg+LDP, DPFL-BNN, the Laplace evaluation, SecAgg+) name no summand and are sent their
+plain messages.
 
 **Privacy.** Each member runs as its own client: its data, its ``"data-order"`` generator, its noise
 generators (seeded by the member's id), every step its privacy depends on. What reaches the server is
@@ -53,6 +56,7 @@ from fl_app.engine.messages import (
     set_message_id,
 )
 from fl_app.reply_sums import BLOCK, BLOCK_INDEX, PartialSum, Summand, summand_of
+from fl_app.train_results import TrainResult
 
 #: The cohort record's keys: the members' node ids and partition ids.
 NODES = "nodes"
@@ -60,8 +64,9 @@ PARTITIONS = "partitions"
 #: The reply record with what the members' plain replies would have weighed (metering).
 METERING = "cohort-metering"
 
-#: Runs one member's plain message through the ClientApp's train path; returns its reply.
-MemberRunner = Callable[[Message, Context], Message]
+#: Runs one member's plain message through the ClientApp's train path; returns its reply, or its train
+#: result before encoding (:meth:`clients.base.FederatedClient.train_unencoded`).
+MemberRunner = Callable[[Message, Context], Message | TrainResult]
 
 
 @dataclass(frozen=True)
@@ -186,8 +191,6 @@ def answer(
     the members' plain messages as one computation first where the config asks for it
     (:func:`fl_app.client_app.trained_as_cohorts`).
     """
-    from fl_app.message_sizes import array_payload_bytes, message_bytes
-
     cohort = config_record(message.content, keys.COHORT)
     config = config_record(message.content, keys.CONFIG)
     summand = summand_of(cohort)
@@ -212,24 +215,36 @@ def answer(
         for member, member_ctx in jobs:
             node = int(member.metadata.dst_node_id)
             try:
-                reply = run_member(member, member_ctx)
+                outcome = run_member(member, member_ctx)
                 if len(member_ctx.state) > 0:
                     raise ValueError(
                         "the client kept state in its Context: it cannot run in a cohort message"
                     )
-                summand.add_to(total, node, reply, global_arrays)
+                result, sizes = _read(outcome, global_arrays)
+                summand.add_to(total, node, result, global_arrays)
             except Exception as error:  # the member's failure, as its plain message's error reply
                 _record_failure(failed, node, error)
                 continue
-            weighed[0] += message_bytes(reply)
-            weighed[1] += array_payload_bytes(reply)
-            weighed[2] += 1
+            weighed = [weighed[0] + sizes[0], weighed[1] + sizes[1], weighed[2] + 1]
     content = RecordDict(total.records())
     content[keys.COHORT_FAILURES] = ConfigRecord(failed)
     content[METERING] = MetricRecord(
         {"upload-bytes": weighed[0], "upload-array-bytes": weighed[1], "replies": weighed[2]}
     )
     return Message(content=content, reply_to=message)
+
+
+def _read(outcome: Message | TrainResult, like: ArrayRecord) -> tuple[TrainResult, tuple[int, int]]:
+    """A member's train result (``ValueError`` unless shaped like ``like``) and what its reply weighs.
+
+    A result before encoding is weighed as the reply :meth:`TrainResult.content` would make
+    (:func:`fl_app.message_sizes.result_bytes`, exact); a reply as it is.
+    """
+    from fl_app.message_sizes import array_payload_bytes, message_bytes, result_bytes
+
+    if isinstance(outcome, TrainResult):
+        return outcome.checked(like), result_bytes(outcome)
+    return TrainResult.of_reply(outcome, like), (message_bytes(outcome), array_payload_bytes(outcome))
 
 
 def member_context(context: Context, *, node_id: int, partition: int) -> Context:

@@ -8,15 +8,96 @@ serialised objects of its object tree (records, arrays, array chunks). Used by
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from flwr.app import ArrayRecord, Message
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
 
-from fl_app.engine.messages import MAX_ARRAY_CHUNK_BYTES, content_bytes
+from fl_app import keys
+from fl_app.engine.messages import MAX_ARRAY_CHUNK_BYTES, record_dict_bytes
+from fl_app.train_results import TrainResult
+from fl_app.training import npy_parts
 
 #: Serialised sizes by content layout (see :func:`message_bytes`).
 _SIZES: dict[tuple[Any, ...], int] = {}
 _MAX_SIZES = 4096
+_FINGERPRINT = 32
+
+
+class _Chunks:
+    """Numbers an object tree's array chunks, byte-identical chunks alike (Flower sends those once).
+
+    Chunks are compared by a cheap fingerprint (length, first and last 32 bytes), then byte by byte.
+    An array's data is given as two parts, its ``.npy`` header and its values (:func:`npy_parts`),
+    which are not joined unless two chunks' fingerprints collide.
+    """
+
+    def __init__(self) -> None:
+        self.groups: dict[tuple[int, bytes, bytes], list[tuple[int, bytes, memoryview, int, int]]] = {}
+        self.count = 0
+
+    def numbers(self, head: bytes, body: memoryview) -> tuple[int, ...]:
+        """The chunk numbers of the data ``head + body``, chunks of ``MAX_ARRAY_CHUNK_BYTES``."""
+        length = len(head) + len(body)
+        return tuple(
+            self._number(head, body, start, min(start + MAX_ARRAY_CHUNK_BYTES, length))
+            for start in range(0, length, MAX_ARRAY_CHUNK_BYTES)
+        )
+
+    def _number(self, head: bytes, body: memoryview, start: int, stop: int) -> int:
+        first = _joined(head, body, start, min(stop, start + _FINGERPRINT))
+        last = _joined(head, body, max(start, stop - _FINGERPRINT), stop)
+        bucket = self.groups.setdefault((stop - start, first, last), [])
+        if bucket:
+            whole = _joined(head, body, start, stop)
+            for number, *other in bucket:
+                if _joined(*other) == whole:
+                    return number
+        bucket.append((self.count, head, body, start, stop))
+        self.count += 1
+        return self.count - 1
+
+
+def _joined(head: bytes, body: memoryview, start: int, stop: int) -> bytes:
+    """Bytes ``start:stop`` of ``head + body``, without joining the rest."""
+    split = len(head)
+    if start >= split:
+        return bytes(body[start - split : stop - split])
+    if stop <= split:
+        return head[start:stop]
+    return head[start:] + bytes(body[: stop - split])
+
+
+#: ``str(dtype)`` by dtype (numpy formats it in Python: several microseconds per array).
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
+def _array_layout(
+    name: str, arrays: Iterable[tuple[str, str, tuple[int, ...], str, bytes, memoryview]], chunks: _Chunks
+) -> tuple[Any, ...]:
+    """An ArrayRecord's part of a layout: each array's name, dtype, shape, stype, data length, chunks."""
+    return (
+        name,
+        "ArrayRecord",
+        tuple(
+            (key, dtype, shape, stype, len(head) + len(body), chunks.numbers(head, body))
+            for key, dtype, shape, stype, head, body in arrays
+        ),
+    )
+
+
+def _small_layout(name: str, record: Any, small: dict[bytes, int]) -> tuple[Any, ...]:
+    """A small record's part of a layout: its kind, serialised length and which of those are identical."""
+    body = record.deflate()
+    return (name, type(record).__name__, len(body), small.setdefault(body, len(small)))
 
 
 def content_layout(message: Message) -> tuple[Any, ...]:
@@ -29,36 +110,37 @@ def content_layout(message: Message) -> tuple[Any, ...]:
     name, dtype, shape, serialisation type and data length, which chunks are
     byte-identical (identical objects are sent once), and the serialised
     length of every small record (and which of those are identical). This
-    tuple holds exactly that; chunks are compared byte by byte, after a cheap
-    fingerprint (length, first and last 32 bytes), so the layout is exact.
+    tuple holds exactly that (chunks compared exactly: :class:`_Chunks`).
     """
-    groups: dict[tuple[int, bytes, bytes], list[tuple[int, memoryview]]] = {}
-    small: dict[bytes, int] = {}
+    chunks, small = _Chunks(), {}
     parts: list[tuple[Any, ...]] = []
     for name, record in message.content.items():
         if isinstance(record, ArrayRecord):
-            arrays = []
-            for key, array in record.items():
-                view = memoryview(array.data).cast("B")
-                chunks = []
-                for start in range(0, len(view), MAX_ARRAY_CHUNK_BYTES):
-                    chunk = view[start : start + MAX_ARRAY_CHUNK_BYTES]
-                    bucket = groups.setdefault((len(chunk), bytes(chunk[:32]), bytes(chunk[-32:])), [])
-                    group = next((gid for gid, other in bucket if other == chunk), None)
-                    if group is None:
-                        group = sum(len(b) for b in groups.values())
-                        bucket.append((group, chunk))
-                    chunks.append(group)
-                arrays.append((key, array.dtype, tuple(array.shape), array.stype, len(view), tuple(chunks)))
-            parts.append((name, "ArrayRecord", tuple(arrays)))
+            arrays = (
+                (key, a.dtype, tuple(a.shape), a.stype, b"", memoryview(a.data).cast("B"))
+                for key, a in record.items()
+            )
+            parts.append(_array_layout(name, arrays, chunks))
         else:
-            body = record.deflate()
-            parts.append((name, type(record).__name__, len(body), small.setdefault(body, len(small))))
+            parts.append(_small_layout(name, record, small))
     return tuple(parts)
 
 
+def result_layout(result: TrainResult) -> tuple[Any, ...]:
+    """:func:`content_layout` of the reply :meth:`TrainResult.content` would make, without making it."""
+    chunks, small = _Chunks(), {}
+    arrays = (
+        (key, _dtype_name(values.dtype), tuple(values.shape), "numpy.ndarray", *npy_parts(values))
+        for key, values in result.arrays.items()
+    )
+    return (
+        _array_layout(keys.ARRAYS, arrays, chunks),
+        _small_layout(keys.METRICS, MetricRecord(dict(result.metrics)), small),
+    )
+
+
 def message_bytes(message: Message) -> int:
-    """:func:`content_bytes`, computed once per content layout (:func:`content_layout`).
+    """``content_bytes`` (:mod:`fl_app.engine.messages`), computed once per layout (:func:`content_layout`).
 
     Serialising and hashing a 0.4 MB model reply costs about 0.5 ms of the
     server's time per reply (more under load); at 100 replies a round that was
@@ -66,12 +148,22 @@ def message_bytes(message: Message) -> int:
     """
     if not message.has_content():
         return 0
-    layout = content_layout(message)
+    return _size(content_layout(message), lambda: message.content)
+
+
+def result_bytes(result: TrainResult) -> tuple[int, int]:
+    """What the reply of ``result`` would weigh: :func:`message_bytes` and :func:`array_payload_bytes`."""
+    payload = sum(len(head) + len(body) for head, body in map(npy_parts, result.arrays.values()))
+    return _size(result_layout(result), result.content), payload
+
+
+def _size(layout: tuple[Any, ...], content: Callable[[], RecordDict]) -> int:
+    """The serialised size of contents of ``layout``, computed from ``content()`` once per layout."""
     size = _SIZES.get(layout)
     if size is None:
         if len(_SIZES) >= _MAX_SIZES:
             _SIZES.clear()
-        size = _SIZES[layout] = content_bytes(message)
+        size = _SIZES[layout] = record_dict_bytes(content())
     return size
 
 

@@ -4,15 +4,17 @@ FedAvg averages ``sum_k n_k w_k / sum_k n_k``; DP-FedAvg and its adaptive, FTRL 
 relatives add noise to ``sum_k clip(w_k - w_t, C)``. Such a strategy names its per-client term, a
 :class:`Summand` (``reply_summand``); a simulation that sends the cohort as a few messages
 (``simulation.cohort_messages``, :mod:`fl_app.cohort_messages`) names it in each message's cohort
-record (:data:`fl_app.keys.REPLY_SUM`) and applies
-the summand to each member's reply where the member ran and returns one :class:`PartialSum` per
-message, which the strategy adds up instead of the replies. The server sees the sum over a message's
-members, a function of what it would have received; every step a client's privacy depends on (local
-training, clipping on the client, local noise) still runs per member with the member's generators.
+record (:data:`fl_app.keys.REPLY_SUM`) and applies the summand to each member's train result
+where the member ran and returns one :class:`PartialSum` per message, which the strategy adds up
+instead of the replies. The server sees the sum over a message's members, a function of what it
+would have received; every step a client's privacy depends on (local training, clipping on the
+client, local noise) still runs per member with the member's generators.
 
-A summand is a pure function of the reply's arrays and metrics and the round's global arrays, in
-float64; the same function runs on the server for plain replies (:func:`summed`), in the same blocks
-of the cohort and the same order, so both paths give the same sum bit for bit.
+A summand is a pure function of a reply's arrays and metrics (a
+:class:`~fl_app.train_results.TrainResult`: the reply decoded, or a member's result before encoding)
+and the round's global arrays, in float64; the same function runs on the server for plain replies
+(:func:`summed`), in the same blocks of the cohort and the same order, so both paths give the same
+sum bit for bit.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
 from fl_app import keys
 from fl_app.privacy.mechanisms import global_l2_norm
+from fl_app.train_results import TrainResult
 from fl_app.training import array_values
 
 #: The reply record holding a message's partial sum (arrays: the summed terms in float64).
@@ -139,39 +142,19 @@ class Summand:
         """What the term depends on besides the reply (sent with it in a cohort message)."""
         return {}
 
-    def add_to(self, total: PartialSum, node_id: int, reply: Message, global_arrays: ArrayRecord) -> None:
-        """Add the client's terms to ``total``; ``ValueError`` for a malformed reply (nothing added)."""
+    def add_to(
+        self, total: PartialSum, node_id: int, result: TrainResult, global_arrays: ArrayRecord
+    ) -> None:
+        """Add the client's terms to ``total``; ``ValueError`` for a malformed result (nothing added).
+
+        ``result`` is the client's reply, decoded (:meth:`TrainResult.of_reply`), or its train result
+        before encoding (a cohort message's member), its arrays shaped like ``global_arrays``.
+        """
         raise NotImplementedError
 
     def to_config(self) -> str:
         """The summand as a cohort record's :data:`fl_app.keys.REPLY_SUM` value."""
         return json.dumps({"name": self.name, **self.parameters()}, sort_keys=True)
-
-
-def arrays_mismatch(reply: Message, like: ArrayRecord) -> str:
-    """Empty when the reply holds arrays with the names and shapes of ``like``, else what is wrong."""
-    if keys.ARRAYS not in reply.content.array_records:
-        return "no arrays"
-    received = reply.content.array_records[keys.ARRAYS]
-    if list(received.keys()) != list(like.keys()) or any(
-        tuple(received[k].shape) != tuple(like[k].shape) for k in like
-    ):
-        return "arrays do not match the model"
-    return ""
-
-
-def model_arrays(reply: Message, global_arrays: ArrayRecord) -> dict[str, np.ndarray]:
-    """The reply's model arrays by name (read in place); ``ValueError`` unless shaped like the model."""
-    problem = arrays_mismatch(reply, global_arrays)
-    if problem:
-        raise ValueError(f"malformed reply: {problem}")
-    received = reply.content.array_records[keys.ARRAYS]
-    return {name: array_values(received[name]) for name in received}
-
-
-def reply_metric(reply: Message, key: str) -> float:
-    """A number of the reply's metrics."""
-    return float(reply.content.metric_records[keys.METRICS][key])  # type: ignore[arg-type]
 
 
 class WeightedModel(Summand):
@@ -191,17 +174,18 @@ class WeightedModel(Summand):
         """The weighting."""
         return {"weighting": self.weighting}
 
-    def add_to(self, total: PartialSum, node_id: int, reply: Message, global_arrays: ArrayRecord) -> None:
+    def add_to(
+        self, total: PartialSum, node_id: int, result: TrainResult, global_arrays: ArrayRecord
+    ) -> None:
         """``weight * w_k`` in float64 (``w_k.astype(float64) * weight``), weight, ``n_k``, ``n_k loss_k``.
 
         The train loss is averaged over the examples whatever the weighting (the mean loss of the
         round's training examples).
         """
-        examples = reply_metric(reply, keys.NUM_EXAMPLES)
-        loss = reply_metric(reply, keys.TRAIN_LOSS)
-        arrays = model_arrays(reply, global_arrays)
+        examples = result.metric(keys.NUM_EXAMPLES)
+        loss = result.metric(keys.TRAIN_LOSS)
         weight = 1.0 if self.weighting == "uniform" else examples
-        for name, values in arrays.items():
+        for name, values in result.arrays.items():
             total.arrays[name] += values.astype(np.float64) * weight
         total.add_member(node_id, {"weight": weight, "examples": examples, "example_loss": examples * loss})
 
@@ -233,11 +217,12 @@ class ClippedUpdate(Summand):
             self._start = (id(global_arrays), values)
         return self._start[1]
 
-    def add_to(self, total: PartialSum, node_id: int, reply: Message, global_arrays: ArrayRecord) -> None:
+    def add_to(
+        self, total: PartialSum, node_id: int, result: TrainResult, global_arrays: ArrayRecord
+    ) -> None:
         """The clipped update in float64 and the norm before clipping."""
-        arrays = model_arrays(reply, global_arrays)
         start = self.start(global_arrays)
-        update = {name: values.astype(np.float64) - start[name] for name, values in arrays.items()}
+        update = {name: values.astype(np.float64) - start[name] for name, values in result.arrays.items()}
         norm = global_l2_norm(list(update.values()))
         scale = min(1.0, self.clip / norm) if norm > 0 else 1.0
         for name, values in update.items():
@@ -293,7 +278,7 @@ def summed(
         block = blocks[int(node_id)]
         if block not in sums:
             sums[block] = PartialSum.zeros_like(global_arrays, expected)
-        summand.add_to(sums[block], node_id, reply, global_arrays)
+        summand.add_to(sums[block], node_id, TrainResult.of_reply(reply, global_arrays), global_arrays)
     total = PartialSum.zeros_like(global_arrays, expected)
     for block in sorted(sums):
         total.add(sums[block])

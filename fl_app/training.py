@@ -69,25 +69,37 @@ def array_values(array: Array) -> np.ndarray:
 _NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
 
 
-def numpy_array(values: np.ndarray) -> Array:
-    """``Array(values)``, byte for byte, with the ``.npy`` header built once per dtype and shape.
+def npy_parts(values: np.ndarray) -> tuple[bytes, memoryview]:
+    """The data of ``Array(values)`` as its ``.npy`` header and the values' bytes, not joined.
 
-    Flower's ``Array(ndarray)`` runs ``np.save`` (which formats the header in
-    Python) for every array of every reply; the header depends only on the
-    dtype and shape of a C-contiguous array.
+    The header is built once per dtype and shape of a C-contiguous array; any other array's data
+    comes whole as the first part (``np.save``'s own layout), with nothing after it.
     """
     if values.dtype.hasobject or not values.flags.c_contiguous:
-        return Array(values)
+        return bytes(Array(values).data), memoryview(b"")
     key = (values.dtype.str, tuple(values.shape))
     header = _NPY_HEADERS.get(key)
     if header is None:
         full = Array(values).data
         header = _NPY_HEADERS[key] = bytes(full[: len(full) - values.nbytes])
+    return header, memoryview(values).cast("B")
+
+
+def numpy_array(values: np.ndarray) -> Array:
+    """``Array(values)``, byte for byte, with the ``.npy`` header built once per dtype and shape.
+
+    Flower's ``Array(ndarray)`` runs ``np.save`` (which formats the header in
+    Python) for every array of every reply; the header depends only on the
+    dtype and shape of a C-contiguous array (:func:`npy_parts`).
+    """
+    if values.dtype.hasobject or not values.flags.c_contiguous:
+        return Array(values)
+    header, body = npy_parts(values)
     return Array(
         dtype=str(values.dtype),
         shape=tuple(values.shape),
         stype="numpy.ndarray",
-        data=b"".join((header, values.data)),  # one copy (header + tobytes() made two)
+        data=b"".join((header, body)),  # one copy (header + tobytes() made two)
     )
 
 

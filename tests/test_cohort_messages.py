@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import FAST, INLINE, build_run_context, make_context
+from conftest import FAST, INLINE, build_run_context, make_context, settings_of
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common import MessageType
 
@@ -34,6 +34,7 @@ from fl_app.reply_sums import (
     is_partial_sum,
     summed,
 )
+from fl_app.train_results import TrainResult
 from strategies import STRATEGIES
 
 FORTY = ["dataset=digits", "num_clients=40", "clients_per_round=40", "partition=dirichlet"]
@@ -123,9 +124,9 @@ def test_the_cohort_path_really_ran_each_member_once(tmp_path: Path, monkeypatch
     from clients.fedavg import FedAvgClient
 
     trained: list[int] = []
-    real_train = FedAvgClient.train
+    real_result = FedAvgClient.train_result
     monkeypatch.setattr(
-        FedAvgClient, "train", lambda self: trained.append(self.client_id) or real_train(self)
+        FedAvgClient, "train_result", lambda self: trained.append(self.client_id) or real_result(self)
     )
     strategy = strategy_of("fedavg", tmp_path)
     messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
@@ -194,7 +195,7 @@ def test_summed_is_a_float64_loop_in_blocks_whichever_way_the_replies_come(summa
         partial = PartialSum.zeros_like(like, summand.to_config())
         partial.block = index
         for node, reply in replies[start : start + BLOCK]:
-            summand.add_to(partial, node, reply, like)
+            summand.add_to(partial, node, TrainResult.of_reply(reply, like), like)
         partials.append(cohort_reply_of(partial, replies[start][0]))
     listed = [(node, partials[i // BLOCK]) for i, (node, _) in enumerate(replies)]  # once per member
     together = summed(listed[::-1], summand, like, blocks=blocks)  # any order of arrival
@@ -210,7 +211,7 @@ def test_a_partial_sum_of_another_clipping_bound_is_refused() -> None:
     like, replies = constructed_replies(3, np.random.default_rng(2))
     partial = PartialSum.zeros_like(like, ClippedUpdate(clip=2.0).to_config())
     for node, reply in replies:
-        ClippedUpdate(clip=2.0).add_to(partial, node, reply, like)
+        ClippedUpdate(clip=2.0).add_to(partial, node, TrainResult.of_reply(reply, like), like)
     with pytest.raises(ValueError, match="clip"):
         summed(
             [(replies[0][0], cohort_reply_of(partial, replies[0][0]))],
@@ -275,3 +276,109 @@ def test_a_simulation_gives_the_same_rounds_with_cohort_messages(strategy: str, 
 
 def _without_timing(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in rounds]
+
+
+def test_a_malformed_member_result_fails_that_member_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member whose train result (handed over before encoding) is not shaped like the model fails
+    with the reason the server would give its reply; the others are summed."""
+    from clients.fedavg import FedAvgClient
+
+    real_result = FedAvgClient.train_result
+
+    def train_result(self: FedAvgClient) -> TrainResult:
+        result = real_result(self)
+        if self.client_id == 5:
+            return TrainResult(dict(list(result.arrays.items())[:-1]), result.metrics)  # one array short
+        return result
+
+    monkeypatch.setattr(FedAvgClient, "train_result", train_result)
+    strategy = strategy_of("fedavg", tmp_path)
+    messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
+    replies = cohort_replies(messages, strategy)
+    errors = [r for r in replies if r.has_error()]
+    assert [int(r.metadata.src_node_id) for r in errors] == [1005]
+    assert "arrays do not match the model" in errors[0].error.reason
+    assert len(strategy.replies.split(1, replies)[0]) == 39
+
+
+def test_a_member_hands_over_its_result_only_where_its_reply_is_that_result_encoded(tmp_path: Path) -> None:
+    """FedAvg's client (and Flower's) return the train result; a client with its own ``train`` (FedAvg+LDP,
+    or a subclass of FedAvg's that overrides it) returns its reply, which is what the server would get."""
+    from clients.base import FederatedClient
+    from clients.fedavg import FedAvgClient
+    from fl_app.client_app import client_for
+
+    class EchoingClient(FedAvgClient):
+        def train(self) -> Message:
+            return self.reply(metrics={"echo": 1})
+
+    strategy = strategy_of("fedavg", tmp_path)
+    message = next(iter(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None)))
+    node = node_context(int(message.metadata.dst_node_id))
+    client = client_for(message, node)
+    assert type(client) is FedAvgClient
+    result = client.train_unencoded()
+    assert isinstance(result, TrainResult)
+    reply = client_for(message, node).train()  # the same client again: the same training
+    assert list(reply.content.array_records[keys.ARRAYS].keys()) == list(result.arrays)
+    for name, array in reply.content.array_records[keys.ARRAYS].items():
+        np.testing.assert_array_equal(array.numpy(), result.arrays[name])
+    assert dict(reply.content.metric_records[keys.METRICS]) == dict(result.metrics)
+    assert isinstance(EchoingClient(message, node).train_unencoded(), Message)
+    assert FederatedClient.train is not EchoingClient.train
+
+
+@pytest.mark.parametrize(
+    "arrays",
+    [
+        pytest.param({"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.ones(4)}, id="plain"),
+        pytest.param({"a": np.ones(5, np.float32), "b": np.ones(5, np.float32)}, id="identical arrays"),
+        pytest.param(
+            {"t": np.arange(6.0).reshape(2, 3).T, "e": np.zeros(0, np.int64)}, id="transposed, empty"
+        ),
+        pytest.param({"big": np.zeros(4_000_000, np.float32)}, id="identical chunks"),  # 16 MB: 4 chunks
+        pytest.param(  # same length, first and last bytes: the fingerprints collide, the bytes differ
+            {"a": np.arange(10.0), "b": np.where(np.arange(10) == 4, -1.0, np.arange(10.0))},
+            id="fingerprints collide",
+        ),
+    ],
+)
+@pytest.mark.parametrize("examples", [3, 70_000])
+def test_a_train_result_weighs_what_its_reply_weighs(arrays: dict[str, np.ndarray], examples: int) -> None:
+    """``result_bytes`` equals the serialised size and array payload of the reply it stands for, and its
+    layout is the reply's (the two share one cache of sizes)."""
+    from fl_app.engine.messages import record_dict_bytes, task_identity
+    from fl_app.message_sizes import array_payload_bytes, content_layout, result_bytes, result_layout
+
+    result = TrainResult(arrays, {keys.NUM_EXAMPLES: examples, keys.TRAIN_LOSS: 0.25})
+    with task_identity(run_id=1):
+        reply = Message(content=result.content(), dst_node_id=1, message_type=MessageType.TRAIN)
+    assert result_layout(result) == content_layout(reply)
+    assert result_bytes(result) == (record_dict_bytes(reply.content), array_payload_bytes(reply))
+
+
+def test_chunks_that_only_look_alike_are_not_taken_for_one() -> None:
+    """Two arrays with the same length, first and last bytes but other middles weigh as two, after two
+    identical ones weighed as one (the sizes' cache must not hand the second layout the first's size)."""
+    from fl_app.engine.messages import record_dict_bytes
+    from fl_app.message_sizes import result_bytes
+
+    a = np.arange(10.0)
+    looks_alike = np.where(np.arange(10) == 4, -1.0, a)
+    metrics = {keys.NUM_EXAMPLES: 3, keys.TRAIN_LOSS: 0.5}
+    same = TrainResult({"a": a, "b": a.copy()}, metrics)
+    alike = TrainResult({"a": a, "b": looks_alike}, metrics)
+    assert result_bytes(same)[0] == record_dict_bytes(same.content())
+    assert result_bytes(alike)[0] == record_dict_bytes(alike.content()) > result_bytes(same)[0]
+
+
+@pytest.mark.parametrize(
+    ("backend", "value", "sends"),
+    [("inline", "auto", True), ("ray", "auto", True), ("inline", "false", False), ("ray", "true", True)],
+)
+def test_cohort_messages_are_on_unless_switched_off(backend: str, value: str, sends: bool) -> None:
+    """``auto`` is on with either backend: measured faster on both (docs/benchmarks/pfl_research.md)."""
+    settings = settings_of([f"simulation.backend={backend}", f"simulation.cohort_messages={value}"])
+    assert settings.simulation.sends_cohort_messages is sends

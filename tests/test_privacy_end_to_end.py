@@ -868,8 +868,8 @@ def test_audit_catches_cohort_messages_that_do_not_clip(tmp_path, held, cohort_p
 
     real = ClippedUpdate.add_to
 
-    def unclipped(self: ClippedUpdate, total: Any, node: int, reply: Message, like: ArrayRecord) -> None:
-        real(ClippedUpdate(clip=1e9), total, node, reply, like)
+    def unclipped(self: ClippedUpdate, total: Any, node: int, result: Any, like: ArrayRecord) -> None:
+        real(ClippedUpdate(clip=1e9), total, node, result, like)
 
     monkeypatch.setattr(ClippedUpdate, "add_to", unclipped)
     audited = dp_fedavg_audit(tmp_path, held, 1500)

@@ -1,6 +1,7 @@
 """Flower's message internals dpfl reads or writes (flwr 1.41 private APIs).
 
-* :func:`content_bytes`: a message's serialised size, from its nested objects as Flower sends them
+* :func:`content_bytes`, :func:`record_dict_bytes`: a message's (a content's) serialised size, from
+  its nested objects as Flower sends them
   (``flwr.supercore.inflatable.inflatable_object.get_all_nested_objects``, chunks of at most
   :data:`MAX_ARRAY_CHUNK_BYTES`);
 * :func:`set_message_id`, :func:`set_reply_source`: ``Metadata`` has no setters for a reply's id and
@@ -47,10 +48,12 @@ def config_record(content: RecordDict, name: str) -> ConfigRecord | None:
 
 def content_bytes(message: Message) -> int:
     """Serialised size of a message's content (0 for error replies)."""
-    if not message.has_content():
-        return 0
-    objects = get_all_nested_objects(message.content)
-    return sum(len(obj.deflate()) for obj in objects.values())
+    return record_dict_bytes(message.content) if message.has_content() else 0
+
+
+def record_dict_bytes(content: RecordDict) -> int:
+    """Serialised size of a message content: the sum of its distinct nested objects as Flower sends them."""
+    return sum(len(obj.deflate()) for obj in get_all_nested_objects(content).values())
 
 
 def client_app_error(ex: BaseException) -> tuple[int, str]:

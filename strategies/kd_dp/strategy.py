@@ -54,10 +54,10 @@ from clients.kd_dp import (
 from fl_app import keys
 from fl_app.config_checks import ConfigError, require_int
 from fl_app.privacy.composition import EpsilonReport
-from fl_app.reply_sums import arrays_mismatch
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
+from fl_app.train_results import arrays_mismatch
 from fl_app.training import load_arrays
 from strategies import register_strategy
 from strategies.arrays import mean_arrays

@@ -1,0 +1,78 @@
+"""A client's train result before it is encoded as a reply: its model state and its metrics.
+
+A client whose train reply is only its trained model and a few numbers (FedAvg's, and the central-DP
+baselines' that use it) returns a :class:`TrainResult` from
+:meth:`clients.base.FederatedClient.train_result`; its ``train`` reply is :meth:`TrainResult.content`.
+A cohort message's member (:mod:`fl_app.cohort_messages`) hands the result to the strategy's summand
+directly instead: encoding 0.44 MB of model into message arrays, weighing the reply and decoding it
+again were about a fifth of a member's CPU on the cross-device task (docs/performance.md). The
+server reads a plain reply back into the same form (:meth:`TrainResult.of_reply`), so a summand
+sees the same numbers either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
+
+from fl_app import keys
+from fl_app.training import array_values, state_to_arrays
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """A train reply's content, decoded: the model's arrays by name and the reply's metrics.
+
+    ``arrays`` may be views of a process's model (:func:`fl_app.training.model_state`): use them
+    before that model trains the next client.
+    """
+
+    arrays: Mapping[str, np.ndarray]
+    metrics: Mapping[str, int | float]
+
+    def content(self) -> RecordDict:
+        """The reply's content: the arrays (:func:`~fl_app.training.state_to_arrays`) and the metrics."""
+        return RecordDict(
+            {keys.ARRAYS: state_to_arrays(dict(self.arrays)), keys.METRICS: MetricRecord(dict(self.metrics))}
+        )
+
+    def metric(self, key: str) -> float:
+        """One of the metrics, as a float (``KeyError`` when the reply has none of that name)."""
+        return float(self.metrics[key])
+
+    def checked(self, like: ArrayRecord) -> TrainResult:
+        """Itself; ``ValueError`` unless its arrays have the names, order and shapes of ``like``."""
+        if not _shaped_like({name: values.shape for name, values in self.arrays.items()}, like):
+            raise ValueError("malformed reply: arrays do not match the model")
+        return self
+
+    @classmethod
+    def of_reply(cls, reply: Message, like: ArrayRecord) -> TrainResult:
+        """A plain train reply, read in place; ``ValueError`` unless its arrays are shaped like ``like``."""
+        problem = arrays_mismatch(reply, like)
+        if problem:
+            raise ValueError(f"malformed reply: {problem}")
+        received = reply.content.array_records[keys.ARRAYS]
+        metrics = reply.content.get(keys.METRICS)
+        return cls(
+            arrays={name: array_values(received[name]) for name in received},
+            metrics=dict(metrics) if isinstance(metrics, MetricRecord) else {},  # type: ignore[arg-type]
+        )
+
+
+def arrays_mismatch(reply: Message, like: ArrayRecord) -> str:
+    """Empty when the reply holds arrays with the names and shapes of ``like``, else what is wrong."""
+    if keys.ARRAYS not in reply.content.array_records:
+        return "no arrays"
+    received = reply.content.array_records[keys.ARRAYS]
+    if not _shaped_like({name: array.shape for name, array in received.items()}, like):
+        return "arrays do not match the model"
+    return ""
+
+
+def _shaped_like(shapes: Mapping[str, Sequence[int]], like: ArrayRecord) -> bool:
+    """Whether ``shapes`` names the arrays of ``like`` in its order, each with its shape."""
+    return list(shapes) == list(like.keys()) and all(tuple(shapes[k]) == tuple(like[k].shape) for k in like)
