@@ -963,3 +963,40 @@ def test_inline_clients_run_on_client_cpus_torch_threads(cpus: float) -> None:
         assert torch.get_num_threads() == other
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_signal_delivered_to_another_thread_is_handled_while_the_engine_runs() -> None:
+    """A process-directed signal may land on any thread; its Python handler runs on the main thread,
+    which used to wait for the whole engine run in an untimed join (the SIGTERM stop test then saw its
+    request handled after the last round). The engine's thread signals itself and waits for the handler."""
+    import signal
+    import threading
+    import time
+
+    from fl_app.engine.launch import watched_from_the_main_thread
+
+    handled = threading.Event()
+    seen: list[bool] = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: handled.set())
+    try:
+
+        def engine() -> None:
+            time.sleep(0.5)  # the main thread is waiting for this one by then (else it handles it anyway)
+            signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # to this thread, not the main one
+            seen.append(handled.wait(timeout=10))
+
+        watched_from_the_main_thread(engine)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    assert seen == [True]
+
+
+def test_the_engines_error_reaches_the_caller() -> None:
+    """What the engine raises on its helper thread is raised to the caller, as if it had run there."""
+    from fl_app.engine.launch import watched_from_the_main_thread
+
+    def engine() -> None:
+        raise RuntimeError("the engine failed")
+
+    with pytest.raises(RuntimeError, match="the engine failed"):
+        watched_from_the_main_thread(engine)
