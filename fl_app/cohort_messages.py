@@ -55,6 +55,7 @@ from fl_app.engine.messages import (
     raised_in_client_app,
     set_message_id,
 )
+from fl_app.message_sizes import array_payload_bytes, message_bytes, result_bytes
 from fl_app.reply_sums import BLOCK, BLOCK_INDEX, PartialSum, Summand, summand_of
 from fl_app.train_results import TrainResult
 
@@ -240,8 +241,6 @@ def _read(outcome: Message | TrainResult, like: ArrayRecord) -> tuple[TrainResul
     A result before encoding is weighed as the reply :meth:`TrainResult.content` would make
     (:func:`fl_app.message_sizes.result_bytes`, exact); a reply as it is.
     """
-    from fl_app.message_sizes import array_payload_bytes, message_bytes, result_bytes
-
     if isinstance(outcome, TrainResult):
         return outcome.checked(like), result_bytes(outcome)
     return TrainResult.of_reply(outcome, like), (message_bytes(outcome), array_payload_bytes(outcome))

@@ -153,8 +153,9 @@ def message_bytes(message: Message) -> int:
 
 def result_bytes(result: TrainResult) -> tuple[int, int]:
     """What the reply of ``result`` would weigh: :func:`message_bytes` and :func:`array_payload_bytes`."""
-    payload = sum(len(head) + len(body) for head, body in map(npy_parts, result.arrays.values()))
-    return _size(result_layout(result), result.content), payload
+    layout = result_layout(result)
+    _, _, arrays = layout[0]  # each array's data length is in its layout: no second pass over them
+    return _size(layout, result.content), sum(length for _, _, _, _, length, _ in arrays)
 
 
 def _size(layout: tuple[Any, ...], content: Callable[[], RecordDict]) -> int:

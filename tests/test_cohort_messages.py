@@ -237,15 +237,21 @@ def test_a_malformed_member_reply_fails_that_member_only(
         return reply
 
     monkeypatch.setattr(FedAvgClient, "train", train)
+    assert "no arrays" in only_client_5_fails(tmp_path)
+
+
+def only_client_5_fails(tmp_path: Path) -> str:
+    """FedAvg's round 1 of 40 through cohort messages: client 5 alone fails, the 39 others are summed;
+    returns its error's reason."""
     strategy = strategy_of("fedavg", tmp_path)
     messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
     replies = cohort_replies(messages, strategy)
     errors = [r for r in replies if r.has_error()]
     assert [int(r.metadata.src_node_id) for r in errors] == [1005]
-    assert "no arrays" in errors[0].error.reason
     valid, failed = strategy.replies.split(1, replies)
     assert [info.client_id for info in failed] == [5]
     assert len(valid) == 39
+    return errors[0].error.reason
 
 
 @pytest.mark.simulation
@@ -294,13 +300,7 @@ def test_a_malformed_member_result_fails_that_member_only(
         return result
 
     monkeypatch.setattr(FedAvgClient, "train_result", train_result)
-    strategy = strategy_of("fedavg", tmp_path)
-    messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
-    replies = cohort_replies(messages, strategy)
-    errors = [r for r in replies if r.has_error()]
-    assert [int(r.metadata.src_node_id) for r in errors] == [1005]
-    assert "arrays do not match the model" in errors[0].error.reason
-    assert len(strategy.replies.split(1, replies)[0]) == 39
+    assert "arrays do not match the model" in only_client_5_fails(tmp_path)
 
 
 def test_a_member_hands_over_its_result_only_where_its_reply_is_that_result_encoded(tmp_path: Path) -> None:
