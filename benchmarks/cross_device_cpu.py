@@ -12,10 +12,11 @@ test images after every round; dpfl's own split exported for pfl). Per repeat, i
   the same from ``--before TREE``;
 * ``dpfl-inline-plain``, ``dpfl-inline-cohort``, ``dpfl-ray-plain``, ``dpfl-ray-cohort``: the two dpfl
   commands with one message per client (``simulation.cohort_messages=false``) and with one message per
-  16 clients (``true``, ``fl_app/cohort_messages.py``); the default ``auto`` is the latter on Ray, the
-  former inline.
+  16 clients (``true``, ``fl_app/cohort_messages.py``); the default ``auto`` is the latter.
 
-``--arms`` picks some of them (default: all; the ``-before`` arms only with ``--before``).
+``--arms`` picks some of them (default: all; the ``-before`` arms only with ``--before``);
+``--dpfl-overrides`` adds overrides to every dpfl arm, e.g. another strategy whose aggregation is a sum
+(``'strategy=nbafl privacy.epsilon=50'``: then leave out ``pfl``, which runs FedAvg).
 
 Each command is timed from outside; its CPU is the machine's busy time over the command from
 ``/proc/stat`` (Ray's processes escape ``getrusage``), so run it on a quiet machine. The round is the
@@ -23,7 +24,7 @@ median of rounds 2..R (dpfl: ``results.json``; pfl: its own ``results.json``). T
 the caller's environment minus ``OMP_NUM_THREADS`` (a user's shell has none)::
 
     python -P benchmarks/cross_device_cpu.py [--rounds 30] [--repeats 2] [--before TREE] \
-        [--arms A,B] [--out DIR]
+        [--arms A,B] [--out DIR] [--dpfl-overrides 'strategy=... ...']
 
 Prints one JSON line per command and a Markdown table; writes ``rows.json`` under ``--out``.
 """
@@ -34,11 +35,12 @@ import argparse
 import functools
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,13 +59,19 @@ def machine_busy_s() -> float:
 
 
 def dpfl_command(
-    tree: Path, rounds: int, output: Path, inline: bool, cohort: bool | None = None
+    tree: Path,
+    rounds: int,
+    output: Path,
+    inline: bool,
+    cohort: bool | None = None,
+    overrides: Sequence[str] = (),
 ) -> tuple[list[str], Path]:
     """``python -m fl_app`` on the task from ``tree`` (with this checkout's ``.venv``).
 
-    ``cohort``: ``simulation.cohort_messages=true`` (True), ``false`` (False), the default (None).
+    ``cohort``: ``simulation.cohort_messages=true`` (True), ``false`` (False), the default (None);
+    ``overrides`` follow the task's (e.g. another strategy: ``--dpfl-overrides``).
     """
-    extra = ["simulation.backend=inline"] if inline else []
+    extra = [*overrides, *(["simulation.backend=inline"] if inline else [])]
     extra += [] if cohort is None else [f"simulation.cohort_messages={str(cohort).lower()}"]
     command = [str(pfl_compare.DPFL_PYTHON), "-m", "fl_app", *TASK, f"num_rounds={rounds}", *extra]
     return [*command, f"output_dir={output}"], tree
@@ -96,7 +104,13 @@ def main() -> int:
     parser.add_argument("--before", type=Path, help="another checkout to run as dpfl-*-before")
     parser.add_argument("--arms", help="comma-separated arms to run (default: all)")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "cross_device_cpu")
+    parser.add_argument(
+        "--dpfl-overrides",
+        default="",
+        help="overrides after the task's for every dpfl arm, e.g. 'strategy=nbafl privacy.epsilon=50'",
+    )
     args = parser.parse_args()
+    task = functools.partial(dpfl_command, overrides=shlex.split(args.dpfl_overrides))
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "partition.npz"
     if not data.exists():
@@ -104,18 +118,18 @@ def main() -> int:
         subprocess.run(export, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     arms: dict[str, Callable[[Path], tuple[list[str], Path]]] = {
         "pfl": lambda out: pfl_command(data, args.rounds, out),
-        "dpfl-inline": lambda out: dpfl_command(ROOT, args.rounds, out, inline=True),
+        "dpfl-inline": lambda out: task(ROOT, args.rounds, out, inline=True),
     }
     if args.before is not None:
         before = args.before.resolve()
-        arms["dpfl-inline-before"] = lambda out: dpfl_command(before, args.rounds, out, inline=True)
-    arms["dpfl-ray"] = lambda out: dpfl_command(ROOT, args.rounds, out, inline=False)
+        arms["dpfl-inline-before"] = lambda out: task(before, args.rounds, out, inline=True)
+    arms["dpfl-ray"] = lambda out: task(ROOT, args.rounds, out, inline=False)
     if args.before is not None:
-        arms["dpfl-ray-before"] = lambda out: dpfl_command(before, args.rounds, out, inline=False)
+        arms["dpfl-ray-before"] = lambda out: task(before, args.rounds, out, inline=False)
     for backend, inline in (("inline", True), ("ray", False)):
         for kind, cohort in (("plain", False), ("cohort", True)):
             arms[f"dpfl-{backend}-{kind}"] = functools.partial(
-                dpfl_command, ROOT, args.rounds, inline=inline, cohort=cohort
+                task, ROOT, args.rounds, inline=inline, cohort=cohort
             )
     if args.arms:
         wanted = args.arms.split(",")

@@ -11,12 +11,10 @@ noisy update only: no loss, no example count.
 
 from __future__ import annotations
 
-from flwr.app import Array, ArrayRecord, Message, RecordDict
-
 from clients import register_client
 from clients.base import FederatedClient
-from fl_app import keys
 from fl_app.privacy.mechanisms import local_gaussian_update
+from fl_app.train_results import TrainResult
 from fl_app.training import array_values
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
@@ -30,18 +28,16 @@ class FedAvgLDPClient(FederatedClient):
 
     cohort_form = True  # local_update: train_locally, then clipping and noise per message
 
-    def train(self) -> Message:
-        """One round: train, clip, noise, reply with the noisy update only."""
-        clip = float(self.config[LDP_CLIP])
+    def train_result(self) -> TrainResult:
+        """One round: train, clip, noise; the upload is the noisy update alone (no metrics record)."""
         received = self.incoming_arrays()
         names, update = self.local_update()
         noised = local_gaussian_update(
             update=update,
-            clip=clip,
+            clip=float(self.config[LDP_CLIP]),
             noise_multiplier=float(self.config[LDP_NOISE_MULTIPLIER]),
             rng=self.noise_generator("ldp-update-noise"),
         )
-        arrays = ArrayRecord(
-            {n: Array(v.astype(array_values(received[n]).dtype)) for n, v in zip(names, noised, strict=True)}
-        )
-        return Message(content=RecordDict({keys.ARRAYS: arrays}), reply_to=self.message)
+        dtypes = [array_values(received[name]).dtype for name in names]
+        arrays = {n: v.astype(t) for n, v, t in zip(names, noised, dtypes, strict=True)}
+        return TrainResult(arrays, metrics=None)

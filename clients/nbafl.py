@@ -17,13 +17,14 @@ The noise comes from :meth:`~clients.base.FederatedClient.noise_generator`
 
 from __future__ import annotations
 
-from flwr.app import Message
+import numpy as np
 
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
 from fl_app.privacy.mechanisms import clip_l2, gaussian_mechanism
-from fl_app.training import model_state, numpy_to_arrays
+from fl_app.train_results import TrainResult
+from fl_app.training import model_state
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
 NBAFL_CLIP = "nbafl-clip"  # C: L2 bound of a client's whole uploaded parameter vector
@@ -41,8 +42,8 @@ class NbAFLClient(FederatedClient):
         """The proximal coefficient of its local training (``strategy.mu``)."""
         return max(float(self.config.get(NBAFL_MU, 0.0)), 0.0)
 
-    def train(self) -> Message:
-        """One round: local (proximal) SGD, clip, noise, upload."""
+    def train_result(self) -> TrainResult:
+        """One round: local (proximal) SGD, clip, noise; the upload is the noised model and the data size."""
         clip = float(self.config[NBAFL_CLIP])
         sigma = float(self.config[NBAFL_SIGMA_UP])
         mu = float(self.config.get(NBAFL_MU, 0.0))
@@ -58,4 +59,7 @@ class NbAFLClient(FederatedClient):
         clipped, _ = clip_l2(arrays=[trained[name] for name in names], max_norm=clip)
         rng = self.noise_generator("nbafl-uplink")
         noised = [gaussian_mechanism(values=array, sigma=sigma, rng=rng) for array in clipped]
-        return self.reply(arrays=numpy_to_arrays(names, noised), metrics={keys.NUM_EXAMPLES: len(data)})
+        return TrainResult(
+            arrays={name: np.asarray(values) for name, values in zip(names, noised, strict=True)},
+            metrics={keys.NUM_EXAMPLES: len(data)},
+        )

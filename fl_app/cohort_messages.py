@@ -16,8 +16,7 @@ numbers without copying the model into message arrays and reading it back. The r
 sum, the members it holds, the members that failed (code, reason, traceback) and what the members'
 plain replies would have weighed on the wire; :func:`unpack` turns the failures into the error
 replies the plain messages would have had. Strategies that need every reply (PrivateKT, KD-DP,
-NbAFL, FedAvg+LDP, DPFL-BNN, the Laplace evaluation, SecAgg+) name no summand and are sent their
-plain messages.
+DPFL-BNN, the Laplace evaluation, SecAgg+) name no summand and are sent their plain messages.
 
 **Privacy.** Each member runs as its own client: its data, its ``"data-order"`` generator, its noise
 generators (seeded by the member's id), every step its privacy depends on. What reaches the server is

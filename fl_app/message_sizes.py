@@ -133,10 +133,10 @@ def result_layout(result: TrainResult) -> tuple[Any, ...]:
         (key, _dtype_name(values.dtype), tuple(values.shape), "numpy.ndarray", *npy_parts(values))
         for key, values in result.arrays.items()
     )
-    return (
-        _array_layout(keys.ARRAYS, arrays, chunks),
-        _small_layout(keys.METRICS, MetricRecord(dict(result.metrics)), small),
-    )
+    layout = _array_layout(keys.ARRAYS, arrays, chunks)
+    if result.metrics is None:
+        return (layout,)
+    return (layout, _small_layout(keys.METRICS, MetricRecord(dict(result.metrics)), small))
 
 
 def message_bytes(message: Message) -> int:

@@ -1,7 +1,8 @@
 """What a strategy whose aggregation is a sum of per-client terms needs from each reply (issue 58).
 
 FedAvg averages ``sum_k n_k w_k / sum_k n_k``; DP-FedAvg and its adaptive, FTRL and banded-MF
-relatives add noise to ``sum_k clip(w_k - w_t, C)``. Such a strategy names its per-client term, a
+relatives add noise to ``sum_k clip(w_k - w_t, C)``; FedAvg+LDP and NbAFL average the clients'
+locally noised uploads, ``sum_k u_k / K``. Such a strategy names its per-client term, a
 :class:`Summand` (``reply_summand``); a simulation that sends the cohort as a few messages
 (``simulation.cohort_messages``, :mod:`fl_app.cohort_messages`) names it in each message's cohort
 record (:data:`fl_app.keys.REPLY_SUM`) and applies the summand to each member's train result
@@ -230,7 +231,26 @@ class ClippedUpdate(Summand):
         total.add_member(node_id, {}, {"norm": norm})
 
 
-SUMMANDS: dict[str, type[Summand]] = {cls.name: cls for cls in (WeightedModel, ClippedUpdate)}
+class Upload(Summand):
+    """Local DP's term: the client's upload as it came (already clipped and noised on the client), counted.
+
+    FedAvg+LDP's noisy update and NbAFL's noised model: the server's uniform mean is
+    ``arrays / count``. The client's own steps (clipping, its local noise) ran before the upload, so
+    the term adds nothing and removes nothing.
+    """
+
+    name = "upload"
+
+    def add_to(
+        self, total: PartialSum, node_id: int, result: TrainResult, global_arrays: ArrayRecord
+    ) -> None:
+        """The upload in float64 and a count of one."""
+        for name, values in result.arrays.items():
+            total.arrays[name] += values
+        total.add_member(node_id, {"count": 1.0})
+
+
+SUMMANDS: dict[str, type[Summand]] = {cls.name: cls for cls in (WeightedModel, ClippedUpdate, Upload)}
 
 
 def summand_of(config: Mapping[str, Any] | ConfigRecord | None) -> Summand | None:

@@ -27,20 +27,24 @@ class TrainResult:
     """A train reply's content, decoded: the model's arrays by name and the reply's metrics.
 
     ``arrays`` may be views of a process's model (:func:`fl_app.training.model_state`): use them
-    before that model trains the next client.
+    before that model trains the next client. ``metrics`` None: the reply has no metrics record
+    (FedAvg+LDP's upload is its noisy update alone).
     """
 
     arrays: Mapping[str, np.ndarray]
-    metrics: Mapping[str, int | float]
+    metrics: Mapping[str, int | float] | None
 
     def content(self) -> RecordDict:
         """The reply's content: the arrays (:func:`~fl_app.training.state_to_arrays`) and the metrics."""
-        return RecordDict(
-            {keys.ARRAYS: state_to_arrays(dict(self.arrays)), keys.METRICS: MetricRecord(dict(self.metrics))}
-        )
+        content = RecordDict({keys.ARRAYS: state_to_arrays(dict(self.arrays))})
+        if self.metrics is not None:
+            content[keys.METRICS] = MetricRecord(dict(self.metrics))
+        return content
 
     def metric(self, key: str) -> float:
         """One of the metrics, as a float (``KeyError`` when the reply has none of that name)."""
+        if self.metrics is None:
+            raise KeyError(key)
         return float(self.metrics[key])
 
     def checked(self, like: ArrayRecord) -> TrainResult:
@@ -59,7 +63,7 @@ class TrainResult:
         metrics = reply.content.get(keys.METRICS)
         return cls(
             arrays={name: array_values(received[name]) for name in received},
-            metrics=dict(metrics) if isinstance(metrics, MetricRecord) else {},  # type: ignore[arg-type]
+            metrics=dict(metrics) if isinstance(metrics, MetricRecord) else None,  # type: ignore[arg-type]
         )
 
 

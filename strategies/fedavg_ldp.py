@@ -41,14 +41,16 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.common import log
 
 from clients.fedavg_ldp import LDP_CLIP, LDP_NOISE_MULTIPLIER
-from fl_app import keys
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import local_gaussian_noise_multiplier, local_gaussian_sigma
 from fl_app.privacy.canaries import worst_client_patterns
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import clip_l2, local_gaussian_update
+from fl_app.reply_sums import Upload, is_partial_sum
+from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
+from fl_app.train_results import arrays_mismatch
 from fl_app.training import array_values
 from strategies import register_strategy
 from strategies.base import FederatedStrategy
@@ -159,6 +161,10 @@ class FedAvgLDPStrategy(FederatedStrategy):
         """Clipping bound and noise multiplier for the clients."""
         return {LDP_CLIP: self.clip, LDP_NOISE_MULTIPLIER: self.noise_multiplier}
 
+    def reply_summand(self, server_round: int) -> Upload:
+        """Each client's noisy update as it came: the mean is their sum over the count (cohort messages)."""
+        return Upload()
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -174,33 +180,44 @@ class FedAvgLDPStrategy(FederatedStrategy):
                 label="noisy model update",
             )
         )
+        total = self.summed_replies(self._matching(valid), Upload(), server_round=server_round)
         names = list(global_arrays.keys())
-        updates = []
-        for info, reply in valid:
-            received = reply.content.array_records.get(keys.ARRAYS)
-            if received is None or list(received.keys()) != names:
-                log(WARNING, "FedAvg+LDP: client %d sent no matching update; ignored", info.client_id)
-                continue
-            updates.append([array_values(received[n]).astype(np.float64) for n in names])
-        self._reports[server_round] = len(updates)
+        sums = [total.arrays[name] for name in names]
+        reports = len(total.members)
+        self._reports[server_round] = reports
         like = [array_values(global_arrays[n]) for n in names]
-        for canary, upload in enumerate(self.canary_uploads(server_round, clip=self.clip, like=like)):
+        canaries = self.canary_uploads(server_round, clip=self.clip, like=like)
+        for canary, upload in enumerate(canaries):
             rng = self.run.noise.generator("canary-ldp-noise", client=canary, server_round=server_round)
-            updates.append(
-                local_gaussian_update(
-                    update=upload, clip=self.clip, noise_multiplier=self.noise_multiplier, rng=rng
-                )
+            noisy = local_gaussian_update(
+                update=upload, clip=self.clip, noise_multiplier=self.noise_multiplier, rng=rng
             )
-        if not updates:
+            for running, values in zip(sums, noisy, strict=True):
+                running += values
+        count = reports + len(canaries)
+        if count == 0:
             return None, MetricRecord({"reports": 0})
-        means = [np.mean([update[position] for update in updates], axis=0) for position in range(len(names))]
+        means = [values / count for values in sums]
         if self.project:
             means, _ = clip_l2(arrays=means, max_norm=self.clip)
         new = {}
         for name, mean in zip(names, means, strict=True):
             reference = array_values(global_arrays[name])
             new[name] = Array((reference.astype(np.float64) + mean).astype(reference.dtype))
-        return ArrayRecord(new), MetricRecord({"reports": len(updates)})
+        return ArrayRecord(new), MetricRecord({"reports": count})
+
+    def _matching(self, valid: list[tuple[ClientInfo, Message]]) -> list[tuple[ClientInfo, Message]]:
+        """The valid replies whose update matches the model; any other is logged and ignored.
+
+        A cohort message's members were checked where they ran (a malformed one failed there).
+        """
+        matching = []
+        for info, reply in valid:
+            if not is_partial_sum(reply) and arrays_mismatch(reply, self.round_global):
+                log(WARNING, "FedAvg+LDP: client %d sent no matching update; ignored", info.client_id)
+                continue
+            matching.append((info, reply))
+        return matching
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
         """Valid uploads aggregated in the round and the epsilon of one upload.

@@ -46,6 +46,8 @@ SUMMED = {
     "dp_ftrl": ["privacy.noise_seed=3"],
     "dp_bandmf": ["privacy.noise_seed=3"],
     "dp_flower": ["privacy.noise_seed=3"],
+    "fedavg_ldp": ["privacy.noise_seed=3"],
+    "nbafl": ["privacy.noise_seed=3"],
 }
 
 
@@ -255,17 +257,20 @@ def only_client_5_fails(tmp_path: Path) -> str:
 
 
 @pytest.mark.simulation
-@pytest.mark.parametrize("strategy", ["fedavg", "dp_fedavg"])
+@pytest.mark.parametrize("strategy", ["fedavg", "dp_fedavg", "nbafl"])
 def test_a_simulation_gives_the_same_rounds_with_cohort_messages(strategy: str, simulate: Any) -> None:
     """Inline, 40 clients, client 3 failing in round 2: every round's accuracy, loss, epsilon, bytes and
     failures, and the un-noised diagnostics, equal with one message per client and with cohort messages."""
     overrides = [*FAST, *FORTY, "num_rounds=3", INLINE, f"strategy={strategy}", "privacy.diagnostics=true"]
-    results = {}
+    results, answered = {}, []
+    real_answer = cohort_messages.answer
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(INJECT_FAILURES_ENV, "3@2")
+        patch.setattr(cohort_messages, "answer", lambda *a, **k: answered.append(1) or real_answer(*a, **k))
         for cohort in ("false", "true"):
             run = simulate([*overrides, f"simulation.cohort_messages={cohort}"], name=cohort)
             results[cohort] = run
+            assert len(answered) == (0 if cohort == "false" else 3 * 3), (cohort, len(answered))  # 3 rounds
     timing = {"wall_s", "round_s", "secret_cohort_round_s"}
 
     def rounds(run: dict[str, Any]) -> list[dict[str, Any]]:
@@ -304,8 +309,9 @@ def test_a_malformed_member_result_fails_that_member_only(
 
 
 def test_a_member_hands_over_its_result_only_where_its_reply_is_that_result_encoded(tmp_path: Path) -> None:
-    """FedAvg's client (and Flower's) return the train result; a client with its own ``train`` (FedAvg+LDP,
-    or a subclass of FedAvg's that overrides it) returns its reply, which is what the server would get."""
+    """FedAvg's client (and Flower's, NbAFL's, FedAvg+LDP's) return the train result; a client with its
+    own ``train`` (a subclass of FedAvg's that overrides it) returns its reply, which is what the server
+    would get."""
     from clients.base import FederatedClient
     from clients.fedavg import FedAvgClient
     from fl_app.client_app import client_for
@@ -345,14 +351,18 @@ def test_a_member_hands_over_its_result_only_where_its_reply_is_that_result_enco
         ),
     ],
 )
-@pytest.mark.parametrize("examples", [3, 70_000])
-def test_a_train_result_weighs_what_its_reply_weighs(arrays: dict[str, np.ndarray], examples: int) -> None:
+@pytest.mark.parametrize("examples", [3, 70_000, None])
+def test_a_train_result_weighs_what_its_reply_weighs(
+    arrays: dict[str, np.ndarray], examples: int | None
+) -> None:
     """``result_bytes`` equals the serialised size and array payload of the reply it stands for, and its
-    layout is the reply's (the two share one cache of sizes)."""
+    layout is the reply's (the two share one cache of sizes); also for a reply without metrics (None)."""
     from fl_app.engine.messages import record_dict_bytes, task_identity
     from fl_app.message_sizes import array_payload_bytes, content_layout, result_bytes, result_layout
 
-    result = TrainResult(arrays, {keys.NUM_EXAMPLES: examples, keys.TRAIN_LOSS: 0.25})
+    metrics = None if examples is None else {keys.NUM_EXAMPLES: examples, keys.TRAIN_LOSS: 0.25}
+    result = TrainResult(arrays, metrics)
+    assert (keys.METRICS in result.content()) is (metrics is not None)
     with task_identity(run_id=1):
         reply = Message(content=result.content(), dst_node_id=1, message_type=MessageType.TRAIN)
     assert result_layout(result) == content_layout(reply)

@@ -55,7 +55,6 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.common import log
 
 from clients.nbafl import NBAFL_CLIP, NBAFL_MU, NBAFL_SIGMA_UP
-from fl_app import keys
 from fl_app.config_checks import require_int, require_positive, require_range
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import (
@@ -65,11 +64,12 @@ from fl_app.privacy.calibration import (
 )
 from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import gaussian_mechanism
+from fl_app.reply_sums import Upload
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from strategies import register_strategy
-from strategies.arrays import mean_arrays
+from strategies.arrays import arrays_like
 from strategies.base import FederatedStrategy
 from strategies.contract import Declaration, QuickExample
 from strategies.nbafl.privacy import (
@@ -286,6 +286,10 @@ class NbAFLStrategy(FederatedStrategy):
 
     # ------------------------------------------------------------------ aggregation
 
+    def reply_summand(self, server_round: int) -> Upload:
+        """Each client's noised model as it came: the average is their sum / count (cohort messages)."""
+        return Upload()
+
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -304,7 +308,9 @@ class NbAFLStrategy(FederatedStrategy):
                 self.k,
                 self.k,
             )
-        average = mean_arrays([m.content.array_records[keys.ARRAYS] for _, m in valid])
+        total = self.summed_replies(valid, Upload(), server_round=server_round)
+        count = total.scalars["count"]
+        average = arrays_like([total.arrays[name] / count for name in total.arrays], self.round_global)
         self._sigma_down_used[server_round] = self.sigma_down
         if self.sigma_down > 0:
             rng = self.run.noise.generator("nbafl-downlink", server_round=server_round)
