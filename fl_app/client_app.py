@@ -11,6 +11,7 @@ with masks from the whole agreed key; :func:`train`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
@@ -52,10 +53,30 @@ def trained_as_cohorts(jobs: Sequence[tuple[Message, Context]]) -> AbstractConte
         if config_record(message.content, RECORD_KEY_CONFIGS) is not None:
             return None
         if config_record(message.content, keys.COHORT) is not None:
-            return None  # a cohort message trains its members together itself (fl_app.cohort_messages)
+            return None  # its members are in the batch's jobs (_with_members)
         return client_for(message, context)
 
-    return train_together(jobs, plain_client)
+    return train_together(_with_members(jobs), plain_client)
+
+
+def _with_members(jobs: Sequence[tuple[Message, Context]]) -> list[tuple[Message, Context]]:
+    """The batch's jobs and, after each cohort message, its members' plain messages and Contexts.
+
+    So the members of all of a batch's cohort messages train as one computation (``simulation.vectorise``),
+    not 16 at a time; each cohort message's answer then finds its members trained. A cohort message
+    whose members cannot be read is left to its answer, which reports the error.
+    """
+    expanded: list[tuple[Message, Context]] = []
+    for message, context in jobs:
+        expanded.append((message, context))
+        config = config_record(message.content, keys.CONFIG)
+        vectorised = config is not None and bool(config.get(keys.VECTORISE, False))
+        if vectorised and config_record(message.content, keys.COHORT) is not None:
+            from fl_app.cohort_messages import member_jobs
+
+            with contextlib.suppress(Exception):
+                expanded.extend(member_jobs(message, context))
+    return expanded
 
 
 def client_for(message: Message, context: Context) -> FederatedClient:

@@ -6,7 +6,11 @@ model, its own data, the train config and its ``"data-order"`` generator, and no
 config asks for it (``keys.VECTORISE``, from ``simulation.vectorise``), :func:`trained_as_cohorts`
 trains every such message of an actor's batch that shares the global model and the SGD settings with
 :func:`fl_app.cohort_training.train_cohort`, before the batch's messages run one by one through the
-ClientApp as before. Each client's ``train_locally`` then takes its own precomputed parameters and
+ClientApp as before. The members of the batch's cohort messages (:mod:`fl_app.cohort_messages`)
+count as the batch's messages (:func:`fl_app.client_app.trained_as_cohorts` adds them), so they train
+together with each other, not 16 at a time; a cohort message's own call here then finds them trained
+(a message already planned is skipped, and each call forgets only the plans it made). Each client's
+``train_locally`` then takes its own precomputed parameters and
 loss (:func:`precomputed`) instead of looping; everything else a client does (clipping, local noise,
 randomized response, metrics, its reply) still runs per message, with its own generators. A message
 whose preparation fails, a model ``train_cohort`` refuses, or a ``train_locally`` call that differs
@@ -109,18 +113,21 @@ def trained_as_cohorts(
     """
     groups: list[Group] = []
     for message, context in jobs:
+        if message_key(message) in _planned:
+            continue  # trained already, with the batch it came in (a cohort message's member)
         client = _cohort_client(message, context, client_of)
         if client is not None:
             _join_group(groups, message, client)
-    done = 0
+    added: list[str] = []
     try:
         for group in groups:
             members = group.members
             if len(members) >= MIN_COHORT:
-                done += _train_group(members)
-        yield done
+                added += _train_group(members)
+        yield len(added)
     finally:
-        _planned.clear()
+        for key in added:  # only this call's: a cohort message's answer runs inside its batch's call
+            _planned.pop(key, None)
 
 
 def _cohort_client(
@@ -186,8 +193,8 @@ def _join_group(groups: list[Group], message: Any, client: FederatedClient) -> N
     groups.append(Group(settings=settings, record=record, arrays=arrays, members=[(message, client)]))
 
 
-def _train_group(members: list[tuple[Any, FederatedClient]]) -> int:
-    """Train one group with ``train_cohort`` and record each member's result; the number trained."""
+def _train_group(members: list[tuple[Any, FederatedClient]]) -> list[str]:
+    """Train one group with ``train_cohort`` and record each member's result; the keys recorded."""
     first = members[0][1]
     try:
         model = first.global_model()
@@ -210,7 +217,7 @@ def _train_group(members: list[tuple[Any, FederatedClient]]) -> int:
             device=first.device,
         )  # fmt: skip
     except Exception:  # e.g. a model train_cohort refuses: each message trains (and reports) on its own
-        return 0
+        return []
     # one transfer per parameter for the whole cohort; each message's own work after training
     # (the update, clipping, local noise, its reply) then runs on the CPU (FederatedClient.device)
     result = result.to("cpu")
@@ -218,4 +225,4 @@ def _train_group(members: list[tuple[Any, FederatedClient]]) -> int:
         _planned[message_key(message)] = Planned(
             settings=settings[index], params=result.client(index), loss=float(result.losses[index])
         )
-    return len(members)
+    return [message_key(message) for message, _ in members]

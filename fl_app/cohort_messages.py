@@ -192,21 +192,11 @@ def answer(
     (:func:`fl_app.client_app.trained_as_cohorts`).
     """
     cohort = config_record(message.content, keys.COHORT)
-    config = config_record(message.content, keys.CONFIG)
     summand = summand_of(cohort)
-    if cohort is None or config is None or summand is None:
+    if cohort is None or summand is None:
         raise ValueError("not a cohort message: it needs a config and a cohort record naming a summand")
+    jobs = member_jobs(message, context)
     global_arrays: ArrayRecord = message.content.array_records[keys.ARRAYS]
-    plain = RecordDict({keys.ARRAYS: global_arrays, keys.CONFIG: config})
-    jobs = [
-        (
-            member_message(
-                message, node_id=node, message_id=f"{message.metadata.message_id}/{node}", content=plain
-            ),
-            member_context(context, node_id=node, partition=partition),
-        )
-        for node, partition in zip(cohort[NODES], cohort[PARTITIONS], strict=True)  # type: ignore[call-overload]
-    ]
     total = PartialSum.zeros_like(global_arrays, summand.to_config())
     total.block = int(cohort[BLOCK_INDEX])  # type: ignore[arg-type]
     failed: dict[str, list[Any]] = {NODES: [], "codes": [], "reasons": [], "tracebacks": []}
@@ -232,6 +222,30 @@ def answer(
         {"upload-bytes": weighed[0], "upload-array-bytes": weighed[1], "replies": weighed[2]}
     )
     return Message(content=content, reply_to=message)
+
+
+def member_jobs(message: Message, context: Context) -> list[tuple[Message, Context]]:
+    """A cohort message's members as the plain messages and Contexts they run on, in order.
+
+    Each member's message carries the cohort message's model and config (one record for all) and an
+    id of its own, ``<cohort message id>/<node id>``: the same every time it is built, so the
+    engine's batch hook can train the members of all of a batch's cohort messages as one computation
+    (:func:`fl_app.client_app.trained_as_cohorts`) before each message is answered.
+    """
+    cohort = config_record(message.content, keys.COHORT)
+    config = config_record(message.content, keys.CONFIG)
+    if cohort is None or config is None:
+        raise ValueError("not a cohort message: it needs a config and a cohort record naming a summand")
+    plain = RecordDict({keys.ARRAYS: message.content.array_records[keys.ARRAYS], keys.CONFIG: config})
+    return [
+        (
+            member_message(
+                message, node_id=node, message_id=f"{message.metadata.message_id}/{node}", content=plain
+            ),
+            member_context(context, node_id=node, partition=partition),
+        )
+        for node, partition in zip(cohort[NODES], cohort[PARTITIONS], strict=True)  # type: ignore[call-overload]
+    ]
 
 
 def _read(outcome: Message | TrainResult, like: ArrayRecord) -> tuple[TrainResult, tuple[int, int]]:

@@ -392,3 +392,34 @@ def test_cohort_messages_are_on_unless_switched_off(backend: str, value: str, se
     """``auto`` is on with either backend: measured faster on both (docs/benchmarks/pfl_research.md)."""
     settings = settings_of([f"simulation.backend={backend}", f"simulation.cohort_messages={value}"])
     assert settings.simulation.sends_cohort_messages is sends
+
+
+@pytest.mark.parametrize("name", ["fedavg", "dp_fedavg", "nbafl"])
+def test_a_batch_of_cohort_messages_trains_all_its_members_as_one_computation(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``simulation.vectorise``, the three cohort messages of a batch (40 members) train as one
+    cohort of 40, not three of 16, 16 and 8 (a GPU pays per computation, not per client); each member's
+    training is taken from it once, and the released model equals the per-member loop's to float
+    tolerance."""
+    from conftest import count_trainings_from_cohorts
+
+    from fl_app import cohort_execution
+
+    sizes: list[int] = []
+    real_group = cohort_execution._train_group
+    monkeypatch.setattr(
+        cohort_execution, "_train_group", lambda members: sizes.append(len(members)) or real_group(members)
+    )
+    taken = count_trainings_from_cohorts(monkeypatch)
+    released = []
+    for vectorise in ("true", "false"):
+        overrides = [*FAST, *FORTY, f"strategy={name}", *SUMMED[name], f"simulation.vectorise={vectorise}"]
+        strategy = STRATEGIES.get(name)(build_run_context(overrides, tmp_path / vectorise))
+        messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
+        arrays, _ = strategy.aggregate_train(1, cohort_replies(messages, strategy))
+        assert arrays is not None
+        released.append({n: arrays[n].numpy() for n in arrays})
+        assert (sizes, len(taken)) == ([40], 40), vectorise  # the loop (second) adds none
+    for key, values in released[0].items():
+        np.testing.assert_allclose(values, released[1][key], rtol=1e-4, atol=1e-5, err_msg=key)
