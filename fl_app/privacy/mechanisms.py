@@ -226,8 +226,16 @@ def gaussian_mechanism(*, values: np.ndarray, sigma: float, rng: np.random.Gener
         raise ValueError(f"sigma must be a finite number >= 0, got {sigma!r}")
     values = np.asarray(values)
     out_dtype = values.dtype if np.issubdtype(values.dtype, np.floating) else np.float64
-    noise = rng.normal(0.0, sigma, size=values.shape) if sigma > 0 else 0.0
-    return (values + noise).astype(out_dtype, copy=False)
+    if sigma == 0:
+        return (values + 0.0).astype(out_dtype, copy=False)
+    noise = rng.normal(0.0, sigma, size=values.shape)
+    if values.ndim == 0 or np.result_type(values.dtype, noise.dtype) != noise.dtype:  # as it always was
+        return (values + noise).astype(out_dtype, copy=False)
+    # ``values + noise`` in the noise's own buffer (addition commutes exactly, so the same bits): one
+    # float64 array less per call; a locally noised MLP upload (109k coordinates) took 2.4-2.8 ms
+    # instead of 2.7-3.3 ms (best of 7, three alternations)
+    np.add(noise, values, out=noise)
+    return noise.astype(out_dtype, copy=False)
 
 
 # --------------------------------------------------------------------------------------
