@@ -232,11 +232,11 @@ class ClippedUpdate(Summand):
 
 
 class Upload(Summand):
-    """Local DP's term: the client's upload as it came (already clipped and noised on the client), counted.
+    """Local DP's term: the client's upload as it came (already clipped and noised on the client).
 
     FedAvg+LDP's noisy update and NbAFL's noised model: the server's uniform mean is
-    ``arrays / count``. The client's own steps (clipping, its local noise) ran before the upload, so
-    the term adds nothing and removes nothing.
+    ``arrays / len(members)``. The client's own steps (clipping, its local noise) ran before the
+    upload, so the term adds nothing and removes nothing.
     """
 
     name = "upload"
@@ -244,10 +244,10 @@ class Upload(Summand):
     def add_to(
         self, total: PartialSum, node_id: int, result: TrainResult, global_arrays: ArrayRecord
     ) -> None:
-        """The upload in float64 and a count of one."""
+        """The upload in float64; the member counted among the sum's members."""
         for name, values in result.arrays.items():
             total.arrays[name] += values
-        total.add_member(node_id, {"count": 1.0})
+        total.add_member(node_id, {})
 
 
 SUMMANDS: dict[str, type[Summand]] = {cls.name: cls for cls in (WeightedModel, ClippedUpdate, Upload)}

@@ -180,7 +180,8 @@ class FedAvgLDPStrategy(FederatedStrategy):
                 label="noisy model update",
             )
         )
-        total = self.summed_replies(self._matching(valid), Upload(), server_round=server_round)
+        summand = self.reply_summand(server_round)
+        total = self.summed_replies(self._matching(valid), summand, server_round=server_round)
         names = list(global_arrays.keys())
         sums = [total.arrays[name] for name in names]
         reports = len(total.members)

@@ -308,8 +308,8 @@ class NbAFLStrategy(FederatedStrategy):
                 self.k,
                 self.k,
             )
-        total = self.summed_replies(valid, Upload(), server_round=server_round)
-        count = total.scalars["count"]
+        total = self.summed_replies(valid, self.reply_summand(server_round), server_round=server_round)
+        count = len(total.members)
         average = arrays_like([total.arrays[name] / count for name in total.arrays], self.round_global)
         self._sigma_down_used[server_round] = self.sigma_down
         if self.sigma_down > 0:
