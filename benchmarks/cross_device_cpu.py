@@ -10,7 +10,9 @@ test images after every round; dpfl's own split exported for pfl). Per repeat, i
   only with ``--before``;
 * ``dpfl-ray``: the same command with dpfl's defaults (Ray, two client actors here); ``dpfl-ray-before``
   the same from ``--before TREE``;
-* ``dpfl-inline-plain``, ``dpfl-inline-cohort``, ``dpfl-ray-plain``, ``dpfl-ray-cohort``: the two dpfl
+* ``dpfl-processes``: the same with ``simulation.backend=processes`` (two worker processes forked from
+  the command, ``fl_app/engine/processes.py``);
+* ``dpfl-<backend>-plain``, ``dpfl-<backend>-cohort`` (``inline``, ``ray``, ``processes``): the dpfl
   commands with one message per client (``simulation.cohort_messages=false``) and with one message per
   16 clients (``true``, ``fl_app/cohort_messages.py``); the default ``auto`` is the latter.
 
@@ -62,16 +64,17 @@ def dpfl_command(
     tree: Path,
     rounds: int,
     output: Path,
-    inline: bool,
+    backend: str,
     cohort: bool | None = None,
     overrides: Sequence[str] = (),
 ) -> tuple[list[str], Path]:
     """``python -m fl_app`` on the task from ``tree`` (with this checkout's ``.venv``).
 
+    ``backend``: ``ray`` (the default: no override), ``inline`` or ``processes``;
     ``cohort``: ``simulation.cohort_messages=true`` (True), ``false`` (False), the default (None);
     ``overrides`` follow the task's (e.g. another strategy: ``--dpfl-overrides``).
     """
-    extra = [*overrides, *(["simulation.backend=inline"] if inline else [])]
+    extra = [*overrides, *([] if backend == "ray" else [f"simulation.backend={backend}"])]
     extra += [] if cohort is None else [f"simulation.cohort_messages={str(cohort).lower()}"]
     command = [str(pfl_compare.DPFL_PYTHON), "-m", "fl_app", *TASK, f"num_rounds={rounds}", *extra]
     return [*command, f"output_dir={output}"], tree
@@ -118,18 +121,19 @@ def main() -> int:
         subprocess.run(export, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     arms: dict[str, Callable[[Path], tuple[list[str], Path]]] = {
         "pfl": lambda out: pfl_command(data, args.rounds, out),
-        "dpfl-inline": lambda out: task(ROOT, args.rounds, out, inline=True),
+        "dpfl-inline": lambda out: task(ROOT, args.rounds, out, backend="inline"),
+        "dpfl-processes": lambda out: task(ROOT, args.rounds, out, backend="processes"),
     }
     if args.before is not None:
         before = args.before.resolve()
-        arms["dpfl-inline-before"] = lambda out: task(before, args.rounds, out, inline=True)
-    arms["dpfl-ray"] = lambda out: task(ROOT, args.rounds, out, inline=False)
+        arms["dpfl-inline-before"] = lambda out: task(before, args.rounds, out, backend="inline")
+    arms["dpfl-ray"] = lambda out: task(ROOT, args.rounds, out, backend="ray")
     if args.before is not None:
-        arms["dpfl-ray-before"] = lambda out: task(before, args.rounds, out, inline=False)
-    for backend, inline in (("inline", True), ("ray", False)):
+        arms["dpfl-ray-before"] = lambda out: task(before, args.rounds, out, backend="ray")
+    for backend in ("inline", "ray", "processes"):
         for kind, cohort in (("plain", False), ("cohort", True)):
             arms[f"dpfl-{backend}-{kind}"] = functools.partial(
-                task, ROOT, args.rounds, inline=inline, cohort=cohort
+                task, ROOT, args.rounds, backend=backend, cohort=cohort
             )
     if args.arms:
         wanted = args.arms.split(",")

@@ -650,7 +650,7 @@ def begin_ray_early(argv: list[str]) -> Callable[[RunSettings, int], None] | Non
     def begin(first: RunSettings, jobs: int) -> None:
         SESSION.keep = True
         SESSION.jobs_left = jobs
-        if not first.simulation.inline:  # an inline run needs no Ray (a later job may start it)
+        if first.simulation.uses_ray:  # an inline or processes run needs no Ray (a later job may start it)
             SESSION.begin(ray_init_args(first), ActorPlan.of(first))
 
     return begin

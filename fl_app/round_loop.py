@@ -26,6 +26,7 @@ WORKER_LOST_MARKERS = (
     "ActorUnavailableError",
     "WorkerCrashedError",
     "The actor is dead",
+    "ClientWorkerDiedError",  # a forked client process (simulation.backend=processes)
 )
 
 
@@ -59,6 +60,12 @@ def run_rounds(
     return arrays
 
 
+def _worker_kind(reasons: list[str]) -> str:
+    """What the lost worker was: a forked client process or a Ray actor."""
+    forked = any("ClientWorkerDiedError" in reason for reason in reasons)
+    return "client process" if forked else "Ray actor"
+
+
 def cohort_summand(strategy: Any, server_round: int) -> Any:
     """The strategy's summand for the round's cohort messages (None: plain messages; a Flower strategy)."""
     method = getattr(strategy, "cohort_summand", None)
@@ -83,8 +90,8 @@ def check_round(
     """
     if any(marker in reason for reason in reasons for marker in WORKER_LOST_MARKERS):
         raise RunFailed(
-            f"round {server_round}: a simulation worker (Ray actor) died; the engine does not replace "
-            "it, so the run stops (memory? see run.log)"
+            f"round {server_round}: a simulation worker ({_worker_kind(reasons)}) died; the engine does "
+            "not replace it, so the run stops (memory? see run.log)"
         )
     if secret_cohort:
         if clients and failures >= clients:

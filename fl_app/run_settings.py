@@ -68,13 +68,19 @@ class SimulationSettings:
     #: ``true``: a round of a summed aggregation goes as cohort messages (:mod:`fl_app.cohort_messages`).
     cohort_messages: str = "auto"
     #: ``ray``: client actors on a Ray instance; ``inline``: the clients run in the command's own
-    #: process, one after another (:mod:`fl_app.engine.inline`).
+    #: process, one after another (:mod:`fl_app.engine.inline`); ``processes``: in worker processes
+    #: forked from it (:mod:`fl_app.engine.processes`).
     backend: str = "ray"
 
     @property
     def inline(self) -> bool:
         """Whether the clients run in the command's own process (``simulation.backend=inline``)."""
         return self.backend == "inline"
+
+    @property
+    def uses_ray(self) -> bool:
+        """Whether the clients run on Ray's actors (``inline`` and ``processes`` start no Ray)."""
+        return self.backend == "ray"
 
     @property
     def trains_cohorts(self) -> bool:

@@ -13,8 +13,9 @@ on one machine, ``ray start --address=<head>:6379`` on the others) instead of
 starting a private instance. Without it the run always starts a private
 instance (Ray's ``address="local"``): a bare ``ray.init()`` would join a
 cluster that ``ray start`` left running on this machine. The instance belongs to
-:data:`fl_app.ray_session.SESSION`: a sweep's jobs share it. ``simulation.backend=inline`` starts no
-Ray at all: the clients run in this process (:mod:`fl_app.engine.inline`).
+:data:`fl_app.ray_session.SESSION`: a sweep's jobs share it. ``simulation.backend=inline`` and
+``processes`` start no Ray at all: the clients run in this process (:mod:`fl_app.engine.inline`) or
+in worker processes forked from it (:mod:`fl_app.engine.processes`).
 """
 
 from __future__ import annotations
@@ -65,12 +66,12 @@ def run_in_simulation(settings: RunSettings, overrides: Sequence[str], output_di
         run_config=overrides_to_run_config(list(overrides), str(output_dir)),
     )
     backend = backend_config(settings)
-    inline = settings.simulation.inline
+    uses_ray = settings.simulation.uses_ray
     outcome: Outcome | None = None
     with stop_on_signals():
         try:
             mark("job")
-            if not inline:
+            if uses_ray:
                 actors = ActorPlan(backend["client_resources"], settings.simulation.max_concurrent_clients)
                 SESSION.ready(backend["init_args"], actors)
                 reinstall_handlers()  # if a library replaced the stop handlers (ray.init does on this thread)
@@ -85,13 +86,13 @@ def run_in_simulation(settings: RunSettings, overrides: Sequence[str], output_di
                 max_actors=settings.simulation.max_concurrent_clients,
                 messages_per_task=settings.simulation.messages_per_task,
                 keep_ray=True,  # SESSION shuts Ray down (and puts back the SIGTERM handler it resets)
-                inline=inline,
+                backend=settings.simulation.backend,
             )
             outcome = take_outcome()
         finally:
             restore_signal_dispositions()  # Flower's Ray backend may have shut Ray down (it resets SIGTERM)
             mark("engine_done")
-            if inline:
+            if not uses_ray:
                 SESSION.jobs_left -= 1  # nothing of Ray's to keep or end
             elif outcome is not None and outcome.status.startswith("completed"):
                 SESSION.after_job()  # kept for the sweep's next job when SESSION.keep

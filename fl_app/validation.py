@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 BUDGET_SCOPES = ("total", "per_round")
 EVALUATION_SPLITS = ("test", "validation")
 #: Where a simulation's clients run (``simulation.backend``): Ray's actors, or the command's own process.
-SIMULATION_BACKENDS = ("ray", "inline")
+SIMULATION_BACKENDS = ("ray", "inline", "processes")
 
 
 def cuda_available() -> bool:
@@ -124,7 +124,15 @@ def validate_common(cfg: DictConfig) -> None:
 
     simulation = cfg.simulation
     require_positive("simulation.client_cpus", simulation.client_cpus)
+    backend = require_choice("simulation.backend", simulation.get("backend", "ray"), SIMULATION_BACKENDS)
     gpus = require_range("simulation.client_gpus", simulation.get("client_gpus", 0.0), 0.0, 1.0)
+    if gpus > 0 and backend == "processes":
+        raise ConfigError(
+            "simulation.client_gpus",
+            gpus,
+            "must be 0 with simulation.backend=processes (a forked worker cannot use CUDA); "
+            "use simulation.backend=ray for clients on a GPU",
+        )
     if gpus > 0 and not simulation.ray_address and not cuda_available():
         raise ConfigError(
             "simulation.client_gpus",
@@ -142,12 +150,11 @@ def validate_common(cfg: DictConfig) -> None:
     cohort_messages = simulation.get("cohort_messages", "auto")
     if not isinstance(cohort_messages, bool):
         require_choice("simulation.cohort_messages", cohort_messages, ("auto", "true", "false"))
-    backend = require_choice("simulation.backend", simulation.get("backend", "ray"), SIMULATION_BACKENDS)
-    if backend == "inline" and simulation.ray_address:
+    if backend != "ray" and simulation.ray_address:
         raise ConfigError(
             "simulation.ray_address",
             simulation.ray_address,
-            "must be null with simulation.backend=inline (the clients run in this process, not on Ray)",
+            f"must be null with simulation.backend={backend} (the clients run on this machine, not on Ray)",
         )
     require_positive("simulation.timeout", simulation.timeout)
     require_range("simulation.max_failure_fraction", simulation.get("max_failure_fraction", 0.5), 0.0, 1.0)

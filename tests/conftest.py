@@ -284,7 +284,7 @@ def simulate_in_process(
 
     settings = validate_config(compose_config(list(overrides)))
     if callable(address):
-        address = None if settings.simulation.inline else address()
+        address = address() if settings.simulation.uses_ray else None
     before = ray_process_ids()
     private = simulation.backend_config
 

@@ -433,8 +433,8 @@ def test_client_app_loader_travels_by_reference() -> None:
 
     assert len(ray.cloudpickle.dumps(load_dpfl_client_app)) < 200  # a name, not code
     assert load_dpfl_client_app() is app
-    assert pool._loads_dpfl_client_app(lambda: app)
-    assert not pool._loads_dpfl_client_app(lambda: object())
+    assert pool.loads_dpfl_client_app(lambda: app)
+    assert not pool.loads_dpfl_client_app(lambda: object())
 
 
 # ---------------------------------------------------------------- batched workers

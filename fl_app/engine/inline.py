@@ -44,13 +44,23 @@ def _reduce_memoryview(view: memoryview) -> tuple[Any, ...]:
     return memoryview, (view.tobytes(),)
 
 
-def isolated(jobs: list[Job]) -> list[Job]:
-    """A copy of ``jobs`` made as Ray's transport makes one (pickle; shared objects stay shared)."""
+def transport_bytes(value: Any) -> bytes:
+    """``value`` pickled as Ray's transport pickles it (memoryviews as the bytes they show)."""
     buffer = io.BytesIO()
     pickler = pickle.Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
     pickler.dispatch_table = {**copyreg.dispatch_table, memoryview: _reduce_memoryview}
-    pickler.dump(jobs)
-    copied: list[Job] = pickle.loads(buffer.getvalue())
+    pickler.dump(value)
+    return buffer.getvalue()
+
+
+def transport_loads(data: bytes) -> Any:
+    """What :func:`transport_bytes` pickled."""
+    return pickle.loads(data)
+
+
+def isolated(jobs: list[Job]) -> list[Job]:
+    """A copy of ``jobs`` made as Ray's transport makes one (pickle; shared objects stay shared)."""
+    copied: list[Job] = transport_loads(transport_bytes(jobs))
     return copied
 
 
@@ -131,16 +141,23 @@ RAY_BACKEND_MODULE = "flwr.server.superlink.fleet.vce.backend.raybackend"
 
 @contextlib.contextmanager
 def inline_backend() -> Iterator[None]:
-    """While the block runs, the simulation engine builds an :class:`InlineBackend` instead of Ray's.
+    """While the block runs, the simulation engine builds an :class:`InlineBackend` instead of Ray's."""
+    with standing_in_for_ray(InlineBackend):
+        yield
+
+
+@contextlib.contextmanager
+def standing_in_for_ray(backend_type: type) -> Iterator[None]:
+    """While the block runs, the simulation engine builds a ``backend_type`` instead of Ray's backend.
 
     When Flower's Ray backend module is not imported yet, a stand-in module holding only
-    ``RayBackend = InlineBackend`` takes its name for the block, so an inline run never imports Ray
-    (0.4 s of CPU at every start); it is removed afterwards, and a later Ray run imports the real one.
+    ``RayBackend = backend_type`` takes its name for the block, so a run without Ray never imports
+    Ray (0.4 s of CPU at every start); it is removed afterwards, and a later Ray run imports the real one.
     """
     original = sys.modules.get(RAY_BACKEND_MODULE)
     if original is None:
-        stand_in = types.ModuleType(RAY_BACKEND_MODULE, "dpfl's inline stand-in for Flower's Ray backend")
-        stand_in.RayBackend = InlineBackend  # type: ignore[attr-defined]
+        stand_in = types.ModuleType(RAY_BACKEND_MODULE, "dpfl's stand-in for Flower's Ray backend")
+        stand_in.RayBackend = backend_type  # type: ignore[attr-defined]
         sys.modules[RAY_BACKEND_MODULE] = stand_in
         try:
             yield
@@ -149,7 +166,7 @@ def inline_backend() -> Iterator[None]:
                 del sys.modules[RAY_BACKEND_MODULE]
         return
     ray_backend = original.RayBackend
-    original.RayBackend = InlineBackend  # type: ignore[attr-defined]
+    original.RayBackend = backend_type  # type: ignore[attr-defined]
     try:
         yield
     finally:

@@ -9,7 +9,8 @@
 * :func:`watched_from_the_main_thread`: the engine runs on a helper thread, so that a stop signal's
   handler runs at once on the main thread.
 * :func:`~fl_app.engine.inline.inline_backend` runs the clients in this process instead
-  (``simulation.backend=inline``);
+  (``simulation.backend=inline``), :func:`~fl_app.engine.processes.process_backend` in worker
+  processes forked from it (``simulation.backend=processes``);
 * :func:`ray_left_running` stops Flower's Ray backend from shutting Ray down when a run ends, so
   that the jobs of a sweep share one Ray instance (:mod:`fl_app.ray_session` owns it).
 """
@@ -26,6 +27,7 @@ from fl_app.engine.batching import MAX_BATCH, install_batched_workers
 from fl_app.engine.dispatch import forget_node_partitions, install_fast_dispatch
 from fl_app.engine.inline import inline_backend
 from fl_app.engine.pool import install_pipelined_pool
+from fl_app.engine.processes import process_backend, worker_count
 
 
 def install_engine_patches(*, ray: bool = True) -> None:
@@ -108,15 +110,16 @@ def run_simulation_engine(
     max_actors: int | None = None,
     messages_per_task: int = MAX_BATCH,
     keep_ray: bool = False,
-    inline: bool = False,
+    backend: str = "ray",
 ) -> None:
     """Run a ServerApp and ClientApp in Flower's simulation engine, in this process.
 
     ``server_app`` is the ServerApp object to run (built for the run's composed configuration);
     ``max_actors`` caps the number of client actors (:func:`actor_limit`); ``messages_per_task``
     is the most messages one Ray task carries to an actor (1: one per task, as Flower sends them);
-    ``keep_ray``: Ray stays up when the run ends (:func:`ray_left_running`); ``inline``: no Ray at
-    all, the clients run in this process (:mod:`fl_app.engine.inline`).
+    ``keep_ray``: Ray stays up when the run ends (:func:`ray_left_running`); ``backend``: ``ray``,
+    or no Ray at all: ``inline`` (the clients run in this process, :mod:`fl_app.engine.inline`) or
+    ``processes`` (in worker processes forked from it, :mod:`fl_app.engine.processes`).
     """
     from flwr.simulation.run_simulation import _run_simulation
     from flwr.supercore.telemetry import EventType
@@ -124,9 +127,9 @@ def run_simulation_engine(
     if messages_per_task < 1:
         raise ValueError(f"messages_per_task must be >= 1, got {messages_per_task}")
     batching.set_messages_per_task(messages_per_task)
-    install_engine_patches(ray=not inline)
+    install_engine_patches(ray=backend == "ray")
     forget_node_partitions()  # this run's engine records its own
-    with inline_backend() if inline else ray_backend(max_actors, keep_ray):
+    with client_backend(backend, backend_config, max_actors, keep_ray):  # forks before the engine's threads
         watched_from_the_main_thread(
             lambda: _run_simulation(
                 num_supernodes=num_supernodes,
@@ -138,6 +141,23 @@ def run_simulation_engine(
                 backend_config=backend_config,
             )
         )
+
+
+def client_backend(
+    backend: str, backend_config: dict[str, Any], max_actors: int | None, keep_ray: bool
+) -> contextlib.AbstractContextManager[Any]:
+    """What the engine builds for ``simulation.backend`` while the returned block runs."""
+    if backend == "inline":
+        return inline_backend()
+    if backend == "processes":
+        client_cpus = float(backend_config["client_resources"].get("num_cpus", 1.0))
+        workers = worker_count(
+            num_cpus=backend_config["init_args"].get("num_cpus"), client_cpus=client_cpus, limit=max_actors
+        )
+        return process_backend(workers, threads=max(1, int(client_cpus)))
+    if backend != "ray":
+        raise ValueError(f"unknown simulation backend {backend!r}")
+    return ray_backend(max_actors, keep_ray)
 
 
 #: How long the main thread waits at a time for the engine (:func:`watched_from_the_main_thread`).

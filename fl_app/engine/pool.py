@@ -175,7 +175,7 @@ def install_pipelined_pool(depth: int = PIPELINE_DEPTH) -> None:
     original_build = _original_build = RayBackend.build
 
     def build(self: Any, app_fn: Callable[[], Any]) -> None:
-        if _loads_dpfl_client_app(app_fn):
+        if loads_dpfl_client_app(app_fn):
             app_fn = load_dpfl_client_app
         raybackend.ClientAppActor = batching_actor_type()  # the actor class Flower's build creates
         with prestarted_actors_first(self.client_resources):
@@ -189,7 +189,7 @@ def install_pipelined_pool(depth: int = PIPELINE_DEPTH) -> None:
     _pool_installed = True
 
 
-def _loads_dpfl_client_app(app_fn: Callable[[], Any]) -> bool:
+def loads_dpfl_client_app(app_fn: Callable[[], Any]) -> bool:
     """Whether Flower's loader returns dpfl's ClientApp (then a by-reference loader replaces it)."""
     try:
         return app_fn() is load_dpfl_client_app()
