@@ -542,6 +542,24 @@ def test_take_batch_never_puts_two_messages_of_one_node_together() -> None:
     assert [m.metadata.dst_node_id for m in batch] == [1, 2] and carried is None and queue.qsize() == 3
 
 
+def test_take_batch_sends_each_cohort_message_alone() -> None:
+    from flwr.app import ConfigRecord
+
+    from fl_app import keys
+
+    queue, messages = _queued([1, 2, 3, 4, 5, 6])
+    for index in (2, 3):  # a block of clients each (fl_app/cohort_messages.py)
+        messages[index].content[keys.COHORT] = ConfigRecord({"block": index})
+    batches = []
+    carried = queue.get()
+    while carried is not None:
+        batch, carried = take_batch(queue, carried, limit=8)
+        batches.append([m.metadata.dst_node_id for m in batch])
+        if carried is None and not queue.empty():
+            carried = queue.get()
+    assert batches == [[1, 2], [3], [4], [5, 6]]
+
+
 class _Store:
     """A node's DeprecatedRunInfoStore, as the engine keeps it: one Context per run."""
 

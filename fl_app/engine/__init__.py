@@ -15,6 +15,8 @@ replaces and why:
   first, the actor count capped);
 * :mod:`~fl_app.engine.inline`: a backend that runs the clients in this process instead of on Ray's
   actors (``simulation.backend=inline``);
+* :mod:`~fl_app.engine.processes`: a backend that runs them in worker processes forked from this one
+  (``simulation.backend=processes``);
 * :mod:`~fl_app.engine.messages`: message sizes, reply ids and senders, the task identity;
 * :mod:`~fl_app.engine.logs`: Flower's console handler;
 * :mod:`~fl_app.engine.tooling`: the ``flwr`` CLI's FAB builder and config file;

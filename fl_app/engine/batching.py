@@ -28,6 +28,7 @@ from typing import Any
 from uuid import uuid4
 
 from fl_app.engine.messages import client_app_error, log_client_error, raised_in_client_app, set_message_id
+from fl_app.keys import COHORT
 
 #: How often a worker waiting for a batch looks whether the run has stopped (seconds).
 STOP_POLL_S = 0.5
@@ -268,20 +269,33 @@ def take_batch(queue: Queue[Any], first: Any, limit: int) -> tuple[list[Any], An
     """``first`` and up to ``limit - 1`` more queued messages, each for a different node.
 
     Returns the batch and the message that stopped it because its node is already in the batch
-    (None if none did): the caller starts its next batch with it, so a node's messages keep
-    their order and never share a task (each would need the Context the other leaves).
+    or it is a cohort message (None if none did): the caller starts its next batch with it, so a
+    node's messages keep their order and never share a task (each would need the Context the other
+    leaves), and a cohort message goes alone (:func:`is_cohort_message`).
     """
     batch, nodes = [first], {first.metadata.dst_node_id}
-    while len(batch) < limit:
+    while len(batch) < limit and not is_cohort_message(first):
         try:
             message = queue.get_nowait()
         except Empty:
             break
-        if message.metadata.dst_node_id in nodes:
+        if message.metadata.dst_node_id in nodes or is_cohort_message(message):
             return batch, message
         batch.append(message)
         nodes.add(message.metadata.dst_node_id)
     return batch, None
+
+
+def is_cohort_message(message: Any) -> bool:
+    """Whether ``message`` carries a block of clients (:mod:`fl_app.cohort_messages`): a task of its own.
+
+    A cohort message is 16 clients' work: batched with others, a cross-device round of 7 of them went
+    to two workers as 4 + 3 (64 and 36 clients, the round as long as the 64); one per task, the workers
+    pull them as they free up (52 and 48). On forked workers one per task made the round 8-19 % shorter
+    (docs/benchmarks/pfl_research.md); on Ray's actors it made no difference.
+    """
+    content = getattr(message, "content", None)
+    return content is not None and content.get(COHORT) is not None
 
 
 def process_batch(
