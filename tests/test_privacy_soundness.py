@@ -423,7 +423,8 @@ def _published(results: dict, output: Path) -> dict:
     }
 
 
-def test_nothing_published_varies_with_the_secret_cohort(simulate):
+@pytest.mark.parametrize("backend", ["ray", "processes"])
+def test_nothing_published_varies_with_the_secret_cohort(simulate, backend):
     """Two DP-FedAvg runs whose secret Poisson cohorts differ in size publish the same (issue 38.1).
 
     The cohort size, failures, bytes and durations of a round are functions of the secret coins:
@@ -436,6 +437,7 @@ def test_nothing_published_varies_with_the_secret_cohort(simulate):
     from fl_app.results import COHORT_FIELDS
 
     common = [*FAST, "strategy=dp_fedavg", "num_rounds=4", "privacy.diagnostics=true", "tracking=tensorboard"]
+    common.append(f"simulation.backend={backend}")
     runs = {seed: simulate([*common, f"privacy.noise_seed={seed}"], name=f"seed{seed}") for seed in (3, 4)}
     sizes = {
         seed: [r["secret_cohort_clients"] for r in results["outside_guarantee"]["rounds"]]
@@ -500,13 +502,14 @@ def test_the_private_state_file_keeps_only_what_resuming_needs(tmp_path, name):
 
 
 @pytest.mark.simulation
-@pytest.mark.parametrize("backend", ["ray", "inline"])
+@pytest.mark.parametrize("backend", ["ray", "inline", "processes"])
 def test_a_secret_cohorts_failing_client_leaves_nothing_in_run_log(simulate, monkeypatch, backend):
     """A client failing in a secret Poisson cohort: its error goes to the console only, never run.log.
 
     How often it failed follows the secret coins. The engine (fl_app/engine, Flower's seam) logs a
     failing client's error and traceback on Flower's behalf: those records are withheld like Flower's.
-    Inline, the clients run (and log) in the process that writes run.log: nothing of theirs gets in.
+    Inline, the clients run (and log) in the process that writes run.log, and forked workers
+    (``processes``) hold its handlers: nothing of theirs gets in.
     """
     from conftest import FAST
 
