@@ -8,6 +8,7 @@ left running); the command (Ctrl-C, a killed worker, a killed command: no proces
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import signal
@@ -129,7 +130,7 @@ def test_the_worker_count_follows_the_cpus_and_the_limit():
     assert worker_count(num_cpus=4, client_cpus=2.0, limit=None) == 2
     assert worker_count(num_cpus=4, client_cpus=1.0, limit=3) == 3
     assert worker_count(num_cpus=1, client_cpus=2.0, limit=None) == 1
-    assert worker_count(num_cpus=None, client_cpus=1.0, limit=None) == (os.cpu_count() or 1)
+    assert worker_count(num_cpus=None, client_cpus=1.0, limit=None) == len(os.sched_getaffinity(0))
 
 
 @pytest.mark.parametrize(
@@ -194,3 +195,19 @@ def test_the_workers_end_when_the_command_is_killed(tmp_path):
     run.finish(timeout=60)
     wait_until(lambda: not alive(workers), timeout=GONE_WITHIN_S + 30)  # a batch in progress ends first
     assert alive(workers) == []
+
+
+@pytest.mark.subprocess
+def test_a_sweep_forks_workers_for_each_job_and_leaves_none(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *FAST, TWO_ACTORS, PROCESSES, "strategy=fedavg,dp_fedavg", f"hydra.sweep.dir={sweep}"]
+    run = Run(args, tmp_path, delay=0.0)
+    started: list[psutil.Process] = []
+    while run.process.poll() is None:  # every worker any job forked
+        started += [p for p in run.descendants() if p not in started]
+        time.sleep(0.2)
+    assert run.finish(timeout=300) == 0, run.output[-3000:]
+    loaded = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/results.json"))]
+    assert sorted(r["strategy"] for r in loaded) == ["dp_fedavg", "fedavg"]
+    assert all(r["status"] == "completed" for r in loaded)
+    assert len(started) >= 2 and alive(started) == []

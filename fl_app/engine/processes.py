@@ -220,12 +220,20 @@ class ProcessBackend(InlineBackend):
 def worker_count(*, num_cpus: int | None, client_cpus: float, limit: int | None) -> int:
     """How many workers a run forks: as many clients as fit the CPUs (as Ray's pool sizes itself).
 
-    ``num_cpus``: ``simulation.num_cpus`` (None: this machine's CPUs); ``client_cpus``: each
-    client's; ``limit``: ``simulation.max_concurrent_clients``. At least one.
+    ``num_cpus``: ``simulation.num_cpus`` (None: the CPUs this process may run on); ``client_cpus``:
+    each client's; ``limit``: ``simulation.max_concurrent_clients``. At least one.
     """
-    cpus = num_cpus if num_cpus is not None else (os.cpu_count() or 1)
+    cpus = num_cpus if num_cpus is not None else usable_cpus()
     count = max(1, int(cpus // client_cpus))
     return min(count, limit) if limit is not None else count
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or ``taskset``'s share), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 @contextlib.contextmanager
