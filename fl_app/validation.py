@@ -8,6 +8,7 @@ exit with status 2 before Ray starts or an output directory is written.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -125,6 +126,12 @@ def validate_common(cfg: DictConfig) -> None:
     simulation = cfg.simulation
     require_positive("simulation.client_cpus", simulation.client_cpus)
     backend = require_choice("simulation.backend", simulation.get("backend", "ray"), SIMULATION_BACKENDS)
+    if backend == "processes" and not sys.platform.startswith("linux"):
+        raise ConfigError(
+            "simulation.backend",
+            backend,
+            f"needs Linux (its workers are forked, which is not safe on {sys.platform}); use ray or inline",
+        )
     gpus = require_range("simulation.client_gpus", simulation.get("client_gpus", 0.0), 0.0, 1.0)
     if gpus > 0 and backend == "processes":
         raise ConfigError(

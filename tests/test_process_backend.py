@@ -146,6 +146,13 @@ def test_settings_the_processes_cannot_honour_are_one_line(overrides, key):
     assert raised.value.key == key and "simulation.backend=processes" in str(raised.value)
 
 
+def test_forked_workers_outside_linux_are_one_line(monkeypatch):
+    monkeypatch.setattr("sys.platform", "darwin")
+    with pytest.raises(ConfigError) as raised:
+        validate_config(compose_config([*FAST, PROCESSES]), check_data=False)
+    assert raised.value.key == "simulation.backend" and "needs Linux" in str(raised.value)
+
+
 # ------------------------------------------------------------------------------ simulations
 
 

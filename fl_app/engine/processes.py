@@ -21,8 +21,9 @@ slower and fail more); every worker is ended when the run ends. Generators are n
 inherited state that two workers could share: a client's noise comes from generators derived per
 message, or from fresh OS entropy (:mod:`fl_app.privacy.rng`).
 
-Not for ``simulation.client_gpus`` (CUDA cannot be used in a forked child) nor a Ray cluster
-(``simulation.ray_address``); configuration validation refuses both.
+Linux only (macOS's system frameworks are not safe to fork), and not for ``simulation.client_gpus``
+(CUDA cannot be used in a forked child) nor a Ray cluster (``simulation.ray_address``): configuration
+validation refuses each.
 """
 
 from __future__ import annotations
