@@ -32,6 +32,10 @@ from fl_app.keys import COHORT
 
 #: How often a worker waiting for a batch looks whether the run has stopped (seconds).
 STOP_POLL_S = 0.5
+#: How long an idle engine thread waits for a message before it looks whether the engine stopped.
+#: Flower's own threads wait 1 s, which every run waited out after its last round (the engine ends
+#: when its threads have seen the stop); 0.1 s costs a few wake-ups a second.
+QUEUE_WAIT_S = 0.1
 
 
 #: One message for an actor and its node's Context.
@@ -363,7 +367,7 @@ def batched_worker(
         if carried is None:
             with batching.waiting():
                 try:
-                    first = messageins_queue.get(timeout=1.0)
+                    first = messageins_queue.get(timeout=QUEUE_WAIT_S)
                 except Empty:
                     continue
                 senders = batching.waiting_count

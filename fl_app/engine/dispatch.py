@@ -24,6 +24,8 @@ from collections.abc import Callable
 from queue import Empty, Queue
 from typing import Any
 
+from fl_app.engine.batching import QUEUE_WAIT_S
+
 #: Bounds of the dispatcher's polling interval (seconds).
 MIN_POLL_S = 0.002
 MAX_POLL_S = 0.05
@@ -123,7 +125,7 @@ def signalling_put_message_into_state(state: Any, queue: Queue[Any], f_stop: thr
     """
     while not f_stop.is_set():
         try:
-            reply = queue.get(timeout=1.0)
+            reply = queue.get(timeout=QUEUE_WAIT_S)
         except Empty:
             continue
         state.store_message_res(reply)
