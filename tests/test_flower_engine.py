@@ -46,7 +46,7 @@ from fl_app.engine.pool import BalancedSlots, load_dpfl_client_app, pipeline_poo
 from fl_app.metering import MeteredGrid
 from fl_app.training import array_values
 from strategies.arrays import mean_arrays
-from tests.conftest import FAST, INLINE, TWO_ACTORS
+from tests.conftest import FAST, TWO_ACTORS
 
 GOLDEN = Path(__file__).parent / "data" / "golden_rounds.json"
 ROOT = Path(__file__).resolve().parents[1]
@@ -289,21 +289,21 @@ def test_mean_arrays_is_bitwise_the_sequential_float64_mean() -> None:
         ),
     ],
 )
-@pytest.mark.parametrize("backend", ["ray", "inline"])
+@pytest.mark.parametrize("backend", ["ray", "inline", "processes"])
 def test_results_equal_the_code_before_the_speed_work(
     shared_simulation: Any, name: str, overrides: list[str], backend: str
 ) -> None:
     """Round by round, the same accuracy, epsilon and bytes as commit 48fef10 (tests/data).
 
-    On Ray's client actors and with the clients in the driver (``simulation.backend=inline``): where
-    a client runs changes nothing it computes. The loss is compared to 1e-6: that code summed the
-    replies in the order they arrived, which varies from run to run in the last bits of a float;
-    replies are now summed by client id.
+    On Ray's client actors, with the clients in the driver (``simulation.backend=inline``) and in
+    worker processes forked from it (``processes``): where a client runs changes nothing it
+    computes. The loss is compared to 1e-6: that code summed the replies in the order they arrived,
+    which varies from run to run in the last bits of a float; replies are now summed by client id.
     """
     golden = json.loads(GOLDEN.read_text())["runs"][name]
     fast = [item for item in FAST if not item.startswith("num_rounds=")]
-    inline = [INLINE] if backend == "inline" else []
-    results = shared_simulation([*fast, "num_rounds=3", *overrides, *inline])  # fedavg on ray: FEDAVG_RUN
+    where = [] if backend == "ray" else [f"simulation.backend={backend}"]
+    results = shared_simulation([*fast, "num_rounds=3", *overrides, *where])  # fedavg on ray: FEDAVG_RUN
     assert len(results["rounds"]) == len(golden)
     for got, want in zip(results["rounds"], golden, strict=True):
         assert {key: got[key] for key in want if key != "loss"} == {
