@@ -73,11 +73,6 @@ class SimulationSettings:
     backend: str = "ray"
 
     @property
-    def inline(self) -> bool:
-        """Whether the clients run in the command's own process (``simulation.backend=inline``)."""
-        return self.backend == "inline"
-
-    @property
     def uses_ray(self) -> bool:
         """Whether the clients run on Ray's actors (``inline`` and ``processes`` start no Ray)."""
         return self.backend == "ray"

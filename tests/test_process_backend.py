@@ -88,7 +88,7 @@ def test_two_batches_at_once_run_in_two_forked_workers_with_their_own_secure_ran
 
     # both workers busy at once: the second batch cannot go to the first worker
     first = pool.workers[0].connection
-    threads = [threading.Thread(target=send, args=(i,)) for i in (1, 2)]
+    threads = [threading.Thread(target=send, args=(i,), daemon=True) for i in (1, 2)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -210,7 +210,8 @@ def test_a_sweep_forks_workers_for_each_job_and_leaves_none(tmp_path):
     args = ["-m", *FAST, TWO_ACTORS, PROCESSES, "strategy=fedavg,dp_fedavg", f"hydra.sweep.dir={sweep}"]
     run = Run(args, tmp_path, delay=0.0)
     started: list[psutil.Process] = []
-    while run.process.poll() is None:  # every worker any job forked
+    deadline = time.monotonic() + 300
+    while run.process.poll() is None and time.monotonic() < deadline:  # every worker any job forked
         started += [p for p in run.descendants() if p not in started]
         time.sleep(0.2)
     assert run.finish(timeout=300) == 0, run.output[-3000:]

@@ -27,7 +27,13 @@ from queue import Empty, Queue
 from typing import Any
 from uuid import uuid4
 
-from fl_app.engine.messages import client_app_error, log_client_error, raised_in_client_app, set_message_id
+from fl_app.engine.messages import (
+    client_app_error,
+    config_record,
+    log_client_error,
+    raised_in_client_app,
+    set_message_id,
+)
 from fl_app.keys import COHORT
 
 #: How often a worker waiting for a batch looks whether the run has stopped (seconds).
@@ -298,8 +304,7 @@ def is_cohort_message(message: Any) -> bool:
     pull them as they free up (52 and 48). On forked workers one per task made the round 8-19 % shorter
     (docs/benchmarks/pfl_research.md); on Ray's actors it made no difference.
     """
-    content = getattr(message, "content", None)
-    return content is not None and content.get(COHORT) is not None
+    return message.has_content() and config_record(message.content, COHORT) is not None
 
 
 def process_batch(

@@ -64,6 +64,12 @@ def isolated(jobs: list[Job]) -> list[Job]:
     return copied
 
 
+def client_threads(backend_config: dict[str, Any]) -> int:
+    """A client's torch threads: ``simulation.client_cpus`` (``client_resources``), at least 1."""
+    resources = backend_config.get("client_resources") or {}
+    return max(1, int(float(resources.get("num_cpus", 1))))
+
+
 class InlineBackend:
     """Flower's simulation ``Backend`` interface, answered in this process by one worker thread.
 
@@ -76,14 +82,13 @@ class InlineBackend:
     def __init__(self, backend_config: dict[str, Any]) -> None:
         self.backend_config = backend_config
         self.app_fn: Callable[[], Any] | None = None
-        resources = backend_config.get("client_resources") or {}
         #: torch threads while a batch runs: ``simulation.client_cpus``, as a Ray actor gets (at least 1)
-        self.threads = max(1, int(float(resources.get("num_cpus", 1))))
+        self.threads = client_threads(backend_config)
 
     def build(self, app_fn: Callable[[], Any]) -> None:
-        """Keep the ClientApp loader and give the batched workers an in-process sender."""
+        """Keep the ClientApp loader and give the batched workers a sender (one slot per worker)."""
         self.app_fn = app_fn
-        batching = Batching(None, slots=1)
+        batching = Batching(None, slots=self.num_workers)
         batching.send = self._sender(batching)
         setattr(self, BATCHING_FLAG, batching)
 
@@ -92,10 +97,14 @@ class InlineBackend:
             if batching.stopped():
                 raise AbandonedBatchError(f"the run stopped with {len(jobs)} messages queued")
             assert self.app_fn is not None, "build() runs before the first message"
-            with torch_threads(self.threads):
-                return run_jobs(self.app_fn, isolated(jobs))
+            return self._run(self.app_fn, jobs, batching.stopped)
 
         return send
+
+    def _run(self, app_fn: Callable[[], Any], jobs: list[Job], stopped: Callable[[], bool]) -> list[Outcome]:
+        """The outcomes of ``jobs``: run here, on copies made as Ray's transport makes them."""
+        with torch_threads(self.threads):
+            return run_jobs(app_fn, isolated(jobs))
 
     @property
     def num_workers(self) -> int:

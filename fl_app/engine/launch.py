@@ -25,7 +25,7 @@ from typing import Any
 from fl_app.engine import batching
 from fl_app.engine.batching import MAX_BATCH, install_batched_workers
 from fl_app.engine.dispatch import forget_node_partitions, install_fast_dispatch
-from fl_app.engine.inline import inline_backend
+from fl_app.engine.inline import client_threads, inline_backend
 from fl_app.engine.pool import install_pipelined_pool
 from fl_app.engine.processes import process_backend, worker_count
 
@@ -154,7 +154,7 @@ def client_backend(
         workers = worker_count(
             num_cpus=backend_config["init_args"].get("num_cpus"), client_cpus=client_cpus, limit=max_actors
         )
-        return process_backend(workers, threads=max(1, int(client_cpus)))
+        return process_backend(workers, threads=client_threads(backend_config))
     if backend != "ray":
         raise ValueError(f"unknown simulation backend {backend!r}")
     return ray_backend(max_actors, keep_ray)

@@ -40,10 +40,8 @@ from queue import Queue
 from typing import Any
 
 from fl_app.engine.batching import (
-    BATCHING_FLAG,
     STOP_POLL_S,
     AbandonedBatchError,
-    Batching,
     Job,
     Outcome,
     run_jobs,
@@ -197,20 +195,12 @@ class ProcessBackend(InlineBackend):
     pool: WorkerPool
 
     def build(self, app_fn: Callable[[], Any]) -> None:
-        """Give the batched workers a sender to the pool (dpfl's ClientApp travels by reference)."""
-        self.app_fn = load_dpfl_client_app if loads_dpfl_client_app(app_fn) else app_fn
-        batching = Batching(None, slots=len(self.pool))
-        batching.send = self._pool_sender(batching)
-        setattr(self, BATCHING_FLAG, batching)
+        """As the inline backend's, with dpfl's ClientApp loader by reference (it travels with each batch)."""
+        super().build(load_dpfl_client_app if loads_dpfl_client_app(app_fn) else app_fn)
 
-    def _pool_sender(self, batching: Batching) -> Callable[[list[Job]], list[Outcome]]:
-        def send(jobs: list[Job]) -> list[Outcome]:
-            if batching.stopped():
-                raise AbandonedBatchError(f"the run stopped with {len(jobs)} messages queued")
-            assert self.app_fn is not None, "build() runs before the first message"
-            return self.pool.run(self.app_fn, jobs, batching.stopped)
-
-        return send
+    def _run(self, app_fn: Callable[[], Any], jobs: list[Job], stopped: Callable[[], bool]) -> list[Outcome]:
+        """The outcomes of ``jobs`` from an idle worker of :attr:`pool`."""
+        return self.pool.run(app_fn, jobs, stopped)
 
     @property
     def num_workers(self) -> int:
