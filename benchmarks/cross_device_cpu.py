@@ -5,16 +5,22 @@ N = 1000, 100 clients per round, the MLP, one local epoch of batch 32, lr 0.1, e
 test images after every round; dpfl's own split exported for pfl). Per repeat, in this order:
 
 * ``pfl``: pfl-research 0.6.0, one process, one torch thread (``pfl_compare.py pfl-run``, ``.venv-pfl``);
+* ``loop``: the tight single-process PyTorch loop, one torch thread (:func:`tight_rounds`: the same
+  rounds' work with nothing else, no messages; ``--loop-run``), the floor of issue 58's CPU goal;
 * ``dpfl-inline``: ``python -m fl_app ... simulation.backend=inline`` from this checkout;
-* ``dpfl-inline-before``: the same from ``--before TREE`` (another checkout, e.g. ``git worktree add``),
-  only with ``--before``;
-* ``dpfl-ray``: the same command with dpfl's defaults (Ray, two client actors here); ``dpfl-ray-before``
-  the same from ``--before TREE``;
+* ``dpfl-ray``: the same command with dpfl's defaults (Ray, two client actors here);
 * ``dpfl-processes``: the same with ``simulation.backend=processes`` (two worker processes forked from
   the command, ``fl_app/engine/processes.py``);
+* ``dpfl-<backend>-before`` (``inline``, ``processes``, ``ray``): the same from ``--before TREE`` (another
+  checkout, e.g. ``git worktree add``), only with ``--before``;
 * ``dpfl-<backend>-plain``, ``dpfl-<backend>-cohort`` (``inline``, ``ray``, ``processes``): the dpfl
   commands with one message per client (``simulation.cohort_messages=false``) and with one message per
   16 clients (``true``, ``fl_app/cohort_messages.py``); the default ``auto`` is the latter.
+
+``--rounds`` takes one number or several (``30,100``): every repeat runs every arm at each, and with
+two or more the table adds each arm's **CPU per round**, the machine's CPU between the shortest and
+the longest run divided by the rounds between them (start-up and the end of a run cancel out), for
+issue 58's goal of at most 1.6x the loop's.
 
 ``--arms`` picks some of them (default: all; the ``-before`` arms only with ``--before``);
 ``--dpfl-overrides`` adds overrides to every dpfl arm, e.g. another strategy whose aggregation is a sum
@@ -25,7 +31,7 @@ Each command is timed from outside; its CPU is the machine's busy time over the 
 median of rounds 2..R (dpfl: ``results.json``; pfl: its own ``results.json``). The commands inherit
 the caller's environment minus ``OMP_NUM_THREADS`` (a user's shell has none)::
 
-    python -P benchmarks/cross_device_cpu.py [--rounds 30] [--repeats 2] [--before TREE] \
+    python -P benchmarks/cross_device_cpu.py [--rounds 30[,100]] [--repeats 2] [--before TREE] \
         [--arms A,B] [--out DIR] [--dpfl-overrides 'strategy=... ...']
 
 Prints one JSON line per command and a Markdown table; writes ``rows.json`` under ``--out``.
@@ -44,6 +50,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -80,6 +87,92 @@ def dpfl_command(
     return [*command, f"output_dir={output}"], tree
 
 
+def loop_command(rounds: int, output: Path) -> tuple[list[str], Path]:
+    """The tight loop's run of the task (:func:`loop_run` in a process of its own, dpfl's interpreter)."""
+    script = str(Path(__file__).resolve())
+    command = [str(pfl_compare.DPFL_PYTHON), "-P", script, "--loop-run", str(output), "--rounds", str(rounds)]
+    return command, ROOT
+
+
+def loop_run(rounds: int, output: Path) -> None:
+    """Run the task's rounds as :func:`tight_rounds`, one torch thread; write results.json.
+
+    The results have dpfl's layout (``rounds[i].round_s``, ``final.accuracy``) plus each round's CPU.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    times, cpu, accuracy = tight_rounds([*TASK, f"num_rounds={rounds}"])
+    output.mkdir(parents=True, exist_ok=True)
+    rows = [{"round_s": t, "cpu_s": c} for t, c in zip(times, cpu, strict=True)]
+    (output / "results.json").write_text(json.dumps({"rounds": rows, "final": {"accuracy": accuracy}}))
+
+
+def tight_rounds(overrides: Sequence[str]) -> tuple[list[float], list[float], float]:
+    """The task's FedAvg as the tightest single-process PyTorch loop; per-round wall and CPU, final accuracy.
+
+    The same work as a dpfl round (the cohort sampled, each client's local SGD from the global model on
+    its own examples in a fresh order per epoch, the float64 weighted average, the evaluation on the
+    test subset) with nothing else: one model whose parameters take the global values in place, each
+    client's examples turned into tensors once, plain SGD steps on ``torch.autograd.grad``, the sum
+    kept as float64 tensors, one forward pass over the test examples.
+    """
+    import numpy as np
+    import overhead
+    import torch
+    from torch.nn import functional as F  # noqa: N812
+
+    from fl_app.config import compose_config
+    from fl_app.data.federated import DataSpec, federated_data
+    from fl_app.model_spec import ModelSpec
+    from fl_app.models import resolve_model_name
+    from fl_app.training import to_tensor
+
+    cfg = compose_config(list(overrides))
+    data = federated_data(DataSpec.from_config(cfg))
+    spec = ModelSpec(resolve_model_name(str(cfg.model), data.input_shape), data.input_shape, data.num_classes)
+    model = spec.build()
+    params = list(model.parameters())
+    x_test, y_test = overhead.test_split(cfg, data)
+    test_inputs, test_targets = to_tensor(x_test), torch.from_numpy(np.asarray(y_test, dtype=np.int64))
+    tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    lr, batch, epochs = float(cfg.lr), int(cfg.batch_size), int(cfg.local_epochs)
+    sampling = np.random.default_rng(int(cfg.seed))
+    orders = torch.Generator().manual_seed(int(cfg.seed))
+    times, cpu, accuracy = [], [], float("nan")
+    for _ in range(int(cfg.num_rounds)):
+        started, cpu_started = time.monotonic(), time.process_time()
+        chosen = sampling.choice(int(cfg.num_clients), size=int(cfg.clients_per_round), replace=False)
+        start = [p.detach().clone() for p in params]
+        sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+        weight = 0
+        for client in sorted(int(c) for c in chosen):
+            if client not in tensors:
+                part = data.client(client)
+                tensors[client] = (to_tensor(part.x), torch.from_numpy(np.asarray(part.y, dtype=np.int64)))
+            x, y = tensors[client]
+            with torch.no_grad():
+                torch._foreach_copy_(params, start)
+            for _ in range(epochs):
+                order = torch.randperm(len(y), generator=orders)
+                for first in range(0, len(y), batch):
+                    index = order[first : first + batch]
+                    loss = F.cross_entropy(model(x[index]), y[index])
+                    grads = torch.autograd.grad(loss, params)
+                    with torch.no_grad():
+                        torch._foreach_add_(params, grads, alpha=-lr)
+            with torch.no_grad():
+                for total, p in zip(sums, params, strict=True):
+                    total.add_(p, alpha=len(y))
+            weight += len(y)
+        with torch.no_grad():
+            torch._foreach_copy_(params, [total / weight for total in sums])
+            accuracy = float((model(test_inputs).argmax(dim=1) == test_targets).float().mean())
+        times.append(time.monotonic() - started)
+        cpu.append(time.process_time() - cpu_started)
+    return times, cpu, accuracy
+
+
 def pfl_command(data: Path, rounds: int, output: Path) -> tuple[list[str], Path]:
     """pfl-research's run of the task on the exported split."""
     script = str(pfl_compare.SCRIPT)
@@ -102,7 +195,7 @@ def summary(arm: str, output: Path) -> tuple[float, float]:
 def main() -> int:
     """Run the arms interleaved and print the rows."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--rounds", default="30", help="rounds per run; several: '30,100'")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--before", type=Path, help="another checkout to run as dpfl-*-before")
     parser.add_argument("--arms", help="comma-separated arms to run (default: all)")
@@ -112,67 +205,118 @@ def main() -> int:
         default="",
         help="overrides after the task's for every dpfl arm, e.g. 'strategy=nbafl privacy.epsilon=50'",
     )
+    parser.add_argument("--loop-run", type=Path, help=argparse.SUPPRESS)  # the loop arm's own process
     args = parser.parse_args()
-    task = functools.partial(dpfl_command, overrides=shlex.split(args.dpfl_overrides))
+    try:
+        round_counts = sorted({int(part) for part in args.rounds.split(",")})
+    except ValueError:
+        raise SystemExit(f"--rounds: {args.rounds!r} is not a number or comma-separated numbers") from None
+    if args.loop_run is not None:
+        loop_run(round_counts[-1], args.loop_run)
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "partition.npz"
     if not data.exists():
         export = [str(pfl_compare.DPFL_PYTHON), "-P", str(pfl_compare.SCRIPT), "export", "--data", str(data)]
         subprocess.run(export, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    arms: dict[str, Callable[[Path], tuple[list[str], Path]]] = {
-        "pfl": lambda out: pfl_command(data, args.rounds, out),
-        "dpfl-inline": lambda out: task(ROOT, args.rounds, out, backend="inline"),
-        "dpfl-processes": lambda out: task(ROOT, args.rounds, out, backend="processes"),
-    }
-    if args.before is not None:
-        before = args.before.resolve()
-        arms["dpfl-inline-before"] = lambda out: task(before, args.rounds, out, backend="inline")
-    arms["dpfl-ray"] = lambda out: task(ROOT, args.rounds, out, backend="ray")
-    if args.before is not None:
-        arms["dpfl-ray-before"] = lambda out: task(before, args.rounds, out, backend="ray")
-    for backend in ("inline", "ray", "processes"):
-        for kind, cohort in (("plain", False), ("cohort", True)):
-            arms[f"dpfl-{backend}-{kind}"] = functools.partial(
-                task, ROOT, args.rounds, backend=backend, cohort=cohort
-            )
+    arms = all_arms(data, args.before, shlex.split(args.dpfl_overrides))
     if args.arms:
         wanted = args.arms.split(",")
         unknown = sorted(set(wanted) - set(arms))
         if unknown:
             raise SystemExit(f"--arms: unknown {unknown}; the arms are {sorted(arms)}")
         arms = {name: arms[name] for name in wanted}
+    rows = run_rows(arms, round_counts, args.repeats, args.out)
+    (args.out / "rows.json").write_text(json.dumps(rows, indent=1))
+    print("\n".join(["", *table_lines(rows)]))
+    if len(round_counts) > 1:
+        print("\n".join(["", *per_round_lines(rows, round_counts[0], round_counts[-1])]))
+    return 0
+
+
+#: An arm: (rounds, output directory) -> (command, working directory).
+Arm = Callable[[int, Path], tuple[list[str], Path]]
+
+
+def all_arms(data: Path, before: Path | None, overrides: Sequence[str]) -> dict[str, Arm]:
+    """Every arm, by name (``-before`` arms only with ``before``)."""
+    task = functools.partial(dpfl_command, overrides=overrides)
+    arms: dict[str, Arm] = {
+        "pfl": lambda rounds, out: pfl_command(data, rounds, out),
+        "loop": loop_command,
+    }
+    for backend in ("inline", "processes", "ray"):
+        arms[f"dpfl-{backend}"] = functools.partial(task, ROOT, backend=backend)
+        if before is not None:
+            arms[f"dpfl-{backend}-before"] = functools.partial(task, before.resolve(), backend=backend)
+    for backend in ("inline", "ray", "processes"):
+        for kind, cohort in (("plain", False), ("cohort", True)):
+            arms[f"dpfl-{backend}-{kind}"] = functools.partial(task, ROOT, backend=backend, cohort=cohort)
+    return arms
+
+
+def run_rows(
+    arms: dict[str, Arm], round_counts: Sequence[int], repeats: int, out: Path
+) -> list[dict[str, Any]]:
+    """Run every arm at every round count, ``repeats`` times, interleaved; one row per command."""
     environment = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     rows = []
-    for repeat in range(1, args.repeats + 1):
-        for arm, make in arms.items():
-            output = args.out / f"{arm}-{repeat}-{time.strftime('%H%M%S')}"
-            command, cwd = make(output)
-            busy, started = machine_busy_s(), time.perf_counter()
-            finished = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=environment)
-            wall, cpu = time.perf_counter() - started, machine_busy_s() - busy
-            if finished.returncode != 0:
-                raise SystemExit(f"{arm} failed ({finished.returncode}): {finished.stderr[-2000:]}")
-            median, accuracy = summary(arm, output)
-            row = {
-                "arm": arm,
-                "repeat": repeat,
-                "command_s": round(wall, 2),
-                "machine_cpu_s": round(cpu, 2),
-                "median_round_s": round(median, 4),
-                "accuracy": accuracy,
-                "load_1min": round(os.getloadavg()[0], 2),
-            }
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    (args.out / "rows.json").write_text(json.dumps(rows, indent=1))
-    print("\n| arm | repeat | command s | machine CPU s | median round s | final accuracy |")
-    print("|---|---|---|---|---|---|")
+    for repeat in range(1, repeats + 1):
+        for rounds in round_counts:
+            for arm, make in arms.items():
+                output = out / f"{arm}-{rounds}r-{repeat}-{time.strftime('%H%M%S')}"
+                command, cwd = make(rounds, output)
+                busy, started = machine_busy_s(), time.perf_counter()
+                finished = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=environment)
+                wall, cpu = time.perf_counter() - started, machine_busy_s() - busy
+                if finished.returncode != 0:
+                    raise SystemExit(f"{arm} failed ({finished.returncode}): {finished.stderr[-2000:]}")
+                median, accuracy = summary(arm, output)
+                row = {
+                    "arm": arm,
+                    "repeat": repeat,
+                    "rounds": rounds,
+                    "command_s": round(wall, 2),
+                    "machine_cpu_s": round(cpu, 2),
+                    "median_round_s": round(median, 4),
+                    "accuracy": accuracy,
+                    "load_1min": round(os.getloadavg()[0], 2),
+                }
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def table_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """One Markdown row per command."""
+    lines = ["| arm | rounds | repeat | command s | machine CPU s | median round s | final accuracy |"]
+    lines.append("|---|---|---|---|---|---|---|")
     for row in rows:
-        print(
-            f"| {row['arm']} | {row['repeat']} | {row['command_s']} | {row['machine_cpu_s']} | "
-            f"{row['median_round_s']} | {row['accuracy']:.4f} |"
+        lines.append(
+            f"| {row['arm']} | {row.get('rounds', '')} | {row['repeat']} | {row['command_s']} | "
+            f"{row['machine_cpu_s']} | {row['median_round_s']} | {row['accuracy']:.4f} |"
         )
-    return 0
+    return lines
+
+
+def per_round_lines(rows: Sequence[dict[str, Any]], fewest: int, most: int) -> list[str]:
+    """Each arm's machine CPU per round, per repeat: (CPU at ``most`` - CPU at ``fewest``) / rounds between.
+
+    With a ``loop`` arm, each arm's value is also given as a multiple of the loop's in the same repeat.
+    """
+    cpu = {(r["arm"], r["repeat"], r["rounds"]): float(r["machine_cpu_s"]) for r in rows}
+    per_round = {
+        (arm, repeat): (cpu[(arm, repeat, most)] - cpu[(arm, repeat, fewest)]) / (most - fewest)
+        for arm, repeat, rounds in cpu
+        if rounds == most and (arm, repeat, fewest) in cpu
+    }
+    header = f"| arm | repeat | machine CPU per round s (rounds {fewest}..{most}) | x loop |"
+    lines = [header, "|---|---|---|---|"]
+    for (arm, repeat), value in per_round.items():
+        loop = per_round.get(("loop", repeat))
+        ratio = f"{value / loop:.2f}" if loop else ""
+        lines.append(f"| {arm} | {repeat} | {value:.4f} | {ratio} |")
+    return lines
 
 
 if __name__ == "__main__":

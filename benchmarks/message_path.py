@@ -112,6 +112,49 @@ def floor_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, i
     return time.process_time() - started, len(messages)
 
 
+def tight_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, int]:
+    """CPU seconds of the same clients' local SGD as the tightest loop, and its number of clients.
+
+    One model whose parameters take the global values in place (``torch._foreach_copy_``), each
+    client's examples as tensors made before the clock starts, plain SGD steps on
+    ``torch.autograd.grad``, the weighted sum in float64 tensors: the floor of issue 58's CPU goal
+    (``benchmarks/cross_device_cpu.py``'s ``loop`` arm, per client).
+    """
+    from torch.nn import functional as F  # noqa: N812
+
+    from fl_app.training import to_tensor
+
+    messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None))
+    run, config = strategy.run, messages[0].content.config_records[keys.CONFIG]
+    clients = [int(message.metadata.dst_node_id) - 1000 for message in messages]
+    tensors = {}
+    for client in clients:
+        data = run.data.client(client)
+        tensors[client] = (to_tensor(data.x), torch.from_numpy(np.asarray(data.y, dtype=np.int64)))
+    model = run.model_spec.build()
+    params = list(model.parameters())
+    start = [torch.from_numpy(array_values(arrays[name]).copy()) for name in arrays]
+    sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    lr, batch = float(config[keys.LR]), int(config[keys.BATCH_SIZE])
+    orders = torch.Generator().manual_seed(server_round)
+    started = time.process_time()
+    for client in clients:
+        x, y = tensors[client]
+        with torch.no_grad():
+            torch._foreach_copy_(params, start)
+        for _ in range(int(config[keys.LOCAL_EPOCHS])):
+            order = torch.randperm(len(y), generator=orders)
+            for first in range(0, len(y), batch):
+                index = order[first : first + batch]
+                grads = torch.autograd.grad(F.cross_entropy(model(x[index]), y[index]), params)
+                with torch.no_grad():
+                    torch._foreach_add_(params, grads, alpha=-lr)
+        with torch.no_grad():
+            for total, parameter in zip(sums, params, strict=True):
+                total.add_(parameter, alpha=len(y))
+    return time.process_time() - started, len(clients)
+
+
 def main() -> int:
     """Print the CPU per message of each side."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -148,16 +191,14 @@ def main() -> int:
             f"round {server_round}: {count} messages, client side {client_s / count * 1e3:.3f} ms "
             f"per message, server side {server_s / count * 1e3:.3f} ms per reply"
         )
-    for server_round in range(2, 5):
-        client_s, server_s, count = cohort_round(strategy, arrays, server_round, args.population)
+    for repeat in range(1, 4):  # interleaved: the machine's speed drifts within minutes
+        cohort_s, server_s, count = cohort_round(strategy, arrays, 2 + repeat, args.population)
+        floor_s, _ = floor_round(strategy, arrays, 2 + repeat)
+        tight_s, _ = tight_round(strategy, arrays, 2 + repeat)
         print(
-            f"round {server_round} as cohort messages: client side {client_s / count * 1e3:.3f} ms per "
-            f"member, server side {server_s / count * 1e3:.3f} ms per member"
-        )
-    for server_round in range(2, 5):
-        floor_s, count = floor_round(strategy, arrays, server_round)
-        print(
-            f"round {server_round}, the same work without messages: {floor_s / count * 1e3:.3f} ms per client"
+            f"repeat {repeat}, per member: as cohort messages {cohort_s / count * 1e3:.3f} ms client side "
+            f"(+ {server_s / count * 1e3:.3f} ms server side); the same work without messages "
+            f"{floor_s / count * 1e3:.3f} ms; the tight loop {tight_s / count * 1e3:.3f} ms"
         )
     if args.profile:
         profile = cProfile.Profile()

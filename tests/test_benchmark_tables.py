@@ -764,3 +764,21 @@ def test_round_phases_charges_each_py_spy_sample_to_its_phase():
         "Module._call_impl",
         "1775",
     )
+
+
+def test_cross_device_cpu_per_round_is_the_cpu_between_two_round_counts() -> None:
+    """Issue 58's CPU goal: (CPU at R2 - CPU at R1) / (R2 - R1) per arm, and its multiple of the loop's."""
+    from benchmarks import cross_device_cpu
+
+    def row(arm: str, repeat: int, rounds: int, cpu: float) -> dict[str, Any]:
+        return {"arm": arm, "repeat": repeat, "rounds": rounds, "machine_cpu_s": cpu}
+
+    rows = [
+        row("loop", 1, 30, 10.0),
+        row("dpfl-processes", 1, 30, 21.0),
+        row("loop", 1, 100, 17.0),
+        row("dpfl-processes", 1, 100, 35.0),
+        row("loop", 2, 30, 9.0),  # a repeat without its longer runs has no row
+    ]
+    lines = cross_device_cpu.per_round_lines(rows, 30, 100)
+    assert lines[2:] == ["| loop | 1 | 0.1000 | 1.00 |", "| dpfl-processes | 1 | 0.2000 | 2.00 |"]
