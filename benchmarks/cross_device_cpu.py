@@ -120,7 +120,6 @@ def tight_rounds(overrides: Sequence[str]) -> tuple[list[float], list[float], fl
     import numpy as np
     import overhead
     import torch
-    from torch.nn import functional as F  # noqa: N812
 
     from fl_app.config import compose_config
     from fl_app.data.federated import DataSpec, federated_data
@@ -151,19 +150,7 @@ def tight_rounds(overrides: Sequence[str]) -> tuple[list[float], list[float], fl
                 part = data.client(client)
                 tensors[client] = (to_tensor(part.x), torch.from_numpy(np.asarray(part.y, dtype=np.int64)))
             x, y = tensors[client]
-            with torch.no_grad():
-                torch._foreach_copy_(params, start)
-            for _ in range(epochs):
-                order = torch.randperm(len(y), generator=orders)
-                for first in range(0, len(y), batch):
-                    index = order[first : first + batch]
-                    loss = F.cross_entropy(model(x[index]), y[index])
-                    grads = torch.autograd.grad(loss, params)
-                    with torch.no_grad():
-                        torch._foreach_add_(params, grads, alpha=-lr)
-            with torch.no_grad():
-                for total, p in zip(sums, params, strict=True):
-                    total.add_(p, alpha=len(y))
+            tight_client(model, params, start, (x, y), sgd=(epochs, batch, lr), orders=orders, sums=sums)
             weight += len(y)
         with torch.no_grad():
             torch._foreach_copy_(params, [total / weight for total in sums])
@@ -171,6 +158,41 @@ def tight_rounds(overrides: Sequence[str]) -> tuple[list[float], list[float], fl
         times.append(time.monotonic() - started)
         cpu.append(time.process_time() - cpu_started)
     return times, cpu, accuracy
+
+
+def tight_client(
+    model: Any,
+    params: Sequence[Any],
+    start: Sequence[Any],
+    examples: tuple[Any, Any],
+    *,
+    sgd: tuple[int, int, float],
+    orders: Any,
+    sums: Sequence[Any],
+) -> None:
+    """One client in the tight loop: the global values ``start`` into ``model``, local SGD, into ``sums``.
+
+    ``params``: ``list(model.parameters())``, made once by the caller.
+    ``examples``: the client's inputs and labels as tensors; ``sgd``: epochs, batch size, learning rate;
+    ``orders``: the ``torch.Generator`` of the
+    examples' order; ``sums``: float64 tensors (one per parameter) that take ``len(y)`` times the result.
+    """
+    import torch
+    from torch.nn import functional as F  # noqa: N812
+
+    (x, y), (epochs, batch, lr) = examples, sgd
+    with torch.no_grad():
+        torch._foreach_copy_(list(params), list(start))
+    for _ in range(epochs):
+        order = torch.randperm(len(y), generator=orders)
+        for first in range(0, len(y), batch):
+            index = order[first : first + batch]
+            grads = torch.autograd.grad(F.cross_entropy(model(x[index]), y[index]), params)
+            with torch.no_grad():
+                torch._foreach_add_(params, grads, alpha=-lr)
+    with torch.no_grad():
+        for total, parameter in zip(sums, params, strict=True):
+            total.add_(parameter, alpha=len(y))
 
 
 def pfl_command(data: Path, rounds: int, output: Path) -> tuple[list[str], Path]:

@@ -120,8 +120,7 @@ def tight_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, i
     ``torch.autograd.grad``, the weighted sum in float64 tensors: the floor of issue 58's CPU goal
     (``benchmarks/cross_device_cpu.py``'s ``loop`` arm, per client).
     """
-    from torch.nn import functional as F  # noqa: N812
-
+    from benchmarks.cross_device_cpu import tight_client
     from fl_app.training import to_tensor
 
     messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None))
@@ -132,26 +131,14 @@ def tight_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, i
         data = run.data.client(client)
         tensors[client] = (to_tensor(data.x), torch.from_numpy(np.asarray(data.y, dtype=np.int64)))
     model = run.model_spec.build()
-    params = list(model.parameters())
     start = [torch.from_numpy(array_values(arrays[name]).copy()) for name in arrays]
+    params = list(model.parameters())
     sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
-    lr, batch = float(config[keys.LR]), int(config[keys.BATCH_SIZE])
+    sgd = (int(config[keys.LOCAL_EPOCHS]), int(config[keys.BATCH_SIZE]), float(config[keys.LR]))
     orders = torch.Generator().manual_seed(server_round)
     started = time.process_time()
     for client in clients:
-        x, y = tensors[client]
-        with torch.no_grad():
-            torch._foreach_copy_(params, start)
-        for _ in range(int(config[keys.LOCAL_EPOCHS])):
-            order = torch.randperm(len(y), generator=orders)
-            for first in range(0, len(y), batch):
-                index = order[first : first + batch]
-                grads = torch.autograd.grad(F.cross_entropy(model(x[index]), y[index]), params)
-                with torch.no_grad():
-                    torch._foreach_add_(params, grads, alpha=-lr)
-        with torch.no_grad():
-            for total, parameter in zip(sums, params, strict=True):
-                total.add_(parameter, alpha=len(y))
+        tight_client(model, params, start, tensors[client], sgd=sgd, orders=orders, sums=sums)
     return time.process_time() - started, len(clients)
 
 
