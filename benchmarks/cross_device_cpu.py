@@ -111,31 +111,35 @@ def loop_run(rounds: int, output: Path) -> None:
 def tight_rounds(overrides: Sequence[str]) -> tuple[list[float], list[float], float]:
     """The task's FedAvg as the tightest single-process PyTorch loop; per-round wall and CPU, final accuracy.
 
-    The same work as a dpfl round (the cohort sampled, each client's local SGD from the global model on
-    its own examples in a fresh order per epoch, the float64 weighted average, the evaluation on the
-    test subset) with nothing else: one model whose parameters take the global values in place, each
-    client's examples turned into tensors once, plain SGD steps on ``torch.autograd.grad``, the sum
-    kept as float64 tensors, one forward pass over the test examples.
+    From dpfl's initial model for the seed, the same work as a dpfl round (the cohort sampled, each
+    client's local SGD from the global model on its own examples in a fresh order per epoch, the float64
+    weighted average, the evaluation on the test subset) with nothing else: one model whose parameters
+    take the global values in place, each client's examples turned into tensors once, plain SGD steps on
+    ``torch.autograd.grad``, the sum kept as float64 tensors, one forward pass over the test examples.
+    Its cohorts and orders are its own (seeded), not dpfl's.
     """
     import numpy as np
     import overhead
     import torch
 
     from fl_app.config import compose_config
-    from fl_app.data.federated import DataSpec, federated_data
+    from fl_app.data.federated import ClientDataset, DataSpec, federated_data
     from fl_app.model_spec import ModelSpec
     from fl_app.models import resolve_model_name
-    from fl_app.training import to_tensor
+    from fl_app.privacy.rng import RandomSource
+    from fl_app.training import torch_seed
 
     cfg = compose_config(list(overrides))
     data = federated_data(DataSpec.from_config(cfg))
     spec = ModelSpec(resolve_model_name(str(cfg.model), data.input_shape), data.input_shape, data.num_classes)
-    model = spec.build()
+    with torch.random.fork_rng():  # dpfl's initial model (strategies.base.FederatedStrategy.initial_arrays)
+        torch.manual_seed(torch_seed(RandomSource(seed=int(cfg.seed)).generator("model-init")))
+        model = spec.build()
     params = list(model.parameters())
     x_test, y_test = overhead.test_split(cfg, data)
-    test_inputs, test_targets = to_tensor(x_test), torch.from_numpy(np.asarray(y_test, dtype=np.int64))
+    test_inputs, test_targets = example_tensors(ClientDataset(x_test, y_test))
     tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    lr, batch, epochs = float(cfg.lr), int(cfg.batch_size), int(cfg.local_epochs)
+    sgd = (int(cfg.local_epochs), int(cfg.batch_size), float(cfg.lr))
     sampling = np.random.default_rng(int(cfg.seed))
     orders = torch.Generator().manual_seed(int(cfg.seed))
     times, cpu, accuracy = [], [], float("nan")
@@ -147,17 +151,25 @@ def tight_rounds(overrides: Sequence[str]) -> tuple[list[float], list[float], fl
         weight = 0
         for client in sorted(int(c) for c in chosen):
             if client not in tensors:
-                part = data.client(client)
-                tensors[client] = (to_tensor(part.x), torch.from_numpy(np.asarray(part.y, dtype=np.int64)))
-            x, y = tensors[client]
-            tight_client(model, params, start, (x, y), sgd=(epochs, batch, lr), orders=orders, sums=sums)
-            weight += len(y)
+                tensors[client] = example_tensors(data.client(client))
+            tight_client(model, params, start, tensors[client], sgd=sgd, orders=orders, sums=sums)
+            weight += len(tensors[client][1])
         with torch.no_grad():
             torch._foreach_copy_(params, [total / weight for total in sums])
             accuracy = float((model(test_inputs).argmax(dim=1) == test_targets).float().mean())
         times.append(time.monotonic() - started)
         cpu.append(time.process_time() - cpu_started)
     return times, cpu, accuracy
+
+
+def example_tensors(data: Any) -> tuple[Any, Any]:
+    """A ``ClientDataset``'s inputs (as :func:`fl_app.training.to_tensor` makes them) and int64 labels."""
+    import numpy as np
+    import torch
+
+    from fl_app.training import to_tensor
+
+    return to_tensor(data.x), torch.from_numpy(np.asarray(data.y, dtype=np.int64))
 
 
 def tight_client(
@@ -172,17 +184,17 @@ def tight_client(
 ) -> None:
     """One client in the tight loop: the global values ``start`` into ``model``, local SGD, into ``sums``.
 
-    ``params``: ``list(model.parameters())``, made once by the caller.
-    ``examples``: the client's inputs and labels as tensors; ``sgd``: epochs, batch size, learning rate;
-    ``orders``: the ``torch.Generator`` of the
-    examples' order; ``sums``: float64 tensors (one per parameter) that take ``len(y)`` times the result.
+    ``params``: ``list(model.parameters())``, made once by the caller; ``examples``: the client's
+    inputs and labels as tensors (:func:`example_tensors`); ``sgd``: epochs, batch size, learning rate;
+    ``orders``: the ``torch.Generator`` of the examples' order; ``sums``: float64 tensors (one per
+    parameter) that take the number of examples times the result.
     """
     import torch
     from torch.nn import functional as F  # noqa: N812
 
     (x, y), (epochs, batch, lr) = examples, sgd
     with torch.no_grad():
-        torch._foreach_copy_(list(params), list(start))
+        torch._foreach_copy_(params, start)
     for _ in range(epochs):
         order = torch.randperm(len(y), generator=orders)
         for first in range(0, len(y), batch):
@@ -315,7 +327,7 @@ def table_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines.append("|---|---|---|---|---|---|---|")
     for row in rows:
         lines.append(
-            f"| {row['arm']} | {row.get('rounds', '')} | {row['repeat']} | {row['command_s']} | "
+            f"| {row['arm']} | {row['rounds']} | {row['repeat']} | {row['command_s']} | "
             f"{row['machine_cpu_s']} | {row['median_round_s']} | {row['accuracy']:.4f} |"
         )
     return lines

@@ -120,16 +120,12 @@ def tight_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, i
     ``torch.autograd.grad``, the weighted sum in float64 tensors: the floor of issue 58's CPU goal
     (``benchmarks/cross_device_cpu.py``'s ``loop`` arm, per client).
     """
-    from benchmarks.cross_device_cpu import tight_client
-    from fl_app.training import to_tensor
+    from benchmarks.cross_device_cpu import example_tensors, tight_client
 
     messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None))
     run, config = strategy.run, messages[0].content.config_records[keys.CONFIG]
     clients = [int(message.metadata.dst_node_id) - 1000 for message in messages]
-    tensors = {}
-    for client in clients:
-        data = run.data.client(client)
-        tensors[client] = (to_tensor(data.x), torch.from_numpy(np.asarray(data.y, dtype=np.int64)))
+    tensors = {client: example_tensors(run.data.client(client)) for client in clients}
     model = run.model_spec.build()
     start = [torch.from_numpy(array_values(arrays[name]).copy()) for name in arrays]
     params = list(model.parameters())
