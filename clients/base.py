@@ -22,8 +22,9 @@ from clients.node import NodeClient, parse_model_spec
 from fl_app import keys
 from fl_app.cohort_execution import TrainSettings, precomputed
 from fl_app.data.federated import ClientDataset
+from fl_app.engine.messages import array_record
 from fl_app.train_results import TrainResult
-from fl_app.training import array_values, evaluate, load_arrays, model_state, train_local
+from fl_app.training import array_values, evaluate, fix_state, load_arrays, model_state, train_local
 
 #: Built models of this process, by model spec and device (see :func:`process_model`).
 _PROCESS_MODELS: dict[tuple[str, str], nn.Module] = {}
@@ -37,7 +38,8 @@ def process_model(spec_text: str, device: torch.device | None = None) -> nn.Modu
     serves many clients one after another: building the network once and
     loading each message's arrays into it saves the construction and random
     initialisation per message. Every parameter is overwritten by the caller
-    (:meth:`FederatedClient.global_model`), so reuse changes no result.
+    (:meth:`FederatedClient.global_model`), so reuse changes no result. Its tensors are only ever
+    loaded and trained in place, so they are fixed (:func:`fl_app.training.fix_state`).
     """
     place = torch.device("cpu") if device is None else device
     key = (spec_text, str(place))
@@ -45,7 +47,7 @@ def process_model(spec_text: str, device: torch.device | None = None) -> nn.Modu
     if model is None:
         if len(_PROCESS_MODELS) >= _MAX_PROCESS_MODELS:
             _PROCESS_MODELS.clear()
-        model = _PROCESS_MODELS[key] = parse_model_spec(spec_text).build().to(place)
+        model = _PROCESS_MODELS[key] = fix_state(parse_model_spec(spec_text).build().to(place))
     return model
 
 
@@ -98,8 +100,11 @@ class FederatedClient(NodeClient):
         return torch.device("cuda" if wanted and self.uses_gpu and torch.cuda.is_available() else "cpu")
 
     def incoming_arrays(self) -> ArrayRecord:
-        """The ArrayRecord the server sent."""
-        return self.message.content.array_records[keys.ARRAYS]
+        """The ArrayRecord the server sent (``KeyError`` when it sent none)."""
+        arrays = array_record(self.message.content, keys.ARRAYS)
+        if arrays is None:
+            raise KeyError(keys.ARRAYS)
+        return arrays
 
     def global_model(self) -> nn.Module:
         """The server's model: this process's instance of the architecture with the received arrays.

@@ -23,7 +23,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fl_app import keys
-from fl_app.data.federated import ClientDataset, DataSpec, federated_data
+from fl_app.data.federated import ClientDataset, federated_data_of
 from fl_app.data.local import check_local_dataset, load_local_dataset
 from fl_app.engine.messages import config_record
 from fl_app.model_spec import ModelSpec
@@ -133,8 +133,7 @@ class NodeClient:
         the message names one.
         """
         if self.in_simulation:
-            spec = DataSpec.from_json(str(self.config[keys.DATA_SPEC]))
-            return federated_data(spec).client(self.client_id)
+            return federated_data_of(str(self.config[keys.DATA_SPEC])).client(self.client_id)
         if keys.NODE_DATA_PATH not in self.context.node_config:
             raise ValueError("this SuperNode has no data: start it with --node-config 'data-path=\"<file>\"'")
         path = str(self.context.node_config[keys.NODE_DATA_PATH])

@@ -12,7 +12,7 @@ paid it before its first training step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +47,19 @@ class ParameterOptimizer:
             if parameter.grad is not None:
                 self.update(index, parameter, parameter.grad)
 
+    @torch.no_grad()
+    def apply(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """:meth:`step` with the gradients given, one per parameter in order (None: no gradient).
+
+        What a loop that takes its gradients from ``torch.autograd.grad`` steps with: the same update
+        as ``step()`` after ``backward()`` with these as the parameters' ``.grad``.
+        """
+        if len(grads) != len(self.params):
+            raise ValueError(f"{len(grads)} gradients for {len(self.params)} parameters")
+        for index, (parameter, grad) in enumerate(zip(self.params, grads, strict=True)):
+            if grad is not None:
+                self.update(index, parameter, grad)
+
     def update(self, index: int, parameter: torch.Tensor, grad: torch.Tensor) -> None:
         """Change ``parameter`` (the ``index``-th) in place by its gradient ``grad``."""
         raise NotImplementedError
@@ -66,6 +79,22 @@ class SGD(ParameterOptimizer):
             raise ValueError(f"Invalid momentum value: {momentum}")
         self.momentum = float(momentum)
         self.momentum_buffers: list[torch.Tensor | None] = [None] * len(self.params)
+
+    @torch.no_grad()
+    def apply(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """:meth:`ParameterOptimizer.apply`; without momentum, one ``torch._foreach_add_`` for all.
+
+        ``p.add_(g, alpha=-lr)`` per parameter and the fused call compute the same values bit for bit
+        (``tests/test_results_models.py``); the fused one dispatches once per step, not per parameter.
+        """
+        if self.momentum != 0:
+            super().apply(grads)
+            return
+        if len(grads) != len(self.params):
+            raise ValueError(f"{len(grads)} gradients for {len(self.params)} parameters")
+        pairs = [(p, g) for p, g in zip(self.params, grads, strict=True) if g is not None]
+        if pairs:
+            torch._foreach_add_([p for p, _ in pairs], [g for _, g in pairs], alpha=-self.lr)
 
     def update(self, index: int, parameter: torch.Tensor, grad: torch.Tensor) -> None:
         """``p <- p - lr * b`` with ``b`` the momentum buffer (or ``g`` without momentum)."""

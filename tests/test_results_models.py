@@ -159,11 +159,14 @@ def test_sgd_is_torch_optim_sgd_bit_for_bit(momentum: float) -> None:
     torch.manual_seed(0)
     ours = build_model("mlp", (8, 8), 10)
     theirs = build_model("mlp", (8, 8), 10)
+    given = build_model("mlp", (8, 8), 10)  # SGD.apply with the gradients from torch.autograd.grad
     theirs.load_state_dict(ours.state_dict())
+    given.load_state_dict(ours.state_dict())
     optimizers = (
         SGD(ours.parameters(), lr=0.3, momentum=momentum),
         torch.optim.SGD(theirs.parameters(), lr=0.3, momentum=momentum),
     )
+    applied = SGD(given.parameters(), lr=0.3, momentum=momentum)
     for step in range(6):
         x, y = torch.randn(16, 8, 8), torch.randint(0, 10, (16,))
         for model, optimizer in zip((ours, theirs), optimizers, strict=True):
@@ -172,8 +175,121 @@ def test_sgd_is_torch_optim_sgd_bit_for_bit(momentum: float) -> None:
             if step == 2:  # a parameter without a gradient is left alone (and its momentum kept)
                 next(iter(model.parameters())).grad = None
             optimizer.step()
-        for mine, reference in zip(ours.parameters(), theirs.parameters(), strict=True):
+        grads = list(
+            torch.autograd.grad(torch.nn.functional.cross_entropy(given(x), y), list(given.parameters()))
+        )
+        applied.apply([None, *grads[1:]] if step == 2 else grads)
+        for mine, reference, other in zip(
+            ours.parameters(), theirs.parameters(), given.parameters(), strict=True
+        ):
             assert torch.equal(mine, reference), step
+            assert torch.equal(other, reference), step
+    with pytest.raises(ValueError, match="gradients for"):
+        applied.apply(grads[:-1])
+
+
+def _reference_train_local(
+    model, x, y, *, epochs, batch_size, lr, momentum, rng, proximal_mu=0.0, reference=None
+):
+    """``train_local`` as it was written before its speed work: ``torch.optim.SGD`` after ``backward()``."""
+    from fl_app.training import seeded_dropout, to_tensor
+
+    model.train()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    inputs, targets = to_tensor(x), torch.from_numpy(np.asarray(y, dtype=np.int64))
+    total, batches = 0.0, 0
+    with seeded_dropout(model, rng):
+        for _ in range(epochs):
+            order = torch.from_numpy(rng.permutation(len(y)))
+            for start in range(0, len(y), batch_size):
+                index = order[start : start + batch_size]
+                optimizer.zero_grad(set_to_none=True)
+                loss = torch.nn.functional.cross_entropy(model(inputs[index]), targets[index])
+                if proximal_mu > 0:
+                    prox = sum(
+                        torch.sum((p - r) ** 2) for p, r in zip(model.parameters(), reference, strict=True)
+                    )
+                    loss = loss + 0.5 * proximal_mu * prox
+                loss.backward()
+                optimizer.step()
+                total += float(loss.detach())
+                batches += 1
+    return total / max(batches, 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "momentum", "proximal_mu", "fixed"),
+    [("mlp", 0.0, 0.0, False), ("mlp", 0.0, 0.0, True), ("mlp", 0.9, 0.0, True), ("mlp", 0.0, 0.5, True),
+     ("privatekt_cnn", 0.0, 0.0, True), ("privatekt_cnn", 0.5, 0.0, False)],
+)  # fmt: skip
+def test_train_local_is_sgd_after_backward_bit_for_bit(
+    name: str, momentum: float, proximal_mu: float, fixed: bool
+):
+    """``train_local`` (gradients from ``torch.autograd.grad``, fused steps, a fixed model's modules found
+    once) trains as ``torch.optim.SGD`` after ``backward()``: the same parameters and loss, with momentum,
+    FedProx, dropout, a model left in eval mode and a frozen parameter."""
+    from fl_app.training import fix_state
+
+    shape = (1, 16, 16) if name == "privatekt_cnn" else (1, 8, 8)
+    rng = np.random.default_rng(3)
+    x = rng.random((45, *shape)).astype(np.float32)
+    y = rng.integers(0, 4, 45)
+    torch.manual_seed(5)
+    ours = build_model(name, shape, 4)
+    theirs = build_model(name, shape, 4)
+    theirs.load_state_dict(ours.state_dict())
+    if fixed:
+        fix_state(ours)
+    reference = [p.detach().clone() for p in ours.parameters()]
+    for model in (ours, theirs):
+        model.eval()  # train_local puts it in training mode
+        next(iter(model.parameters())).requires_grad_(False)
+    settings = dict(
+        epochs=2, batch_size=8, lr=0.2, momentum=momentum, proximal_mu=proximal_mu, reference=reference
+    )
+    for _ in range(2):  # a second call finds the fixed model's modules again
+        loss = train_local(ours, x, y, rng=np.random.default_rng(9), **settings)
+        expected = _reference_train_local(theirs, x, y, rng=np.random.default_rng(9), **settings)
+        assert loss == expected
+        for mine, other in zip(ours.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(mine, other)
+        assert all(module.training for module in ours.modules())
+
+
+def test_a_fixed_model_loads_and_reads_as_any_model():
+    """``fix_state``: ``load_arrays`` and ``model_state`` give what they give an unfixed model; a record of
+    other names or shapes is refused as before; a record whose arrays changed is read again."""
+    from flwr.app import Array, ArrayRecord
+
+    from fl_app.training import fix_state, model_state
+
+    torch.manual_seed(0)
+    fixed, plain = fix_state(build_model("mlp", (8, 8), 10)), build_model("mlp", (8, 8), 10)
+    source = model_to_arrays(build_model("mlp", (8, 8), 10))
+    for model in (fixed, plain):
+        load_arrays(model, source)
+    assert all(torch.equal(a, b) for a, b in zip(fixed.parameters(), plain.parameters(), strict=True))
+    state = model_state(fixed)
+    assert state.keys() == model_state(plain).keys()
+    assert all(np.array_equal(state[k], v) for k, v in model_state(plain).items())
+    state.clear()  # the caller's dict, not the cache's
+    assert len(model_state(fixed)) == len(model_state(plain)) > 0
+    name = next(iter(source.keys()))
+    changed = ArrayRecord(
+        {k: Array(np.asarray(v.numpy()) + 1.0) if k == name else v for k, v in source.items()}
+    )
+    load_arrays(fixed, source)
+    source[name] = changed[name]  # the same record, an array replaced: read again
+    load_arrays(fixed, source)
+    assert np.array_equal(model_state(fixed)[name], changed[name].numpy())
+    wrong = ArrayRecord({("x" if k == name else k): v for k, v in source.items()})
+    with pytest.raises(RuntimeError, match="missing"):
+        load_arrays(fixed, wrong)
+    bad = ArrayRecord(
+        {k: Array(np.zeros(3, dtype=np.float32)) if k == name else v for k, v in source.items()}
+    )
+    with pytest.raises(RuntimeError, match="has shape"):
+        load_arrays(fixed, bad)
 
 
 def test_adam_is_torch_optim_adam_bit_for_bit() -> None:

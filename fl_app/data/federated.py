@@ -261,3 +261,13 @@ def _cached(spec_json: str) -> FederatedData:
 def federated_data(spec: DataSpec) -> FederatedData:
     """Return the (per-process cached) federated data of ``spec``."""
     return _cached(spec.to_json())
+
+
+@functools.lru_cache(maxsize=8)
+def _canonical(spec_json: str) -> str:
+    return DataSpec.from_json(spec_json).to_json()
+
+
+def federated_data_of(spec_json: str) -> FederatedData:
+    """:func:`federated_data` of a message's spec (:meth:`DataSpec.to_json`), parsed once per text."""
+    return _cached(_canonical(spec_json))
