@@ -9,6 +9,7 @@ What a Flower message per client costs beside training, where issue 58's goals n
 
     python -P benchmarks/message_path.py [--population 1000] [--cohort 100] [--dataset fashion_mnist]
         [--strategy fedavg] [--profile] [OVERRIDE ...]     # e.g. simulation.vectorise=true
+    python -P benchmarks/message_path.py --steps 300      # a member's pieces from the tight loop up
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pstats
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +36,7 @@ from fl_app.engine.batching import run_jobs
 from fl_app.engine.messages import set_task_identity
 from fl_app.harness import run_context_for
 from fl_app.privacy.rng import make_generator
-from fl_app.training import array_values, model_state, train_local
+from fl_app.training import array_values, load_arrays, model_state, train_local
 from strategies import STRATEGIES
 
 
@@ -138,6 +140,76 @@ def tight_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, i
     return time.process_time() - started, len(clients)
 
 
+#: :func:`client_steps`' variants, each one piece of dpfl's client more than the one before.
+STEPS = (
+    "tight loop",
+    "+ train_local for the SGD steps",
+    "+ load_arrays for the global model",
+    "+ model_state and the float64 term in numpy",
+    "+ the data-order generator",
+)
+
+
+def client_steps(strategy: Any, arrays: Any, clients: Sequence[int], repeats: int) -> list[float]:
+    """CPU ms per client of :data:`STEPS`, interleaved client by client (the variants in rotating order).
+
+    From the tight loop's client (:func:`benchmarks.cross_device_cpu.tight_client`) to dpfl's work for a
+    member without its messages, one piece at a time, on a process model as the clients use it
+    (:func:`clients.base.process_model`): where the CPU between them goes.
+    """
+    from benchmarks.cross_device_cpu import example_tensors, tight_client
+    from clients.base import process_model
+
+    run = strategy.run
+    model = process_model(run.model_spec.to_json())
+    params = list(model.parameters())
+    names = list(arrays.keys())
+    start = [torch.from_numpy(array_values(arrays[name]).copy()) for name in names]
+    sums = [torch.zeros_like(p, dtype=torch.float64) for p in params]
+    totals = {name: np.zeros(arrays[name].shape, dtype=np.float64) for name in names}
+    data = {c: run.data.client(c) for c in clients}
+    tensors = {c: example_tensors(data[c]) for c in clients}
+    orders = torch.Generator().manual_seed(0)
+
+    def variant(level: int, client: int) -> None:
+        if level == 0:
+            tight_client(model, params, start, tensors[client], sgd=(1, 32, 0.1), orders=orders, sums=sums)
+            return
+        if level >= 2:
+            load_arrays(model, arrays)
+        else:
+            with torch.no_grad():
+                torch._foreach_copy_(params, start)
+        x, y = data[client].x, data[client].y
+        rng = (
+            make_generator(seed=42, secure=False, purpose="data-order", client=client, server_round=3)
+            if level >= 4
+            else np.random.default_rng(client)
+        )
+        train_local(model, x, y, epochs=1, batch_size=32, lr=0.1, rng=rng)
+        if level >= 3:
+            state = model_state(model)
+            for name in names:
+                totals[name] += state[name].astype(np.float64) * float(len(y))
+        else:
+            with torch.no_grad():
+                for total, parameter in zip(sums, params, strict=True):
+                    total.add_(parameter, alpha=len(y))
+
+    spent = [0.0] * len(STEPS)
+    for level in range(len(STEPS)):  # warm-up
+        for client in clients[:20]:
+            variant(level, client)
+    for _ in range(repeats):
+        for position, client in enumerate(clients):
+            for shift in range(len(STEPS)):
+                level = (position + shift) % len(STEPS)
+                began = time.process_time()
+                variant(level, client)
+                spent[level] += time.process_time() - began
+    return [total / (repeats * len(clients)) * 1e3 for total in spent]
+
+
 def main() -> int:
     """Print the CPU per message of each side."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -147,6 +219,9 @@ def main() -> int:
     parser.add_argument("--strategy", default="fedavg")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--cohort-messages", action="store_true", help="profile the cohort-message round")
+    parser.add_argument(
+        "--steps", type=int, default=0, metavar="CLIENTS", help="only the client's pieces (client_steps)"
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -167,6 +242,12 @@ def main() -> int:
     ]
     strategy = STRATEGIES.get(args.strategy)(run_context_for(overrides, Path(tempfile.mkdtemp())))
     arrays = strategy.initial_arrays()
+    if args.steps:
+        sampled = np.random.default_rng(0).choice(args.population, args.steps, replace=False)
+        clients = [int(c) for c in sampled]
+        for step, ms in zip(STEPS, client_steps(strategy, arrays, clients, repeats=3), strict=True):
+            print(f"{step}: {ms:.3f} ms per client")
+        return 0
     one_round(strategy, arrays, 1, args.population)
     for server_round in range(2, 5):
         client_s, server_s, count = one_round(strategy, arrays, server_round, args.population)
