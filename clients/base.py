@@ -24,7 +24,15 @@ from fl_app.cohort_execution import TrainSettings, precomputed
 from fl_app.data.federated import ClientDataset
 from fl_app.engine.messages import array_record
 from fl_app.train_results import TrainResult
-from fl_app.training import array_values, evaluate, fix_state, load_arrays, model_state, train_local
+from fl_app.training import (
+    array_values,
+    evaluate,
+    fix_state,
+    load_arrays,
+    model_state,
+    train_local,
+    unfix_state,
+)
 
 #: Built models of this process, by model spec and device (see :func:`process_model`).
 _PROCESS_MODELS: dict[tuple[str, str], nn.Module] = {}
@@ -46,6 +54,8 @@ def process_model(spec_text: str, device: torch.device | None = None) -> nn.Modu
     model = _PROCESS_MODELS.get(key)
     if model is None:
         if len(_PROCESS_MODELS) >= _MAX_PROCESS_MODELS:
+            for dropped in _PROCESS_MODELS.values():
+                unfix_state(dropped)
             _PROCESS_MODELS.clear()
         model = _PROCESS_MODELS[key] = fix_state(parse_model_spec(spec_text).build().to(place))
     return model

@@ -160,6 +160,13 @@ def fix_state(model: nn.Module) -> nn.Module:
     return model
 
 
+def unfix_state(model: nn.Module) -> None:
+    """Forget what :func:`fix_state` found for ``model`` (it may be changed, or dropped, from now on)."""
+    fixed = _FIXED.get(id(model))
+    if fixed is not None and fixed.model is model:
+        del _FIXED[id(model)]
+
+
 def _fixed(model: nn.Module) -> _FixedState | None:
     fixed = _FIXED.get(id(model))
     return fixed if fixed is not None and fixed.model is model else None

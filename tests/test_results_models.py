@@ -258,10 +258,11 @@ def test_train_local_is_sgd_after_backward_bit_for_bit(
 
 def test_a_fixed_model_loads_and_reads_as_any_model():
     """``fix_state``: ``load_arrays`` and ``model_state`` give what they give an unfixed model; a record of
-    other names or shapes is refused as before; a record whose arrays changed is read again."""
+    other names or shapes is refused as before; a record whose arrays changed is read again; once
+    ``unfix_state`` forgets it, its replaced tensors are found."""
     from flwr.app import Array, ArrayRecord
 
-    from fl_app.training import fix_state, model_state
+    from fl_app.training import fix_state, model_state, unfix_state
 
     torch.manual_seed(0)
     fixed, plain = fix_state(build_model("mlp", (8, 8), 10)), build_model("mlp", (8, 8), 10)
@@ -290,6 +291,13 @@ def test_a_fixed_model_loads_and_reads_as_any_model():
     )
     with pytest.raises(RuntimeError, match="has shape"):
         load_arrays(fixed, bad)
+    unfix_state(fixed)  # forgotten: its tensors may be replaced, and are found again
+    replaced = {k: torch.full_like(v, 2.0) for k, v in fixed.state_dict().items()}
+    fixed.load_state_dict(replaced, assign=True)
+    assert all(np.array_equal(v, np.full_like(v, 2.0)) for v in model_state(fixed).values())
+    load_arrays(fixed, source)
+    first = next(iter(source.keys()))
+    assert np.array_equal(fixed.state_dict()[first].numpy(), source[first].numpy())
 
 
 def test_adam_is_torch_optim_adam_bit_for_bit() -> None:
