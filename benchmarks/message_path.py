@@ -83,22 +83,23 @@ def floor_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, i
     """CPU seconds of the same round's work without messages, and its number of clients.
 
     What a cohort that crossed the engine as one message would still do per member on this CPU: the
-    global model copied into the process's model, the member's local SGD (its data, its ``data-order``
-    generator, the train config's settings) and its weighted model added to a float64 sum; then the
-    mean. The difference to :func:`one_round` is the most such a design could take off.
+    global model loaded into the process's model (``clients.base.process_model``, ``load_arrays``), the
+    member's local SGD (its data, its ``data-order`` generator, the train config's settings) and its
+    weighted model added to a float64 sum array by array (as ``WeightedModel.add_to``); then the mean.
+    The difference to :func:`cohort_round` is the most such a design could take off.
     """
+    from clients.base import process_model
+
     messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None))
     run, config = strategy.run, messages[0].content.config_records[keys.CONFIG]
     started = time.process_time()
-    model = run.model_spec.build()
-    names = list(arrays.keys())
-    start = {name: torch.from_numpy(array_values(arrays[name]).copy()) for name in names}
-    total = np.zeros(sum(int(v.numel()) for v in start.values()), dtype=np.float64)
+    model = process_model(run.model_spec.to_json())
+    totals = {name: np.zeros(arrays[name].shape, dtype=np.float64) for name in arrays}
     weight = 0.0
     for message in messages:
         client = int(message.metadata.dst_node_id) - 1000
         data = run.data.client(client)
-        model.load_state_dict(start)
+        load_arrays(model, arrays)
         rng = make_generator(
             seed=int(config[keys.SEED]), secure=False, purpose="data-order", client=client,
             server_round=server_round,
@@ -107,10 +108,11 @@ def floor_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, i
             model, data.x, data.y, epochs=int(config[keys.LOCAL_EPOCHS]),
             batch_size=int(config[keys.BATCH_SIZE]), lr=float(config[keys.LR]), rng=rng,
         )  # fmt: skip
-        state = model_state(model)
-        total += len(data) * np.concatenate([state[name].ravel() for name in names]).astype(np.float64)
+        for name, values in model_state(model).items():
+            totals[name] += values.astype(np.float64) * len(data)
         weight += len(data)
-    total /= weight
+    for total in totals.values():
+        total /= weight
     return time.process_time() - started, len(messages)
 
 

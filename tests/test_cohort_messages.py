@@ -369,6 +369,32 @@ def test_a_train_result_weighs_what_its_reply_weighs(
     assert result_bytes(result) == (record_dict_bytes(reply.content), array_payload_bytes(reply))
 
 
+def test_results_of_one_signature_weigh_what_their_replies_weigh_every_time() -> None:
+    """The arrays' part of a layout is found once per names, dtypes and shapes where no two chunks can
+    be identical (all lengths differ), and compared every time where they can (equal lengths): either
+    way each result's layout is its reply's, whatever its values, also in Fortran order."""
+    from fl_app.engine.messages import task_identity
+    from fl_app.message_sizes import content_layout, result_layout
+
+    rng = np.random.default_rng(0)
+    distinct = {"w": (30, 7), "b": (7,), "v": (7, 3)}
+    equal = {"w": (5, 4), "u": (5, 4), "z": (3,)}  # two zero arrays: one chunk sent once
+    for shapes in (distinct, equal, distinct, equal):
+        for fill in ("random", "zeros", "random"):
+            arrays = {
+                k: (rng.normal(size=s) if fill == "random" else np.zeros(s)).astype(np.float32)
+                for k, s in shapes.items()
+            }
+            if "v" in arrays and fill == "zeros":  # Fortran order: a signature of its own
+                arrays["v"] = np.asfortranarray(arrays["v"])
+            result = TrainResult(
+                arrays, {keys.NUM_EXAMPLES: int(rng.integers(1, 10**6)), keys.TRAIN_LOSS: 0.5}
+            )
+            with task_identity(run_id=1):
+                reply = Message(content=result.content(), dst_node_id=1, message_type=MessageType.TRAIN)
+            assert result_layout(result) == content_layout(reply), (shapes, fill)
+
+
 def test_chunks_that_only_look_alike_are_not_taken_for_one() -> None:
     """Two arrays with the same length, first and last bytes but other middles weigh as two, after two
     identical ones weighed as one (the sizes' cache must not hand the second layout the first's size)."""
