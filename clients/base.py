@@ -29,6 +29,7 @@ from fl_app.training import (
     evaluate,
     fix_state,
     load_arrays,
+    model_parameters,
     model_state,
     train_local,
     unfix_state,
@@ -125,7 +126,7 @@ class FederatedClient(NodeClient):
         self.model_spec()  # a device refuses a network its operator did not allow (check_device_model)
         model = process_model(str(self.config[keys.MODEL_SPEC]), self.device)
         load_arrays(model, self.incoming_arrays())
-        for parameter in model.parameters():
+        for parameter in model_parameters(model):
             parameter.grad = None
         return model
 

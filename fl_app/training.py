@@ -172,6 +172,12 @@ def _fixed(model: nn.Module) -> _FixedState | None:
     return fixed if fixed is not None and fixed.model is model else None
 
 
+def model_parameters(model: nn.Module) -> list[torch.Tensor]:
+    """``list(model.parameters())``, found once for a fixed model (:func:`fix_state`)."""
+    fixed = _fixed(model)
+    return list(fixed.parameters) if fixed is not None else list(model.parameters())
+
+
 def model_state(model: nn.Module) -> dict[str, np.ndarray]:
     """The model's state as numpy arrays (keys = state_dict names; views of CPU tensors, not copies).
 
