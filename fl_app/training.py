@@ -108,9 +108,8 @@ class _FixedState:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.tensors = {k: v.detach() for k, v in model.state_dict().items()}
-        self.values = {k: v.numpy() for k, v in self.tensors.items()}
-        self.names = list(self.tensors)
+        self.values = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+        self.names = list(self.values)
         self.targets = [self.values[name] for name in self.names]
         self.modules = list(model.modules())
         self.parameters = list(model.parameters())
