@@ -39,10 +39,8 @@ class _Chunks:
 
     def numbers(self, head: bytes, body: memoryview) -> tuple[int, ...]:
         """The chunk numbers of the data ``head + body``, chunks of ``MAX_ARRAY_CHUNK_BYTES``."""
-        length = len(head) + len(body)
         return tuple(
-            self._number(head, body, start, min(start + MAX_ARRAY_CHUNK_BYTES, length))
-            for start in range(0, length, MAX_ARRAY_CHUNK_BYTES)
+            self._number(head, body, start, stop) for start, stop in _chunk_bounds(len(head) + len(body))
         )
 
     def _number(self, head: bytes, body: memoryview, start: int, stop: int) -> int:
@@ -156,15 +154,17 @@ def _result_array_layout(result: TrainResult) -> tuple[Any, ...]:
     if signature is not None and signature not in _DISTINCT_PARTS:
         if len(_DISTINCT_PARTS) >= _MAX_SIZES:
             _DISTINCT_PARTS.clear()
-        lengths = [_chunk_lengths(length) for _, _, _, _, length, _ in layout[2]]
-        flat = [n for per_array in lengths for n in per_array]
-        _DISTINCT_PARTS[signature] = layout if len(set(flat)) == len(flat) else None
+        lengths = [stop - start for *_, length, _ in layout[2] for start, stop in _chunk_bounds(length)]
+        _DISTINCT_PARTS[signature] = layout if len(set(lengths)) == len(lengths) else None
     return layout
 
 
-def _chunk_lengths(length: int) -> list[int]:
-    """The lengths of the chunks a data of ``length`` bytes is sent in (:class:`_Chunks`)."""
-    return [min(MAX_ARRAY_CHUNK_BYTES, length - start) for start in range(0, length, MAX_ARRAY_CHUNK_BYTES)]
+def _chunk_bounds(length: int) -> list[tuple[int, int]]:
+    """Where the chunks of a data of ``length`` bytes start and stop (``MAX_ARRAY_CHUNK_BYTES`` each)."""
+    return [
+        (start, min(start + MAX_ARRAY_CHUNK_BYTES, length))
+        for start in range(0, length, MAX_ARRAY_CHUNK_BYTES)
+    ]
 
 
 def result_layout(result: TrainResult) -> tuple[Any, ...]:

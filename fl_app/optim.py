@@ -54,11 +54,14 @@ class ParameterOptimizer:
         What a loop that takes its gradients from ``torch.autograd.grad`` steps with: the same update
         as ``step()`` after ``backward()`` with these as the parameters' ``.grad``.
         """
+        for index, parameter, grad in self._given(grads):
+            self.update(index, parameter, grad)
+
+    def _given(self, grads: Sequence[torch.Tensor | None]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """The parameters that have a gradient in ``grads``, with their index (``ValueError``: a miscount)."""
         if len(grads) != len(self.params):
             raise ValueError(f"{len(grads)} gradients for {len(self.params)} parameters")
-        for index, (parameter, grad) in enumerate(zip(self.params, grads, strict=True)):
-            if grad is not None:
-                self.update(index, parameter, grad)
+        return [(i, p, g) for i, (p, g) in enumerate(zip(self.params, grads, strict=True)) if g is not None]
 
     def update(self, index: int, parameter: torch.Tensor, grad: torch.Tensor) -> None:
         """Change ``parameter`` (the ``index``-th) in place by its gradient ``grad``."""
@@ -90,11 +93,9 @@ class SGD(ParameterOptimizer):
         if self.momentum != 0:
             super().apply(grads)
             return
-        if len(grads) != len(self.params):
-            raise ValueError(f"{len(grads)} gradients for {len(self.params)} parameters")
-        pairs = [(p, g) for p, g in zip(self.params, grads, strict=True) if g is not None]
-        if pairs:
-            torch._foreach_add_([p for p, _ in pairs], [g for _, g in pairs], alpha=-self.lr)
+        given = self._given(grads)
+        if given:
+            torch._foreach_add_([p for _, p, _ in given], [g for _, _, g in given], alpha=-self.lr)
 
     def update(self, index: int, parameter: torch.Tensor, grad: torch.Tensor) -> None:
         """``p <- p - lr * b`` with ``b`` the momentum buffer (or ``g`` without momentum)."""

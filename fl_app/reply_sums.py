@@ -29,6 +29,7 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
 from fl_app import keys
+from fl_app.engine.messages import metric_record
 from fl_app.privacy.mechanisms import global_l2_norm
 from fl_app.train_results import TrainResult
 from fl_app.training import array_values, state_to_arrays
@@ -135,9 +136,9 @@ def _sum_metrics(reply: Message) -> MetricRecord:
     Flower's ``content.metric_records`` builds a view of every record on each access (about 15 us),
     and the server reads it once per member of every cohort reply.
     """
-    record = reply.content[PARTIAL_SUM_METRICS]
-    if not isinstance(record, MetricRecord):
-        raise TypeError(f"{PARTIAL_SUM_METRICS!r} is a {type(record).__name__}, not a MetricRecord")
+    record = metric_record(reply.content, PARTIAL_SUM_METRICS)
+    if record is None:
+        raise KeyError(f"a cohort reply without its {PARTIAL_SUM_METRICS!r} metric record")
     return record
 
 

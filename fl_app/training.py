@@ -177,6 +177,12 @@ def model_parameters(model: nn.Module) -> list[torch.Tensor]:
     return list(fixed.parameters) if fixed is not None else list(model.parameters())
 
 
+def _model_modules(model: nn.Module) -> list[nn.Module]:
+    """``list(model.modules())``, found once for a fixed model (:func:`fix_state`)."""
+    fixed = _fixed(model)
+    return fixed.modules if fixed is not None else list(model.modules())
+
+
 def model_state(model: nn.Module) -> dict[str, np.ndarray]:
     """The model's state as numpy arrays (keys = state_dict names; views of CPU tensors, not copies).
 
@@ -226,10 +232,7 @@ def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
         for key, array in arrays.items():
             values = array_values(array)
             target = state[key]
-            if tuple(values.shape) != tuple(target.shape):
-                raise RuntimeError(
-                    f"array {key!r} has shape {tuple(values.shape)}, the model {tuple(target.shape)}"
-                )
+            _check_shape(key, values, target)
             if target.device.type == "cpu":  # straight from the message's bytes: one copy, not two
                 np.copyto(target.numpy(), values, casting="unsafe")
             else:
@@ -239,11 +242,14 @@ def load_arrays(model: nn.Module, arrays: ArrayRecord) -> None:
 def _copy_values(names: Sequence[str], targets: Sequence[np.ndarray], sources: Sequence[np.ndarray]) -> None:
     """Copy each source into its CPU tensor's numpy view (``load_arrays``' shape check and cast)."""
     for name, target, values in zip(names, targets, sources, strict=True):
-        if values.shape != target.shape:
-            raise RuntimeError(
-                f"array {name!r} has shape {tuple(values.shape)}, the model {tuple(target.shape)}"
-            )
+        _check_shape(name, values, target)
         np.copyto(target, values, casting="unsafe")
+
+
+def _check_shape(name: str, values: np.ndarray, target: np.ndarray | torch.Tensor) -> None:
+    """``RuntimeError`` unless the array ``name`` has the shape of the model's tensor it goes into."""
+    if tuple(values.shape) != tuple(target.shape):
+        raise RuntimeError(f"array {name!r} has shape {tuple(values.shape)}, the model {tuple(target.shape)}")
 
 
 def numpy_to_arrays(keys: Sequence[str], values: Sequence[np.ndarray]) -> ArrayRecord:
@@ -261,21 +267,18 @@ def model_device(model: nn.Module) -> torch.device:
 
 def has_dropout(model: nn.Module) -> bool:
     """Whether ``model`` has dropout layers (training draws random masks)."""
-    return any(isinstance(module, nn.Dropout) for module in model.modules())
+    return any(isinstance(module, nn.Dropout) for module in _model_modules(model))
 
 
 @contextlib.contextmanager
-def seeded_dropout(
-    model: nn.Module, rng: np.random.Generator, *, dropout: bool | None = None
-) -> Iterator[None]:
+def seeded_dropout(model: nn.Module, rng: np.random.Generator) -> Iterator[None]:
     """Seed torch's generator from ``rng`` while training a model that has dropout layers.
 
     Dropout masks come from torch's global generator; seeding it from the run's generator keeps a
     seeded simulation reproducible. A model without dropout draws nothing from ``rng`` (its results
-    stay exactly what they were before models with dropout existed). ``dropout``: whether it has
-    dropout layers, when the caller knows (:func:`has_dropout` otherwise).
+    stay exactly what they were before models with dropout existed).
     """
-    if not (has_dropout(model) if dropout is None else dropout):
+    if not has_dropout(model):
         yield
         return
     with torch.random.fork_rng():
@@ -318,18 +321,15 @@ def train_local(
         return math.nan
     if proximal_mu > 0 and reference is None:
         raise ValueError("proximal_mu > 0 needs the reference parameters")
-    fixed = _fixed(model)
-    modules = fixed.modules if fixed is not None else list(model.modules())
-    if not all(module.training for module in modules):  # model.train() costs a client 20 us
+    if not all(module.training for module in _model_modules(model)):  # model.train(): 20 us a client
         model.train()
-    trained = [p for p in (fixed.parameters if fixed is not None else model.parameters()) if p.requires_grad]
+    trained = [p for p in model_parameters(model) if p.requires_grad]
     optimizer = SGD(trained, lr=lr, momentum=momentum)
     device = model_device(model)
     inputs = to_tensor(x).to(device)
     targets = torch.from_numpy(np.asarray(y, dtype=np.int64)).to(device)
     total, batches = 0.0, 0
-    dropout = any(isinstance(module, nn.Dropout) for module in modules)
-    with seeded_dropout(model, rng, dropout=dropout):
+    with seeded_dropout(model, rng):
         for _ in range(epochs):
             order = torch.from_numpy(rng.permutation(len(y))).to(device)
             for start in range(0, len(y), batch_size):

@@ -24,7 +24,7 @@ import contextlib
 import copy
 from collections.abc import Iterator
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.app.message.message import make_message
 from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE, SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
@@ -50,6 +50,12 @@ def array_record(content: RecordDict, name: str) -> ArrayRecord | None:
     """The ArrayRecord ``name`` of a message's content, or None (one lookup, as :func:`config_record`)."""
     record = content.get(name)
     return record if isinstance(record, ArrayRecord) else None
+
+
+def metric_record(content: RecordDict, name: str) -> MetricRecord | None:
+    """The MetricRecord ``name`` of a message's content, or None (one lookup, as :func:`config_record`)."""
+    record = content.get(name)
+    return record if isinstance(record, MetricRecord) else None
 
 
 def content_bytes(message: Message) -> int:
