@@ -108,12 +108,17 @@ def floor_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, i
             model, data.x, data.y, epochs=int(config[keys.LOCAL_EPOCHS]),
             batch_size=int(config[keys.BATCH_SIZE]), lr=float(config[keys.LR]), rng=rng,
         )  # fmt: skip
-        for name, values in model_state(model).items():
-            totals[name] += values.astype(np.float64) * len(data)
+        add_weighted(totals, model, len(data))
         weight += len(data)
     for total in totals.values():
         total /= weight
     return time.process_time() - started, len(messages)
+
+
+def add_weighted(totals: dict[str, np.ndarray], model: Any, weight: float) -> None:
+    """Add ``weight`` times the model's state to the float64 sums array by array (as ``WeightedModel``)."""
+    for name, values in model_state(model).items():
+        totals[name] += values.astype(np.float64) * weight
 
 
 def tight_round(strategy: Any, arrays: Any, server_round: int) -> tuple[float, int]:
@@ -163,6 +168,8 @@ def client_steps(strategy: Any, arrays: Any, clients: Sequence[int], repeats: in
     from clients.base import process_model
 
     run = strategy.run
+    config = next(iter(strategy.configure_train(3, arrays, ConfigRecord(), grid=None))).content[keys.CONFIG]
+    sgd = (int(config[keys.LOCAL_EPOCHS]), int(config[keys.BATCH_SIZE]), float(config[keys.LR]))
     model = process_model(run.model_spec.to_json())
     params = list(model.parameters())
     names = list(arrays.keys())
@@ -175,7 +182,7 @@ def client_steps(strategy: Any, arrays: Any, clients: Sequence[int], repeats: in
 
     def variant(level: int, client: int) -> None:
         if level == 0:
-            tight_client(model, params, start, tensors[client], sgd=(1, 32, 0.1), orders=orders, sums=sums)
+            tight_client(model, params, start, tensors[client], sgd=sgd, orders=orders, sums=sums)
             return
         if level >= 2:
             load_arrays(model, arrays)
@@ -183,16 +190,15 @@ def client_steps(strategy: Any, arrays: Any, clients: Sequence[int], repeats: in
             with torch.no_grad():
                 torch._foreach_copy_(params, start)
         x, y = data[client].x, data[client].y
+        seed = int(config[keys.SEED])
         rng = (
-            make_generator(seed=42, secure=False, purpose="data-order", client=client, server_round=3)
+            make_generator(seed=seed, secure=False, purpose="data-order", client=client, server_round=3)
             if level >= 4
             else np.random.default_rng(client)
         )
-        train_local(model, x, y, epochs=1, batch_size=32, lr=0.1, rng=rng)
+        train_local(model, x, y, epochs=sgd[0], batch_size=sgd[1], lr=sgd[2], rng=rng)
         if level >= 3:
-            state = model_state(model)
-            for name in names:
-                totals[name] += state[name].astype(np.float64) * float(len(y))
+            add_weighted(totals, model, len(y))
         else:
             with torch.no_grad():
                 for total, parameter in zip(sums, params, strict=True):
