@@ -268,6 +268,8 @@ def main() -> int:
     return 0
 
 
+#: Seconds one arm's command may run (a 100-round run takes under a minute here; a hung one ends the run).
+COMMAND_LIMIT_S = 1800.0
 #: An arm: (rounds, output directory) -> (command, working directory).
 Arm = Callable[[int, Path], tuple[list[str], Path]]
 
@@ -293,18 +295,13 @@ def run_rows(
     arms: dict[str, Arm], round_counts: Sequence[int], repeats: int, out: Path
 ) -> list[dict[str, Any]]:
     """Run every arm at every round count, ``repeats`` times, interleaved; one row per command."""
-    environment = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     rows = []
     for repeat in range(1, repeats + 1):
         for rounds in round_counts:
             for arm, make in arms.items():
                 output = out / f"{arm}-{rounds}r-{repeat}-{time.strftime('%H%M%S')}"
                 command, cwd = make(rounds, output)
-                busy, started = machine_busy_s(), time.perf_counter()
-                finished = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=environment)
-                wall, cpu = time.perf_counter() - started, machine_busy_s() - busy
-                if finished.returncode != 0:
-                    raise SystemExit(f"{arm} failed ({finished.returncode}): {finished.stderr[-2000:]}")
+                wall, cpu = timed_command(arm, command, cwd)
                 median, accuracy = summary(arm, output)
                 row = {
                     "arm": arm,
@@ -319,6 +316,25 @@ def run_rows(
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
+
+
+def timed_command(arm: str, command: list[str], cwd: Path) -> tuple[float, float]:
+    """Run one arm's command; its wall seconds and the machine's busy CPU seconds meanwhile.
+
+    ``SystemExit`` with the arm's name when it fails or runs past :data:`COMMAND_LIMIT_S`.
+    """
+    environment = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # a user's shell has none
+    busy, started = machine_busy_s(), time.perf_counter()
+    try:
+        finished = subprocess.run(
+            command, cwd=cwd, capture_output=True, text=True, env=environment, timeout=COMMAND_LIMIT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"{arm} ran past {COMMAND_LIMIT_S:.0f} s: stopped") from None
+    wall, cpu = time.perf_counter() - started, machine_busy_s() - busy
+    if finished.returncode != 0:
+        raise SystemExit(f"{arm} failed ({finished.returncode}): {finished.stderr[-2000:]}")
+    return wall, cpu
 
 
 def table_lines(rows: Sequence[dict[str, Any]]) -> list[str]:
