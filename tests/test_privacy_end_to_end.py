@@ -32,7 +32,10 @@ DP-BandMF's noise spans rounds, so its audit runs three rounds per repetition (a
 them) and reduces the whole release to one likelihood-ratio statistic.
 
 What does not depend on the noise (a DP-FedAvg client's local training) is computed once per input
-(and checked to be deterministic); everything else runs in every repetition. Only the data a client
+(and checked to be deterministic); everything else runs in every repetition. Distributed
+DP-FedAvg's repetitions sum the clients' uploads exactly instead of running SecAgg+'s key exchange
+and masks, which cancel in the sum (``ExactSumRound``; a test compares its releases with whole
+protocol rounds', bit for bit). Only the data a client
 holds (``FederatedClient.local_data``) is chosen by the test.
 """
 
@@ -44,6 +47,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -69,6 +73,7 @@ from clients.laplace_eval import INFERENCE_REPORTS
 from clients.privatekt import KT_LABELS, KT_LABELS_ARRAY, decode_labels
 from fl_app import keys
 from fl_app.data.federated import ClientDataset, federated_data
+from fl_app.engine.secagg import collect_reply, modular_integers
 from fl_app.model_spec import ModelSpec
 from fl_app.models import MODELS
 from fl_app.privacy import calibration, composition, distributed
@@ -81,6 +86,7 @@ from strategies import EVALUATION_STAGES, STRATEGIES
 from strategies.arrays import flat_vector, split_vector
 from strategies.dp_bandmf import strategy as bandmf_strategy
 from strategies.dp_fedavg_secagg import strategy as secagg_strategy
+from strategies.dp_fedavg_secagg.secagg import SecAggRound
 from strategies.laplace_eval.stage import LaplaceEvalStage
 
 #: Digits (8x8) with the MLP: one SGD step of lr 1 on at most 10 examples (batch 16).
@@ -495,46 +501,95 @@ def shifted(arrays: ArrayRecord, update: np.ndarray) -> ArrayRecord:
     return ArrayRecord({n: Array(p.astype(np.float32)) for n, p in zip(names, parts, strict=True)})
 
 
+class ExactSumRound(SecAggRound):
+    """SecAgg+'s server with the key exchange and the masks left out: the uploads are summed as they are.
+
+    A test double for the audits of distributed DP-FedAvg's noise: the masks cancel
+    in the sum mod ``2^b``, so what the server releases is the same, bit for bit
+    (:func:`test_the_exact_sum_double_releases_what_secagg_plus_releases`), while a round costs a
+    fraction of a whole protocol's (Flower's key agreement, Shamir shares and records). The strategy's
+    calibration, selection, reply checks, modular sum, decoding and accounting, and each client's
+    training and encoding, run as in a real round.
+    """
+
+    def setup_and_share_keys(self) -> set[int]:
+        self.neighbours = {nid: set(self.nodes) for nid in self.nodes}
+        self.keyed = set(self.nodes)
+        self.forward = {nid: ([], []) for nid in self.nodes}
+        return set(self.keyed)
+
+    def unmask(self, masked_total: list[np.ndarray], survivors: set[int]) -> list[np.ndarray]:
+        self.check_parts(survivors)
+        return [np.mod(t, self.modulus) for t in masked_total]
+
+
+class ExactSumGrid(InProcessGrid):
+    """Answers each collect-stage message with its node's client's vector, unmasked (the mod's double)."""
+
+    def __init__(self, num_partitions: int, *, modulus: int) -> None:
+        super().__init__(num_partitions)
+        self.modulus = modulus
+
+    def answer(self, message: Message, context: Context, *, plain_flower: bool) -> Message:  # type: ignore[override]
+        reply = client_for(message, context).train()
+        return collect_reply(message, reply, lambda vectors: modular_integers(vectors, self.modulus))
+
+
+#: Distributed DP-FedAvg's audit: three clients (the fewest a released sum may hold), all in the round.
+SECAGG_AUDIT = [
+    "strategy=dp_fedavg_secagg",
+    "clients_per_round=3",
+    "strategy.clip=0.1",
+    "strategy.min_survivors=1.0",
+    "privacy.epsilon=2",
+]
+
+
+def secagg_released(strategy: Any, start: ArrayRecord, *, exact_sum: bool) -> ArrayRecord:
+    """The model one round of ``strategy`` releases: a whole SecAgg+ round in process, or with the
+    masks' exact sum in its place (:class:`ExactSumRound`)."""
+    if not exact_sum:
+        grid = InProcessGrid(3)
+        replies = grid.send_and_receive(list(strategy.configure_train(1, start, ConfigRecord(), grid)))
+        new, _ = strategy.aggregate_train(1, replies)
+    else:
+        with mock.patch.object(secagg_strategy, "SecAggRound", ExactSumRound):
+            grid = ExactSumGrid(3, modulus=1 << strategy.settings.bits)
+            replies = grid.send_and_receive(list(strategy.configure_train(1, start, ConfigRecord(), grid)))
+            new, _ = strategy.aggregate_train(1, replies)
+    assert new is not None
+    return new
+
+
 @audit_of("dp_fedavg_secagg", rounds=800, power=0.2)  # one Skellam sum of 3 shares: 0.54 of 2.0
 def dp_fedavg_secagg_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) -> Audited:
     """Distributed DP-FedAvg, zero-out neighbours: client 0's update is its own (ZEROS) or zero (UNIFORM).
 
-    Three clients (the fewest a released sum may hold; clients 1 and 2 hold UNIFORM), all in the
-    round; every repetition is a whole SecAgg+ round in process: the strategy's setup and key
-    sharing, each node's real ClientApp (dpfl's SecAgg+ mod, and the client's clip, rotation,
-    rounding, Skellam noise, masks), the server's unmasking and decoding. The statistic is the
-    released model on the output bias.
+    Three clients (clients 1 and 2 hold UNIFORM), all in the round. Every repetition is the
+    strategy's round and each node's client (clip, rotation, rounding, Skellam noise) with the
+    masks' exact sum in place of the SecAgg+ protocol (:class:`ExactSumRound`: the same release bit
+    for bit, :func:`test_the_exact_sum_double_releases_what_secagg_plus_releases`; a whole protocol
+    round costs about ten times as much in Flower's key agreement, Shamir shares and records). The
+    statistic is the released model on the output bias.
     """
-    overrides = [
-        "strategy=dp_fedavg_secagg",
-        "clients_per_round=3",
-        "strategy.clip=0.1",
-        "strategy.min_survivors=1.0",
-        "privacy.epsilon=2",
-    ]
-    run = audit_run(overrides, tmp_path, [9, 10, 10], GAUSSIAN_DELTA)
+    run = audit_run(SECAGG_AUDIT, tmp_path, [9, 10, 10], GAUSSIAN_DELTA)
     start = zero_model(run)
     held[1] = held[2] = UNIFORM
     direction = bias_direction(start)
-
-    def released(strategy: Any) -> ArrayRecord:
-        grid = InProcessGrid(3)
-        replies = grid.send_and_receive(list(strategy.configure_train(1, start, ConfigRecord(), grid)))
-        new, _ = strategy.aggregate_train(1, replies)
-        assert new is not None
-        return new
-
     strategy = STRATEGIES.get("dp_fedavg_secagg")(run)  # reseeded for every round (its ledger grows)
     outputs = []
     for world, data in enumerate((ZEROS, UNIFORM)):
         held[0] = data
         values = [
-            float(flat_vector(released(reseeded(strategy, 2 * trial + world))) @ direction)
-            for trial in range(trials)
+            float(
+                flat_vector(secagg_released(reseeded(strategy, 2 * t + world), start, exact_sum=True))
+                @ direction
+            )
+            for t in range(trials)
         ]
         outputs.append(np.asarray(values))
     reporter = reseeded(STRATEGIES.get("dp_fedavg_secagg")(run), 99_999)
-    released(reporter)
+    secagg_released(reporter, start, exact_sum=True)
     return Audited(audit(*outputs, delta=run.settings.privacy.delta), float(reporter.epsilon().epsilon))
 
 
@@ -910,6 +965,27 @@ def test_audit_catches_an_accountant_that_halves_the_rdp_epsilon(name, tmp_path,
     function, trials, _ = AUDITS[name]
     audited = function(tmp_path, held, trials)
     assert not audited.holds, f"the audit missed an accountant that halves the RDP epsilon: {audited}"
+
+
+@pytest.mark.audit
+def test_the_exact_sum_double_releases_what_secagg_plus_releases(tmp_path, held):
+    """The audit's rounds (:class:`ExactSumRound`) release what whole SecAgg+ rounds release, bit for
+    bit, on both inputs and several noise seeds: the masks cancel, nothing else differs."""
+    run = audit_run(SECAGG_AUDIT, tmp_path, [9, 10, 10], GAUSSIAN_DELTA)
+    start = zero_model(run)
+    held[1] = held[2] = UNIFORM
+    strategy = STRATEGIES.get("dp_fedavg_secagg")(run)
+    releases = []
+    for world, data in enumerate((ZEROS, UNIFORM)):
+        held[0] = data
+        for trial in range(3):
+            real = secagg_released(reseeded(strategy, 2 * trial + world), start, exact_sum=False)
+            double = secagg_released(reseeded(strategy, 2 * trial + world), start, exact_sum=True)
+            assert list(double) == list(real)
+            for name in real:
+                np.testing.assert_array_equal(double[name].numpy(), real[name].numpy())
+            releases.append(flat_vector(real))
+    assert len({r.tobytes() for r in releases}) == len(releases)  # every seed drew other noise
 
 
 @pytest.mark.audit

@@ -76,11 +76,13 @@ __all__ = [
     "Stage",
     "bytes_to_private_key",
     "bytes_to_public_key",
+    "collect_reply",
     "combine_shares",
     "fitres_to_recorddict",
     "flower_mask_arrays",
     "generate_shared_key",
     "mask_arrays",
+    "modular_integers",
     "secure_aggregation_mod",
 ]
 
@@ -123,12 +125,26 @@ def _collect_stage(msg: Message, ctxt: Context, call_next: Callable[[Message, Co
     state.current_stage = cast(str, configs.pop(Key.STAGE))
     check_configs(state.current_stage, configs)
     neighbours = _store_shares(state, configs)
-    content = call_next(msg, ctxt).content
+    reply = collect_reply(
+        msg, call_next(msg, ctxt), lambda vectors: masked_vectors(state, vectors, neighbours)
+    )
+    ctxt.state.config_records[RECORD_KEY_STATE] = ConfigRecord(state.to_dict())
+    return reply
+
+
+def collect_reply(
+    msg: Message, client_reply: Message, mask: Callable[[list[np.ndarray]], list[np.ndarray]]
+) -> Message:
+    """The collect stage's reply to ``msg``: the client's vectors masked by ``mask``.
+
+    ``client_reply`` is the client's reply in the ``FitRes`` layout; the masked vectors go in the
+    record the server reads, and the client's arrays are not sent.
+    """
+    content = client_reply.content
     vectors = parameters_to_ndarrays(recorddict_to_fitres(content, keep_input=True).parameters)
-    masked = masked_vectors(state, vectors, neighbours)
+    masked = mask(vectors)
     for record in content.array_records.values():
         record.clear()
-    ctxt.state.config_records[RECORD_KEY_STATE] = ConfigRecord(state.to_dict())
     content.config_records[RECORD_KEY_CONFIGS] = ConfigRecord(
         {Key.MASKED_PARAMETERS: [ndarray_to_bytes(a) for a in masked]}, False
     )
@@ -163,6 +179,19 @@ def masked_vectors(
     convention, which the server's unmasking follows).
     """
     modulus = int(state.mod_range)
+    total = modular_integers(vectors, modulus)
+    shapes = [a.shape for a in total]
+    total = [t + m for t, m in zip(total, mask_arrays(state.rd_seed, modulus, shapes), strict=True)]
+    private = bytes_to_private_key(state.sk1)  # parsed once, not per neighbour (about 0.2 ms each)
+    for other in neighbours:
+        shared = generate_shared_key(private, bytes_to_public_key(state.public_keys_dict[other][0]))
+        sign = 1 if state.nid > other else -1
+        total = [t + sign * m for t, m in zip(total, mask_arrays(shared, modulus, shapes), strict=True)]
+    return [np.mod(t, modulus) for t in total]
+
+
+def modular_integers(vectors: list[np.ndarray], modulus: int) -> list[np.ndarray]:
+    """``vectors`` as int64 arrays; :class:`ValueError` unless all are integers in ``[0, modulus)``."""
     total = []
     for vector in vectors:
         values = np.asarray(vector)
@@ -172,14 +201,7 @@ def masked_vectors(
         if values.size and (values.min() < 0 or values.max() >= modulus):
             raise ValueError(f"secure aggregation sums integers in [0, {modulus}): the vector is outside")
         total.append(values)
-    shapes = [a.shape for a in total]
-    total = [t + m for t, m in zip(total, mask_arrays(state.rd_seed, modulus, shapes), strict=True)]
-    private = bytes_to_private_key(state.sk1)  # parsed once, not per neighbour (about 0.2 ms each)
-    for other in neighbours:
-        shared = generate_shared_key(private, bytes_to_public_key(state.public_keys_dict[other][0]))
-        sign = 1 if state.nid > other else -1
-        total = [t + sign * m for t, m in zip(total, mask_arrays(shared, modulus, shapes), strict=True)]
-    return [np.mod(t, modulus) for t in total]
+    return total
 
 
 class InlineExecutor:
