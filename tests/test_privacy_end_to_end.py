@@ -45,6 +45,7 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -549,15 +550,11 @@ SECAGG_AUDIT = [
 def secagg_released(strategy: Any, start: ArrayRecord, *, exact_sum: bool) -> ArrayRecord:
     """The model one round of ``strategy`` releases: a whole SecAgg+ round in process, or with the
     masks' exact sum in its place (:class:`ExactSumRound`)."""
-    if not exact_sum:
-        grid = InProcessGrid(3)
+    grid = ExactSumGrid(3, modulus=1 << strategy.settings.bits) if exact_sum else InProcessGrid(3)
+    double = mock.patch.object(secagg_strategy, "SecAggRound", ExactSumRound)
+    with double if exact_sum else nullcontext():
         replies = grid.send_and_receive(list(strategy.configure_train(1, start, ConfigRecord(), grid)))
         new, _ = strategy.aggregate_train(1, replies)
-    else:
-        with mock.patch.object(secagg_strategy, "SecAggRound", ExactSumRound):
-            grid = ExactSumGrid(3, modulus=1 << strategy.settings.bits)
-            replies = grid.send_and_receive(list(strategy.configure_train(1, start, ConfigRecord(), grid)))
-            new, _ = strategy.aggregate_train(1, replies)
     assert new is not None
     return new
 
