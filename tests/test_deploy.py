@@ -3,8 +3,9 @@
 The integration tests start one federation: a real SuperLink and two SuperNodes on 127.0.0.1 with
 TLS and SuperNode authentication, as a real deployment runs (free ports, a private ``FLWR_HOME`` per
 process in ``tmp_path``, each SuperNode with its own ``.npz`` data file), submit one round of an
-algorithm per client class (:func:`deployed_algorithms`; two rounds where a device carries state
-from round to round or the rounds differ, :data:`TWO_ROUNDS`) and three jobs that must fail, with
+algorithm per client class (:func:`device_algorithms`, less :data:`ANSWERED_IN_PROCESS`; two rounds
+where a device carries state from round to round or the rounds differ, :data:`TWO_ROUNDS`) and three
+jobs that must fail, with
 ``flwr run`` (all at once: the SuperLink's launch gate runs at most as many ServerApps at once as the
 machine has cores, the others wait at the SuperLink; a SuperNode runs one ClientApp process per
 message), and check each run's
@@ -20,11 +21,14 @@ that makes ``fl_app.data.sources.load_dataset`` and ``fl_app.config.compose_conf
 raise in every ClientApp: on a real device neither the server's data set nor
 Hydra is there, so an algorithm that needs them on a device fails here too.
 
-The other tests are quick unit tests of the platform's device path.
+The other tests are quick unit tests of the platform's device path, and every client class answering
+on devices in this process (:class:`DeviceGrid`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
 import json
 import math
@@ -33,7 +37,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +57,7 @@ from fl_app.roster import ClientInfo, RosterError, discover_roster, on_devices
 from fl_app.run import make_run_context, noise_source, with_secure_noise
 from fl_app.simulation import backend_config
 from strategies import STRATEGIES
+from strategies.arrays import flat_vector
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
@@ -82,7 +87,7 @@ TWO_ROUNDS = ("dpfl_bnn", "kd_dp")
 #: its own: tests/test_deploy_secagg.py); each with the settings its declaration asks for (``deploy``).
 
 
-def deployed_algorithms() -> list[str]:
+def device_algorithms() -> list[str]:
     """One algorithm per client class that runs on two devices: what a device runs is its client.
 
     Algorithms that share a client (DP-FedAvg, adaptive clipping, DP-FTRL, banded MF and FedAvg all
@@ -99,7 +104,15 @@ def deployed_algorithms() -> list[str]:
     return sorted(chosen.values())
 
 
-DEPLOYED = deployed_algorithms()
+#: Client classes whose device path is FederatedClient's (its data file, OS-entropy noise) plus a
+#: transform of the trained model before the upload, with no state between rounds and nothing sent
+#: to the device beyond the model and the config: each answers on a device Context in this process
+#: (:func:`test_each_client_class_answers_on_a_device_without_the_servers_data_or_hydra`) instead of
+#: in a deployed run of its own (about 28 s of the suite's CPU each: a ServerApp and four ClientApp
+#: processes). The deployed runs keep FederatedClient's own device path (``fedavg``, ``flower``), the
+#: state kept in a node's context (:data:`TWO_ROUNDS`) and data sent to devices (PrivateKT's samples).
+ANSWERED_IN_PROCESS = ("fedavg_ldp", "nbafl")
+DEPLOYED = [name for name in device_algorithms() if name not in ANSWERED_IN_PROCESS]
 #: The federation's mode: TLS and SuperNode authentication.
 MODE = "secure"
 RUN_DEADLINE_S = 1800.0  # a safety limit only: a dead process the runs need fails a test at once
@@ -722,13 +735,16 @@ def test_server_noise_is_secure_once_devices_are_seen() -> None:
     assert forced.num_clients == settings.num_clients
 
 
-def _device_strategy(name: str, overrides: list[str], tmp_path: Path) -> Any:
-    """A strategy as the SuperLink builds it for three real devices (ClientInfo(device=True))."""
+def _device_strategy(
+    name: str, overrides: list[str], tmp_path: Path, *, roster: list[ClientInfo] | None = None
+) -> Any:
+    """A strategy as the SuperLink builds it for real devices (three, unless ``roster`` names them)."""
     from fl_app.model_spec import ModelSpec
 
     settings = settings_of([*DATA, f"strategy={name}", *overrides])
     data = federated_data(settings.data)
-    roster = [ClientInfo(node, node, 60, device=True) for node in (7001, 7002, 7003)]
+    if roster is None:
+        roster = [ClientInfo(node, node, 60, device=True) for node in (7001, 7002, 7003)]
     model_spec = ModelSpec(
         STRATEGIES.get(name).declaration.model_name(settings, data.input_shape),
         data.input_shape,
@@ -763,6 +779,166 @@ def test_device_server_cohorts_and_noise_never_repeat_across_runs(tmp_path: Path
     second = cohorts_and_noise("nbafl", ["clients_per_round=3", "strategy.sigma_down=0.5"])
     assert np.std(first[1]) > 0.25
     assert not np.allclose(first[1], second[1])
+
+
+def _refusing(name: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{name} called on a device (no shared disk, no Hydra on devices)")
+
+    return refuse
+
+
+@contextlib.contextmanager
+def refused_as_on_a_device() -> Iterator[None]:
+    """:data:`GUARD` in this process: every binding of the two functions, in every loaded module, refuses.
+
+    (The deployed guard replaces them as their modules load, before any other module binds them.)
+    """
+    import fl_app.config
+    import fl_app.data.sources
+
+    guarded = {
+        id(fl_app.data.sources.load_dataset): _refusing("fl_app.data.sources.load_dataset"),
+        id(fl_app.config.compose_config): _refusing("fl_app.config.compose_config"),
+    }
+    swapped = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            if id(value) in guarded and callable(value):
+                swapped.append((namespace, attr, value))
+                namespace[attr] = guarded[id(value)]
+    try:
+        yield
+    finally:
+        for namespace, attr, value in swapped:
+            namespace[attr] = value
+
+
+def _over_the_wire(message: Message) -> Message:
+    """``message`` as the other side reads it: Flower's protobuf, serialized and parsed."""
+    from flwr.common.serde import message_from_proto, message_to_proto
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+
+    return message_from_proto(ProtoMessage.FromString(message_to_proto(message).SerializeToString()))
+
+
+class DeviceGrid:
+    """Devices answered in this process as a deployment answers them.
+
+    Each node is a device (its ``data-path`` file, no partition id); every message and reply crosses
+    Flower's wire format, the node's Context is stored and read back as Flower's protobuf between
+    messages (a SuperNode keeps it while its ClientApp processes come and go), and the ClientApp's
+    ``train`` runs under :func:`refused_as_on_a_device`. ``answered`` keeps each (message, reply).
+    """
+
+    def __init__(self, files: list[Path], first_node: int = 7001) -> None:
+        from flwr.common.serde import context_to_proto
+
+        self.stored = {
+            first_node + i: context_to_proto(
+                make_context(
+                    partition_id=None, node_id=first_node + i, node_config={keys.NODE_DATA_PATH: str(f)}
+                )
+            ).SerializeToString()
+            for i, f in enumerate(files)
+        }
+        self.answered: list[tuple[Message, Message]] = []
+
+    def roster(self) -> list[ClientInfo]:
+        """The devices as the roster query finds them (client id = node id)."""
+        from flwr.common.serde import context_from_proto
+        from flwr.proto.message_pb2 import Context as ProtoContext
+
+        from fl_app.client_app import roster
+
+        found = []
+        for node, stored in self.stored.items():
+            query = make_message({keys.SEED: 1}, message_type="query.roster", node_id=node)
+            reply = roster(query, context_from_proto(ProtoContext.FromString(stored)))
+            size = int(reply.content.metric_records[keys.METRICS][keys.NUM_EXAMPLES])
+            found.append(ClientInfo(node, node, size, device=True))
+        return found
+
+    def answer(self, message: Message) -> Message:
+        """One message, on its device; the Context it leaves is stored."""
+        from flwr.common.serde import context_from_proto, context_to_proto
+        from flwr.proto.message_pb2 import Context as ProtoContext
+
+        from fl_app.client_app import train
+        from fl_app.data import federated
+
+        node = int(message.metadata.dst_node_id)
+        context = context_from_proto(ProtoContext.FromString(self.stored[node]))
+        federated._cached.cache_clear()  # a ClientApp process starts without the server's split
+        with refused_as_on_a_device():
+            reply = train(_over_the_wire(message), context)
+        self.stored[node] = context_to_proto(context).SerializeToString()
+        return _over_the_wire(reply)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], timeout: float | None = None, summand: Any = None
+    ) -> list[Message]:
+        """Every message answered on its device (one per client: a deployment sends no cohort messages)."""
+        replies = []
+        for message in messages:
+            reply = self.answer(message)
+            self.answered.append((message, reply))
+            replies.append(reply)
+        return replies
+
+
+def _uploads(reply: Message) -> tuple[int, str]:
+    """The size and SHA-256 of the bytes of every array a reply uploads."""
+    data = b"".join(a.data for record in reply.content.array_records.values() for a in record.values())
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+@pytest.mark.parametrize("algorithm", device_algorithms())
+def test_each_client_class_answers_on_a_device_without_the_servers_data_or_hydra(
+    algorithm: str, device_files: list[Path], tmp_path: Path
+) -> None:
+    """Every client class (one algorithm each, with its deployment's settings) trains on two devices.
+
+    Through the real round loop and strategy (built as the SuperLink builds it for devices), each
+    message answered on a :class:`DeviceGrid`; the algorithms of :data:`ANSWERED_IN_PROCESS` are
+    deployed by nothing else. A client whose upload is noised on the device (local or distributed DP,
+    record-level DP-SGD) draws that noise from OS entropy: the same message answered again uploads
+    something else (PrivateKT's 2 labels here come out the same with probability about 0.73: up to 40
+    answers; a seeded generator gives the same upload every time).
+    """
+    from fl_app.round_loop import run_rounds
+
+    grid = DeviceGrid(device_files)
+    overrides = [o for o in algorithm_overrides(algorithm)[len(DATA) :] if not o.startswith("strategy=")]
+    strategy = _device_strategy(algorithm, overrides, tmp_path, roster=grid.roster())
+    rounds = strategy.run.settings.num_rounds
+    assert rounds == (2 if algorithm in TWO_ROUNDS else 1)
+    final = run_rounds(
+        strategy,
+        grid,
+        strategy.initial_arrays(),
+        first_round=1,
+        num_rounds=rounds,
+        timeout=60.0,
+        after_round=lambda server_round, arrays: None,
+    )
+    errors = [reply.error.reason for _, reply in grid.answered if reply.has_error()]
+    assert not errors, (algorithm, errors)
+    assert {int(m.metadata.dst_node_id) for m, _ in grid.answered} == set(grid.stored)
+    assert np.isfinite(flat_vector(final)).all()
+    unit = STRATEGIES.get(algorithm).declaration.unit
+    if unit != "none" and "central DP" not in unit:
+        message, reply = next((m, r) for m, r in grid.answered if r.content.array_records)
+        first = _uploads(reply)
+        for _ in range(40):
+            again = _uploads(grid.answer(message))
+            assert again[0] == first[0], (algorithm, "another upload size")
+            if again != first:
+                break
+        assert again != first, f"{algorithm}: one upload 41 times on a device (noise not from OS entropy)"
 
 
 def test_device_files_hold_exactly_the_simulation_partitions(tmp_path: Path) -> None:

@@ -116,10 +116,12 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(
 ) -> None:
     """Four SuperNodes (TLS, authentication); one is killed inside a SecAgg+ round, after the key sharing.
 
-    Two runs of one round share the federation: calibrated for 3 survivors of 4 (a released sum
-    holds at least 3), the round completes with the other three (one failure, one release charged to
-    the four scheduled clients); calibrated for all 4, it is discarded: nothing unmasked or
-    released, the model and the ledger unchanged.
+    One run of one round, calibrated for 3 survivors of 4 (a released sum holds at least 3): the
+    SuperLink's error for the dead node is a dropout, and the round completes with the other three (one
+    failure, one release charged to the four scheduled clients). What follows a dropout when fewer
+    survive than the calibration needs (the round discarded: nothing unmasked or released, the model
+    and the ledger unchanged) is the strategy's own decision on the same replies, checked in
+    tests/test_dp_fedavg_secagg.py (a second deployed run for it cost about 45 s of the suite's CPU).
     """
     data = ["dataset=digits", "partition=iid", "num_clients=4"]
     files = make_device_data.write_device_files(tmp_path / "devices", data)
@@ -158,10 +160,7 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(
             "batch_size=16",
             f"simulation.timeout={KILL_TIMEOUT_S}",
         ]
-        runs = {
-            "survives": federation.submit("survives", [*common, "strategy.min_survivors=0.75"]),
-            "discarded": federation.submit("discarded", [*common, "strategy.min_survivors=1.0"]),
-        }
+        runs = {"survives": federation.submit("survives", [*common, "strategy.min_survivors=0.75"])}
         deadline = time.monotonic() + RUN_DEADLINE_S
         next_poll = 0.0
         while not all(collecting(submission) for submission in runs.values()):
@@ -193,7 +192,7 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(
             results[name] = json.loads(path.read_text())
     finally:
         deployment.stop()
-    survived, discarded = results["survives"], results["discarded"]
+    survived = results["survives"]
     (released,) = survived["rounds"]
     assert released["secure_aggregation"] == "released: sum of 3 clients", released
     assert released["failures"] == 1 and released["clients"] == 4
@@ -201,7 +200,3 @@ def test_a_supernode_killed_during_a_secure_aggregation_round(
     # one release, charged to the four scheduled devices (a device's id is its node id)
     assert [sorted(e["participants"]) for e in ledger["events"]] == [sorted(deployment.node_ids)]
     assert survived["final"]["epsilon"] == pytest.approx(survived["config"]["privacy"]["epsilon"], rel=1e-3)
-    (dropped,) = discarded["rounds"]
-    assert dropped["secure_aggregation"].startswith("discarded: 3 of 4 clients"), dropped
-    assert json.loads((runs["discarded"].output_dir / "privacy_ledger.json").read_text())["events"] == []
-    assert discarded["final"]["accuracy"] == discarded["initial"]["accuracy"]  # the model stayed
