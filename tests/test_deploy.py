@@ -52,6 +52,7 @@ from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 from fl_app import keys
 from fl_app.config import compose_config
 from fl_app.data.federated import DataSpec, federated_data
+from fl_app.engine.messages import over_the_wire, restored_context, stored_context
 from fl_app.results import COHORT_FIELDS
 from fl_app.roster import ClientInfo, RosterError, discover_roster, on_devices
 from fl_app.run import make_run_context, noise_source, with_secure_noise
@@ -817,14 +818,6 @@ def refused_as_on_a_device() -> Iterator[None]:
             namespace[attr] = value
 
 
-def _over_the_wire(message: Message) -> Message:
-    """``message`` as the other side reads it: Flower's protobuf, serialized and parsed."""
-    from flwr.common.serde import message_from_proto, message_to_proto
-    from flwr.proto.message_pb2 import Message as ProtoMessage
-
-    return message_from_proto(ProtoMessage.FromString(message_to_proto(message).SerializeToString()))
-
-
 class DeviceGrid:
     """Devices answered in this process as a deployment answers them.
 
@@ -835,48 +828,40 @@ class DeviceGrid:
     """
 
     def __init__(self, files: list[Path], first_node: int = 7001) -> None:
-        from flwr.common.serde import context_to_proto
-
         self.stored = {
-            first_node + i: context_to_proto(
+            first_node + i: stored_context(
                 make_context(
                     partition_id=None, node_id=first_node + i, node_config={keys.NODE_DATA_PATH: str(f)}
                 )
-            ).SerializeToString()
+            )
             for i, f in enumerate(files)
         }
         self.answered: list[tuple[Message, Message]] = []
 
     def roster(self) -> list[ClientInfo]:
         """The devices as the roster query finds them (client id = node id)."""
-        from flwr.common.serde import context_from_proto
-        from flwr.proto.message_pb2 import Context as ProtoContext
-
         from fl_app.client_app import roster
 
         found = []
         for node, stored in self.stored.items():
             query = make_message({keys.SEED: 1}, message_type="query.roster", node_id=node)
-            reply = roster(query, context_from_proto(ProtoContext.FromString(stored)))
+            reply = roster(query, restored_context(stored))
             size = int(reply.content.metric_records[keys.METRICS][keys.NUM_EXAMPLES])
             found.append(ClientInfo(node, node, size, device=True))
         return found
 
     def answer(self, message: Message) -> Message:
         """One message, on its device; the Context it leaves is stored."""
-        from flwr.common.serde import context_from_proto, context_to_proto
-        from flwr.proto.message_pb2 import Context as ProtoContext
-
         from fl_app.client_app import train
         from fl_app.data import federated
 
         node = int(message.metadata.dst_node_id)
-        context = context_from_proto(ProtoContext.FromString(self.stored[node]))
+        context = restored_context(self.stored[node])
         federated._cached.cache_clear()  # a ClientApp process starts without the server's split
         with refused_as_on_a_device():
-            reply = train(_over_the_wire(message), context)
-        self.stored[node] = context_to_proto(context).SerializeToString()
-        return _over_the_wire(reply)
+            reply = train(over_the_wire(message), context)
+        self.stored[node] = stored_context(context)
+        return over_the_wire(reply)
 
     def send_and_receive(
         self, messages: Iterable[Message], timeout: float | None = None, summand: Any = None

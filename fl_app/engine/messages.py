@@ -12,7 +12,10 @@
 * :func:`member_message`: a message built on the client side from another's metadata (a cohort
   message's member, :mod:`fl_app.cohort_messages`; ``flwr.app.message.message.make_message``);
 * :func:`task_identity`: messages built outside a run (tests, benchmarks) need the process's task
-  identity that a ServerApp or ClientApp process has (``flwr.supercore.task_identity``).
+  identity that a ServerApp or ClientApp process has (``flwr.supercore.task_identity``);
+* :func:`over_the_wire`, :func:`stored_context`, :func:`restored_context`: a message as the other side
+  of a deployment reads it, and a node's Context as a SuperNode keeps it between ClientApp processes
+  (Flower's protobuf, ``flwr.common.serde`` and ``flwr.proto``): tests answer devices in process so.
 
 :func:`config_record` uses only the public ``Mapping`` API of a ``RecordDict``; it lives here with the
 other message helpers of the per-message path.
@@ -24,7 +27,7 @@ import contextlib
 import copy
 from collections.abc import Iterator
 
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.app.message.message import make_message
 from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE, SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
@@ -139,3 +142,26 @@ def task_identity(*, run_id: int, node_id: int = 0, task_id: int = 1) -> Iterato
 def set_task_identity(*, run_id: int, node_id: int = 0, task_id: int = 1) -> None:
     """Set the process's task identity for good (a benchmark's process builds messages outside a run)."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, node_id, task_id
+
+
+def over_the_wire(message: Message) -> Message:
+    """``message`` as the other side of a deployment reads it: Flower's protobuf, serialized and parsed."""
+    from flwr.common.serde import message_from_proto, message_to_proto
+    from flwr.proto.message_pb2 import Message as ProtoMessage
+
+    return message_from_proto(ProtoMessage.FromString(message_to_proto(message).SerializeToString()))
+
+
+def stored_context(context: Context) -> bytes:
+    """A node's Context as Flower's protobuf (what a SuperNode keeps between ClientApp processes)."""
+    from flwr.common.serde import context_to_proto
+
+    return context_to_proto(context).SerializeToString()
+
+
+def restored_context(stored: bytes) -> Context:
+    """The Context :func:`stored_context` stored, as the next ClientApp process receives it."""
+    from flwr.common.serde import context_from_proto
+    from flwr.proto.message_pb2 import Context as ProtoContext
+
+    return context_from_proto(ProtoContext.FromString(stored))
