@@ -109,9 +109,10 @@ def device_algorithms() -> list[str]:
 #: transform of the trained model before the upload, with no state between rounds and nothing sent
 #: to the device beyond the model and the config: each answers on a device Context in this process
 #: (:func:`test_each_client_class_answers_on_a_device_without_the_servers_data_or_hydra`) instead of
-#: in a deployed run of its own (about 28 s of the suite's CPU each: a ServerApp and four ClientApp
-#: processes). The deployed runs keep FederatedClient's own device path (``fedavg``, ``flower``), the
-#: state kept in a node's context (:data:`TWO_ROUNDS`) and data sent to devices (PrivateKT's samples).
+#: in a deployed run of its own (a ServerApp and four ClientApp processes each: the module took 348 s
+#: of machine CPU alone with both deployed, 299 s without). The deployed runs keep FederatedClient's
+#: own device path (``fedavg``, ``flower``), the state kept in a node's context (:data:`TWO_ROUNDS`)
+#: and data sent to devices (PrivateKT's samples).
 ANSWERED_IN_PROCESS = ("fedavg_ldp", "nbafl")
 DEPLOYED = [name for name in device_algorithms() if name not in ANSWERED_IN_PROCESS]
 #: The federation's mode: TLS and SuperNode authentication.
@@ -149,21 +150,28 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _AfterImport())
 """
 
+#: What a device refuses: module -> its functions that must not run in a ClientApp (the server's data
+#: set, Hydra), by :data:`GUARD` in the deployed SuperNodes and :func:`refused_as_on_a_device` here.
+DEVICE_REFUSES = {"fl_app.data.sources": ("load_dataset",), "fl_app.config": ("compose_config",)}
+#: The error a refused function raises (``name``: module.function).
+REFUSAL = "{name} called on a device (no shared disk, no Hydra on devices)"
+
 GUARD = (
-    '''"""dpfl deployment test: a device has neither the server's data set nor Hydra."""
-GUARDED = {"fl_app.data.sources": ("load_dataset",), "fl_app.config": ("compose_config",)}
+    f'''"""dpfl deployment test: a device has neither the server's data set nor Hydra."""
+GUARDED = {DEVICE_REFUSES!r}
+REFUSAL = {REFUSAL!r}
 
 
 def _refuse(name):
     def refuse(*args, **kwargs):
-        raise RuntimeError(f"{name} called on a device (no shared disk, no Hydra on devices)")
+        raise RuntimeError(REFUSAL.format(name=name))
 
     return refuse
 
 
 def _guard(module):
     for attr in GUARDED[module.__name__]:
-        setattr(module, attr, _refuse(f"{module.__name__}.{attr}"))
+        setattr(module, attr, _refuse(f"{{module.__name__}}.{{attr}}"))
 
 
 PATCHES = dict.fromkeys(GUARDED, _guard)
@@ -784,23 +792,22 @@ def test_device_server_cohorts_and_noise_never_repeat_across_runs(tmp_path: Path
 
 def _refusing(name: str) -> Any:
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(f"{name} called on a device (no shared disk, no Hydra on devices)")
+        raise RuntimeError(REFUSAL.format(name=name))
 
     return refuse
 
 
 @contextlib.contextmanager
 def refused_as_on_a_device() -> Iterator[None]:
-    """:data:`GUARD` in this process: every binding of the two functions, in every loaded module, refuses.
+    """:data:`GUARD` here: every binding of :data:`DEVICE_REFUSES`, in every loaded module, refuses.
 
     (The deployed guard replaces them as their modules load, before any other module binds them.)
     """
-    import fl_app.config
-    import fl_app.data.sources
-
     guarded = {
-        id(fl_app.data.sources.load_dataset): _refusing("fl_app.data.sources.load_dataset"),
-        id(fl_app.config.compose_config): _refusing("fl_app.config.compose_config"),
+        id(getattr(module, attr)): _refusing(f"{name}.{attr}")
+        for name, attrs in DEVICE_REFUSES.items()
+        for module in [importlib.import_module(name)]
+        for attr in attrs
     }
     swapped = []
     for module in list(sys.modules.values()):
