@@ -140,6 +140,10 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
                 "clients, the main job and quick examples as whole commands.",
             ),
             ("partition_cache", "Start-up and memory with and without the partition cache."),
+            (
+                "calibration_cache",
+                "A noise calibration searched, and read back from the disk cache by the next process.",
+            ),
             ("hf_loader", "A Hugging Face data set of 100,000 rows, 3,500 users: first run and cache."),
             (
                 "pfl_research",

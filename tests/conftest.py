@@ -112,24 +112,28 @@ def _module_of(item: pytest.Item) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def partition_cache_of_the_test_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The partition cache (:mod:`fl_app.data.partition_cache`) of this test run, not the user's.
+def disk_caches_of_the_test_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The partition and calibration caches of this test run, not the user's.
 
-    One folder for all pytest-xdist workers of the run (the parent of their base temporary folders),
-    so a split is computed once per run; every process the tests start inherits it. pytest removes
-    it with the run's other temporary folders.
+    (:mod:`fl_app.data.partition_cache`, :mod:`fl_app.privacy.calibration_cache`.) One folder for
+    all pytest-xdist workers of the run (the parent of their base temporary folders), so a split or
+    a calibration is computed once per run; every process the tests start inherits it. pytest
+    removes it with the run's other temporary folders.
     """
-    from fl_app.data.partition_cache import CACHE_ENV
+    from fl_app.data import partition_cache
+    from fl_app.privacy import calibration_cache
 
     base = tmp_path_factory.getbasetemp()
-    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "partitions"
-    saved = os.environ.get(CACHE_ENV)
-    os.environ[CACHE_ENV] = str(folder)
+    folder = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    variables = {partition_cache.CACHE_ENV: "partitions", calibration_cache.CACHE_ENV: "calibrations"}
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update({name: str(folder / child) for name, child in variables.items()})
     yield folder
-    if saved is None:
-        os.environ.pop(CACHE_ENV, None)
-    else:
-        os.environ[CACHE_ENV] = saved
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(autouse=True)

@@ -178,8 +178,10 @@ def test_dp_sgd_calibration_agrees_with_opacus(epsilon, rate, steps):
 )
 def test_dp_sgd_noise_multiplier_is_the_smallest_within_tolerance(epsilon, steps, monkeypatch):
     from fl_app.privacy import calibration
+    from fl_app.privacy.calibration_cache import CACHE_ENV
 
     monkeypatch.setattr(calibration, "_DP_SGD_CACHE", {})
+    monkeypatch.setenv(CACHE_ENV, "off")  # the search itself is counted, not an answer read from disk
     calls = []
     exact = calibration.dp_sgd_epsilon
 

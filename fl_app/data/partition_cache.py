@@ -48,21 +48,35 @@ Rows = tuple[np.ndarray, tuple[np.ndarray, ...], np.ndarray]  # public, clients,
 
 def cache_dir() -> Path | None:
     """The cache folder, or None when the cache is off."""
-    setting = os.environ.get(CACHE_ENV, "")
+    return cache_folder(CACHE_ENV, "partitions")
+
+
+def cache_folder(variable: str, name: str) -> Path | None:
+    """A disk cache's folder: ``$variable``, else ``$DPFL_DATA_HOME/name``; None when ``$variable`` is off."""
+    setting = os.environ.get(variable, "")
     if setting.lower() in {"off", "0", "false", "no"}:
         return None
-    return Path(setting) if setting else data_home() / "partitions"
+    return Path(setting) if setting else data_home() / name
 
 
 def _code_version() -> bytes:
     """Bytes that change whenever the code computing partitions may change."""
+    return code_version(_CODE_MODULES, _CODE_PACKAGES)
+
+
+def code_version(modules: tuple[str, ...], packages: tuple[str, ...]) -> bytes:
+    """The sources of ``modules`` and the installed versions of ``packages``, as one key part.
+
+    A disk cache (this one, :mod:`fl_app.privacy.calibration_cache`) puts it in its keys, so an
+    entry computed by other code is never found.
+    """
     sources = []
-    for module in _CODE_MODULES:
+    for module in modules:
         spec = importlib.util.find_spec(module)
         origin = spec.origin if spec is not None else None
         sources.append(Path(origin).read_bytes() if origin else module.encode())
     versions = []
-    for package in _CODE_PACKAGES:
+    for package in packages:
         try:
             versions.append(f"{package}=={importlib.metadata.version(package)}")
         except importlib.metadata.PackageNotFoundError:
@@ -95,7 +109,7 @@ def load_rows(key: str) -> Rows | None:
         with np.load(path, allow_pickle=False) as stored:
             public, rows, offsets = stored["public"], stored["rows"], stored["offsets"]
             validation = stored["validation"]
-    except (OSError, KeyError, ValueError):
+    except (OSError, EOFError, KeyError, ValueError):
         return None
     if len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(rows) or np.any(np.diff(offsets) < 0):
         return None
@@ -119,7 +133,7 @@ def store_rows(
     validation = np.zeros(0, dtype=np.int64) if validation_rows is None else validation_rows
     arrays = {"public": public_rows, "rows": rows, "offsets": offsets, "validation": validation}
     if write_npz(folder / f"{key}.npz", arrays):
-        _prune(folder)
+        keep_newest(folder, keep=MAX_FILES)
 
 
 def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> bool:
@@ -142,12 +156,12 @@ def write_npz(path: Path, arrays: dict[str, np.ndarray]) -> bool:
     return True
 
 
-def _prune(folder: Path) -> None:
-    """Keep the :data:`MAX_FILES` most recently written partitions."""
+def keep_newest(folder: Path, *, keep: int) -> None:
+    """Delete all but the ``keep`` most recently written ``.npz`` files of ``folder``."""
     try:
         files = sorted(folder.glob("*.npz"), key=lambda path: path.stat().st_mtime, reverse=True)
     except OSError:
         return
-    for stale in files[MAX_FILES:]:
+    for stale in files[keep:]:
         with contextlib.suppress(OSError):
             stale.unlink()

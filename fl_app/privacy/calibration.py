@@ -15,6 +15,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable
 
+from fl_app.privacy.calibration_cache import checked_calibration
 from fl_app.privacy.checks import require_positive, require_positive_int, require_probability
 from fl_app.privacy.composition import History, compose_epsilon, dpa
 from fl_app.privacy.events import (
@@ -194,8 +195,10 @@ def dp_fedavg_noise_multiplier(
 
     The search evaluates the accountant's own composition and returns the upper
     end of the final bracket, so the reported epsilon never exceeds the target. A pure function of
-    its arguments, kept for the process (a strategy built again for the same run, as a sweep's
-    jobs, a resume or an audit's thousands of trials do, does not search again: 1.2 s with PLD).
+    its arguments, kept for the process (a strategy built again for the same run, as an audit's
+    thousands of trials do, does not search again: 1.2 s with PLD) and on disk for other processes
+    (a sweep's jobs, a resume: :mod:`~fl_app.privacy.calibration_cache`, which checks a stored
+    answer against the target before using it).
     """
     require_positive("epsilon", epsilon)
     require_probability("delta", delta)
@@ -208,10 +211,19 @@ def dp_fedavg_noise_multiplier(
 
         return eps_of
 
-    rdp = smallest_noise_multiplier(eps_of_method("rdp"), epsilon=epsilon)
-    if method == "rdp":
-        return rdp
-    return smallest_noise_multiplier(eps_of_method(method), epsilon=epsilon, start=rdp)
+    def search() -> float:
+        rdp = smallest_noise_multiplier(eps_of_method("rdp"), epsilon=epsilon)
+        if method == "rdp":
+            return rdp
+        return smallest_noise_multiplier(eps_of_method(method), epsilon=epsilon, start=rdp)
+
+    arguments = {"epsilon": float(epsilon), "delta": float(delta), "sampling_rate": float(sampling_rate)}
+    return checked_calibration(
+        "dp_fedavg_noise_multiplier",
+        {**arguments, "rounds": int(rounds), "method": method},
+        compute=search,
+        meets=lambda z: eps_of_method(method)(z) <= epsilon,
+    )
 
 
 def randomized_response_epsilon_per_label(
@@ -220,18 +232,27 @@ def randomized_response_epsilon_per_label(
     """Largest per-label epsilon whose ``labels`` randomized-response reports meet the total.
 
     Used to calibrate a run so that the worst client's cumulative epsilon, from
-    the accountant, is at most ``total_epsilon``.
+    the accountant, is at most ``total_epsilon``. Kept on disk for other processes
+    (:mod:`~fl_app.privacy.calibration_cache`).
     """
     require_positive("total_epsilon", total_epsilon)
     require_positive_int("labels", labels)
-    return largest_meeting(
-        lambda e: (
-            compose_epsilon({RandomizedResponse(e, num_classes): labels}, delta=delta, method=method).epsilon
-        ),
-        target=total_epsilon,
-        low=0.0,
-        high=max(total_epsilon, 1.0) * 2.0,
-        floor=1e-9,
+
+    def spent(e: float) -> float:
+        return compose_epsilon(
+            {RandomizedResponse(e, num_classes): labels}, delta=delta, method=method
+        ).epsilon
+
+    def search() -> float:
+        high = max(total_epsilon, 1.0) * 2.0
+        return largest_meeting(spent, target=total_epsilon, low=0.0, high=high, floor=1e-9)
+
+    arguments = {"total_epsilon": float(total_epsilon), "delta": float(delta), "method": method}
+    return checked_calibration(
+        "randomized_response_epsilon_per_label",
+        {**arguments, "labels": int(labels), "num_classes": int(num_classes)},
+        compute=search,
+        meets=lambda e: spent(e) <= total_epsilon,
     )
 
 
@@ -299,7 +320,8 @@ def dp_sgd_noise_multiplier(
     ``epsilon(low) > target >= epsilon(high)`` by doubling or halving from 1, then :func:`bisect`);
     with ``method="pld"`` it meets the target under PLD too (the accountant reports the smaller
     bound), so the PLD search only narrows below it. The upper end is returned, so
-    ``dp_sgd_epsilon(z, method=method) <= epsilon`` always holds. Results are cached per argument tuple.
+    ``dp_sgd_epsilon(z, method=method) <= epsilon`` always holds. Results are cached per argument tuple,
+    in the process and on disk (:mod:`~fl_app.privacy.calibration_cache`).
     """
     require_positive("epsilon", epsilon)
     require_probability("delta", delta)
@@ -309,25 +331,41 @@ def dp_sgd_noise_multiplier(
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance must be in (0, 1), got {tolerance!r}")
     key = (float(epsilon), float(delta), float(sampling_rate), int(steps), float(tolerance), method)
-    if key in _DP_SGD_CACHE:
-        return _DP_SGD_CACHE[key]
+    if key not in _DP_SGD_CACHE:
+        names = ("epsilon", "delta", "sampling_rate", "steps", "tolerance", "method")
+        _DP_SGD_CACHE[key] = checked_calibration(
+            "dp_sgd_noise_multiplier",
+            dict(zip(names, key, strict=True)),
+            compute=lambda: _dp_sgd_search(*key),
+            meets=_dp_sgd_meets(*key[:4], method=method),
+        )
+    return _DP_SGD_CACHE[key]
 
-    def meets_under(chosen: str) -> Callable[[float], bool]:
-        def meets(z: float) -> bool:
-            spent = dp_sgd_epsilon(
-                noise_multiplier=z, sampling_rate=sampling_rate, steps=int(steps), delta=delta, method=chosen
-            )
-            return spent <= epsilon
 
-        return meets
+def _dp_sgd_meets(
+    epsilon: float, delta: float, sampling_rate: float, steps: int, *, method: str
+) -> Callable[[float], bool]:
+    """Whether a noise multiplier's ``steps`` DP-SGD steps meet ``epsilon`` under ``method``."""
 
-    meets = meets_under("rdp")
+    def meets(z: float) -> bool:
+        spent = dp_sgd_epsilon(
+            noise_multiplier=z, sampling_rate=sampling_rate, steps=steps, delta=delta, method=method
+        )
+        return spent <= epsilon
+
+    return meets
+
+
+def _dp_sgd_search(
+    epsilon: float, delta: float, sampling_rate: float, steps: int, tolerance: float, method: str
+) -> float:
+    """:func:`dp_sgd_noise_multiplier`'s search: the RDP bracket and bisection, then PLD below it."""
+    meets = _dp_sgd_meets(epsilon, delta, sampling_rate, steps, method="rdp")
     if meets(1.0):  # the bracket: halve from 1 while the target is still met
         good = 1.0
         while meets(good / 2.0):
             good /= 2.0
             if good < SMALLEST_SEARCHED_NOISE:
-                _DP_SGD_CACHE[key] = good
                 return good
         bad = good / 2.0
     else:  # or double from 1 until it is met
@@ -339,8 +377,11 @@ def dp_sgd_noise_multiplier(
         good = 2.0 * bad
     result = bisect(meets, bad=bad, good=good, done=lambda bad, good: good - bad <= tolerance * good)
     if method != "rdp":
-        result = _narrow_below(meets_under(method), good=result, tolerance=tolerance)
-    _DP_SGD_CACHE[key] = result
+        result = _narrow_below(
+            _dp_sgd_meets(epsilon, delta, sampling_rate, steps, method=method),
+            good=result,
+            tolerance=tolerance,
+        )
     return result
 
 
