@@ -7,10 +7,14 @@ test images after every round; dpfl's own split exported for pfl). Per repeat, i
 * ``pfl``: pfl-research 0.6.0, one process, one torch thread (``pfl_compare.py pfl-run``, ``.venv-pfl``);
 * ``loop``: the tight single-process PyTorch loop, one torch thread (:func:`tight_rounds`: the same
   rounds' work with nothing else, no messages; ``--loop-run``), the floor of issue 58's CPU goal;
+* ``loop-pair``: two copies of ``loop`` at once, one per core (what two busy cores cost each other on
+  this machine: shared caches, memory bandwidth, the host's other guests); its CPU is per copy;
 * ``dpfl-inline``: ``python -m fl_app ... simulation.backend=inline`` from this checkout;
 * ``dpfl-ray``: the same command with dpfl's defaults (Ray, two client actors here);
 * ``dpfl-processes``: the same with ``simulation.backend=processes`` (two worker processes forked from
   the command, ``fl_app/engine/processes.py``);
+* ``dpfl-processes-1``: the same with one forked worker (``simulation.num_cpus=1``): dpfl's work on
+  one core beside the driver, to set against ``loop`` and ``loop-pair``;
 * ``dpfl-<backend>-before`` (``inline``, ``processes``, ``ray``): the same from ``--before TREE`` (another
   checkout, e.g. ``git worktree add``), only with ``--before``;
 * ``dpfl-<backend>-plain``, ``dpfl-<backend>-cohort`` (``inline``, ``ray``, ``processes``): the dpfl
@@ -92,6 +96,18 @@ def loop_command(rounds: int, output: Path) -> tuple[list[str], Path]:
     script = str(Path(__file__).resolve())
     command = [str(pfl_compare.DPFL_PYTHON), "-P", script, "--loop-run", str(output), "--rounds", str(rounds)]
     return command, ROOT
+
+
+#: Arms that run several copies of one command at once: their CPU is divided by the copies.
+COPIES = {"loop-pair": 2}
+
+
+def loop_pair_command(rounds: int, output: Path) -> tuple[list[str], Path]:
+    """Two :func:`loop_command` runs at once (``output`` and ``output``-2); the shell waits for both."""
+    first, _ = loop_command(rounds, output)
+    second, _ = loop_command(rounds, output.with_name(output.name + "-2"))
+    script = f"{shlex.join(first)} & {shlex.join(second)} & wait -n && wait -n"
+    return ["bash", "-c", script], ROOT
 
 
 def loop_run(rounds: int, output: Path) -> None:
@@ -280,11 +296,15 @@ def all_arms(data: Path, before: Path | None, overrides: Sequence[str]) -> dict[
     arms: dict[str, Arm] = {
         "pfl": lambda rounds, out: pfl_command(data, rounds, out),
         "loop": loop_command,
+        "loop-pair": loop_pair_command,
     }
     for backend in ("inline", "processes", "ray"):
         arms[f"dpfl-{backend}"] = functools.partial(task, ROOT, backend=backend)
         if before is not None:
             arms[f"dpfl-{backend}-before"] = functools.partial(task, before.resolve(), backend=backend)
+    arms["dpfl-processes-1"] = functools.partial(
+        dpfl_command, ROOT, backend="processes", overrides=[*overrides, "simulation.num_cpus=1"]
+    )
     for backend in ("inline", "ray", "processes"):
         for kind, cohort in (("plain", False), ("cohort", True)):
             arms[f"dpfl-{backend}-{kind}"] = functools.partial(task, ROOT, backend=backend, cohort=cohort)
@@ -302,13 +322,15 @@ def run_rows(
                 output = out / f"{arm}-{rounds}r-{repeat}-{time.strftime('%H%M%S')}"
                 command, cwd = make(rounds, output)
                 wall, cpu = timed_command(arm, command, cwd)
+                cpu /= COPIES.get(arm, 1)
                 median, accuracy = summary(arm, output)
                 row = {
                     "arm": arm,
                     "repeat": repeat,
                     "rounds": rounds,
                     "command_s": round(wall, 2),
-                    "machine_cpu_s": round(cpu, 2),
+                    "machine_cpu_s": round(cpu, 2),  # per copy (COPIES)
+                    "copies": COPIES.get(arm, 1),
                     "median_round_s": round(median, 4),
                     "accuracy": accuracy,
                     "load_1min": round(os.getloadavg()[0], 2),

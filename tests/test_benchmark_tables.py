@@ -766,6 +766,25 @@ def test_round_phases_charges_each_py_spy_sample_to_its_phase():
     )
 
 
+def test_cross_device_cpu_loop_pair_runs_two_loops_at_once_each_with_its_output(tmp_path: Path) -> None:
+    """The contention arm: two copies of the loop's command in one shell, which fails if either does."""
+    import shlex
+    import subprocess
+
+    from benchmarks import cross_device_cpu
+
+    command, _ = cross_device_cpu.loop_pair_command(30, tmp_path / "out")
+    first, _ = cross_device_cpu.loop_command(30, tmp_path / "out")
+    second, _ = cross_device_cpu.loop_command(30, tmp_path / "out-2")
+    template = "{} & {} & wait -n && wait -n"
+    assert command == ["bash", "-c", template.format(shlex.join(first), shlex.join(second))]
+    assert cross_device_cpu.COPIES["loop-pair"] == 2
+    # the shell's exit status: 0 only when both copies exit 0, whichever ends first
+    for one, other, status in [("true", "true", 0), ("false", "true", 1), ("true", "sleep 0.2; false", 1)]:
+        script = template.format(one, f"({other})")
+        assert subprocess.run(["bash", "-c", script], check=False).returncode == status, (one, other)
+
+
 def test_cross_device_cpu_per_round_is_the_cpu_between_two_round_counts() -> None:
     """Issue 58's CPU goal: (CPU at R2 - CPU at R1) / (R2 - R1) per arm, and its multiple of the loop's."""
     from benchmarks import cross_device_cpu
