@@ -125,6 +125,9 @@ def test_a_replaced_accounting_function_gets_keys_of_its_own(cache: Path, monkey
     monkeypatch.undo()
     composition._compose.cache_clear()
     assert calibration_key("dp_fedavg_noise_multiplier", task) == base
+    # a module-level setting of the accounting, replaced at run time, too
+    monkeypatch.setattr(composition, "PLD_VALUE_DISCRETIZATION", 1e-4)
+    assert calibration_key("dp_fedavg_noise_multiplier", task) != base
 
 
 @pytest.mark.subprocess

@@ -217,10 +217,16 @@ def dp_fedavg_noise_multiplier(
             return rdp
         return smallest_noise_multiplier(eps_of_method(method), epsilon=epsilon, start=rdp)
 
-    arguments = {"epsilon": float(epsilon), "delta": float(delta), "sampling_rate": float(sampling_rate)}
+    arguments = {
+        "epsilon": float(epsilon),
+        "delta": float(delta),
+        "sampling_rate": float(sampling_rate),
+        "rounds": int(rounds),
+        "method": method,
+    }
     return checked_calibration(
         "dp_fedavg_noise_multiplier",
-        {**arguments, "rounds": int(rounds), "method": method},
+        arguments,
         compute=search,
         meets=lambda z: eps_of_method(method)(z) <= epsilon,
     )
@@ -247,10 +253,16 @@ def randomized_response_epsilon_per_label(
         high = max(total_epsilon, 1.0) * 2.0
         return largest_meeting(spent, target=total_epsilon, low=0.0, high=high, floor=1e-9)
 
-    arguments = {"total_epsilon": float(total_epsilon), "delta": float(delta), "method": method}
+    arguments = {
+        "total_epsilon": float(total_epsilon),
+        "delta": float(delta),
+        "labels": int(labels),
+        "num_classes": int(num_classes),
+        "method": method,
+    }
     return checked_calibration(
         "randomized_response_epsilon_per_label",
-        {**arguments, "labels": int(labels), "num_classes": int(num_classes)},
+        arguments,
         compute=search,
         meets=lambda e: spent(e) <= total_epsilon,
     )

@@ -12,8 +12,9 @@ evaluation of the accountant's own composition (the test each step of the search
 or edited file can cost tightness (more noise than needed), never the budget. The key covers the
 search (its name), its arguments (floats exactly), the sources of the accounting modules
 (:data:`CODE_MODULES`), the installed dp-accounting, numpy and scipy, and the compiled code of every
-function those modules hold while the process runs (a function replaced at run time, as a test's
-mutant of the accountant, gets keys of its own), so an answer of other code is not found.
+function and the value of every setting those modules hold while the process runs (one replaced at run
+time, as a test's mutant of the accountant, gets keys of its own), so an answer of other code is not
+found.
 Calibrations hold no secret: they follow from the published configuration.
 
 Location: ``$DPFL_CALIBRATION_CACHE`` if set, else ``$DPFL_DATA_HOME/calibrations``
@@ -62,11 +63,17 @@ def _code_digest() -> str:
     return hashlib.sha256(code_version(CODE_MODULES, CODE_PACKAGES)).hexdigest()
 
 
+#: Module-level values of these types are part of :func:`live_code_digest` (settings such as
+#: ``PLD_VALUE_DISCRETIZATION``; not the memo dictionaries).
+_SETTING_TYPES = (bool, int, float, str, bytes, tuple, frozenset, type(None))
+
+
 def live_code_digest() -> str:
-    """A digest of the functions the accounting modules hold now, methods of their classes included.
+    """A digest of what the accounting modules hold now: functions, their classes' methods, settings.
 
     The same for every process running the installed code; another whenever one of those functions
-    was replaced (``module.function = other``), whatever the replacement's source.
+    or module-level settings was replaced (``module.function = other``, ``module.SETTING = value``),
+    whatever the replacement's source.
     """
     digest = hashlib.sha256()
     for name in CODE_MODULES:
@@ -74,6 +81,11 @@ def live_code_digest() -> str:
         if module is None:
             continue
         for attribute, value in sorted(vars(module).items()):
+            if attribute.startswith("__"):
+                continue
+            if isinstance(value, _SETTING_TYPES):
+                digest.update(attribute.encode() + b"=" + _constant_bytes(value))
+                continue
             members = vars(value).items() if inspect.isclass(value) and value.__module__ == name else []
             for label, member in [(attribute, value), *((f"{attribute}.{k}", v) for k, v in members)]:
                 code = getattr(inspect.unwrap(member), "__code__", None) if callable(member) else None
@@ -136,24 +148,23 @@ def checked_calibration(
         Whether an answer meets the target (one evaluation of the accountant's composition).
 
     """
-    key = calibration_key(search, arguments)
-    stored = _load(key)
+    folder = cache_dir()
+    if folder is None:
+        return compute()
+    path = folder / f"{calibration_key(search, arguments)}.npz"
+    stored = _load(path)
     if stored is not None and meets(stored):
         return stored
     answer = compute()
-    folder = cache_dir()
-    if folder is not None and write_npz(folder / f"{key}.npz", {"answer": np.float64(answer)}):
+    if write_npz(path, {"answer": np.float64(answer)}):
         keep_newest(folder, keep=MAX_FILES)
     return answer
 
 
-def _load(key: str) -> float | None:
-    """The answer stored under ``key``; None if absent, off or unreadable."""
-    folder = cache_dir()
-    if folder is None:
-        return None
+def _load(path: Path) -> float | None:
+    """The answer stored at ``path``; None if absent or unreadable."""
     try:
-        with np.load(folder / f"{key}.npz", allow_pickle=False) as stored:
+        with np.load(path, allow_pickle=False) as stored:
             answer = float(stored["answer"])
     except (OSError, EOFError, KeyError, ValueError, TypeError):
         return None
