@@ -102,12 +102,16 @@ def loop_command(rounds: int, output: Path) -> tuple[list[str], Path]:
 COPIES = {"loop-pair": 2}
 
 
+PAIR_SCRIPT = "{} & first=$!; {} & second=$!; wait $first; a=$?; wait $second; b=$?; exit $((a || b))"
+"""Two commands at once; exit 0 only when both exit 0. ``wait PID`` collects a child that has already ended
+(``wait -n`` does not: it exits 127 when both ended before it is called)."""
+
+
 def loop_pair_command(rounds: int, output: Path) -> tuple[list[str], Path]:
     """Two :func:`loop_command` runs at once (``output`` and ``output``-2); the shell waits for both."""
     first, _ = loop_command(rounds, output)
     second, _ = loop_command(rounds, output.with_name(output.name + "-2"))
-    script = f"{shlex.join(first)} & {shlex.join(second)} & wait -n && wait -n"
-    return ["bash", "-c", script], ROOT
+    return ["bash", "-c", PAIR_SCRIPT.format(shlex.join(first), shlex.join(second))], ROOT
 
 
 def loop_run(rounds: int, output: Path) -> None:
