@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 from datasets import Dataset
-from flwr_datasets.partitioner import (
+
+from fl_app.data.flower_partitioners import (
     DirichletPartitioner,
     ExponentialPartitioner,
     IidPartitioner,
