@@ -198,3 +198,52 @@ def test_dp_sgd_and_randomized_response_calibrations_are_stored_too(cache: Path,
         total_epsilon=3.0, delta=1e-5, labels=5, num_classes=10
     )
     assert again == per_label and stored_files(cache) == files
+
+
+def _ftrl_histories(scale: float) -> tuple[list[float], Callable[[float], list[dict]]]:
+    """A DP-FTRL-like schedule (two participants, Gaussian releases of sensitivity ``scale``) that
+    records every noise multiplier it is asked about."""
+    from fl_app.privacy.events import Gaussian
+
+    asked: list[float] = []
+
+    def histories_of(z: float) -> list[dict]:
+        asked.append(z)
+        return [{Gaussian(z / scale): 3}, {Gaussian(z / scale): 2, Gaussian(z): 1}]
+
+    return asked, histories_of
+
+
+def test_a_schedules_calibration_is_searched_once_per_process_and_once_on_disk(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DP-FTRL's search over histories: a strategy built again (an audit's trials, a resume) reads it."""
+    monkeypatch.setattr(calibration, "_HISTORIES_CACHE", {})
+    target = {"epsilon": 2.0, "delta": 1e-5, "method": "pld"}
+    asked, histories_of = _ftrl_histories(1.5)
+    first = calibration.noise_multiplier_for_histories(**target, histories_of=histories_of)
+    searched = len(asked)
+    assert searched > 20  # a search
+    again = calibration.noise_multiplier_for_histories(**target, histories_of=histories_of)
+    assert again == first and len(asked) - searched == 3  # the two reference points and one check
+    calibration._HISTORIES_CACHE.clear()  # as another process: read from the disk, checked
+    assert calibration.noise_multiplier_for_histories(**target, histories_of=histories_of) == first
+    assert len(asked) - searched == 6 and len(stored_files(cache)) == 1
+    monkeypatch.setenv(CACHE_ENV, "off")
+    calibration._HISTORIES_CACHE.clear()
+    assert calibration.noise_multiplier_for_histories(**target, histories_of=histories_of) == first
+    # another schedule (its releases each 1.5x less sensitive) is another calibration, with less noise
+    _, milder = _ftrl_histories(1.0)
+    assert calibration.noise_multiplier_for_histories(**target, histories_of=milder) < first / 1.2
+
+
+def test_a_remembered_schedule_answer_that_misses_the_target_is_searched_again(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(calibration, "_HISTORIES_CACHE", {})
+    target = {"epsilon": 2.0, "delta": 1e-5, "method": "rdp"}
+    _, histories_of = _ftrl_histories(1.5)
+    honest = calibration.noise_multiplier_for_histories(**target, histories_of=histories_of)
+    (key,) = calibration._HISTORIES_CACHE
+    calibration._HISTORIES_CACHE[key] = honest / 2  # too little noise for the target
+    assert calibration.noise_multiplier_for_histories(**target, histories_of=histories_of) == honest

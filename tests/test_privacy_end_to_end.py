@@ -133,6 +133,7 @@ def clear_privacy_caches() -> None:
     """Forget memoised epsilons and calibrations (a mutant must not leak into other tests)."""
     composition._compose.cache_clear()
     calibration._DP_SGD_CACHE.clear()
+    calibration._HISTORIES_CACHE.clear()
     calibration.dp_fedavg_noise_multiplier.cache_clear()
     secagg_strategy._plan.cache_clear()
 

@@ -11,6 +11,7 @@ All functions are keyword-only and validate their arguments.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import warnings
 from collections.abc import Callable, Iterable
@@ -416,6 +417,14 @@ def _narrow_below(meets: Callable[[float], bool], *, good: float, tolerance: flo
 # --------------------------------------------------------------------------------------
 
 
+#: Answers of :func:`noise_multiplier_for_histories` in this process, by (target, method, the
+#: histories at the reference noise multipliers); checked against the target before each use.
+_HISTORIES_CACHE: dict[tuple[object, ...], float] = {}
+#: The noise multipliers at which a schedule's histories name it (each mechanism is z times a constant).
+HISTORY_REFERENCE_NOISE = (1.0, 2.0)
+_HISTORIES_CACHE_SIZE = 256
+
+
 def noise_multiplier_for_histories(
     *,
     epsilon: float,
@@ -431,6 +440,12 @@ def noise_multiplier_for_histories(
     runs on the accountant's own :func:`~fl_app.privacy.composition.compose_epsilon`
     and returns the upper end of the final bracket, so no listed participant's
     reported epsilon exceeds the target.
+
+    Kept for the process and on disk (:mod:`~fl_app.privacy.calibration_cache`), named by the target
+    and by the histories at :data:`HISTORY_REFERENCE_NOISE` (a DP-FTRL strategy built again for the
+    same schedule, as an audit's thousands of trials do, does not search again); a kept answer is
+    used only when ``histories_of`` at that answer meets the target (one evaluation), so two
+    schedules that look alike at the reference points can cost tightness, never the budget.
     """
     require_positive("epsilon", epsilon)
     require_probability("delta", delta)
@@ -444,7 +459,31 @@ def noise_multiplier_for_histories(
 
         return eps_of
 
-    rdp = smallest_noise_multiplier(eps_of_method("rdp"), epsilon=epsilon)
-    if method == "rdp":
-        return rdp
-    return smallest_noise_multiplier(eps_of_method(method), epsilon=epsilon, start=rdp)
+    def search() -> float:
+        rdp = smallest_noise_multiplier(eps_of_method("rdp"), epsilon=epsilon)
+        if method == "rdp":
+            return rdp
+        return smallest_noise_multiplier(eps_of_method(method), epsilon=epsilon, start=rdp)
+
+    def meets(z: float) -> bool:
+        return eps_of_method(method)(z) <= epsilon
+
+    schedule = tuple(
+        tuple(sorted(repr(sorted(history.items(), key=repr)) for history in histories_of(z)))
+        for z in HISTORY_REFERENCE_NOISE
+    )
+    key = (float(epsilon), float(delta), method, schedule)
+    stored = _HISTORIES_CACHE.get(key)
+    if stored is not None and meets(stored):
+        return stored
+    arguments = {
+        "epsilon": float(epsilon),
+        "delta": float(delta),
+        "method": method,
+        "histories": hashlib.sha256(repr(schedule).encode()).hexdigest(),
+    }
+    answer = checked_calibration("noise_multiplier_for_histories", arguments, compute=search, meets=meets)
+    if len(_HISTORIES_CACHE) >= _HISTORIES_CACHE_SIZE:
+        _HISTORIES_CACHE.clear()
+    _HISTORIES_CACHE[key] = answer
+    return answer
