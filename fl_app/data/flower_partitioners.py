@@ -1,7 +1,7 @@
 """flwr-datasets' partitioners, imported without the package's plotting and metrics modules.
 
-Those load on first use (:mod:`fl_app.data.lazy_import`): importing the partitioners costs about
-0.8 s of CPU instead of 3.5 s on the 2-core machine.
+Those load on first use (:mod:`fl_app.data.lazy_import`): importing :mod:`fl_app.data.partition`
+costs 2.9-3.5 s of CPU instead of 4.7-5.7 s on the 2-core machine (docs/benchmarks/startup.md).
 """
 
 from fl_app.data.lazy_import import defer_submodules
