@@ -214,11 +214,18 @@ def _ftrl_histories(scale: float) -> tuple[list[float], Callable[[float], list[d
     return asked, histories_of
 
 
+@pytest.fixture
+def history_memo(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """The process's memo of schedule calibrations, empty for the test."""
+    memo: dict = {}
+    monkeypatch.setattr(calibration, "_HISTORIES_CACHE", memo)
+    return memo
+
+
 def test_a_schedules_calibration_is_searched_once_per_process_and_once_on_disk(
-    cache: Path, monkeypatch: pytest.MonkeyPatch
+    cache: Path, history_memo: dict, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """DP-FTRL's search over histories: a strategy built again (an audit's trials, a resume) reads it."""
-    monkeypatch.setattr(calibration, "_HISTORIES_CACHE", {})
     target = {"epsilon": 2.0, "delta": 1e-5, "method": "pld"}
     asked, histories_of = _ftrl_histories(1.5)
     first = calibration.noise_multiplier_for_histories(**target, histories_of=histories_of)
@@ -226,11 +233,11 @@ def test_a_schedules_calibration_is_searched_once_per_process_and_once_on_disk(
     assert searched > 20  # a search
     again = calibration.noise_multiplier_for_histories(**target, histories_of=histories_of)
     assert again == first and len(asked) - searched == 3  # the two reference points and one check
-    calibration._HISTORIES_CACHE.clear()  # as another process: read from the disk, checked
+    history_memo.clear()  # as another process: read from the disk, checked
     assert calibration.noise_multiplier_for_histories(**target, histories_of=histories_of) == first
     assert len(asked) - searched == 6 and len(stored_files(cache)) == 1
     monkeypatch.setenv(CACHE_ENV, "off")
-    calibration._HISTORIES_CACHE.clear()
+    history_memo.clear()
     assert calibration.noise_multiplier_for_histories(**target, histories_of=histories_of) == first
     # another schedule (its releases each 1.5x less sensitive) is another calibration, with less noise
     _, milder = _ftrl_histories(1.0)
@@ -238,12 +245,11 @@ def test_a_schedules_calibration_is_searched_once_per_process_and_once_on_disk(
 
 
 def test_a_remembered_schedule_answer_that_misses_the_target_is_searched_again(
-    cache: Path, monkeypatch: pytest.MonkeyPatch
+    cache: Path, history_memo: dict
 ) -> None:
-    monkeypatch.setattr(calibration, "_HISTORIES_CACHE", {})
     target = {"epsilon": 2.0, "delta": 1e-5, "method": "rdp"}
     _, histories_of = _ftrl_histories(1.5)
     honest = calibration.noise_multiplier_for_histories(**target, histories_of=histories_of)
-    (key,) = calibration._HISTORIES_CACHE
-    calibration._HISTORIES_CACHE[key] = honest / 2  # too little noise for the target
+    (key,) = history_memo
+    history_memo[key] = honest / 2  # too little noise for the target
     assert calibration.noise_multiplier_for_histories(**target, histories_of=histories_of) == honest

@@ -6,7 +6,7 @@ costs 2.9-3.5 s of CPU instead of 4.7-5.7 s on the 2-core machine (docs/benchmar
 
 from fl_app.data.lazy_import import defer_submodules
 
-DEFERRED = defer_submodules("flwr_datasets", ("visualization", "metrics"))
+defer_submodules("flwr_datasets", ("visualization", "metrics"))
 
 from flwr_datasets.partitioner import (  # noqa: E402 - after the deferral, which must come first
     DirichletPartitioner,
