@@ -36,6 +36,9 @@ This script types no number either. It does three things:
 3. **The headline table** (:func:`headline_table`): the cross-device comparison's rows at epsilon 8
    per client, tuned arms and the non-private reference, cut from its two ``report.md`` tables,
    between the README's ``<!-- HEADLINE:BEGIN -->`` and ``<!-- HEADLINE:END -->`` (and in the index).
+4. **The README's first run** (:func:`benchmarks.quick_example.readme_block`): DP-FedAvg's quick
+   example as the kept run in ``docs/benchmarks/quick_example/`` printed it, trimmed, between
+   ``<!-- QUICK_EXAMPLE:BEGIN -->`` and ``<!-- QUICK_EXAMPLE:END -->``.
 
 Usage (from the repository root)::
 
@@ -57,6 +60,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks.tables, with or without -P
 
+from benchmarks.quick_example import readme_block as quick_example_block
 from benchmarks.tables import with_generated_block
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,6 +184,7 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ),
 )
 HEADLINE_BEGIN, HEADLINE_END = "<!-- HEADLINE:BEGIN -->", "<!-- HEADLINE:END -->"
+QUICK_BEGIN, QUICK_END = "<!-- QUICK_EXAMPLE:BEGIN -->", "<!-- QUICK_EXAMPLE:END -->"
 #: The reports the headline table is cut from (the two tables of the cross-device comparison).
 HEADLINE_REPORTS = (PAGES / "cross_device" / "report.md", PAGES / "cross_device" / "untrusted" / "report.md")
 #: The budget of the headline table's private rows.
@@ -339,10 +344,13 @@ def benchmarks_text(missing: list[str]) -> str:
 
 
 def readme_text(readme: str) -> str:
-    """The README with the headline table between its markers."""
+    """The README with the headline table and the first run's output between their markers."""
     text = with_generated_block(readme, headline_table(), begin=HEADLINE_BEGIN, end=HEADLINE_END)
     if text is None:
         raise SystemExit(f"README.md: the markers {HEADLINE_BEGIN} and {HEADLINE_END} are missing")
+    text = with_generated_block(text, quick_example_block(), begin=QUICK_BEGIN, end=QUICK_END)
+    if text is None:
+        raise SystemExit(f"README.md: the markers {QUICK_BEGIN} and {QUICK_END} are missing")
     return text
 
 

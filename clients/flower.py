@@ -4,9 +4,21 @@ Flower's ``FedProx`` (``flwr.serverapp.strategy``) sends ``proximal-mu`` in the 
 leaves the term to the client (its docstring): local training then minimises
 ``loss + mu/2 ||w - w_t||^2`` (Li et al., "Federated Optimization in Heterogeneous Networks",
 MLSys 2020, Algorithm 2), with ``w_t`` the received model. Without the key it is FedAvg's client.
+
+Flower's client-side DP wrappers (``DifferentialPrivacyClientSideFixedClipping``, ``...Adaptive...``)
+leave the clipping to a mod of the ClientApp: when the train config names one (:data:`CLIPPING_MOD`,
+set by dpfl's adapter), the reply goes through Flower's own ``fixedclipping_mod`` or
+``adaptiveclipping_mod`` (it clips ``w_k - w_t`` to the ``clipping_norm`` the wrapper put in the
+config; the adaptive one adds the ``norm_bit``). Every reply also carries :data:`UNIFORM_WEIGHT`
+(1), a weight any Flower strategy can average by (``weighted_by_key``): uniform weighting.
 """
 
 from __future__ import annotations
+
+import logging
+
+from flwr.app import Message
+from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
 from clients import register_client
 from clients.fedavg import FedAvgClient
@@ -16,6 +28,12 @@ from fl_app.training import model_state
 
 #: Flower's FedProx config key (``flwr.serverapp.strategy.FedProx.configure_train``).
 PROXIMAL_MU = "proximal-mu"
+#: dpfl's train-config key naming the Flower mod a client-side DP wrapper needs (a key of :data:`MODS`).
+CLIPPING_MOD = "clipping-mod"
+#: The reply metric that is 1 for every client: uniform weights for a Flower strategy's average.
+UNIFORM_WEIGHT = "uniform-weight"
+#: Flower's client mods of central DP with client-side clipping (``flwr.clientapp.mod``), by name.
+MODS = {"fixedclipping_mod": fixedclipping_mod, "adaptiveclipping_mod": adaptiveclipping_mod}
 
 
 @register_client("flower")
@@ -30,9 +48,26 @@ class FlowerClient(FedAvgClient):
         """One round of local training (with the proximal term when the config asks)."""
         mu = float(self.config.get(PROXIMAL_MU, 0.0))
         if mu <= 0:
-            return super().train_result()
-        data = self.local_data()
-        model = self.global_model()
-        reference = [p.detach().clone() for p in model.parameters()]
-        loss = self.train_locally(model, data.x, data.y, proximal_mu=mu, reference=reference)
-        return TrainResult(model_state(model), {keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss})
+            result = super().train_result()
+        else:
+            data = self.local_data()
+            model = self.global_model()
+            reference = [p.detach().clone() for p in model.parameters()]
+            loss = self.train_locally(model, data.x, data.y, proximal_mu=mu, reference=reference)
+            result = TrainResult(model_state(model), {keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss})
+        return TrainResult(result.arrays, {**(result.metrics or {}), UNIFORM_WEIGHT: 1})
+
+    def train(self) -> Message:
+        """The reply, through Flower's clipping mod when the train config names one."""
+        name = self.config.get(CLIPPING_MOD)
+        if name is None:
+            return super().train()
+        if str(name) not in MODS:
+            raise ValueError(f"unknown {CLIPPING_MOD} {name!r}; known: {', '.join(MODS)}")
+        logger = logging.getLogger("flwr")
+        level = logger.level
+        logger.setLevel(max(level, logging.WARNING))  # the mod's line per message: "clipped by value ..."
+        try:
+            return MODS[str(name)](self.message, self.context, lambda _msg, _ctx: FedAvgClient.train(self))
+        finally:
+            logger.setLevel(level)

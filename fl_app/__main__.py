@@ -31,6 +31,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from fl_app.cluster import jobs_reported, left_no_result
 from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config, is_hydra_override, sweep_params
 from fl_app.config_checks import ConfigError
 from fl_app.engine.hydra import sweep_fixed, sweep_jobs
@@ -250,6 +251,10 @@ def preflight(argv: list[str], *, on_valid: Callable[[RunSettings, int], None] |
         jobs = expand_jobs(overrides, multirun=multirun)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         return [_one_line(error)]
+    from fl_app.cluster import launcher_error
+
+    if (launcher := launcher_error(overrides, multirun=multirun)) is not None:
+        return [str(launcher)]
     from fl_app.validation import validate_config  # torch, Flower and every strategy: 2-3 s
 
     state = SweepState.create(len(jobs) if multirun else 1)
@@ -505,6 +510,7 @@ def _simulate_job(job: _Job) -> bool:
 
     try:
         with claim_output_dir(job.output_dir, resume=job.settings.resume is not None):
+            _RUNS_BEGUN.append(job.output_dir)
             outcome = run_in_simulation(job.settings, job.overrides, job.output_dir)
     except ConfigError as error:  # another run holds the directory, or wrote there meanwhile
         _refuse_job(job, error)
@@ -582,9 +588,7 @@ def _outcome_done(job: _Job, outcome: Outcome) -> bool:
     if outcome.exit_code and outcome.status.startswith("completed"):  # a client never contributed
         _job_failed(job, outcome.reason, f"results in {job.output_dir}", exit_code=outcome.exit_code)
         return True
-    if outcome.status == "interrupted":
-        if not job.multirun:  # a sweep says how to continue the sweep instead
-            print(f"dpfl: run interrupted ({outcome.reason}); {outcome.resume_hint()}", file=sys.stderr)
+    if outcome.status == "interrupted":  # the run's last line said why, where and how to continue
         if job.multirun and job.state is not None and not job.state.runs_here():
             # a parallel launcher's worker: its SystemExit would make the launcher kill the other
             # workers while they write their results; the command's process reports the stop
@@ -651,9 +655,38 @@ def begin_ray_early(argv: list[str]) -> Callable[[RunSettings, int], None] | Non
         SESSION.keep = True
         SESSION.jobs_left = jobs
         if first.simulation.uses_ray:  # an inline or processes run needs no Ray (a later job may start it)
+            print(f"dpfl: {starting_ray_text(first)}", file=sys.stderr, flush=True)
             SESSION.begin(ray_init_args(first), ActorPlan.of(first))
 
     return begin
+
+
+def starting_ray_text(settings: RunSettings) -> str:
+    """What the command says when it begins starting Ray (the first lines of a run come after it)."""
+    if settings.simulation.ray_address:
+        return f"joining the Ray cluster at {settings.simulation.ray_address} ..."
+    return (
+        "starting Ray (a private instance for this command: a few seconds, up to a minute on a busy "
+        "machine), then the clients and the data ..."
+    )
+
+
+#: The output directories of the runs this process began (a stop before the first: nothing ran).
+_RUNS_BEGUN: list[Path] = []
+
+
+def interrupted_line(signum: int, *, run_began: bool) -> str:
+    """The line for Ctrl-C or SIGTERM outside a run: before it, between a sweep's jobs, in parallel sweeps."""
+    name = signal.Signals(signum).name
+    if not run_began:
+        return f"dpfl: stopped by {name} before the run began: nothing ran, nothing to resume"
+    how = "interrupted (a second Ctrl-C stops at once)"
+    if signum != signal.SIGINT:
+        how = f"stopped by {name} (a second one stops at once)"
+    return (
+        f"dpfl: {how}: a run continues from its last checkpoint with "
+        "python -m fl_app resume=<its output directory>"
+    )
 
 
 def exit_now(code: int | str | None) -> None:
@@ -706,7 +739,7 @@ def main() -> int:
         try:
             if state is not None and parallel_launcher(sys.argv[1:]):
                 os.environ[SWEEP_COMMAND_ENV] = str(os.getpid())  # the workers leave stops to this process
-                with stop_workers_on_signals(state.stop_file) as received:
+                with stop_workers_on_signals(state.stop_file) as received, jobs_reported(sys.argv[1:], state):
                     _job()
                 if received:  # the workers stopped their jobs; none is running any more
                     print(f"dpfl: sweep stopped by {signal.Signals(received[0]).name}", file=sys.stderr)
@@ -719,15 +752,9 @@ def main() -> int:
         except KeyboardInterrupt as stop:  # Ctrl-C or SIGTERM between two jobs, a second Ctrl-C in a
             # run, or either while a parallel launcher's workers run the jobs
             signum = getattr(stop, "signum", signal.SIGINT)
-            how = "interrupted (a second Ctrl-C stops at once)"
-            if signum != signal.SIGINT:
-                how = f"stopped by {signal.Signals(signum).name} (a second one stops at once)"
-            print(
-                f"dpfl: {how}: a run continues from its last checkpoint with "
-                "python -m fl_app resume=<its output directory>",
-                file=sys.stderr,
-                flush=True,
-            )
+            # a sweep's line says how to continue it; a parallel launcher's workers ran its runs
+            began = bool(_RUNS_BEGUN) or split_command_line(sys.argv[1:])[1]
+            print(interrupted_line(signum, run_began=began), file=sys.stderr, flush=True)
             _say_how_to_continue(state)
             return 128 + signum
         except SystemExit as exit_:
@@ -739,6 +766,8 @@ def main() -> int:
             print(f"{len(failed)} job(s) failed:", file=sys.stderr)
             for line in failed:
                 print(f"  {line}", file=sys.stderr)
+            if left_no_result(failed):  # a killed job resumes from its checkpoint when the sweep is run again
+                _say_how_to_continue(state)
             return 1
         return 0
     finally:
@@ -750,6 +779,9 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    from fl_app.ray_session import SESSION
+
+    SESSION.ends_with_process = True  # a Ray start under way when the command ends is not waited for
     try:
         exit_code: int | str | None = main()
     except SystemExit as exit_:

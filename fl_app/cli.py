@@ -93,7 +93,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(arg in ("-h", "--help") for arg in rest):
             return print_overview()
         from fl_app.__main__ import main as run_main
+        from fl_app.ray_session import SESSION
 
+        SESSION.ends_with_process = argv is None  # the console command, not a Python caller
         sys.argv = ["dpfl run", *rest]
         return run_main()
     if command == "report":

@@ -159,6 +159,8 @@ def unknown_key(key: str, cfg: DictConfig, *, given: str) -> ValueError:
     close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(close)}?" if close else "see python -m fl_app --cfg job for the keys"
     value = given.split("=", 1)[1] if "=" in given else ""
+    if _in_open_mapping(key, cfg) and not given.startswith("+"):
+        return ConfigError(key, value, f"a new keyword argument: add it with a +, as +{key}={value}")
     plus = "; '+' does not add keys: a run would ignore them" if given.startswith("+") else ""
     return ConfigError(key, value, f"unknown key ({hint}){plus}")
 

@@ -1,4 +1,12 @@
-"""What a run computes from the data, as one digest: checkpoints and noise seeds are tied to it."""
+"""Digests of a run's configuration: what a run computes from the data, and what it was composed from.
+
+:func:`experiment_fingerprint` digests the experiment: the typed values validation read
+(:meth:`fl_app.run_settings.RunSettings.experiment`) without :data:`NOT_THE_EXPERIMENT`. A derived
+noise seed and a checkpoint are tied to it, so the spelling of a number (``privacy.epsilon=8`` or
+``8.0``), a ``label``, a tracker or an output folder never changes a seeded run, and every setting that
+does change what a run computes changes the digest. :func:`config_fingerprint` digests the resolved
+configuration as composed (a sweep's completed job is matched to its command by it).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +31,17 @@ FINGERPRINT_IGNORES: tuple[str, ...] = (
     "evaluation.test_subset",
 )
 
+#: Settings that are not the experiment (left out of :func:`experiment_fingerprint`): those of
+#: :data:`FINGERPRINT_IGNORES`, the run's name in reports (``label``), what it logs and where
+#: (``tracking``, ``tracker``) and whether missing data files may be downloaded (``dataset.download``).
+NOT_THE_EXPERIMENT: tuple[str, ...] = (
+    *FINGERPRINT_IGNORES,
+    "label",
+    "tracking",
+    "tracker",
+    "data.dataset.download",
+)
+
 
 def config_fingerprint(cfg: DictConfig | Mapping[str, Any], *, ignore: Sequence[str] = ()) -> str:
     """A hex digest of the resolved configuration without :data:`FINGERPRINT_IGNORES` (and ``ignore``).
@@ -34,7 +53,23 @@ def config_fingerprint(cfg: DictConfig | Mapping[str, Any], *, ignore: Sequence[
     else:
         container = copy.deepcopy(dict(cfg))
     assert isinstance(container, dict)
-    for dotted in (*FINGERPRINT_IGNORES, *ignore):
+    return _digest(container, (*FINGERPRINT_IGNORES, *ignore))
+
+
+def experiment_fingerprint(experiment: Mapping[str, Any], *, ignore: Sequence[str] = ()) -> str:
+    """A hex digest of ``experiment`` (typed values) without :data:`NOT_THE_EXPERIMENT` (and ``ignore``)."""
+    return _digest(copy.deepcopy(dict(experiment)), (*NOT_THE_EXPERIMENT, *ignore))
+
+
+def canonical_number(value: Any) -> Any:
+    """``value`` as a float when it is a number (``2`` and ``2.0`` alike), else unchanged (booleans too)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _digest(container: dict[str, Any], ignore: Sequence[str]) -> str:
+    for dotted in ignore:
         node: Any = container
         *parents, leaf = dotted.split(".")
         for part in parents:

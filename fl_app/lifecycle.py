@@ -130,15 +130,6 @@ class Outcome:
     #: What the checkpoint holds, when the run can continue (None: no round completed, nothing to resume).
     private_state: str | None = None
 
-    def resume_hint(self) -> str:
-        """Where the results are and how to continue, or that there is nothing to continue."""
-        if self.private_state is None:
-            return f"results in {self.output_dir}; nothing to resume (no round completed)"
-        return (
-            f"results in {self.output_dir}; continue with: python -m fl_app resume={self.output_dir} "
-            f"({self.private_state})"
-        )
-
 
 _outcome: list[Outcome] = []
 #: Set while ``python -m fl_app`` drives the run: it turns the outcome into an exit status.

@@ -102,7 +102,12 @@ class MeteredGrid:
         return attribute_link_errors(outgoing, replies)
 
     def _count_reply(self, reply: Message) -> None:
-        """Count a reply; a cohort message's reply as its members' plain replies (:func:`metered`)."""
+        """Count a reply; a cohort message's reply as its members' plain replies (:func:`metered`).
+
+        ``<category>_replies`` and ``_upload_bytes`` count every reply, error replies included;
+        ``_ok_replies`` and ``_ok_upload_bytes`` only the replies with content (a cohort reply's
+        members that succeeded: its failed members come as error replies of their own).
+        """
         category = reply.metadata.message_type.split(".")[0]
         weighed = metered(reply)
         size, array_size, count = (
@@ -111,6 +116,9 @@ class MeteredGrid:
         self._counts[f"{category}_upload_bytes"] += size
         self._counts[f"{category}_upload_array_bytes"] += array_size
         self._counts[f"{category}_replies"] += count
+        if not reply.has_error():
+            self._counts[f"{category}_ok_upload_bytes"] += size
+            self._counts[f"{category}_ok_replies"] += count
 
     def _exchange_in_memory(
         self, messages: list[Message], timeout: float | None, summand: Summand | None

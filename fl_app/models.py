@@ -13,11 +13,13 @@ be importable there (the working directory or ``PYTHONPATH``). A factory functio
 is registered under a name instead, with ``@register_model("name")`` in a module
 that ``DPFL_PLUGINS`` names (``fl_app/registry.py``), and chosen with ``model=name``.
 Validation runs one example through the network and checks it gives one score per
-class (:func:`check_model_fits`).
+class (:func:`check_model_fits`); a private run refuses a network whose state holds buffers
+(:func:`private_state_refusal`: BatchNorm's running statistics come from private data).
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 from collections.abc import Callable
 
@@ -90,7 +92,7 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn
     return model_factory(name)(tuple(input_shape), num_classes)
 
 
-def check_model_fits(name: str, example: np.ndarray, num_classes: int) -> None:
+def check_model_fits(name: str, example: np.ndarray, num_classes: int) -> nn.Module:
     """Build ``name`` for ``example``'s shape and check one forward pass gives ``num_classes`` scores.
 
     Parameters
@@ -101,6 +103,11 @@ def check_model_fits(name: str, example: np.ndarray, num_classes: int) -> None:
         One example of the data, shape ``(1, channels, height, width)`` (``uint8`` or float).
     num_classes : int
         Number of classes of the data.
+
+    Returns
+    -------
+    nn.Module
+        The network built (in evaluation mode).
 
     Raises
     ------
@@ -129,6 +136,67 @@ def check_model_fits(name: str, example: np.ndarray, num_classes: int) -> None:
             f"the network {name!r} gives {got} for one example of shape {shape}; it must give class "
             f"logits of shape (1, {num_classes}) (the data has {num_classes} classes)"
         )
+    return network
+
+
+def state_buffers(network: nn.Module) -> list[str]:
+    """The keys of ``network``'s state that are buffers, not parameters (what it sends besides them).
+
+    Persistent buffers only: ``register_buffer(..., persistent=False)`` keeps one out of the state
+    (every process builds it, none sends it).
+    """
+    names = {name for name, _ in network.named_buffers(remove_duplicate=False)}
+    return [key for key in network.state_dict() if key in names]
+
+
+def running_statistics(network: nn.Module, examples: torch.Tensor) -> list[str]:
+    """The buffers that training updates from the data it sees, by state key (non-persistent ones too).
+
+    A normalisation layer that tracks running statistics (``BatchNorm``, ``InstanceNorm`` with
+    ``track_running_stats=True``: its ``running_mean``, ``running_var``, ``num_batches_tracked``), and
+    any buffer that a training-mode forward pass of a copy of ``network`` on ``examples`` changes.
+    """
+    found = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in network.named_modules()
+        if getattr(module, "track_running_stats", False)
+        for name, _ in module.named_buffers(recurse=False)
+    }
+    trial = copy.deepcopy(network)
+    before = {name: buffer.clone() for name, buffer in trial.named_buffers(remove_duplicate=False)}
+    trial.train()
+    try:
+        with torch.no_grad():
+            trial(examples)
+    except Exception:  # e.g. a layer that needs more examples: the layers named above are still found
+        pass
+    after = dict(trial.named_buffers(remove_duplicate=False))
+    found |= {name for name, value in before.items() if not torch.equal(value, after[name])}
+    return [name for name, _ in network.named_buffers(remove_duplicate=False) if name in found]
+
+
+def private_state_refusal(network: nn.Module, examples: torch.Tensor, strategy: str) -> str | None:
+    """Why a private ``strategy`` cannot train ``network`` (None: it can): buffers beside the parameters.
+
+    A private strategy clips and noises trained parameters only. Running statistics (BatchNorm's) are
+    computed from the clients' private data without that mechanism, and a constant buffer that the
+    model's state carries would be released beside the parameters all the same.
+    """
+    statistics = running_statistics(network, examples)
+    if statistics:
+        return (
+            f"buffers {', '.join(statistics)} are running statistics computed from private data, which "
+            f"are not clipped or noised (strategy={strategy} is private and releases only clipped, noised "
+            "parameters); use GroupNorm or LayerNorm, or BatchNorm with track_running_stats=False"
+        )
+    constant = state_buffers(network)
+    if constant:
+        return (
+            f"buffers {', '.join(constant)} are part of the model's state but not parameters, and are not "
+            f"clipped or noised (strategy={strategy} is private and releases only clipped, noised "
+            "parameters); register a constant buffer with persistent=False (every process builds it)"
+        )
+    return None
 
 
 class SmallCNN(nn.Module):

@@ -19,16 +19,19 @@ Each job still gets its own client actors (Flower starts them with the run and
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
-from fl_app.engine.launch import import_ray_modules, start_ray
+from fl_app.engine.launch import import_ray_modules, ray_session_folder, start_ray
 from fl_app.engine.pool import end_prestarted_actors, prestart_actors
-from fl_app.lifecycle import RunFailed, restore_signal_dispositions
+from fl_app.lifecycle import RunFailed, RunInterrupted, restore_signal_dispositions, stop_requested
+from fl_app.orphan_reaper import OwnerWatch, watch_owner
 from fl_app.run_settings import RunSettings
 from fl_app.timeline import mark
 
@@ -68,6 +71,32 @@ class ActorPlan:
         return cls(client_resources(settings), settings.simulation.max_concurrent_clients)
 
 
+#: Environment variable (a test hook): seconds a Ray start waits, once Ray is up, before it reports.
+#: It makes "Ray is still starting" last as long as a test needs, without relying on a loaded machine.
+INJECT_START_DELAY_ENV = "DPFL_INJECT_RAY_START_DELAY"
+#: How often a job waiting for Ray looks for a stop request (SIGINT, SIGTERM, the sweep's stop file).
+STOP_POLL_S = 0.2
+
+
+@dataclass
+class _Start:
+    """One start of Ray by the session: its arguments, its thread and what the thread reports."""
+
+    args: dict[str, Any]
+    actors: ActorPlan | None
+    owner: OwnerWatch | None
+    thread: threading.Thread | None = None
+    #: ``ray.init`` returned (this process is Ray's driver now).
+    initialised: bool = False
+    #: The start reported: Ray is up and the actors started, or it failed (:attr:`error`).
+    started: threading.Event = field(default_factory=threading.Event)
+    #: Report at once: skip what is left (the actors' prestart).
+    cancel: threading.Event = field(default_factory=threading.Event)
+    #: The thread may end (Ray's GCS and raylet die with it).
+    release: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
 class RaySession:
     """One Ray instance per command (module docstring)."""
 
@@ -76,97 +105,156 @@ class RaySession:
         self.keep = False
         #: Jobs of the command still to run here (the next one's actors start when a job ends).
         self.jobs_left = 0
-        self._args: dict[str, Any] | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        #: This process ends with the command (``python -m fl_app``, ``dpfl run``): a start still under
+        #: way when the session ends is abandoned, not waited for (elsewhere, e.g. a Python caller,
+        #: it is waited for and shut down: an abandoned ``ray.init`` whose GCS is gone ends its process
+        #: within a minute).
+        self.ends_with_process = False
+        self._start: _Start | None = None
         self._watch: RayProcessWatch | None = None
-        self._started = threading.Event()
-        self._release = threading.Event()
-        self._actors: ActorPlan | None = None
+        self._abandoned: list[_Start] = []
 
     def begin(self, init_args: dict[str, Any], actors: ActorPlan | None = None) -> None:
         """Start Ray with ``init_args`` in a background thread (nothing if it is up or starting).
 
-        ``actors``: then start the first run's client actors too (:func:`prestart_actors`).
+        ``actors``: then start the first run's client actors too (:func:`prestart_actors`). A private
+        instance's processes carry a mark and a watchdog ends them if this process dies
+        (:func:`~fl_app.orphan_reaper.watch_owner`).
         """
-        if self._args is not None:
+        if self._start is not None:
             return
+        self._forget_abandoned()
         import_ray_modules()
-        self._args = dict(init_args)
-        self._actors = actors
-        self._watch = RayProcessWatch() if init_args.get("address") == "local" else None
-        self._started.clear()
-        self._release.clear()
-        self._thread = threading.Thread(
-            target=self._own_ray, args=(self._args,), name="dpfl-ray", daemon=True
-        )
-        self._thread.start()
-
-    def _own_ray(self, init_args: dict[str, Any]) -> None:
-        """Start Ray, then live as long as it: Ray's processes die with the thread that started them.
-
-        Ray starts its GCS and raylet with ``PR_SET_PDEATHSIG`` (fate sharing), which Linux fires
-        when the starting *thread* ends, not the process: a thread that returned after ``ray.init``
-        killed them (seen: the driver then lost the GCS within a minute).
-        """
-        try:
-            mark("ray_begin")
-            start_ray(init_args)
-            mark("ray_init")
-            if self._actors is not None:
-                # before the job may build its pool (ready() waits for _started): an actor started
-                # while the pool starts its own would hold a CPU the pool's actor then waits for
-                with contextlib.suppress(Exception):  # the run's pool starts its own then
-                    prestart_actors(self._actors.resources, self._actors.limit)
-                    mark("actors_prestarted")
-        except BaseException as error:  # handed to the job that waits for it
-            self._error = error
-        finally:
-            self._started.set()
-        self._release.wait()
+        local = init_args.get("address") == "local"
+        owner = watch_owner() if local else None  # before the watch: the watchdog is not one of Ray's
+        self._watch = RayProcessWatch() if local else None
+        start = _Start(dict(init_args), actors, owner)
+        start.thread = threading.Thread(target=_own_ray, args=(start,), name="dpfl-ray", daemon=True)
+        self._start = start
+        start.thread.start()
 
     def ready(self, init_args: dict[str, Any], actors: ActorPlan | None = None) -> None:
         """Ray is up with ``init_args`` when this returns (waits for :meth:`begin`, or starts it).
 
-        Raises :class:`~fl_app.lifecycle.RunFailed` when Ray did not start.
+        Raises :class:`~fl_app.lifecycle.RunInterrupted` when a stop is requested while Ray starts
+        (at once: the start is then abandoned by :meth:`end`), :class:`~fl_app.lifecycle.RunFailed`
+        when Ray did not start.
         """
-        if self._args is not None and self._args != dict(init_args):
+        if self._start is not None and self._start.args != dict(init_args):
             self.end()  # this job asks for other settings
-        if self._args is None:
+        if self._start is None:
             self.begin(init_args, actors)
         self._wait()
         if self._watch is not None:
             self._watch.start()
 
     def _wait(self) -> None:
-        if self._thread is not None and not self._started.wait(START_TIMEOUT_S):
-            raise RunFailed(f"Ray did not start within {START_TIMEOUT_S:.0f} s")
-        if self._error is not None:
-            error, self._error = self._error, None
-            self._args = None
-            raise RunFailed(f"Ray did not start: {' '.join(str(error).split())}") from error
+        start = self._start
+        if start is None:
+            return
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not start.started.wait(STOP_POLL_S):
+            # ray.init put its own SIGTERM handler in the kernel (it prints a stack and aborts)
+            if start.initialised:
+                restore_signal_dispositions()
+            signum = stop_requested()
+            if signum is not None:
+                raise RunInterrupted(signum)
+            if time.monotonic() > deadline:
+                raise RunFailed(f"Ray did not start within {START_TIMEOUT_S:.0f} s")
+        if start.error is not None:
+            signum = stop_requested()  # the group's signal killed Ray's processes: the start failed of it
+            if signum is not None:
+                raise RunInterrupted(signum) from start.error
+            raise RunFailed(f"Ray did not start: {' '.join(str(start.error).split())}") from start.error
 
     def after_job(self) -> None:
         """A job ended: stop Ray unless it is kept for the command's next job (whose actors start now)."""
         self.jobs_left -= 1
         if not self.keep:
             self.end()
-        elif self._actors is not None and self.jobs_left > 0:
+        elif self._start is not None and self._start.actors is not None and self.jobs_left > 0:
             with contextlib.suppress(Exception):  # the next run's pool starts its own then
-                prestart_actors(self._actors.resources, self._actors.limit)
+                prestart_actors(self._start.actors.resources, self._start.actors.limit)
 
     def end(self) -> None:
-        """Stop Ray and every process it started (waits for a start under way)."""
-        if self._thread is not None:
-            self._started.wait(START_TIMEOUT_S)
+        """Stop Ray and every process it started.
+
+        In a process that ends with the command (:attr:`ends_with_process`), a start still inside
+        ``ray.init`` is not waited for (a stop while Ray starts: 40-50 s on a loaded machine, and a
+        start whose processes a group's signal killed fails only after a minute): its processes are
+        killed now, and its thread ends with the process.
+        """
+        start, self._start = self._start, None
+        if start is not None and not start.started.is_set():
+            if not start.initialised and self.ends_with_process:
+                self._abandon(start)
+                return
+            start.cancel.set()  # skip the actors' prestart, then shut Ray down as usual
+            start.started.wait(START_TIMEOUT_S)
         with contextlib.suppress(Exception):
             end_prestarted_actors()
         shutdown_ray(self._watch)
-        self._release.set()
-        if self._thread is not None:
-            self._thread.join(START_TIMEOUT_S)
-        self._args = self._thread = self._watch = None
-        self._error = None
+        self._watch = None
+        if start is not None:
+            start.release.set()
+            if start.thread is not None:
+                start.thread.join(START_TIMEOUT_S)
+            if start.owner is not None:
+                start.owner.close()  # the watchdog ends any straggler, then exits
+
+    def _abandon(self, start: _Start) -> None:
+        """Kill what a start under way has started so far; its thread ends on its own."""
+        start.cancel.set()
+        start.release.set()
+        self._watch = None
+        if start.owner is not None:
+            start.owner.quiet()  # this process ended the start: the watchdog needs no line
+            start.owner.unmark()
+            start.owner.end_now()
+        self._abandoned.append(start)
+        restore_signal_dispositions()
+
+    def _forget_abandoned(self) -> None:
+        """Before a new start: wait for abandoned starts to end (bounded), shut down what they left."""
+        for start in self._abandoned:
+            if start.thread is not None:
+                start.thread.join(START_TIMEOUT_S)
+            shutdown_ray()
+            if start.owner is not None:
+                start.owner.close()
+        self._abandoned.clear()
+
+
+def _own_ray(start: _Start) -> None:
+    """Start Ray, then live as long as it: Ray's processes die with the thread that started them.
+
+    Ray starts its GCS and raylet with ``PR_SET_PDEATHSIG`` (fate sharing), which Linux fires
+    when the starting *thread* ends, not the process: a thread that returned after ``ray.init``
+    killed them (seen: the driver then lost the GCS within a minute).
+    """
+    try:
+        mark("ray_begin")
+        start_ray(start.args)
+        start.initialised = True
+        folder = ray_session_folder()
+        if start.owner is not None and folder is not None:
+            start.owner.tell_session(folder)  # the watchdog finds the renamed workers by their logs
+        mark("ray_init")
+        delay = float(os.environ.get(INJECT_START_DELAY_ENV, "") or 0)
+        if delay > 0:
+            start.cancel.wait(delay)
+        if start.actors is not None and not start.cancel.is_set():
+            # before the job may build its pool (ready() waits for started): an actor started
+            # while the pool starts its own would hold a CPU the pool's actor then waits for
+            with contextlib.suppress(Exception):  # the run's pool starts its own then
+                prestart_actors(start.actors.resources, start.actors.limit)
+                mark("actors_prestarted")
+    except BaseException as error:  # handed to the job that waits for it
+        start.error = error
+    finally:
+        start.started.set()
+    start.release.wait()
 
 
 #: The session of this process.

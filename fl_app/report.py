@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import html
 import json
 import math
 import sys
@@ -47,7 +48,9 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from fl_app.code_version import describe as describe_code
+from fl_app.fingerprint import canonical_number
 from fl_app.lifecycle import COMPLETED_STATUSES, DIVERGENCE_FACTOR, diverged  # keeps COMPLETED unless --all
+from fl_app.run_settings import cohort_size
 
 REQUIRED_FIELDS = ("strategy", "dataset", "config", "rounds", "final", "privacy")
 #: Files that mark a directory as a run's (a job directory without results.json is reported missing).
@@ -66,6 +69,9 @@ IGNORED_KEYS = {
     "simulation.max_concurrent_clients",
     "simulation.messages_per_task",
     "tracking",
+    "tracker.mlflow_uri",
+    "tracker.experiment",
+    "tracker.wandb_mode",
 }
 COLUMNS = (
     "algorithm",
@@ -151,8 +157,8 @@ class Run:
         return flat
 
     def group_key(self) -> str:
-        """Everything that defines the experiment except the seed (and run-local paths)."""
-        return json.dumps(self.settings(), sort_keys=True, default=str)
+        """Everything that defines the experiment except the seed (and run-local paths), spelling aside."""
+        return json.dumps(canonical(self.settings()), sort_keys=True, default=str)
 
     def budget_rules(self) -> list[str]:
         """Keys the run's configuration sets per privacy budget (``${per_budget:...}``).
@@ -175,7 +181,8 @@ class Run:
     def upload_per_client_round(self) -> float | None:
         """Mean over rounds of the round's upload bytes divided by its number of clients.
 
-        A run with secret cohorts publishes no per-round counts: its ``final.upload_bytes_per_client``.
+        A run with secret cohorts publishes no per-round counts, nor a size measured on its cohorts:
+        ``final.upload_bytes_per_client`` where a results file has one, else None (unknown).
         """
         values = [v for v in (self.round_upload_per_client(r) for r in self.results["rounds"]) if v]
         return float(np.mean(values)) if values else None
@@ -186,6 +193,19 @@ class Run:
             return float(record["upload_bytes"]) / float(record["clients"])
         per_client = self.results["final"].get("upload_bytes_per_client")
         return None if per_client is None else float(per_client)
+
+
+def canonical(flat: dict[str, Any]) -> dict[str, Any]:
+    """Flat settings with one spelling per value, as the run reads them.
+
+    Numbers are floats (``8`` and ``8.0`` are one epsilon), ``clients_per_round`` the count it gives
+    (``0.3`` of 100 clients is ``30``).
+    """
+    out = {key: canonical_number(value) for key, value in flat.items()}
+    per_round, clients = flat.get("clients_per_round"), flat.get("num_clients")
+    if isinstance(per_round, int | float) and isinstance(clients, int) and not isinstance(per_round, bool):
+        out["clients_per_round"] = float(cohort_size(per_round, clients))
+    return out
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -372,7 +392,7 @@ def varying_keys(runs: Sequence[Run]) -> list[str]:
     algorithm has its own settings; comparing PrivateKT's K with nothing is not a variation);
     other keys count when any two runs differ, a key missing from a run counting as a value.
     """
-    settings = [run.settings() for run in runs]
+    settings = [canonical(run.settings()) for run in runs]
     keys = sorted({k for flat in settings for k in flat} - SHOWN_KEYS)
     varying = []
     for key in keys:
@@ -434,8 +454,13 @@ def write_tables(
     left_out: Sequence[str] = (),
     missing: Sequence[str] = (),
     code_line: str | None = None,
+    plots: Sequence[str] = (),
 ) -> None:
-    """``report.csv`` and ``report.md`` (with the runs left out and the jobs without results listed)."""
+    """``report.csv``, ``report.md`` and ``report.html``: the tables, the notes, the plots.
+
+    The notes list the runs left out and the jobs without results; ``plots`` are the image files
+    written beside the report, shown under the tables.
+    """
     with (out / "report.csv").open("w", newline="") as stream:
         writer = csv.DictWriter(stream, fieldnames=COLUMNS)
         writer.writeheader()
@@ -443,28 +468,125 @@ def write_tables(
             writer.writerow({k: (";".join(row[k]) if k == "runs" else row[k]) for k in COLUMNS})
     lines: list[str] = []
     canaries = any(row["empirical_epsilon"] is not None for row in rows)
-    for unit in dict.fromkeys(row["epsilon_unit"] or "none (not private)" for row in rows):
-        members = [row for row in rows if (row["epsilon_unit"] or "none (not private)") == unit]
+    for unit, members in _by_unit(rows).items():
         lines += ([""] if lines else []) + [f"### Privacy unit: {unit}", ""]
         lines += _table_lines(members, canaries=canaries)
+    notes = _notes(rows, problems, left_out=left_out, missing=missing, code_line=code_line)
+    for title, items in notes:
+        lines += ["", title] if not items else ["", title, "", *(f"- {item}" for item in items)]
+    if plots:
+        lines += ["", "### Plots"]
+        for name in plots:
+            lines += ["", f"![{PLOT_CAPTIONS.get(name, name)}]({name})"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    write_html(rows, out, notes=notes, plots=plots, canaries=canaries)
+
+
+#: What each plot shows (its caption in report.md and report.html).
+PLOT_CAPTIONS = {
+    "accuracy_vs_epsilon.png": "final accuracy against epsilon, per algorithm (the privacy-utility curve)",
+    "epsilon_vs_round.png": "epsilon spent against rounds",
+    "accuracy_vs_round.png": "accuracy against rounds per arm, mean and range over seeds",
+    "accuracy_vs_upload.png": "accuracy against cumulative upload per client",
+    "empirical_vs_claimed.png": "empirical epsilon from canaries against the accountant's",
+}
+
+
+def _by_unit(rows: Sequence[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The rows by privacy unit (one table each: epsilons in different units are not comparable)."""
+    units: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        units[row["epsilon_unit"] or "none (not private)"].append(row)
+    return units
+
+
+def _notes(
+    rows: Sequence[dict[str, Any]],
+    problems: Sequence[str],
+    *,
+    left_out: Sequence[str],
+    missing: Sequence[str],
+    code_line: str | None,
+) -> list[tuple[str, list[str]]]:
+    """The report's notes under its tables: ``(sentence or title, listed items)``."""
+    notes: list[tuple[str, list[str]]] = []
     chance = {row["dataset"]: row["chance_accuracy"] for row in rows if row["chance_accuracy"] is not None}
     if chance:
         levels = ", ".join(f"{name} {value:.3f}" for name, value in sorted(chance.items()))
-        lines += ["", f"Chance level (the evaluation split's most frequent label): {levels}."]
+        notes.append((f"Chance level (the evaluation split's most frequent label): {levels}.", []))
     if code_line:
-        lines += ["", code_line]
+        notes.append((code_line, []))
     if left_out:
-        lines += ["", "Runs left out (not completed; `--all` includes them):", ""]
-        lines += [f"- {line}" for line in left_out]
+        notes.append(("Runs left out (not completed; `--all` includes them):", list(left_out)))
     if missing:
-        lines += ["", "Jobs without results:", ""] + [f"- {line}" for line in missing]
+        notes.append(("Jobs without results:", list(missing)))
     if problems:
-        lines += ["", "Results files that could not be used:", ""] + [f"- {p}" for p in problems]
-    (out / "report.md").write_text("\n".join(lines) + "\n")
+        notes.append(("Results files that could not be used:", list(problems)))
+    return notes
+
+
+def write_html(
+    rows: Sequence[dict[str, Any]],
+    out: Path,
+    *,
+    notes: Sequence[tuple[str, list[str]]],
+    plots: Sequence[str],
+    canaries: bool,
+) -> None:
+    """``report.html``: report.md's tables, notes and plots as one page (the images beside it)."""
+    body = ["<h1>dpfl report</h1>"]
+    for unit, members in _by_unit(rows).items():
+        header, cells = _table_cells(members, canaries=canaries)
+        body.append(f"<h3>Privacy unit: {html.escape(unit)}</h3>")
+        body.append("<table>\n<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in header) + "</tr>")
+        body += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in cells]
+        body.append("</table>")
+    for title, items in notes:
+        body.append(f"<p>{html.escape(title)}</p>")
+        if items:
+            body.append("<ul>" + "".join(f"<li>{html.escape(item)}</li>" for item in items) + "</ul>")
+    if plots:
+        body.append("<h3>Plots</h3>")
+    for name in plots:
+        caption = html.escape(PLOT_CAPTIONS.get(name, name))
+        body.append(
+            f'<figure><img src="{html.escape(name)}" alt="{caption}">'
+            f"<figcaption>{caption}</figcaption></figure>"
+        )
+    page = HTML_PAGE.format(body="\n".join(body))
+    (out / "report.html").write_text(page)
+
+
+HTML_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<title>dpfl report</title>
+<style>
+body {{ font-family: sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; font-size: 0.9em; }}
+th, td {{ border: 1px solid #bbb; padding: 0.25em 0.5em; text-align: left; }}
+th {{ background: #eee; }}
+img {{ max-width: 100%; }}
+figcaption {{ font-size: 0.9em; color: #444; }}
+</style>
+</head>
+<body>
+{body}
+</body>
+</html>
+"""
 
 
 def _table_lines(rows: Sequence[dict[str, Any]], *, canaries: bool) -> list[str]:
-    """One Markdown table of rows in one privacy unit (the heading above it names the unit).
+    """One Markdown table of rows in one privacy unit (the heading above it names the unit)."""
+    header, cells = _table_cells(rows, canaries=canaries)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in cells]
+
+
+def _table_cells(rows: Sequence[dict[str, Any]], *, canaries: bool) -> tuple[list[str], list[list[str]]]:
+    """The header and the cells of one table of rows in one privacy unit (Markdown and HTML alike).
 
     The empirical epsilon column appears only when some run of the report has canaries.
     """
@@ -473,7 +595,7 @@ def _table_lines(rows: Sequence[dict[str, Any]], *, canaries: bool) -> list[str]
     header += ["empirical epsilon (95% interval; canaries)"] if canaries else []
     header += ["delta", "final accuracy (mean ± std)", "seeds", "upload B/client/round", "wall time (s)"]
     header += ["status"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    table = []
     for row in rows:
         accuracy = "-" if row["accuracy_mean"] is None else f"{row['accuracy_mean']:.4f}"
         if row["accuracy_mean"] is not None and row["accuracy_std"] is not None:
@@ -507,8 +629,8 @@ def _table_lines(rows: Sequence[dict[str, Any]], *, canaries: bool) -> list[str]
             f"{row['wall_s']:.0f}",
             row["status"],
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        table.append(cells)
+    return header, table
 
 
 def _empirical_cell(row: dict[str, Any]) -> str:
@@ -532,7 +654,7 @@ def _label(row: dict[str, Any]) -> str:
     return f"{row['algorithm']} ({', '.join(parts)})"
 
 
-def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
+def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> bool:
     """Final accuracy against reported cumulative epsilon: one panel per privacy unit.
 
     Epsilons of different units (a client's data, one record, one report) are not comparable, so
@@ -540,7 +662,9 @@ def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
     varying settings), non-private runs as dashed horizontal references in every panel, and the
     chance level of each data set as a dotted line.
     """
-    units = list(dict.fromkeys(r["epsilon_unit"] for r in rows if r["epsilon"] is not None)) or [""]
+    units = list(dict.fromkeys(r["epsilon_unit"] for r in rows if r["epsilon"] is not None))
+    if not units:  # no private run: no curve to draw (the table has the accuracies)
+        return False
     figure, axes = plt.subplots(1, len(units), figsize=(7 * len(units), 4.5), squeeze=False, sharey=True)
     references = [r for r in rows if r["epsilon"] is None and r["accuracy_mean"] is not None]
     colours = {
@@ -583,12 +707,13 @@ def plot_accuracy_vs_epsilon(rows: Sequence[dict[str, Any]], out: Path) -> None:
         # the unit is the panel's title (wrapped to the panel), the axis says what is measured in it
         axis.set_xlabel("reported cumulative epsilon per unit (worst case; log scale)")
         axis.set_title(textwrap.fill(f"privacy unit: {unit or 'none'}", width=75), fontsize=9)
-        axis.set_ylabel("final test accuracy")
+        axis.set_ylabel("final test accuracy (mean ± std over seeds)")
         axis.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
         axis.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(out / "accuracy_vs_epsilon.png", dpi=120, bbox_inches="tight")
     plt.close(figure)
+    return True
 
 
 def _chance_levels(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -633,88 +758,246 @@ def plot_empirical_vs_claimed(rows: Sequence[dict[str, Any]], out: Path) -> bool
     return True
 
 
-def _mean_curves(
-    row: dict[str, Any], runs_by_dir: dict[str, Run], x_of: str
-) -> tuple[np.ndarray, np.ndarray] | None:
+class SeedCurve(NamedTuple):
+    """A group's curve over its seeds: the x values, the mean, the lowest and highest seed, the seeds."""
+
+    x: np.ndarray
+    mean: np.ndarray
+    low: np.ndarray
+    high: np.ndarray
+    seeds: int
+
+
+def _seed_curves(row: dict[str, Any], runs_by_dir: dict[str, Run], x_of: str) -> SeedCurve | None:
+    """The group's accuracy against rounds (round 0: the initial model) or cumulative upload per client.
+
+    Runs of different lengths are cut to the shortest (every point is a mean over the same seeds).
+    """
     curves = []
     for directory in row["runs"]:
-        rounds = runs_by_dir[directory].results["rounds"]
+        run = runs_by_dir[directory]
+        rounds = run.results["rounds"]
         if x_of == "round":
-            xs = [r["round"] for r in rounds]
+            points = [(0.0, run.results.get("initial", {}).get("accuracy"))]
+            points += [(float(r["round"]), r.get("accuracy")) for r in rounds]
         else:
-            run = runs_by_dir[directory]
-            per_client = np.cumsum([run.round_upload_per_client(r) or 0.0 for r in rounds])
-            xs = list(per_client)
-        points = [
-            (x, r["accuracy"]) for x, r in zip(xs, rounds, strict=True) if r.get("accuracy") is not None
-        ]
+            uploads = [run.round_upload_per_client(r) for r in rounds]
+            if None in uploads or not any(uploads):  # a secret cohort's run publishes no sizes
+                continue
+            points = list(zip(np.cumsum(uploads), [r.get("accuracy") for r in rounds], strict=True))
+        points = [(x, y) for x, y in points if y is not None]
         if points:
             curves.append(points)
     if not curves:
         return None
-    length = min(len(c) for c in curves)
-    xs = np.mean([[p[0] for p in c[:length]] for c in curves], axis=0)
-    ys = np.mean([[p[1] for p in c[:length]] for c in curves], axis=0)
-    return xs, ys
+    length = min(len(curve) for curve in curves)
+    xs = np.mean([[p[0] for p in curve[:length]] for curve in curves], axis=0)
+    ys = np.array([[p[1] for p in curve[:length]] for curve in curves])
+    return SeedCurve(xs, ys.mean(axis=0), ys.min(axis=0), ys.max(axis=0), len(curves))
 
 
-def plot_curves(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) -> None:
-    """accuracy_vs_round.png and accuracy_vs_upload.png (means over seeds).
+def short_title(row: dict[str, Any], *, datasets: int, width: int = 42) -> str:
+    """A panel's title: the algorithm, the data set when the report has several, the arm's settings.
 
-    One panel per arm (algorithm, data set, settings), one line per budget inside it (darker =
-    larger epsilon), and the non-private runs of the same data set as a dashed grey reference in
-    every panel: lines of different arms never share a colour or a panel.
+    At most two lines of ``width`` characters (the table has every setting in full).
     """
-    runs_by_dir = {str(run.path.parent): run for run in runs}
+    parts = [row["algorithm"]] + ([row["dataset"]] if datasets > 1 else [])
+    per_budget = f"{row['per_budget']} per budget" if row["per_budget"] else ""
+    settings = "; ".join(part for part in (row["arm_settings"], per_budget) if part)
+    first = textwrap.shorten(" · ".join(parts), width=width, placeholder="…")
+    if not settings:
+        return first
+    return first + "\n" + textwrap.shorten(settings, width=width, placeholder="…")
+
+
+def _arms(rows: Sequence[dict[str, Any]]) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
+    """The private arms (one panel each, their budgets inside) and the non-private groups (references)."""
     arms: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         if row["epsilon"] is not None:
             arms[_label(row)].append(row)
     references = [row for row in rows if row["epsilon"] is None]
-    if not arms:  # only non-private runs: one panel with all of them
-        arms = {_label(row): [row] for row in references}
-        references = []
-    for x_of, name, xlabel, log in (
-        ("round", "accuracy_vs_round.png", "round", False),
-        ("upload", "accuracy_vs_upload.png", "cumulative upload bytes per client (log scale)", True),
+    if not arms:  # only non-private runs: one panel each
+        return {_label(row): [row] for row in references}, []
+    return arms, references
+
+
+def plot_curves(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) -> list[str]:
+    """``accuracy_vs_round.png`` and ``accuracy_vs_upload.png``: accuracy over a run, per arm.
+
+    One panel per arm (algorithm, data set, settings), one line per budget inside it (darker = larger
+    epsilon): the mean over seeds, with a band from the lowest to the highest seed; the non-private
+    runs of the same data set as a dashed grey reference in every panel. Rounds are whole numbers,
+    round 0 the initial model. ``accuracy_vs_upload.png`` is left out when no run publishes its upload
+    sizes (a secret cohort's do not). Returns the names of the files written.
+    """
+    runs_by_dir = {str(run.path.parent): run for run in runs}
+    arms, references = _arms(rows)
+    datasets = len({row["dataset"] for row in rows})
+    budgets = sorted({row["epsilon"] for row in rows if row["epsilon"] is not None})
+    budget_colours = dict(
+        zip(budgets, plt.cm.plasma(np.linspace(0.85, 0.05, max(len(budgets), 1))), strict=False)
+    )
+    written = []
+    for x_of, name, xlabel in (
+        ("round", "accuracy_vs_round.png", "round (0: the initial model)"),
+        ("upload", "accuracy_vs_upload.png", "cumulative upload bytes per client (log scale)"),
     ):
-        columns = min(3, len(arms))
-        panel_rows = math.ceil(len(arms) / columns)
+        curves = {id(row): _seed_curves(row, runs_by_dir, x_of) for row in [*rows]}
+        shown = {label: members for label, members in arms.items() if any(curves[id(m)] for m in members)}
+        if not shown:
+            continue
+        columns = min(3, len(shown))
         figure, axes = plt.subplots(
-            panel_rows, columns, figsize=(4.2 * columns, 3.2 * panel_rows), squeeze=False, sharey=True
+            math.ceil(len(shown) / columns),
+            columns,
+            figsize=(4.4 * columns, 3.4 * math.ceil(len(shown) / columns)),
+            squeeze=False,
+            sharey=True,
         )
-        reference_curves = [
-            (row, curve) for row in references if (curve := _mean_curves(row, runs_by_dir, x_of)) is not None
-        ]
-        for axis, (label, members) in zip(axes.flat, sorted(arms.items()), strict=False):
-            members = sorted(members, key=lambda r: r["epsilon"] if r["epsilon"] is not None else math.inf)
-            shades = plt.cm.viridis(np.linspace(0.85, 0.1, max(len(members), 1)))
-            for shade, row in zip(shades, members, strict=True):
-                curve = _mean_curves(row, runs_by_dir, x_of)
-                if curve is not None:
-                    epsilon = "not private" if row["epsilon"] is None else f"eps {row['epsilon']:.3g}"
-                    axis.plot(*curve, lw=1.2, color=shade, label=epsilon)
-            for row, curve in reference_curves:
-                if row["dataset"] == members[0]["dataset"]:
-                    reference = f"{row['algorithm']}, not private"
-                    axis.plot(*curve, lw=1, ls="--", color="tab:gray", label=reference)
-            chance = _chance_levels(members).get(members[0]["dataset"])
-            if chance is not None:
-                axis.axhline(chance, ls=":", lw=1, color="black", label="chance level")
-            if log:
-                _byte_axis(axis)
-            axis.tick_params(labelsize=7)
-            axis.set_title("\n".join(textwrap.wrap(label, 60)), fontsize=7)  # long arms: no overlap
+        for axis, members in zip(axes.flat, [shown[label] for label in sorted(shown)], strict=False):
+            _curve_panel(axis, members, references, curves, budget_colours)
+            axis.set_title(short_title(members[0], datasets=datasets), fontsize=8)
             axis.set_xlabel(xlabel, fontsize=8)
-            axis.grid(alpha=0.3)
-            axis.legend(fontsize=6)
-        for axis in axes.flat[len(arms) :]:
+            if x_of == "upload":
+                _byte_axis(axis)
+            else:
+                axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+                axis.margins(x=0.02)
+        for axis in axes.flat[len(shown) :]:
             axis.set_visible(False)
         for axis in axes[:, 0]:
-            axis.set_ylabel("test accuracy")
+            axis.set_ylabel("test accuracy", fontsize=8)
+        seeds = sorted({c.seeds for c in curves.values() if c is not None})
+        how = "one run per line" if seeds == [1] else "mean over seeds; band: lowest to highest seed"
+        figure.suptitle(how, fontsize=8)
         figure.tight_layout()
         figure.savefig(out / name, dpi=110)
         plt.close(figure)
+        written.append(name)
+    return written
+
+
+def _curve_panel(
+    axis: Any,
+    members: Sequence[dict[str, Any]],
+    references: Sequence[dict[str, Any]],
+    curves: dict[int, SeedCurve | None],
+    budget_colours: dict[float, Any],
+) -> None:
+    """One arm's budgets (mean and band over seeds), the non-private references and the chance level.
+
+    ``budget_colours``: one colour per budget, the same in every panel (lighter = smaller epsilon).
+    """
+    members = sorted(members, key=lambda r: r["epsilon"] if r["epsilon"] is not None else math.inf)
+    for row in members:
+        shade = budget_colours.get(row["epsilon"], "tab:blue")
+        curve = curves[id(row)]
+        if curve is None:
+            continue
+        budget = "not private" if row["epsilon"] is None else f"ε = {row['epsilon']:.3g}"
+        marker = "o" if len(curve.x) <= 30 else None  # a short run's points, a 1-round run's too
+        axis.plot(curve.x, curve.mean, lw=1.3, marker=marker, ms=2.5, color=shade, label=budget)
+        if curve.seeds > 1:
+            axis.fill_between(curve.x, curve.low, curve.high, color=shade, alpha=0.2, lw=0)
+    for row in references:
+        curve = curves[id(row)]
+        if curve is not None and row["dataset"] == members[0]["dataset"]:
+            axis.plot(
+                curve.x, curve.mean, lw=1, ls="--", color="tab:gray", label=f"{row['algorithm']}, not private"
+            )
+    chance = _chance_levels(members).get(members[0]["dataset"])
+    if chance is not None:
+        axis.axhline(chance, ls=":", lw=1, color="black", label="chance level")
+    axis.tick_params(labelsize=7)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=6)
+
+
+def plot_epsilon_vs_round(rows: Sequence[dict[str, Any]], runs: Iterable[Run], out: Path) -> bool:
+    """``epsilon_vs_round.png``: the cumulative epsilon the accountant reports after each round.
+
+    One panel per privacy unit, one line per private group (an arm at one budget; the worst seed),
+    a colour and a line style per arm (arms whose schedules coincide stay visible), each budget
+    written at its lines' end. Not written when no run is private.
+    """
+    runs_by_dir = {str(run.path.parent): run for run in runs}
+    private = [row for row in rows if row["epsilon"] is not None]
+    if not private:
+        return False
+    units = list(dict.fromkeys(row["epsilon_unit"] for row in private))
+    figure, axes = plt.subplots(1, len(units), figsize=(6.4 * len(units), 4), squeeze=False)
+    labels = sorted({_label(row) for row in private})
+    styles = {
+        label: {"color": colour, "ls": ls, "marker": marker}
+        for label, colour, ls, marker in zip(
+            labels,
+            plt.cm.tab10.colors * 5,
+            ["-", "--", ":", "-."] * 12,
+            ["o", "s", "^", "D"] * 12,
+            strict=False,
+        )
+    }
+    datasets = len({row["dataset"] for row in rows})
+    for axis, unit in zip(axes.flat, units, strict=True):
+        members = [row for row in private if row["epsilon_unit"] == unit]
+        _epsilon_panel(axis, members, runs_by_dir, styles, datasets)
+        title = textwrap.shorten(f"privacy unit: {unit}", width=130, placeholder="…")
+        axis.set_title(textwrap.fill(title, width=70), fontsize=8)
+    figure.tight_layout()
+    figure.savefig(out / "epsilon_vs_round.png", dpi=110)
+    plt.close(figure)
+    return True
+
+
+def _epsilon_panel(
+    axis: Any,
+    members: Sequence[dict[str, Any]],
+    runs_by_dir: dict[str, Run],
+    styles: dict[str, dict[str, Any]],
+    datasets: int,
+) -> None:
+    """One privacy unit's epsilon schedules: a line per group, the budgets at the lines' ends."""
+    log = max(row["epsilon"] for row in members) > 20 * min(row["epsilon"] for row in members)
+    ends: dict[tuple[int, str], float] = {}
+    named: set[str] = set()
+    for row in sorted(members, key=lambda r: (_label(r), r["epsilon"])):
+        spent = [point for point in _worst_epsilons(row, runs_by_dir) if not log or point[1] > 0]
+        if not spent:
+            continue
+        style = dict(styles[_label(row)])
+        style["marker"] = style["marker"] if len(spent) <= 30 else None
+        name = short_title(row, datasets=datasets, width=60).replace("\n", ", ")
+        label = None if _label(row) in named else name
+        named.add(_label(row))
+        axis.plot(*zip(*spent, strict=True), ms=3, lw=1.3, alpha=0.85, label=label, **style)
+        ends[(spent[-1][0], f"{row['epsilon']:.3g}")] = spent[-1][1]
+    for (last, budget), value in ends.items():  # coinciding ends: one label
+        axis.annotate(
+            f"ε = {budget}", (last, value), textcoords="offset points", xytext=(5, 0), fontsize=7, va="center"
+        )
+    axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    axis.set_xlim(right=max(last for last, _ in ends) * 1.13 if ends else None)
+    axis.set_xlabel("round", fontsize=8)
+    axis.set_ylabel(f"cumulative epsilon (delta = {members[0]['delta']:g})", fontsize=8)
+    if log:
+        axis.set_yscale("log")
+    else:
+        axis.set_ylim(bottom=0)
+    axis.tick_params(labelsize=7)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7, loc="upper left")
+
+
+def _worst_epsilons(row: dict[str, Any], runs_by_dir: dict[str, Run]) -> list[tuple[int, float]]:
+    """``(round, epsilon)`` of a group, the largest epsilon over its seeds in each round they all have."""
+    series = []
+    for directory in row["runs"]:
+        rounds = runs_by_dir[directory].results["rounds"]
+        series.append({r["round"]: r["epsilon"] for r in rounds if r.get("epsilon") is not None})
+    common = sorted(set.intersection(*(set(s) for s in series))) if series else []
+    spent = [(step, max(s[step] for s in series)) for step in common]
+    return [(0, 0.0), *spent] if spent else []  # nothing is spent before round 1
 
 
 def _byte_axis(axis: Any) -> None:
@@ -769,7 +1052,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or args.directory
     out.mkdir(parents=True, exist_ok=True)
     rows = summarise(runs)
-    write_tables(rows, problems, out, left_out=left_out, missing=missing, code_line=code_versions_line(runs))
     for row in rows:
         if row["diverged"]:
             print(
@@ -777,10 +1059,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{len(row['runs'])} runs diverged (final loss above {DIVERGENCE_FACTOR:g}x the initial)",
                 file=sys.stderr,
             )
-    plot_accuracy_vs_epsilon(rows, out)
-    plot_curves(rows, runs, out)
-    plot_empirical_vs_claimed(rows, out)
-    print(f"{len(runs)} runs in {len(rows)} groups -> {out / 'report.md'}")
+    plots = ["accuracy_vs_epsilon.png"] if plot_accuracy_vs_epsilon(rows, out) else []
+    plots += ["epsilon_vs_round.png"] if plot_epsilon_vs_round(rows, runs, out) else []
+    plots += plot_curves(rows, runs, out)
+    plots += ["empirical_vs_claimed.png"] if plot_empirical_vs_claimed(rows, out) else []
+    code_line = code_versions_line(runs)
+    write_tables(rows, problems, out, left_out=left_out, missing=missing, code_line=code_line, plots=plots)
+    print(f"{len(runs)} runs in {len(rows)} groups -> {out / 'report.md'}, {out / 'report.html'}")
     return 1 if problems else 0
 
 

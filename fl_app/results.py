@@ -29,6 +29,10 @@
   ``interrupted``) still writes its results up to its last completed round, the
   privacy ledger of every round whose noise was released, and ``private_server_state.pkl``
   for ``resume=``.
+  A run that ended before its first round (a stop while Ray started or the data loaded) writes a
+  ``results.json`` with no rounds, ``final`` ``{"rounds": 0}``, ``privacy``
+  ``{"released": "nothing: no round ran"}`` and ``stopped`` (:func:`write_unstarted_results`), and
+  ``run.log`` if its ServerApp had begun.
 
 * ``epsilon`` is the cumulative epsilon of the worst client at ``privacy.delta``
   after that round, covering *everything* the run released about a client
@@ -53,8 +57,9 @@
   needs the cohort hidden from model observers) the rounds hold none of :data:`COHORT_FIELDS`
   (bytes, ``clients``, ``failures``, ``wall_s``, ``round_s``): each is a function of the secret
   coins. They go to ``outside_guarantee`` (``secret_cohort_clients``, ...) with
-  ``privacy.diagnostics=true``; ``final`` then has ``upload_bytes_per_client`` and
-  ``download_bytes_per_client`` (one message's size, rounded to 1 kB) instead of ``failures``, and
+  ``privacy.diagnostics=true``; ``final`` then has no ``failures`` and no byte size, and
+  ``outside_guarantee.final`` has ``secret_cohort_upload_bytes_per_client`` (a successful train
+  reply's mean size, rounded to 1 kB) and ``secret_cohort_download_bytes_per_client``;
   ``privacy.total.not_covered`` names what still depends on the cohorts (the total wall time, the
   status). ``run.log`` withholds the rounds' durations and the lines about failed clients.
 * ``privacy.randomness``: whether the privacy noise and secret cohorts were
@@ -68,8 +73,8 @@
 Also written: ``metrics.csv`` and ``rounds.jsonl`` (one row / JSON line per round, appended as
 the run goes),
 ``accuracy_loss.png``, ``epsilon.png``, ``final_model.npz`` (arrays plus the
-model spec), ``config.yaml``, ``privacy_ledger.json`` (the accountant's events)
-and ``run.log``.
+model spec), ``config.yaml``, ``run.log`` and, for a private run (one with an accountant),
+``privacy_ledger.json`` (the accountant's events).
 """
 
 from __future__ import annotations
@@ -184,6 +189,8 @@ class RunRecorder:
         self.initial: dict[str, Any] = {}
         self.diagnostics = diagnostics
         self.outside: list[dict[str, Any]] = []
+        #: The run's statistics outside the guarantee (``outside_guarantee.final``).
+        self.outside_final: dict[str, Any] = {}
         self.stopped: dict[str, Any] | None = None
         #: Failed train replies over the run (published as ``final.failures`` unless the cohorts are secret).
         self.failures = 0
@@ -265,6 +272,11 @@ class RunRecorder:
         if self.diagnostics and values:
             self.outside.append(json_safe({"round": server_round, **values}))
 
+    def add_final_diagnostics(self, values: dict[str, Any]) -> None:
+        """Keep the run's statistics outside the guarantee (dropped unless ``diagnostics``)."""
+        if self.diagnostics:
+            self.outside_final.update(json_safe(values))
+
     def finalize(
         self,
         *,
@@ -316,6 +328,8 @@ class RunRecorder:
             results["stopped"] = self.stopped
         if self.diagnostics:
             results["outside_guarantee"] = {"note": OUTSIDE_GUARANTEE_NOTE, "rounds": self.outside}
+            if self.outside_final:
+                results["outside_guarantee"]["final"] = self.outside_final
         if arrays is not None:
             save_model(self.output_dir / MODEL_FILE, arrays, model_spec)
         if ledger is not None:
@@ -323,6 +337,7 @@ class RunRecorder:
         self.plot(unit=str(privacy.get("unit", "client")), status=status)
         write_json(self.output_dir / RESULTS_FILE, results)
         if self.tracker is not None:
+            self.tracker.log_results(results, self.output_dir)
             self.tracker.close()
         return results
 
@@ -421,3 +436,27 @@ def describe_partition(partition: Mapping[str, Any]) -> str:
     }
     inner = ", ".join(f"{k}={v}" for k, v in options.items())
     return f"{partition['name']}({inner})" if inner else str(partition["name"])
+
+
+def write_unstarted_results(output_dir: Path, settings: RunSettings, *, status: str, reason: str) -> None:
+    """``results.json`` of a run that ended before its first round: nothing ran, nothing was released.
+
+    The same required fields as a run's (a report lists it as ended before its first round), no rounds,
+    and ``stopped`` saying why; a new run into ``output_dir`` reuses the folder.
+    """
+    write_json(
+        output_dir / RESULTS_FILE,
+        {
+            "schema": SCHEMA_VERSION,
+            "status": status,
+            "code": code_version(),
+            "strategy": settings.strategy,
+            "dataset": settings.dataset,
+            "partition": describe_partition(settings.data.partition),
+            "config": copy.deepcopy(dict(settings.config)),
+            "rounds": [],
+            "final": {"rounds": 0},
+            "privacy": {"released": "nothing: no round ran"},
+            "stopped": {"reason": reason, "after_round": 0},
+        },
+    )

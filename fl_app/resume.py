@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-
-from omegaconf import DictConfig
+from typing import TYPE_CHECKING
 
 from fl_app.config_checks import ConfigError
-from fl_app.fingerprint import config_fingerprint
 from fl_app.overrides import override_key
+
+if TYPE_CHECKING:
+    from fl_app.run_settings import RunSettings
 
 RESUME_KEY = "resume"
 #: Keys a resumed run may change (a prefix ends with a dot).
@@ -88,7 +89,7 @@ def expand_resume(overrides: Sequence[str]) -> list[str]:
 
 def no_checkpoint_text(directory: Path) -> str:
     """Why ``directory``, which has no checkpoint, cannot be resumed: what it holds, and what to do."""
-    from fl_app.output_claim import earlier_run_files, ended_before_first_round, read_results
+    from fl_app.output_claim import LOCK_FILE, earlier_run_files, ended_before_first_round, read_results
 
     if ended_before_first_round(directory):
         return (
@@ -101,6 +102,11 @@ def no_checkpoint_text(directory: Path) -> str:
             f"holds no private_server_state.pkl (checkpoint): the run there {status} (a private run that "
             "completes removes its checkpoint: it cannot be extended); start a new run"
         )
+    if not earlier_run_files(directory) and (directory / LOCK_FILE).exists():  # claimed, nothing written
+        return (
+            "holds no private_server_state.pkl (checkpoint) and no run's files: a run stopped there "
+            f"before it began, nothing to continue; start it again (output_dir={directory} reuses the folder)"
+        )
     if not earlier_run_files(directory):
         return "holds no private_server_state.pkl (checkpoint): it is not the output directory of a dpfl run"
     return (
@@ -108,16 +114,17 @@ def no_checkpoint_text(directory: Path) -> str:
     )
 
 
-def validate_resume(cfg: DictConfig, *, is_private: bool) -> None:
-    """Check a resumed configuration against its checkpoint (rounds, fingerprint).
+def validate_resume(settings: RunSettings, *, is_private: bool) -> None:
+    """Check a resumed configuration against its checkpoint (rounds, the experiment's fingerprint).
 
     ``num_rounds`` equal to the rounds completed finishes the run: a run stopped after its last
     round's checkpoint but before its results were written gets them (nothing is trained).
 
     Parameters
     ----------
-    cfg : DictConfig
-        The composed configuration (with ``resume`` set).
+    settings : RunSettings
+        The typed settings of the composed configuration (with ``resume`` set); the checkpoint holds
+        the fingerprint of their experiment (:meth:`~fl_app.run_settings.RunSettings.fingerprint`).
     is_private : bool
         Whether the strategy claims a finite epsilon: its noise was calibrated for the
         planned ``num_rounds``, so a private run cannot be extended.
@@ -125,17 +132,17 @@ def validate_resume(cfg: DictConfig, *, is_private: bool) -> None:
     """
     from fl_app.checkpoint import read_header
 
-    directory = Path(str(cfg.resume))
+    directory = Path(str(settings.resume))
     header = read_header(directory)
     done = int(header["completed_round"])
-    rounds = int(cfg.num_rounds)
+    rounds = settings.num_rounds
     planned = int(header["num_rounds"])
-    if config_fingerprint(cfg, ignore=("num_rounds",)) != header["fingerprint"]:
+    if settings.fingerprint(ignore=("num_rounds",)) != header["fingerprint"]:
         raise ConfigError(
             RESUME_KEY,
             str(directory),
-            "the configuration files (conf/) changed since this run started: its configuration "
-            "cannot be recomposed; start a new run",
+            "its saved overrides compose another experiment now (the configuration files, conf/, or "
+            "dpfl changed since this run started): it cannot be continued; start a new run",
         )
     if rounds < done:
         raise ConfigError(

@@ -64,8 +64,8 @@ class _SimulatedCount:
         elif 0 < count < self.expected and now - self.since >= SIMULATED_SETTLE_S:
             raise RosterError(
                 f"num_clients={self.expected}, but the simulation has {count} SuperNodes (num-supernodes="
-                f"{count}); set num_clients={count}, or num-supernodes={self.expected} in the federation "
-                "config"
+                f"{count}); set num_clients={count}, or run flwr run with --federation-config "
+                f"'num-supernodes={self.expected}'"
             )
 
 

@@ -58,7 +58,13 @@ class RoundClock:
 
 
 class TrafficTotals:
-    """Bytes and messages of train rounds summed over a run, for sizes per client (:meth:`per_client`)."""
+    """Bytes and messages of train rounds summed over a run, for sizes per client (:meth:`per_client`).
+
+    The sizes are means over the secret cohorts' messages and replies, so they go to the
+    diagnostics only: a mean over every reply would tell the share of failed clients, and even a
+    mean over the successful replies can follow who replied (a reply's metrics, such as its example
+    count, take more or fewer bytes).
+    """
 
     #: Per-client sizes are rounded to this many bytes: a reply's serialised size can differ by a few
     #: bytes between clients (its metrics), and a published size must not depend on who replied.
@@ -69,11 +75,15 @@ class TrafficTotals:
 
     def add(self, traffic: dict[str, float]) -> None:
         """Add one round's counters (:meth:`fl_app.metering.MeteredGrid.take`)."""
-        for key in ("train_upload_bytes", "train_replies", "train_download_bytes", "train_messages"):
+        for key in ("train_ok_upload_bytes", "train_ok_replies", "train_download_bytes", "train_messages"):
             self.totals[key] = self.totals.get(key, 0.0) + float(traffic.get(key, 0.0))
 
     def per_client(self) -> dict[str, int | None]:
-        """``upload_bytes_per_client`` / ``download_bytes_per_client``: a train reply's and message's size."""
+        """``upload_bytes_per_client`` / ``download_bytes_per_client``: a train reply's and message's size.
+
+        The upload is the mean over the replies that arrived with content (failed clients' error
+        replies are neither summed nor counted); the download, over the train messages sent.
+        """
 
         def size(total: str, count: str) -> int | None:
             if not self.totals.get(count):
@@ -82,7 +92,7 @@ class TrafficTotals:
             return int(round(mean / self.ROUNDING) * self.ROUNDING)
 
         return {
-            "upload_bytes_per_client": size("train_upload_bytes", "train_replies"),
+            "upload_bytes_per_client": size("train_ok_upload_bytes", "train_ok_replies"),
             "download_bytes_per_client": size("train_download_bytes", "train_messages"),
         }
 

@@ -11,12 +11,13 @@ line). Nothing here reads the composed ``DictConfig``: only :class:`~fl_app.run_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
 import time
 from collections.abc import Sequence
-from logging import ERROR, INFO, WARNING
+from logging import DEBUG, ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from fl_app.files import WriteFailed, one_modification_time, write_failed
 from fl_app.lifecycle import (
     Outcome,
     RunFailed,
+    RunInterrupted,
     RunStopped,
     as_requested_stop,
     driver_reports_outcome,
@@ -49,7 +51,14 @@ from fl_app.model_spec import ModelSpec
 from fl_app.output_claim import claim_output_dir
 from fl_app.privacy.canaries import HEADER_NOTE as CANARY_HEADER
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
-from fl_app.results import LEDGER_FILE, RunRecorder, chance_accuracy, short_unit, write_json
+from fl_app.results import (
+    LEDGER_FILE,
+    RunRecorder,
+    chance_accuracy,
+    short_unit,
+    write_json,
+    write_unstarted_results,
+)
 from fl_app.resume import checkpoint_overrides
 from fl_app.roster import ClientInfo, discover_roster, on_devices
 from fl_app.round_loop import run_rounds
@@ -67,7 +76,7 @@ from fl_app.run_text import (
     warn_if_diverged,
 )
 from fl_app.timeline import mark
-from fl_app.tracking import make_tracker
+from fl_app.tracking import TrackedRun, make_tracker
 from fl_app.validation import validate_config
 from strategies import EVALUATION_STAGES, STRATEGIES
 from strategies.contract import Strategy
@@ -165,11 +174,13 @@ def evaluation_arrays(
 
 
 def noise_source(settings: RunSettings) -> RandomSource:
-    """Privacy randomness of a run: OS entropy, ``privacy.noise_seed``, or a seed derived from the config.
+    """Privacy randomness of a run: OS entropy, ``privacy.noise_seed``, or a seed derived from the experiment.
 
     The default (``privacy.noise_seed: null``) is not ``seed`` itself: it is derived from ``seed`` *and*
-    the configuration, so that two runs of a sweep never share a noise stream. It is still
-    reproducible from the published configuration, which the results say (``privacy.randomness``).
+    the experiment's validated settings (:meth:`~fl_app.run_settings.RunSettings.fingerprint`: not the
+    label, tracker, output folder or a number's spelling), so that two runs of a sweep never share a
+    noise stream. It is still reproducible from the published configuration, which the results say
+    (``privacy.randomness``).
     """
     if settings.privacy.secure_rng:
         return RandomSource(seed=None, secure=True)
@@ -261,10 +272,8 @@ def execute(
         with console_filter(one_line_console):
             prepared = prepare(grid, settings, output_dir, list(overrides), published)
             return finish(prepared, play(prepared))
-    except RunStopped as stopped:  # stopped before the first round: nothing but run.log to write
-        stop = as_requested_stop(stopped)
-        log(ERROR, "dpfl: run %s before its first round: %s", stop.status, stop)
-        record_outcome(Outcome(stop.status, stop.exit_code, str(stop), str(output_dir)))
+    except RunStopped as stopped:  # ended before the first round
+        before_first_round(as_requested_stop(stopped), settings, output_dir)
         return None
     finally:
         flower_logger.propagate = propagate
@@ -272,6 +281,21 @@ def execute(
         handler.close()
         if published.secret_cohort:  # the files' times would say when each round ended
             one_modification_time(output_dir, when=time.time())
+
+
+def before_first_round(stop: RunStopped, settings: RunSettings, output_dir: Path) -> None:
+    """A run that ended before its first round: its one line, its outcome, and a stop's ``results.json``.
+
+    A stop's results hold no round; a failure writes nothing but run.log (under ``flwr run`` the run is
+    failed and holds no results).
+    """
+    where = f"run.log in {output_dir}"
+    if isinstance(stop, RunInterrupted):
+        with contextlib.suppress(OSError):  # a full disk: run.log alone says it
+            write_unstarted_results(output_dir, settings, status=stop.status, reason=str(stop))
+            where = f"results in {output_dir}"
+    log(ERROR, "dpfl: run %s before its first round: %s; %s; nothing to resume", stop.status, stop, where)
+    record_outcome(Outcome(stop.status, stop.exit_code, str(stop), str(output_dir)))
 
 
 @dataclasses.dataclass
@@ -396,6 +420,13 @@ def announce(strategy: Strategy, settings: RunSettings, randomness: Randomness) 
     """The header lines on the privacy randomness (a private run's) and the canaries."""
     if strategy.declaration.is_private(settings):  # a non-private run has no privacy randomness to describe
         log(INFO, "dpfl: %s", randomness.describe())
+        details = randomness.as_dict()  # in full: run.log (and results.json's privacy.randomness)
+        log(
+            DEBUG,
+            "dpfl: privacy randomness: %s; noise seed origin: %s",
+            details["note"],
+            details["noise_seed_origin"],
+        )
     if settings.data.partition["name"] == NATURAL:
         log(INFO, "dpfl: a client is %s", describe_client(settings.data))
     if settings.privacy.canaries:
@@ -403,9 +434,20 @@ def announce(strategy: Strategy, settings: RunSettings, randomness: Randomness) 
 
 
 def make_recorder(settings: RunSettings, output_dir: Path, randomness: Randomness) -> RunRecorder:
-    """The run's recorder, with its tracker (TensorBoard) when asked for."""
+    """The run's recorder, with its trackers (TensorBoard, MLflow, W&B) when asked for."""
+    label = f" ({settings.label})" if settings.label else ""
+    tracked = TrackedRun(
+        name=f"{settings.strategy}{label} seed {settings.seed}",
+        config=dict(settings.config),
+        settings=settings.tracker,
+        resumed=settings.resume is not None,
+    )
     tracker = make_tracker(
-        settings.tracking, output_dir, config_text=settings.to_yaml(), secret_cohort=randomness.secret_cohort
+        settings.tracking,
+        output_dir,
+        config_text=settings.to_yaml(),
+        secret_cohort=randomness.secret_cohort,
+        run=tracked,
     )
     diagnostics = diagnostics_enabled(settings, devices=randomness.devices)
     return RunRecorder(output_dir, settings, diagnostics=diagnostics, tracker=tracker)
@@ -532,12 +574,13 @@ def write_results(prepared: Prepared, ending: Ending, run_report: RunReport) -> 
     ledgers = strategy.ledgers()
     for name, ledger in ledgers.items():
         write_json(prepared.run.output_dir / name, ledger)
-    # with a secret cohort: no count of failures (it depends on the cohorts), sizes per client
-    traffic = (
-        reporter.secret_traffic.per_client()
-        if prepared.randomness.secret_cohort
-        else {"failures": prepared.recorder.failures}
-    )
+    # with a secret cohort: no count of failures and no size measured on the cohorts (each depends on
+    # them); the sizes per client go to the diagnostics
+    traffic: dict[str, Any] = {"failures": prepared.recorder.failures}
+    if prepared.randomness.secret_cohort:
+        traffic = {}
+        sizes = reporter.secret_traffic.per_client()
+        prepared.recorder.add_final_diagnostics({f"secret_cohort_{k}": v for k, v in sizes.items()})
     final_extras = {
         **run_report.final,
         "epsilon_training": report.total.per_stage.get("training"),

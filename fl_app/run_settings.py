@@ -10,21 +10,22 @@ reads the ``DictConfig``: the platform (the run, the results, the simulation), t
 (``tests/test_repository.py`` checks that no raw read comes back outside the configuration modules).
 
 :attr:`RunSettings.config` keeps the resolved configuration as plain data, for what must echo it:
-``config.yaml`` and ``results.json`` (``config``), TensorBoard's text, and the fingerprint that
-checkpoints and derived noise seeds are tied to. No value is read from it.
+``config.yaml`` and ``results.json`` (``config``) and TensorBoard's text. No value is read from it:
+the fingerprint that checkpoints and derived noise seeds are tied to digests the typed values
+(:meth:`RunSettings.experiment`).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from fl_app.data.federated import DataSpec
-from fl_app.fingerprint import config_fingerprint
+from fl_app.fingerprint import canonical_number, experiment_fingerprint
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,27 @@ def dataset_label(dataset: Mapping[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
+class TrackerSettings:
+    """Where ``tracking=mlflow`` and ``tracking=wandb`` write (the ``tracker`` group, docs/tracking.md).
+
+    Attributes
+    ----------
+    mlflow_uri : str or None
+        MLflow's tracking URI; None: ``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db`` in the
+        directory the command runs in (MLflow's own default).
+    experiment : str
+        The MLflow experiment and the W&B project.
+    wandb_mode : str
+        ``offline`` (files under ``<output dir>/wandb``, ``wandb sync`` later) or ``online``.
+
+    """
+
+    mlflow_uri: str | None = None
+    experiment: str = "dpfl"
+    wandb_mode: str = "offline"
+
+
+@dataclass(frozen=True)
 class RunSettings:
     """The whole run's typed configuration (see the module docstring).
 
@@ -139,7 +161,7 @@ class RunSettings:
     seed: int
     output_dir: str | None
     resume: str | None
-    tracking: str
+    tracking: tuple[str, ...]
     label: str | None
     privacy: PrivacySettings
     evaluation: EvaluationSettings
@@ -147,6 +169,7 @@ class RunSettings:
     data: DataSpec
     strategy_settings: Any = None
     stage_settings: Any = None
+    tracker: TrackerSettings = field(default_factory=TrackerSettings)
     config: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -178,7 +201,7 @@ class RunSettings:
             seed=int(cfg.seed),
             output_dir=optional(cfg.get("output_dir"), str),
             resume=optional(cfg.get("resume"), str),
-            tracking=str(cfg.get("tracking", "none")),
+            tracking=tracker_names(cfg.get("tracking", "none")),
             label=optional(cfg.get("label"), str),
             privacy=PrivacySettings(
                 epsilon=float(privacy.epsilon),
@@ -213,6 +236,7 @@ class RunSettings:
             data=DataSpec.from_config(cfg),
             strategy_settings=strategy_settings,
             stage_settings=stage_settings,
+            tracker=TrackerSettings(**(config.get("tracker") or {})),
             config=config,
         )
 
@@ -221,9 +245,29 @@ class RunSettings:
         """Clients per round as a count (``clients_per_round`` of ``num_clients``)."""
         return cohort_size(self.clients_per_round, self.num_clients)
 
+    def experiment(self) -> dict[str, Any]:
+        """The experiment: every typed value, as plain data, in the form that decides what a run computes.
+
+        Numbers are the typed values validation read (``privacy.epsilon=8`` is ``8.0``), the cohort is
+        its count (``clients_per_round=0.3`` of 100 clients is 30), and the data set's and partition's
+        numbers, read as they come, are floats. :meth:`fingerprint` digests it without what is not the
+        experiment (:data:`fl_app.fingerprint.NOT_THE_EXPERIMENT`: the label, trackers, output folder).
+        """
+        derived = ("config", "dataset", "partition")  # the echo, and the names in data.dataset/partition
+        values = {
+            item.name: _plain(getattr(self, item.name)) for item in fields(self) if item.name not in derived
+        }
+        values["clients_per_round"] = self.cohort
+        for group in ("dataset", "partition"):
+            values["data"][group] = {key: canonical_number(v) for key, v in getattr(self.data, group).items()}
+        return values
+
     def fingerprint(self, *, ignore: Sequence[str] = ()) -> str:
-        """The fingerprint of the run (:func:`fl_app.fingerprint.config_fingerprint`)."""
-        return config_fingerprint(self.config, ignore=ignore)
+        """The digest of :meth:`experiment` (:func:`fl_app.fingerprint.experiment_fingerprint`).
+
+        A derived noise seed and a checkpoint are tied to it; ``ignore``: more dotted keys to leave out.
+        """
+        return experiment_fingerprint(self.experiment(), ignore=ignore)
 
     def to_yaml(self) -> str:
         """The resolved configuration as YAML (``config.yaml``, TensorBoard's text)."""
@@ -250,3 +294,16 @@ class RunSettings:
     def with_strategy(self, strategy_settings: Any) -> RunSettings:
         """These settings with the algorithm's own."""
         return replace(self, strategy_settings=strategy_settings)
+
+
+def tracker_names(value: Any) -> tuple[str, ...]:
+    """The trackers ``tracking`` names: a name or a list of names, ``none`` for none, in order, once."""
+    names = [value] if isinstance(value, str) else list(value)
+    return tuple(dict.fromkeys(str(name) for name in names if name != "none"))
+
+
+def _plain(value: Any) -> Any:
+    """A settings value as plain data (a dataclass as its fields, its private ones left out)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return {key: v for key, v in asdict(value).items() if not key.startswith("_")}
+    return value

@@ -20,7 +20,9 @@ in worker processes forked from it (:mod:`fl_app.engine.processes`).
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ from fl_app.engine.launch import run_simulation_engine
 from fl_app.lifecycle import (
     Outcome,
     RunFailed,
+    RunInterrupted,
     reinstall_handlers,
     restore_signal_dispositions,
     stop_on_signals,
@@ -39,6 +42,7 @@ from fl_app.lifecycle import (
     take_outcome,
 )
 from fl_app.ray_session import SESSION, ActorPlan, client_resources, ray_init_args
+from fl_app.results import write_unstarted_results
 from fl_app.run_settings import RunSettings
 from fl_app.server_app import server_app_for
 from fl_app.timeline import mark
@@ -73,7 +77,10 @@ def run_in_simulation(settings: RunSettings, overrides: Sequence[str], output_di
             mark("job")
             if uses_ray:
                 actors = ActorPlan(backend["client_resources"], settings.simulation.max_concurrent_clients)
-                SESSION.ready(backend["init_args"], actors)
+                try:
+                    SESSION.ready(backend["init_args"], actors)
+                except RunInterrupted as stop:  # while Ray was starting: nothing ran
+                    return stopped_before_the_run(settings, output_dir, stop, "while Ray was starting")
                 reinstall_handlers()  # if a library replaced the stop handlers (ray.init does on this thread)
                 mark("ray_started")
             run_simulation_engine(
@@ -102,8 +109,30 @@ def run_in_simulation(settings: RunSettings, overrides: Sequence[str], output_di
     if outcome is None:  # the ServerApp refused the configuration or ended without a run
         signum = stop_requested()
         if signum is not None:
-            return Outcome("interrupted", 128 + signum, "stopped before the run began", str(output_dir))
+            return stopped_before_the_run(
+                settings, output_dir, RunInterrupted(signum), "before the ServerApp ran"
+            )
         raise RunFailed("the run ended without results (see run.log)")
     if outcome.status == "failed":
         raise RunFailed(outcome.reason)
     return outcome
+
+
+def stopped_before_the_run(
+    settings: RunSettings, output_dir: Path, stop: RunInterrupted, when: str
+) -> Outcome:
+    """A stop before the ServerApp began: a ``results.json`` saying nothing ran, one line, the outcome.
+
+    The folder then holds no round: a new run into it reuses it, and ``resume=`` says there is nothing
+    to continue. A full disk leaves the folder as it was (a new run accepts it too).
+    """
+    reason = f"{stop} {when}"
+    with contextlib.suppress(OSError):
+        write_unstarted_results(output_dir, settings, status=stop.status, reason=reason)
+    print(
+        f"dpfl: run {stop.status} before its first round: {reason}; results in {output_dir}; nothing to "
+        "resume (no round completed)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return Outcome(stop.status, stop.exit_code, reason, str(output_dir))

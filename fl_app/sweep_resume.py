@@ -58,11 +58,12 @@ def plan_sweep_job(cfg: DictConfig, overrides: list[str], directory: Path) -> Jo
             header = read_header(directory)
         except ValueError as error:
             raise ConfigError("hydra.sweep.dir", str(directory.parent), str(error)) from None
-        same = header["fingerprint"] == config_fingerprint(cfg, ignore=("num_rounds",))
+        from fl_app.config import compose_config
+        from fl_app.validation import typed_settings, validate_config
+
+        same = header["fingerprint"] == typed_settings(cfg).fingerprint(ignore=("num_rounds",))
         if not same or header["num_rounds"] != cfg.num_rounds:
             raise _other_run(directory)
-        from fl_app.config import compose_config
-        from fl_app.validation import validate_config
 
         kept = [o for o in overrides if override_key(o).startswith(("simulation.", "hydra."))]
         resume = [f"resume={directory}", *kept]

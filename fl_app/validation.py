@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
+from logging import WARNING
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from fl_app.config_checks import (
     ConfigError,
@@ -34,7 +35,7 @@ from fl_app.data.sources import (
 from fl_app.output_claim import in_use, lock_holder, refuse_earlier_run
 from fl_app.privacy.composition import METHODS
 from fl_app.run_settings import RunSettings
-from fl_app.tracking import TRACKERS, tracker_available
+from fl_app.tracking import TRACKERS, WANDB_MODES, tracker_available
 
 if TYPE_CHECKING:
     from fl_app.data.federated import DataSpec
@@ -57,10 +58,13 @@ def validate_common(cfg: DictConfig) -> None:
     """Check the keys every run has (not the strategy's own ones)."""
     num_clients = require_int("num_clients", cfg.num_clients, minimum=1)
     per_round = cfg.clients_per_round
+    allowed = "must be a whole number of clients >= 1 or a fraction of num_clients in (0, 1] (e.g. 0.3)"
     if isinstance(per_round, float) and not isinstance(per_round, bool):
-        require_range("clients_per_round", per_round, 0.0, 1.0, low_open=True)
+        if not 0.0 < per_round <= 1.0:  # NaN too
+            raise ConfigError("clients_per_round", per_round, allowed)
     else:
-        require_int("clients_per_round", per_round, minimum=1)
+        if isinstance(per_round, bool) or not isinstance(per_round, int) or per_round < 1:
+            raise ConfigError("clients_per_round", per_round, allowed)
         if per_round > num_clients:
             raise ConfigError(
                 "clients_per_round",
@@ -166,15 +170,33 @@ def validate_common(cfg: DictConfig) -> None:
     require_positive("simulation.timeout", simulation.timeout)
     require_range("simulation.max_failure_fraction", simulation.get("max_failure_fraction", 0.5), 0.0, 1.0)
 
-    tracking = require_choice("tracking", cfg.get("tracking", "none"), TRACKERS)
-    missing = tracker_available(tracking)
-    if missing is not None:
-        raise ConfigError("tracking", tracking, missing)
+    validate_tracking(cfg)
     label = cfg.get("label")
     if label is not None and (not isinstance(label, str) or not label.strip() or "\n" in label):
         raise ConfigError("label", label, "must be null or a one-line name")
 
     validate_data_options(cfg)
+
+
+def validate_tracking(cfg: DictConfig) -> None:
+    """Check ``tracking`` (a tracker's name or a list of them, each installed) and the ``tracker`` group."""
+    tracking = cfg.get("tracking", "none")
+    names = [tracking] if isinstance(tracking, str) else tracking
+    if not isinstance(names, ListConfig | list) or not names:
+        raise ConfigError("tracking", tracking, f"must be one of {', '.join(TRACKERS)}, or a list of them")
+    for name in names:
+        require_choice("tracking", name, TRACKERS)
+        missing = tracker_available(str(name))
+        if missing is not None:
+            raise ConfigError("tracking", name, missing)
+    tracker = cfg.get("tracker") or {}
+    uri = tracker.get("mlflow_uri")
+    if uri is not None and (not isinstance(uri, str) or not uri.strip()):
+        raise ConfigError("tracker.mlflow_uri", uri, "must be null or a tracking URI (sqlite:///mlflow.db)")
+    experiment = tracker.get("experiment", "dpfl")
+    if not isinstance(experiment, str) or not experiment.strip() or "\n" in experiment:
+        raise ConfigError("tracker.experiment", experiment, "must be a one-line name")
+    require_choice("tracker.wandb_mode", tracker.get("wandb_mode", "offline"), WANDB_MODES)
 
 
 def validate_data_options(cfg: DictConfig) -> None:
@@ -236,6 +258,8 @@ def validate_hf_options(dataset: DictConfig) -> None:
     )
     require_text("dataset.image_column", dataset.get("image_column"), "the column of images")
     require_text("dataset.label_column", dataset.get("label_column"), "the column of class labels")
+    if dataset.get("num_classes") is not None:
+        require_int("dataset.num_classes", dataset.num_classes, minimum=2)
     if dataset.get("revision") is not None:
         require_text("dataset.revision", dataset.revision, "null or a hub revision (branch, tag, commit)")
 
@@ -274,7 +298,6 @@ def check_partitions(settings: RunSettings) -> None:
     key = spec.to_json()
     if key in _CHECKED_SPLITS:
         return
-    announce_conversion(spec)
     try:
         data = federated_data(spec)
     except (DataFileError, DataNotFoundError) as error:
@@ -295,26 +318,10 @@ def check_partitions(settings: RunSettings) -> None:
         raise ConfigError(
             "num_clients",
             settings.num_clients,
-            f"too many clients for {settings.dataset}: {sizes.count(0)} of them get no "
-            "examples; use fewer clients or another partition",
+            f"too many clients for {settings.dataset}: {sizes.count(0)} of the {len(sizes)} get no examples "
+            f"({sum(sizes)} rows in all); use fewer clients or another partition",
         )
     _CHECKED_SPLITS.add(key)
-
-
-def announce_conversion(spec: DataSpec) -> None:
-    """Say on stdout that a Hugging Face data set is read and converted now (once: then cached)."""
-    from fl_app.data.federated import hf_source
-    from fl_app.data.hf import cache_path
-
-    source = hf_source(spec)
-    missing_path = source is not None and source.path.startswith(("/", "./", "../", "~"))
-    missing_path = missing_path and not Path(source.path).expanduser().exists()  # one line follows
-    if source is not None and not missing_path and not cache_path(source).is_file():
-        print(
-            f"dpfl: reading {source.path} ({source.split}) with datasets and converting it to arrays, once: "
-            f"later runs read {cache_path(source)}",
-            flush=True,
-        )
 
 
 def keyed_error(message: str, spec: DataSpec) -> ConfigError:
@@ -330,17 +337,35 @@ def keyed_error(message: str, spec: DataSpec) -> ConfigError:
 def check_model(settings: RunSettings, declaration: Declaration) -> None:
     """The run's network takes the data's examples and gives one score per class (a forward pass).
 
+    A private run's network has nothing in its state but parameters
+    (:func:`fl_app.models.private_state_refusal`: no running statistics, no other buffers).
     Raises a :class:`ConfigError` naming ``model`` when it does not fit.
     """
     from fl_app.data.federated import federated_data
-    from fl_app.models import check_model_fits
+    from fl_app.models import check_model_fits, private_state_refusal
+    from fl_app.training import to_tensor
 
     data = federated_data(settings.data)
     name = declaration.model_name(settings, data.input_shape)
     try:
-        check_model_fits(name, data.arrays.x_train[:1], data.num_classes)
+        network = check_model_fits(name, data.arrays.x_train[:1], data.num_classes)
     except ValueError as error:
         raise ConfigError("model", settings.model, " ".join(str(error).split())) from None
+    if declaration.is_private(settings):
+        refusal = private_state_refusal(network, to_tensor(data.arrays.x_train[:2]), settings.strategy)
+        if refusal is not None:
+            raise ConfigError("model", settings.model, refusal)
+    buffers = [buffer_name for buffer_name, _ in network.named_buffers()]
+    if buffers and settings.simulation.trains_cohorts:
+        from flwr.common import log
+
+        log(
+            WARNING,
+            "simulation.vectorise: the network %r has buffers (%s), which the vectorised trainer does "
+            "not train: its clients train one by one",
+            name,
+            ", ".join(buffers),
+        )
 
 
 def validate_releases(declaration: Declaration, settings: RunSettings) -> None:
@@ -404,7 +429,7 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> RunSettings:
             raise ConfigError("resume", settings.resume, f"strategy={settings.strategy} {declaration.resume}")
         from fl_app.resume import validate_resume
 
-        validate_resume(cfg, is_private=declaration.is_private(settings))
+        validate_resume(settings, is_private=declaration.is_private(settings))
     if check_data:
         locate_data(settings)
         check_partitions(settings)

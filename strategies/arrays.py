@@ -82,7 +82,7 @@ def mean_arrays(records: list[ArrayRecord], weights: list[float] | None = None) 
     parts = split_vector(total, first)
     return ArrayRecord(
         {
-            name: Array(np.ascontiguousarray(part, dtype=template.dtype))
+            name: Array(np.asarray(part, dtype=template.dtype, order="C"))
             for name, part, template in zip(names, parts, first, strict=True)
         }
     )

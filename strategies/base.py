@@ -101,7 +101,7 @@ def randomness_of(run: RunContext, *, cohort: str, secret_cohort: bool = False) 
         origin = (
             "privacy.noise_seed"
             if run.settings.privacy.noise_seed is not None
-            else "derived from seed and the whole configuration (fl_app.privacy.rng.derive_noise_seed)"
+            else "derived from seed and the experiment's settings (fl_app.privacy.rng.derive_noise_seed)"
         )
     return Randomness(
         secure=bool(noise.secure),

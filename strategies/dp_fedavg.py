@@ -176,7 +176,7 @@ class DPFedAvgStrategy(FederatedStrategy):
         sigma = self.noise_multiplier * self.clip
         noised = [gaussian_mechanism(values=t, sigma=sigma, rng=rng) for t in total]
         new = {
-            n: Array((r + s / self.denominator).astype(array_values(global_arrays[n]).dtype))
+            n: Array(np.asarray(r + s / self.denominator, dtype=array_values(global_arrays[n]).dtype))
             for n, r, s in zip(names, reference, noised, strict=True)
         }
         self._record_release(server_round)

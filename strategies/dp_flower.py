@@ -21,9 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from logging import INFO
 from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common import log
 from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flower_strategies
 
@@ -67,7 +69,7 @@ class DPFlowerSettings(DPFedAvgSettings):
         """The Flower class must take the keyword arguments (built once here, one line if not)."""
         super().check(run)
         try:
-            build_flower_strategy(self.flower, self.kwargs)
+            build_flower_strategy(self.flower, self.kwargs, lr=run.lr)
         except ValueError as error:
             raise ConfigError("strategy.kwargs", self.kwargs, str(error)) from None
 
@@ -115,7 +117,9 @@ class DPFlowerStrategy(DPFedAvgStrategy):
 
     def __init__(self, run: RunContext, settings: DPFlowerSettings | None = None) -> None:
         super().__init__(run, settings)
-        self.flower = FlowerRounds(build_flower_strategy(self.settings.flower, self.settings.kwargs))
+        self.flower = FlowerRounds(
+            build_flower_strategy(self.settings.flower, self.settings.kwargs, lr=run.settings.lr)
+        )
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -141,9 +145,10 @@ class DPFlowerStrategy(DPFedAvgStrategy):
         return stepped, MetricRecord()
 
     def describe(self) -> None:
-        """The run's header, then Flower's summary of the aggregator."""
+        """The run's header, then what the Flower aggregator runs with (its one reply has weight 1)."""
         super().describe()
-        self.flower.summary()
+        line = self.flower.settings_line(skip=("weighted_by_key",))
+        log(INFO, "\t└──> server step on the noised average: %s", line)
 
     def privacy_summary(self) -> dict[str, Any]:
         """DP-FedAvg's, and the Flower aggregator that post-processes its release."""

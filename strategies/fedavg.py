@@ -18,6 +18,7 @@ average update ``Delta_t = avg_k w^k_{t+1} - w_t`` drives
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -74,14 +75,29 @@ class FedAvgStrategy(FederatedStrategy):
         )
 
     def server_step(self, average: ArrayRecord) -> ArrayRecord:
-        """``w_t + eta_s v_t``, ``v_t = beta v_{t-1} + (average - w_t)``; the average itself by default."""
+        """``w_t + eta_s v_t``, ``v_t = beta v_{t-1} + (average - w_t)``; the average itself by default.
+
+        The step moves the parameters only: the network's buffers (BatchNorm's running statistics and
+        batch count) are the clients' average (a running variance stepped past it could turn negative).
+        """
         if self.server_optimizer.lr == 1.0 and self.server_optimizer.momentum == 0.0:
             return average
         current = self.round_global
-        names = list(current.keys())
+        buffers = self.buffer_names
+        names = [n for n in current if n not in buffers]
         start = [array_values(current[n]).astype(np.float64) for n in names]
         updates = [array_values(average[n]) - w for n, w in zip(names, start, strict=True)]
-        return arrays_like(self.server_optimizer.step(start, updates), current)
+        stepped = dict(zip(names, self.server_optimizer.step(start, updates), strict=True))
+        return arrays_like(
+            [stepped[n] if n in stepped else array_values(average[n]) for n in current], current
+        )
+
+    @functools.cached_property
+    def buffer_names(self) -> frozenset[str]:
+        """The keys of the network's state that are buffers (:func:`fl_app.models.state_buffers`)."""
+        from fl_app.models import state_buffers
+
+        return frozenset(state_buffers(self.run.model_spec.build()))
 
     def reply_summand(self, server_round: int) -> WeightedModel:
         """Each client's model times its weight: the average is a sum (cohort messages)."""

@@ -204,7 +204,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
         new = {}
         for name, mean in zip(names, means, strict=True):
             reference = array_values(global_arrays[name])
-            new[name] = Array((reference.astype(np.float64) + mean).astype(reference.dtype))
+            new[name] = Array(np.asarray(reference.astype(np.float64) + mean, dtype=reference.dtype))
         return ArrayRecord(new), MetricRecord({"reports": count})
 
     def _matching(self, valid: list[tuple[ClientInfo, Message]]) -> list[tuple[ClientInfo, Message]]:

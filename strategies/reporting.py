@@ -187,11 +187,13 @@ class Randomness:
         }
 
     def describe(self) -> str:
-        """One line for the run's header."""
+        """One short line for the run's header; the full note and the seed's origin are in :meth:`as_dict`."""
         if not self.secure:
-            origin = f"noise seed {self.noise_seed}, {self.noise_seed_origin}"
-            return f"privacy randomness SEEDED ({origin}): {SEEDED_NOTE}"
-        return f"privacy randomness from OS entropy: {SECURE_NOTE}"
+            return (
+                f"privacy randomness SEEDED (noise seed {self.noise_seed}): config.yaml reproduces the noise "
+                "and cohorts; the epsilon holds where they are secret (privacy.secure_rng=true)"
+            )
+        return "privacy randomness from OS entropy (privacy.secure_rng=true): noise and cohorts unpredictable"
 
 
 @dataclass(frozen=True)

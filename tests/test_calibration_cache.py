@@ -253,3 +253,75 @@ def test_a_remembered_schedule_answer_that_misses_the_target_is_searched_again(
     (key,) = history_memo
     history_memo[key] = honest / 2  # too little noise for the target
     assert calibration.noise_multiplier_for_histories(**target, histories_of=histories_of) == honest
+
+
+#: What an edited or damaged cache file may hold instead of an answer: none is one, each is searched again.
+NOT_ANSWERS = {
+    "zero": np.float64(0.0),
+    "negative zero": np.float64(-0.0),
+    "negative": np.float64(-1.0),
+    "nan": np.float64("nan"),
+    "infinity": np.float64("inf"),
+    "smallest subnormal": np.float64(5e-324),
+    "subnormal": np.float64(1e-310),
+    "huge": np.float64(1e308),  # the accountant overflows
+    "integer zero": np.int64(0),
+    "bool": np.bool_(True),
+    "complex": np.complex128(1 + 1j),
+    "text": np.array("abc"),
+    "text of a number": np.array("0.5"),
+    "vector": np.array([1.0, 2.0]),
+    "empty": np.array([], dtype=np.float64),
+}
+
+
+def _ftrl_rdp() -> float:
+    return calibration.noise_multiplier_for_histories(
+        epsilon=2.0, delta=1e-5, histories_of=_ftrl_histories(1.5)[1], method="rdp"
+    )
+
+
+#: Every search kept on disk, on arguments of its own (RDP: a fraction of a second each).
+CACHED_SEARCHES: dict[str, Callable[[], float]] = {
+    "dp_fedavg_noise_multiplier": lambda: calibration.dp_fedavg_noise_multiplier(**{**TASK, "method": "rdp"}),
+    "dp_sgd_noise_multiplier": lambda: calibration.dp_sgd_noise_multiplier(
+        epsilon=2.0, delta=1e-5, sampling_rate=0.05, steps=40
+    ),
+    "randomized_response_epsilon_per_label": lambda: calibration.randomized_response_epsilon_per_label(
+        total_epsilon=3.0, delta=1e-5, labels=5, num_classes=10
+    ),
+    "noise_multiplier_for_histories": _ftrl_rdp,
+}
+
+
+def _forget_in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in another process: no calibration remembered in memory."""
+    calibration.dp_fedavg_noise_multiplier.cache_clear()
+    monkeypatch.setattr(calibration, "_DP_SGD_CACHE", {})
+    monkeypatch.setattr(calibration, "_HISTORIES_CACHE", {})
+
+
+@pytest.mark.parametrize("search", sorted(CACHED_SEARCHES))
+def test_a_stored_value_that_is_no_answer_is_searched_again(cache: Path, monkeypatch, search: str) -> None:
+    """Zero, negative, subnormal, non-finite, overflowing or mistyped: the run searches and goes on.
+
+    Each stored value used to crash every later run (the accountant refuses or overflows on it) or,
+    for a subnormal noise multiplier of DP-SGD, pass the check; each is now searched again, the
+    answer is the search's bit for bit, and the file holds it again.
+    """
+    run = CACHED_SEARCHES[search]
+    _forget_in_process(monkeypatch)
+    fresh = run()
+    (path,) = cache.glob("*.npz")
+    for name, value in NOT_ANSWERS.items():
+        np.savez(path, answer=value)
+        _forget_in_process(monkeypatch)
+        assert run() == fresh, name
+        with np.load(path) as stored:
+            assert stored["answer"].dtype == np.float64 and float(stored["answer"]) == fresh, name
+    # the check itself: a normal but absurdly small noise, which the accountant once passed (NaN
+    # orders read as epsilon 0), is searched again too
+    if search != "randomized_response_epsilon_per_label":  # a tiny epsilon is a (loose) answer there
+        np.savez(path, answer=np.float64(1e-200))
+        _forget_in_process(monkeypatch)
+        assert run() == fresh

@@ -238,8 +238,8 @@ def test_a_round_decodes_exactly_the_sum_of_the_clients_noisy_vectors(tmp_path, 
     unmasked: list[list[np.ndarray]] = []
     real_unmask = SecAggRound.unmask
 
-    def spy(self, total, survivors):
-        unmasked.append(real_unmask(self, total, survivors))
+    def spy(self, total, survivors, **kwargs):
+        unmasked.append(real_unmask(self, total, survivors, **kwargs))
         return unmasked[-1]
 
     monkeypatch.setattr(SecAggRound, "unmask", spy)
@@ -519,7 +519,9 @@ def test_survivors_in_parts_smaller_than_the_calibration_discard_the_round(tmp_p
     the unmask stage: nothing unmasked, no ledger event.
     """
     unmasked = []
-    monkeypatch.setattr(SecAggRound, "unmask", lambda self, *a: unmasked.append(a) or pytest.fail("unmasked"))
+    monkeypatch.setattr(
+        SecAggRound, "unmask", lambda self, *a, **k: unmasked.append(a) or pytest.fail("unmasked")
+    )
     strategy, grid, new = ring_round(tmp_path, [0, 1, 2, 3, 9, 10, 11, 12])
     assert strategy.survivors == 12 and strategy._secagg is None
     assert new is None and unmasked == []
@@ -538,6 +540,81 @@ def test_the_same_number_of_dropouts_spread_over_the_ring_still_releases(tmp_pat
     assert new is not None
     assert strategy.report_round(1).extras["secure_aggregation"] == "released: sum of 12 clients"
     assert len(strategy.accountant.events) == 1
+
+
+def opened_part_sum(grid: InProcessGrid, secagg: SecAggRound, part: set[int]) -> np.ndarray:
+    """The sum of ``part``'s vectors mod 2^b, computed as a curious server can from the replies it got.
+
+    Apart from the strategy's unmasking: the replies read off the grid, the shares recombined
+    (Shamir, Flower's format), the key agreement, and the devices' mask generator.
+    """
+    from fl_app.engine.secagg import (
+        bytes_to_private_key,
+        bytes_to_public_key,
+        combine_shares,
+        generate_shared_key,
+        mask_arrays,
+    )
+
+    modulus = secagg.modulus
+    masked, shares = {}, {}
+    for message, reply in grid.sent:
+        if reply is None or reply.has_error():
+            continue
+        configs = reply.content.config_records[RECORD_KEY_CONFIGS]
+        if Key.MASKED_PARAMETERS in configs:  # a collect-stage reply
+            masked[int(message.metadata.dst_node_id)] = bytes_to_ndarray(configs[Key.MASKED_PARAMETERS][-1])
+        elif Key.SHARE_LIST in configs and Key.NODE_ID_LIST in configs:  # an unmask-stage reply
+            for owner, share in zip(configs[Key.NODE_ID_LIST], configs[Key.SHARE_LIST], strict=True):
+                shares.setdefault(int(owner), []).append(share)
+    total = np.mod(sum(masked[n].astype(np.int64) for n in part), modulus)
+    shape = [total.shape]
+    for nid in part:  # the part's private masks
+        (mask,) = mask_arrays(combine_shares(shares[nid]), modulus, shape)
+        total = total - mask
+    for dead in secagg.keyed - set(masked):  # the dropped clients' pairwise masks with the part
+        secret = bytes_to_private_key(combine_shares(shares[dead]))
+        for other in secagg.neighbours[dead] & part:
+            key = generate_shared_key(secret, bytes_to_public_key(secagg.public_keys[other][0]))
+            (mask,) = mask_arrays(key, modulus, shape)
+            total = total + (mask if dead > other else -mask)
+    return np.mod(total, modulus)
+
+
+def test_a_round_whose_unmasking_started_is_charged_even_if_no_sum_comes_out(tmp_path, monkeypatch):
+    """20 clients, shares 5, floor 6: ring positions 0, 1, 8, 9 drop after key sharing (parts of 6
+    and 10, both accepted), then 14-16 do not answer the unmask stage.
+
+    The round fails (too few shares to rebuild position 15's mask seed) and the model stays, but
+    the server holds every share the 6-client part needs and computes its sum exactly: the round
+    must be charged, once, for every scheduled client.
+    """
+    strategy = secagg_strategy(tmp_path, 20, "strategy.shares=5", "strategy.min_survivors=0.3")
+    seen = recorded_encodings(monkeypatch)
+    grid = InProcessGrid(20)
+    messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid))
+    secagg = strategy._secagg
+    ring = secagg.ring
+    grid.fails_at = {ring[p]: "collect_masked_vectors" for p in (0, 1, 8, 9)}
+    grid.fails_at |= {ring[p]: "unmask" for p in (14, 15, 16)}
+    new, _ = strategy.aggregate_train(1, grid.send_and_receive(messages))
+    assert strategy.survivors == 6 and secagg.threshold == 3
+    assert [len(p) for p in secagg.parts(secagg.keyed - {ring[p] for p in (0, 1, 8, 9)})] == [10, 6]
+    assert new is None
+    assert [e.participants for e in strategy.accountant.events] == [tuple(range(20))]
+    outcome = strategy.report_round(1).extras["secure_aggregation"]
+    assert outcome.startswith("discarded: unmasking failed: too few shares (2 < 3)"), outcome
+    assert outcome.endswith(": charged"), outcome
+    one_round = compose_epsilon(
+        {strategy.plan.mechanism: 1}, delta=strategy.run.settings.privacy.delta, method="rdp"
+    ).epsilon
+    assert strategy.epsilon().epsilon == pytest.approx(one_round)
+    # why: the 6-client part's sum is open to the server, exactly
+    uploaded = sorted(secagg.keyed - {ring[p] for p in (0, 1, 8, 9)})  # the collect stage's order
+    encoded = dict(zip(uploaded, seen.values(), strict=True))
+    part = {ring[p] for p in range(2, 8)}
+    expected = np.mod(sum(encoded[n].astype(np.int64) for n in part), secagg.modulus)
+    np.testing.assert_array_equal(opened_part_sum(grid, secagg, part), expected)
 
 
 def test_parts_of_the_survivors_graph():

@@ -7,8 +7,11 @@ Algorithm 2). Strategy tests run whole rounds in process through the real Client
 
 from __future__ import annotations
 
+import logging
 import math
 import pickle
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +23,9 @@ from fl_app.config import compose_config
 from fl_app.validation import ConfigError, validate_config
 from strategies import STRATEGIES
 from strategies.arrays import flat_vector
+from strategies.flower import runnable_classes
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SHAPE = ["dataset=digits", "model=mlp", "num_clients=6", "clients_per_round=3", "num_rounds=3"]
 
@@ -98,16 +104,119 @@ def test_flowers_fedadam_takes_adams_step_on_the_average(tmp_path):
     ("overrides", "message"),
     [
         (["strategy.flower=FedNope"], r"strategy.flower='FedNope': must name a Flower strategy class"),
-        (["strategy.flower=DifferentialPrivacyServerSideFixedClipping"], r"not accounted by dpfl"),
+        (
+            ["strategy.flower=Strategy"],
+            r"strategy.flower='Strategy': Strategy is Flower's abstract base class",
+        ),
+        (["strategy.flower=FedXgbBagging"], r"FedXgbBagging aggregates serialised XGBoost models"),
+        (["strategy.flower=FedProx"], r"FedProx needs proximal_mu > 0 .* add \+strategy.kwargs.proximal_mu="),
+        (["strategy.flower=FedAdam", "+strategy.kwargs.eta_l=0.1"], r"eta_l: .*never send it"),
+        (
+            ["strategy.kwargs.eta=0.01"],
+            r"strategy.kwargs.eta='0.01': .* add it with a \+, as \+strategy.kwargs.eta=0.01",
+        ),
         (["strategy.flower=os:getcwd"], r"must name a Flower strategy class"),
         (["+strategy.kwargs.fraction_train=0.5"], r"fraction_train: dpfl draws the cohort"),
         (["+strategy.kwargs.eta=0.1"], r"strategy.kwargs=\{'eta': 0.1\}: FedAvg: .*unexpected keyword"),
     ],
 )
 def test_a_bad_flower_setting_is_one_line(tmp_path, overrides, message):
-    cfg = compose_config([*SHAPE, "strategy=flower", *overrides, f"output_dir={tmp_path / 'x'}"])
-    with pytest.raises(ConfigError, match=message):
-        validate_config(cfg, check_data=False)
+    with pytest.raises(ConfigError, match=message) as caught:
+        validated(tmp_path, "strategy=flower", *overrides)
+    assert "\n" not in str(caught.value)
+
+
+def validated(tmp_path, *overrides: str):
+    """The run's settings as validation reads them (composition and validation both raise ConfigError)."""
+    cfg = compose_config([*SHAPE, *overrides, f"output_dir={tmp_path / 'x'}"])
+    return validate_config(cfg, check_data=False)
+
+
+def test_the_unknown_class_error_lists_only_the_classes_dpfl_runs(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        validated(tmp_path, "strategy=flower", "strategy.flower=FedNope")
+    listed = re.search(r"\(([^)]*)\)", str(caught.value)).group(1).split(", ")
+    assert listed == runnable_classes()
+    assert not {"Strategy", "FedXgbBagging", "FedXgbCyclic", "Result"} & set(listed)
+    assert "DifferentialPrivacyServerSideFixedClipping" in listed and "QFedAvg" in listed
+
+
+#: The keyword arguments a class needs to run at all (FedProx: its proximal term).
+NEEDS = {"FedProx": ["+strategy.kwargs.proximal_mu=0.1"]}
+
+
+@pytest.mark.parametrize("name", [n for n in runnable_classes() if not n.startswith("DifferentialPrivacy")])
+def test_every_listed_class_runs_a_round_on_dpfls_flower_client(tmp_path, name):
+    """What the error lists runs: one round through the real client (the DP wrappers: test_flower_dp.py)."""
+    strategy = strategy_of(tmp_path, "strategy=flower", f"strategy.flower={name}", *NEEDS.get(name, []))
+    start, messages, new = one_round(strategy, InProcessGrid(6))
+    assert {m.content[keys.CONFIG][keys.ALGORITHM] for m in messages} == {"flower"}  # only the server changes
+    assert new is not None and not np.array_equal(flat_vector(new), flat_vector(start))
+
+
+def test_the_documented_sweep_has_no_two_equal_arms(tmp_path):
+    """FedAvgM runs with server momentum 0.9 unless given (Flower's default 0.0 made it FedAvg's twin)."""
+    page = (ROOT / "docs" / "algorithms" / "flower.md").read_text()
+    (arms,) = re.findall(r"python -m fl_app -m strategy=flower strategy\.flower=(\S+)", page)
+    finals = {}
+    for name in arms.split(","):
+        strategy = strategy_of(tmp_path, "strategy=flower", f"strategy.flower={name}")
+        arrays, grid = None, InProcessGrid(6)
+        for t in (1, 2):  # momentum shows from the second round on
+            _, _, arrays = one_round(strategy, grid, t, arrays)
+        finals[name] = flat_vector(arrays)
+    assert len(finals) == 4
+    names = list(finals)
+    for i, first in enumerate(names):
+        for second in names[i + 1 :]:
+            assert not np.allclose(finals[first], finals[second], atol=1e-6), (first, second)
+    assert (
+        strategy_of(tmp_path, "strategy=flower", "strategy.flower=FedAvgM").flower.strategy.server_momentum
+        == 0.9
+    )
+
+
+def header_of(strategy) -> str:
+    """What ``describe()`` logs (the run's header)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("flwr")
+    logger.addHandler(handler)
+    try:
+        strategy.describe()
+    finally:
+        logger.removeHandler(handler)
+    return "\n".join(lines)
+
+
+def test_the_header_says_only_what_the_run_does(tmp_path):
+    adam = header_of(
+        strategy_of(tmp_path, "strategy=flower", "strategy.flower=FedAdam", "+strategy.kwargs.eta=0.02")
+    )
+    wrapped = header_of(strategy_of(tmp_path, "strategy=dp_flower", "strategy.flower=FedAdam"))
+    for header in (adam, wrapped):
+        # Flower's summary() would say Fraction: train (1.00) (dpfl samples), eta_l (no client reads it)
+        assert "Fraction" not in header and "Minimum" not in header and "eta_l" not in header, header
+        assert "eta=" in header and "beta_1=0.9" in header
+    assert (
+        "eta=0.02" in adam and "weighted_by_key='num-examples'" in adam
+    )  # Flower's FedAvg weighs by examples
+    assert "Weighted by" not in wrapped and "weighted_by" not in wrapped  # DP-FedAvg's one reply: unweighted
+    assert "secret Poisson cohorts" in wrapped
+
+
+def test_the_page_says_a_flower_strategy_changes_only_the_server_and_fedavg_sums_in_float32(tmp_path):
+    page = (ROOT / "docs" / "algorithms" / "flower.md").read_text()
+    section = page.split("## A Flower strategy changes only the server", 1)[1].split("\n## ", 1)[0]
+    assert "clients/flower.py" in section and "float32" in section and "strategy=fedavg" in section
+    flower = strategy_of(tmp_path, "strategy=flower", "strategy.flower=FedAvg")
+    ours = strategy_of(tmp_path, "strategy=fedavg")
+    _, _, a = one_round(flower, InProcessGrid(6))
+    _, _, b = one_round(ours, InProcessGrid(6))
+    # what the page says: equal to float32 rounding, not bit for bit
+    assert not np.array_equal(flat_vector(a), flat_vector(b))
+    np.testing.assert_allclose(flat_vector(a), flat_vector(b), rtol=0, atol=1e-6)
 
 
 # ------------------------------------------------------------------ its quick example (test_simulations)

@@ -188,7 +188,7 @@ def test_the_second_run_reads_the_cache_and_a_changed_file_is_converted_again(sa
     plain = load_hf_dataset(source(saved, group_column=None), seed=3)  # a label partition's run
     assert plain.groups_train is None and len(list((saved.parent / "dpfl" / "hf").glob("*.npz"))) == 1
 
-    def no_conversion(src: HFSource) -> None:
+    def no_conversion(src: HFSource, **options: object) -> None:
         raise AssertionError("converted again")
 
     monkeypatch.setattr(hf_module, "convert_source", no_conversion)
@@ -253,6 +253,81 @@ def test_missing_or_mistyped_columns_and_missing_data_are_one_line(saved, hf_hom
     sizes.save_to_disk(str(hf_home / "sizes"))
     with pytest.raises(DataFileError, match=r"row 1 is an image of shape \(8, 9\), row 0 of \(8, 8\)"):
         load_hf_dataset(HFSource.from_options({"path": str(hf_home / "sizes")}), seed=0)
+
+
+def integer_labels(folder: Path, labels: list[int], *, declared: int | None = None) -> Path:
+    """A ``save_to_disk`` folder of 8x8 images and ``labels`` in a ``label`` column.
+
+    ``declared``: a ``ClassLabel`` of that many classes; None: a plain ``int64`` column, which declares none.
+    """
+    rng = np.random.default_rng(0)
+    pixels = rng.integers(0, 256, size=(len(labels), SIDE, SIDE)).astype(np.uint8)
+    label = datasets.Value("int64") if declared is None else datasets.ClassLabel(declared)
+    datasets.Dataset.from_dict(
+        {"image": [Image.fromarray(image) for image in pixels], "label": labels},
+        features=datasets.Features({"image": datasets.Image(), "label": label}),
+    ).save_to_disk(str(folder))
+    return folder
+
+
+#: Labels 0..9 (twice each) and a stray 99: an integer column with a gap.
+GAP_LABELS = [*range(10), *range(10), 99, 99]
+
+
+def test_the_number_of_classes_is_declared_never_inferred_from_a_gap(hf_home):
+    gap = integer_labels(hf_home / "gap", GAP_LABELS)
+    with pytest.raises(DataFileError) as refused:
+        load_hf_dataset(HFSource.from_options({"path": str(gap)}), seed=0)
+    text = str(refused.value)
+    assert "\n" not in text and text.startswith("dataset.label_column='label': integer labels 0..9, 99")
+    assert "set dataset.num_classes=100 if the data set has 100 classes" in text
+    assert not list((hf_home / "dpfl" / "hf").glob("*.npz"))  # refused before converting: nothing kept
+    assert (
+        load_hf_dataset(HFSource.from_options({"path": str(gap)}), seed=0, num_classes=100).num_classes == 100
+    )
+    with pytest.raises(DataFileError, match=r"dataset.num_classes=50: .* holds the label 99; .*=100 or more"):
+        load_hf_dataset(HFSource.from_options({"path": str(gap)}), seed=0, num_classes=50)  # from the cache
+    dense = integer_labels(hf_home / "dense", [*range(10), *range(10)])
+    assert load_hf_dataset(HFSource.from_options({"path": str(dense)}), seed=0).num_classes == 10
+    # a ClassLabel declares its classes, those no row has included; dataset.num_classes must agree
+    declared = integer_labels(hf_home / "declared", [*range(10), *range(10)], declared=12)
+    assert load_hf_dataset(HFSource.from_options({"path": str(declared)}), seed=0).num_classes == 12
+    with pytest.raises(DataFileError, match=r"dataset.num_classes=10: .* ClassLabel of 12 classes"):
+        load_hf_dataset(HFSource.from_options({"path": str(declared)}), seed=0, num_classes=10)
+
+
+def test_a_gap_in_the_labels_and_a_missing_path_are_one_line_before_anything_starts(hf_home):
+    gap = integer_labels(hf_home / "gap", GAP_LABELS)
+    command = [
+        *FAST,
+        "dataset=hf",
+        f"dataset.path={gap}",
+        "partition=iid",
+        "num_clients=2",
+        "clients_per_round=2",
+    ]
+    refused = preflight_cli(*command, cwd=hf_home)
+    assert_one_line(refused, "dataset.label_column='label'", "0..9, 99", "dataset.num_classes=100")
+    assert "converting" not in refused.stdout and not (hf_home / "dpfl" / "hf").exists()
+    assert_one_line(
+        preflight_cli(*command, "dataset.num_classes=1.5", cwd=hf_home),
+        "dataset.num_classes=1.5: must be an integer >= 2",
+    )
+    declared = preflight_cli(
+        *command, "dataset.num_classes=100", "model=tests.test_hf_data:WrongWidth", cwd=hf_home
+    )
+    assert_one_line(declared, "(1, 100)")  # validation's forward pass: 100 classes, as declared
+    assert "converting it to arrays, once" in declared.stdout
+    missing = hf_home / "no_such_folder"
+    gone = preflight_cli(*FAST, "dataset=hf", f"dataset.path={missing}", "partition=iid", cwd=hf_home)
+    assert_one_line(
+        gone, f"dataset.path='{missing}': {missing} does not exist; set dataset.path to an existing"
+    )
+    assert "online" not in gone.stderr and "converting" not in gone.stdout
+    assert_one_line(
+        preflight_cli(*FAST, "dataset=hf", f"dataset.path={missing}/*.parquet", "partition=iid", cwd=hf_home),
+        "*.parquet matches no file",
+    )
 
 
 # --------------------------------------------------------------------------- the natural partition
@@ -343,7 +418,9 @@ def test_bad_columns_users_and_models_are_one_line_before_anything_starts(saved,
         result = preflight_cli(*hf_args(saved, *extra), cwd=hf_home)
         assert_one_line(result, *fragments)
         outputs.append(result.stdout)
-    assert "converting it to arrays, once" in outputs[0]  # a first read of the data set says so
+    assert "converting" not in outputs[0] + outputs[1]  # refused before converting: no line, no file
+    assert "converting it to arrays, once" in outputs[2]  # the first conversion says so; its file is kept
+    assert Path(outputs[2].split("later runs read ")[1].strip()).is_file()
     again = preflight_cli(*hf_args(saved, "model=tests.test_hf_data:WrongWidth"), cwd=hf_home)
     assert_one_line(again, "(1, 4)")
     assert "converting" not in again.stdout  # the same data set again: read from the dpfl cache

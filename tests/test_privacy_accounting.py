@@ -237,3 +237,23 @@ def test_unpicked_clients_have_zero_epsilon():
     accountant.record(PrivacyEvent(1, Laplace(1.0), participants=(0,)))
     assert accountant.epsilon(delta=DELTA, client=1).epsilon == 0.0
     assert accountant.epsilon(delta=DELTA).epsilon == pytest.approx(1.0)
+
+
+def test_a_noise_too_small_to_evaluate_has_no_finite_epsilon(tmp_path):
+    """A Poisson-subsampled Gaussian of noise 1e-200: its RDP overflows to NaN at some orders, which
+    dp-accounting's conversion read as epsilon 0. It is infinite (RDP), and PLD does not crash;
+    through DP-FedAvg with that noise set, the run's epsilon is infinite."""
+    from conftest import DP_FEDAVG_RUN, build_run_context, reply_to
+    from flwr.app import ConfigRecord
+
+    from strategies import STRATEGIES
+
+    for method in ("rdp", "pld"):
+        report = compose_epsilon({SampledGaussian(1e-200, 0.05): 40}, delta=1e-5, method=method)
+        assert report.epsilon == math.inf, (method, report)
+    overrides = [*DP_FEDAVG_RUN, "strategy.noise_multiplier=1e-200", "privacy.accountant=rdp"]
+    strategy = STRATEGIES.get("dp_fedavg")(build_run_context(overrides, tmp_path))
+    arrays = strategy.initial_arrays()
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid=None))
+    strategy.aggregate_train(1, [reply_to(m, arrays=arrays, metrics={"num-examples": 1}) for m in messages])
+    assert strategy.accountant.events and strategy.epsilon().epsilon == math.inf

@@ -521,8 +521,11 @@ class ExactSumRound(SecAggRound):
         self.forward = {nid: ([], []) for nid in self.nodes}
         return set(self.keyed)
 
-    def unmask(self, masked_total: list[np.ndarray], survivors: set[int]) -> list[np.ndarray]:
+    def unmask(
+        self, masked_total: list[np.ndarray], survivors: set[int], *, charge: Callable[[], None]
+    ) -> list[np.ndarray]:
         self.check_parts(survivors)
+        charge()
         return [np.mod(t, self.modulus) for t in masked_total]
 
 

@@ -409,9 +409,10 @@ def _published(results: dict, output: Path) -> dict:
     steps = {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in tags if tag not in MODEL_VALUES}
     wall_times = {e.wall_time for tag in tags for e in events.Scalars(tag)}
     assert len(wall_times) == 1, f"TensorBoard's wall times vary: {len(wall_times)} distinct"
-    modified = {path.stat().st_mtime_ns for path in [output, *output.rglob("*")]}
+    # a link as it is in the folder (W&B links its core service's log, outside the run, into it)
+    modified = {path.lstat().st_mtime_ns for path in [output, *output.rglob("*")]}
     assert len(modified) == 1, f"the run's files carry {len(modified)} distinct modification times"
-    return {
+    published = {
         "status": results["status"],
         "rounds": rounds,
         "final": final,
@@ -421,16 +422,82 @@ def _published(results: dict, output: Path) -> dict:
         "run.log": log,
         "tensorboard": steps,
     }
+    if (output / "mlflow_run.json").exists():
+        published["mlflow"] = _mlflow_published(output)
+    if (output / "wandb").exists():
+        published["wandb"] = _wandb_published(output)
+    return published
+
+
+#: What differs between two runs whatever their cohorts: the model's numbers, the total wall time (stated
+#: as not covered), the noise seed and the output folder.
+NOT_COMPARED = (
+    *MODEL_VALUES,
+    "final.accuracy",
+    "final.loss",
+    "final.best_accuracy",
+    "final.best_round",
+    "final.wall_s",
+    "privacy.noise_seed",
+    "output_dir",
+    "dpfl.output_dir",
+)
+
+
+def _mlflow_published(output: Path) -> dict:
+    """The run's MLflow run without what differs anyway; every metric's timestamp is the run's start."""
+    from tracked import mlflow_run
+
+    run = mlflow_run(output)
+    stamps = {stamp for history in run["metrics"].values() for _, _, stamp in history}
+    assert stamps == {run["info"].start_time}, f"MLflow's metric timestamps vary: {len(stamps)} distinct"
+    return {
+        "params": {k: v for k, v in run["params"].items() if k not in NOT_COMPARED},
+        "metrics": {k: [h[:2] for h in v] for k, v in run["metrics"].items() if k not in NOT_COMPARED},
+        "tags": {k: v for k, v in run["tags"].items() if k not in NOT_COMPARED},
+        "artifacts": run["artifacts"],
+    }
+
+
+def _wandb_published(output: Path) -> dict:
+    """The run's W&B records without what differs anyway; every row carries one ``_timestamp``.
+
+    W&B's own ``_runtime`` stamps follow the moment the run was given to W&B, its end
+    (tests/test_tracking.py checks that nothing is written while the rounds run).
+    """
+    from tracked import wandb_run
+
+    run = wandb_run(output)
+    stamps = {row["_timestamp"] for row in run["history"]}
+    assert len(stamps) == 1, f"W&B's row timestamps vary: {len(stamps)} distinct"
+
+    def kept(values: dict) -> dict:
+        clock = ("_timestamp", "_runtime", "_wandb/runtime")
+        left_out = (*NOT_COMPARED, *clock)
+        return {k: v for k, v in values.items() if k not in left_out and not k.startswith("plots/")}
+
+    config = json.loads(json.dumps(run["config"]))
+    config["privacy"].pop("noise_seed")
+    config.pop("output_dir")
+    return {
+        "config": config,
+        "history": [kept(row) for row in run["history"]],
+        "summary": kept(run["summary"]),
+        "files": [name for name in run["files"] if not name.startswith("media/")],  # images named by content
+    }
 
 
 @pytest.mark.parametrize("backend", ["ray", "processes"])
-def test_nothing_published_varies_with_the_secret_cohort(simulate, backend):
+def test_nothing_published_varies_with_the_secret_cohort(
+    simulate, backend, tmp_path, tmp_path_factory, monkeypatch
+):
     """Two DP-FedAvg runs whose secret Poisson cohorts differ in size publish the same (issue 38.1).
 
     The cohort size, failures, bytes and durations of a round are functions of the secret coins:
-    results.json, metrics.csv, run.log and tensorboard must not vary with them (they go to
-    outside_guarantee only, with privacy.diagnostics=true), and no clock time may tell a round's
-    duration (issue 54: run.log's stamps, TensorBoard's wall times, the files' modification times).
+    results.json, metrics.csv, run.log and every tracker (TensorBoard, MLflow, W&B) must not vary with
+    them (they go to outside_guarantee only, with privacy.diagnostics=true), and no clock time may tell a
+    round's duration (issue 54: run.log's stamps, TensorBoard's wall times, MLflow's metric timestamps,
+    W&B's row timestamps, the files' modification times).
     """
     from conftest import FAST
 
@@ -438,6 +505,12 @@ def test_nothing_published_varies_with_the_secret_cohort(simulate, backend):
 
     common = [*FAST, "strategy=dp_fedavg", "num_rounds=4", "privacy.diagnostics=true", "tracking=tensorboard"]
     common.append(f"simulation.backend={backend}")
+    if backend == "ray":  # every tracker once (what a tracker gets does not depend on where clients run)
+        from tracked import mlflow_store, offline_wandb
+
+        offline_wandb(monkeypatch, tmp_path / "wandb_home")
+        common[common.index("tracking=tensorboard")] = "tracking=[tensorboard,mlflow,wandb]"
+        common.append(f"tracker.mlflow_uri={mlflow_store(tmp_path_factory, tmp_path / 'mlflow')}")
     runs = {seed: simulate([*common, f"privacy.noise_seed={seed}"], name=f"seed{seed}") for seed in (3, 4)}
     sizes = {
         seed: [r["secret_cohort_clients"] for r in results["outside_guarantee"]["rounds"]]
@@ -446,11 +519,71 @@ def test_nothing_published_varies_with_the_secret_cohort(simulate, backend):
     assert sizes[3] != sizes[4], sizes  # the cohorts really differ in size
     for results in runs.values():
         assert all(not set(COHORT_FIELDS) & set(r) for r in results["rounds"])
-        assert "failures" not in results["final"]
-        assert results["final"]["upload_bytes_per_client"] > 0
+        assert "failures" not in results["final"] and "upload_bytes_per_client" not in results["final"]
+        assert results["outside_guarantee"]["final"]["secret_cohort_upload_bytes_per_client"] > 0
     first, second = (_published(results, Path(results["_output_dir"])) for results in runs.values())
+    if backend == "ray":  # each tracker wrote (one that failed would be dropped with a warning)
+        assert {"mlflow", "wandb"} <= set(first) and {"mlflow", "wandb"} <= set(second)
     for part in first:
         assert first[part] == second[part], part
+
+
+def failing_clients(monkeypatch) -> dict[tuple[int, int], bool]:
+    """Make a client fail in a round when it succeeded in an earlier one and another already did in this one.
+
+    So every round has a reply and no client fails in all its rounds (the run completes). Patches the
+    ClientApp's client lookup (an inline run's clients run in this process): a plain message and a
+    cohort message's member fail alike. Returns, filled as the run goes, whether each ``(node, round)``
+    failed.
+    """
+    from fl_app import client_app
+    from fl_app.engine.messages import config_record
+
+    real = client_app.client_for
+    fails: dict[tuple[int, int], bool] = {}
+    succeeded: dict[int, set[int]] = {}  # round -> nodes
+
+    def client_for(message, context):
+        node = int(context.node_id)
+        server_round = int(config_record(message.content, keys.CONFIG)[keys.SERVER_ROUND])
+        if (node, server_round) not in fails:
+            earlier = any(node in succeeded.get(r, ()) for r in range(1, server_round))
+            fails[node, server_round] = earlier and bool(succeeded.get(server_round, set()) - {node})
+            if not fails[node, server_round]:
+                succeeded.setdefault(server_round, set()).add(node)
+        if fails[node, server_round]:
+            raise RuntimeError(f"client on node {node} fails in round {server_round}")
+        return real(message, context)
+
+    monkeypatch.setattr(client_app, "client_for", client_for)
+    return fails
+
+
+def test_a_secret_cohort_run_publishes_no_size_that_tells_its_failures(simulate, monkeypatch):
+    """DP-FedAvg (Poisson) with about half of the selected clients failing, against the same run without.
+
+    A mean upload per reply counted the failed clients' empty replies, so it told the failure
+    fraction; even a mean over the successful replies follows who replied (a reply's metrics take
+    more or fewer bytes). ``final`` holds no size; the diagnostics hold the successful replies' mean,
+    the same with and without the failures.
+    """
+    from conftest import FAST, INLINE
+
+    common = [*FAST, INLINE, "strategy=dp_fedavg", "num_rounds=6", "privacy.diagnostics=true"]
+    common.append("simulation.max_failure_fraction=1.0")
+    healthy = simulate(common, name="healthy")
+    fails = failing_clients(monkeypatch)
+    failing = simulate(common, name="failing")
+    outside = failing["outside_guarantee"]["rounds"]
+    failures, replies = (sum(r[f"secret_cohort_{k}"] for r in outside) for k in ("failures", "clients"))
+    assert sum(fails.values()) == failures and failures >= 0.25 * replies, (fails, outside)
+    assert sum(r["secret_cohort_failures"] for r in healthy["outside_guarantee"]["rounds"]) == 0
+    sizes = []
+    for results in (healthy, failing):
+        assert "upload_bytes_per_client" not in results["final"], results["final"]
+        assert "download_bytes_per_client" not in results["final"] and "failures" not in results["final"]
+        sizes.append(results["outside_guarantee"]["final"]["secret_cohort_upload_bytes_per_client"])
+    assert sizes[0] == sizes[1] > 0, sizes
 
 
 # ------------------------------------------------ 3b. the server's private state on disk (issue 38.3)
@@ -514,7 +647,11 @@ def test_a_secret_cohorts_failing_client_leaves_nothing_in_run_log(simulate, mon
     from conftest import FAST
 
     monkeypatch.setenv("DPFL_INJECT_FAILURES", "1")  # client 1 fails whenever it is sampled
-    overrides = [*FAST, "strategy=dp_fedavg", "num_rounds=3", f"simulation.backend={backend}"]
+    # noise seed 1: client 1 is in round 2's secret cohort with three others, and alone in none (a round
+    # whose every client failed would stop the run)
+    overrides = [
+        *FAST, "strategy=dp_fedavg", "num_rounds=3", "privacy.noise_seed=1", f"simulation.backend={backend}"
+    ]  # fmt: skip
     results = simulate(overrides, private_ray=True)
     log = (Path(results["_output_dir"]) / "run.log").read_text()
     assert "secret" in results["privacy"]["randomness"]["cohort"]

@@ -176,8 +176,10 @@ def test_ctrl_c_stops_within_seconds_keeps_the_ledger_and_resume_matches_an_unin
 
 @pytest.mark.simulation
 def test_sigterm_stops_the_run_and_leaves_nothing_running(tmp_path):
-    _, took = interrupt(tmp_path, "terminated", [*RUN, "strategy=fedavg"], signal.SIGTERM, group=False)
+    run, took = interrupt(tmp_path, "terminated", [*RUN, "strategy=fedavg"], signal.SIGTERM, group=False)
     assert took < 30
+    # the run's last line says how it ended once (the command printed it again in its own words)
+    assert sum("dpfl: run interrupted" in line for line in run.lines) == 1, run.output[-3000:]
     results = json.loads((tmp_path / "terminated" / "results.json").read_text())
     assert results["status"] == "interrupted" and results["stopped"]["reason"] == "stopped by SIGTERM"
     # A non-private run can be extended beyond its planned rounds.
@@ -567,7 +569,7 @@ def test_ctrl_c_between_sweep_jobs_is_one_line_and_says_how_to_continue(tmp_path
     monkeypatch.setattr(entry, "_job", interrupted_while_composing)
     result = preflight_cli("-m", *FAST, "seed=1,2", cwd=tmp_path)
     assert result.returncode == 130 and "Traceback" not in result.stderr
-    lines = result.stderr.splitlines()
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("dpfl: starting Ray")]
     assert len(lines) == 2 and lines[0].startswith("dpfl: interrupted"), result.stderr
     assert "stopped with 1 of 2 jobs done" in lines[1] and lines[1].endswith(
         f"hydra.sweep.dir={tmp_path / 'sweep'}"

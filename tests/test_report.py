@@ -43,6 +43,7 @@ def fake_results(
     loss: float = 1.0,
     unit: str = "one client",
     chance: float | None = None,
+    rounds_run: int = 3,
 ) -> None:
     directory.mkdir(parents=True)
     rounds = [
@@ -58,7 +59,7 @@ def fake_results(
             "wall_s": float(r),
             "round_s": 1.0,
         }
-        for r in (1, 2, 3)
+        for r in range(1, rounds_run + 1)
     ]
     results = {
         "schema": 1,
@@ -80,7 +81,7 @@ def fake_results(
             "epsilon": epsilon,
             "delta": 1e-5,
             "wall_s": 12.0,
-            "rounds": 3,
+            "rounds": rounds_run,
         },
         "privacy": {"unit": unit if epsilon else "none", "mechanism": "x", "accountant": "y"},
     }
@@ -483,3 +484,106 @@ def test_a_labelled_arm_is_its_own_row_named_by_its_label(tmp_path):
     assert float(rows["dp_fedavg (untuned)"]["accuracy_mean"]) == pytest.approx(0.75)
     assert all("label" not in row["settings"] for row in rows.values())
     assert "| dp_fedavg (untuned) |" in (tmp_path / "report.md").read_text()
+
+
+def test_the_plots_have_whole_rounds_draw_one_round_runs_warn_nothing_and_have_short_titles(
+    tmp_path, monkeypatch, capsys
+):
+    """Round ticks at 1.25, empty panels for 1-round runs, six-line titles and a matplotlib warning on
+    screen were what the report showed; a secret cohort's runs (no upload sizes) are left out of the
+    upload plot instead of drawn at zero on a log axis."""
+    import warnings
+
+    long = "dp_fedavg_adaptive_with_a_long_label_that_once_made_titles_of_six_lines"
+    for seed in (1, 2):
+        fake_results(
+            tmp_path / f"dp{seed}", strategy=long, epsilon=2.0, seed=seed, accuracy=0.5, rounds_run=1
+        )
+    fake_results(tmp_path / "fa", strategy="fedavg", epsilon=None, seed=1, accuracy=0.7, rounds_run=1)
+    for path in tmp_path.glob("*/results.json"):  # secret cohorts: no sizes, no counts, no times
+        results = json.loads(path.read_text())
+        results["rounds"] = [
+            {k: r[k] for k in ("round", "accuracy", "loss", "epsilon")} for r in results["rounds"]
+        ]
+        results["config"]["label"] = "clip=0.1 server_lr=1.0 noise from a very long explanation"
+        path.write_text(json.dumps(results))
+    figures = spy_on_figures(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the report
+        assert main([str(tmp_path)]) == 0
+    assert "arning" not in capsys.readouterr().err
+    assert not (tmp_path / "accuracy_vs_upload.png").exists()
+    written = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert written == ["accuracy_vs_epsilon.png", "accuracy_vs_round.png", "epsilon_vs_round.png"]
+    for _, axes in figures:
+        for axis in [a for a in np.ravel(axes) if a.get_visible()]:
+            assert axis.get_title().count("\n") <= 1 and all(
+                len(t) <= 75 for t in axis.get_title().split("\n")
+            )
+            if axis.get_xlabel().startswith("round"):
+                ticks = [t for t in axis.get_xticks() if axis.get_xlim()[0] <= t <= axis.get_xlim()[1]]
+                assert ticks and all(float(t).is_integer() for t in ticks), ticks
+                drawn = [line for line in axis.get_lines() if len(line.get_xdata()) >= 2]
+                assert drawn, axis.get_title()  # a 1-round run is a line from round 0, not an empty panel
+
+
+def test_accuracy_by_round_is_the_mean_over_seeds_with_their_range_and_epsilon_by_round_is_plotted(
+    tmp_path, monkeypatch
+):
+    from matplotlib.collections import PolyCollection
+
+    accuracies = {1: 0.6, 2: 0.9, 3: 0.75}
+    for seed, accuracy in accuracies.items():
+        fake_results(tmp_path / f"dp{seed}", strategy="dp_fedavg", epsilon=2.0, seed=seed, accuracy=accuracy)
+    for path in tmp_path.glob("*/results.json"):
+        results = json.loads(path.read_text())
+        for row in results["rounds"]:
+            row["epsilon"] = 2.0 * row["round"] / 3  # spent round by round
+        path.write_text(json.dumps(results))
+    figures = spy_on_figures(monkeypatch)
+    assert main([str(tmp_path)]) == 0
+    (epsilon_axes,) = [axes for _, axes in figures if np.ravel(axes)[0].get_xlabel() == "round"]
+    (spent,) = np.ravel(epsilon_axes)[0].get_lines()
+    assert list(spent.get_xdata()) == [0, 1, 2, 3] and list(spent.get_ydata()) == pytest.approx(
+        [0, 2 / 3, 4 / 3, 2]
+    )
+    (round_axes,) = [axes for _, axes in figures if np.ravel(axes)[0].get_xlabel().startswith("round (0")]
+    axis = np.ravel(round_axes)[0]
+    mean = axis.get_lines()[0]
+    expected = [0.1] + [np.mean([a * r / 3 for a in accuracies.values()]) for r in (1, 2, 3)]
+    assert list(mean.get_xdata()) == [0, 1, 2, 3] and list(mean.get_ydata()) == pytest.approx(expected)
+    (band,) = [c for c in axis.collections if isinstance(c, PolyCollection)]
+    ys = band.get_paths()[0].vertices[:, 1]
+    assert ys.min() == pytest.approx(0.1) and ys.max() == pytest.approx(0.9)  # the best seed's last round
+    assert "mean over seeds; band: lowest to highest seed" in axis.figure.texts[0].get_text()
+
+
+def test_the_report_is_markdown_and_html_with_its_tables_and_plots(tmp_path):
+    for seed, accuracy in ((1, 0.80), (2, 0.84)):
+        fake_results(tmp_path / f"dp{seed}", strategy="dp_fedavg", epsilon=3.5, seed=seed, accuracy=accuracy)
+    fake_results(tmp_path / "fa", strategy="fedavg", epsilon=None, seed=1, accuracy=0.9)
+    assert main([str(tmp_path)]) == 0
+    markdown = (tmp_path / "report.md").read_text()
+    page = (tmp_path / "report.html").read_text()
+    plots = [
+        "accuracy_vs_epsilon.png",
+        "epsilon_vs_round.png",
+        "accuracy_vs_round.png",
+        "accuracy_vs_upload.png",
+    ]
+    for name in plots:
+        assert (tmp_path / name).stat().st_size > 0
+        assert f"]({name})" in markdown and f'<img src="{name}"' in page
+    assert markdown.index("accuracy_vs_epsilon.png") < markdown.index("accuracy_vs_round.png")
+    for text in ("0.8200 ± 0.0283", "∞ (not private)", "Privacy unit: one client", "dp_fedavg", "fedavg"):
+        assert text in markdown and text in page
+    assert page.count("<table>") == 2 and page.count("<tr>") == 4  # a table per unit: its header, its group
+
+
+def test_the_kept_sweeps_report_is_what_the_report_makes_of_its_runs(tmp_path):
+    """docs/report_example shows the plots of a kept sweep: its report.md is the report of its runs."""
+    kept = Path(__file__).resolve().parents[1] / "docs" / "report_example"
+    assert main([str(kept / "runs"), "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "report.md").read_text() == (kept / "report.md").read_text()
+    for name in ("accuracy_vs_epsilon.png", "epsilon_vs_round.png", "accuracy_vs_round.png"):
+        assert (kept / name).is_file() and f"]({name})" in (kept / "report.md").read_text()

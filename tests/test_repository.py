@@ -266,7 +266,7 @@ def test_each_algorithm_has_one_bounded_home_and_reaches_into_no_other():
 
 #: Flower's public API (its documented modules); any other ``flwr`` module is private to Flower.
 FLOWER_PUBLIC = ("flwr.app", "flwr.serverapp", "flwr.serverapp.strategy", "flwr.clientapp", "flwr.common",
-                 "flwr.simulation", "flwr.client.mod")  # fmt: skip
+                 "flwr.clientapp.mod", "flwr.simulation", "flwr.client.mod")  # fmt: skip
 #: Hydra's non-public modules.
 HYDRA_PRIVATE = ("hydra._internal", "hydra.initialize", "hydra.core.global_hydra")
 #: Test modules allowed Flower's internals: the engine's own tests (they drive the patched engine),

@@ -102,8 +102,8 @@ def test_tracking_logs_the_finite_numbers_of_each_record_and_refuses_what_it_can
     events.Reload()
     assert sorted(events.Tags()["scalars"]) == ["accuracy", "epsilon", "loss"]
     assert [(e.step, round(e.value, 6)) for e in events.Scalars("accuracy")] == [(0, 0.1), (1, 0.4)]
-    with pytest.raises(ConfigError, match=r"tracking='mlflow'.*none, tensorboard"):
-        validate_common(compose_config(["dataset=digits", "tracking=mlflow"]))
+    with pytest.raises(ConfigError, match=r"tracking='neptune'.*none, tensorboard, mlflow, wandb"):
+        validate_common(compose_config(["dataset=digits", "tracking=neptune"]))
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # as if not installed
     with pytest.raises(ConfigError, match="pip install tensorboard"):
         validate_common(compose_config(["dataset=digits", "tracking=tensorboard"]))

@@ -191,7 +191,6 @@ def test_resume_of_a_run_whose_rounds_are_all_done_is_accepted(tmp_path):
     must be > 2`` (a number the user never gave), so its spent budget bought nothing (55.2)."""
     from fl_app.checkpoint import Checkpoint, save_checkpoint
     from fl_app.config import compose_config
-    from fl_app.fingerprint import config_fingerprint
     from fl_app.validation import ConfigError, validate_config
     from strategies import STRATEGIES
     from tests.conftest import build_run_context
@@ -206,7 +205,7 @@ def test_resume_of_a_run_whose_rounds_are_all_done_is_accepted(tmp_path):
             num_rounds=2,
             status="completed",
             overrides=overrides,
-            fingerprint=config_fingerprint(compose_config(overrides), ignore=("num_rounds",)),
+            fingerprint=run.settings.fingerprint(ignore=("num_rounds",)),
             arrays=strategy.initial_arrays(),
             strategy=strategy,
             recorder={"rounds_recorded": 0, "initial": {}, "outside": []},

@@ -57,7 +57,7 @@ def test_quick_example_learns_within_its_budget(simulate, name: str) -> None:
     assert [r["round"] for r in results["rounds"]] == list(range(1, quick.suite_rounds + 1))
     if "secret" in results["privacy"]["randomness"]["cohort"]:  # nothing published follows the cohort
         assert all(not set(COHORT_FIELDS) & set(r) for r in results["rounds"]), results["rounds"][0]
-        assert "failures" not in final and final["upload_bytes_per_client"] > 0
+        assert "failures" not in final and "upload_bytes_per_client" not in final
     else:
         assert all(r["failures"] == 0 and r["clients"] > 0 for r in results["rounds"])
     assert final["accuracy"] >= quick.beats_chance, (name, final)

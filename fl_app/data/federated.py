@@ -228,7 +228,8 @@ def load_arrays(spec: DataSpec) -> ArrayDataset:
     source = hf_source(spec)
     if source is None:
         return load_dataset(spec.dataset, seed=spec.seed)
-    return load_hf_dataset(source, seed=spec.seed)
+    declared = spec.dataset.get("num_classes")
+    return load_hf_dataset(source, seed=spec.seed, num_classes=None if declared is None else int(declared))
 
 
 def hf_source(spec: DataSpec) -> HFSource | None:

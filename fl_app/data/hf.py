@@ -11,6 +11,11 @@ images give ``1xHxW``, RGB ``3xHxW``; array columns ``HxW``, ``HxWxC`` or ``CxHx
 to [0, 1], as for MNIST), else ``float32`` as they are; labels ``int64`` from a ``ClassLabel`` or
 integer column; and, for a natural partition, the id column (``partition.column``) as ``int64``
 codes of its sorted distinct values.
+
+The number of classes is the one the data set declares: a ``ClassLabel``'s size, or
+``dataset.num_classes`` for an integer column. An integer column without ``dataset.num_classes`` gives
+``k`` classes when its labels are exactly ``0..k-1``; labels with a gap (``0..9`` and ``99``) are
+refused in one line (they would silently make a 100-class model) that says to declare the number.
 The test split is ``dataset.test_split`` (null: ``test`` when the data set has one); without one,
 a seeded ``dataset.test_fraction`` of the rows is held out (whole ids when there is an id column,
 so that test users are never clients).
@@ -23,7 +28,9 @@ a second run, in any process, reads numpy files and touches neither ``datasets``
 data set changed upstream is picked up with another ``dataset.revision`` (or by deleting the cache
 file).
 
-Every problem is one line naming the key (:class:`DataNotFoundError`, :class:`DataFileError`).
+Every problem is one line naming the key (:class:`DataNotFoundError`, :class:`DataFileError`), found
+before the conversion starts where it can be (splits, columns, labels): the line saying that a data set
+is converted (and where its arrays will be kept) is printed only then.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from fl_app.data.partition_cache import write_npz
 from fl_app.data.sources import ArrayDataset, DataFileError, DataNotFoundError, data_home
 
 #: Bump when the conversion changes: cached arrays of another version are not read.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 #: Files whose presence marks a ``save_to_disk`` folder.
 SAVED_MARKERS = ("dataset_dict.json", "state.json")
 #: Rows decoded per batch (bounds the memory of the Python objects of one batch).
@@ -53,6 +60,11 @@ HOW_TO_PROVIDE = (
     "run once on a machine that is online (the converted arrays are then kept in the dpfl cache), "
     "or save the data set with datasets' save_to_disk (or as parquet files) and set "
     "dataset.path=<that folder or file>"
+)
+#: What ``dataset.path`` may name on this machine (said when a path names nothing).
+LOCAL_FORMS = (
+    "set dataset.path to an existing save_to_disk folder, parquet file (or glob of them) or folder of "
+    "data files, or to a hub name (user/data_set)"
 )
 
 
@@ -101,12 +113,15 @@ class HFSource:
 
 @dataclass(frozen=True)
 class Converted:
-    """One converted split: images, labels, id codes (or None) and the classes the labels count."""
+    """One converted split: images, labels, id codes (or None) and the classes its label column declares.
+
+    ``declared_classes``: a ``ClassLabel``'s size; 0 for an integer column, which declares none.
+    """
 
     x: np.ndarray
     y: np.ndarray
     groups: np.ndarray | None
-    num_classes: int
+    declared_classes: int
 
 
 def cache_folder() -> Path:
@@ -154,8 +169,11 @@ def groups_path(source: HFSource) -> Path:
     return cache_folder() / f"{cache_key(source)}.users-{column}.npz"
 
 
-def load_hf_dataset(source: HFSource, *, seed: int) -> ArrayDataset:
+def load_hf_dataset(source: HFSource, *, seed: int, num_classes: int | None = None) -> ArrayDataset:
     """The train and test arrays of ``source`` (from the cache, else loaded, converted and cached).
+
+    ``num_classes``: ``dataset.num_classes``, the number of classes of an integer label column (None:
+    a ``ClassLabel`` declares it, or the labels are exactly ``0..k-1``; :func:`class_count`).
 
     Raises
     ------
@@ -163,23 +181,77 @@ def load_hf_dataset(source: HFSource, *, seed: int) -> ArrayDataset:
         The data set is neither local nor reachable (one line: ``dataset.path``, where dpfl looked,
         how to provide it), or a split does not exist.
     DataFileError
-        A column is missing or of the wrong type, or the images disagree in shape (one line naming
-        the key, the column and the columns that exist).
+        A column is missing or of the wrong type, the labels declare no number of classes, or the
+        images disagree in shape (one line naming the key, the column and the columns that exist).
 
     """
     splits = read_cache(cache_path(source))
     if splits is None:
-        splits = convert_source(source)
+        splits = convert_source(source, num_classes=num_classes)
         write_cache(cache_path(source), splits)
         if splits[0].groups is not None:
             write_npz(groups_path(source), {"groups": splits[0].groups})
     elif source.group_column is not None:
         splits = (replace(splits[0], groups=cached_groups(source, rows=len(splits[0].y))), splits[1])
     train, test = splits
+    labels = [train.y] if test is None else [train.y, test.y]
+    classes = class_count(source.label_column, train.declared_classes, labels, num_classes)
     if test is None:
         train, test = hold_out_test(train, fraction=source.test_fraction, seed=seed)
-    num_classes = max(train.num_classes, test.num_classes)
-    return ArrayDataset("hf", train.x, train.y, test.x, test.y, num_classes, groups_train=train.groups)
+    return ArrayDataset("hf", train.x, train.y, test.x, test.y, classes, groups_train=train.groups)
+
+
+def class_count(column: str, declared: int, labels: list[np.ndarray], num_classes: int | None) -> int:
+    """The number of classes of the label column ``column`` (labels ``>= 0``).
+
+    ``declared``: its ``ClassLabel``'s size (0: an integer column); ``labels``: every split's;
+    ``num_classes``: ``dataset.num_classes`` (None: not set). An integer column without it counts
+    ``k`` classes when its labels are exactly ``0..k-1``: a gap is refused, never a class of its own.
+
+    Raises
+    ------
+    DataFileError
+        One line naming the key, the value and what to set.
+
+    """
+    values = np.unique(np.concatenate(labels)) if labels else np.zeros(0, dtype=np.int64)
+    top = int(values[-1]) if values.size else -1
+    if declared:
+        if num_classes is not None and num_classes != declared:
+            raise DataFileError(
+                f"dataset.num_classes={num_classes}: the label column {column!r} is a ClassLabel of "
+                f"{declared} classes, which declares the number; leave dataset.num_classes null"
+            )
+        if top >= declared:
+            raise DataFileError(
+                f"dataset.label_column={column!r}: holds the label {top}, but its ClassLabel declares "
+                f"{declared} classes (0..{declared - 1}); fix the data set's labels"
+            )
+        return declared
+    if num_classes is not None:
+        if top >= num_classes:
+            raise DataFileError(
+                f"dataset.num_classes={num_classes}: the label column {column!r} holds the label {top}; "
+                f"labels must be 0..{num_classes - 1}: set dataset.num_classes={top + 1} or more"
+            )
+        return num_classes
+    if values.size == top + 1:  # exactly 0..top
+        return top + 1
+    raise DataFileError(
+        f"dataset.label_column={column!r}: integer labels {spans(values)} ({values.size} distinct) "
+        f"declare no number of classes, and the label {top} would make a model of {top + 1} classes, "
+        f"{top + 1 - values.size} of them never seen; set dataset.num_classes={top + 1} if the data set "
+        f"has {top + 1} classes, or relabel the column to 0..{values.size - 1} (or make it a ClassLabel)"
+    )
+
+
+def spans(values: np.ndarray, *, shown: int = 4) -> str:
+    """Sorted distinct integers as runs: ``0..9, 99`` (the first ``shown`` runs, then how many more)."""
+    breaks = np.flatnonzero(np.diff(values) != 1) + 1
+    parts = [run for run in np.split(values, breaks) if len(run)]
+    runs = [f"{run[0]}..{run[-1]}" if len(run) > 1 else str(run[0]) for run in parts]
+    more = f" and {len(runs) - shown} more runs" if len(runs) > shown else ""
+    return ", ".join(runs[:shown]) + more
 
 
 def cached_groups(source: HFSource, *, rows: int) -> np.ndarray:
@@ -197,24 +269,52 @@ def cached_groups(source: HFSource, *, rows: int) -> np.ndarray:
     return groups
 
 
-def convert_source(source: HFSource) -> tuple[Converted, Converted | None]:
-    """Load ``source``'s train split (and its test split, if any) with ``datasets`` and convert them."""
+def convert_source(source: HFSource, *, num_classes: int | None = None) -> tuple[Converted, Converted | None]:
+    """Load ``source``'s train split (and its test split, if any) with ``datasets`` and convert them.
+
+    The splits, their columns and their labels (:func:`class_count`, with ``num_classes``) are checked
+    first; then :func:`announce_conversion` says that the conversion starts, and the images are decoded.
+    """
     with quiet_datasets():
-        train_set = open_split(source, source.split, key="dataset.split")
-        test_set = None
-        if source.test_split is not None:
-            test_set = open_split(source, source.test_split, key="dataset.test_split")
-        elif source.split != "test":
-            with contextlib.suppress(DataNotFoundError):
-                test_set = open_split(source, "test", key="dataset.test_split")
-        train = convert_split(train_set, source, group_column=source.group_column)
-        test = None if test_set is None else convert_split(test_set, source, group_column=None)
+        train_set, test_set = open_splits(source)
+        sets = [train_set] if test_set is None else [train_set, test_set]
+        for dataset, group_column in zip(sets, (source.group_column, None), strict=False):
+            check_columns(dataset, source, group_column=group_column)
+        labels = [convert_labels(dataset, source.label_column) for dataset in sets]
+        declared = max(classes for _, classes in labels)
+        class_count(source.label_column, declared, [y for y, _ in labels], num_classes)
+        announce_conversion(source)
+        train = convert_split(train_set, source, labels[0][0], declared, group_column=source.group_column)
+        test = None
+        if test_set is not None:
+            test = convert_split(test_set, source, labels[1][0], declared, group_column=None)
     if test is not None and test.x.shape[1:] != train.x.shape[1:]:
         raise DataFileError(
             f"dataset.test_split={source.test_split or 'test'!r}: examples of shape {test.x.shape[1:]}, "
             f"but the training split's are {train.x.shape[1:]}; one network cannot take both"
         )
     return train, test
+
+
+def open_splits(source: HFSource) -> tuple[Any, Any | None]:
+    """The training split of ``source`` and its test split (None: none, a share is held out)."""
+    train_set = open_split(source, source.split, key="dataset.split")
+    test_set = None
+    if source.test_split is not None:
+        test_set = open_split(source, source.test_split, key="dataset.test_split")
+    elif source.split != "test":
+        with contextlib.suppress(DataNotFoundError):
+            test_set = open_split(source, "test", key="dataset.test_split")
+    return train_set, test_set
+
+
+def announce_conversion(source: HFSource) -> None:
+    """Say on stdout that ``source`` is converted now, once (its checks passed): then read from the cache."""
+    print(
+        f"dpfl: reading {source.path} ({source.split}) with datasets and converting it to arrays, once: "
+        f"later runs read {cache_path(source)}",
+        flush=True,
+    )
 
 
 @contextlib.contextmanager
@@ -267,7 +367,17 @@ def open_split(source: HFSource, split: str, *, key: str) -> Any:
                 "expected a save_to_disk folder, parquet file(s) or a folder of data files"
             ) from None
         return pick_split(loaded, split, key=key, where=source.path)
+    if looks_like_a_path(source.path):  # a path, not a hub name: the hub is no answer
+        what = "matches no file" if any(ch in source.path for ch in "*?[") else "does not exist"
+        raise DataNotFoundError(
+            f"dataset.path={source.path!r}: {Path(source.path).expanduser()} {what}; {LOCAL_FORMS}"
+        )
     return hub_split(source, split, key=key)
+
+
+def looks_like_a_path(path: str) -> bool:
+    """Whether ``path`` is written as a file system path (``/``, ``./``, ``../``, ``~``), not a hub name."""
+    return path.startswith(("/", "./", "../", "~"))
 
 
 def hub_split(source: HFSource, split: str, *, key: str) -> Any:
@@ -289,11 +399,6 @@ def not_found(source: HFSource, error: BaseException) -> str:
     import datasets
 
     hf_cache = datasets.config.HF_DATASETS_CACHE
-    if source.path.startswith(("/", "./", "../", "~")):  # a path, not a hub name: the hub is no answer
-        return (
-            f"dataset.path={source.path!r}: no such folder or file ({Path(source.path).expanduser()}); "
-            f"{HOW_TO_PROVIDE}"
-        )
     return (
         f"dataset.path={source.path!r}: not a local folder or file ({Path(source.path).expanduser()}), "
         f"not in the dpfl cache ({cache_folder()}) or the Hugging Face cache ({hf_cache}), and the hub "
@@ -332,8 +437,8 @@ def describe_feature(feature: Any) -> str:
     return type(feature).__name__
 
 
-def convert_split(dataset: Any, source: HFSource, *, group_column: str | None) -> Converted:
-    """Images, labels and (if asked) id codes of one ``datasets.Dataset``."""
+def check_columns(dataset: Any, source: HFSource, *, group_column: str | None) -> None:
+    """The image, label and (if asked) id columns exist in one ``datasets.Dataset``."""
     for key, column in (
         ("dataset.image_column", source.image_column),
         ("dataset.label_column", source.label_column),
@@ -341,14 +446,19 @@ def convert_split(dataset: Any, source: HFSource, *, group_column: str | None) -
     ):
         if column is not None and column not in dataset.features:
             raise column_error(key, column, dataset, "no such column")
-    y, num_classes = convert_labels(dataset, source.label_column)
+
+
+def convert_split(
+    dataset: Any, source: HFSource, labels: np.ndarray, declared: int, *, group_column: str | None
+) -> Converted:
+    """Images and (if asked) id codes of one ``datasets.Dataset``, with its converted ``labels``."""
     x = convert_images(dataset, source.image_column)
     groups = None if group_column is None else convert_groups(dataset, group_column)
-    return Converted(x, y, groups, num_classes)
+    return Converted(x, labels, groups, declared)
 
 
 def convert_labels(dataset: Any, column: str) -> tuple[np.ndarray, int]:
-    """Integer labels ``0..k-1`` and ``k`` (a ``ClassLabel``'s size, else the largest label + 1)."""
+    """Integer labels (``>= 0``) and the classes the column declares (a ``ClassLabel``'s size, else 0)."""
     import datasets
 
     feature = dataset.features[column]
@@ -363,9 +473,7 @@ def convert_labels(dataset: Any, column: str) -> tuple[np.ndarray, int]:
     labels = dataset.with_format("arrow", columns=[column])[:][column].to_numpy().astype(np.int64)
     if len(labels) and labels.min() < 0:
         raise column_error("dataset.label_column", column, dataset, f"holds the label {labels.min()} (< 0)")
-    if isinstance(feature, datasets.ClassLabel):
-        return labels, int(feature.num_classes)
-    return labels, int(labels.max()) + 1 if len(labels) else 0
+    return labels, int(feature.num_classes) if isinstance(feature, datasets.ClassLabel) else 0
 
 
 def convert_groups(dataset: Any, column: str) -> np.ndarray:
@@ -470,7 +578,7 @@ def hold_out_test(train: Converted, *, fraction: float, seed: int) -> tuple[Conv
 
     def take(rows: np.ndarray, groups: bool) -> Converted:
         kept = train.groups[rows] if groups and train.groups is not None else None
-        return Converted(train.x[rows], train.y[rows], kept, train.num_classes)
+        return Converted(train.x[rows], train.y[rows], kept, train.declared_classes)
 
     return take(~test_rows, True), take(test_rows, False)
 
@@ -479,7 +587,7 @@ def read_cache(path: Path) -> tuple[Converted, Converted | None] | None:
     """The cached splits at ``path``; None when absent or unreadable (then converted again)."""
     try:
         with np.load(path, allow_pickle=False) as stored:
-            classes = int(stored["num_classes"])
+            classes = int(stored["declared_classes"])
             train = Converted(stored["x_train"], stored["y_train"], None, classes)
             test = (
                 Converted(stored["x_test"], stored["y_test"], None, classes) if "x_test" in stored else None
@@ -492,9 +600,7 @@ def read_cache(path: Path) -> tuple[Converted, Converted | None] | None:
 def write_cache(path: Path, splits: tuple[Converted, Converted | None]) -> None:
     """Store the converted splits, without the users (:func:`groups_path` keeps those)."""
     train, test = splits
-    arrays = {"x_train": train.x, "y_train": train.y, "num_classes": np.int64(train.num_classes)}
+    arrays = {"x_train": train.x, "y_train": train.y, "declared_classes": np.int64(train.declared_classes)}
     if test is not None:
-        arrays.update(
-            x_test=test.x, y_test=test.y, num_classes=np.int64(max(train.num_classes, test.num_classes))
-        )
+        arrays.update(x_test=test.x, y_test=test.y)
     write_npz(path, arrays)

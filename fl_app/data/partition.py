@@ -7,6 +7,7 @@ partitioner decides which rows each client gets, the arrays stay in numpy.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -291,10 +292,30 @@ def partition_rows(
     partitioner.dataset = Dataset.from_dict(
         {"label": labels.astype(np.int64), "row": np.arange(len(labels), dtype=np.int64)}
     )
-    fast = partition_positions_fast(partitioner, num_partitions=num_partitions, num_rows=len(labels))
-    if fast is not None:
-        return fast
-    return partition_positions_public(partitioner, num_partitions=num_partitions)
+    try:
+        with warnings.catch_warnings():  # one warning per failed draw, each listing every client's alpha
+            warnings.filterwarnings(
+                "ignore", message="The specified min_partition_size", category=UserWarning
+            )
+            fast = partition_positions_fast(partitioner, num_partitions=num_partitions, num_rows=len(labels))
+            if fast is not None:
+                return fast
+            return partition_positions_public(partitioner, num_partitions=num_partitions)
+    except ValueError as error:
+        if scheme != "dirichlet":
+            raise
+        raise ValueError(dirichlet_refusal(len(labels), num_partitions, options)) from error
+
+
+def dirichlet_refusal(num_rows: int, num_partitions: int, options: Mapping[str, Any]) -> str:
+    """Why the Dirichlet partition found no split: the clients, the rows, the minimum, the remedies."""
+    minimum = int(options.get("min_partition_size", 2))
+    return (
+        f"every draw of Dirichlet(partition.alpha={options['alpha']}) shares left some of the "
+        f"{num_partitions} clients with fewer than partition.min_partition_size={minimum} of the "
+        f"{num_rows} rows ({num_rows / num_partitions:.1f} per client on average); use fewer clients, "
+        "a larger partition.alpha (more even shares) or partition=iid"
+    )
 
 
 def partition_positions_public(partitioner: Partitioner, *, num_partitions: int) -> list[np.ndarray]:

@@ -1,13 +1,15 @@
 """Hydra's non-public APIs (hydra-core 1.3.8; ``tests/test_config.py`` pins it).
 
 dpfl composes a job's configuration itself, before Hydra creates any directory, so that a bad value
-is one line and nothing is written. Two things it needs are not in Hydra's public API:
+is one line and nothing is written. What it needs beyond Hydra's public API:
 
 * :func:`compose_fresh`: a composition from ``conf/`` that also works inside a running
   ``@hydra.main`` job (Hydra's global state is set aside and put back:
   ``hydra.initialize.get_gh_backup`` / ``restore_gh_from_backup``, ``GlobalHydra.clear``);
 * :func:`sweep_jobs`: the override list of every job of a multirun, as Hydra's basic sweeper
-  makes them (``hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments``).
+  makes them (``hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments``);
+* :func:`submitit_jobs_reported`: a job of Hydra's submitit launcher that left no result is one line
+  (``submitit.core.core.Job.results`` is wrapped while the launcher waits).
 
 A Hydra upgrade must revisit this module; nothing else in dpfl imports Hydra's internals
 (``tests/test_repository.py``).
@@ -15,8 +17,10 @@ A Hydra upgrade must revisit this module; nothing else in dpfl imports Hydra's i
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
@@ -72,3 +76,84 @@ def sweep_fixed(command_line: Sequence[str]) -> list[str]:
 
     parsed = OverridesParser.create().parse_overrides(list(command_line))
     return [item.input_line for item in parsed if not item.is_sweep_override() and item.input_line]
+
+
+def launcher_names() -> list[str]:
+    """The names ``hydra/launcher=`` accepts here: Hydra's own and those of the installed launcher plugins.
+
+    Read from Hydra's config store, which Hydra's own configs and the plugins fill when they are
+    imported and discovered.
+    """
+    import hydra.conf  # noqa: F401  (registers Hydra's own launcher, basic)
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # discovers the installed plugins, which register their launchers
+    return sorted(name.removesuffix(".yaml") for name in ConfigStore.instance().list("hydra/launcher"))
+
+
+@contextmanager
+def submitit_jobs_reported(
+    failed: Callable[[str, Path | None], None], done: Callable[[str], None]
+) -> Iterator[None]:
+    """While in the block, a submitit launcher's job that ends without a result is one line, not a traceback.
+
+    Hydra's submitit launcher (``hydra-submitit-launcher`` 1.2.0) waits for each job with
+    ``submitit.Job.results``, which raises when the job left no result (killed by the scheduler or by
+    ``kill -9``, out of memory, past its time limit) or raised; Hydra then printed the whole traceback
+    and the sweep's other results were not waited for. In the block, such a job is reported with
+    ``failed(line, sweep_dir)`` (its number, overrides, what submitit saw, its log file; the sweep's
+    directory, None if unreadable) and the launcher goes on with the next job; a job that returned is
+    reported with ``done(line)``.
+    """
+    from hydra.core.utils import JobReturn, JobStatus
+    from submitit.core.core import Job
+    from submitit.core.utils import UncompletedJobError
+
+    original = Job.results
+
+    def results(job: Job) -> list[JobReturn]:
+        try:
+            returned = original(job)
+        except UncompletedJobError as error:
+            failed(_job_failure(job, error), _sweep_dir(job))
+            placeholder = JobReturn()
+            placeholder.status, placeholder.return_value = JobStatus.COMPLETED, None
+            return [placeholder]
+        done(f"job {_job_name(job)} ended (its log: {job.paths.stderr})")
+        return returned
+
+    Job.results = results  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Job.results = original  # type: ignore[method-assign]
+
+
+def _sweep_dir(job: Any) -> Path | None:
+    """The sweep directory of a submitit job the Hydra launcher submitted (None if unreadable)."""
+    try:
+        return Path(str(job.submission().function.config.hydra.sweep.dir)).expanduser().resolve()
+    except Exception:  # an unreadable submission file: the line to continue names no directory
+        return None
+
+
+def _job_name(job: Any) -> str:
+    """``<number> (<overrides>)`` of a job the Hydra launcher submitted (its job id if unreadable)."""
+    try:
+        overrides, _, number = job.submission().args[:3]
+    except Exception:  # an unreadable submission file: the scheduler's id still names it
+        return f"id {job.job_id}"
+    return f"{number} ({' '.join(overrides) or 'defaults'})"
+
+
+def _job_failure(job: Any, error: Exception) -> str:
+    """The one line for a job that left no result: what submitit says, without the log it quotes."""
+    from submitit.core.utils import FailedJobError
+
+    if isinstance(error, FailedJobError):
+        what = "raised in its process"
+    else:
+        state = str(job.state)
+        what = f"ended without a result (killed, out of memory or out of time?; scheduler state {state})"
+    return f"job {_job_name(job)} {what} [its log: {job.paths.stderr}]"

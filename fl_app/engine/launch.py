@@ -5,6 +5,8 @@
   dpfl's overrides travel in the run config.
 * :func:`start_ray` starts Ray with the arguments Flower's Ray backend would use (which then finds it
   running), so the driver can handle SIGTERM itself.
+* :func:`ray_session_folder`: where the instance this process started keeps its logs (Ray's private
+  ``_global_node``), which names its processes to :mod:`fl_app.orphan_reaper`.
 * :func:`actor_limit` caps the actor pool (Flower sizes it from the whole Ray cluster).
 * :func:`watched_from_the_main_thread`: the engine runs on a helper thread, so that a stop signal's
   handler runs at once on the main thread.
@@ -216,6 +218,17 @@ def start_ray(init_args: dict[str, Any]) -> None:
     ray.init(
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **{"include_dashboard": False, **init_args}
     )
+
+
+def ray_session_folder() -> str | None:
+    """The session folder of the Ray instance this process started (its processes' logs), or None."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    try:
+        return None if node is None else str(node.get_session_dir_path())
+    except Exception:  # a Ray without it: the session is found by its driver's id
+        return None
 
 
 def import_ray_modules() -> None:

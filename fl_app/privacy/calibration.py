@@ -16,7 +16,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable
 
-from fl_app.privacy.calibration_cache import checked_calibration
+from fl_app.privacy.calibration_cache import checked_calibration, passes
 from fl_app.privacy.checks import require_positive, require_positive_int, require_probability
 from fl_app.privacy.composition import History, compose_epsilon, dpa
 from fl_app.privacy.events import (
@@ -474,7 +474,7 @@ def noise_multiplier_for_histories(
     )
     key = (float(epsilon), float(delta), method, schedule)
     stored = _HISTORIES_CACHE.get(key)
-    if stored is not None and meets(stored):
+    if stored is not None and passes(meets, stored):
         return stored
     arguments = {
         "epsilon": float(epsilon),

@@ -7,9 +7,12 @@ arguments and of the accounting code, and many processes ask for the same one: e
 over seeds or models at one budget, a resumed run, each ServerApp of a deployment, the budget
 calculator. The first process to search stores the answer here; the others read it.
 
-**A stored answer is checked, never trusted**: it is used only when it meets the target under one
-evaluation of the accountant's own composition (the test each step of the search makes), so a stale
-or edited file can cost tightness (more noise than needed), never the budget. The key covers the
+**A stored answer is checked, never trusted**: it is used only when it is a positive normal float64
+(every search answers one: a noise multiplier, an epsilon) and meets the target under one
+evaluation of the accountant's own composition (the test each step of the search makes); anything
+else the file holds (zero, a negative, a subnormal, a NaN or an infinity, another type or shape, a
+value the accountant cannot evaluate) is searched again and overwritten. So a stale or edited file
+can cost tightness (more noise than needed), never the budget, and never the run. The key covers the
 search (its name), its arguments (floats exactly), the sources of the accounting modules
 (:data:`CODE_MODULES`), the installed dp-accounting, numpy and scipy, and the compiled code of every
 function and the value of every setting those modules hold while the process runs (one replaced at run
@@ -28,8 +31,10 @@ import functools
 import hashlib
 import inspect
 import json
+import math
 import sys
 import types
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -153,7 +158,7 @@ def checked_calibration(
         return compute()
     path = folder / f"{calibration_key(search, arguments)}.npz"
     stored = _load(path)
-    if stored is not None and meets(stored):
+    if stored is not None and passes(meets, stored):
         return stored
     answer = compute()
     if write_npz(path, {"answer": np.float64(answer)}):
@@ -161,11 +166,26 @@ def checked_calibration(
     return answer
 
 
+def passes(meets: Callable[[float], bool], answer: float) -> bool:
+    """Whether ``answer`` ``meets`` the target; False when the check cannot evaluate it (it raises).
+
+    An answer read from elsewhere is data: an accountant that overflows or refuses the value says
+    that it is not an answer, and the search (which runs the same accountant) is what decides.
+    """
+    try:
+        return bool(meets(answer))
+    except Exception:  # any failure of the check rejects the stored value
+        return False
+
+
 def _load(path: Path) -> float | None:
-    """The answer stored at ``path``; None if absent or unreadable."""
+    """The answer stored at ``path``; None if absent, unreadable, or not a positive normal float64."""
     try:
         with np.load(path, allow_pickle=False) as stored:
-            answer = float(stored["answer"])
-    except (OSError, EOFError, KeyError, ValueError, TypeError):
+            value = stored["answer"]
+    except (OSError, EOFError, KeyError, ValueError, TypeError, zipfile.BadZipFile):
         return None
-    return answer if np.isfinite(answer) else None
+    if value.dtype != np.float64 or value.shape != ():
+        return None
+    answer = float(value)
+    return answer if math.isfinite(answer) and answer >= sys.float_info.min else None

@@ -226,6 +226,9 @@ def rdp_epsilon(history: History, *, delta: float) -> tuple[float, float]:
     for mechanism, count in history.items():
         if count and not _is_lossless(mechanism):
             total = total + int(count) * rdp_curve(mechanism)
+    # an order whose RDP could not be computed (NaN: a Poisson-subsampled Gaussian of noise below
+    # about 1e-160 overflows) bounds nothing; dp-accounting would read its NaN as epsilon 0
+    total = np.where(np.isnan(total), np.inf, total)
     if not total.any():
         return 0.0, float(rdp_orders()[0])
     epsilon, order = rdp_lib.compute_epsilon(list(rdp_orders()), list(total), delta)

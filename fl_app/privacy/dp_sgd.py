@@ -249,7 +249,7 @@ def dp_sgd_train(
         optimizer.zero_grad(set_to_none=True)
         for p, total in zip(parameters, summed, strict=True):
             noisy = gaussian_mechanism(values=total.numpy(), sigma=sigma, rng=rng)
-            p.grad = torch.from_numpy(noisy / denominator).to(p.dtype)
+            p.grad = torch.from_numpy(np.asarray(noisy / denominator)).to(p.dtype)
         optimizer.step()
     return DPSGDStats(
         steps=int(steps),

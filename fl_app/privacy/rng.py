@@ -4,10 +4,12 @@ Simulations derive every generator from a seed, separately per purpose,
 client and round, so a run is reproducible and no two uses share a stream:
 ``SeedSequence(seed, spawn_key=(purpose, client, round))``. The privacy noise of
 a seeded simulation uses its own seed, by default :func:`derive_noise_seed` of
-the run seed and the whole configuration, so that two runs of a sweep never
+the run seed and the experiment (its validated settings, not its label, tracker,
+output folder or the spelling of a number), so that two runs of a sweep never
 share a noise stream (their noises would otherwise be equal up to scale and
-cancel between two released models). Such noise is still reproducible from
-the published configuration: a seeded simulation says so in its results.
+cancel between two released models) and two runs of one experiment draw the same.
+Such noise is still reproducible from the published configuration: a seeded
+simulation says so in its results.
 
 ``secure=True`` (``privacy.secure_rng``, forced on real devices) keys each
 generator with 128 fresh bits from the operating system's CSPRNG
@@ -33,20 +35,20 @@ def purpose_id(purpose: str) -> int:
 
 
 def derive_noise_seed(*, seed: int, fingerprint: str) -> int:
-    """The default privacy-noise seed of a seeded simulation: a hash of the run seed and the configuration.
+    """The default privacy-noise seed of a seeded simulation: a hash of the run seed and the experiment.
 
     Parameters
     ----------
     seed : int
         The run seed (``seed``), >= 0.
     fingerprint : str
-        A digest of everything else the run was configured with (see
-        :func:`fl_app.run.config_fingerprint`).
+        A digest of the experiment's validated settings
+        (:meth:`fl_app.run_settings.RunSettings.fingerprint`).
 
     Returns
     -------
     int
-        A 63-bit seed that changes whenever the seed or the configuration changes.
+        A 63-bit seed that changes whenever the seed or the experiment changes.
 
     Notes
     -----

@@ -37,6 +37,19 @@ clients (the fewest whose noise the plan is calibrated for) from what it holds:
   must fall into parts of at least ``min_sum`` clients each: the sum of a part with no mask to the
   rest is what unmasking reveals, and a sparse graph (``shares`` below the cohort) can break into
   small parts when neighbouring clients drop together.
+
+**When a round is charged.** From the moment the unmask requests go out, the server may hold
+enough shares to open a sum even if the stage then fails: a survivor's reply carries shares of its
+neighbours' mask seeds and of the dropped clients' keys, so a part of the survivors' graph whose
+shares all came back can be unmasked on its own (20 clients, ``shares=5``: dropouts at ring
+positions 0, 1, 8 and 9 leave parts of 6 and 10; if positions 14-16 then do not answer, the
+10-client part cannot be opened but the 6-client part can). :meth:`SecAggRound.unmask` therefore
+calls its ``charge`` argument right before it sends the requests, whatever the stage's outcome.
+Sound: any linear combination of the survivors' uploads the server can unmask is a union of whole
+parts (a mask between two survivors stays: no survivor's key-agreement secret is ever asked
+for), each part holds at least ``min_sum`` survivors (checked before the requests), and a client
+is in one part only, so the charge of one sum of ``min_sum`` noise shares covers whatever opens.
+Before the requests the server holds only masked vectors, uniform mod ``2^b``: nothing to charge.
 """
 
 from __future__ import annotations
@@ -226,11 +239,32 @@ class SecAggRound:
 
     # ------------------------------------------------------------------ stage 3
 
-    def unmask(self, masked_total: list[np.ndarray], survivors: set[int]) -> list[np.ndarray]:
+    def unmask(
+        self, masked_total: list[np.ndarray], survivors: set[int], *, charge: Callable[[], None]
+    ) -> list[np.ndarray]:
         """Stage 4: remove the survivors' private masks and the dropped clients' pairwise masks.
 
-        ``survivors``: the nodes whose masked vectors are in ``masked_total``. Returns the sum of
-        their unmasked vectors mod ``2^b``.
+        Parameters
+        ----------
+        masked_total : list[np.ndarray]
+            The modular sum of the survivors' masked vectors.
+        survivors : set[int]
+            The nodes whose masked vectors are in ``masked_total``.
+        charge : Callable[[], None]
+            Called once, right before the unmask requests go out (and only if they do): from then on
+            the replies may open a sum, whether or not this stage completes (module docstring).
+
+        Returns
+        -------
+        list[np.ndarray]
+            The sum of the survivors' unmasked vectors mod ``2^b``.
+
+        Raises
+        ------
+        SecAggAbortedError
+            Before the requests, when the survivors fail the checks; after them, when too few shares
+            came back to rebuild a secret (the round was charged all the same).
+
         """
         self._check(survivors, "collect masked vectors")
         self.check_parts(survivors)
@@ -245,6 +279,7 @@ class SecAggRound:
                 }
             )
 
+        charge()
         replies = self._exchange({nid: request(nid) for nid in sorted(survivors)})
         collected: dict[int, list[bytes]] = {nid: [] for nid in survivors | dead}
         for configs in replies.values():
@@ -253,6 +288,12 @@ class SecAggRound:
             for owner, share in zip(owners, shares, strict=True):
                 if owner in collected:
                     collected[owner].append(share)
+        return self._remove_masks(masked_total, survivors, collected)
+
+    def _remove_masks(
+        self, masked_total: list[np.ndarray], survivors: set[int], collected: dict[int, list[bytes]]
+    ) -> list[np.ndarray]:
+        """Rebuild each secret from its ``collected`` shares and remove its masks from ``masked_total``."""
         shapes = [a.shape for a in masked_total]
         total = [a.copy() for a in masked_total]
         for nid, shares in sorted(collected.items()):

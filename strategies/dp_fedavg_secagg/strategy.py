@@ -19,17 +19,21 @@ CCS 2020) as Flower implements it. Each round t:
    (the cohort it planned; a dropped client counts as a zero update). With fewer, the round is
    discarded: nothing is unmasked, nothing released, the model stays.
 
+A round is charged as soon as the unmask requests go out, whether or not the sum then comes out:
+the shares that come back may open the sum of a part of the survivors on its own
+(:mod:`~.secagg`, "When a round is charged"). A round discarded before that is not charged.
+
 Privacy: unit = one client's entire data set, zero-out neighbours (its data replaced by data whose
-clipped update is zero; the public schedule is the same for both), against the server and anyone
-who sees the models: the server learns only the modular sum, whose noise is the sum of at least
+clipped update is zero; the public schedule is the same for both), against the server and anyone who
+sees the models: the server learns only the modular sum, whose noise is the sum of at least
 ``min_survivors`` Skellam shares, i.e. Skellam of variance ``min_survivors * v``. One
-:class:`~fl_app.privacy.events.Skellam` event per released round names every scheduled client of
-that round; a client's rounds compose by RDP (the mechanism's own bound; no PLD). ``s`` and ``v``
-come from :func:`fl_app.privacy.distributed.plan_skellam`: the largest scale whose sum fits in
-``strategy.bits`` with ``strategy.k_stddevs`` standard deviations, and the smallest noise with
-which the busiest client of the schedule ends at ``privacy.epsilon``. Trust: an honest-but-curious
-server that runs the protocol as written and honest clients; docs/algorithms/distributed_dp.md states the
-threat model and what breaks it.
+:class:`~fl_app.privacy.events.Skellam` event per round whose unmasking started names every
+scheduled client of that round; a client's rounds compose by RDP (the mechanism's own bound; no
+PLD). ``s`` and ``v`` come from :func:`fl_app.privacy.distributed.plan_skellam`: the largest scale
+whose sum fits in ``strategy.bits`` with ``strategy.k_stddevs`` standard deviations, and the
+smallest noise with which the busiest client of the schedule ends at ``privacy.epsilon``. Trust: an
+honest-but-curious server that runs the protocol as written and honest clients;
+docs/algorithms/distributed_dp.md states the threat model and what breaks it.
 
 Released: the models only. The replies carry no loss and no example count (SecAgg+ hides each
 client's vector; the set of clients that completed a round is known to the server, as the schedule
@@ -337,21 +341,10 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
                 f"(strategy.min_survivors={self.settings.min_survivors:g}): nothing unmasked",
             )
             return None, MetricRecord()
-        try:
-            parts = secagg.check_parts(set(uploads))
-            total = secagg.unmask(secagg.masked_sum(uploads), set(uploads))
-        except SecAggAbortedError as error:
-            self._discard(server_round, f"unmasking refused: {error}: nothing unmasked")
+        unmasked = self._unmask(server_round, secagg, uploads)
+        if unmasked is None:
             return None, MetricRecord()
-        assert self.accountant is not None
-        self.accountant.record(
-            PrivacyEvent(
-                server_round,
-                self.plan.mechanism,
-                participants=tuple(c.client_id for c in self.replies.selected(server_round)),
-                label="securely aggregated noisy sum",
-            )
-        )
+        total, parts = unmasked
         signs = rotation_signs(seed=self._rotation_seed(server_round), dim=self.plan.dim)
         estimate = (
             decode_modular_sum(total[-1], plan=self.plan, signs=signs, size=self.size) / self.denominator
@@ -363,6 +356,47 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
             else ""
         )
         return self._apply(estimate), MetricRecord()
+
+    def _unmask(
+        self, server_round: int, secagg: SecAggRound, uploads: dict[int, list[np.ndarray]]
+    ) -> tuple[list[np.ndarray], list[set[int]]] | None:
+        """The survivors' modular sum and their graph's parts; None when the round is discarded.
+
+        Charged as the unmask requests go out (even if too few shares then come back to finish) or,
+        for a SecAgg+ round that releases a sum without asking, when it does; not charged when the
+        survivors fail the checks before the requests.
+        """
+        charged: list[bool] = []
+
+        def charge() -> None:
+            charged.append(True)
+            self._charge(server_round)
+
+        try:
+            parts = secagg.check_parts(set(uploads))
+            total = secagg.unmask(secagg.masked_sum(uploads), set(uploads), charge=charge)
+        except SecAggAbortedError as error:
+            if charged:
+                reason = f"unmasking failed: {error}: the shares that came back may open a part's sum"
+                self._discard(server_round, f"{reason}: charged", charged=True)
+            else:
+                self._discard(server_round, f"unmasking refused: {error}: nothing unmasked")
+            return None
+        if not charged:
+            charge()
+        return total, parts
+
+    def _charge(self, server_round: int) -> None:
+        """Record the round's Skellam event for every scheduled client of the round."""
+        assert self.accountant is not None
+        self.accountant.record(
+            PrivacyEvent(
+                server_round,
+                self.plan.mechanism,
+                participants=tuple(c.client_id for c in self.replies.selected(server_round)),
+                label="securely aggregated noisy sum",
+            )
+        )
 
     def _mark_refused(self, server_round: int, secagg: SecAggRound) -> None:
         """Count the devices refused in the setup stage as failed, with why."""
@@ -377,7 +411,7 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
             values = array.numpy()
             count = int(values.size)
             step = update[offset : offset + count].reshape(values.shape)
-            new[name] = Array((values.astype(np.float64) + step).astype(values.dtype))
+            new[name] = Array(np.asarray(values.astype(np.float64) + step, dtype=values.dtype))
             offset += count
         return ArrayRecord(new)
 
@@ -395,12 +429,13 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
                 return f"{key}={metrics.get(key)!r}, expected {getattr(self.plan, key)!r}"
         return ""
 
-    def _discard(self, server_round: int, reason: str) -> None:
+    def _discard(self, server_round: int, reason: str, *, charged: bool = False) -> None:
         self._outcome[server_round] = f"discarded: {reason}"
         log(
             WARNING,
-            "dp_fedavg_secagg round %d discarded (model unchanged, nothing released): %s",
+            "dp_fedavg_secagg round %d discarded (model unchanged%s): %s",
             server_round,
+            "" if charged else ", nothing released",
             reason,
         )
 

@@ -290,7 +290,7 @@ class DPFTRLStrategy(FederatedStrategy):
             beta * v + (s + n) / m for v, s, n in zip(self._momentum, self._stream_sum, noise, strict=True)
         ]
         new = {
-            name: Array((w0 + lr * v).astype(global_arrays[name].numpy().dtype))
+            name: Array(np.asarray(w0 + lr * v, dtype=global_arrays[name].numpy().dtype))
             for name, w0, v in zip(names, self._tree_start, self._momentum, strict=True)
         }
         self._record_release(server_round)
