@@ -8,11 +8,11 @@ MLSys 2020, Algorithm 2), with ``w_t`` the received model. Without the key it is
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from clients import register_client
 from clients.fedavg import FedAvgClient
-from fl_app import keys
-from fl_app.train_results import TrainResult
-from fl_app.training import model_state
+from fl_app.training import LocalSGD
 
 #: Flower's FedProx config key (``flwr.serverapp.strategy.FedProx.configure_train``).
 PROXIMAL_MU = "proximal-mu"
@@ -22,17 +22,6 @@ PROXIMAL_MU = "proximal-mu"
 class FlowerClient(FedAvgClient):
     """Local SGD on the received model (with the proximal term when the config asks), the model back."""
 
-    def cohort_proximal_mu(self) -> float:
-        """FedProx's ``proximal-mu`` from the Flower strategy's train config (0: plain FedAvg)."""
-        return max(float(self.config.get(PROXIMAL_MU, 0.0)), 0.0)
-
-    def train_result(self) -> TrainResult:
-        """One round of local training (with the proximal term when the config asks)."""
-        mu = float(self.config.get(PROXIMAL_MU, 0.0))
-        if mu <= 0:
-            return super().train_result()
-        data = self.local_data()
-        model = self.global_model()
-        reference = [p.detach().clone() for p in model.parameters()]
-        loss = self.train_locally(model, data.x, data.y, proximal_mu=mu, reference=reference)
-        return TrainResult(model_state(model), {keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss})
+    def local_sgd(self) -> LocalSGD:
+        """The train config's SGD with FedProx's ``proximal-mu`` from the Flower strategy (0: FedAvg)."""
+        return replace(super().local_sgd(), proximal_mu=max(float(self.config.get(PROXIMAL_MU, 0.0)), 0.0))

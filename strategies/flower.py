@@ -37,6 +37,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flower_strategies
 
+from fl_app import keys
 from fl_app.config_checks import ConfigError
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
@@ -257,7 +258,7 @@ class FlowerStrategy(FederatedStrategy):
         self.replies.record_selected(server_round, clients)
         return self.flower.configure(
             server_round,
-            self.arrays_for_clients(server_round, arrays),
+            self.records_for_clients(server_round, arrays)[keys.ARRAYS],
             self.train_config(server_round, config),
             [c.node_id for c in clients],
         )
