@@ -1,34 +1,47 @@
-"""The base of every client that trains: the node's machinery plus the network, from a real Message.
+"""The client contract: what an algorithm's client writes, on top of the node's machinery.
 
-A client object lives for one message: the ClientApp builds it from the
-incoming :class:`~flwr.app.Message` and the node's :class:`~flwr.app.Context`,
-calls :meth:`FederatedClient.train` (or ``evaluate``) and returns the reply.
-Identity, data, randomness, replies and the roster answer are
-:class:`clients.node.NodeClient`'s (no torch); this class adds the model (built
-once per process, :func:`process_model`), local SGD and evaluation.
+A client object lives for one message: the ClientApp builds it from the incoming
+:class:`~flwr.app.Message` and the node's :class:`~flwr.app.Context`, calls :meth:`FederatedClient.train`
+(or ``evaluate``) and returns the reply. Identity, data, randomness, replies and the roster answer are
+:class:`clients.node.NodeClient`'s (no torch); this class adds the model and local training.
+
+An algorithm's client writes at most three train entry points, and states what it is:
+
+* :meth:`FederatedClient.local_sgd`: what its local training is (SGD settings, a FedProx term, a
+  gradient correction), or None when it trains its own way;
+* :meth:`FederatedClient.train_result`: the reply's content from :meth:`FederatedClient.train_locally`'s
+  result (the trained model by default); or :meth:`FederatedClient.train`, for a reply of its own;
+* :attr:`FederatedClient.keeps_state` and :attr:`FederatedClient.state`: what it keeps between rounds.
+
+How a round runs (one message per client, several clients packed into one message, a cohort trained
+as one vectorised computation) is the engine's choice (:mod:`fl_app.engine`): it reads these
+statements and never needs a hook of the client's.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, Context, Message
+from flwr.app import ArrayRecord, Context, Message, RecordDict
 from torch import nn
 
 from clients.node import NodeClient, parse_model_spec
 from fl_app import keys
-from fl_app.cohort_execution import TrainSettings, precomputed
-from fl_app.data.federated import ClientDataset
+from fl_app.client_states import state_of
+from fl_app.cohort_execution import served_training
 from fl_app.engine.messages import array_record
 from fl_app.train_results import TrainResult
 from fl_app.training import (
+    LocalSGD,
     array_values,
     evaluate,
     fix_state,
     load_arrays,
+    local_steps,
     model_parameters,
     model_state,
     train_local,
@@ -62,8 +75,49 @@ def process_model(spec_text: str, device: torch.device | None = None) -> nn.Modu
     return model
 
 
+@dataclass
+class Trained:
+    """The result of :meth:`FederatedClient.train_locally`: the trained model's state, its loss, its steps.
+
+    ``state`` holds every array of the model by name (views: use them before the process trains its
+    next client); ``steps`` is the number of SGD steps taken (SCAFFOLD's ``K``).
+    """
+
+    state: dict[str, np.ndarray]
+    loss: float
+    steps: int
+    _client: FederatedClient | None = field(default=None, repr=False)
+    _model: nn.Module | None = field(default=None, repr=False)
+
+    def model(self) -> nn.Module:
+        """A model holding the trained state (this process's instance: use it for this message only)."""
+        if self._model is None:
+            if self._client is None:
+                raise RuntimeError("a Trained result without its client has no model")
+            model = self._client.global_model()
+            with torch.no_grad():
+                for name, value in model.state_dict().items():
+                    value.copy_(torch.from_numpy(np.asarray(self.state[name])))
+            self._model = model
+        return self._model
+
+    def update(self, start: ArrayRecord) -> dict[str, np.ndarray]:
+        """``w_k - w_t`` in float64, by name: the trained state minus ``start`` (the received model).
+
+        Raises ``ValueError`` for an array that is not floating point (an update of integers could not
+        be clipped and noised as the mechanisms assume).
+        """
+        update = {}
+        for name in start:
+            begin = array_values(start[name])
+            if not np.issubdtype(begin.dtype, np.floating):
+                raise ValueError(f"model array {name!r} is not floating point: it has no model update")
+            update[name] = self.state[name].astype(np.float64) - begin.astype(np.float64)
+        return update
+
+
 class FederatedClient(NodeClient):
-    """Common machinery of all training clients; subclasses implement :meth:`train`.
+    """The client contract (see the module docstring); subclasses implement :meth:`train_result`.
 
     ``simulation.client_gpus > 0`` asks clients to train on CUDA (:attr:`device`): the model of
     :meth:`global_model` is then placed there, and :func:`fl_app.training.train_local`,
@@ -75,47 +129,40 @@ class FederatedClient(NodeClient):
     message : Message
         The incoming message (train, evaluate or query).
     context : Context
-        The node's context (``node_config``, persistent ``state``).
+        The node's context (``node_config``; ``state`` on a device).
 
     """
 
     #: Whether this client's training may run on the GPU the simulation gives it.
-    uses_gpu: bool = True
-    #: Whether its train messages may be trained as one computation with the others of an actor's
-    #: batch (``simulation.vectorise``, :mod:`fl_app.cohort_execution`): true only where the local
-    #: update is :meth:`train_locally` on the global model as received, its own data, the train
-    #: config and its ``"data-order"`` generator, with :meth:`cohort_proximal_mu` as FedProx term.
-    cohort_form: bool = False
+    uses_gpu: ClassVar[bool] = True
+    #: Whether this client keeps records between rounds in :attr:`state` (per client, not per node).
+    keeps_state: ClassVar[bool] = False
 
     def __init__(self, message: Message, context: Context) -> None:
         threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
         if threads > 0 and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         super().__init__(message, context)
+        self._state: RecordDict | None = None
 
-    # ------------------------------------------------------------------ model
+    # ------------------------------------------------------------------ what the server sent
 
     @property
     def device(self) -> torch.device:
-        """Where this client trains: CUDA or the CPU.
-
-        CUDA when the server asked for it (``simulation.client_gpus > 0``), this client can use it
-        (:attr:`uses_gpu`) and torch sees a device; the CPU otherwise, and for a message whose
-        training was done in its cohort (:mod:`fl_app.cohort_execution`, which moves the cohort's
-        results to the CPU at once): what is left of it (the update, clipping, local noise, the
-        reply's arrays) would otherwise pay a dozen host-device transfers per message.
-        """
-        if precomputed(self.message) is not None:
-            return torch.device("cpu")
+        """Where this client trains: CUDA when the server asked for it, the client can and torch sees one."""
         wanted = str(self.config.get(keys.DEVICE, "cpu")) == "cuda"
         return torch.device("cuda" if wanted and self.uses_gpu and torch.cuda.is_available() else "cpu")
 
     def incoming_arrays(self) -> ArrayRecord:
-        """The ArrayRecord the server sent (``KeyError`` when it sent none)."""
+        """The ArrayRecord the server sent as the model (``KeyError`` when it sent none)."""
         arrays = array_record(self.message.content, keys.ARRAYS)
         if arrays is None:
             raise KeyError(keys.ARRAYS)
         return arrays
+
+    def received(self, name: str) -> ArrayRecord | None:
+        """Another ArrayRecord the server sent (its strategy's ``records_for_clients``), or None."""
+        return array_record(self.message.content, name)
 
     def global_model(self) -> nn.Module:
         """The server's model: this process's instance of the architecture with the received arrays.
@@ -130,124 +177,85 @@ class FederatedClient(NodeClient):
             parameter.grad = None
         return model
 
-    def cohort_proximal_mu(self) -> float:
-        """The FedProx coefficient this client's :meth:`train_locally` call passes (0: none)."""
-        return 0.0
+    # ------------------------------------------------------------------ state between rounds
 
-    def train_settings(self, examples: int, proximal_mu: float) -> TrainSettings:
-        """The train config's SGD settings for ``examples`` examples."""
-        return TrainSettings(
-            examples=int(examples),
+    @property
+    def state(self) -> RecordDict:
+        """The client's records kept between rounds (empty at first); write to it to keep something.
+
+        Only for a class that declares :attr:`keeps_state`. In a simulation the engine keeps them per
+        client id, in every kind of round and in the checkpoint (so ``resume=`` continues exactly); on
+        a device they live in the node's ``context.state``.
+        """
+        if not type(self).keeps_state:
+            raise AttributeError(
+                f"{type(self).__name__} does not declare keeps_state = True: it has no state between rounds"
+            )
+        if self._state is None:
+            self._state = state_of(self.message, self.context)
+        return self._state
+
+    # ------------------------------------------------------------------ local training
+
+    def local_sgd(self) -> LocalSGD | None:
+        """What this client's local training is: the train config's SGD (override to add to it).
+
+        Return None for a client that trains its own way (it never calls :meth:`train_locally`).
+        """
+        return LocalSGD(
             epochs=int(self.config[keys.LOCAL_EPOCHS]),
             batch_size=int(self.config[keys.BATCH_SIZE]),
             lr=float(self.config[keys.LR]),
             momentum=float(self.config.get(keys.MOMENTUM, 0.0)),
-            proximal_mu=float(proximal_mu),
         )
 
-    def train_locally(self, model: nn.Module, x: np.ndarray, y: np.ndarray, **extra: Any) -> float:
-        """Local SGD with the train config's hyperparameters; returns the mean loss.
+    def train_locally(self) -> Trained:
+        """:meth:`local_sgd` run on the received model and this client's data; the trained state.
 
-        ``extra`` goes to :func:`fl_app.training.train_local` (e.g. ``proximal_mu`` with the global
-        model as ``reference``). When this message was trained in its cohort
-        (:mod:`fl_app.cohort_execution`) with exactly these settings, ``model`` takes that result.
+        The engine may have trained this message already, with the same settings, as part of a
+        vectorised cohort: its result is then taken instead of training again.
         """
-        settings = self.train_settings(len(y), float(extra.get("proximal_mu", 0.0)))
-        planned = precomputed(self.message)
-        if planned is not None and planned.matches(settings) and set(extra) <= {"proximal_mu", "reference"}:
-            planned.load_into(model)
-            return planned.loss
-        return train_local(
-            model,
-            x,
-            y,
-            epochs=settings.epochs,
-            batch_size=settings.batch_size,
-            lr=settings.lr,
-            momentum=settings.momentum,
-            rng=self.generator("data-order"),
-            **extra,
-        )
-
-    def trained_in_cohort(self, examples: int) -> tuple[dict[str, np.ndarray], float] | None:
-        """The model state this message's training reached in its cohort (by name) and its loss.
-
-        None unless the message was trained in its cohort (:mod:`fl_app.cohort_execution`) with
-        exactly this client's settings for ``examples`` examples and the cohort's parameters are the
-        model's whole state. Then the client needs no model: loading the global arrays, then the
-        trained parameters, then encoding the model were three copies of it per message, most of a
-        1000-client round's host time on a GPU (docs/benchmarks/engine_gpu.md). The arrays equal
-        what :func:`~fl_app.training.model_state` reads from a model that took the result. A subclass
-        that overrides :meth:`train_locally` keeps its own (None: it trains through it).
-        """
-        if type(self).train_locally is not FederatedClient.train_locally:
-            return None
-        planned = precomputed(self.message)
-        if planned is None or not planned.matches(self.train_settings(examples, self.cohort_proximal_mu())):
-            return None
-        state = planned.state(list(self.incoming_arrays().keys()))
-        if state is None:
-            return None
-        self.model_spec()  # the same check global_model() makes
-        return state, planned.loss
-
-    def locally_trained(self, data: ClientDataset) -> tuple[dict[str, np.ndarray], float]:
-        """The model state after this message's local training on ``data`` (by name), and its loss.
-
-        From the message's cohort when it was trained in one (:meth:`trained_in_cohort`), else the
-        global model trained here with :meth:`train_locally`.
-        """
-        cohort = self.trained_in_cohort(len(data))
-        if cohort is not None:
-            return cohort
+        sgd = self.local_sgd()
+        if sgd is None:
+            raise TypeError(f"{type(self).__name__}.local_sgd() is None: it has no standard local training")
+        data = self.local_data()
+        served = served_training(self.message, sgd)
+        steps = local_steps(len(data), epochs=sgd.epochs, batch_size=sgd.batch_size)
+        if served is not None:
+            self.model_spec()  # the same check global_model() makes
+            return Trained(served.state, served.loss, steps, _client=self)
         model = self.global_model()
-        loss = self.train_locally(model, data.x, data.y)
-        return model_state(model), loss  # not encoded and decoded again: about 2 ms of the message's CPU
-
-    def local_update(self) -> tuple[list[str], list[np.ndarray]]:
-        """Train the received model on the local data; its arrays' names and ``w_k - w_t`` in float64.
-
-        Raises ``ValueError`` for a model array that is not floating point (an update of integers
-        could not be clipped and noised as the mechanisms assume).
-        """
-        received = self.incoming_arrays()
-        names = list(received.keys())
-        start = {name: array_values(received[name]) for name in names}  # read in place, not decoded
-        for name in names:
-            if not np.issubdtype(start[name].dtype, np.floating):
-                raise ValueError(f"model array {name!r} is not floating point: it has no model update")
-        trained, _ = self.locally_trained(self.local_data())
-        return names, [trained[n].astype(np.float64) - start[n].astype(np.float64) for n in names]
+        reference = [p.detach().clone() for p in model.parameters()] if sgd.proximal_mu > 0 else None
+        loss = train_local(
+            model,
+            data.x,
+            data.y,
+            epochs=sgd.epochs,
+            batch_size=sgd.batch_size,
+            lr=sgd.lr,
+            momentum=sgd.momentum,
+            rng=self.generator("data-order"),
+            proximal_mu=sgd.proximal_mu,
+            reference=reference,
+            correction=sgd.corrections_for(model),
+        )
+        return Trained(model_state(model), loss, steps, _client=self, _model=model)
 
     # ------------------------------------------------------------------ entry points
 
     def train_result(self) -> TrainResult | None:
-        """The round's training as its model state and metrics, for a client whose reply is just that.
+        """The round's reply as its arrays, metrics and records before encoding (override).
 
-        Such a client implements this and not :meth:`train`, whose reply is then this result encoded
-        (:meth:`~fl_app.train_results.TrainResult.content`). None (the default): the client implements
-        :meth:`train` itself.
+        None (the default): the client implements :meth:`train` itself.
         """
         return None
 
     def train(self) -> Message:
-        """Local training for one round: :meth:`train_result` encoded; or a subclass's own reply."""
+        """Local training for one round: :meth:`train_result` encoded (override for a reply of its own)."""
         result = self.train_result()
         if result is None:
             raise NotImplementedError(f"{type(self).__name__} does not train")
         return Message(content=result.content(), reply_to=self.message)
-
-    def train_unencoded(self) -> TrainResult | Message:
-        """What a cohort message's member returns (:mod:`fl_app.cohort_messages`).
-
-        The train result before encoding when :meth:`train` is only its encoding (the member's term is
-        read from it: no copy of the model into message arrays and back), else the reply.
-        """
-        if type(self).train is FederatedClient.train:
-            result = self.train_result()
-            if result is not None:
-                return result
-        return self.train()
 
     def evaluate(self) -> Message:
         """Evaluate the received global model on this client's local data."""
@@ -256,3 +264,17 @@ class FederatedClient(NodeClient):
         return self.reply(
             metrics={keys.NUM_EXAMPLES: len(data), keys.EVAL_LOSS: loss, keys.EVAL_ACCURACY: accuracy}
         )
+
+
+def trains_by_the_contract(client: FederatedClient) -> bool:
+    """Whether the engine may run ``client``'s local training: the contract's loop, a stated local SGD.
+
+    A class with its own ``train_locally`` (the engine could not know what it does) or whose
+    ``local_sgd()`` is None (it trains its own way) is never trained in a vectorised cohort.
+    """
+    if type(client).train_locally is not FederatedClient.train_locally:
+        return False
+    try:
+        return client.local_sgd() is not None
+    except Exception:  # the message's own run reports it
+        return False

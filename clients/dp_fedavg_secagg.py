@@ -48,8 +48,9 @@ class DistributedDPClient(FederatedClient):
                 "dp_fedavg_secagg uploads only inside the SecAgg+ protocol; this train message is outside it"
             )
         plan = SkellamPlan.from_json(json.loads(str(self.config[SECAGG_PLAN])))
-        _, arrays = self.local_update()
-        update = np.concatenate([a.ravel() for a in arrays])
+        update = np.concatenate(
+            [a.ravel() for a in self.train_locally().update(self.incoming_arrays()).values()]
+        )
         if update.size > plan.dim:
             raise ValueError(f"the model has {update.size} parameters, more than the plan's {plan.dim}")
         signs = rotation_signs(seed=int(self.config[ROTATION_SEED]), dim=plan.dim)

@@ -20,9 +20,10 @@ Differential Privacy", 2023, Algorithm 1 (client side), Eq. (5)-(6), Definition 
    ``d / 8`` bytes, and nothing else: no training loss, no example count, no
    full-precision value.
 
-The latent weights and the Adam moments persist across rounds in
-``context.state`` (ArrayRecords :data:`fl_app.BNN_STATE_LATENT` and
-:data:`fl_app.BNN_STATE_ADAM`); they never leave the client.
+The latent weights and the Adam moments persist across rounds in the client's
+state (ArrayRecords :data:`BNN_STATE_LATENT` and :data:`BNN_STATE_ADAM`; the node's
+``context.state`` on a device, the engine's per-client store in a simulation); they
+never reach the strategy.
 
 ``evaluate()`` answers the strategy's optional diagnostic (the document's
 metric: accuracy of the client's own merged local model on the test split),
@@ -62,8 +63,8 @@ BNN_ADAM_BETA2 = "bnn-adam-beta2"
 BNN_NUM_BITS = "bnn-num-bits"  # d: binary weights per upload (the client checks its model against it)
 BNN_EVAL_TEST_SUBSET = "bnn-eval-test-subset"  # local-model diagnostic: test examples (0: all)
 BNN_PACKED_SIGNS = "packed-signs"  # ArrayRecord key of the uploaded uint8 bits
-BNN_STATE_LATENT = "dpfl-bnn-latent"  # context.state ArrayRecord: latent weights W-bar^i
-BNN_STATE_ADAM = "dpfl-bnn-adam"  # context.state ArrayRecord: Adam moments and step count
+BNN_STATE_LATENT = "dpfl-bnn-latent"  # state ArrayRecord: latent weights W-bar^i
+BNN_STATE_ADAM = "dpfl-bnn-adam"  # state ArrayRecord: Adam moments and step count
 BNN_LOCAL_ACCURACY = "local-model-accuracy"  # metric: the client's own model on the test split
 
 
@@ -181,10 +182,16 @@ def merge_latent(
 class DPFLBNNClient(FederatedClient):
     """Trains its BNN with Adam, randomizes every binary weight, uploads packed bits."""
 
+    keeps_state = True  # the latent weights and Adam moments, never sent
+
+    def local_sgd(self) -> None:
+        """Adam on the latent weights of its own model (:meth:`train`): no standard local SGD."""
+        return None
+
     # ------------------------------------------------------------------ state
 
     def _latent_state(self) -> dict[str, np.ndarray] | None:
-        state = self.context.state
+        state = self.state
         if BNN_STATE_LATENT not in state.array_records:
             return None
         record = state.array_records[BNN_STATE_LATENT]
@@ -216,7 +223,7 @@ class DPFLBNNClient(FederatedClient):
             lr=float(self.config[keys.LR]),
             betas=(float(self.config[BNN_ADAM_BETA1]), float(self.config[BNN_ADAM_BETA2])),
         )
-        state = self.context.state
+        state = self.state
         if BNN_STATE_ADAM in state.array_records:
             record = state.array_records[BNN_STATE_ADAM]
             step = float(record[STATE_STEP].numpy())
@@ -231,9 +238,9 @@ class DPFLBNNClient(FederatedClient):
         return optimizer
 
     def _save_state(self, model: nn.Module, optimizer: Adam) -> None:
-        """Keep ``W-bar^i`` and the Adam moments in ``context.state`` (they never leave the client)."""
+        """Keep ``W-bar^i`` and the Adam moments in :attr:`state` (they never leave the client)."""
         parameters = dict(model.named_parameters())
-        self.context.state[BNN_STATE_LATENT] = ArrayRecord(
+        self.state[BNN_STATE_LATENT] = ArrayRecord(
             {name: Array(p.detach().cpu().numpy().copy()) for name, p in parameters.items()}
         )
         stepped = [optimizer.state[i] for i in range(len(parameters)) if i in optimizer.state]
@@ -243,7 +250,7 @@ class DPFLBNNClient(FederatedClient):
         for name, entry in zip(parameters, stepped, strict=True):
             moments[f"{name}.exp_avg"] = Array(entry.exp_avg.detach().cpu().numpy().copy())
             moments[f"{name}.exp_avg_sq"] = Array(entry.exp_avg_sq.detach().cpu().numpy().copy())
-        self.context.state[BNN_STATE_ADAM] = ArrayRecord(moments)
+        self.state[BNN_STATE_ADAM] = ArrayRecord(moments)
 
     # ------------------------------------------------------------------ training
 

@@ -17,10 +17,9 @@ from fl_app.train_results import TrainResult
 class FedAvgClient(FederatedClient):
     """Trains the global model on local data and returns it."""
 
-    cohort_form = True
-
     def train_result(self) -> TrainResult:
         """One round of local training: the trained model, the number of examples, the mean loss."""
-        data = self.local_data()
-        state, loss = self.locally_trained(data)
-        return TrainResult(state, {keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss})
+        trained = self.train_locally()
+        return TrainResult(
+            trained.state, {keys.NUM_EXAMPLES: len(self.local_data()), keys.TRAIN_LOSS: trained.loss}
+        )

@@ -26,14 +26,13 @@ LDP_NOISE_MULTIPLIER = "ldp-noise-multiplier"  # z: Gaussian std = z * 2C per co
 class FedAvgLDPClient(FederatedClient):
     """Uploads a clipped, locally noised model update."""
 
-    cohort_form = True  # local_update: train_locally, then clipping and noise per message
-
     def train_result(self) -> TrainResult:
         """One round: train, clip, noise; the upload is the noisy update alone (no metrics record)."""
         received = self.incoming_arrays()
-        names, update = self.local_update()
+        update = self.train_locally().update(received)
+        names = list(update)
         noised = local_gaussian_update(
-            update=update,
+            update=list(update.values()),
             clip=float(self.config[LDP_CLIP]),
             noise_multiplier=float(self.config[LDP_NOISE_MULTIPLIER]),
             rng=self.noise_generator("ldp-update-noise"),

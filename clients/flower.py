@@ -16,15 +16,15 @@ config; the adaptive one adds the ``norm_bit``). Every reply also carries :data:
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 from flwr.app import Message
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
 from clients import register_client
 from clients.fedavg import FedAvgClient
-from fl_app import keys
 from fl_app.train_results import TrainResult
-from fl_app.training import model_state
+from fl_app.training import LocalSGD
 
 #: Flower's FedProx config key (``flwr.serverapp.strategy.FedProx.configure_train``).
 PROXIMAL_MU = "proximal-mu"
@@ -40,21 +40,13 @@ MODS = {"fixedclipping_mod": fixedclipping_mod, "adaptiveclipping_mod": adaptive
 class FlowerClient(FedAvgClient):
     """Local SGD on the received model (with the proximal term when the config asks), the model back."""
 
-    def cohort_proximal_mu(self) -> float:
-        """FedProx's ``proximal-mu`` from the Flower strategy's train config (0: plain FedAvg)."""
-        return max(float(self.config.get(PROXIMAL_MU, 0.0)), 0.0)
+    def local_sgd(self) -> LocalSGD:
+        """The train config's SGD with FedProx's ``proximal-mu`` from the Flower strategy (0: FedAvg)."""
+        return replace(super().local_sgd(), proximal_mu=max(float(self.config.get(PROXIMAL_MU, 0.0)), 0.0))
 
     def train_result(self) -> TrainResult:
-        """One round of local training (with the proximal term when the config asks)."""
-        mu = float(self.config.get(PROXIMAL_MU, 0.0))
-        if mu <= 0:
-            result = super().train_result()
-        else:
-            data = self.local_data()
-            model = self.global_model()
-            reference = [p.detach().clone() for p in model.parameters()]
-            loss = self.train_locally(model, data.x, data.y, proximal_mu=mu, reference=reference)
-            result = TrainResult(model_state(model), {keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss})
+        """FedAvg's result (with the proximal term when the config asks), and the uniform weight."""
+        result = super().train_result()
         return TrainResult(result.arrays, {**(result.metrics or {}), UNIFORM_WEIGHT: 1})
 
     def train(self) -> Message:

@@ -66,6 +66,10 @@ class KDDPClient(FederatedClient):
     #: DP-SGD (fl_app.privacy.dp_sgd) computes per-example gradients in numpy: CPU only.
     uses_gpu = False
 
+    def local_sgd(self) -> None:
+        """DP-SGD with per-example clipping and noise (:meth:`train`): no standard local SGD."""
+        return None
+
     def train(self) -> Message:
         """Run the round's DP-SGD steps and return the model (and public numbers only)."""
         stage = str(self.config.get(KDDP_STAGE, ""))

@@ -17,6 +17,8 @@ The noise comes from :meth:`~clients.base.FederatedClient.noise_generator`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from clients import register_client
@@ -24,7 +26,7 @@ from clients.base import FederatedClient
 from fl_app import keys
 from fl_app.privacy.mechanisms import clip_l2, gaussian_mechanism
 from fl_app.train_results import TrainResult
-from fl_app.training import model_state
+from fl_app.training import LocalSGD
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
 NBAFL_CLIP = "nbafl-clip"  # C: L2 bound of a client's whole uploaded parameter vector
@@ -36,25 +38,16 @@ NBAFL_MU = "nbafl-mu"  # FedProx proximal coefficient mu of local training (0: p
 class NbAFLClient(FederatedClient):
     """Trains, clips the model to norm C, adds N(0, sigma_U^2) per coordinate, uploads."""
 
-    cohort_form = True
-
-    def cohort_proximal_mu(self) -> float:
-        """The proximal coefficient of its local training (``strategy.mu``)."""
-        return max(float(self.config.get(NBAFL_MU, 0.0)), 0.0)
+    def local_sgd(self) -> LocalSGD:
+        """The train config's SGD with the proximal coefficient ``strategy.mu`` (0: plain SGD)."""
+        return replace(super().local_sgd(), proximal_mu=max(float(self.config.get(NBAFL_MU, 0.0)), 0.0))
 
     def train_result(self) -> TrainResult:
         """One round: local (proximal) SGD, clip, noise; the upload is the noised model and the data size."""
         clip = float(self.config[NBAFL_CLIP])
         sigma = float(self.config[NBAFL_SIGMA_UP])
-        mu = float(self.config.get(NBAFL_MU, 0.0))
         data = self.local_data()
-        model = self.global_model()
-        if mu > 0:
-            reference = [p.detach().clone() for p in model.parameters()]
-            self.train_locally(model, data.x, data.y, proximal_mu=mu, reference=reference)
-        else:
-            self.train_locally(model, data.x, data.y)
-        trained = model_state(model)
+        trained = self.train_locally().state
         names = list(trained)
         clipped, _ = clip_l2(arrays=[trained[name] for name in names], max_norm=clip)
         rng = self.noise_generator("nbafl-uplink")

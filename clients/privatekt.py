@@ -73,8 +73,6 @@ def decode_labels(array: Array, *, k: int, num_classes: int) -> np.ndarray:
 class PrivateKTClient(FederatedClient):
     """Trains locally and uploads K randomized-response labels."""
 
-    cohort_form = True  # train_locally, then predictions and randomized response per message
-
     def kt_samples(self) -> np.ndarray:
         """The round's KT samples: sent in the message, or rebuilt from indices in a simulation."""
         records = self.message.content.array_records
@@ -100,10 +98,7 @@ class PrivateKTClient(FederatedClient):
         mechanism = RandomizedResponse(float(self.config[KT_LABEL_EPSILON]), num_classes)
         if num_classes > 256:
             raise ValueError(f"PrivateKT: {num_classes} classes do not fit a uint8 label")
-        data = self.local_data()
-        model = self.global_model()
-        self.train_locally(model, data.x, data.y)
-        predicted = predict_proba(model, samples).argmax(axis=1)
+        predicted = predict_proba(self.train_locally().model(), samples).argmax(axis=1)
         perturbed = randomized_response_labels(
             labels=predicted,
             keep_probability=mechanism.keep_probability,

@@ -62,6 +62,8 @@ class Checkpoint:
     recorder: dict[str, Any]
     elapsed_s: float
     rng: dict[str, Any] = field(default_factory=dict)
+    #: The stateful clients' records (:class:`fl_app.client_states.ClientStates`), None: none kept.
+    client_states: Any = None
 
 
 def _context_members(run: RunContext) -> dict[int, str]:

@@ -16,17 +16,19 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
-from flwr.app import Context, Message
+from flwr.app import Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients import CLIENTS
 from clients.node import NodeClient
 from fl_app import keys
+from fl_app.client_states import carried, carry
 from fl_app.engine.messages import config_record
 from fl_app.engine.secagg import RECORD_KEY_CONFIGS, secure_aggregation_mod
 
 if TYPE_CHECKING:
     from clients.base import FederatedClient
+    from fl_app.train_results import TrainResult
 
 app = ClientApp()
 
@@ -54,7 +56,10 @@ def trained_as_cohorts(jobs: Sequence[tuple[Message, Context]]) -> AbstractConte
             return None
         if config_record(message.content, keys.COHORT) is not None:
             return None  # its members are in the batch's jobs (_with_members)
-        return client_for(message, context)
+        from clients.base import trains_by_the_contract
+
+        client = client_for(message, context)
+        return client if trains_by_the_contract(client) else None
 
     return train_together(_with_members(jobs), plain_client)
 
@@ -103,18 +108,47 @@ def train(message: Message, context: Context) -> Message:
         from fl_app.cohort_messages import answer
 
         return answer(
-            message,
-            context,
-            lambda member, node: client_for(member, node).train_unencoded(),
-            trained_as_cohorts,
+            message, context, lambda member, node: train_outcome(client_for(member, node)), trained_as_cohorts
         )
-    return client_for(message, context).train()
+    client = client_for(message, context)
+    outcome, state = train_outcome(client)
+    reply = outcome if isinstance(outcome, Message) else Message(content=outcome.content(), reply_to=message)
+    if state is not None:
+        reply.content = carry(reply.content, state)
+    return reply
+
+
+def train_outcome(client: FederatedClient) -> tuple[Message | TrainResult, RecordDict | None]:
+    """Run a client's training: its train result before encoding (or its own reply), and its state.
+
+    The result before encoding when :meth:`~clients.base.FederatedClient.train` is the contract's
+    (a packed message's member hands it to the strategy's summand without an encoding round trip);
+    the state the client kept when the engine carries it (:mod:`fl_app.client_states`), else None.
+    Raises ``RuntimeError`` for a client that writes to its node's Context without declaring
+    ``keeps_state`` (its records would be lost in a packed round and on ``resume=``).
+    """
+    from clients.base import FederatedClient
+
+    before = len(client.context.state)
+    result = client.train_result() if type(client).train is FederatedClient.train else None
+    outcome: Message | TrainResult = result if result is not None else client.train()
+    if not type(client).keeps_state and len(client.context.state) != before:
+        raise RuntimeError(
+            f"{type(client).__name__} wrote to its Context's state: declare keeps_state = True and keep "
+            "records in self.state (the engine keeps them per client, across rounds and resume=)"
+        )
+    kept = client.state if type(client).keeps_state and carried(client.message) else None
+    return outcome, kept
 
 
 @app.evaluate()
 def evaluate(message: Message, context: Context) -> Message:
-    """Evaluation for the configured algorithm."""
-    return client_for(message, context).evaluate()
+    """Evaluation for the configured algorithm (a stateful client's state goes back with the reply)."""
+    client = client_for(message, context)
+    reply = client.evaluate()
+    if type(client).keeps_state and carried(message):
+        reply.content = carry(reply.content, client.state)
+    return reply
 
 
 @app.query(keys.QUERY_ROSTER)

@@ -47,6 +47,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricR
 from flwr.common import MessageType
 
 from fl_app import keys
+from fl_app.client_states import CARRIED, PREFIX, REPORTED, ClientStates, carried, carry, state_of
 from fl_app.engine.messages import (
     config_record,
     log_client_error,
@@ -58,15 +59,18 @@ from fl_app.message_sizes import array_payload_bytes, message_bytes, result_byte
 from fl_app.reply_sums import BLOCK, BLOCK_INDEX, PartialSum, Summand, summand_of
 from fl_app.train_results import TrainResult
 
+#: Records a packed message adds to its members' content (what a member's plain message does not hold).
+PACKING_RECORDS = frozenset({keys.COHORT, CARRIED})
 #: The cohort record's keys: the members' node ids and partition ids.
 NODES = "nodes"
 PARTITIONS = "partitions"
 #: The reply record with what the members' plain replies would have weighed (metering).
 METERING = "cohort-metering"
 
-#: Runs one member's plain message through the ClientApp's train path; returns its reply, or its train
-#: result before encoding (:meth:`clients.base.FederatedClient.train_unencoded`).
-MemberRunner = Callable[[Message, Context], Message | TrainResult]
+#: Runs one member's plain message through the ClientApp's train path; returns its reply or its train
+#: result before encoding, and the state it kept (None: a client that keeps none;
+#: :func:`fl_app.client_app.train_outcome`).
+MemberRunner = Callable[[Message, Context], tuple[Message | TrainResult, RecordDict | None]]
 
 
 @dataclass(frozen=True)
@@ -78,23 +82,32 @@ class CohortMessage:
 
 
 def packable(messages: Sequence[Message]) -> bool:
-    """Whether ``messages`` can go as cohort messages: train messages sharing one model and config."""
+    """Whether ``messages`` can be packed: train messages sharing one content (model, config, records)."""
     if len(messages) < 2:
         return False
     content = messages[0].content
     if any(m.metadata.message_type != MessageType.TRAIN or m.content is not content for m in messages):
         return False
     return (
-        set(content.keys()) == {keys.ARRAYS, keys.CONFIG} and config_record(content, keys.CONFIG) is not None
+        keys.ARRAYS in content.array_records
+        and config_record(content, keys.CONFIG) is not None
+        and not any(name in PACKING_RECORDS or name.startswith(PREFIX) for name in content)
     )
 
 
-def pack(messages: Sequence[Message], *, partitions: dict[int, int], summand: Summand) -> list[CohortMessage]:
+def pack(
+    messages: Sequence[Message],
+    *,
+    partitions: dict[int, int],
+    summand: Summand,
+    states: ClientStates | None = None,
+) -> list[CohortMessage]:
     """``messages`` as cohort messages: in client order, one per block of ``BLOCK`` clients.
 
     ``partitions`` maps each node to its partition id, the client id of a simulated node (the
     engine's numbering); ``summand`` is the strategy's per-client term, which the members' replies
-    go through. Each cohort message goes to its first member's node and holds the block the
+    go through; ``states``: the stateful clients' records, carried for each member (None: the client
+    keeps none). Each cohort message goes to its first member's node and holds the block the
     server sums its plain replies in (:func:`fl_app.reply_sums.blocks_of`), so both give the same sum.
     """
     ordered = sorted(messages, key=lambda m: partitions[int(m.metadata.dst_node_id)])
@@ -104,8 +117,7 @@ def pack(messages: Sequence[Message], *, partitions: dict[int, int], summand: Su
         nodes = [int(m.metadata.dst_node_id) for m in members]
         content = RecordDict(
             {
-                keys.ARRAYS: members[0].content.array_records[keys.ARRAYS],
-                keys.CONFIG: config_record(members[0].content, keys.CONFIG) or ConfigRecord(),
+                **dict(members[0].content.items()),  # the model, the config, the strategy's records
                 keys.COHORT: ConfigRecord(
                     {
                         NODES: nodes,
@@ -116,6 +128,10 @@ def pack(messages: Sequence[Message], *, partitions: dict[int, int], summand: Su
                 ),
             }
         )
+        if states is not None:
+            for node in nodes:
+                records = states.of(partitions[node])
+                content = carry(content, {f"{partitions[node]}:{name}": r for name, r in records.items()})
         message = Message(content=content, dst_node_id=nodes[0], message_type=MessageType.TRAIN)
         packed.append(CohortMessage(message, members))
     return packed
@@ -201,22 +217,26 @@ def answer(
     total.block = int(cohort[BLOCK_INDEX])  # type: ignore[arg-type]
     failed: dict[str, list[Any]] = {NODES: [], "codes": [], "reasons": [], "tracebacks": []}
     weighed = [0, 0, 0]
+    kept: dict[str, Any] = {}
+    reported: list[int] = []
     with together(jobs):
-        for member, member_ctx in jobs:
+        for (member, member_ctx), partition in zip(jobs, cohort[PARTITIONS], strict=True):  # type: ignore[call-overload]
             node = int(member.metadata.dst_node_id)
             try:
-                outcome = run_member(member, member_ctx)
-                if len(member_ctx.state) > 0:
-                    raise ValueError(
-                        "the client kept state in its Context: it cannot run in a cohort message"
-                    )
+                outcome, state = run_member(member, member_ctx)
                 result, sizes = _read(outcome, global_arrays)
                 summand.add_to(total, node, result, global_arrays)
             except Exception as error:  # the member's failure, as its plain message's error reply
                 _record_failure(failed, node, error)
                 continue
+            if state is not None:
+                kept.update({f"{int(partition)}:{name}": record for name, record in state.items()})
+                reported.append(int(partition))
             weighed = [weighed[0] + sizes[0], weighed[1] + sizes[1], weighed[2] + 1]
     content = RecordDict(total.records())
+    if carried(message):
+        content = carry(content, kept)
+        content[CARRIED] = ConfigRecord({REPORTED: reported})
     content[keys.COHORT_FAILURES] = ConfigRecord(failed)
     content[METERING] = MetricRecord(
         {"upload-bytes": weighed[0], "upload-array-bytes": weighed[1], "replies": weighed[2]}
@@ -236,16 +256,29 @@ def member_jobs(message: Message, context: Context) -> list[tuple[Message, Conte
     config = config_record(message.content, keys.CONFIG)
     if cohort is None or config is None:
         raise ValueError("not a cohort message: it needs a config and a cohort record naming a summand")
-    plain = RecordDict({keys.ARRAYS: message.content.array_records[keys.ARRAYS], keys.CONFIG: config})
-    return [
-        (
-            member_message(
-                message, node_id=node, message_id=f"{message.metadata.message_id}/{node}", content=plain
-            ),
-            member_context(context, node_id=node, partition=partition),
+    plain = RecordDict(
+        {
+            name: record
+            for name, record in message.content.items()
+            if name not in PACKING_RECORDS and not name.startswith(PREFIX)
+        }
+    )
+    states = state_of(message, context) if carried(message) else None
+    jobs = []
+    for node, partition in zip(cohort[NODES], cohort[PARTITIONS], strict=True):  # type: ignore[call-overload]
+        content = plain
+        if states is not None:
+            prefix = f"{int(partition)}:"
+            content = carry(plain, {n[len(prefix) :]: r for n, r in states.items() if n.startswith(prefix)})
+        jobs.append(
+            (
+                member_message(
+                    message, node_id=node, message_id=f"{message.metadata.message_id}/{node}", content=content
+                ),
+                member_context(context, node_id=node, partition=partition),
+            )
         )
-        for node, partition in zip(cohort[NODES], cohort[PARTITIONS], strict=True)  # type: ignore[call-overload]
-    ]
+    return jobs
 
 
 def _read(outcome: Message | TrainResult, like: ArrayRecord) -> tuple[TrainResult, tuple[int, int]]:
@@ -260,7 +293,10 @@ def _read(outcome: Message | TrainResult, like: ArrayRecord) -> tuple[TrainResul
 
 
 def member_context(context: Context, *, node_id: int, partition: int) -> Context:
-    """The Context a member's node has in the simulation: its partition; no state (its client keeps none)."""
+    """The Context a member's node has in the simulation: its partition, and no state.
+
+    A client's state is carried in its message (:mod:`fl_app.client_states`).
+    """
     return Context(
         run_id=context.run_id,
         node_id=int(node_id),

@@ -529,6 +529,7 @@ def train_cohort(
     lr: float,
     momentum: float = 0.0,
     proximal_mu: float = 0.0,
+    corrections: Mapping[str, torch.Tensor] | None = None,
     device: torch.device | str | None = None,
     chunk: int | Literal["auto"] | None = "auto",
     schedule: Schedule = "prefix",
@@ -555,6 +556,9 @@ def train_cohort(
         The clients' batches (:func:`plan_batches`, :func:`plan_from_generators`).
     lr, momentum, proximal_mu : float
         SGD step size, heavy-ball momentum, FedProx coefficient (0 disables it).
+    corrections : Mapping[str, torch.Tensor], optional
+        Per trainable parameter, each client's constant added to its every gradient, stacked in client
+        order ``[clients, *shape]`` (``train_local``'s ``correction``; SCAFFOLD's ``c - c_i``).
     device : torch.device or str, optional
         Where to train (default: where ``global_params`` are).
     chunk : int, "auto" or None
@@ -591,6 +595,7 @@ def train_cohort(
         proximal_mu=proximal_mu,
         record=chunk == "auto",
     )
+    trainer.corrections = _checked_corrections(corrections, trainer, plan.clients)
     out = {
         n: value.unsqueeze(0).repeat(plan.clients, *([1] * value.dim())).contiguous()
         for n, value in trainer.reference.items()
@@ -690,6 +695,8 @@ class _CohortTrainer:
         ``plan.client_steps`` and ``plan.counts``, computed once (derived).
     checked : bool
         Whether a step has run (``torch.func`` could transform the forward pass).
+    corrections : dict[str, torch.Tensor]
+        Every client's gradient correction by trainable parameter, ``[clients, ...]`` (empty: none).
 
     """
 
@@ -711,6 +718,7 @@ class _CohortTrainer:
     client_steps: np.ndarray = field(init=False)
     counts: torch.Tensor = field(init=False)
     checked: bool = False
+    corrections: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.frozen = {n: value for n, value in self.reference.items() if n not in self.trainable}
@@ -768,6 +776,25 @@ def _prepare(
         lr=float(lr),
         momentum=float(momentum),
     )
+
+
+def _checked_corrections(
+    corrections: Mapping[str, torch.Tensor] | None, trainer: _CohortTrainer, clients: int
+) -> dict[str, torch.Tensor]:
+    """``corrections`` on the trainer's device (``ValueError`` unless ``[clients, *shape]`` per parameter)."""
+    if corrections is None:
+        return {}
+    if set(corrections) != set(trainer.trainable):
+        raise ValueError(f"corrections for {sorted(corrections)}, the model trains {trainer.trainable}")
+    out = {}
+    for name in trainer.trainable:
+        values, like = corrections[name], trainer.reference[name]
+        if tuple(values.shape) != (clients, *like.shape):
+            raise ValueError(
+                f"correction {name!r} has shape {tuple(values.shape)}, not {(clients, *like.shape)}"
+            )
+        out[name] = values.to(device=trainer.target, dtype=like.dtype)
+    return out
 
 
 def _flattened_inputs(
@@ -926,6 +953,8 @@ class _Group:
         ``float64 [k]``: the members' summed losses.
     generators : list[torch.Generator]
         The members' dropout generators (empty for a model without dropout).
+    corrections : dict[str, torch.Tensor]
+        The members' gradient corrections, ``[k, ...]`` (empty: none).
 
     """
 
@@ -939,6 +968,7 @@ class _Group:
     buffers: dict[str, torch.Tensor]
     total: torch.Tensor
     generators: list[torch.Generator]
+    corrections: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _train_group(
@@ -1018,6 +1048,7 @@ def _stack_group(
         buffers={n: torch.zeros_like(params[n]) for n in trainer.trainable} if trainer.momentum != 0 else {},
         total=torch.zeros(len(members), dtype=torch.float64, device=target),
         generators=_dropout_generators(trainer, members),
+        corrections={n: values[members_t.to(values.device)] for n, values in trainer.corrections.items()},
     )
 
 
@@ -1072,6 +1103,8 @@ def _train_step(trainer: _CohortTrainer, group: _Group, step: int) -> None:
     grads, loss = _step_gradients(
         trainer, current, rows, group.weight[:width, step], group.count[:width, step], masks
     )
+    for name, shift in group.corrections.items():
+        grads[name] = grads[name] + shift[:width]
     _sgd_update(current, group.buffers, grads, width, lr=trainer.lr, momentum=trainer.momentum, valid=valid)
     group.total[:width] += loss.double() if valid is None else torch.where(valid, loss.double(), 0.0)
 

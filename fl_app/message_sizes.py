@@ -189,6 +189,10 @@ def message_bytes(message: Message) -> int:
 
 def result_bytes(result: TrainResult) -> tuple[int, int]:
     """What the reply of ``result`` would weigh: :func:`message_bytes` and :func:`array_payload_bytes`."""
+    if result.records:  # an algorithm's own records: weighed as encoded (no layout cache for them)
+        content = result.content()
+        payload = sum(len(a.data) for record in content.array_records.values() for a in record.values())
+        return record_dict_bytes(content), payload
     layout = result_layout(result)
     _, _, arrays = layout[0]  # each array's data length is in its layout: no second pass over them
     return _size(layout, result.content), sum(length for _, _, _, _, length, _ in arrays)

@@ -15,6 +15,7 @@ from typing import Any
 from flwr.app import Message
 from flwr.serverapp import Grid
 
+from fl_app.client_states import ClientStates, carry
 from fl_app.cohort_messages import metered, pack, packable, unpack
 from fl_app.engine.dispatch import (
     MESSAGES_PUSHED,
@@ -27,7 +28,7 @@ from fl_app.engine.dispatch import (
 from fl_app.engine.messages import LINK_NODE_ID, set_reply_source
 from fl_app.lifecycle import raise_if_stopped
 from fl_app.message_sizes import array_payload_bytes, message_bytes
-from fl_app.reply_sums import Summand
+from fl_app.reply_sums import Summand, is_partial_sum
 
 #: Most message ids named in one pull of the in-memory grid (see ``MeteredGrid._exchange``).
 PULL_WINDOW = 128
@@ -64,6 +65,8 @@ class MeteredGrid:
     def __init__(self, grid: Grid) -> None:
         self._grid = grid
         self._counts: dict[str, float] = defaultdict(float)
+        #: The stateful clients' records, carried in their messages (a simulation; None: none kept).
+        self.client_states: ClientStates | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
@@ -77,7 +80,7 @@ class MeteredGrid:
     ) -> Iterable[Message]:
         """Send, wait for replies, and count both directions.
 
-        With ``summand`` (the strategy's, :meth:`strategies.base.FederatedStrategy.cohort_summand`) a
+        With ``summand`` (the strategy's, :func:`fl_app.round_loop.packing_summand`) a
         simulation sends the round as cohort messages (:meth:`_exchange_in_memory`); the messages and
         replies are counted as the plain ones would weigh.
         """
@@ -100,6 +103,30 @@ class MeteredGrid:
             for reply in replies:
                 self._count_reply(reply)
         return attribute_link_errors(outgoing, replies)
+
+    def _carrying(self, messages: list[Message], partitions: dict[int, int] | None) -> list[Message]:
+        """``messages``, each with its client's state records when the run keeps client states."""
+        if self.client_states is None or partitions is None:
+            return messages
+        states = self.client_states
+        return [
+            Message(
+                content=carry(m.content, states.of(partitions[int(m.metadata.dst_node_id)])),
+                dst_node_id=m.metadata.dst_node_id,
+                message_type=m.metadata.message_type,
+                group_id=m.metadata.group_id,
+            )
+            for m in messages
+        ]
+
+    def _receive(self, reply: Message, partitions: dict[int, int] | None) -> None:
+        """Move a reply's client state into the store (before anyone reads it), then count the reply."""
+        if self.client_states is not None and partitions is not None:
+            if is_partial_sum(reply):
+                self.client_states.take_packed(reply)
+            else:
+                self.client_states.take_from(reply, partitions.get(int(reply.metadata.src_node_id), -1))
+        self._count_reply(reply)
 
     def _count_reply(self, reply: Message) -> None:
         """Count a reply; a cohort message's reply as its members' plain replies (:func:`metered`).
@@ -132,16 +159,21 @@ class MeteredGrid:
         """
         partitions = simulated_partitions(self._grid)
         if summand is None or partitions is None or not packable(messages):
-            return self._exchange(messages, timeout)[1]  # counts each reply as it arrives
-        packed = pack(messages, partitions=partitions, summand=summand)
+            return self._exchange(self._carrying(messages, partitions), timeout, partitions=partitions)[1]
+        packed = pack(messages, partitions=partitions, summand=summand, states=self.client_states)
         pushed, replies = self._exchange([c.message for c in packed], timeout, count=False)
         replies = unpack(replies, packed, pushed)
         for reply in replies:
-            self._count_reply(reply)
+            self._receive(reply, partitions)
         return replies
 
     def _exchange(
-        self, messages: list[Message], timeout: float | None, *, count: bool = True
+        self,
+        messages: list[Message],
+        timeout: float | None,
+        *,
+        count: bool = True,
+        partitions: dict[int, int] | None = None,
     ) -> tuple[list[str], list[Message]]:
         """Push ``messages`` and pull their replies until all arrived or ``timeout`` passed.
 
@@ -181,7 +213,7 @@ class MeteredGrid:
             pulled = list(self._grid.pull_messages(window)) if window else []
             replies.extend(pulled)
             for reply in pulled if count else ():  # while the other clients still work
-                self._count_reply(reply)
+                self._receive(reply, partitions)
             pending.difference_update(reply.metadata.reply_to_message_id for reply in pulled)
             if not pending or expired:
                 break

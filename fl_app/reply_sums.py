@@ -40,6 +40,8 @@ PARTIAL_SUM = "partial-sum"
 PARTIAL_SUM_METRICS = "partial-sum-metrics"
 #: The reply record naming the summand whose terms the partial sum holds.
 PARTIAL_SUM_SUMMAND = "partial-sum-summand"
+#: Name prefix of the reply records holding the summed terms of the clients' other records.
+PARTIAL_SUM_RECORD = "partial-sum:"
 #: Clients per block of a summed aggregation (:func:`summed`; a cohort message holds one block).
 BLOCK = 16
 #: Metric key: the block of the cohort a partial sum holds.
@@ -53,7 +55,8 @@ class PartialSum:
     """The float64 sum of some clients' terms: arrays by name, scalars, and per-member values.
 
     ``per_member`` keeps values the strategy needs one per client (e.g. update norms for adaptive
-    clipping's count and the diagnostics), in the order of :attr:`members`.
+    clipping's count and the diagnostics), in the order of :attr:`members`; ``extra`` sums the
+    clients' other array records by record name (a summand that reads them: :class:`WeightedModel`).
     """
 
     arrays: dict[str, np.ndarray]
@@ -64,6 +67,7 @@ class PartialSum:
     summand: str = ""
     #: The block of the round's cohort these terms belong to (:func:`blocks_of`).
     block: int = 0
+    extra: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
     @classmethod
     def zeros_like(cls, like: ArrayRecord, summand: str = "") -> PartialSum:
@@ -80,10 +84,22 @@ class PartialSum:
             self.per_member.setdefault(name, []).append(float(value))
         self.members.append(int(node_id))
 
+    def add_record(self, record: str, values: Mapping[str, np.ndarray], weight: float = 1.0) -> None:
+        """Add ``weight`` times one client's array record ``record`` (float64; zeros before the first)."""
+        total = self.extra.setdefault(record, {})
+        for name, array in values.items():
+            term = np.asarray(array).astype(np.float64) * weight
+            if name in total:
+                total[name] += term
+            else:
+                total[name] = term
+
     def add(self, other: PartialSum) -> None:
         """Add another partial sum (its members after this one's)."""
         for name, values in other.arrays.items():
             self.arrays[name] += values
+        for record, values in other.extra.items():
+            self.add_record(record, values)
         for name, value in other.scalars.items():
             self.scalars[name] = self.scalars.get(name, 0.0) + float(value)
         for name, values in other.per_member.items():
@@ -96,11 +112,14 @@ class PartialSum:
         metrics.update({f"member:{name}": list(values) for name, values in self.per_member.items()})
         metrics[MEMBERS] = list(self.members)
         metrics[BLOCK_INDEX] = int(self.block)
-        return {
+        records = {
             PARTIAL_SUM: state_to_arrays(self.arrays),  # Array(values) byte for byte, one copy
             PARTIAL_SUM_METRICS: MetricRecord(metrics),
             PARTIAL_SUM_SUMMAND: ConfigRecord({keys.REPLY_SUM: self.summand}),
         }
+        for record, values in self.extra.items():
+            records[f"{PARTIAL_SUM_RECORD}{record}"] = state_to_arrays(values)
+        return records
 
     @staticmethod
     def members_of(reply: Message) -> list[int]:
@@ -122,6 +141,11 @@ class PartialSum:
         result.members = [int(v) for v in metrics[MEMBERS]]  # type: ignore[union-attr]
         result.summand = str(reply.content.config_records[PARTIAL_SUM_SUMMAND][keys.REPLY_SUM])
         result.block = int(metrics[BLOCK_INDEX])  # type: ignore[arg-type]
+        for name, record in reply.content.array_records.items():
+            if name.startswith(PARTIAL_SUM_RECORD):
+                result.extra[name[len(PARTIAL_SUM_RECORD) :]] = {
+                    key: np.array(array_values(record[key]), dtype=np.float64) for key in record
+                }
         return result
 
     @staticmethod
@@ -174,7 +198,8 @@ class Summand:
 class WeightedModel(Summand):
     """FedAvg's term: the client's model times its weight (examples, or 1), the weight, its examples' loss.
 
-    The average is ``arrays / weight`` (McMahan et al. 2017, Algorithm 1).
+    The average is ``arrays / weight`` (McMahan et al. 2017, Algorithm 1). The client's other array
+    records are weighted and summed too (:attr:`PartialSum.extra`: SCAFFOLD's control variates).
     """
 
     name = "weighted_model"
@@ -201,6 +226,8 @@ class WeightedModel(Summand):
         weight = 1.0 if self.weighting == "uniform" else examples
         for name, values in result.arrays.items():
             total.arrays[name] += values.astype(np.float64) * weight
+        for record, values in result.records.items():
+            total.add_record(record, values, weight)
         total.add_member(node_id, {"weight": weight, "examples": examples, "example_loss": examples * loss})
 
 

@@ -7,7 +7,7 @@ the ``flower`` adapter (:mod:`strategies.flower`). In addition the loop can begi
 (``first_round``), stops between rounds when a stop was requested
 (:func:`fl_app.lifecycle.raise_if_stopped`; the grid also checks while it waits), calls
 ``after_round`` (evaluate, record, check health, checkpoint) after each round, and hands the grid the
-strategy's summand when the round may go as cohort messages (:mod:`fl_app.cohort_messages`).
+strategy's summand when the round may be packed (:func:`packing_summand`, :mod:`fl_app.cohort_messages`).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def run_rounds(
     for server_round in range(first_round, num_rounds + 1):
         raise_if_stopped()
         messages = strategy.configure_train(server_round, arrays, ConfigRecord(), grid)
-        summand = cohort_summand(strategy, server_round)
+        summand = packing_summand(strategy, server_round)
         if summand is None:
             replies = grid.send_and_receive(messages, timeout=timeout)
-        else:  # a dpfl grid: it may send the round as cohort messages (fl_app.cohort_messages)
+        else:  # a dpfl grid: it may pack the round's messages (fl_app.cohort_messages)
             replies = grid.send_and_receive(messages, timeout=timeout, summand=summand)
         aggregated, _ = strategy.aggregate_train(server_round, replies)
         if aggregated is not None:
@@ -66,10 +66,38 @@ def _worker_kind(reasons: list[str]) -> str:
     return "client process" if forked else "Ray actor"
 
 
-def cohort_summand(strategy: Any, server_round: int) -> Any:
-    """The strategy's summand for the round's cohort messages (None: plain messages; a Flower strategy)."""
-    method = getattr(strategy, "cohort_summand", None)
-    return None if method is None else method(server_round)
+def packing_summand(strategy: Any, server_round: int) -> Any:
+    """The summand the grid may pack this round with: the strategy's declared sum, where it is safe.
+
+    The strategy's :meth:`~strategies.base.FederatedStrategy.summand`, when the run allows packing
+    (``simulation.cohort_messages``) and the sum is what the strategy aggregates
+    (:func:`aggregates_its_sum`); None otherwise (plain messages; an evaluation stage, a Flower strategy).
+    """
+    summand = getattr(strategy, "summand", None)
+    run = getattr(strategy, "run", None)
+    if summand is None or run is None or not run.settings.simulation.sends_cohort_messages:
+        return None
+    return summand(server_round) if aggregates_its_sum(type(strategy)) else None
+
+
+def aggregates_its_sum(cls: type) -> bool:
+    """Whether ``cls`` declares its ``summand`` at or below every class that defines how it aggregates.
+
+    A subclass that changes ``aggregate`` (or ``aggregate_train``) but inherits its parent's summand
+    may read more of a reply than the parent's sum holds, so its rounds are never packed; one that
+    declares its own summand says that the sum is still all it reads.
+    """
+
+    def owner(name: str) -> type | None:
+        return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+    declared = owner("summand")
+    if declared is None:
+        return False
+    return all(
+        definer is None or issubclass(declared, definer)
+        for definer in (owner("aggregate"), owner("aggregate_train"))
+    )
 
 
 def check_round(

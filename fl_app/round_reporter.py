@@ -19,6 +19,7 @@ from flwr.app import ArrayRecord, MetricRecord
 from flwr.common import log
 
 from fl_app.checkpoint import Checkpoint, rng_states, save_checkpoint
+from fl_app.client_states import ClientStates
 from fl_app.metering import MeteredGrid
 from fl_app.results import RunRecorder, write_json
 from fl_app.round_loop import check_round
@@ -130,17 +131,23 @@ class Checkpointer:
         num_rounds: int,
         overrides: Sequence[str] = (),
         fingerprint: str = "",
+        client_states: ClientStates | None = None,
     ) -> None:
         self.strategy, self.recorder, self.clock = strategy, recorder, clock
         self.num_rounds = num_rounds
         self.overrides = list(overrides)
         self.fingerprint = fingerprint
+        self.client_states = client_states
+        #: Why the run can never be resumed (then no checkpoint, the server's private state, is written).
+        self.not_resumable: str | None = None
 
     def save(self, server_round: int, arrays: ArrayRecord) -> None:
-        """The ledgers, then the checkpoint of ``server_round``."""
+        """The ledgers, then the checkpoint of ``server_round`` (a run that can be resumed)."""
         run = self.strategy.run
         for name, ledger in self.strategy.ledgers().items():
             write_json(run.output_dir / name, ledger)
+        if self.not_resumable is not None:
+            return
         checkpoint = Checkpoint(
             completed_round=server_round,
             num_rounds=self.num_rounds,
@@ -152,6 +159,7 @@ class Checkpointer:
             recorder=self.recorder.state(),
             elapsed_s=self.clock.elapsed(),
             rng=rng_states(),
+            client_states=self.client_states,
         )
         save_checkpoint(run.output_dir, checkpoint, run)
 
@@ -186,6 +194,7 @@ class RoundReporter:
             num_rounds=num_rounds,
             overrides=overrides or [],
             fingerprint=fingerprint,
+            client_states=grid.client_states,
         )
         self.completed_round = 0
         self.last_arrays: ArrayRecord | None = None

@@ -28,8 +28,10 @@ from flwr.serverapp import Grid
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
+from clients import CLIENTS
 from fl_app import keys
 from fl_app.checkpoint import Checkpoint, load_checkpoint, remove_checkpoint, restore_rng_states
+from fl_app.client_states import ClientStates
 from fl_app.config import RUN_CONFIG_OUTPUT_DIR, compose_config, overrides_from_run_config
 from fl_app.config_checks import ConfigError
 from fl_app.data.federated import NATURAL, FederatedData, describe_client, federated_data
@@ -79,7 +81,7 @@ from fl_app.timeline import mark
 from fl_app.tracking import TrackedRun, make_tracker
 from fl_app.validation import validate_config
 from strategies import EVALUATION_STAGES, STRATEGIES
-from strategies.contract import Strategy
+from strategies.contract import Declaration, Strategy
 from strategies.reporting import Randomness, RunReport
 
 LOG_FILE = "run.log"
@@ -345,6 +347,7 @@ def prepare(
     resumed = load_checkpoint(output_dir, run) if settings.resume else None
     if resumed is not None:
         restore_rng_states(resumed.rng)  # the process's generators, as the interrupted run left them
+    metered.client_states = client_states(declaration, grid, resumed)
     strategy = resumed.strategy if resumed is not None else build_strategy(run, stage)
     randomness = strategy.randomness()
     published.secret_cohort = randomness.secret_cohort  # run.log then withholds what depends on the cohort
@@ -354,6 +357,7 @@ def prepare(
         data, subset=settings.evaluation.test_subset, randomness=run.randomness
     )
     reporter = make_reporter(strategy, metered, recorder, (x_test, y_test), settings, overrides, started)
+    reporter.checkpointer.not_resumable = not_resumable(declaration, roster)
     arrays, first_round = begin(strategy, reporter, recorder, resumed, settings, output_dir)
     return Prepared(
         settings,
@@ -368,6 +372,31 @@ def prepare(
         setup_bytes,
         y_test,
     )
+
+
+def client_states(declaration: Declaration, grid: Grid, resumed: Checkpoint | None) -> ClientStates | None:
+    """The store of the clients' state between rounds: a simulation's, of a client that keeps state.
+
+    A checkpoint's when the run resumes; None on devices (each keeps its own) or for a stateless client.
+    """
+    if not CLIENTS.get(declaration.client).keeps_state or not is_in_memory_grid(grid):
+        return None
+    if resumed is not None and resumed.client_states is not None:
+        return resumed.client_states
+    return ClientStates()
+
+
+def not_resumable(declaration: Declaration, roster: Sequence[ClientInfo]) -> str | None:
+    """Why ``resume=`` could not continue this run (then no checkpoint is written and none is offered).
+
+    An algorithm that declares it cannot be resumed; a client that keeps state on devices (each
+    device's state lives in its node, which a resumed run does not reach). None: it can.
+    """
+    if declaration.resume is not None:
+        return f"strategy={declaration.name} {declaration.resume}"
+    if CLIENTS.get(declaration.client).keeps_state and on_devices(roster):
+        return "its clients keep state on their devices, which a resumed run cannot reach"
+    return None
 
 
 def federation(
@@ -512,9 +541,14 @@ def note_stop(prepared: Prepared, reason: str) -> None:
     reporter, output_dir = prepared.reporter, prepared.run.output_dir
     abandoned = prepared.grid.take()
     stopped: dict[str, Any] = {"reason": reason, "after_round": reporter.completed_round}
-    if reporter.completed_round > 0:  # a checkpoint exists: the run can continue
+    refused = reporter.checkpointer.not_resumable
+    if refused is not None:
+        stopped["not_resumable"] = refused
+    elif reporter.completed_round > 0:  # a checkpoint exists: the run can continue
         stopped["resume"] = f"python -m fl_app resume={output_dir}"
-        stopped["private_state"] = private_state_text(prepared.strategy, output_dir)
+        stopped["private_state"] = private_state_text(
+            prepared.strategy, output_dir, client_states=prepared.grid.client_states is not None
+        )
     if not prepared.randomness.secret_cohort:  # a secret cohort's replies would tell its size
         stopped["abandoned_round_replies"] = int(abandoned.get("train_replies", 0))
     prepared.recorder.stopped = stopped
@@ -540,7 +574,16 @@ def finish(prepared: Prepared, ending: Ending) -> dict[str, Any] | None:
     if silent:  # every round ran, but some client's data never reached the model: the command exits 1
         exit_code, reason = 1, silent_text(silent, prepared.reporter.clients.client_rounds)
     stopped = prepared.recorder.stopped or {}
-    record_outcome(Outcome(ending.status, exit_code, reason, str(output_dir), stopped.get("private_state")))
+    record_outcome(
+        Outcome(
+            ending.status,
+            exit_code,
+            reason,
+            str(output_dir),
+            stopped.get("private_state"),
+            not_resumable=stopped.get("not_resumable"),
+        )
+    )
     if exit_code and not silent:
         log_stopped(prepared, ending.status, reason)
     else:
@@ -604,7 +647,7 @@ def unwritten(prepared: Prepared, status: str, error: OSError) -> None:
     """One line when the results could not be written (a full disk), and the outcome."""
     output_dir, completed = prepared.run.output_dir, prepared.reporter.completed_round
     failure = error if isinstance(error, WriteFailed) else write_failed(output_dir / "results", error)
-    can_resume = completed > 0
+    can_resume = completed > 0 and prepared.reporter.checkpointer.not_resumable is None
     log(
         ERROR,
         "dpfl: run %s after round %d, but its results could not be written: %s%s",
@@ -613,7 +656,10 @@ def unwritten(prepared: Prepared, status: str, error: OSError) -> None:
         failure,
         f"; free space, then continue with: python -m fl_app resume={output_dir}" if can_resume else "",
     )
-    state = private_state_text(prepared.strategy, output_dir) if can_resume else None
+    with_states = prepared.grid.client_states is not None
+    state = (
+        private_state_text(prepared.strategy, output_dir, client_states=with_states) if can_resume else None
+    )
     record_outcome(Outcome("failed", 1, str(failure), str(output_dir), state))
 
 
@@ -623,6 +669,8 @@ def log_stopped(prepared: Prepared, status: str, reason: str) -> None:
     resume = (
         f"; continue with: python -m fl_app resume={output_dir} ({stopped['private_state']})"
         if stopped and "resume" in stopped
+        else f"; it cannot be resumed: {stopped['not_resumable']}"
+        if stopped and "not_resumable" in stopped
         else "; nothing to resume (no round completed)"
     )
     completed = prepared.reporter.completed_round

@@ -95,9 +95,12 @@ def warn_if_diverged(results: dict[str, Any]) -> None:
         )
 
 
-def private_state_text(strategy: Strategy, output_dir: Path) -> str:
+def private_state_text(strategy: Strategy, output_dir: Path, *, client_states: bool = False) -> str:
     """What the interrupt line and ``stopped.private_state`` say about the checkpoint file."""
-    held = strategy.private_state()
+    held = strategy.declaration.checkpoint_holds
+    if client_states:
+        kept = "every client's state between rounds (computed from its data, not noised)"
+        held = f"{held} and {kept}" if held else kept
     return (
         f"{output_dir / CHECKPOINT_FILE} is the server's private state"
         f"{': it holds ' + held if held else ''}; readable by its owner only, never publish it; it is "

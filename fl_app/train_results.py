@@ -1,4 +1,4 @@
-"""A client's train result before it is encoded as a reply: its model state and its metrics.
+"""A client's train result before it is encoded as a reply: its arrays, its metrics, its other records.
 
 A client whose train reply is only its trained model and a few numbers (FedAvg's, and the central-DP
 baselines' that use it) returns a :class:`TrainResult` from
@@ -13,7 +13,7 @@ sees the same numbers either way.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from flwr.app import ArrayRecord, Message, MetricRecord, RecordDict
@@ -24,21 +24,25 @@ from fl_app.training import array_values, state_to_arrays
 
 @dataclass(frozen=True)
 class TrainResult:
-    """A train reply's content, decoded: the model's arrays by name and the reply's metrics.
+    """A train reply's content, decoded: the model's arrays by name, the metrics, other array records.
 
     ``arrays`` may be views of a process's model (:func:`fl_app.training.model_state`): use them
     before that model trains the next client. ``metrics`` None: the reply has no metrics record
-    (FedAvg+LDP's upload is its noisy update alone).
+    (FedAvg+LDP's upload is its noisy update alone). ``records``: the algorithm's other uploads, an
+    array record each by name (SCAFFOLD's control variate update).
     """
 
     arrays: Mapping[str, np.ndarray]
     metrics: Mapping[str, int | float] | None
+    records: Mapping[str, Mapping[str, np.ndarray]] = field(default_factory=dict)
 
     def content(self) -> RecordDict:
-        """The reply's content: the arrays (:func:`~fl_app.training.state_to_arrays`) and the metrics."""
+        """The reply's content: the arrays (:func:`~fl_app.training.state_to_arrays`), metrics, records."""
         content = RecordDict({keys.ARRAYS: state_to_arrays(dict(self.arrays))})
         if self.metrics is not None:
             content[keys.METRICS] = MetricRecord(dict(self.metrics))
+        for name, record in self.records.items():
+            content[name] = state_to_arrays(dict(record))
         return content
 
     def metric(self, key: str) -> float:
@@ -59,11 +63,17 @@ class TrainResult:
         problem = arrays_mismatch(reply, like)
         if problem:
             raise ValueError(f"malformed reply: {problem}")
-        received = reply.content.array_records[keys.ARRAYS]
+        records = reply.content.array_records
+        received = records[keys.ARRAYS]
         metrics = reply.content.get(keys.METRICS)
         return cls(
             arrays={name: array_values(received[name]) for name in received},
             metrics=dict(metrics) if isinstance(metrics, MetricRecord) else None,  # type: ignore[arg-type]
+            records={
+                name: {key: array_values(record[key]) for key in record}
+                for name, record in records.items()
+                if name != keys.ARRAYS
+            },
         )
 
 

@@ -6,7 +6,8 @@ import ast
 import contextlib
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -252,13 +253,6 @@ def _check_shape(name: str, values: np.ndarray, target: np.ndarray | torch.Tenso
         raise RuntimeError(f"array {name!r} has shape {tuple(values.shape)}, the model {tuple(target.shape)}")
 
 
-def numpy_to_arrays(keys: Sequence[str], values: Sequence[np.ndarray]) -> ArrayRecord:
-    """Build an ArrayRecord from keys and numpy arrays."""
-    if len(keys) != len(values):
-        raise ValueError(f"{len(keys)} keys for {len(values)} arrays")
-    return state_to_arrays({k: np.asarray(v) for k, v in zip(keys, values, strict=True)})
-
-
 def model_device(model: nn.Module) -> torch.device:
     """Where ``model``'s parameters live (training and evaluation put their inputs there)."""
     parameter = next(model.parameters(), None)
@@ -286,6 +280,45 @@ def seeded_dropout(model: nn.Module, rng: np.random.Generator) -> Iterator[None]
         yield
 
 
+@dataclass(frozen=True)
+class LocalSGD:
+    """What one client's local training is: :func:`train_local`'s settings, besides model, data, order.
+
+    The client contract's description of its local update (:meth:`clients.base.FederatedClient.local_sgd`):
+    ``epochs`` passes of mini-batch SGD (``batch_size``, ``lr``, heavy-ball ``momentum``) with an
+    optional FedProx term ``proximal_mu`` (Li et al., MLSys 2020) towards the received model and an
+    optional constant ``correction`` added to every gradient (SCAFFOLD's ``c - c_i``, by parameter
+    name). Whoever runs it (the client's own loop, or the engine's vectorised trainer for a whole
+    cohort) runs exactly this, so the two cannot disagree on what a client trains.
+    """
+
+    epochs: int
+    batch_size: int
+    lr: float
+    momentum: float = 0.0
+    proximal_mu: float = 0.0
+    correction: Mapping[str, np.ndarray] | None = field(default=None, compare=False)
+
+    def same_as(self, other: LocalSGD) -> bool:
+        """Whether ``other`` trains exactly the same way (the correction compared value by value)."""
+        if self != other or (self.correction is None) != (other.correction is None):
+            return False
+        if self.correction is None or other.correction is None:
+            return True
+        return list(self.correction) == list(other.correction) and all(
+            np.array_equal(self.correction[name], other.correction[name]) for name in self.correction
+        )
+
+    def corrections_for(self, model: nn.Module) -> list[torch.Tensor] | None:
+        """The correction as one tensor per trainable parameter of ``model`` (``ValueError``: a name)."""
+        if self.correction is None:
+            return None
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        if set(names) != set(self.correction):
+            raise ValueError(f"a gradient correction for {sorted(self.correction)}, the model trains {names}")
+        return [torch.as_tensor(np.asarray(self.correction[name])) for name in names]
+
+
 def train_local(
     model: nn.Module,
     x: np.ndarray,
@@ -298,6 +331,7 @@ def train_local(
     momentum: float = 0.0,
     proximal_mu: float = 0.0,
     reference: Sequence[torch.Tensor] | None = None,
+    correction: Sequence[torch.Tensor] | None = None,
 ) -> float:
     """Train ``model`` in place with mini-batch SGD; return the mean training loss.
 
@@ -315,6 +349,9 @@ def train_local(
         FedProx term ``mu/2 ||w - reference||^2`` (0 disables it).
     reference : Sequence[torch.Tensor], optional
         The parameters the proximal term pulls towards (required when mu > 0).
+    correction : Sequence[torch.Tensor], optional
+        A constant added to every step's gradient, one tensor per trainable parameter in order
+        (SCAFFOLD's ``c - c_i``, Karimireddy et al. 2020, Algorithm 1 line 10); None: none.
 
     """
     if len(y) == 0:
@@ -324,6 +361,7 @@ def train_local(
     if not all(module.training for module in _model_modules(model)):  # model.train(): 20 us a client
         model.train()
     trained = [p for p in model_parameters(model) if p.requires_grad]
+    shift = _correction_for(trained, correction)
     optimizer = SGD(trained, lr=lr, momentum=momentum)
     device = model_device(model)
     inputs = to_tensor(x).to(device)
@@ -341,10 +379,36 @@ def train_local(
                     )
                     loss = loss + 0.5 * proximal_mu * prox
                 # the gradients backward() would leave in .grad, without storing them there
-                optimizer.apply(torch.autograd.grad(loss, trained, allow_unused=True))
+                grads = torch.autograd.grad(loss, trained, allow_unused=True)
+                if shift is not None:
+                    grads = tuple(s if g is None else g + s for g, s in zip(grads, shift, strict=True))
+                optimizer.apply(grads)
                 total += float(loss.detach())
                 batches += 1
     return total / max(batches, 1)
+
+
+def _correction_for(
+    trained: Sequence[torch.Tensor], correction: Sequence[torch.Tensor] | None
+) -> list[torch.Tensor] | None:
+    """``correction`` on the parameters' device and dtype (``ValueError`` unless shaped like them)."""
+    if correction is None:
+        return None
+    if len(correction) != len(trained):
+        raise ValueError(f"{len(correction)} correction tensors for {len(trained)} trainable parameters")
+    shifts = []
+    for parameter, values in zip(trained, correction, strict=True):
+        if tuple(values.shape) != tuple(parameter.shape):
+            raise ValueError(
+                f"a correction of shape {tuple(values.shape)} for a parameter {tuple(parameter.shape)}"
+            )
+        shifts.append(values.to(device=parameter.device, dtype=parameter.dtype))
+    return shifts
+
+
+def local_steps(examples: int, *, epochs: int, batch_size: int) -> int:
+    """The SGD steps :func:`train_local` takes on ``examples`` examples: ``epochs * ceil(n / B)``."""
+    return int(epochs) * -(-int(examples) // max(int(batch_size), 1))
 
 
 @torch.no_grad()

@@ -1,23 +1,25 @@
-"""The usual implementation of the strategy contract: cohorts, replies, one accountant, reports.
+"""The usual implementation of the strategy contract: cohorts, replies, reports.
 
 :class:`FederatedStrategy` satisfies :class:`strategies.contract.Strategy` for an algorithm whose
-round is "select a cohort, send the model and a train config, aggregate the replies, account".
-It composes collaborators instead of inheriting their state:
+round is "select a cohort, send the model (and its own records) and a train config, aggregate the
+replies". It composes collaborators instead of inheriting their state:
 
 * ``self.cohorts`` (:class:`~strategies.cohorts.Cohorts`): seeded samples, planned schedules that
   a local-DP calibration can count exactly, secret Poisson cohorts;
 * ``self.replies`` (:class:`~strategies.replies.ReplyBook`): who was asked, who answered, who failed
-  (logged, left out; privacy events still name every *selected* client, so a failure never makes
-  the accounting optimistic);
-* ``self.accountant`` (:class:`~fl_app.privacy.accountant.PrivacyAccountant`, or None when not
-  private): the events the strategy records, composed per client;
+  (logged once, left out);
 
-and builds the typed reports the platform reads (:meth:`report_round`, :meth:`report_run`) from
-hooks a subclass overrides where it has more to say: :meth:`round_extras`, :meth:`diagnostics`
-(un-noised statistics: written only outside the guarantee, never on devices),
-:meth:`privacy_summary`, :meth:`final_extras`, :meth:`stage_epsilons`, :meth:`released_stages`,
-:meth:`cohort_randomness`, :meth:`extra_ledgers`. A subclass implements :meth:`aggregate_train`
-and declares its algorithm in the class attribute ``declaration``.
+and builds the typed reports the platform reads (:meth:`report_round`, :meth:`report_run`). What an
+algorithm writes (the rest is the contract, which the platform calls):
+
+* :meth:`select_clients`, :meth:`extra_train_config`, :meth:`records_for_clients`: who gets what;
+* :meth:`aggregate` (the valid replies, sorted by client id) and :meth:`summand` (when the
+  aggregation is a sum of per-client terms, which the engine may then compute where the clients ran);
+* :meth:`round_extras`, :meth:`diagnostics` (un-noised statistics: written only outside the
+  guarantee, never on devices), :meth:`final_extras`: what its results add.
+
+A private algorithm builds on :class:`strategies.private.PrivateStrategy`, which adds the accountant,
+the canaries and the privacy report's hooks. A subclass declares its algorithm in ``declaration``.
 """
 
 from __future__ import annotations
@@ -42,18 +44,14 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fl_app import keys
-from fl_app.privacy.accountant import LEDGER_FILE, PrivacyAccountant
-from fl_app.privacy.canaries import CanaryPopulation
 from fl_app.privacy.composition import EpsilonReport
-from fl_app.privacy.mechanisms import clip_l2
-from fl_app.reply_sums import ClippedUpdate, PartialSum, Summand, blocks_of, summed
+from fl_app.reply_sums import PartialSum, Summand, blocks_of, summed
 from fl_app.roster import ClientInfo, on_devices
 from fl_app.run_context import RunContext
-from fl_app.training import array_values, evaluate, load_arrays, model_to_arrays, torch_seed
-from strategies.arrays import flat_vector, split_vector
+from fl_app.training import evaluate, load_arrays, model_to_arrays, torch_seed
 from strategies.cohorts import Cohorts
 from strategies.contract import JSON, Declaration
-from strategies.replies import RecentRounds, ReplyBook
+from strategies.replies import RecentRounds, Replies, ReplyBook
 from strategies.reporting import (
     NOT_COVERED,
     SECRET_COHORT_NOT_COVERED,
@@ -65,7 +63,7 @@ from strategies.reporting import (
 )
 from strategies.settings import StrategySettings
 
-__all__ = ["FederatedStrategy", "RecentRounds", "base_train_config"]
+__all__ = ["FederatedStrategy", "RecentRounds", "Replies", "base_train_config"]
 
 
 def base_train_config(run: RunContext, *, client: str, server_round: int) -> ConfigRecord:
@@ -140,21 +138,7 @@ class FederatedStrategy:
         self.mechanism_name: str = self.declaration.mechanism
         self.cohorts = Cohorts(run)
         self.replies = ReplyBook(run)
-        self.accountant: PrivacyAccountant | None = None
-        self.canaries: CanaryPopulation | None = None
         self._round_global: ArrayRecord | None = None
-        self._initial_vector: np.ndarray | None = None
-
-    # ------------------------------------------------------------------ declared facts
-
-    @property
-    def secret_cohort(self) -> bool:
-        """Whether the accounting relies on the cohort being secret (amplification by sampling)."""
-        return self.replies.secret_cohort
-
-    @secret_cohort.setter
-    def secret_cohort(self, value: bool) -> None:
-        self.replies.secret_cohort = bool(value)
 
     # ------------------------------------------------------------------ the model
 
@@ -178,50 +162,36 @@ class FederatedStrategy:
 
     # ------------------------------------------------------------------ train messages
 
-    def base_config(self, server_round: int) -> ConfigRecord:
-        """The train ConfigRecord every client reads (:func:`base_train_config`)."""
-        return base_train_config(self.run, client=self.declaration.client, server_round=server_round)
-
     def train_config(self, server_round: int, config: ConfigRecord) -> ConfigRecord:
-        """The full train config: base keys, what the round loop passed, and extras."""
-        record = self.base_config(server_round)
+        """The full train config: every client's keys (:func:`base_train_config`), the loop's, the extras."""
+        record = base_train_config(self.run, client=self.declaration.client, server_round=server_round)
         for key, value in config.items():
             record[key] = value
         for key, value in self.extra_train_config(server_round).items():
             record[key] = value
         return record
 
-    def reply_summand(self, server_round: int) -> Summand | None:
-        """The per-client term this round's aggregation sums, or None: it needs every reply (override).
+    def summand(self, server_round: int) -> Summand | None:
+        """The per-client term whose sum this round's aggregation is, or None: it reads every reply.
 
-        A strategy that returns one aggregates with :meth:`summed_replies` (or
-        :meth:`clipped_update_sum`), which take cohort messages' partial sums
-        (:mod:`fl_app.cohort_messages`) as well as plain replies.
+        Declaring the sum is declaring what the aggregation is: :meth:`aggregate` then reads
+        ``replies.sum(self.summand(t))``, which the engine may compute where the clients ran (several
+        clients packed in one message) with the same result. A subclass that overrides
+        :meth:`aggregate` without declaring its own summand is never packed.
         """
         return None
 
-    def cohort_summand(self, server_round: int) -> Summand | None:
-        """The summand the round loop hands the grid: the round may go as cohort messages (else None).
-
-        :meth:`reply_summand` where the run asks for cohort messages (``simulation.cohort_messages``);
-        the grid packs only in a simulation (:class:`fl_app.metering.MeteredGrid`).
-        """
-        if not self.run.settings.simulation.sends_cohort_messages:
-            return None
-        return self.reply_summand(server_round)
-
-    def summed_replies(
-        self, valid: list[tuple[ClientInfo, Message]], summand: Summand, *, server_round: int | None = None
+    def _sum_of(
+        self, valid: list[tuple[ClientInfo, Message]], server_round: int, summand: Summand
     ) -> PartialSum:
-        """The sum of ``summand``'s terms over the valid replies, plain and partial sums alike.
+        """The sum of ``summand``'s terms over the valid replies, plain and packed alike.
 
         In the blocks of the round's cohort in client order (:func:`fl_app.reply_sums.summed`; the
         clients selected in ``server_round`` and those that replied), so a run sums the same way
-        whether its replies came one per client or as cohort messages.
+        whether its replies came one per client or packed.
         """
         cohort = {info.client_id: info for info, _ in valid}
-        if server_round is not None:
-            cohort.update((info.client_id, info) for info in self.replies.selected(server_round))
+        cohort.update((info.client_id, info) for info in self.replies.selected(server_round))
         blocks = blocks_of(cohort[client].node_id for client in sorted(cohort))
         pairs = ((info.node_id, reply) for info, reply in valid)
         return summed(pairs, summand, self.round_global, blocks=blocks)
@@ -234,33 +204,24 @@ class FederatedStrategy:
         """The round's cohort (override; default: the planned schedule, else a seeded sample)."""
         return self.cohorts.select(server_round)
 
-    def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
-        """What the clients receive (override, e.g. to add downlink noise)."""
-        return arrays
+    def records_for_clients(self, server_round: int, arrays: ArrayRecord) -> dict[str, ArrayRecord]:
+        """What every selected client receives besides its config: the model, and more (override).
+
+        The default sends the global model as ``keys.ARRAYS``; a strategy may transform it (downlink
+        noise) or add records of its own (SCAFFOLD's server control variate), which its client reads
+        with :meth:`clients.base.FederatedClient.received`.
+        """
+        return {keys.ARRAYS: arrays}
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
-        """Select the cohort and send each client the global arrays and the train config."""
+        """Select the cohort and send each client the global arrays, its records and the train config."""
         self._round_global = arrays
-        count = self.run.settings.privacy.canaries
-        if self._initial_vector is None and count and self.declaration.canaries is None:
-            self._initial_vector = flat_vector(arrays)  # the canaries' cosines are against the total change
-            self.canaries = CanaryPopulation(
-                count=count,
-                rate=self.run.clients_per_round / self.run.num_clients,
-                dimension=self._initial_vector.size,
-                randomness=self.run.randomness,
-                patterns=self.canary_patterns(count),
-            )
         clients = self.select_clients(server_round)
         self.replies.record_selected(server_round, clients)
-        content = RecordDict(
-            {
-                keys.ARRAYS: self.arrays_for_clients(server_round, arrays),
-                keys.CONFIG: self.train_config(server_round, config),
-            }
-        )
+        content = RecordDict(dict(self.records_for_clients(server_round, arrays)))
+        content[keys.CONFIG] = self.train_config(server_round, config)
         return [
             Message(content=content, dst_node_id=c.node_id, message_type=MessageType.TRAIN) for c in clients
         ]
@@ -280,55 +241,21 @@ class FederatedStrategy:
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Aggregate the round (subclasses implement)."""
+        """Flower's hook: the replies split once (failures logged), then :meth:`aggregate`."""
+        valid, failed = self.replies.split(server_round, replies)
+        return self.aggregate(
+            server_round,
+            Replies(valid, failed, lambda kept, summand: self._sum_of(kept, server_round, summand)),
+        )
+
+    def aggregate(
+        self, server_round: int, replies: Replies
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The round's new global model (None: unchanged) and its metrics, from the valid replies.
+
+        ``replies`` are sorted by client id, failures already logged and left out (subclasses implement).
+        """
         raise NotImplementedError
-
-    def clipped_update_sum(
-        self, valid: list[tuple[ClientInfo, Message]], *, max_norm: float, server_round: int | None = None
-    ) -> tuple[list[str], list[np.ndarray], list[np.ndarray], list[float]]:
-        """The central-DP step every update-clipping strategy starts with.
-
-        Returns the array names, the round's global arrays in float64, the float64 sum of the
-        valid replies' updates ``w_k - w_t`` each clipped to L2 norm ``max_norm``
-        (:func:`fl_app.privacy.mechanisms.clip_l2`'s arithmetic), and each reply's update norm
-        before clipping (un-noised: never release it), in client order. Summed by
-        :meth:`summed_replies`: plain replies and cohort messages' partial sums
-        (:mod:`fl_app.cohort_messages`, each member's update clipped where it ran, with the bound
-        this strategy sent and checks) give the same sum. With ``server_round`` and canaries
-        (``privacy.canaries``), the canaries sampled in that round join the sum after the clients,
-        through the same clipping; their norms are not returned.
-        """
-        names = list(self.round_global.keys())
-        reference = [array_values(self.round_global[name]).astype(np.float64) for name in names]
-        clients = self.summed_replies(valid, ClippedUpdate(clip=max_norm), server_round=server_round)
-        total = [clients.arrays[name] for name in names]
-        if server_round is not None:
-            for upload in self.canary_uploads(server_round, clip=max_norm, like=reference):
-                clipped, _ = clip_l2(arrays=upload, max_norm=max_norm)
-                for t, c in zip(total, clipped, strict=True):
-                    t += c
-        return names, reference, total, clients.per_member.get("norm", [])
-
-    def canary_uploads(
-        self, server_round: int, *, clip: float, like: list[np.ndarray]
-    ) -> list[list[np.ndarray]]:
-        """The uploads of the canaries sampled in ``server_round``, shaped like ``like`` (none if off)."""
-        if self.canaries is None:
-            return []
-        return [
-            split_vector(self.canaries.upload(k, clip=clip), like)
-            for k in self.canaries.sampled(server_round)
-        ]
-
-    def canary_patterns(self, count: int) -> list[frozenset[int]] | None:
-        """The rounds each canary takes part in under a planned schedule (None: sampled like clients).
-
-        Sampled cohorts (Poisson) need none: canaries are sampled at the cohort rate. A strategy
-        whose schedule is planned returns, for each canary, the rounds of a client its epsilon is
-        about (:func:`fl_app.privacy.canaries.worst_client_patterns`): a canary that took part
-        more often, or in a worse pattern, would measure a larger release than any real client's.
-        """
-        return None
 
     # ------------------------------------------------------------------ federated evaluation
 
@@ -343,7 +270,7 @@ class FederatedStrategy:
         count = max(1, round(fraction * self.run.num_clients))
         chosen = sorted(rng.choice(self.run.num_clients, size=count, replace=False))
         clients = [self.run.roster[i] for i in chosen]
-        record = self.base_config(server_round)
+        record = base_train_config(self.run, client=self.declaration.client, server_round=server_round)
         for key, value in config.items():
             record[key] = value
         content = RecordDict({keys.ARRAYS: self.arrays_for_evaluation(arrays), keys.CONFIG: record})
@@ -370,45 +297,48 @@ class FederatedStrategy:
 
     def report_round(self, server_round: int) -> RoundReport:
         """The round's report, from the hooks below (after ``aggregate_train``)."""
+        epsilon = self._epsilon()
         return RoundReport(
             clients=len(self.replies.selected(server_round)),
             failures=tuple(self.replies.failures(server_round)),
             failure_reasons=tuple(self.replies.failure_reasons(server_round)),
-            epsilon=self.epsilon(),
-            training_epsilon=self.training_epsilon(),
+            epsilon=epsilon,
+            training_epsilon=epsilon,
             extras=dict(self.round_extras(server_round)),
             diagnostics=dict(self.diagnostics(server_round)),
-            secret_cohort=self.secret_cohort,
+            secret_cohort=self.replies.secret_cohort,
             selected=tuple(info.client_id for info in self.replies.selected(server_round)),
         )
 
     def report_run(self, final: ArrayRecord) -> RunReport:
-        """The run's privacy (summary, randomness, total by stage, canary estimate) and final fields."""
-        total = self.epsilon()
+        """The run's privacy (summary, randomness, total, canary estimate) and final fields."""
+        total = self._epsilon()
+        secret = self.replies.secret_cohort
         privacy = PrivacyReport(
-            summary=dict(self.privacy_summary()),
+            summary=dict(self._privacy_summary()),
             randomness=self.randomness(),
             total=PrivacyTotal(
                 epsilon=None if total is None else total.epsilon,
                 delta=self.run.settings.privacy.delta,
                 method=None if total is None else total.method,
                 unit=self.privacy_unit,
-                per_stage=dict(self.stage_epsilons()),
-                covers=tuple(self.released_stages()),
-                not_covered=NOT_COVERED + (SECRET_COHORT_NOT_COVERED if self.secret_cohort else ()),
+                per_stage={"training": None if total is None else total.epsilon},
+                covers=("training: the released models (and, under local DP, every client's upload)",),
+                not_covered=NOT_COVERED + (SECRET_COHORT_NOT_COVERED if secret else ()),
             ),
-            empirical_epsilon=self.empirical_privacy(final),
+            empirical_epsilon=self._empirical_privacy(final),
         )
         return RunReport(privacy=privacy, final=dict(self.final_extras()))
 
     def randomness(self) -> Randomness:
-        """Where the privacy noise comes from (the run's) and the cohorts (:meth:`cohort_randomness`)."""
-        return randomness_of(self.run, cohort=self.cohort_randomness(), secret_cohort=self.secret_cohort)
+        """Where the privacy noise comes from (the run's) and the cohorts."""
+        return randomness_of(
+            self.run, cohort=self._cohort_randomness(), secret_cohort=self.replies.secret_cohort
+        )
 
     def ledgers(self) -> dict[str, dict[str, JSON]]:
-        """``privacy_ledger.json`` (the accountant's events) and :meth:`extra_ledgers`."""
-        main = {} if self.accountant is None else {LEDGER_FILE: self.accountant.state_dict()}
-        return {**main, **self.extra_ledgers()}
+        """The privacy ledgers by file name (none without an accountant)."""
+        return {}
 
     def for_checkpoint(self) -> FederatedStrategy:
         """A shallow copy without what only lives within a round (:attr:`ROUND_STATE`, the replies)."""
@@ -419,80 +349,16 @@ class FederatedStrategy:
             setattr(kept, name, type(value)() if isinstance(value, dict) else None)
         return kept
 
-    def private_state(self) -> str | None:
-        """What the checkpoint holds that no epsilon covers (un-noised aggregates, secrets), or None.
-
-        Said in the interrupt line and the results' ``stopped`` object (override where a strategy
-        must carry un-noised state across rounds to continue exactly).
-        """
-        return None
-
     def describe(self) -> None:
         """Log the strategy's configuration, the privacy unit and the budget asked for."""
-        log(INFO, "\t├──> %s: %s", type(self).__name__, self.cohort_text())
+        log(INFO, "\t├──> %s: %s", type(self).__name__, self._cohort_text())
         log(INFO, "\t│\t├── strategy.name = %s", self.declaration.name)
         for item in dataclasses.fields(self.settings) if self.settings is not None else ():
             log(INFO, "\t│\t├── strategy.%s = %s", item.name, getattr(self.settings, item.name))
-        budget = f", {self.budget_text()}" if self.privacy_unit != "none" else ""
-        log(
-            INFO,
-            "\t└──> privacy: unit=%s, mechanism=%s%s",
-            self.privacy_unit,
-            self.mechanism_name,
-            budget,
-        )
+        budget = f", {self._budget_text()}" if self.privacy_unit != "none" else ""
+        log(INFO, "\t└──> privacy: unit=%s, mechanism=%s%s", self.privacy_unit, self.mechanism_name, budget)
 
-    # ------------------------------------------------------------------ hooks of the reports
-
-    def cohort_text(self) -> str:
-        """How many clients a round selects, for :meth:`describe`."""
-        if self.secret_cohort:
-            return (
-                f"secret Poisson cohorts of {self.run.clients_per_round} of {self.run.num_clients} clients "
-                "per round in expectation (their sizes are not published)"
-            )
-        return f"{self.run.clients_per_round} of {self.run.num_clients} clients per round"
-
-    def budget_text(self) -> str:
-        """The budget asked for, for :meth:`describe` (override where it is not in the unit)."""
-        privacy = self.run.settings.privacy
-        return (
-            f"budget epsilon={privacy.epsilon:g} delta={privacy.delta:g} "
-            f"(privacy.budget_scope={privacy.budget_scope})"
-        )
-
-    def epsilon(self) -> EpsilonReport | None:
-        """Cumulative epsilon of the worst client at ``privacy.delta`` (None: not private).
-
-        The rounds' ``epsilon``: it must cover everything the run released about a client.
-        """
-        if self.accountant is None:
-            return None
-        return self.accountant.epsilon(delta=self.run.settings.privacy.delta)
-
-    def training_epsilon(self) -> EpsilonReport | None:
-        """The training stage's epsilon alone (``rounds[].epsilon_training``)."""
-        return self.epsilon()
-
-    def stage_epsilons(self) -> dict[str, float | None]:
-        """Each stage's cumulative epsilon in the strategy's unit (``privacy.total.per_stage``)."""
-        training = self.training_epsilon()
-        return {"training": None if training is None else training.epsilon}
-
-    def released_stages(self) -> list[str]:
-        """What the total epsilon covers (``privacy.total.covers``)."""
-        return ["training: the released models (and, under local DP, every client's upload)"]
-
-    def cohort_randomness(self) -> str:
-        """Where the clients of a round come from (``privacy.randomness.cohort``)."""
-        return (
-            "public: drawn from `seed` (reproducible; the accounting names every selected client and "
-            "credits no amplification by sampling)"
-        )
-
-    def extra_ledgers(self) -> dict[str, dict[str, JSON]]:
-        """Ledgers beyond the accountant's ``privacy_ledger.json``: file name -> accountant state."""
-        return {}
+    # ------------------------------------------------------------------ what an algorithm's results add
 
     def round_extras(self, server_round: int) -> dict[str, JSON]:
         """Per-round fields for the results file beyond the platform's (override)."""
@@ -502,28 +368,30 @@ class FederatedStrategy:
         """Statistics of un-noised client data (``outside_guarantee``; simulation-only, opt-in; override)."""
         return {}
 
-    def privacy_summary(self) -> dict[str, JSON]:
-        """The results file's ``privacy`` object: unit, mechanism, accountant (override to add details)."""
-        accountant = "none"
-        if self.accountant is not None:
-            accountant = (
-                f"{self.accountant.method} (dp-accounting 0.6.0): per-client composition of the "
-                "recorded events (each names the clients whose data it touched, or all clients); "
-                "min with basic composition for pure-epsilon mechanisms; the worst client is reported"
-            )
-        return {"unit": self.privacy_unit, "mechanism": self.mechanism_name, "accountant": accountant}
-
     def final_extras(self) -> dict[str, JSON]:
         """Extra fields for the results file's ``final`` object (override)."""
         return {}
 
-    def empirical_privacy(self, final: ArrayRecord) -> dict[str, JSON] | None:
-        """``privacy.empirical_epsilon``: the canaries' one-shot estimate from the final model (None: off)."""
-        if self.canaries is None or self._initial_vector is None:
-            return None
-        estimate = self.canaries.estimate(
-            flat_vector(final) - self._initial_vector,
-            delta=self.run.settings.privacy.delta,
-            rng=self.run.randomness.generator("canary-bootstrap"),
+    # ------------------------------------------------------------------ the privacy report's parts
+
+    def _epsilon(self) -> EpsilonReport | None:
+        """The cumulative epsilon (none: :class:`strategies.private.PrivateStrategy` accounts)."""
+        return None
+
+    def _privacy_summary(self) -> dict[str, JSON]:
+        return {"unit": self.privacy_unit, "mechanism": self.mechanism_name, "accountant": "none"}
+
+    def _cohort_randomness(self) -> str:
+        return (
+            "public: drawn from `seed` (reproducible; the accounting names every selected client and "
+            "credits no amplification by sampling)"
         )
-        return estimate.to_json()
+
+    def _cohort_text(self) -> str:
+        return f"{self.run.clients_per_round} of {self.run.num_clients} clients per round"
+
+    def _budget_text(self) -> str:
+        return ""
+
+    def _empirical_privacy(self, final: ArrayRecord) -> dict[str, JSON] | None:
+        return None

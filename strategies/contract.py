@@ -98,6 +98,9 @@ class Declaration:
         None when ``privacy.canaries`` applies; else why not (completes "strategy=<name> ...").
     resume : str | None
         None when ``resume=`` continues a run exactly; else why not.
+    checkpoint_holds : str | None
+        What its checkpoint holds that no epsilon covers (un-noised sums, secrets), said when a run
+        stops; None: nothing beyond what it released.
     release_hint : str
         Appended to the refusal of federated evaluation for a private run (what to use instead).
     private : Callable[[RunSettings], bool] | None
@@ -131,6 +134,7 @@ class Declaration:
         "aggregates: see docs/empirical_privacy.md)"
     )
     resume: str | None = None
+    checkpoint_holds: str | None = None
     release_hint: str = ""
     private: Callable[[RunSettings], bool] | None = None
     check: Callable[[RunSettings], None] = field(default=_never)
@@ -221,6 +225,3 @@ class Strategy(Protocol):
 
     def for_checkpoint(self) -> Strategy:
         """What a checkpoint keeps of it (without what only lives within a round)."""
-
-    def private_state(self) -> str | None:
-        """What a checkpoint holds that no epsilon covers (said when a run stops), or None."""

@@ -50,13 +50,12 @@ themselves are the same operations, taken from :mod:`fl_app.privacy`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.common import log
 
 from fl_app.privacy.accountant import PrivacyAccountant
@@ -68,9 +67,10 @@ from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.training import array_values
 from strategies import register_strategy
-from strategies.base import FederatedStrategy, RecentRounds
+from strategies.base import RecentRounds, Replies
 from strategies.cohorts import max_participations
 from strategies.contract import Declaration, QuickExample
+from strategies.private import PrivateStrategy
 from strategies.settings import StrategySettings, one_of, positive
 
 SAMPLINGS = ("poisson", "fixed", "balanced")
@@ -86,7 +86,7 @@ class DPFedAvgSettings(StrategySettings):
 
 
 @register_strategy("dp_fedavg")
-class DPFedAvgStrategy(FederatedStrategy):
+class DPFedAvgStrategy(PrivateStrategy):
     """Central-DP FedAvg with server-side fixed clipping and seeded Gaussian noise."""
 
     declaration = Declaration(
@@ -114,7 +114,7 @@ class DPFedAvgStrategy(FederatedStrategy):
         comparisons=("comparison", "cross_device"),
     )
     settings: DPFedAvgSettings
-    ROUND_STATE = (*FederatedStrategy.ROUND_STATE, "_norms")  # un-noised: never checkpointed
+    ROUND_STATE = (*PrivateStrategy.ROUND_STATE, "_norms")  # un-noised: never checkpointed
 
     def __init__(self, run: RunContext, settings: DPFedAvgSettings | None = None) -> None:
         super().__init__(run, settings)
@@ -159,18 +159,17 @@ class DPFedAvgStrategy(FederatedStrategy):
             return super().select_clients(server_round)
         return self.cohorts.poisson(server_round, self.rate)
 
-    def reply_summand(self, server_round: int) -> ClippedUpdate:
-        """Each client's update clipped to the round's bound: the aggregation sums them (cohort messages)."""
+    def summand(self, server_round: int) -> ClippedUpdate:
+        """Each client's update clipped to the round's bound: the aggregation sums them."""
         return ClippedUpdate(clip=self.clip)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
+    def aggregate(
+        self, server_round: int, replies: Replies
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Clip each update, add noise to the sum, divide by the fixed denominator."""
-        valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
         names, reference, total, norms = self.clipped_update_sum(
-            valid, max_norm=self.clip, server_round=server_round
+            replies, max_norm=self.clip, server_round=server_round
         )
         rng = self.run.noise.generator("central-noise", server_round=server_round)
         sigma = self.noise_multiplier * self.clip

@@ -63,13 +63,12 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, MetricRecord
 from flwr.common import log
 
 from fl_app.config_checks import ConfigError
@@ -87,8 +86,9 @@ from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
-from strategies.base import FederatedStrategy
+from strategies.base import Replies
 from strategies.contract import Declaration, QuickExample
+from strategies.private import PrivateStrategy
 from strategies.settings import StrategySettings, between, positive
 
 # --------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def noise_plan(run: RunSettings, settings: AdaptiveClippingSettings) -> NoisePla
 
 
 @register_strategy("dp_fedavg_adaptive")
-class DPFedAvgAdaptiveStrategy(FederatedStrategy):
+class DPFedAvgAdaptiveStrategy(PrivateStrategy):
     """Central-DP FedAvg with server momentum and a privately adapted clip norm."""
 
     declaration = Declaration(
@@ -269,18 +269,19 @@ class DPFedAvgAdaptiveStrategy(FederatedStrategy):
         """Poisson sampling with rate q; secret coins from the privacy randomness."""
         return self.cohorts.poisson(server_round, self.plan.sampling_rate)
 
-    def reply_summand(self, server_round: int) -> ClippedUpdate:
-        """Each client's update clipped to the round's bound: the aggregation sums them (cohort messages)."""
+    def summand(self, server_round: int) -> ClippedUpdate:
+        """Each client's update clipped to the round's bound: the aggregation sums them."""
         return ClippedUpdate(clip=self.clip)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
+    def aggregate(
+        self, server_round: int, replies: Replies
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Clip, noise the update sum and the unclipped count, step with momentum, adapt C."""
-        valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
         clip = self.clip
-        _, reference, total, norms = self.clipped_update_sum(valid, max_norm=clip, server_round=server_round)
+        _, reference, total, norms = self.clipped_update_sum(
+            replies, max_norm=clip, server_round=server_round
+        )
         m = self.plan.expected_clients
         rng = self.run.noise.generator("central-noise", server_round=server_round)
         sigma = self.plan.update_noise_multiplier * clip

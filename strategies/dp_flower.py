@@ -31,8 +31,10 @@ from flwr.serverapp import strategy as flower_strategies
 
 from fl_app import keys
 from fl_app.config_checks import ConfigError
+from fl_app.reply_sums import ClippedUpdate
 from fl_app.run_context import RunContext
 from strategies import register_strategy
+from strategies.base import Replies
 from strategies.contract import Declaration, QuickExample
 from strategies.dp_fedavg import DPFedAvgSettings, DPFedAvgStrategy
 from strategies.flower import FlowerRounds, build_flower_strategy, check_flower, check_kwargs, flower_class
@@ -135,11 +137,15 @@ class DPFlowerStrategy(DPFedAvgStrategy):
             server_round, first.content[keys.ARRAYS], first.content[keys.CONFIG], node_ids
         )
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
+    def summand(self, server_round: int) -> ClippedUpdate:
+        """DP-FedAvg's clipped update: the Flower step reads nothing of the round but its noised sum."""
+        return super().summand(server_round)
+
+    def aggregate(
+        self, server_round: int, replies: Replies
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """DP-FedAvg's release, handed to the Flower strategy as its one reply."""
-        noised, _ = super().aggregate_train(server_round, replies)
+        noised, _ = super().aggregate(server_round, replies)
         assert noised is not None  # DP-FedAvg releases every round (noise alone without replies)
         stepped, _ = self.flower.aggregate(server_round, [one_reply(noised)], like=self.round_global)
         return stepped, MetricRecord()

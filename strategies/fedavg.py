@@ -19,11 +19,10 @@ average update ``Delta_t = avg_k w^k_{t+1} - w_t`` drives
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, MetricRecord
 
 from fl_app import keys
 from fl_app.reply_sums import WeightedModel
@@ -31,7 +30,7 @@ from fl_app.run_context import RunContext
 from fl_app.training import array_values
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
-from strategies.base import FederatedStrategy
+from strategies.base import FederatedStrategy, Replies
 from strategies.contract import Declaration, QuickExample
 from strategies.settings import StrategySettings, between, one_of, positive
 
@@ -99,18 +98,17 @@ class FedAvgStrategy(FederatedStrategy):
 
         return frozenset(state_buffers(self.run.model_spec.build()))
 
-    def reply_summand(self, server_round: int) -> WeightedModel:
-        """Each client's model times its weight: the average is a sum (cohort messages)."""
+    def summand(self, server_round: int) -> WeightedModel:
+        """Each client's model times its weight: the average is a sum."""
         return WeightedModel(weighting=self.settings.weighting)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
+    def aggregate(
+        self, server_round: int, replies: Replies
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Average the returned models (by examples or uniformly): ``sum_k n_k w_k / sum_k n_k``."""
-        valid, _ = self.replies.split(server_round, replies)
-        if not valid:
+        if not replies:
             return None, None
-        total = self.summed_replies(valid, self.reply_summand(server_round), server_round=server_round)
+        total = replies.sum(self.summand(server_round))
         weight = total.scalars["weight"]
         average = arrays_like([total.arrays[name] / weight for name in total.arrays], self.round_global)
         loss = total.scalars["example_loss"] / total.scalars["examples"]  # per example, as before

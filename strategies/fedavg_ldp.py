@@ -31,7 +31,6 @@ knows it was selected and the server sees who uploaded what).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
@@ -53,9 +52,10 @@ from fl_app.run_context import RunContext
 from fl_app.train_results import arrays_mismatch
 from fl_app.training import array_values
 from strategies import register_strategy
-from strategies.base import FederatedStrategy
+from strategies.base import Replies
 from strategies.cohorts import SCHEDULES, max_participations
 from strategies.contract import Declaration, QuickExample
+from strategies.private import PrivateStrategy
 from strategies.settings import StrategySettings, flag, one_of, positive
 
 
@@ -70,7 +70,7 @@ class FedAvgLDPSettings(StrategySettings):
 
 
 @register_strategy("fedavg_ldp")
-class FedAvgLDPStrategy(FederatedStrategy):
+class FedAvgLDPStrategy(PrivateStrategy):
     """FedAvg of client-side clipped and Gaussian-noised model updates."""
 
     declaration = Declaration(
@@ -161,15 +161,14 @@ class FedAvgLDPStrategy(FederatedStrategy):
         """Clipping bound and noise multiplier for the clients."""
         return {LDP_CLIP: self.clip, LDP_NOISE_MULTIPLIER: self.noise_multiplier}
 
-    def reply_summand(self, server_round: int) -> Upload:
-        """Each client's noisy update as it came: the mean is their sum over the count (cohort messages)."""
+    def summand(self, server_round: int) -> Upload:
+        """Each client's noisy update as it came: the mean is their sum over the count."""
         return Upload()
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
+    def aggregate(
+        self, server_round: int, replies: Replies
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """``w_{t+1} = w_t + mean of the noisy updates``; one Gaussian event for every selected client."""
-        valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
         assert self.accountant is not None
         self.accountant.record(
@@ -180,8 +179,7 @@ class FedAvgLDPStrategy(FederatedStrategy):
                 label="noisy model update",
             )
         )
-        summand = self.reply_summand(server_round)
-        total = self.summed_replies(self._matching(valid), summand, server_round=server_round)
+        total = self._matching(replies).sum(self.summand(server_round))
         names = list(global_arrays.keys())
         sums = [total.arrays[name] for name in names]
         reports = len(total.members)
@@ -207,18 +205,19 @@ class FedAvgLDPStrategy(FederatedStrategy):
             new[name] = Array(np.asarray(reference.astype(np.float64) + mean, dtype=reference.dtype))
         return ArrayRecord(new), MetricRecord({"reports": count})
 
-    def _matching(self, valid: list[tuple[ClientInfo, Message]]) -> list[tuple[ClientInfo, Message]]:
+    def _matching(self, replies: Replies) -> Replies:
         """The valid replies whose update matches the model; any other is logged and ignored.
 
-        A cohort message's members were checked where they ran (a malformed one failed there).
+        A packed message's members were checked where they ran (a malformed one failed there).
         """
-        matching = []
-        for info, reply in valid:
-            if not is_partial_sum(reply) and arrays_mismatch(reply, self.round_global):
-                log(WARNING, "FedAvg+LDP: client %d sent no matching update; ignored", info.client_id)
-                continue
-            matching.append((info, reply))
-        return matching
+
+        def matches(info: ClientInfo, reply: Message) -> bool:
+            if is_partial_sum(reply) or not arrays_mismatch(reply, self.round_global):
+                return True
+            log(WARNING, "FedAvg+LDP: client %d sent no matching update; ignored", info.client_id)
+            return False
+
+        return replies.only(matches)
 
     def round_extras(self, server_round: int) -> dict[str, Any]:
         """Valid uploads aggregated in the round and the epsilon of one upload.

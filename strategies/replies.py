@@ -9,7 +9,8 @@ about a failure reaches the published ``run.log`` (the console still shows it).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from logging import WARNING
 from typing import Any
 
@@ -17,10 +18,11 @@ from flwr.app import Message
 from flwr.common import log
 
 from fl_app import keys
-from fl_app.reply_sums import PartialSum, is_partial_sum
+from fl_app.reply_sums import PartialSum, Summand, is_partial_sum
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from fl_app.run_log import withheld_from_file
+from fl_app.train_results import TrainResult
 
 
 class RecentRounds(dict):  # type: ignore[type-arg]
@@ -40,6 +42,50 @@ class RecentRounds(dict):  # type: ignore[type-arg]
         super().__setitem__(server_round, value)
         for old in [r for r in self if r <= server_round - self.KEEP]:
             del self[old]
+
+
+@dataclass(frozen=True)
+class Replies:
+    """A round's valid train replies, sorted by client id, and the clients that failed.
+
+    What :meth:`strategies.base.FederatedStrategy.aggregate` receives: failures are logged once and left
+    out. Read a declared sum with :meth:`sum` (the engine may have added the clients' terms where they
+    ran), each reply decoded with :meth:`results`, or the messages themselves in :attr:`valid`.
+    """
+
+    valid: list[tuple[ClientInfo, Message]]
+    failed: list[ClientInfo]
+    #: Sums a summand's terms over some of the replies (the strategy's blocks of the round's cohort).
+    summer: Callable[[list[tuple[ClientInfo, Message]], Summand], PartialSum]
+
+    def __len__(self) -> int:
+        return len(self.valid)
+
+    def __iter__(self) -> Iterator[tuple[ClientInfo, Message]]:
+        return iter(self.valid)
+
+    @property
+    def clients(self) -> list[ClientInfo]:
+        """The clients whose replies are valid, in client order."""
+        return [info for info, _ in self.valid]
+
+    def only(self, keep: Callable[[ClientInfo, Message], bool]) -> Replies:
+        """These replies but those ``keep`` refuses (their sum too: :meth:`sum` adds the kept ones only)."""
+        kept = [(info, reply) for info, reply in self.valid if keep(info, reply)]
+        return Replies(valid=kept, failed=self.failed, summer=self.summer)
+
+    def sum(self, summand: Summand) -> PartialSum:
+        """The sum of ``summand``'s terms over the valid replies (:func:`fl_app.reply_sums.summed`)."""
+        return self.summer(self.valid, summand)
+
+    def results(self, like: Any) -> list[tuple[ClientInfo, TrainResult]]:
+        """Each valid reply decoded (arrays shaped like ``like``, metrics, other records), in client order.
+
+        ``ValueError`` for a packed reply: a strategy whose round the engine packs reads :meth:`sum`.
+        """
+        if any(is_partial_sum(reply) for _, reply in self.valid):
+            raise ValueError("a packed round's replies are sums: read them with Replies.sum")
+        return [(info, TrainResult.of_reply(reply, like)) for info, reply in self.valid]
 
 
 class ReplyBook:

@@ -122,7 +122,3 @@ class EvaluationStage:
         kept = copy.copy(self)
         kept.inner = self.inner.for_checkpoint()
         return kept
-
-    def private_state(self) -> str | None:
-        """Forwarded."""
-        return self.inner.private_state()

@@ -215,25 +215,20 @@ def error_reply(message: Message, reason: str = "client crashed") -> Message:
 
 
 def count_trainings_from_cohorts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """A list that grows by one for every message whose training is taken from its cohort
-    (:mod:`fl_app.cohort_execution`: loaded into a model, or read as it is)."""
-    from fl_app.cohort_execution import Planned
+    """A list that grows by one for every message whose training is taken from its vectorised cohort
+    (:func:`fl_app.cohort_execution.served_training` serving a client's ``train_locally``)."""
+    import clients.base
+    from fl_app.cohort_execution import served_training
 
     counted: list[int] = []
-    real_load, real_state = Planned.load_into, Planned.state
 
-    def counting_load(self: Planned, model: Any) -> None:
-        counted.append(1)
-        real_load(self, model)
-
-    def counting_state(self: Planned, names: Sequence[str]) -> Any:
-        state = real_state(self, names)
-        if state is not None:
+    def counting(message: Any, sgd: Any) -> Any:
+        served = served_training(message, sgd)
+        if served is not None:
             counted.append(1)
-        return state
+        return served
 
-    monkeypatch.setattr(Planned, "load_into", counting_load)
-    monkeypatch.setattr(Planned, "state", counting_state)
+    monkeypatch.setattr(clients.base, "served_training", counting)
     return counted
 
 

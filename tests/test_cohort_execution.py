@@ -1,32 +1,35 @@
-"""An actor's batch of train messages trained as one computation (``simulation.vectorise``, issue 58).
+"""An actor's batch of train messages trained as one vectorised computation (``simulation.vectorise``).
 
-Each algorithm whose client declares ``cohort_form`` builds its real train messages (its strategy's
-``configure_train``, digits, six clients of unequal sizes); the same batch runs through the engine's
-``run_jobs`` with the cohort path and without it, and every reply must agree to float tolerance:
-the trained model (FedAvg, FedProx through Flower's strategy), the clipped and noised update
-(FedAvg+LDP, NbAFL: the same seeded noise on the same update), PrivateKT's randomized labels. The
-cohort path must really have been taken, and a ``train_locally`` call that differs from the plan
-must train on its own.
+Every algorithm whose client keeps the contract's ``train_locally`` and states a local SGD builds its
+real train messages (its strategy's ``configure_train``, digits, six clients of unequal sizes); the
+same batch runs through the engine's ``run_jobs`` with the vectorised path and without it, and every
+reply must agree to float tolerance: the trained model (FedAvg, FedProx through Flower's strategy),
+the clipped and noised update (FedAvg+LDP, NbAFL: the same seeded noise on the same update),
+PrivateKT's randomized labels, SCAFFOLD's model and control variate (its gradient correction stacked).
+The vectorised path must really have been taken (counted), a call that differs from the plan trains
+on its own, and a client class whose results go unused is named once and trains one by one.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from conftest import FAST, INLINE, build_run_context, count_trainings_from_cohorts, make_context
 from flwr.app import ConfigRecord
 
+from clients.base import trains_by_the_contract
 from fl_app import cohort_execution, keys
-from fl_app.client_app import app
+from fl_app.client_app import app, client_for
 from fl_app.engine.batching import run_jobs
 from strategies import STRATEGIES
 
 SIX = ["dataset=digits", "num_clients=6", "clients_per_round=6", "partition=dirichlet", "local_epochs=2"]
-#: Algorithm -> extra overrides; each one's client declares cohort_form.
+#: Algorithm -> extra overrides; each one's client may be trained in a vectorised cohort.
 ALGORITHMS = {
     "fedavg": [],
     "dp_fedavg": [],
@@ -34,20 +37,44 @@ ALGORITHMS = {
     "nbafl": ["strategy.mu=0.01"],
     "privatekt": [],
     "flower": ["strategy.flower=FedProx", "+strategy.kwargs.proximal_mu=0.1"],
+    "scaffold": [],
 }
 
 
+@pytest.fixture(autouse=True)
+def _fresh_declines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts with no client class declined by an earlier one (the set is per process)."""
+    monkeypatch.setattr(cohort_execution, "_declined", set())
+
+
 def batch_of(name: str, tmp_path: Any, extra: list[str] | None = None) -> list[tuple[Any, Any]]:
-    """Round 1's train messages of ``name`` with the cohort path asked for, and their nodes' contexts."""
+    """Round 1's train messages of ``name`` with the cohort path asked for, and their nodes' contexts.
+
+    SCAFFOLD's server and clients start from random control variates (zero ones would make its
+    gradient correction vanish, and a trainer that ignored it would pass).
+    """
     overrides = [*FAST, *SIX, f"strategy={name}", "simulation.vectorise=true", *ALGORITHMS.get(name, [])]
     overrides += extra or []
     strategy = STRATEGIES.get(name)(build_run_context(overrides, tmp_path))
+    rng = np.random.default_rng(5)
+    if name == "scaffold":
+        strategy.control = {
+            n: rng.normal(0, 0.02, v.shape).astype(np.float32) for n, v in strategy.control.items()
+        }
     messages = list(strategy.configure_train(1, strategy.initial_arrays(), ConfigRecord(), grid=None))
     assert len(messages) == 6
-    return [
+    jobs = [
         (m, make_context(partition_id=m.metadata.dst_node_id - 1000, node_id=m.metadata.dst_node_id))
         for m in messages
     ]
+    if name == "scaffold":
+        from clients.scaffold import CONTROL
+        from fl_app.training import state_to_arrays
+
+        for _, context in jobs:
+            own = {n: rng.normal(0, 0.02, v.shape).astype(np.float32) for n, v in strategy.control.items()}
+            context.state[CONTROL] = state_to_arrays(own)
+    return jobs
 
 
 def replies_of(jobs: list[tuple[Any, Any]], *, vectorise: bool) -> list[Any]:
@@ -74,25 +101,31 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return count_trainings_from_cohorts(monkeypatch)
 
 
-def test_every_cohort_form_algorithm_is_listed() -> None:
-    """The algorithms above are exactly those whose client declares cohort_form (a new one is tested)."""
-    from clients import CLIENTS
-
-    declared = {
-        name
-        for name in STRATEGIES.names()
-        if getattr(CLIENTS.get(STRATEGIES.get(name).declaration.client), "cohort_form", False)
-        and STRATEGIES.get(name).declaration.min_clients <= 6
-    }
-    assert declared == set(ALGORITHMS) | {"dp_fedavg_adaptive", "dp_ftrl", "dp_bandmf", "dp_flower"}
+def test_every_vectorisable_algorithm_is_listed(tmp_path: Any) -> None:
+    """The algorithms above are exactly those whose clients the engine may train in a cohort (derived
+    from the client classes: a new one is tested)."""
+    vectorisable = set()
+    for name in STRATEGIES.names():
+        if STRATEGIES.get(name).declaration.min_clients > 6 or name in ("kd_dp",):
+            continue
+        deploy = [o for o in STRATEGIES.get(name).declaration.deploy if not o.startswith("model=")]
+        try:
+            message, context = batch_of(name, tmp_path / name, deploy)[0]
+        except (
+            AttributeError
+        ):  # a protocol that talks to the grid first (SecAgg+): its stages never train here
+            continue
+        if trains_by_the_contract(client_for(message, context)):
+            vectorisable.add(name)
+    assert vectorisable == set(ALGORITHMS) | {"dp_fedavg_adaptive", "dp_ftrl", "dp_bandmf", "dp_flower"}
 
 
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_replies_equal_the_per_message_path(name: str, tmp_path: Any, loads: list[int]) -> None:
     jobs = batch_of(name, tmp_path)
-    together = replies_of(jobs, vectorise=True)
+    together = replies_of(copy.deepcopy(jobs), vectorise=True)
     assert len(loads) == 6, f"{name}: {len(loads)} of 6 messages trained in their cohort"
-    alone = replies_of(jobs, vectorise=False)
+    alone = replies_of(copy.deepcopy(jobs), vectorise=False)
     assert len(loads) == 6
     for a, b in zip(together, alone, strict=True):
         arrays_a, arrays_b = arrays_of(a), arrays_of(b)
@@ -112,20 +145,57 @@ def test_replies_equal_the_per_message_path(name: str, tmp_path: Any, loads: lis
 
 
 def test_a_call_that_differs_from_the_plan_trains_on_its_own(
-    tmp_path: Any, loads: list[int], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, loads: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """NbAFL's plan made with another proximal coefficient than its call uses: nothing is taken from it,
-    and the replies are the per-message path's bit for bit."""
+    """NbAFL's plan made with another proximal coefficient than its call asks for: nothing is taken, the
+    replies are the per-message path's bit for bit, and the class is named once and declined."""
     from clients.nbafl import NbAFLClient
 
+    real = cohort_execution._group_key
+
+    def other_plan(client: Any) -> Any:
+        found = real(client)
+        assert found is not None
+        settings, record, arrays, sgd = found
+        return settings, record, arrays, replace(sgd, proximal_mu=0.5)
+
+    monkeypatch.setattr(cohort_execution, "_group_key", other_plan)
     jobs = batch_of("nbafl", tmp_path)
-    monkeypatch.setattr(NbAFLClient, "cohort_proximal_mu", lambda self: 0.5)
-    together = replies_of(jobs, vectorise=True)
+    with caplog.at_level(logging.WARNING):
+        together = replies_of(copy.deepcopy(jobs), vectorise=True)
     assert loads == []
-    alone = replies_of(jobs, vectorise=False)
+    assert NbAFLClient in cohort_execution._declined
+    assert sum("NbAFLClient's clients train one by one" in r.getMessage() for r in caplog.records) == 1
+    alone = replies_of(copy.deepcopy(jobs), vectorise=False)
     for a, b in zip(together, alone, strict=True):
         for key, value in arrays_of(a).items():
             np.testing.assert_array_equal(value, arrays_of(b)[key])
+
+
+def test_a_client_class_that_never_takes_its_result_is_named_once_then_trains_alone(
+    tmp_path: Any, loads: list[int], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A FedAvg client whose ``train_result`` trains a model of its own (never ``train_locally``): its
+    first batch is trained as a cohort and unused, one line names it, and later batches train no cohort."""
+    from clients.fedavg import FedAvgClient
+    from fl_app.train_results import TrainResult
+    from fl_app.training import model_state, train_local
+
+    def own_training(self: Any) -> TrainResult:
+        model, data, sgd = self.global_model(), self.local_data(), self.local_sgd()
+        loss = train_local(model, data.x, data.y, epochs=sgd.epochs, batch_size=sgd.batch_size, lr=sgd.lr,
+                           rng=self.generator("data-order"))  # fmt: skip
+        return TrainResult(model_state(model), {keys.NUM_EXAMPLES: len(data), keys.TRAIN_LOSS: loss})
+
+    monkeypatch.setattr(FedAvgClient, "train_result", own_training)
+    cohorts: list[int] = []
+    real = cohort_execution.train_cohort
+    monkeypatch.setattr(cohort_execution, "train_cohort", lambda *a, **k: cohorts.append(1) or real(*a, **k))
+    with caplog.at_level(logging.WARNING):
+        replies_of(batch_of("fedavg", tmp_path), vectorise=True)
+        replies_of(batch_of("fedavg", tmp_path / "again"), vectorise=True)
+    assert cohorts == [1] and loads == []
+    assert sum("FedAvgClient's clients train one by one" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_messages_with_other_global_models_train_in_their_own_cohort(
@@ -146,36 +216,17 @@ def test_messages_with_other_global_models_train_in_their_own_cohort(
     sizes: list[int] = []
     real = cohort_execution._train_group
 
-    def spy(members: list[Any]) -> int:
-        sizes.append(len(members))
-        return real(members)
+    def spy(group: Any) -> list[str]:
+        sizes.append(len(group.members))
+        return real(group)
 
     monkeypatch.setattr(cohort_execution, "_train_group", spy)
-    together = replies_of(jobs, vectorise=True)
+    together = replies_of(copy.deepcopy(jobs), vectorise=True)
     assert sorted(sizes) == [3, 3] and len(loads) == 6
-    alone = replies_of(jobs, vectorise=False)
+    alone = replies_of(copy.deepcopy(jobs), vectorise=False)
     for a, b in zip(together, alone, strict=True):
         for key, value in arrays_of(a).items():
             np.testing.assert_allclose(value, arrays_of(b)[key], rtol=1e-4, atol=2e-5)
-
-
-def test_a_message_trained_in_its_cohort_finishes_on_the_cpu(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A client asked to train on CUDA keeps CUDA for its own training, and moves to the CPU (where
-    the cohort's results are) once its message was trained in the cohort."""
-    import torch
-
-    from fl_app.client_app import client_for
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    message, context = batch_of("fedavg", tmp_path)[0]
-    message.content.config_records[keys.CONFIG][keys.DEVICE] = "cuda"
-    client = client_for(message, context)
-    assert client.device.type == "cuda"
-    planned = cohort_execution.Planned(settings=client.train_settings(1, 0.0), params={}, loss=0.0)
-    monkeypatch.setitem(cohort_execution._planned, cohort_execution.message_key(message), planned)
-    assert client.device.type == "cpu"
 
 
 def test_without_the_switch_or_for_other_clients_nothing_is_planned(tmp_path: Any, loads: list[int]) -> None:
@@ -207,8 +258,8 @@ def test_a_seeded_dp_fedavg_run_learns_the_same_on_both_paths(
     accuracy and epsilon as with one loop per message (float noise apart). Which path ran is counted:
     the cohort trainer's calls and the messages whose training was taken from a cohort (the two paths
     may agree bit for bit on some machines, so their results cannot tell). Its clients run inline
-    (the same batch hook as on an actor, :mod:`fl_app.engine.inline`; two Ray sessions took 40 s more
-    of CPU); the Ray actors' batches are checked against the golden rounds in test_flower_engine.py."""
+    (the same batch hook as on an actor, :mod:`fl_app.engine.inline`); the Ray actors' batches are
+    checked against the golden rounds in test_flower_engine.py."""
     cohorts: list[int] = []  # the clients of each train_cohort call
     real = cohort_execution.train_cohort
 
@@ -233,55 +284,20 @@ def test_a_seeded_dp_fedavg_run_learns_the_same_on_both_paths(
     assert vectorised["final"]["loss"] == pytest.approx(looped["final"]["loss"], rel=1e-2)
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedavg_ldp"])
-def test_a_reply_read_from_the_cohorts_result_equals_one_through_a_model(
-    name: str, tmp_path: Any, loads: list[int], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """FedAvg's reply and the LDP update come straight from the cohort's trained parameters
-    (``FederatedClient.trained_in_cohort``): byte for byte what loading them into a model gives."""
-    jobs = batch_of(name, tmp_path)
-    direct = replies_of(copy.deepcopy(jobs), vectorise=True)
-    assert len(loads) == 6
-    loads.clear()
-    monkeypatch.setattr(cohort_execution.Planned, "state", lambda self, names: None)
-    through_model = replies_of(copy.deepcopy(jobs), vectorise=True)
-    assert len(loads) == 6  # load_into this time
-    for a, b in zip(direct, through_model, strict=True):
-        assert {k: v.tobytes() for k, v in arrays_of(a).items()} == {
-            k: v.tobytes() for k, v in arrays_of(b).items()
-        }
-        assert {k: dict(r) for k, r in a.content.metric_records.items()} == {
-            k: dict(r) for k, r in b.content.metric_records.items()
-        }
-
-
-def test_a_planned_state_covers_exactly_the_trained_parameters() -> None:
-    """A model whose state has more than its parameters (buffers) is loaded, not read (None)."""
-    weight = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    settings = cohort_execution.TrainSettings(
-        examples=4, epochs=1, batch_size=2, lr=0.1, momentum=0.0, proximal_mu=0.0
-    )
-    planned = cohort_execution.Planned(settings=settings, params={"w": weight}, loss=0.5)
-    state = planned.state(["w"])
-    assert state is not None and np.array_equal(state["w"], weight.numpy())
-    assert planned.state(["w", "running_mean"]) is None
-    assert planned.state([]) is None
-
-
-def test_a_client_that_overrides_train_locally_trains_through_it(
+def test_a_client_that_overrides_train_locally_is_never_vectorised(
     tmp_path: Any, loads: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A FedAvg client subclass with its own ``train_locally`` is not answered from the cohort's result
-    directly: its override runs (and takes the cohort's parameters through ``load_into``)."""
+    """A FedAvg client subclass with its own ``train_locally`` loop: the engine trains no cohort for it
+    (it could not know what the loop does), and its override runs for every message."""
     from clients.base import FederatedClient
     from clients.fedavg import FedAvgClient
 
     called: list[int] = []
 
-    def own(self: Any, model: Any, x: Any, y: Any, **extra: Any) -> float:
+    def own(self: Any) -> Any:
         called.append(1)
-        return FederatedClient.train_locally(self, model, x, y, **extra)
+        return FederatedClient.train_locally(self)
 
     monkeypatch.setattr(FedAvgClient, "train_locally", own)
     replies_of(batch_of("fedavg", tmp_path), vectorise=True)
-    assert len(called) == 6 and len(loads) == 6  # every message through the override, from its cohort
+    assert len(called) == 6 and loads == []

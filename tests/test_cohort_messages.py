@@ -1,6 +1,6 @@
-"""A round sent as cohort messages answered with partial sums (``simulation.cohort_messages``, issue 58).
+"""A round sent as packed messages answered with partial sums (``simulation.cohort_messages``).
 
-For each strategy whose aggregation is a sum (it names a ``reply_summand``), round 1 runs twice on
+For each strategy whose aggregation is a sum (it declares a ``summand``), round 1 runs twice on
 real train messages (digits, 40 clients of unequal sizes, so three blocks of 16, 16 and 8): once
 with one message per client through the ClientApp, once packed (:func:`fl_app.cohort_messages.pack`),
 each cohort message through the ClientApp and :func:`~fl_app.cohort_messages.unpack`. The two
@@ -48,18 +48,15 @@ SUMMED = {
     "dp_flower": ["privacy.noise_seed=3"],
     "fedavg_ldp": ["privacy.noise_seed=3"],
     "nbafl": ["privacy.noise_seed=3"],
+    "scaffold": [],
 }
 
 
 def test_every_strategy_with_a_summand_is_checked_here() -> None:
-    """A strategy that names a per-client term (so its rounds may go as cohort messages) is listed above."""
-    from strategies.base import FederatedStrategy
+    """A strategy whose aggregation is its declared sum (so its rounds may be packed) is listed above."""
+    from fl_app.round_loop import aggregates_its_sum
 
-    named = {
-        name
-        for name in STRATEGIES.names()
-        if getattr(STRATEGIES.get(name), "reply_summand", None) not in (None, FederatedStrategy.reply_summand)
-    }
+    named = {name for name in STRATEGIES.names() if aggregates_its_sum(STRATEGIES.get(name))}
     assert named == set(SUMMED)
 
 
@@ -87,7 +84,7 @@ def error_of(message: Message, outcome: tuple[Any, ...]) -> Message:
 def cohort_replies(messages: list[Message], strategy: Any) -> list[Message]:
     """The same messages packed, each cohort message through the ClientApp, then unpacked."""
     partitions = {int(m.metadata.dst_node_id): int(m.metadata.dst_node_id) - 1000 for m in messages}
-    packed = cohort_messages.pack(messages, partitions=partitions, summand=strategy.reply_summand(1))
+    packed = cohort_messages.pack(messages, partitions=partitions, summand=strategy.summand(1))
     assert [len(c.members) for c in packed] == [16, 16, 8]
     for index, cohort in enumerate(packed):  # the engine gives each message its id when it is pushed
         from fl_app.engine.messages import set_message_id
@@ -309,12 +306,12 @@ def test_a_malformed_member_result_fails_that_member_only(
 
 
 def test_a_member_hands_over_its_result_only_where_its_reply_is_that_result_encoded(tmp_path: Path) -> None:
-    """FedAvg's client (and Flower's, NbAFL's, FedAvg+LDP's) return the train result; a client with its
-    own ``train`` (a subclass of FedAvg's that overrides it) returns its reply, which is what the server
-    would get."""
+    """FedAvg's client (and Flower's, NbAFL's, FedAvg+LDP's) hand over the train result; a client with its
+    own ``train`` (a subclass of FedAvg's that overrides it) hands over its reply, which is what the
+    server would get."""
     from clients.base import FederatedClient
     from clients.fedavg import FedAvgClient
-    from fl_app.client_app import client_for
+    from fl_app.client_app import client_for, train_outcome
 
     class EchoingClient(FedAvgClient):
         def train(self) -> Message:
@@ -325,14 +322,14 @@ def test_a_member_hands_over_its_result_only_where_its_reply_is_that_result_enco
     node = node_context(int(message.metadata.dst_node_id))
     client = client_for(message, node)
     assert type(client) is FedAvgClient
-    result = client.train_unencoded()
-    assert isinstance(result, TrainResult)
+    result, state = train_outcome(client)
+    assert isinstance(result, TrainResult) and state is None
     reply = client_for(message, node).train()  # the same client again: the same training
     assert list(reply.content.array_records[keys.ARRAYS].keys()) == list(result.arrays)
     for name, array in reply.content.array_records[keys.ARRAYS].items():
         np.testing.assert_array_equal(array.numpy(), result.arrays[name])
     assert dict(reply.content.metric_records[keys.METRICS]) == dict(result.metrics)
-    assert isinstance(EchoingClient(message, node).train_unencoded(), Message)
+    assert isinstance(train_outcome(EchoingClient(message, node))[0], Message)
     assert FederatedClient.train is not EchoingClient.train
 
 
@@ -435,7 +432,7 @@ def test_a_batch_of_cohort_messages_trains_all_its_members_as_one_computation(
     sizes: list[int] = []
     real_group = cohort_execution._train_group
     monkeypatch.setattr(
-        cohort_execution, "_train_group", lambda members: sizes.append(len(members)) or real_group(members)
+        cohort_execution, "_train_group", lambda group: sizes.append(len(group.members)) or real_group(group)
     )
     taken = count_trainings_from_cohorts(monkeypatch)
     released = []

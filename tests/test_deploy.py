@@ -4,7 +4,7 @@ The integration tests start one federation: a real SuperLink and two SuperNodes 
 TLS and SuperNode authentication, as a real deployment runs (free ports, a private ``FLWR_HOME`` per
 process in ``tmp_path``, each SuperNode with its own ``.npz`` data file), submit one round of an
 algorithm per client class (:func:`device_algorithms`, less :data:`ANSWERED_IN_PROCESS`; two rounds
-where a device carries state from round to round or the rounds differ, :data:`TWO_ROUNDS`) and three
+where a device carries state from round to round or the rounds differ, :func:`deployed_rounds`) and three
 jobs that must fail, with
 ``flwr run`` (all at once: the SuperLink's launch gate runs at most as many ServerApps at once as the
 machine has cores, the others wait at the SuperLink; a SuperNode runs one ClientApp process per
@@ -76,12 +76,20 @@ COMMON = [
     "local_epochs=1",
     "simulation.timeout=1800",  # a safety limit: on a loaded machine the runs queue at the SuperNodes
 ]
-#: Algorithms deployed for two rounds: DPFL-BNN's devices keep their latent weights and optimiser
-#: state in the node's context from one round to the next; KD-DP's second round is the student
-#: stage, with other clients and the pseudo-labels. For the others a device's work is the same in
-#: every round (what changes between rounds is server state, which the simulation tests cover), and
-#: each further round costs two ClientApp processes per run.
-TWO_ROUNDS = ("dpfl_bnn", "kd_dp")
+
+
+def deployed_rounds(name: str) -> int:
+    """The rounds an algorithm is deployed for: two where its declaration's ``deploy`` asks for them.
+
+    A client that keeps state (DPFL-BNN's latent weights and optimiser, SCAFFOLD's control variate) must
+    ask for two, so that its devices carry the state from one round to the next
+    (:func:`test_a_client_that_keeps_state_is_deployed_for_two_rounds`); KD-DP's second round is the
+    student stage. For the others a device's work is the same in every round (what changes is server
+    state, which the simulation tests cover), and each further round costs two ClientApp processes.
+    """
+    return 2 if "num_rounds=2" in STRATEGIES.get(name).declaration.deploy else 1
+
+
 #: What an algorithm needs beyond COMMON on two clients.
 #: The algorithms this module deploys: every registered one whose rounds run on two SuperNodes (a
 #: declaration's ``min_clients`` above 2, e.g. distributed DP's sum of at least 3, is deployed by a test of
@@ -105,13 +113,23 @@ def device_algorithms() -> list[str]:
     return sorted(chosen.values())
 
 
+def test_a_client_that_keeps_state_is_deployed_for_two_rounds() -> None:
+    """Every algorithm whose client keeps state between rounds deploys for two (the state is exercised)."""
+    from clients import CLIENTS
+
+    stateful = [
+        n for n in STRATEGIES.names() if CLIENTS.get(STRATEGIES.get(n).declaration.client).keeps_state
+    ]
+    assert stateful and all(deployed_rounds(name) == 2 for name in stateful), stateful
+
+
 #: Client classes whose device path is FederatedClient's (its data file, OS-entropy noise) plus a
 #: transform of the trained model before the upload, with no state between rounds and nothing sent
 #: to the device beyond the model and the config: each answers on a device Context in this process
 #: (:func:`test_each_client_class_answers_on_a_device_without_the_servers_data_or_hydra`) instead of
 #: in a deployed run of its own (a ServerApp and four ClientApp processes each: the module took 348 s
 #: of machine CPU alone with both deployed, 299 s without). The deployed runs keep FederatedClient's
-#: own device path (``fedavg``, ``flower``), the state kept in a node's context (:data:`TWO_ROUNDS`)
+#: own device path (``fedavg``, ``flower``), the state kept in a node's context (:func:`deployed_rounds`)
 #: and data sent to devices (PrivateKT's samples).
 ANSWERED_IN_PROCESS = ("fedavg_ldp", "nbafl")
 DEPLOYED = [name for name in device_algorithms() if name not in ANSWERED_IN_PROCESS]
@@ -373,7 +391,7 @@ def test_deploy_each_algorithm(
         pytest.fail(f"{algorithm} ({federation.mode}): {status}, no results.json\n{run_log}")
     context = f"{algorithm} ({federation.mode}), run {submission.run_id}"
     assert results["status"] == "completed", context
-    rounds = 2 if algorithm in TWO_ROUNDS else 1
+    rounds = deployed_rounds(algorithm)
     assert [r["round"] for r in results["rounds"]] == list(range(1, rounds + 1)), context
     assert results["final"]["rounds"] == rounds, context
     # Every selected device answered: a client error (e.g. a device reaching for the
@@ -907,7 +925,7 @@ def test_each_client_class_answers_on_a_device_without_the_servers_data_or_hydra
     overrides = [o for o in algorithm_overrides(algorithm)[len(DATA) :] if not o.startswith("strategy=")]
     strategy = _device_strategy(algorithm, overrides, tmp_path, roster=grid.roster())
     rounds = strategy.run.settings.num_rounds
-    assert rounds == (2 if algorithm in TWO_ROUNDS else 1)
+    assert rounds == deployed_rounds(algorithm)
     final = run_rounds(
         strategy,
         grid,

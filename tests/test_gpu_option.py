@@ -26,7 +26,7 @@ from fl_app.model_spec import ModelSpec
 from fl_app.simulation import backend_config
 from fl_app.training import model_to_arrays
 from fl_app.validation import ConfigError, validate_common
-from strategies import STRATEGIES
+from strategies.base import base_train_config
 
 
 def test_client_gpus_needs_a_cuda_device_and_a_share_in_0_1(monkeypatch):
@@ -47,9 +47,9 @@ def test_client_gpus_reach_ray_and_the_train_config(tmp_path):
     gpu = [*FAST, "simulation.client_gpus=0.25"]
     assert backend_config(settings_of(gpu))["client_resources"]["num_gpus"] == 0.25
     # the CPU default adds no key (messages and their metered bytes stay what they were)
-    cpu_record = STRATEGIES.get("fedavg")(build_run_context(FAST, tmp_path)).base_config(1)
+    cpu_record = base_train_config(build_run_context(FAST, tmp_path), client="fedavg", server_round=1)
     assert keys.DEVICE not in cpu_record
-    gpu_record = STRATEGIES.get("fedavg")(build_run_context(gpu, tmp_path)).base_config(1)
+    gpu_record = base_train_config(build_run_context(gpu, tmp_path), client="fedavg", server_round=1)
     assert gpu_record[keys.DEVICE] == "cuda"
 
 

@@ -19,7 +19,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 
 from clients.base import FederatedClient
 from fl_app import keys
-from fl_app.training import model_to_arrays
+from fl_app.training import state_to_arrays
 from strategies import STRATEGIES, register_strategy, store_strategy_config
 from strategies.base import FederatedStrategy
 from strategies.contract import Declaration
@@ -42,10 +42,11 @@ class ShrinkClient(FederatedClient):
 
     def train(self) -> Message:
         """One round of local training."""
-        data = self.local_data()
-        model = self.global_model()
-        self.train_locally(model, data.x, data.y)
-        return self.reply(arrays=model_to_arrays(model), metrics={keys.NUM_EXAMPLES: len(data), MARKER: 1.0})
+        trained = self.train_locally()
+        return self.reply(
+            arrays=state_to_arrays(trained.state),
+            metrics={keys.NUM_EXAMPLES: len(self.local_data()), MARKER: 1.0},
+        )
 
 
 class ShrinkStrategy(FederatedStrategy):

@@ -886,15 +886,15 @@ def cohort_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     def packed_replies(
         strategy: Any, messages: list[Message], trained: dict[int, ArrayRecord], present: bool
     ) -> list[Message]:
-        def run_member(member: Message, context: Context) -> Message:
+        def run_member(member: Message, context: Context) -> tuple[Message, None]:
             client = int(member.metadata.dst_node_id) - 1000
             if client == 0 and not present:
                 raise RuntimeError("absent")
             members.append(client)
-            return reply_to(member, arrays=trained[client])
+            return reply_to(member, arrays=trained[client]), None
 
         partitions = {int(m.metadata.dst_node_id): int(m.metadata.dst_node_id) - 1000 for m in messages}
-        packed = cohort_messages.pack(messages, partitions=partitions, summand=strategy.reply_summand(1))
+        packed = cohort_messages.pack(messages, partitions=partitions, summand=strategy.summand(1))
         replies = []
         for index, cohort in enumerate(packed):
             set_message_id(cohort.message, f"cohort-{index}")

@@ -619,18 +619,18 @@ def test_the_private_state_file_keeps_only_what_resuming_needs(tmp_path, name):
     assert loaded.replies.selected(3) == [] and loaded.replies.failures(3) == []
     if name == "dp_fedavg":  # the un-noised update norms are gone: nothing un-noised is kept
         assert "_norms" in loaded.ROUND_STATE and loaded._norms == {} and strategy._norms
-        assert loaded.private_state() is None
+        assert loaded.declaration.checkpoint_holds is None
     elif name == "dp_bandmf":  # its last b - 1 noise vectors: with the models they reveal the sums
         assert loaded.noise.history and all(
             np.array_equal(a[0], b[0])
             for a, b in zip(loaded.noise.history, strategy.noise.history, strict=True)
         )
-        assert "noise vectors" in loaded.private_state()
+        assert "noise vectors" in loaded.declaration.checkpoint_holds
     else:  # DP-FTRL must carry its tree's un-noised running sum to continue exactly, and says so
         assert all(
             np.array_equal(a, b) for a, b in zip(loaded._stream_sum, strategy._stream_sum, strict=True)
         )
-        assert "un-noised running sum" in loaded.private_state()
+        assert "un-noised running sum" in loaded.declaration.checkpoint_holds
     assert loaded.accountant.state_dict() == strategy.accountant.state_dict()
 
 

@@ -212,9 +212,8 @@ def test_client_reply_holds_only_k_perturbed_labels(tmp_path):
     from fl_app.data.federated import federated_data
     from fl_app.training import predict_proba
 
-    model = client.global_model()
     data = federated_data(strategy.run.settings.data)
-    client.train_locally(model, *(lambda d: (d.x, d.y))(client.local_data()))
+    model = client.train_locally().model()
     predicted = predict_proba(model, data.public_x()[strategy._kt[1]]).argmax(axis=1)
     assert labels.tolist() == predicted.tolist()
 
@@ -231,9 +230,7 @@ def test_client_reply_labels_are_randomized_at_low_epsilon(tmp_path):
     labels = decode_labels(reply.content.array_records[KT_LABELS][KT_LABELS_ARRAY], k=100, num_classes=10)
     from fl_app.training import predict_proba
 
-    model = client.global_model()
-    data = client.local_data()
-    client.train_locally(model, data.x, data.y)
+    model = client.train_locally().model()
     predicted = predict_proba(model, strategy.public_x[strategy._kt[1]]).argmax(axis=1)
     assert np.mean(labels == predicted) < 0.35  # ~1/C when randomized; 1.0 if sent unperturbed
     assert np.bincount(labels, minlength=10).max() < 30  # close to uniform over the 10 classes

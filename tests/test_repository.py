@@ -172,12 +172,23 @@ def test_fl_app_defers_torch_and_shims_torchvision_before_it_loads():
 
 #: The modules of ``strategies/`` every algorithm may import (the contract and the usual
 #: implementation's parts); every other module or package of ``strategies/`` is one algorithm's home.
-STRATEGY_PLUMBING = {"base", "arrays", "cohorts", "replies", "reporting", "settings", "stage", "contract"}
+STRATEGY_PLUMBING = {
+    "base",
+    "private",
+    "arrays",
+    "cohorts",
+    "replies",
+    "reporting",
+    "settings",
+    "stage",
+    "contract",
+}
 #: Most lines of one algorithm's home (``strategies/<name>.py`` or ``strategies/<name>/``, with its
 #: ``clients/<name>.py``): a package may grow files, not without bound.
 MAX_HOME_LINES = 1_300
-#: Most lines of the shared strategy plumbing, all its modules together.
-MAX_PLUMBING_LINES = 1_700
+#: Most lines of the shared strategy plumbing, all its modules together (the usual round and the
+#: private layer on top of it, replies, reports, settings, cohorts, arrays, stages, the contract).
+MAX_PLUMBING_LINES = 1_800
 
 
 def algorithm_homes() -> dict[str, list[Path]]:

@@ -42,13 +42,12 @@ momentum are private server state (:meth:`private_state`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
 import numpy as np
-from flwr.app import ArrayRecord, Message, MetricRecord
+from flwr.app import ArrayRecord, MetricRecord
 from flwr.common import log
 
 from fl_app.config_checks import ConfigError, require_int
@@ -61,9 +60,10 @@ from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
-from strategies.base import FederatedStrategy
+from strategies.base import Replies
 from strategies.contract import Declaration, QuickExample
 from strategies.dp_bandmf.factorization import CorrelatedNoise, optimal_banded_toeplitz
+from strategies.private import PrivateStrategy
 from strategies.settings import StrategySettings, between, positive, setting
 
 
@@ -163,7 +163,7 @@ def choose_bands(
 
 
 @register_strategy("dp_bandmf")
-class DPBandMFStrategy(FederatedStrategy):
+class DPBandMFStrategy(PrivateStrategy):
     """Banded matrix-factorization noise over the rounds, cyclic Poisson cohorts (amplified BandMF)."""
 
     declaration = Declaration(
@@ -178,6 +178,10 @@ class DPBandMFStrategy(FederatedStrategy):
         mechanism="banded Toeplitz matrix-factorization Gaussian noise on sums of clipped model updates",
         client="fedavg",  # plain local training: clipping and noise run on the server
         settings=DPBandMFSettings,
+        checkpoint_holds=(
+            "DP-BandMF's last bands - 1 noise vectors and its momentum (with the released models they "
+            "reveal the un-noised sums of clipped updates)"
+        ),
         canaries=None,
         check=check,
         quick=QuickExample(
@@ -287,18 +291,17 @@ class DPBandMFStrategy(FederatedStrategy):
 
     # ------------------------------------------------------------------ rounds
 
-    def reply_summand(self, server_round: int) -> ClippedUpdate:
-        """Each client's update clipped to the round's bound: the aggregation sums them (cohort messages)."""
+    def summand(self, server_round: int) -> ClippedUpdate:
+        """Each client's update clipped to the round's bound: the aggregation sums them."""
         return ClippedUpdate(clip=self.settings.clip)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
+    def aggregate(
+        self, server_round: int, replies: Replies
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Clip, sum, add the round's correlated noise, take the momentum step."""
-        valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
         _, reference, total, _ = self.clipped_update_sum(
-            valid, max_norm=self.settings.clip, server_round=server_round
+            replies, max_norm=self.settings.clip, server_round=server_round
         )
         rng = self.run.noise.generator("bandmf-noise", server_round=server_round)
         noise = self.noise.draw(total, rng)
@@ -326,13 +329,6 @@ class DPBandMFStrategy(FederatedStrategy):
                 participants=tuple(info.client_id for info in group),
                 label=f"group {self.group_index(server_round) + 1} of {self.num_groups}",
             )
-        )
-
-    def private_state(self) -> str:
-        """The last b - 1 rounds' noise and the momentum (with the models they reveal the sums)."""
-        return (
-            "DP-BandMF's last bands - 1 noise vectors and its momentum (with the released models they "
-            "reveal the un-noised sums of clipped updates)"
         )
 
     # ------------------------------------------------------------------ reporting

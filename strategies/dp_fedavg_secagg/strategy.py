@@ -71,10 +71,11 @@ from fl_app.privacy.events import PrivacyEvent
 from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from strategies import register_strategy
-from strategies.base import FederatedStrategy, RecentRounds
+from strategies.base import RecentRounds
 from strategies.cohorts import max_participations
 from strategies.contract import Declaration, QuickExample
 from strategies.dp_fedavg_secagg.secagg import SecAggAbortedError, SecAggRound
+from strategies.private import PrivateStrategy
 from strategies.settings import StrategySettings, between, integer, positive
 
 #: The fewest clients in any sum the server can unmask (see :meth:`DPFedAvgSecAggSettings.survivors`).
@@ -165,7 +166,7 @@ def check(run: RunSettings) -> None:
 
 
 @register_strategy("dp_fedavg_secagg")
-class DPFedAvgSecAggStrategy(FederatedStrategy):
+class DPFedAvgSecAggStrategy(PrivateStrategy):
     """DP-FedAvg with distributed Skellam noise and SecAgg+ (see the module docstring)."""
 
     declaration = Declaration(
@@ -214,7 +215,7 @@ class DPFedAvgSecAggStrategy(FederatedStrategy):
         min_clients=MIN_SUM,
     )
     settings: DPFedAvgSecAggSettings
-    ROUND_STATE = (*FederatedStrategy.ROUND_STATE, "_secagg", "_aborted")
+    ROUND_STATE = (*PrivateStrategy.ROUND_STATE, "_secagg", "_aborted")
 
     def __init__(self, run: RunContext, settings: DPFedAvgSecAggSettings | None = None) -> None:
         super().__init__(run, settings)

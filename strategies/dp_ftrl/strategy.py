@@ -58,13 +58,13 @@ schedule. The clients' train losses and update norms stay on the server.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from logging import INFO
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.common import log
 
 from fl_app.privacy.accountant import PrivacyAccountant
@@ -77,9 +77,10 @@ from fl_app.reply_sums import ClippedUpdate
 from fl_app.roster import ClientInfo
 from fl_app.run_context import RunContext
 from strategies import register_strategy
-from strategies.base import FederatedStrategy
+from strategies.base import Replies
 from strategies.contract import Declaration, QuickExample
 from strategies.dp_ftrl.privacy import tree_sensitivity_increments
+from strategies.private import PrivateStrategy
 from strategies.settings import StrategySettings, between, one_of, positive
 
 RESTARTS = ("epoch", "none")
@@ -108,7 +109,7 @@ class TreePosition:
 
 
 @register_strategy("dp_ftrl")
-class DPFTRLStrategy(FederatedStrategy):
+class DPFTRLStrategy(PrivateStrategy):
     """DP-FTRL(M) with tree aggregation over a public, seeded schedule of fixed-size cohorts."""
 
     declaration = Declaration(
@@ -121,6 +122,10 @@ class DPFTRLStrategy(FederatedStrategy):
         mechanism="Gaussian tree aggregation of prefix sums of clipped model updates (no sampling)",
         client="fedavg",  # plain local training: clipping and the tree's noise run on the server
         settings=DPFTRLSettings,
+        checkpoint_holds=(
+            "DP-FTRL's un-noised running sum of the current tree's clipped updates and the noise of its "
+            "open nodes (needed to continue the tree exactly)"
+        ),
         canaries=None,
         quick=QuickExample(
             overrides=("num_clients=1000", "clients_per_round=100", "num_rounds=100", "privacy.epsilon=8.0"),
@@ -198,13 +203,6 @@ class DPFTRLStrategy(FederatedStrategy):
                 leaves.setdefault(info.client_id, []).append(server_round)
         return leaves
 
-    def private_state(self) -> str:
-        """The current tree's un-noised running sum of clipped updates and its open nodes' noise."""
-        return (
-            "DP-FTRL's un-noised running sum of the current tree's clipped updates and the noise of its "
-            "open nodes (needed to continue the tree exactly)"
-        )
-
     def canary_patterns(self, count: int) -> list[frozenset[int]]:
         """Each canary takes part in the rounds of a worst client of the schedule (the accounted one).
 
@@ -267,18 +265,17 @@ class DPFTRLStrategy(FederatedStrategy):
         """The public schedule's cohort (no sampling)."""
         return self.cohort(server_round)
 
-    def reply_summand(self, server_round: int) -> ClippedUpdate:
-        """Each client's update clipped to the round's bound: the aggregation sums them (cohort messages)."""
+    def summand(self, server_round: int) -> ClippedUpdate:
+        """Each client's update clipped to the round's bound: the aggregation sums them."""
         return ClippedUpdate(clip=self.settings.clip)
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
+    def aggregate(
+        self, server_round: int, replies: Replies
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Add the clipped update sum to the tree, release the noisy prefix sum, FTRL(M) step."""
-        valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
         names, current, total, _ = self.clipped_update_sum(
-            valid, max_norm=self.settings.clip, server_round=server_round
+            replies, max_norm=self.settings.clip, server_round=server_round
         )
         where = self.position(server_round)
         if where.tree != self._tree:

@@ -74,9 +74,9 @@ from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from fl_app.training import evaluate, load_arrays
 from strategies import register_strategy
-from strategies.base import FederatedStrategy
 from strategies.contract import Declaration, QuickExample
 from strategies.dpfl_bnn.privacy import CALIBRATIONS, CLIENT_UNIT, BinaryRRLedger, GammaPlan
+from strategies.private import PrivateStrategy
 from strategies.settings import StrategySettings, between, integer, one_of
 
 NOISES = ("rr", "none")
@@ -127,7 +127,7 @@ def check_binary_model(run: RunSettings) -> None:
 
 
 @register_strategy("dpfl_bnn")
-class DPFLBNNStrategy(FederatedStrategy):
+class DPFLBNNStrategy(PrivateStrategy):
     """Server of DPFL-BNN: unpack, average and broadcast the clients' noised binary weights."""
 
     declaration = Declaration(
@@ -142,10 +142,6 @@ class DPFLBNNStrategy(FederatedStrategy):
             "uploads randomized-response bits of binary weights: the analogue is a canary bit pattern, "
             "measured by the final binary weights' agreement with it; not built "
             "(see docs/empirical_privacy.md)"
-        ),
-        resume=(
-            "cannot be resumed: each client keeps its latent weights and Adam moments in its own state "
-            "(never sent), which a new simulation starts afresh"
         ),
         release_hint=" (strategy.local_eval_clients runs the document's local-model diagnostic)",
         private=lambda run: run.strategy_settings.noise != "none",
@@ -176,7 +172,7 @@ class DPFLBNNStrategy(FederatedStrategy):
         deploy=("model=bnn_cnn", "num_rounds=2"),
     )
     settings: DPFLBNNSettings
-    ROUND_STATE = (*FederatedStrategy.ROUND_STATE, "_local_accuracy")  # un-noised: never checkpointed
+    ROUND_STATE = (*PrivateStrategy.ROUND_STATE, "_local_accuracy")  # un-noised: never checkpointed
 
     def __init__(self, run: RunContext, settings: DPFLBNNSettings | None = None) -> None:
         super().__init__(run, settings)

@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.common import log
 from flwr.serverapp import Grid, RdpAccountant
 
+from fl_app import keys
 from fl_app.config_checks import ConfigError
 from fl_app.lifecycle import RunFailed
 from fl_app.privacy.composition import EpsilonReport
@@ -19,7 +20,6 @@ from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from fl_app.run_text import epsilon_text
 from strategies import register_strategy
-from strategies.base import FederatedStrategy
 from strategies.contract import Declaration, QuickExample
 from strategies.flower.adapter import FlowerRounds, build_flower_strategy, flower_class
 from strategies.flower.dp import (
@@ -32,6 +32,7 @@ from strategies.flower.dp import (
     unproven_reason,
     wrapper_kind,
 )
+from strategies.private import PrivateStrategy
 from strategies.reporting import RunReport
 from strategies.settings import CHECK, StrategySettings, setting
 
@@ -91,7 +92,7 @@ def proven(settings: RunSettings) -> bool:
 
 
 @register_strategy("flower")
-class FlowerStrategy(FederatedStrategy):
+class FlowerStrategy(PrivateStrategy):
     """A Flower strategy's configure/aggregate on dpfl's cohorts, clients and reports."""
 
     declaration = Declaration(
@@ -148,7 +149,7 @@ class FlowerStrategy(FederatedStrategy):
         self.replies.record_selected(server_round, clients)
         return self.flower.configure(
             server_round,
-            self.arrays_for_clients(server_round, arrays),
+            self.records_for_clients(server_round, arrays)[keys.ARRAYS],
             self.train_config(server_round, config),
             [c.node_id for c in clients],
         )

@@ -61,7 +61,7 @@ from fl_app.train_results import arrays_mismatch
 from fl_app.training import load_arrays
 from strategies import register_strategy
 from strategies.arrays import mean_arrays
-from strategies.base import FederatedStrategy, RecentRounds
+from strategies.base import RecentRounds
 from strategies.contract import Declaration, QuickExample
 from strategies.kd_dp.privacy import (
     GENERAL,
@@ -73,6 +73,7 @@ from strategies.kd_dp.privacy import (
     group_by_size,
     split_kd_dp_budget,
 )
+from strategies.private import PrivateStrategy
 from strategies.replies import echo_mismatch
 from strategies.settings import StrategySettings, between, integer, one_of, positive
 
@@ -157,7 +158,7 @@ class KDDPSettings(StrategySettings):
 
 
 @register_strategy("kd_dp")
-class KDDPStrategy(FederatedStrategy):
+class KDDPStrategy(PrivateStrategy):
     """KD-DP: DP teacher on large-data clients, label-DP special client, DP general clients."""
 
     declaration = Declaration(
@@ -290,7 +291,7 @@ class KDDPStrategy(FederatedStrategy):
             self._release_pseudo_labels(server_round, arrays)
         clients = self.select_clients(server_round)
         self.replies.record_selected(server_round, clients)
-        sent = self.arrays_for_clients(server_round, arrays)
+        sent = self.records_for_clients(server_round, arrays)[keys.ARRAYS]
         self._round_start[server_round] = sent
         plan = self.plans[LARGE if stage == TEACHER_STAGE else GENERAL]
         messages = []
@@ -306,11 +307,11 @@ class KDDPStrategy(FederatedStrategy):
             )
         return messages
 
-    def arrays_for_clients(self, server_round: int, arrays: ArrayRecord) -> ArrayRecord:
+    def records_for_clients(self, server_round: int, arrays: ArrayRecord) -> dict[str, ArrayRecord]:
         """The student's first round starts from the run's initial model when ``student_init: fresh``."""
         if server_round == self.teacher_rounds + 1 > 1 and self.settings.student_init == "fresh":
-            return self.initial_arrays()  # the run's seeded initial model: independent of any data
-        return arrays
+            return {keys.ARRAYS: self.initial_arrays()}  # seeded, independent of any data
+        return {keys.ARRAYS: arrays}
 
     def _release_pseudo_labels(self, server_round: int, teacher_arrays: ArrayRecord) -> None:
         """Label the public split with the DP teacher; randomized response once per label."""

@@ -46,12 +46,11 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
 from typing import Any
 
-from flwr.app import Array, ArrayRecord, Message, MetricRecord
+from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.common import log
 
 from clients.nbafl import NBAFL_CLIP, NBAFL_MU, NBAFL_SIGMA_UP
@@ -70,7 +69,7 @@ from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from strategies import register_strategy
 from strategies.arrays import arrays_like
-from strategies.base import FederatedStrategy
+from strategies.base import Replies
 from strategies.contract import Declaration, QuickExample
 from strategies.nbafl.privacy import (
     NBAFL_AMPLIFICATIONS,
@@ -83,6 +82,7 @@ from strategies.nbafl.privacy import (
     nbafl_unit_sensitivity,
     nbafl_uplink_sigma,
 )
+from strategies.private import PrivateStrategy
 from strategies.settings import StrategySettings, integer, non_negative, one_of, positive
 
 RECORD_UNIT = (
@@ -118,7 +118,7 @@ class NbAFLSettings(StrategySettings):
 
 
 @register_strategy("nbafl")
-class NbAFLStrategy(FederatedStrategy):
+class NbAFLStrategy(PrivateStrategy):
     """Uniform averaging of locally noised models, downlink noise, K-random scheduling."""
 
     declaration = Declaration(
@@ -286,29 +286,28 @@ class NbAFLStrategy(FederatedStrategy):
 
     # ------------------------------------------------------------------ aggregation
 
-    def reply_summand(self, server_round: int) -> Upload:
-        """Each client's noised model as it came: the average is their sum / count (cohort messages)."""
+    def summand(self, server_round: int) -> Upload:
+        """Each client's noised model as it came: the average is their sum / count."""
         return Upload()
 
-    def aggregate_train(
-        self, server_round: int, replies: Iterable[Message]
+    def aggregate(
+        self, server_round: int, replies: Replies
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """Uniform average of the noised uploads plus the downlink noise."""
-        valid, _ = self.replies.split(server_round, replies)
         self._record_uploads(server_round)
-        self._uploads[server_round] = len(valid)
-        if not valid:
+        self._uploads[server_round] = len(replies)
+        if not replies:
             return None, None
-        if len(valid) < self.k and self.sigma_down > 0:
+        if len(replies) < self.k and self.sigma_down > 0:
             log(
                 WARNING,
                 "NbAFL round %d: %d of %d uploads; sigma_D is the one computed for K=%d",
                 server_round,
-                len(valid),
+                len(replies),
                 self.k,
                 self.k,
             )
-        total = self.summed_replies(valid, self.reply_summand(server_round), server_round=server_round)
+        total = replies.sum(self.summand(server_round))
         count = len(total.members)
         average = arrays_like([total.arrays[name] / count for name in total.arrays], self.round_global)
         self._sigma_down_used[server_round] = self.sigma_down
@@ -320,7 +319,7 @@ class NbAFLStrategy(FederatedStrategy):
                     for name, array in average.items()
                 }
             )
-        return average, MetricRecord({"uploads": len(valid)})
+        return average, MetricRecord({"uploads": len(replies)})
 
     def _record_uploads(self, server_round: int) -> None:
         """One Gaussian event per scheduled client (failures included), client level and the document's."""

@@ -78,9 +78,10 @@ from fl_app.run_context import RunContext
 from fl_app.run_settings import RunSettings
 from fl_app.training import has_dropout, load_arrays, model_to_arrays, predict_proba
 from strategies import register_strategy
-from strategies.base import FederatedStrategy, RecentRounds
+from strategies.base import RecentRounds
 from strategies.cohorts import SCHEDULES, max_participations
 from strategies.contract import Declaration, QuickExample
+from strategies.private import PrivateStrategy
 from strategies.privatekt.knowledge import (
     KNOWLEDGE_MODES,
     KnowledgeBuffer,
@@ -154,7 +155,7 @@ class PrivateKTSettings(StrategySettings):
 
 
 @register_strategy("privatekt")
-class PrivateKTStrategy(FederatedStrategy):
+class PrivateKTStrategy(PrivateStrategy):
     """PrivateKT's server: KT sampling, Eq. 3 aggregation, buffer fine-tuning, self-training."""
 
     declaration = Declaration(
