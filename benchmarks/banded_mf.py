@@ -14,7 +14,7 @@ from the repository alone. ``losses`` prints the noise reduction of the optimise
 matrices (``||A C^{-1}||_F^2`` against independent noise, prefix sums); ``auto`` prints the band count
 ``strategy.bands=auto`` picks in the cross-device shape (N = 1000, 100 per round) and the models' noise
 variance of each band count relative to one band (DP-FedAvg's noise); ``plot`` draws the kept runs' arms
-on one axis (``fl_app.report`` gives each privacy unit its own panel, and the three arms' units differ
+on one axis (``fl_app.report.sweep`` gives each privacy unit its own panel, and the three arms' units differ
 only in the neighbouring relation: a client's data set, central DP), every seed as a dot.
 """
 
@@ -106,7 +106,7 @@ GAPS_END = "<!-- END GENERATED -->"
 
 
 def _mean(values: list[float]) -> float:
-    # the float sum, as fl_app.report's means: statistics.mean (exact) rounds 0.8075 the other way
+    # the float sum, as fl_app.report.sweep's means: statistics.mean (exact) rounds 0.8075 the other way
     return sum(values) / len(values)
 
 
@@ -150,7 +150,7 @@ def gaps_table(by_arm: dict[Arm, dict[float, list[float]]], *, against: str = "d
 def write_gaps(runs_dir: Path, page: Path) -> int:
     """Write :func:`gaps_table` of the kept runs into ``page``'s generated block."""
     from benchmarks.tables import replace_generated_block
-    from fl_app.report import load_runs
+    from fl_app.report.sweep import load_runs
 
     runs, problems = load_runs(runs_dir)
     by_arm, _, _ = group_arms(runs)
@@ -170,7 +170,7 @@ def plot(runs_dir: Path, out: Path) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from fl_app.report import load_runs
+    from fl_app.report.sweep import load_runs
 
     runs, problems = load_runs(runs_dir)
     for problem in problems:

@@ -57,7 +57,7 @@ def measure_norm(dimension: int, calls: int) -> float:
 def measure_canaries(canaries: int) -> float:
     """Seconds of DP-FedAvg's five constructed rounds and its canary estimate."""
     from fl_app.engine.messages import set_task_identity
-    from fl_app.harness import random_update_rounds, run_context_for
+    from fl_app.run.harness import random_update_rounds, run_context_for
     from strategies import STRATEGIES
 
     set_task_identity(run_id=1)  # messages built outside a run

@@ -233,7 +233,7 @@ def page_text(page: Path, missing: list[str]) -> str:
         if not report.is_file():
             missing.append(report.relative_to(ROOT).as_posix())
             continue
-        table = report.read_text().strip()
+        table = relinked(report.read_text().strip(), report.parent.relative_to(page.parent).as_posix())
         begin, end = report_markers(sub)
         bare = f"<!-- REPORT:{sub} -->" if sub else "<!-- REPORT -->"
         if bare in text:
@@ -244,6 +244,11 @@ def page_text(page: Path, missing: list[str]) -> str:
                 raise SystemExit(f"{page.relative_to(ROOT)}: {begin} has no {end}")
             text = updated
     return text
+
+
+def relinked(text: str, folder: str) -> str:
+    """``text`` (a report's Markdown) with its relative links made relative to the page it is copied into."""
+    return re.sub(r"\]\((?!https?://|/|#)([^)]+)\)", lambda m: f"]({folder}/{m.group(1)})", text)
 
 
 def title_of(page: Path) -> str:
@@ -270,7 +275,7 @@ def table_rows(report: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def trust(heading: str) -> str:
-    """Whom a row's epsilon holds against, from its section heading (``fl_app.report``'s unit)."""
+    """Whom a row's epsilon holds against, from its section heading (``fl_app.report.sweep``'s unit)."""
     if "distributed DP" in heading:
         return "distributed: the server too (SecAgg+)"
     if "local DP" in heading:
@@ -357,7 +362,7 @@ def readme_text(readme: str) -> str:
 def rebuild_from_runs() -> None:
     """Regenerate every page made from kept runs: its report, then the pages' own tables and plots."""
     from benchmarks import banded_mf, kd_dp_regime
-    from fl_app import report
+    from fl_app.report import sweep as report
 
     with contextlib.chdir(ROOT):  # report.csv names the runs by path: relative, wherever the clone is
         for page in KEPT_RUN_PAGES:

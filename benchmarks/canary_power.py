@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 from fl_app.engine.messages import set_task_identity
-from fl_app.harness import random_update_rounds, run_context_for
+from fl_app.run.harness import random_update_rounds, run_context_for
 from strategies import STRATEGIES
 
 SHAPE = ["dataset=digits", "num_clients=20", "clients_per_round=10", "num_rounds=5", "privacy.epsilon=2"]

@@ -6,7 +6,7 @@ Usage::
         --models mlp,cnn --rounds 5 [--paths cohort,loop] [--json OUT]
 
 What one round of DP-FedAvg (fixed clipping, Gaussian noise on the sum; McMahan et al. 2018) does
-once the engine trains a cohort with :func:`fl_app.cohort_training.train_cohort`, timed by phase on
+once the engine trains a cohort with :func:`fl_app.engine.vectorised_training.train_vectorised`, timed by phase on
 one device:
 
 * **sample**: ``--cohort`` clients of the ``--population`` drawn without replacement (a seeded
@@ -14,7 +14,7 @@ one device:
 * **plan** and **train**: each client's orders from its own generator (``plan_from_generators``), its examples
   (``uint8``; ``--data host``: moved to the device each round, ``device``: kept there from the start)
   gathered and turned into floats, and the cohort's local
-  training from the global model (``--paths``: ``cohort`` = ``train_cohort``, ``loop`` = the
+  training from the global model (``--paths``: ``cohort`` = ``train_vectorised``, ``loop`` = the
   per-client loop of ``benchmarks/cohort_training.py``);
 * **aggregate**: per-client updates, each clipped to L2 norm ``--clip``, summed, Gaussian noise of
   standard deviation ``--noise-multiplier * clip`` added (a ``torch.Generator`` on the device), the
@@ -24,7 +24,7 @@ one device:
 The data are random (Fashion-MNIST-shaped 1x28x28 ``uint8`` images, 10 classes; client sizes
 ``1 + Multinomial(population * 59, Dirichlet(1))``): the numbers are time, not learning (that the
 vectorised path learns what the loop learns is tested against ``train_local`` in
-``tests/test_cohort_training.py``). The first round is a warm-up and is not reported. This is the
+``tests/test_vectorised_training.py``). The first round is a warm-up and is not reported. This is the
 round the engine would run, not the engine: no Flower messages, no Ray, no accountant.
 """
 
@@ -52,8 +52,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.cohort_training import BATCH, CLASSES, INPUT_SHAPE, LR, train_loop  # noqa: E402
-from fl_app.cohort_training import plan_from_generators, stack_params, train_cohort  # noqa: E402
-from fl_app.models import build_model  # noqa: E402
+from fl_app.engine.vectorised_training import plan_from_generators, stack_params, train_vectorised  # noqa: E402
+from fl_app.learning.models import build_model  # noqa: E402
 
 PHASES = ("sample", "plan", "train", "aggregate", "evaluate")
 
@@ -180,7 +180,7 @@ def train(
         sizes = np.array([len(y) for y in ys])
         plan = plan_from_generators(generators, sizes, epochs=args.epochs, batch_size=BATCH)
         clock.mark("plan")
-        trained = train_cohort(model, params, xs, ys, plan, lr=LR, device=device).params
+        trained = train_vectorised(model, params, xs, ys, plan, lr=LR, device=device).params
         clock.mark("train")
         return trained
     clock.mark("plan")
@@ -219,12 +219,12 @@ def profile_round(
 
 
 def compile_steps() -> None:
-    """Make ``train_cohort`` compile its step function (``torch.compile``, symbolic cohort width).
+    """Make ``train_vectorised`` compile its step function (``torch.compile``, symbolic cohort width).
 
     An experiment for the per-step dispatch cost measured on the GPU (about 3.7 ms of Python per step
     of a 1000-client MLP cohort): not a library option; the first round pays the compilation.
     """
-    from fl_app import cohort_training
+    from fl_app.engine import vectorised_training as cohort_training
 
     plain = cohort_training._step_function
     made: dict[tuple[int, float], Any] = {}  # one compiled step per model (rounds reuse it)

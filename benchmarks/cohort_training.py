@@ -13,13 +13,13 @@ several hundred examples, many a handful), batch 32, lr 0.1 (``--momentum``, ``-
 client starting from the same global model.
 
 Two paths train the same clients on the same per-client example orders (each client's own
-``numpy.random.Generator`` draws one permutation per epoch, as ``fl_app.training.train_local``):
+``numpy.random.Generator`` draws one permutation per epoch, as ``fl_app.learning.training.train_local``):
 
 * ``loop``: one model, and per client the global parameters copied in and ``train_local``'s loop
-  (``fl_app.training`` imports Flower, so the loop is re-implemented here: per-epoch permutation,
-  batches in that order, ``F.cross_entropy``, the single-tensor SGD update of ``fl_app.optim.SGD``);
-* ``cohort``: :func:`fl_app.cohort_training.plan_from_generators` then
-  :func:`fl_app.cohort_training.train_cohort` (per ``--schedules`` and ``--chunks``; 0 = the whole
+  (``fl_app.learning.training`` imports Flower, so the loop is re-implemented here: per-epoch permutation,
+  batches in that order, ``F.cross_entropy``, the single-tensor SGD update of ``fl_app.learning.optim.SGD``);
+* ``cohort``: :func:`fl_app.engine.vectorised_training.plan_from_generators` then
+  :func:`fl_app.engine.vectorised_training.train_vectorised` (per ``--schedules`` and ``--chunks``; 0 = the whole
   cohort at once).
 
 Per repeat the paths run interleaved (loop, then each cohort variant); the table reports medians of
@@ -79,14 +79,14 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402, N812
 
-from fl_app.cohort_training import (  # noqa: E402
+from fl_app.engine.vectorised_training import (  # noqa: E402
     activation_numel,
     auto_chunk,
     plan_from_generators,
     stack_params,
-    train_cohort,
+    train_vectorised,
 )
-from fl_app.models import build_model  # noqa: E402
+from fl_app.learning.models import build_model  # noqa: E402
 
 INPUT_SHAPE = (1, 28, 28)
 CLASSES = 10
@@ -229,7 +229,7 @@ def run_case(
             plan = plan_from_generators(
                 order_generators(clients, args.seed), sizes, epochs=epochs, batch_size=BATCH
             )
-            return train_cohort(
+            return train_vectorised(
                 model, global_params, xs, ys, plan, lr=LR, momentum=args.momentum, proximal_mu=args.mu,
                 device=device, chunk=None if chunk == "all" else chunk, schedule=schedule,  # type: ignore[arg-type]
             )  # fmt: skip
@@ -238,7 +238,7 @@ def run_case(
 
     # Warm-up (first vmap and allocator use), and the difference between the paths.
     warm = min(clients, 8)
-    train_cohort(
+    train_vectorised(
         model, global_params, xs[:warm], ys[:warm],
         plan_from_generators(order_generators(warm, 0), sizes[:warm], epochs=1, batch_size=BATCH),
         lr=LR, device=device,

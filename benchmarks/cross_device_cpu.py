@@ -18,8 +18,8 @@ test images after every round; dpfl's own split exported for pfl). Per repeat, i
 * ``dpfl-<backend>-before`` (``inline``, ``processes``, ``ray``): the same from ``--before TREE`` (another
   checkout, e.g. ``git worktree add``), only with ``--before``;
 * ``dpfl-<backend>-plain``, ``dpfl-<backend>-cohort`` (``inline``, ``ray``, ``processes``): the dpfl
-  commands with one message per client (``simulation.cohort_messages=false``) and with one message per
-  16 clients (``true``, ``fl_app/cohort_messages.py``); the default ``auto`` is the latter.
+  commands with one message per client (``simulation.pack_messages=false``) and with one message per
+  16 clients (``true``, ``fl_app/engine/packed.py``); the default ``auto`` is the latter.
 
 ``--rounds`` takes one number or several (``30,100``): every repeat runs every arm at each, and with
 two or more the table adds each arm's **CPU per round**, the machine's CPU between the shortest and
@@ -82,11 +82,11 @@ def dpfl_command(
     """``python -m fl_app`` on the task from ``tree`` (with this checkout's ``.venv``).
 
     ``backend``: ``ray`` (the default: no override), ``inline`` or ``processes``;
-    ``cohort``: ``simulation.cohort_messages=true`` (True), ``false`` (False), the default (None);
+    ``cohort``: ``simulation.pack_messages=true`` (True), ``false`` (False), the default (None);
     ``overrides`` follow the task's (e.g. another strategy: ``--dpfl-overrides``).
     """
     extra = [*overrides, *([] if backend == "ray" else [f"simulation.backend={backend}"])]
-    extra += [] if cohort is None else [f"simulation.cohort_messages={str(cohort).lower()}"]
+    extra += [] if cohort is None else [f"simulation.pack_messages={str(cohort).lower()}"]
     command = [str(pfl_compare.DPFL_PYTHON), "-m", "fl_app", *TASK, f"num_rounds={rounds}", *extra]
     return [*command, f"output_dir={output}"], tree
 
@@ -142,12 +142,12 @@ def tight_rounds(overrides: Sequence[str]) -> tuple[list[float], list[float], fl
     import overhead
     import torch
 
-    from fl_app.config import compose_config
+    from fl_app.config.compose import compose_config
     from fl_app.data.federated import ClientDataset, DataSpec, federated_data
-    from fl_app.model_spec import ModelSpec
-    from fl_app.models import resolve_model_name
+    from fl_app.learning.model_spec import ModelSpec
+    from fl_app.learning.models import resolve_model_name
+    from fl_app.learning.training import torch_seed
     from fl_app.privacy.rng import RandomSource
-    from fl_app.training import torch_seed
 
     cfg = compose_config(list(overrides))
     data = federated_data(DataSpec.from_config(cfg))
@@ -183,11 +183,11 @@ def tight_rounds(overrides: Sequence[str]) -> tuple[list[float], list[float], fl
 
 
 def example_tensors(data: Any) -> tuple[Any, Any]:
-    """A ``ClientDataset``'s inputs (as :func:`fl_app.training.to_tensor` makes them) and int64 labels."""
+    """A ``ClientDataset``'s inputs (:func:`fl_app.learning.training.to_tensor`'s) and int64 labels."""
     import numpy as np
     import torch
 
-    from fl_app.training import to_tensor
+    from fl_app.learning.training import to_tensor
 
     return to_tensor(data.x), torch.from_numpy(np.asarray(data.y, dtype=np.int64))
 

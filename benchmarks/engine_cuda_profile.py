@@ -11,7 +11,7 @@ median round from its ``results.json``. Issue 58: a 1000-client cohort trained i
     python -P benchmarks/engine_cuda_profile.py --json out.json -- <overrides of python -m fl_app>
 
 ``--pageable`` moves a trained cohort to the host as before the pinned-memory copy
-(``CohortResult.to`` with plain ``Tensor.to``): the two variants in one call, for a ratio on one machine.
+(``VectorisedResult.to`` with plain ``Tensor.to``): the two variants in one call, for a ratio on one machine.
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ def _median_round(output_dir: Path) -> float | None:
 
 
 def _use_pageable_copies() -> None:
-    from fl_app.cohort_training import CohortResult
+    from fl_app.engine.vectorised_training import VectorisedResult
 
     def to(self: Any, device: Any) -> Any:
-        return CohortResult(params={n: v.to(device) for n, v in self.params.items()}, losses=self.losses)
+        return VectorisedResult(params={n: v.to(device) for n, v in self.params.items()}, losses=self.losses)
 
-    CohortResult.to = to  # type: ignore[method-assign]
+    VectorisedResult.to = to  # type: ignore[method-assign]
 
 
 def main() -> int:

@@ -85,11 +85,11 @@ one large_fedavg_cohort $((6 / SCALE)) $LARGE model=mlp strategy=fedavg $GPUS si
 one small_dp_cohort $((10 / SCALE)) $SMALL $DP $GPUS simulation.vectorise=true
 one small_dp_loop $((10 / SCALE)) $SMALL $DP $GPUS simulation.vectorise=false
 one large_cnn_cohort $((4 / SCALE)) $LARGE model=cnn strategy=fedavg $GPUS simulation.vectorise=true
-# the runs above send summed rounds as cohort messages (simulation.cohort_messages=auto: on), their members
+# the runs above send summed rounds as packed messages (simulation.pack_messages=auto: on), their members
 # trained as one computation per batch; the same with one message per client, as before 2026-11-27
-one small_fedavg_cohort_permsg $((10 / SCALE)) $SMALL strategy=fedavg $GPUS simulation.vectorise=true simulation.cohort_messages=false
-one large_fedavg_cohort_permsg $((6 / SCALE)) $LARGE model=mlp strategy=fedavg $GPUS simulation.vectorise=true simulation.cohort_messages=false
-one small_dp_cohort_permsg $((10 / SCALE)) $SMALL $DP $GPUS simulation.vectorise=true simulation.cohort_messages=false
+one small_fedavg_cohort_permsg $((10 / SCALE)) $SMALL strategy=fedavg $GPUS simulation.vectorise=true simulation.pack_messages=false
+one large_fedavg_cohort_permsg $((6 / SCALE)) $LARGE model=mlp strategy=fedavg $GPUS simulation.vectorise=true simulation.pack_messages=false
+one small_dp_cohort_permsg $((10 / SCALE)) $SMALL $DP $GPUS simulation.vectorise=true simulation.pack_messages=false
 if [ "$GPU" = 1 ]; then  # the same process's CPU (16 cores), one client at a time
   one small_fedavg_cpu16 10 $SMALL strategy=fedavg simulation.client_gpus=0 simulation.client_cpus=16 simulation.vectorise=false
 fi

@@ -34,9 +34,9 @@ from fl_app import keys
 from fl_app.client_app import app
 from fl_app.engine.batching import run_jobs
 from fl_app.engine.messages import set_task_identity
-from fl_app.harness import run_context_for
+from fl_app.learning.training import array_values, load_arrays, model_state, train_local
 from fl_app.privacy.rng import make_generator
-from fl_app.training import array_values, load_arrays, model_state, train_local
+from fl_app.run.harness import run_context_for
 from strategies import STRATEGIES
 
 
@@ -59,22 +59,20 @@ def one_round(strategy: Any, arrays: Any, server_round: int, population: int) ->
 
 
 def cohort_round(strategy: Any, arrays: Any, server_round: int, population: int) -> tuple[float, float, int]:
-    """:func:`one_round` with the round sent as cohort messages (``fl_app/cohort_messages.py``)."""
-    from fl_app import cohort_messages
+    """:func:`one_round` with the round sent as packed messages (``fl_app/engine/packed.py``)."""
+    from fl_app.engine import packed as pack_messages
     from fl_app.engine.messages import set_message_id
 
     messages = list(strategy.configure_train(server_round, arrays, ConfigRecord(), grid=None))
     partitions = {int(m.metadata.dst_node_id): int(m.metadata.dst_node_id) - 1000 for m in messages}
     started = time.process_time()
-    packed = cohort_messages.pack(
-        messages, partitions=partitions, summand=strategy.reply_summand(server_round)
-    )
+    packed = pack_messages.pack(messages, partitions=partitions, summand=strategy.reply_summand(server_round))
     ids = [f"cohort-{i}" for i in range(len(packed))]
     for cohort, message_id in zip(packed, ids, strict=True):
         set_message_id(cohort.message, message_id)
     outcomes = run_jobs(lambda: app, [(c.message, node_context(c.message, population)) for c in packed])
     clients_done = time.process_time()
-    replies = cohort_messages.unpack([o[1] for o in outcomes if o[0] == "reply"], packed, ids)
+    replies = pack_messages.unpack([o[1] for o in outcomes if o[0] == "reply"], packed, ids)
     strategy.aggregate_train(server_round, replies)
     return clients_done - started, time.process_time() - clients_done, len(messages)
 
@@ -268,14 +266,14 @@ def main() -> int:
         floor_s, _ = floor_round(strategy, arrays, 2 + repeat)
         tight_s, _ = tight_round(strategy, arrays, 2 + repeat)
         print(
-            f"repeat {repeat}, per member: as cohort messages {cohort_s / count * 1e3:.3f} ms client side "
+            f"repeat {repeat}, per member: as packed messages {cohort_s / count * 1e3:.3f} ms client side "
             f"(+ {server_s / count * 1e3:.3f} ms server side); the same work without messages "
             f"{floor_s / count * 1e3:.3f} ms; the tight loop {tight_s / count * 1e3:.3f} ms"
         )
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
-        (cohort_round if args.cohort_messages else one_round)(strategy, arrays, 6, args.population)
+        (cohort_round if args.pack_messages else one_round)(strategy, arrays, 6, args.population)
         profile.disable()
         pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
     return 0

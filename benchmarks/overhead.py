@@ -63,12 +63,12 @@ import psutil
 import torch
 
 import fl_app  # noqa: F401  (process set-up)
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
 from fl_app.data.federated import DataSpec, federated_data
-from fl_app.model_spec import ModelSpec
-from fl_app.models import resolve_model_name
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.models import resolve_model_name
+from fl_app.learning.training import evaluate, load_arrays, model_to_arrays, train_local
 from fl_app.privacy.rng import RandomSource
-from fl_app.training import evaluate, load_arrays, model_to_arrays, train_local
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ["strategy=fedavg", "dataset=fashion_mnist", "partition=dirichlet"]
@@ -180,7 +180,7 @@ def run_simulation(
 
 
 def test_split(cfg: Any, data: Any) -> tuple[np.ndarray, np.ndarray]:
-    """The test examples the run evaluates on (the same seeded subset as ``fl_app.run``)."""
+    """The test examples the run evaluates on (the same seeded subset as ``fl_app.run.server``)."""
     test = data.test()
     x, y = test.x, test.y
     subset = cfg.evaluation.test_subset
@@ -423,11 +423,11 @@ def breakdown(args: argparse.Namespace) -> None:
     from clients.base import FederatedClient
     from fl_app import keys
     from fl_app.client_app import app
+    from fl_app.config.validation import typed_settings
     from fl_app.engine.messages import content_bytes, set_reply_source, set_task_identity
-    from fl_app.roster import ClientInfo
-    from fl_app.run import noise_source
-    from fl_app.run_context import RunContext
-    from fl_app.validation import typed_settings
+    from fl_app.run.context import RunContext
+    from fl_app.run.roster import ClientInfo
+    from fl_app.run.server import noise_source
     from strategies import STRATEGIES
 
     set_task_identity(run_id=77)
@@ -529,7 +529,7 @@ def breakdown(args: argparse.Namespace) -> None:
         lambda i: [content_bytes(r) for r in replies], 3
     )
     try:  # dpfl's layout cache (absent before the cross-device work)
-        from fl_app.message_sizes import message_bytes
+        from fl_app.engine.message_sizes import message_bytes
 
         server["metering: bytes of 100 replies, by layout (dpfl)"] = timed(
             lambda i: [message_bytes(r) for r in replies], 3

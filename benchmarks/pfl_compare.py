@@ -19,7 +19,7 @@ averaging), evaluation after every round on a seeded subset of 2,000 test images
 
 Both frameworks train on the IDENTICAL data: ``export`` (run with dpfl's venv) writes every client's
 rows of dpfl's partition (``fl_app.data.federated``), the 2,000 evaluation rows
-(``fl_app.run.evaluation_arrays``) and dpfl's initial model (``Strategy.initial_arrays``) to an
+(``fl_app.run.server.evaluation_arrays``) and dpfl's initial model (``Strategy.initial_arrays``) to an
 ``.npz``; the pfl side (``pfl-run``, run with ``.venv-pfl/bin/python``) reads it. The cohorts, the
 order of the examples and the DP noise are drawn independently by each framework.
 
@@ -72,7 +72,7 @@ LOCAL_EPOCHS = 1
 BATCH_SIZE = 32
 LR = 0.1
 TEST_SUBSET = 2000
-EVAL_BATCH = 256  # dpfl's fl_app.training.EVAL_BATCH
+EVAL_BATCH = 256  # dpfl's fl_app.learning.training.EVAL_BATCH
 EPSILON = 8.0
 DELTA = 1e-5
 CLIP = 1.0
@@ -177,8 +177,8 @@ def export_partition(path: Path, overrides: Sequence[str] = TASK) -> dict[str, A
     ``param_<k>``, dpfl's initial global model in ``state_dict`` order; ``meta``, a JSON string.
 
     """
-    from fl_app.harness import run_context_for
-    from fl_app.run import evaluation_arrays
+    from fl_app.run.harness import run_context_for
+    from fl_app.run.server import evaluation_arrays
     from strategies import STRATEGIES
 
     with tempfile.TemporaryDirectory() as scratch:

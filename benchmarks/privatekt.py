@@ -60,7 +60,7 @@ import yaml
 
 from benchmarks.tables import Run, completed_runs, fmt, markdown_table, replace_generated_block
 from fl_app.data.federated import DataSpec, federated_data
-from fl_app.results import METRICS_FILE
+from fl_app.run.results import METRICS_FILE
 
 PER_ROUND = {
     "MNIST": "mnist_per_round",

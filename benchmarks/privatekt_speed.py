@@ -22,7 +22,7 @@ split, under each lever: torch threads (1 or 2), memory layout (contiguous or ch
 1. *plain, 2 processes*: 2 worker processes with 1 thread each (what the simulation runs: 2 Ray actors of
    one CPU) train 20 clients each with a bare PyTorch loop (``torch.optim.SGD``, no Flower, no Ray, no
    dpfl), then this process (2 threads) does the server's work with the same bare calls, at the
-   inference batch the simulation's server uses (``fl_app.training.EVAL_BATCH``);
+   inference batch the simulation's server uses (``fl_app.learning.training.EVAL_BATCH``);
 2. the same with the levers ``levers`` found helpful (``--plain-channels-last``);
 3. the simulation: ``python -m fl_app +experiment=privatekt_demo num_rounds=R`` (median ``round_s`` of
    rounds 2..R).
@@ -62,7 +62,7 @@ BUFFER_ROWS = 50
 
 def demo_data(data_dir: str | None) -> Any:
     """The demo's federated data (equal-size Dirichlet partition, 20 % public split)."""
-    from fl_app.config import compose_config
+    from fl_app.config.compose import compose_config
     from fl_app.data.federated import DataSpec, federated_data
     from fl_app.data.sources import DataNotFoundError
 
@@ -80,7 +80,7 @@ def build_model(layout: str) -> Any:
     """The authors' CNN; ``channels_last``: its weights in channels-last layout as well as its input."""
     import torch
 
-    from fl_app.models import PrivateKTCNN
+    from fl_app.learning.models import PrivateKTCNN
 
     model = PrivateKTCNN((1, 28, 28), 10)
     return model.to(memory_format=torch.channels_last) if layout == "channels_last" else model
@@ -90,7 +90,7 @@ def as_input(x: Any, layout: str) -> Any:
     """A float tensor of images: channels-last unless ``layout`` is contiguous."""
     import torch
 
-    from fl_app.training import to_tensor
+    from fl_app.learning.training import to_tensor
 
     tensor = to_tensor(x)
     return tensor if layout == "contiguous" else tensor.contiguous(memory_format=torch.channels_last)
@@ -234,7 +234,7 @@ def plain_round(data_dir: str | None, layout: str) -> dict[str, float]:
     import torch
     from torch.nn.functional import cross_entropy
 
-    from fl_app.training import EVAL_BATCH  # the inference batch the simulation's server uses
+    from fl_app.learning.training import EVAL_BATCH  # the inference batch the simulation's server uses
 
     clients = list(range(CLIENTS_PER_ROUND))
     started = time.perf_counter()

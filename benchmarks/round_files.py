@@ -3,7 +3,7 @@
 A reader who follows one round of an algorithm must open every file whose code the round runs. This
 script runs a short simulation in this process (``simulation.backend=inline``: the clients run here,
 so one profiler sees server and clients), records every function call made in dpfl's own packages
-(``fl_app``, ``strategies``, ``clients``) between the entry of :func:`fl_app.run.play` (set-up
+(``fl_app``, ``strategies``, ``clients``) between the entry of :func:`fl_app.run.server.play` (set-up
 excluded) and the first privacy event the round records (``PrivacyAccountant.record``, for a
 private algorithm) or the end of its ``aggregate_train`` (a non-private one), and prints the files
 with their line counts.

@@ -105,7 +105,7 @@ from pathlib import Path
 from flwr.app import ConfigRecord, Context, RecordDict
 from fl_app.client_app import train
 from fl_app.engine.messages import task_identity
-from fl_app.harness import run_context_for
+from fl_app.run.harness import run_context_for
 from strategies import STRATEGIES
 
 overrides, rounds = json.loads(sys.argv[1]), int(sys.argv[2])

@@ -2,7 +2,7 @@ r"""Choose each arm's settings per budget on the validation split (never the tes
 
 A tuning sweep runs every candidate setting of an arm with ``evaluation.split=validation``: the
 server evaluates on rows of the training split that belong to no client, and the test split is not
-read. This script reads such sweeps (``fl_app.report.load_runs``), scores every run whose every
+read. This script reads such sweeps (``fl_app.report.sweep.load_runs``), scores every run whose every
 round ran by the mean validation accuracy of its last ``--last`` evaluated rounds (the model a user
 would ship, less noisy than the last round alone), and for every (arm, epsilon) picks the best
 candidate. Arms are told apart by strategy and by any setting outside the grid (two arms of one
@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.tables import COMPLETED
-from fl_app.report import Run, load_runs
+from fl_app.report.sweep import Run, load_runs
 
 #: The keys a tuning grid varies (shown per candidate); anything else must be equal within an arm.
 GRID_KEYS = (

@@ -12,7 +12,7 @@ Usage::
 
 ``breakdown`` launches the 10-round cross-device job (FedAvg, Fashion-MNIST, Dirichlet(0.5) over
 N = 1000 clients, 100 per round, the MLP, 1 local epoch, batch 32, evaluation on 2,000 test images)
-as ``python -m fl_app`` with ``DPFL_TIMELINE`` set (:mod:`fl_app.timeline`): the run marks its phase
+as ``python -m fl_app`` with ``DPFL_TIMELINE`` set (:mod:`fl_app.run.timeline`): the run marks its phase
 boundaries (imports, preflight, Ray started, ServerApp started, data loaded, roster, round 1, rounds
 done, results written, engine done, Ray stopped, exit) and the benchmark adds the launch and the
 process's end. *Outside the rounds* is the whole command's wall time minus the time from round 1's

@@ -2,7 +2,7 @@
 
 The scripts (``nbafl.py``, ``privatekt.py``, ``dpfl_bnn.py``, ``kd_dp.py``, ``laplace_eval.py``)
 read the runs' ``results.json`` through :func:`completed_runs` (the checks of
-:func:`fl_app.report.load_runs`), format numbers with :func:`fmt`, write tables with
+:func:`fl_app.report.sweep.load_runs`), format numbers with :func:`fmt`, write tables with
 :func:`markdown_table` and keep the generated block of their documentation page up to date with
 :func:`replace_generated_block`.
 
@@ -19,10 +19,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fl_app.lifecycle import COMPLETED_STATUSES as COMPLETED
-from fl_app.report import load_runs
+from fl_app.report.sweep import load_runs
+from fl_app.run.lifecycle import COMPLETED_STATUSES as COMPLETED
 
-#: The statuses of a run whose every round ran (``fl_app/lifecycle.py``).
+#: The statuses of a run whose every round ran (``fl_app/run/lifecycle.py``).
 
 #: One run's ``results.json`` as a dict; :func:`completed_runs` adds ``"_path"``.
 Run = dict[str, Any]
@@ -46,7 +46,7 @@ def completed_runs(root: Path) -> list[Run]:
 
     Notes
     -----
-    A file that :func:`fl_app.report.load_runs` rejects (unreadable, or without the fields of the
+    A file that :func:`fl_app.report.sweep.load_runs` rejects (unreadable, or without the fields of the
     results contract) is skipped with one line on stderr, never silently. Runs that did not complete
     (``failed``, ``interrupted``) are left out without a message: a sweep still running has them.
     A script that needs runs at a fixed depth or with given folder names filters the result by

@@ -4,7 +4,7 @@
 after encoding the trained model into a reply record and decoding it again, and decoded the
 received arrays twice more with Flower's ``Array.numpy()`` (it parses the ``.npy`` header in Python
 and copies the data); NbAFL's client encoded and decoded its trained model the same way. Now the
-received arrays are read in place (``fl_app.training.array_values``) and the trained ones straight
+received arrays are read in place (``fl_app.learning.training.array_values``) and the trained ones straight
 from the model. This times both bodies around the same model load on the MLP of Fashion-MNIST
 (0.44 MB), one torch thread, interleaved, after checking that they return the same arrays:
 
@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fl_app.models import MLP
-from fl_app.training import array_values, load_arrays, model_state, model_to_arrays
+from fl_app.learning.models import MLP
+from fl_app.learning.training import array_values, load_arrays, model_state, model_to_arrays
 
 
 def main() -> int:

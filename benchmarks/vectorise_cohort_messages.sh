@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 58: the cross-device FedAvg task (benchmarks/pfl_compare.py's: N = 1000, 100 per round, the MLP,
-# 30 rounds) with the per-client loop (simulation.vectorise=false) and the cohort trainer (true), both
-# with cohort messages (the default), inline and on Ray, interleaved; REPEATS=2 by default.
+# 30 rounds) with the per-client loop (simulation.vectorise=false) and the vectorised trainer (true), both
+# with packed messages (the default), inline and on Ray, interleaved; REPEATS=2 by default.
 # Prints one line per command: median round after the first, the command's wall time, the machine's
 # busy CPU over it (/proc/stat: Ray's processes escape getrusage), final accuracy and loss.
 # Usage (repository root, a quiet machine): bash benchmarks/vectorise_cohort_messages.sh

@@ -31,11 +31,11 @@ from torch import nn
 
 from clients.node import NodeClient, parse_model_spec
 from fl_app import keys
-from fl_app.client_states import state_of
-from fl_app.cohort_execution import served_training
-from fl_app.engine.messages import array_record
-from fl_app.train_results import TrainResult
-from fl_app.training import (
+from fl_app.engine.client_states import state_of
+from fl_app.engine.vectorised import served_training
+from fl_app.learning.records import array_record
+from fl_app.learning.train_results import TrainResult
+from fl_app.learning.training import (
     LocalSGD,
     array_values,
     evaluate,
@@ -61,7 +61,7 @@ def process_model(spec_text: str, device: torch.device | None = None) -> nn.Modu
     loading each message's arrays into it saves the construction and random
     initialisation per message. Every parameter is overwritten by the caller
     (:meth:`FederatedClient.global_model`), so reuse changes no result. Its tensors are only ever
-    loaded and trained in place, so they are fixed (:func:`fl_app.training.fix_state`).
+    loaded and trained in place, so they are fixed (:func:`fl_app.learning.training.fix_state`).
     """
     place = torch.device("cpu") if device is None else device
     key = (spec_text, str(place))
@@ -120,7 +120,7 @@ class FederatedClient(NodeClient):
     """The client contract (see the module docstring); subclasses implement :meth:`train_result`.
 
     ``simulation.client_gpus > 0`` asks clients to train on CUDA (:attr:`device`): the model of
-    :meth:`global_model` is then placed there, and :func:`fl_app.training.train_local`,
+    :meth:`global_model` is then placed there, and :func:`fl_app.learning.training.train_local`,
     ``evaluate`` and ``predict_proba`` follow the model. A client whose own loops are CPU-only
     sets :attr:`uses_gpu` to False and keeps the CPU.
 

@@ -26,8 +26,8 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
 
 from clients import register_client
 from clients.base import FederatedClient
-from fl_app.engine.messages import config_record
 from fl_app.engine.secagg import RECORD_KEY_CONFIGS, fitres_to_recorddict
+from fl_app.learning.records import config_record
 from fl_app.privacy.distributed import SkellamPlan, encode_update, rotation_signs
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys

@@ -11,7 +11,7 @@ Differential Privacy", 2023, Algorithm 1 (client side), Eq. (5)-(6), Definition 
    initialises every local model).
 2. *Local training* (Eq. 5, 6): ``local_steps`` Adam steps (batch ``batch-size``,
    learning rate ``lr`` decayed by the server) on the latent weights through the
-   straight-through ``Sign`` (:class:`fl_app.models.SignSTE`), each step
+   straight-through ``Sign`` (:class:`fl_app.learning.models.SignSTE`), each step
    followed by ``clip(W-bar, -1, 1)``.
 3. *Noise* (Definition 3): ``RR_gamma`` on every one of the d binary weights
    independently (keep with probability ``1/2 + gamma``), drawn from the
@@ -46,10 +46,10 @@ from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
 from fl_app.data.federated import DataSpec, federated_data
-from fl_app.optim import Adam, AdamMoments
+from fl_app.learning.optim import Adam, AdamMoments
+from fl_app.learning.training import evaluate, to_tensor
 from fl_app.privacy.mechanisms import binary_randomized_response
 from fl_app.privacy.rng import make_generator
-from fl_app.training import evaluate, to_tensor
 
 # ---------------------------------------------------------------- the wire format: 8 signs per byte
 
@@ -136,7 +136,7 @@ def unpack_signs(packed: np.ndarray, count: int, *, dtype: np.dtype | type = np.
 
 
 def signs_of(values: np.ndarray) -> np.ndarray:
-    """``Sign`` with ties to +1 as ``int8`` (the binarization of :class:`fl_app.models.SignSTE`)."""
+    """``Sign`` with ties to +1 as ``int8`` (the binarization of :class:`fl_app.learning.models.SignSTE`)."""
     return np.where(np.asarray(values) >= 0, 1, -1).astype(np.int8)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
-from fl_app.train_results import TrainResult
+from fl_app.learning.train_results import TrainResult
 
 
 @register_client("fedavg")

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from clients import register_client
 from clients.base import FederatedClient
+from fl_app.learning.train_results import TrainResult
+from fl_app.learning.training import array_values
 from fl_app.privacy.mechanisms import local_gaussian_update
-from fl_app.train_results import TrainResult
-from fl_app.training import array_values
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
 LDP_CLIP = "ldp-clip"  # C: L2 bound of a client's model update

@@ -23,8 +23,8 @@ from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 
 from clients import register_client
 from clients.fedavg import FedAvgClient
-from fl_app.train_results import TrainResult
-from fl_app.training import LocalSGD
+from fl_app.learning.train_results import TrainResult
+from fl_app.learning.training import LocalSGD
 
 #: Flower's FedProx config key (``flwr.serverapp.strategy.FedProx.configure_train``).
 PROXIMAL_MU = "proximal-mu"

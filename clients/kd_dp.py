@@ -40,12 +40,12 @@ from torch.nn import functional as F  # noqa: N812 - the conventional name
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
-from fl_app.model_spec import ModelSpec
-from fl_app.optim import SGD
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.optim import SGD
+from fl_app.learning.training import load_arrays, model_to_arrays, predict_proba, to_tensor, train_local
 from fl_app.privacy.dp_sgd import dp_sgd_train
 from fl_app.privacy.events import RandomizedResponse
 from fl_app.privacy.mechanisms import randomized_response_labels
-from fl_app.training import load_arrays, model_to_arrays, predict_proba, to_tensor, train_local
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
 KDDP_NOISE_MULTIPLIER = "kd-dp-noise-multiplier"  # z of local DP-SGD (noise std z * C on the sum)

@@ -27,8 +27,8 @@ from flwr.app import Array, ArrayRecord, Message, RecordDict
 
 from clients import register_client
 from clients.base import FederatedClient
+from fl_app.learning.training import predict_proba
 from fl_app.privacy.mechanisms import laplace_mechanism, probability_rows
-from fl_app.training import predict_proba
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
 PRIVACY_EVAL_TYPE = "privacy-eval-type"  # NOT_ENCRYPT | LAPLACE

@@ -24,9 +24,9 @@ import numpy as np
 from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
+from fl_app.learning.train_results import TrainResult
+from fl_app.learning.training import LocalSGD
 from fl_app.privacy.mechanisms import clip_l2, gaussian_mechanism
-from fl_app.train_results import TrainResult
-from fl_app.training import LocalSGD
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
 NBAFL_CLIP = "nbafl-clip"  # C: L2 bound of a client's whole uploaded parameter vector

@@ -23,12 +23,12 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from fl_app import keys
+from fl_app.config.registry import PLUGINS_ENV, referable_packages
 from fl_app.data.federated import ClientDataset, federated_data_of
 from fl_app.data.local import check_local_dataset, load_local_dataset
-from fl_app.engine.messages import config_record
-from fl_app.model_spec import ModelSpec
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.records import config_record
 from fl_app.privacy.rng import RandomSource, make_generator
-from fl_app.registry import PLUGINS_ENV, referable_packages
 
 #: Fault injection for failure-handling tests: ``DPFL_INJECT_FAILURES="3,5@2"``
 #: makes client 3 raise in every round and client 5 in round 2 (train and
@@ -48,7 +48,7 @@ def parse_model_spec(text: str) -> ModelSpec:
 def check_device_model(name: str) -> None:
     """Refuse, on a device, a ``module:Class`` network outside the app's packages and ``DPFL_PLUGINS``.
 
-    As for algorithms (:meth:`fl_app.registry.Registry.get`), a message cannot make a device import
+    As for algorithms (:meth:`fl_app.config.registry.Registry.get`), a message cannot make a device import
     whatever happens to be installed: the operator names the user's module in ``DPFL_PLUGINS``.
     """
     module = name.partition(":")[0]

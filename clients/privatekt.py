@@ -27,9 +27,9 @@ from clients import register_client
 from clients.base import FederatedClient
 from fl_app import keys
 from fl_app.data.federated import DataSpec, federated_data
+from fl_app.learning.training import predict_proba
 from fl_app.privacy.events import RandomizedResponse
 from fl_app.privacy.mechanisms import randomized_response_labels
-from fl_app.training import predict_proba
 
 # ---------------------------------------------------------------- wire protocol: this algorithm's keys
 KT_INDICES = "privatekt-kt-indices"  # list[int]: the round's KT samples as rows of the public split

@@ -19,8 +19,8 @@ from flwr.app import ArrayRecord
 from clients import register_client
 from clients.fedavg import FedAvgClient
 from fl_app import keys
-from fl_app.train_results import TrainResult
-from fl_app.training import LocalSGD, array_values, state_to_arrays
+from fl_app.learning.train_results import TrainResult
+from fl_app.learning.training import LocalSGD, array_values, state_to_arrays
 
 #: The record of the control variates: the server's ``c`` in a train message, ``Delta c_i`` in a reply,
 #: the client's own ``c_i`` in its state (this algorithm's wire protocol).

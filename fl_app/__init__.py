@@ -10,7 +10,7 @@ value raises :class:`ConfigError` (``.key``, ``.value``, ``.allowed``) before an
 
 from typing import Any
 
-from fl_app import _process_setup  # noqa: F401  (must run before torchvision loads)
+from fl_app.engine import process_setup as _process_setup  # noqa: F401  (must run before torchvision loads)
 
 __all__ = ["ConfigError", "run_experiment"]
 
@@ -22,7 +22,7 @@ def __getattr__(name: str) -> Any:
 
         return run_experiment
     if name == "ConfigError":
-        from fl_app.config_checks import ConfigError
+        from fl_app.config.checks import ConfigError
 
         return ConfigError
     raise AttributeError(f"module 'fl_app' has no attribute {name!r}")

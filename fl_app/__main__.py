@@ -31,12 +31,13 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fl_app.cluster import jobs_reported, left_no_result
-from fl_app.config import CONF_DIR, CONFIG_NAME, compose_config, is_hydra_override, sweep_params
-from fl_app.config_checks import ConfigError
+from fl_app.config.checks import ConfigError
+from fl_app.config.compose import CONF_DIR, CONFIG_NAME, compose_config, is_hydra_override, sweep_params
+from fl_app.config.settings import RunSettings
 from fl_app.engine.hydra import sweep_fixed, sweep_jobs
 from fl_app.engine.logs import colour_only_at_a_terminal
-from fl_app.lifecycle import (
+from fl_app.run.cluster import jobs_reported, left_no_result
+from fl_app.run.lifecycle import (
     STOP_FILE_ENV,
     SWEEP_COMMAND_ENV,
     Outcome,
@@ -45,9 +46,8 @@ from fl_app.lifecycle import (
     sigterm_like_ctrl_c,
     stop_workers_on_signals,
 )
-from fl_app.output_claim import claim_output_dir
-from fl_app.run_settings import RunSettings
-from fl_app.timeline import mark
+from fl_app.run.output_claim import claim_output_dir
+from fl_app.run.timeline import mark
 
 # Hydra flags that take a value in the next argument.
 _FLAGS_WITH_VALUE = {
@@ -160,7 +160,7 @@ class SweepState:
 
     @property
     def stop_file(self) -> Path:
-        """The file whose presence stops every job (:data:`fl_app.lifecycle.STOP_FILE_ENV`)."""
+        """The file whose presence stops every job (:data:`fl_app.run.lifecycle.STOP_FILE_ENV`)."""
         return self.directory / "stop"
 
     def _append(self, name: str, line: str) -> None:
@@ -181,7 +181,7 @@ class SweepState:
 
     def job_finished(self) -> str | None:
         """Count one finished job; the progress line to print (None outside a sweep)."""
-        from fl_app.run_text import format_duration, interactive, progress_bar
+        from fl_app.run.text import format_duration, interactive, progress_bar
 
         self._append("done", "1")
         total = int((self.directory / "total").read_text())
@@ -251,11 +251,11 @@ def preflight(argv: list[str], *, on_valid: Callable[[RunSettings, int], None] |
         jobs = expand_jobs(overrides, multirun=multirun)
     except (HydraException, OmegaConfBaseException, ValueError) as error:
         return [_one_line(error)]
-    from fl_app.cluster import launcher_error
+    from fl_app.run.cluster import launcher_error
 
     if (launcher := launcher_error(overrides, multirun=multirun)) is not None:
         return [str(launcher)]
-    from fl_app.validation import validate_config  # torch, Flower and every strategy: 2-3 s
+    from fl_app.config.validation import validate_config  # torch, Flower and every strategy: 2-3 s
 
     state = SweepState.create(len(jobs) if multirun else 1)
     errors: list[str] = []
@@ -425,7 +425,7 @@ def _settle_job(job: _Job) -> bool:
         With status 2 (one ``error:`` line) for a configuration or output directory it refuses.
 
     """
-    from fl_app.validation import check_output_dir, validate_config
+    from fl_app.config.validation import check_output_dir, validate_config
 
     try:
         if job.cfg is None or job.settings is None:  # a job the preflight did not see (a launcher of its own)
@@ -444,7 +444,7 @@ def _settle_job(job: _Job) -> bool:
 
 
 def _follow_sweep_plan(job: _Job) -> bool:
-    """Apply :func:`fl_app.sweep_resume.plan_sweep_job` to a sweep's job (a sweep run again continues).
+    """Apply :func:`fl_app.run.sweep_resume.plan_sweep_job` to a sweep's job (a sweep run again continues).
 
     Parameters
     ----------
@@ -457,7 +457,7 @@ def _follow_sweep_plan(job: _Job) -> bool:
         Whether to run it (False: the plan skips it).
 
     """
-    from fl_app.sweep_resume import plan_sweep_job
+    from fl_app.run.sweep_resume import plan_sweep_job
 
     job_cfg = OmegaConf.merge(job.cfg, {"output_dir": str(job.output_dir)})
     plan = plan_sweep_job(job_cfg, job.overrides, job.output_dir)
@@ -506,7 +506,7 @@ def _simulate_job(job: _Job) -> bool:
         run's status (an interrupted run ends a sweep too).
 
     """
-    from fl_app.simulation import run_in_simulation
+    from fl_app.engine.simulation import run_in_simulation
 
     try:
         with claim_output_dir(job.output_dir, resume=job.settings.resume is not None):
@@ -643,9 +643,9 @@ def begin_ray_early(argv: list[str]) -> Callable[[RunSettings, int], None] | Non
     them in worker processes, each with its own Ray). Returns the :func:`preflight` callback that
     begins the start, with the first job's settings and its client actors, once every job is valid:
     Ray's 2.5-3 s and the actors' start then pass while Hydra sets the job up and the ServerApp
-    loads its data. A job that asks for other settings starts it again (:mod:`fl_app.ray_session`).
+    loads its data. A job that asks for other settings starts it again (:mod:`fl_app.engine.ray_session`).
     """
-    from fl_app.ray_session import SESSION, ActorPlan, ray_init_args
+    from fl_app.engine.ray_session import SESSION, ActorPlan, ray_init_args
 
     _, _, informational = split_command_line(argv)
     if informational or parallel_launcher(argv):
@@ -725,7 +725,7 @@ def main() -> int:
     # Flower's LinkState imports alembic, which logs one "setup plugin" line per plugin at INFO;
     # Hydra's console handler would print them (7 lines before every run).
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    from fl_app.ray_session import SESSION
+    from fl_app.engine.ray_session import SESSION
 
     mark("imports")
     errors = preflight(sys.argv[1:], on_valid=begin_ray_early(sys.argv[1:]))
@@ -779,7 +779,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from fl_app.ray_session import SESSION
+    from fl_app.engine.ray_session import SESSION
 
     SESSION.ends_with_process = True  # a Ray start under way when the command ends is not waited for
     try:

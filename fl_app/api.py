@@ -6,11 +6,11 @@
 
 The same overrides as ``python -m fl_app`` (Hydra syntax, one string each), composed and validated
 by the same functions before anything runs: a bad value raises
-:class:`fl_app.validation.ConfigError` (its ``key``, ``value`` and ``allowed`` say what is wrong)
+:class:`fl_app.config.validation.ConfigError` (its ``key``, ``value`` and ``allowed`` say what is wrong)
 and nothing is written. The run is the same Ray-backed Flower simulation; it writes the same files
 (``results.json``, plots, model, privacy ledger) into ``output_dir`` and returns the parsed
-``results.json`` (its contract: :mod:`fl_app.results`). A run that fails raises
-:class:`fl_app.lifecycle.RunFailed`; an interrupted one (Ctrl-C) returns its partial results with
+``results.json`` (its contract: :mod:`fl_app.run.results`). A run that fails raises
+:class:`fl_app.run.lifecycle.RunFailed`; an interrupted one (Ctrl-C) returns its partial results with
 ``status == "interrupted"``.
 """
 
@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fl_app.config import compose_config, with_values
-from fl_app.output_claim import claim_output_dir
-from fl_app.results import RESULTS_FILE
-from fl_app.validation import check_output_dir, validate_config
+from fl_app.config.compose import compose_config, with_values
+from fl_app.config.validation import check_output_dir, validate_config
+from fl_app.run.output_claim import claim_output_dir
+from fl_app.run.results import RESULTS_FILE
 
 #: Where runs go when no ``output_dir`` is given (relative to the working directory).
 DEFAULT_ROOT = Path("outputs") / "api"
@@ -49,7 +49,7 @@ def run_experiment(*overrides: str, output_dir: str | Path | None = None) -> dic
         ``output_dir`` added.
 
     """
-    from fl_app.simulation import run_in_simulation
+    from fl_app.engine.simulation import run_in_simulation
 
     items = [str(item) for item in overrides]
     if output_dir is not None:

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from fl_app.conf_dir import CONF_DIR, config_groups
+from fl_app.config.conf_dir import CONF_DIR, config_groups
 
 PROJECT_ROOT = CONF_DIR.parent
 DEPLOY_SCRIPT = PROJECT_ROOT / "scripts" / "local_deployment.py"
@@ -93,17 +93,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if any(arg in ("-h", "--help") for arg in rest):
             return print_overview()
         from fl_app.__main__ import main as run_main
-        from fl_app.ray_session import SESSION
+        from fl_app.engine.ray_session import SESSION
 
         SESSION.ends_with_process = argv is None  # the console command, not a Python caller
         sys.argv = ["dpfl run", *rest]
         return run_main()
     if command == "report":
-        from fl_app.report import main as report_main
+        from fl_app.report.sweep import main as report_main
 
         return report_main(rest)
     if command == "privacy":
-        from fl_app.calculator import main as privacy_main
+        from fl_app.report.calculator import main as privacy_main
 
         return privacy_main(rest)
     if command == "deploy":

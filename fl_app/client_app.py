@@ -22,13 +22,13 @@ from flwr.clientapp import ClientApp
 from clients import CLIENTS
 from clients.node import NodeClient
 from fl_app import keys
-from fl_app.client_states import carried, carry
-from fl_app.engine.messages import config_record
+from fl_app.engine.client_states import carried, carry
 from fl_app.engine.secagg import RECORD_KEY_CONFIGS, secure_aggregation_mod
+from fl_app.learning.records import config_record
 
 if TYPE_CHECKING:
     from clients.base import FederatedClient
-    from fl_app.train_results import TrainResult
+    from fl_app.learning.train_results import TrainResult
 
 app = ClientApp()
 
@@ -42,19 +42,19 @@ def warm_up() -> None:
     CLIENTS.names()
 
 
-def trained_as_cohorts(jobs: Sequence[tuple[Message, Context]]) -> AbstractContextManager[int]:
+def trained_vectorised(jobs: Sequence[tuple[Message, Context]]) -> AbstractContextManager[int]:
     """Train an actor batch's cohort-form train messages as one computation first (the engine's hook).
 
-    :func:`fl_app.cohort_execution.trained_as_cohorts`, imported here, with torch, only when a batch
+    :func:`fl_app.engine.vectorised.trained_vectorised`, imported here, with torch, only when a batch
     runs (a device's roster answer imports no torch).
     """
-    from fl_app.cohort_execution import trained_as_cohorts as train_together
+    from fl_app.engine.vectorised import trained_vectorised as train_together
 
     def plain_client(message: Message, context: Context) -> FederatedClient | None:
         # a SecAgg+ stage message reaches the client only through the protocol's mod
         if config_record(message.content, RECORD_KEY_CONFIGS) is not None:
             return None
-        if config_record(message.content, keys.COHORT) is not None:
+        if config_record(message.content, keys.PACKED) is not None:
             return None  # its members are in the batch's jobs (_with_members)
         from clients.base import trains_by_the_contract
 
@@ -65,10 +65,10 @@ def trained_as_cohorts(jobs: Sequence[tuple[Message, Context]]) -> AbstractConte
 
 
 def _with_members(jobs: Sequence[tuple[Message, Context]]) -> list[tuple[Message, Context]]:
-    """The batch's jobs and, after each cohort message, its members' plain messages and Contexts.
+    """The batch's jobs and, after each packed message, its members' plain messages and Contexts.
 
-    So the members of all of a batch's cohort messages train as one computation (``simulation.vectorise``),
-    not 16 at a time; each cohort message's answer then finds its members trained. A cohort message
+    So the members of all of a batch's packed messages train as one computation (``simulation.vectorise``),
+    not 16 at a time; each packed message's answer then finds its members trained. A packed message
     whose members cannot be read is left to its answer, which reports the error.
     """
     expanded: list[tuple[Message, Context]] = []
@@ -76,8 +76,8 @@ def _with_members(jobs: Sequence[tuple[Message, Context]]) -> list[tuple[Message
         expanded.append((message, context))
         config = config_record(message.content, keys.CONFIG)
         vectorised = config is not None and bool(config.get(keys.VECTORISE, False))
-        if vectorised and config_record(message.content, keys.COHORT) is not None:
-            from fl_app.cohort_messages import member_jobs
+        if vectorised and config_record(message.content, keys.PACKED) is not None:
+            from fl_app.engine.packed import member_jobs
 
             with contextlib.suppress(Exception):
                 expanded.extend(member_jobs(message, context))
@@ -100,15 +100,15 @@ def train(message: Message, context: Context) -> Message:
     through :func:`~fl_app.engine.secagg.secure_aggregation_mod`, which answers the protocol's stages
     itself and calls the configured client in the stage that collects the masked vectors. A cohort
     message (a simulation's round sent as a few messages) runs each member's client on the member's
-    plain message and answers with the partial sum (:func:`fl_app.cohort_messages.answer`).
+    plain message and answers with the partial sum (:func:`fl_app.engine.packed.answer`).
     """
     if config_record(message.content, RECORD_KEY_CONFIGS) is not None:
         return secure_aggregation_mod(message, context, lambda inner, node: client_for(inner, node).train())
-    if config_record(message.content, keys.COHORT) is not None:
-        from fl_app.cohort_messages import answer
+    if config_record(message.content, keys.PACKED) is not None:
+        from fl_app.engine.packed import answer
 
         return answer(
-            message, context, lambda member, node: train_outcome(client_for(member, node)), trained_as_cohorts
+            message, context, lambda member, node: train_outcome(client_for(member, node)), trained_vectorised
         )
     client = client_for(message, context)
     outcome, state = train_outcome(client)
@@ -123,7 +123,7 @@ def train_outcome(client: FederatedClient) -> tuple[Message | TrainResult, Recor
 
     The result before encoding when :meth:`~clients.base.FederatedClient.train` is the contract's
     (a packed message's member hands it to the strategy's summand without an encoding round trip);
-    the state the client kept when the engine carries it (:mod:`fl_app.client_states`), else None.
+    the state the client kept when the engine carries it (:mod:`fl_app.engine.client_states`), else None.
     Raises ``RuntimeError`` for a client that writes to its node's Context without declaring
     ``keeps_state`` (its records would be lost in a packed round and on ``resume=``).
     """

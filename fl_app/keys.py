@@ -14,7 +14,7 @@ METRICS = "metrics"
 ALGORITHM = "algorithm"  # registry name of the client class to run
 SERVER_ROUND = "server-round"
 DATA_SPEC = "data-spec"  # JSON of fl_app.data.federated.DataSpec (simulation only)
-MODEL_SPEC = "model-spec"  # JSON of fl_app.models.ModelSpec
+MODEL_SPEC = "model-spec"  # JSON of fl_app.learning.models.ModelSpec
 LOCAL_EPOCHS = "local-epochs"
 BATCH_SIZE = "batch-size"
 LR = "lr"
@@ -25,10 +25,10 @@ SECURE_RNG = "secure-rng"  # bool: draw privacy noise from OS entropy
 VECTORISE = "vectorise"  # True: an actor trains the batch's train messages as one computation
 DEVICE = "device"  # "cuda": train on the GPU Ray gave the client (absent: CPU; simulation.client_gpus)
 
-# Cohort messages (fl_app.cohort_messages): the members of one message, and what failed of them
-COHORT = "cohort"
-COHORT_FAILURES = "cohort-failures"
-REPLY_SUM = "reply-sum"  # in the cohort record: JSON of the strategy's per-client term (fl_app.reply_sums)
+# Packed messages (fl_app.engine.packed): the members of one message, and what failed of them
+PACKED = "packed"
+PACKED_FAILURES = "packed-failures"
+REPLY_SUM = "reply-sum"  # in the packed record: JSON of the strategy's per-client term (fl_app.learning.sums)
 
 # Metric keys in replies
 NUM_EXAMPLES = "num-examples"

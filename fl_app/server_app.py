@@ -1,16 +1,16 @@
-"""The Flower ServerApp (``fl_app.server_app:app``): thin wiring to :func:`fl_app.run.run_federation`."""
+"""The Flower ServerApp (``fl_app.server_app:app``): wiring to :func:`fl_app.run.server.run_federation`."""
 
 import sys
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from fl_app.config.settings import RunSettings
 from fl_app.engine import SIMULATION_ENGINE_MODULE
 from fl_app.engine.launch import install_engine_patches
 from fl_app.engine.logs import one_line_app_failures
-from fl_app.lifecycle import RunFailed
-from fl_app.run import run_federation
-from fl_app.run_settings import RunSettings
+from fl_app.run.lifecycle import RunFailed
+from fl_app.run.server import run_federation
 
 # Under `flwr run` with a simulation federation, the engine runs in the process that loads this
 # module (``flwr-simulation``, which has imported the engine already). A deployment's ServerApp

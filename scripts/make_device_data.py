@@ -29,10 +29,10 @@ import numpy as np
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
+from fl_app.config.settings import RunSettings
+from fl_app.config.validation import locate_data, require_int, validate_data_options
 from fl_app.data.federated import federated_data
-from fl_app.run_settings import RunSettings
-from fl_app.validation import locate_data, require_int, validate_data_options
 
 
 def write_device_files(out_dir: Path, overrides: Sequence[str]) -> list[Path]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fl_app.registry import Registry
+from fl_app.config.registry import Registry
 
 if TYPE_CHECKING:
     from strategies.base import FederatedStrategy

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from flwr.app import Array, ArrayRecord
 
-from fl_app.training import array_values
+from fl_app.learning.training import array_values
 
 
 class ServerMomentum:

@@ -44,11 +44,11 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fl_app import keys
+from fl_app.learning.sums import PartialSum, Summand, blocks_of, summed
+from fl_app.learning.training import evaluate, load_arrays, model_to_arrays, torch_seed
 from fl_app.privacy.composition import EpsilonReport
-from fl_app.reply_sums import PartialSum, Summand, blocks_of, summed
-from fl_app.roster import ClientInfo, on_devices
-from fl_app.run_context import RunContext
-from fl_app.training import evaluate, load_arrays, model_to_arrays, torch_seed
+from fl_app.run.context import RunContext
+from fl_app.run.roster import ClientInfo, on_devices
 from strategies.cohorts import Cohorts
 from strategies.contract import JSON, Declaration
 from strategies.replies import RecentRounds, Replies, ReplyBook
@@ -86,7 +86,7 @@ def base_train_config(run: RunContext, *, client: str, server_round: int) -> Con
         record[keys.NOISE_SEED] = int(run.noise.seed)
     if run.settings.simulation.client_gpus > 0:
         record[keys.DEVICE] = "cuda"
-    if run.settings.simulation.trains_cohorts:
+    if run.settings.simulation.vectorises:
         record[keys.VECTORISE] = True
     return record
 
@@ -186,7 +186,7 @@ class FederatedStrategy:
     ) -> PartialSum:
         """The sum of ``summand``'s terms over the valid replies, plain and packed alike.
 
-        In the blocks of the round's cohort in client order (:func:`fl_app.reply_sums.summed`; the
+        In the blocks of the round's cohort in client order (:func:`fl_app.learning.sums.summed`; the
         clients selected in ``server_round`` and those that replied), so a run sums the same way
         whether its replies came one per client or packed.
         """

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext
+from fl_app.run.context import RunContext
+from fl_app.run.roster import ClientInfo
 
 #: Values of a planned schedule (``strategy.schedule``; :meth:`Cohorts.seeded_schedule`).
 SCHEDULES = ("random", "balanced")

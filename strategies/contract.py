@@ -3,7 +3,7 @@
 An algorithm is declared once (:class:`Declaration`: its name, paper, privacy unit and mechanism, its
 client, its typed settings, its own network, what it supports), and its server side is an object
 that satisfies :class:`Strategy`: Flower's round hooks, two typed reports and its ledgers. The
-platform (:mod:`fl_app.run`, the checkpoint, the evaluation stages) calls nothing else.
+platform (:mod:`fl_app.run.server`, the checkpoint, the evaluation stages) calls nothing else.
 :class:`strategies.base.FederatedStrategy` implements the contract for the usual case (seeded or
 secret cohorts, reply triage, one accountant) with hooks a subclass overrides; a strategy may also
 implement it from scratch (``tests/test_plugin.py`` does, in a test module).
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
     from flwr.serverapp import Grid
 
-    from fl_app.run_context import RunContext
-    from fl_app.run_settings import RunSettings
+    from fl_app.config.settings import RunSettings
+    from fl_app.run.context import RunContext
     from strategies.reporting import Randomness, RoundReport, RunReport
     from strategies.settings import StrategySettings
 
@@ -154,7 +154,7 @@ class Declaration:
 
     def model_name(self, settings: RunSettings, input_shape: tuple[int, ...]) -> str:
         """The network to train: ``model`` unless ``auto``, then the algorithm's own or the default."""
-        from fl_app.models import resolve_model_name
+        from fl_app.learning.models import resolve_model_name
 
         if settings.model == "auto" and self.model is not None:
             own = self.model(settings, input_shape)
@@ -168,7 +168,7 @@ class Strategy(Protocol):
     """The server side of an algorithm, as the platform calls it (see the module docstring).
 
     ``declaration`` is the algorithm's :class:`Declaration`; ``run`` the
-    :class:`~fl_app.run_context.RunContext` it was built with. Flower's round hooks come first; then
+    :class:`~fl_app.run.context.RunContext` it was built with. Flower's round hooks come first; then
     what the platform reads: the reports, the randomness, the ledgers, the checkpoint.
     """
 

@@ -58,14 +58,14 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.common import log
 
+from fl_app.learning.sums import ClippedUpdate
+from fl_app.learning.training import array_values
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
 from fl_app.privacy.events import Gaussian, PrivacyEvent, SampledGaussian
 from fl_app.privacy.mechanisms import gaussian_mechanism
-from fl_app.reply_sums import ClippedUpdate
-from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext
-from fl_app.training import array_values
+from fl_app.run.context import RunContext
+from fl_app.run.roster import ClientInfo
 from strategies import register_strategy
 from strategies.base import RecentRounds, Replies
 from strategies.cohorts import max_participations

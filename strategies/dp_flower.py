@@ -30,9 +30,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp import strategy as flower_strategies
 
 from fl_app import keys
-from fl_app.config_checks import ConfigError
-from fl_app.reply_sums import ClippedUpdate
-from fl_app.run_context import RunContext
+from fl_app.config.checks import ConfigError
+from fl_app.learning.sums import ClippedUpdate
+from fl_app.run.context import RunContext
 from strategies import register_strategy
 from strategies.base import Replies
 from strategies.contract import Declaration, QuickExample

@@ -25,9 +25,9 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 
 from fl_app import keys
-from fl_app.reply_sums import WeightedModel
-from fl_app.run_context import RunContext
-from fl_app.training import array_values
+from fl_app.learning.sums import WeightedModel
+from fl_app.learning.training import array_values
+from fl_app.run.context import RunContext
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
 from strategies.base import FederatedStrategy, Replies
@@ -93,8 +93,8 @@ class FedAvgStrategy(FederatedStrategy):
 
     @functools.cached_property
     def buffer_names(self) -> frozenset[str]:
-        """The keys of the network's state that are buffers (:func:`fl_app.models.state_buffers`)."""
-        from fl_app.models import state_buffers
+        """The keys of the network's state that are buffers (:func:`fl_app.learning.models.state_buffers`)."""
+        from fl_app.learning.models import state_buffers
 
         return frozenset(state_buffers(self.run.model_spec.build()))
 

@@ -40,17 +40,17 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 from flwr.common import log
 
 from clients.fedavg_ldp import LDP_CLIP, LDP_NOISE_MULTIPLIER
+from fl_app.learning.sums import Upload, is_partial_sum
+from fl_app.learning.train_results import arrays_mismatch
+from fl_app.learning.training import array_values
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import local_gaussian_noise_multiplier, local_gaussian_sigma
 from fl_app.privacy.canaries import worst_client_patterns
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import clip_l2, local_gaussian_update
-from fl_app.reply_sums import Upload, is_partial_sum
-from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext
-from fl_app.train_results import arrays_mismatch
-from fl_app.training import array_values
+from fl_app.run.context import RunContext
+from fl_app.run.roster import ClientInfo
 from strategies import register_strategy
 from strategies.base import Replies
 from strategies.cohorts import SCHEDULES, max_participations

@@ -25,13 +25,13 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
+from fl_app.learning.sums import ClippedUpdate
+from fl_app.learning.training import array_values
 from fl_app.privacy.accountant import LEDGER_FILE, PrivacyAccountant
 from fl_app.privacy.canaries import CanaryPopulation
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.privacy.mechanisms import clip_l2
-from fl_app.reply_sums import ClippedUpdate
-from fl_app.run_context import RunContext
-from fl_app.training import array_values
+from fl_app.run.context import RunContext
 from strategies.arrays import flat_vector, split_vector
 from strategies.base import FederatedStrategy, Replies
 from strategies.contract import JSON

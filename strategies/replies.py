@@ -18,11 +18,11 @@ from flwr.app import Message
 from flwr.common import log
 
 from fl_app import keys
-from fl_app.reply_sums import PartialSum, Summand, is_partial_sum
-from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext
-from fl_app.run_log import withheld_from_file
-from fl_app.train_results import TrainResult
+from fl_app.learning.sums import PartialSum, Summand, is_partial_sum
+from fl_app.learning.train_results import TrainResult
+from fl_app.run.context import RunContext
+from fl_app.run.log import withheld_from_file
+from fl_app.run.roster import ClientInfo
 
 
 class RecentRounds(dict):  # type: ignore[type-arg]
@@ -75,7 +75,7 @@ class Replies:
         return Replies(valid=kept, failed=self.failed, summer=self.summer)
 
     def sum(self, summand: Summand) -> PartialSum:
-        """The sum of ``summand``'s terms over the valid replies (:func:`fl_app.reply_sums.summed`)."""
+        """The sum of ``summand``'s terms over the valid replies (:func:`fl_app.learning.sums.summed`)."""
         return self.summer(self.valid, summand)
 
     def results(self, like: Any) -> list[tuple[ClientInfo, TrainResult]]:
@@ -155,7 +155,7 @@ class ReplyBook:
                     # the operator draws the cohort and sees it; run.log is published with the results
                     extra=withheld_from_file() if secret else None,
                 )
-            elif is_partial_sum(reply):  # a cohort message's sum: valid for each of its members
+            elif is_partial_sum(reply):  # a packed message's sum: valid for each of its members
                 valid.extend((by_node[node], reply) for node in PartialSum.members_of(reply))
             else:
                 valid.append((info, reply))

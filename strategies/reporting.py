@@ -1,6 +1,6 @@
 """What a strategy reports, as data: each round, the run's privacy and final fields, its randomness.
 
-The platform (:mod:`fl_app.run`) reads a round as one :class:`RoundReport`
+The platform (:mod:`fl_app.run.server`) reads a round as one :class:`RoundReport`
 (:meth:`~strategies.contract.Strategy.report_round`), the end of a run as one :class:`RunReport`
 (:meth:`~strategies.contract.Strategy.report_run`: the :class:`PrivacyReport` and the final
 fields) and where the privacy randomness comes from as one :class:`Randomness`. Un-noised

@@ -22,9 +22,9 @@ from flwr.app import ArrayRecord, MetricRecord
 
 from clients.scaffold import CONTROL
 from fl_app import keys
-from fl_app.reply_sums import WeightedModel
-from fl_app.run_context import RunContext
-from fl_app.training import array_values, state_to_arrays
+from fl_app.learning.sums import WeightedModel
+from fl_app.learning.training import array_values, state_to_arrays
+from fl_app.run.context import RunContext
 from strategies import register_strategy
 from strategies.arrays import arrays_like
 from strategies.base import FederatedStrategy, Replies

@@ -11,10 +11,10 @@ with the check that key must pass::
         restart: str = one_of(RESTARTS)
 
 :meth:`StrategySettings.from_config` reads every field from ``cfg.strategy``, runs its check
-(which raises :class:`fl_app.validation.ConfigError` naming the key, the value and what is
+(which raises :class:`fl_app.config.validation.ConfigError` naming the key, the value and what is
 allowed) and then :meth:`StrategySettings.check` for constraints between keys and with the run's
-typed settings. Validation reads them once (:func:`fl_app.validation.typed_settings`) into
-:attr:`fl_app.run_settings.RunSettings.strategy_settings`, which the strategy is built with, so a
+typed settings. Validation reads them once (:func:`fl_app.config.validation.typed_settings`) into
+:attr:`fl_app.config.settings.RunSettings.strategy_settings`, which the strategy is built with, so a
 setting is checked in one place and the strategy reads typed values (no ``float(cfg.strategy.x)``).
 """
 
@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Self
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from fl_app.config_checks import (
+from fl_app.config.checks import (
     ConfigError,
     require_bool,
     require_choice,
@@ -35,7 +35,7 @@ from fl_app.config_checks import (
     require_positive,
     require_range,
 )
-from fl_app.run_settings import RunSettings
+from fl_app.config.settings import RunSettings
 
 #: The metadata key of a field's check: ``check(key, value) -> value``.
 CHECK = "check"
@@ -145,7 +145,7 @@ class StrategySettings:
     def from_config(cls, cfg: DictConfig, run: RunSettings | None = None) -> Self:
         """Read and check ``cfg.<section>`` (raises :class:`ConfigError`; undeclared keys are not read).
 
-        Called once, by validation (:func:`fl_app.validation.typed_settings`); :meth:`check` then sees
+        Called once, by validation (:func:`fl_app.config.validation.typed_settings`); :meth:`check` then sees
         the run's typed settings ``run`` (read from ``cfg`` when not given).
         """
         if cls.budget_scopes is not None:

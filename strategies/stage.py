@@ -24,8 +24,8 @@ import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import Grid
 
-from fl_app.run_context import RunContext
-from fl_app.run_settings import RunSettings
+from fl_app.config.settings import RunSettings
+from fl_app.run.context import RunContext
 from strategies.contract import JSON, Declaration, Strategy
 from strategies.reporting import Randomness, RoundReport, RunReport
 from strategies.settings import StrategySettings

@@ -32,13 +32,13 @@ from flwr.app import (
 
 import fl_app  # noqa: F401  (process set-up first)
 from fl_app import keys
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
+from fl_app.config.settings import RunSettings
 from fl_app.data.federated import federated_data
 from fl_app.engine.messages import task_identity as engine_task_identity
-from fl_app.harness import run_context_for
-from fl_app.model_spec import ModelSpec
-from fl_app.run_context import RunContext
-from fl_app.run_settings import RunSettings
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.run.context import RunContext
+from fl_app.run.harness import run_context_for
 from strategies import STRATEGIES
 
 #: Small, fast settings for simulations in tests (digits data, few clients, one client actor: a
@@ -214,11 +214,11 @@ def error_reply(message: Message, reason: str = "client crashed") -> Message:
     return Message(Error(code=0, reason=reason), reply_to=message)
 
 
-def count_trainings_from_cohorts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def count_vectorised_trainings(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """A list that grows by one for every message whose training is taken from its vectorised cohort
-    (:func:`fl_app.cohort_execution.served_training` serving a client's ``train_locally``)."""
+    (:func:`fl_app.engine.vectorised.served_training` serving a client's ``train_locally``)."""
     import clients.base
-    from fl_app.cohort_execution import served_training
+    from fl_app.engine.vectorised import served_training
 
     counted: list[int] = []
 
@@ -236,7 +236,7 @@ def build_run_context(overrides: Sequence[str], tmp_path: Path) -> RunContext:
     """A RunContext for strategy tests: composed config, real data, a synthetic roster.
 
     Node ids are ``1000 + partition id`` and sizes are the real partition sizes
-    (:func:`fl_app.harness.run_context_for`).
+    (:func:`fl_app.run.harness.run_context_for`).
     """
     return run_context_for(overrides, tmp_path)
 
@@ -278,8 +278,8 @@ def simulate_in_process(
     import dataclasses
     from unittest import mock
 
-    from fl_app import simulation
-    from fl_app.validation import validate_config
+    from fl_app.config.validation import validate_config
+    from fl_app.engine import simulation
 
     settings = validate_config(compose_config(list(overrides)))
     if callable(address):
@@ -435,7 +435,7 @@ DP_FEDAVG_RUN = [*FAST, "strategy=dp_fedavg", "privacy.epsilon=8", "simulation.n
 
 def settings_of(overrides: Sequence[str]) -> RunSettings:
     """The typed settings of ``overrides``, read as validation reads them (no data or output checks)."""
-    from fl_app.validation import typed_settings
+    from fl_app.config.validation import typed_settings
 
     return typed_settings(compose_config(list(overrides)))
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import ray_process_ids
 
-from fl_app.validation import ConfigError
+from fl_app.config.validation import ConfigError
 
 TINY = ["dataset=digits", "num_clients=4", "clients_per_round=2", "num_rounds=2", "model=mlp"]
 
@@ -26,7 +26,7 @@ def test_run_experiment_returns_the_results_it_wrote(tmp_path: Path) -> None:
     assert results["status"] == "completed" and len(results["rounds"]) == 2
     assert results["final"]["epsilon"] == pytest.approx(4.0, abs=0.05)
     assert results["config"]["strategy"]["name"] == "dp_fedavg"
-    from fl_app.code_version import code_version
+    from fl_app.run.code_version import code_version
 
     assert results["code"] == code_version() and results["code"]["package"]  # which code ran (issue 41)
 
@@ -50,6 +50,6 @@ def test_unknown_attribute_of_the_package_is_an_attribute_error() -> None:
 def test_config_error_is_importable_from_the_package_as_the_readme_shows():
     """``from fl_app import ConfigError`` failed although the README shows it (42.9)."""
     from fl_app import ConfigError, run_experiment
-    from fl_app.config_checks import ConfigError as DefinedError
+    from fl_app.config.checks import ConfigError as DefinedError
 
     assert ConfigError is DefinedError and callable(run_experiment)

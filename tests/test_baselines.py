@@ -92,8 +92,8 @@ def test_client_lr_decays_per_round(tmp_path):
     ],
 )
 def test_server_optimiser_and_decay_values_are_checked(override, key):
-    from fl_app.config import compose_config
-    from fl_app.validation import ConfigError, validate_config
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import ConfigError, validate_config
 
     with pytest.raises(ConfigError) as error:
         validate_config(compose_config([*DIGITS, override]), check_data=False)
@@ -123,8 +123,8 @@ def test_train_config_carries_hyperparameters(tmp_path):
 
 def test_fedavg_client_trains_on_its_partition():
     config = {**spec_config(DIGITS), keys.ALGORITHM: "fedavg"}
-    from fl_app.model_spec import ModelSpec
-    from fl_app.training import model_to_arrays
+    from fl_app.learning.model_spec import ModelSpec
+    from fl_app.learning.training import model_to_arrays
 
     model = ModelSpec.from_json(config[keys.MODEL_SPEC]).build()
     start = model_to_arrays(model)

@@ -30,7 +30,7 @@ def write_run(
     final: dict[str, Any] | None = None,
     per_round: dict[str, Any] | None = None,
 ) -> None:
-    """``directory/results.json`` in the shape of ``fl_app.results``, with the fields the scripts read."""
+    """``directory/results.json`` in the shape of ``fl_app.run.results``, with the fields the scripts read."""
     directory.mkdir(parents=True, exist_ok=True)
     rounds = [
         {
@@ -540,7 +540,7 @@ def test_the_recorded_authors_log_is_theirs_every_round():
 
 
 # ------------------------------------------------------------------------------ tables from kept runs
-#: Pages whose table is ``fl_app.report`` of runs kept in the repository (benchmarks/keep_runs.py):
+#: Pages whose table is ``fl_app.report.sweep`` of runs kept in the repository (benchmarks/keep_runs.py):
 #: page folder below docs/benchmarks, and the number of jobs of the one command that made them. The
 #: list is build_docs.py's, whose ``--from-runs`` regenerates them all.
 KEPT_RUNS = build_docs.KEPT_RUN_PAGES
@@ -548,9 +548,9 @@ KEPT_RUNS = build_docs.KEPT_RUN_PAGES
 
 @pytest.mark.parametrize(("page", "jobs"), KEPT_RUNS.items())
 def test_a_table_rebuilds_from_the_runs_kept_in_the_repository(tmp_path, page, jobs):
-    """docs/benchmarks/<page>/report.md (and a README block copied from it) is what ``fl_app.report``
+    """docs/benchmarks/<page>/report.md (and a README block copied from it) is what ``fl_app.report.sweep``
     makes of the kept runs today: nothing in the table was edited by hand, no job is missing."""
-    from fl_app import report
+    from fl_app.report import sweep as report
 
     kept = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / page
     assert len(list((kept / "runs").glob("*/results.json"))) == jobs
@@ -582,7 +582,7 @@ def test_banded_mf_plot_draws_every_arm_or_refuses_an_empty_folder(tmp_path, cap
     """An arm is a strategy and its label: the untuned row is its own line; the non-private run is the
     reference line, not an arm."""
     from benchmarks import banded_mf
-    from fl_app.report import load_runs
+    from fl_app.report.sweep import load_runs
 
     for arm, label in (("dp_fedavg", None), ("dp_fedavg", "untuned"), ("dp_bandmf", None)):
         for eps in (1.0, 2.0):
@@ -629,7 +629,7 @@ def test_central_gaps_in_the_cross_device_page_rebuild_from_the_kept_runs():
     """docs/benchmarks/cross_device.md's table of gaps is the script's, from the kept runs, unedited."""
     from benchmarks import banded_mf
     from benchmarks.tables import with_generated_block
-    from fl_app.report import load_runs
+    from fl_app.report.sweep import load_runs
 
     root = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
     page = (root / "cross_device.md").read_text()
@@ -738,11 +738,11 @@ def test_round_phases_charges_each_py_spy_sample_to_its_phase():
         return f"{name} ({path}:{line})"
 
     main = frame("main", "/w/fl_app/__main__.py")
-    forward = frame("MLP.forward", "/w/fl_app/models.py")
+    forward = frame("MLP.forward", "/w/fl_app/learning/models.py")
     raw = "\n".join(
         [
             'process 1:"python -m fl_app";thread (0x1);'
-            + ";".join([main, frame("train_local", "/w/fl_app/training.py", 204), forward])
+            + ";".join([main, frame("train_local", "/w/fl_app/learning/training.py", 204), forward])
             + " 30",
             ";".join([main, frame("evaluate_global", "/w/strategies/base.py", 173), forward]) + " 20",
             ";".join([main, frame("run", "/w/flwr/engine.py")]) + " 5",
@@ -758,7 +758,7 @@ def test_round_phases_charges_each_py_spy_sample_to_its_phase():
         "Flower: engine, records, messages": 0.5,
         round_phases.OTHER: 0.2,
     }
-    assert by_frame["local training", "fl_app/training.py:204 train_local"] == 3.0
+    assert by_frame["local training", "fl_app/learning/training.py:204 train_local"] == 3.0
     assert round_phases.parse_frame("Module._call_impl (/t/torch/nn/module.py:1775)") == (
         "/t/torch/nn/module.py",
         "Module._call_impl",

@@ -67,9 +67,9 @@ def test_dispatch_and_errors():
 
 
 def test_progress_bars_only_for_a_person_at_a_terminal(monkeypatch):
-    import fl_app.run_text as run_module
+    import fl_app.run.text as run_module
     from fl_app.__main__ import SWEEP_STATE_ENV, SweepState
-    from fl_app.run_text import progress_bar
+    from fl_app.run.text import progress_bar
 
     assert progress_bar(0, 30) == "[" + "-" * 20 + "]"
     assert progress_bar(15, 30) == "[" + "#" * 10 + "-" * 10 + "]"

@@ -37,7 +37,7 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
 
 def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
     sweep = tmp_path / "sweep"
-    timeline = tmp_path / "sweep.timeline"  # fl_app/timeline.py: the phases the command went through
+    timeline = tmp_path / "sweep.timeline"  # fl_app/run/timeline.py: the phases the command went through
     process = subprocess.Popen(
         [
             sys.executable,
@@ -86,7 +86,7 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
                 if row.get(key) is not None:
                     assert tracked[key][row["round"]] == pytest.approx(row[key], rel=1e-6), key
         assert ("epsilon" in tracked) == (result["final"]["epsilon"] is not None)
-    # The two jobs shared one Ray instance (fl_app.ray_session) but not their client actors: the
+    # The two jobs shared one Ray instance (fl_app.engine.ray_session) but not their client actors: the
     # second job's results equal those of the same job run on its own, round by round.
     phases = [json.loads(line)["phase"] for line in timeline.read_text().splitlines()]
     assert phases.count("ray_init") == 1 and phases.count("server_app") == 2
@@ -106,7 +106,7 @@ def test_multirun_two_jobs_and_nothing_left_running(tmp_path):
         assert [r[key] for r in in_sweep["rounds"]] == [r[key] for r in on_its_own["rounds"]], key
     assert in_sweep["privacy"] == on_its_own["privacy"]
     # ... and the report summarises the two jobs with the numbers of their files.
-    from fl_app.report import main as report
+    from fl_app.report.sweep import main as report
 
     assert report([str(sweep)]) == 0
     table = {row["algorithm"]: row for row in csv.DictReader((sweep / "report.csv").open())}
@@ -185,7 +185,7 @@ def test_failed_job_is_reported_and_the_others_run(tmp_path, launcher):
     if launcher == "sequential":
         assert "dpfl sweep: 1/2 jobs done (1 failed), elapsed" in process.stderr
     # the report reads the tree either launcher wrote: the completed job, not the failed one
-    from fl_app.report import main as report
+    from fl_app.report.sweep import main as report
 
     assert report([str(sweep)]) == 0
     rows = list(csv.DictReader((sweep / "report.csv").open()))

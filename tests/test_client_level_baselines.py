@@ -15,12 +15,12 @@ from conftest import build_run_context, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fl_app import keys
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import RDP_ORDERS, compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent, SampledGaussian, TreeAggregation
 from fl_app.privacy.mechanisms import sum_clipped_updates, tree_node, tree_prefix_nodes
-from fl_app.validation import ConfigError, validate_config
 from strategies.dp_fedavg_adaptive import (
     DPFedAvgAdaptiveStrategy,
     adaptive_clipping_effective_noise_multiplier,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 class KillAfterRoundOne(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "fl_app.round_reporter":
+        if name != "fl_app.run.reporter":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

@@ -12,13 +12,13 @@ from conftest import settings_of
 from omegaconf import OmegaConf
 
 from fl_app.__main__ import expand_jobs, preflight, split_command_line
-from fl_app.config import (
+from fl_app.config.compose import (
     CONF_DIR,
     compose_config,
     overrides_from_run_config,
     overrides_to_run_config,
 )
-from fl_app.validation import ConfigError, validate_config
+from fl_app.config.validation import ConfigError, validate_config
 from strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,8 +244,9 @@ def test_pins_the_hydra_release_whose_internals_it_uses():
 def test_a_multirun_composes_and_validates_each_job_once(tmp_path, monkeypatch):
     """`python -m fl_app -m`: the preflight composes and validates each job; the job runs that object."""
     import fl_app.__main__ as command
-    from fl_app import simulation, validation
-    from fl_app.lifecycle import Outcome
+    from fl_app.config import validation
+    from fl_app.engine import simulation
+    from fl_app.run.lifecycle import Outcome
 
     composed: list[list[str]] = []
     validated: list[object] = []
@@ -586,7 +587,7 @@ def test_declared_settings_read_check_and_name_the_key():
 
 
 def test_per_budget_picks_the_setting_tuned_for_the_largest_budget_not_above_epsilon():
-    from fl_app.config import per_budget
+    from fl_app.config.compose import per_budget
 
     table = "1:30, 2:50, 4:100, 8:200"
     assert [per_budget(e, table) for e in (0.5, 1, 1.5, 2, 3.9, 4, 8, 16)] == [
@@ -608,8 +609,8 @@ def test_validation_reads_the_configuration_once_into_typed_settings() -> None:
     """``validate_config`` returns the run's typed settings: the run-wide keys, the data split, the
     algorithm's settings and the stage's; nothing after it reads the composed configuration
     (``tests/test_repository.py`` checks the code for raw reads)."""
-    from fl_app.run_settings import RunSettings
-    from fl_app.validation import typed_settings
+    from fl_app.config.settings import RunSettings
+    from fl_app.config.validation import typed_settings
     from strategies.dp_ftrl import DPFTRLSettings
     from strategies.laplace_eval.stage import LaplaceEvalSettings
 

@@ -331,7 +331,7 @@ def test_a_process_that_finds_its_partition_cached_never_imports_the_partitioner
 
 
 def test_partition_schemes_are_the_registered_partitioners():
-    from fl_app.conf_dir import config_groups
+    from fl_app.config.conf_dir import config_groups
     from fl_app.data.federated import NATURAL
     from fl_app.data.partition import PARTITIONERS
 
@@ -380,7 +380,7 @@ def test_partition_cache_keeps_the_validation_rows(tmp_path, monkeypatch):
 
 def test_server_evaluation_arrays_follow_the_split():
     from fl_app.privacy.rng import RandomSource
-    from fl_app.run import evaluation_arrays
+    from fl_app.run.server import evaluation_arrays
 
     data = build_federated_data(_digits_spec(validation_fraction=0.2), use_cache=False)
     randomness = RandomSource(seed=0, secure=False)

@@ -17,7 +17,7 @@ process is started in its own process group by ``scripts/local_deployment.py`` a
 ``dpfl deploy start`` without ``--secure``, differs only in the flags the same script passes.)
 
 The SuperNodes run with a guard (``sitecustomize`` on their ``PYTHONPATH``)
-that makes ``fl_app.data.sources.load_dataset`` and ``fl_app.config.compose_config``
+that makes ``fl_app.data.sources.load_dataset`` and ``fl_app.config.compose.compose_config``
 raise in every ClientApp: on a real device neither the server's data set nor
 Hydra is there, so an algorithm that needs them on a device fails here too.
 
@@ -50,13 +50,13 @@ from conftest import make_context, make_message, settings_of, spec_config
 from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
 
 from fl_app import keys
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
 from fl_app.data.federated import DataSpec, federated_data
 from fl_app.engine.messages import over_the_wire, restored_context, stored_context
-from fl_app.results import COHORT_FIELDS
-from fl_app.roster import ClientInfo, RosterError, discover_roster, on_devices
-from fl_app.run import make_run_context, noise_source, with_secure_noise
-from fl_app.simulation import backend_config
+from fl_app.engine.simulation import backend_config
+from fl_app.run.results import COHORT_FIELDS
+from fl_app.run.roster import ClientInfo, RosterError, discover_roster, on_devices
+from fl_app.run.server import make_run_context, noise_source, with_secure_noise
 from strategies import STRATEGIES
 from strategies.arrays import flat_vector
 
@@ -170,7 +170,7 @@ sys.meta_path.insert(0, _AfterImport())
 
 #: What a device refuses: module -> its functions that must not run in a ClientApp (the server's data
 #: set, Hydra), by :data:`GUARD` in the deployed SuperNodes and :func:`refused_as_on_a_device` here.
-DEVICE_REFUSES = {"fl_app.data.sources": ("load_dataset",), "fl_app.config": ("compose_config",)}
+DEVICE_REFUSES = {"fl_app.data.sources": ("load_dataset",), "fl_app.config.compose": ("compose_config",)}
 #: The error a refused function raises (``name``: module.function).
 REFUSAL = "{name} called on a device (no shared disk, no Hydra on devices)"
 
@@ -702,7 +702,7 @@ def test_a_simulation_roster_asks_no_node_once_the_engine_numbered_them_all(
     )
     assert known == queried
     assert not on_devices(known)
-    monkeypatch.setattr("fl_app.roster.SIMULATED_WAIT_S", 0.1)
+    monkeypatch.setattr("fl_app.run.roster.SIMULATED_WAIT_S", 0.1)
     stale = discover_roster(
         _Grid(answers),  # type: ignore[arg-type]
         expected=3,
@@ -742,7 +742,7 @@ def test_roster_rejects_a_federation_of_another_size(monkeypatch: pytest.MonkeyP
     grid = _Grid({1: (-1, 5), 2: (-1, 5), 3: (-1, 5)})
     with pytest.raises(RosterError, match="num_clients=2, but the federation has 3 SuperNodes"):
         discover_roster(grid, expected=2, config=ConfigRecord({}), timeout=5)  # type: ignore[arg-type]
-    monkeypatch.setattr("fl_app.roster.ROSTER_POLL_S", 0.05)
+    monkeypatch.setattr("fl_app.run.roster.ROSTER_POLL_S", 0.05)
     started = time.monotonic()
     with pytest.raises(RosterError, match="num_clients=4, but only 3 SuperNodes connected within 0 s"):
         discover_roster(grid, expected=4, config=ConfigRecord({}), timeout=0.3)  # type: ignore[arg-type]
@@ -766,7 +766,7 @@ def _device_strategy(
     name: str, overrides: list[str], tmp_path: Path, *, roster: list[ClientInfo] | None = None
 ) -> Any:
     """A strategy as the SuperLink builds it for real devices (three, unless ``roster`` names them)."""
-    from fl_app.model_spec import ModelSpec
+    from fl_app.learning.model_spec import ModelSpec
 
     settings = settings_of([*DATA, f"strategy={name}", *overrides])
     data = federated_data(settings.data)
@@ -891,7 +891,7 @@ class DeviceGrid:
     def send_and_receive(
         self, messages: Iterable[Message], timeout: float | None = None, summand: Any = None
     ) -> list[Message]:
-        """Every message answered on its device (one per client: a deployment sends no cohort messages)."""
+        """Every message answered on its device (one per client: a deployment sends no packed messages)."""
         replies = []
         for message in messages:
             reply = self.answer(message)
@@ -919,7 +919,7 @@ def test_each_client_class_answers_on_a_device_without_the_servers_data_or_hydra
     something else (PrivateKT's 2 labels here come out the same with probability about 0.73: up to 40
     answers; a seeded generator gives the same upload every time).
     """
-    from fl_app.round_loop import run_rounds
+    from fl_app.run.round_loop import run_rounds
 
     grid = DeviceGrid(device_files)
     overrides = [o for o in algorithm_overrides(algorithm)[len(DATA) :] if not o.startswith("strategy=")]

@@ -120,13 +120,13 @@ def test_the_check_finds_a_broken_link_a_stale_anchor_and_a_missing_path(tmp_pat
     """A constructed bad document: each kind of broken citation is found, nothing else is."""
     (tmp_path / "docs").mkdir()
     (tmp_path / "fl_app").mkdir()
-    (tmp_path / "fl_app" / "run.py").write_text("")
+    (tmp_path / "fl_app" / "api.py").write_text("")
     (tmp_path / "docs" / "other.md").write_text("# Other page\n\n## A section\n")
     page = tmp_path / "docs" / "page.md"
     page.write_text(
         "# Page\n\n"
-        "[fine](other.md#a-section), [fine too](../fl_app/run.py), [web](https://flower.ai), [here](#page)\n"
-        "`fl_app/run.py` and `python -m fl_app.report docs/other.md` and `strategies/<name>.py` and "
+        "[fine](other.md#a-section), [fine too](../fl_app/api.py), [web](https://flower.ai), [here](#page)\n"
+        "`fl_app/api.py` and `python -m fl_app.report docs/other.md` and `strategies/<name>.py` and "
         "`fl_app/*.py`\n"
         "[gone](flower_engine.md)\n"
         "[stale anchor](other.md#no-such-section)\n"

@@ -24,9 +24,9 @@ from conftest import build_run_context, dense_lower_toeplitz, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fl_app import keys
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
 from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
-from fl_app.validation import ConfigError, validate_config
 from strategies.dp_bandmf.factorization import (
     CorrelatedNoise,
     factorization_loss,

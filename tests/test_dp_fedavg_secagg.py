@@ -337,8 +337,8 @@ def test_the_client_refuses_to_upload_outside_secure_aggregation(tmp_path):
 
 
 def test_a_budget_the_bits_cannot_hold_is_refused_before_the_run(tmp_path):
-    from fl_app.config import compose_config
-    from fl_app.validation import ConfigError, validate_config
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import ConfigError, validate_config
 
     cfg = compose_config(
         [
@@ -390,8 +390,8 @@ def test_central_dp_fedavg_on_the_same_balanced_schedule(tmp_path):
 
 def test_a_fraction_of_the_clients_per_round_is_a_cohort_of_that_size(tmp_path):
     """``clients_per_round=0.3`` of 20 clients: cohorts of 6, and the plan is sized for them."""
-    from fl_app.config import compose_config
-    from fl_app.validation import validate_config
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import validate_config
 
     overrides = ["dataset=digits", "model=mlp", "num_clients=20", "clients_per_round=0.3"]
     validate_config(compose_config([*overrides, "strategy=dp_fedavg_secagg", f"output_dir={tmp_path / 'x'}"]))
@@ -637,8 +637,8 @@ def test_parts_of_the_survivors_graph():
 
 def test_a_sum_of_two_is_refused_before_the_run(tmp_path):
     """A released sum of 2 tells each of the two the other's vector: cohorts below 3 are refused."""
-    from fl_app.config import compose_config
-    from fl_app.validation import ConfigError, validate_config
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import ConfigError, validate_config
 
     cfg = compose_config(
         [

@@ -16,8 +16,8 @@ import pytest
 from conftest import InProcessGrid
 from test_flower import SHAPE, one_round, strategy_of
 
-from fl_app.config import compose_config
-from fl_app.validation import ConfigError, validate_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
 
 
 def test_dp_flower_refuses_aggregators_that_need_every_reply(tmp_path):

@@ -22,15 +22,15 @@ from clients.dpfl_bnn import (
     unpack_signs,
 )
 from fl_app import keys
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
 from fl_app.engine.messages import content_bytes
-from fl_app.model_spec import ModelSpec
-from fl_app.models import BinaryCNN, BinaryLinear, binarize
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.models import BinaryCNN, BinaryLinear, binarize
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.events import BinaryRandomizedResponse, PrivacyEvent
 from fl_app.privacy.mechanisms import binary_randomized_response
-from fl_app.results import load_model_arrays
-from fl_app.validation import ConfigError, validate_config
+from fl_app.run.results import load_model_arrays
 from strategies.dpfl_bnn.privacy import binary_rr_epsilon, bnn_gamma, bnn_gamma_theorem1
 from strategies.dpfl_bnn.strategy import DPFLBNNStrategy
 
@@ -279,7 +279,7 @@ def test_server_averages_noised_bits_accounts_every_selected_client_and_binarize
     model.load_state_dict(
         {n: torch.from_numpy(signs_of(arrays[n].numpy()).astype(np.float32)) for n in arrays}
     )
-    from fl_app.training import evaluate
+    from fl_app.learning.training import evaluate
 
     assert strategy.evaluate_global(arrays, data.x, data.y) == pytest.approx(evaluate(model, data.x, data.y))
     initial = strategy.initial_arrays()

@@ -20,8 +20,8 @@ import pytest
 from conftest import build_run_context
 from flwr.app import ConfigRecord
 
-from fl_app.config import compose_config
-from fl_app.harness import random_update_rounds
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
 from fl_app.privacy.canaries import (
     CanaryPopulation,
     estimate_epsilon,
@@ -30,7 +30,7 @@ from fl_app.privacy.canaries import (
     hockey_stick_gaussians,
 )
 from fl_app.privacy.rng import RandomSource
-from fl_app.validation import ConfigError, validate_config
+from fl_app.run.harness import random_update_rounds
 from strategies import STRATEGIES
 
 # --------------------------------------------------------------------------- the estimator

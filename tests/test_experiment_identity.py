@@ -1,7 +1,7 @@
 """A seeded run depends only on its experiment: not on its label, tracker, output folder or spelling.
 
 The derived noise seed and the checkpoint's fingerprint digest the validated, typed settings
-(:meth:`fl_app.run_settings.RunSettings.experiment`); the report groups runs by the same reading.
+(:meth:`fl_app.config.settings.RunSettings.experiment`); the report groups runs by the same reading.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fl_app.config import compose_config
-from fl_app.report import Run, summarise
-from fl_app.results import MODEL_FILE
-from fl_app.run import noise_source
-from fl_app.validation import typed_settings
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import typed_settings
+from fl_app.report.sweep import Run, summarise
+from fl_app.run.results import MODEL_FILE
+from fl_app.run.server import noise_source
 from tests.conftest import FAST, INLINE
 
 DP = [*FAST, "strategy=dp_fedavg"]
@@ -129,8 +129,8 @@ def test_the_report_groups_two_spellings_of_one_experiment_as_one_arm(tmp_path):
 def test_resume_accepts_its_own_experiment_and_refuses_another(tmp_path):
     """The checkpoint holds the experiment's fingerprint: a checkpoint whose saved overrides compose
     another experiment now (conf/ edited since) is refused; one spelt otherwise is continued."""
-    from fl_app.checkpoint import Checkpoint, save_checkpoint
-    from fl_app.validation import ConfigError, validate_config
+    from fl_app.config.validation import ConfigError, validate_config
+    from fl_app.run.checkpoint import Checkpoint, save_checkpoint
     from strategies import STRATEGIES
     from tests.conftest import build_run_context
 

@@ -19,16 +19,16 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from clients.fedavg_ldp import LDP_CLIP, LDP_NOISE_MULTIPLIER
 from fl_app import keys
-from fl_app.config import compose_config
-from fl_app.model_spec import ModelSpec
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, typed_settings, validate_config
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.training import model_to_arrays
 from fl_app.privacy.calibration import (
     gaussian_epsilon,
     local_gaussian_noise_multiplier,
     local_gaussian_sigma,
     local_update_sensitivity,
 )
-from fl_app.training import model_to_arrays
-from fl_app.validation import ConfigError, typed_settings, validate_config
 from strategies.fedavg_ldp import FedAvgLDPStrategy
 
 DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=5", "strategy=fedavg_ldp"]

@@ -19,8 +19,8 @@ from conftest import InProcessGrid, build_run_context, make_context, make_messag
 from flwr.app import ConfigRecord
 
 from fl_app import keys
-from fl_app.config import compose_config
-from fl_app.validation import ConfigError, validate_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
 from strategies import STRATEGIES
 from strategies.arrays import flat_vector
 from strategies.flower import runnable_classes

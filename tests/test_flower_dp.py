@@ -23,7 +23,7 @@ from typing import Any
 import dp_accounting as dpa
 import numpy as np
 import pytest
-from conftest import INLINE, InProcessGrid, count_trainings_from_cohorts, make_context, reply_to
+from conftest import INLINE, InProcessGrid, count_vectorised_trainings, make_context, reply_to
 from flwr.app import ArrayRecord, ConfigRecord
 from test_flower import SHAPE, one_round, strategy_of, validated
 from test_privacy_end_to_end import (  # noqa: F401 (audit_setup: the audits' autouse fixture)
@@ -42,12 +42,12 @@ from test_privacy_end_to_end import (  # noqa: F401 (audit_setup: the audits' au
 from clients.base import FederatedClient
 from clients.flower import CLIPPING_MOD, UNIFORM_WEIGHT
 from fl_app import keys
+from fl_app.config.validation import ConfigError
 from fl_app.data.federated import ClientDataset
-from fl_app.lifecycle import RunFailed
 from fl_app.privacy.events import Gaussian
 from fl_app.privacy.rng import RandomSource
-from fl_app.run_context import RunContext
-from fl_app.validation import ConfigError
+from fl_app.run.context import RunContext
+from fl_app.run.lifecycle import RunFailed
 from strategies import STRATEGIES
 from strategies.arrays import flat_vector
 from strategies.flower import dp as flower_dp
@@ -173,7 +173,7 @@ def test_client_side_clipping_runs_where_an_actor_trains_its_batch_as_one_cohort
     from fl_app.client_app import app
     from fl_app.engine.batching import run_jobs
 
-    taken = count_trainings_from_cohorts(monkeypatch)
+    taken = count_vectorised_trainings(monkeypatch)
     strategy = wrapper_of(tmp_path, CLIENT_ADAPTIVE, "simulation.vectorise=true")
     start = strategy.initial_arrays()
     messages = list(strategy.configure_train(1, start, ConfigRecord(), grid=None))

@@ -42,9 +42,9 @@ from fl_app.engine.dispatch import (
 )
 from fl_app.engine.launch import actor_limit
 from fl_app.engine.messages import content_bytes
+from fl_app.engine.metering import MeteredGrid
 from fl_app.engine.pool import BalancedSlots, load_dpfl_client_app, pipeline_pool
-from fl_app.metering import MeteredGrid
-from fl_app.training import array_values
+from fl_app.learning.training import array_values
 from strategies.arrays import mean_arrays
 from tests.conftest import FAST, TWO_ACTORS
 
@@ -222,8 +222,8 @@ def test_actor_limit_caps_flowers_pool_size_and_restores_it(monkeypatch) -> None
     """Flower sizes its pool from the whole cluster: the cap lets parallel jobs share one."""
     from flwr.simulation.ray_transport import ray_actor
 
-    from fl_app.config import compose_config
-    from fl_app.validation import ConfigError, validate_common
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import ConfigError, validate_common
 
     monkeypatch.setattr(ray_actor, "pool_size_from_resources", lambda resources: 8)
     with actor_limit(3):
@@ -340,7 +340,7 @@ def _random_content(rng: np.random.Generator) -> RecordDict:
 
 def test_message_bytes_equals_flowers_serialised_size() -> None:
     """The layout-cached size equals the real one, duplicates (sent once) included."""
-    from fl_app.message_sizes import message_bytes
+    from fl_app.engine.message_sizes import message_bytes
 
     rng = np.random.default_rng(3)
     for _ in range(200):
@@ -350,7 +350,7 @@ def test_message_bytes_equals_flowers_serialised_size() -> None:
 
 def test_message_bytes_tells_duplicate_arrays_from_distinct_ones() -> None:
     """Same names, shapes and sizes; only whether two arrays are byte-identical differs."""
-    from fl_app import message_sizes as metering
+    from fl_app.engine import message_sizes as metering
 
     base = np.arange(64, dtype=np.float32)
     twins = {"a": Array(base), "b": Array(base.copy()), "z": Array(np.zeros(64, dtype=np.float32))}
@@ -367,7 +367,7 @@ def test_message_bytes_tells_duplicate_arrays_from_distinct_ones() -> None:
 
 
 def test_numpy_array_is_byte_identical_to_flowers_array() -> None:
-    from fl_app.training import numpy_array
+    from fl_app.learning.training import numpy_array
 
     rng = np.random.default_rng(4)
     cases = [
@@ -548,8 +548,8 @@ def test_take_batch_sends_each_cohort_message_alone() -> None:
     from fl_app import keys
 
     queue, messages = _queued([1, 2, 3, 4, 5, 6])
-    for index in (2, 3):  # a block of clients each (fl_app/cohort_messages.py)
-        messages[index].content[keys.COHORT] = ConfigRecord({"block": index})
+    for index in (2, 3):  # a block of clients each (fl_app/engine/packed.py)
+        messages[index].content[keys.PACKED] = ConfigRecord({"block": index})
     batches = []
     carried = queue.get()
     while carried is not None:

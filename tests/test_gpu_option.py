@@ -21,11 +21,11 @@ from conftest import (
 from clients.fedavg import FedAvgClient
 from clients.kd_dp import KDDPTeacherClient
 from fl_app import keys
-from fl_app.config import compose_config
-from fl_app.model_spec import ModelSpec
-from fl_app.simulation import backend_config
-from fl_app.training import model_to_arrays
-from fl_app.validation import ConfigError, validate_common
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_common
+from fl_app.engine.simulation import backend_config
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.training import model_to_arrays
 from strategies.base import base_train_config
 
 

@@ -24,7 +24,7 @@ from fl_app.data.federated import DataSpec, build_federated_data
 from fl_app.data.hf import HFSource, load_hf_dataset
 from fl_app.data.natural import group_rows, natural_split
 from fl_app.data.sources import DataFileError, DataNotFoundError
-from fl_app.models import check_model_fits
+from fl_app.learning.models import check_model_fits
 from tests.conftest import FAST, INLINE
 from tests.test_reliability import assert_one_line, preflight_cli
 
@@ -479,8 +479,8 @@ def test_dp_fedavg_on_natural_users_trains_each_client_on_one_users_rows(saved, 
     assert results["client"].startswith("one user: every training row of one writer_id")
     assert "epsilon per client is an epsilon per user" in results["client"]
     assert results["final"]["epsilon"] is not None and results["final"]["epsilon"] <= 8.0 + 1e-9
-    from fl_app.config import compose_config
-    from fl_app.run_settings import RunSettings
+    from fl_app.config.compose import compose_config
+    from fl_app.config.settings import RunSettings
 
     data = build_federated_data(RunSettings.from_config(compose_config(overrides)).data)
     assert data.natural and len(data.client_rows) == 4
@@ -490,7 +490,7 @@ def test_dp_fedavg_on_natural_users_trains_each_client_on_one_users_rows(saved, 
         np.testing.assert_array_equal(np.sort(rows), np.flatnonzero(groups == user))
     log = (Path(results["_output_dir"]) / "run.log").read_text()
     assert "a client is one user" in log
-    from fl_app.report import main as report
+    from fl_app.report.sweep import main as report
 
     assert report([results["_output_dir"], "--out", str(hf_home / "report")]) == 0
     table = (hf_home / "report" / "report.md").read_text()

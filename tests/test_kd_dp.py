@@ -29,7 +29,9 @@ from torch.nn import functional as F  # noqa: N812
 
 from clients.kd_dp import KDDP_CLIP, KDDP_NOISE_MULTIPLIER, KDDP_SAMPLING_RATE, KDDP_STEPS
 from fl_app import keys
-from fl_app.model_spec import ModelSpec
+from fl_app.config.validation import ConfigError, validate_config
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.training import load_arrays, model_to_arrays
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.budget import charged_report, grouped_epsilon, parallel_epsilon, sequential_epsilon
 from fl_app.privacy.calibration import dp_sgd_epsilon, dp_sgd_noise_multiplier
@@ -41,8 +43,6 @@ from fl_app.privacy.dp_sgd import (
     per_example_gradients,
 )
 from fl_app.privacy.events import Gaussian, PrivacyEvent, RandomizedResponse, SampledGaussian
-from fl_app.training import load_arrays, model_to_arrays
-from fl_app.validation import ConfigError, validate_config
 from strategies.kd_dp.privacy import GENERAL, LARGE, SPECIAL_CLIENT_ID, group_by_size, split_kd_dp_budget
 from strategies.kd_dp.strategy import KDDPStrategy
 
@@ -306,8 +306,8 @@ def test_grouping_by_threshold_and_fraction():
     ],
 )
 def test_validation_refuses_bad_splits_naming_the_key(overrides, key):
-    from fl_app.config import compose_config
-    from fl_app.validation import validate_config
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import validate_config
 
     cfg = compose_config([*KD, *overrides])
     with pytest.raises(ConfigError) as error:
@@ -316,7 +316,7 @@ def test_validation_refuses_bad_splits_naming_the_key(overrides, key):
 
 
 def test_experiment_preset_is_the_benchmark_setting():
-    from fl_app.config import compose_config
+    from fl_app.config.compose import compose_config
 
     preset = compose_config(["+experiment=kd_dp"])
     setting = (
@@ -335,7 +335,7 @@ def test_regime_preset_groups_exactly_the_large_tier_and_its_arms_differ_only_in
     from omegaconf import OmegaConf
 
     from fl_app.__main__ import expand_jobs
-    from fl_app.config import compose_config
+    from fl_app.config.compose import compose_config
     from fl_app.data.partition import two_tier_sizes
     from strategies.kd_dp.privacy import group_by_size
 

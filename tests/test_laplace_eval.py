@@ -37,14 +37,14 @@ from clients.laplace_eval import (
     LaplaceEvalClient,
 )
 from fl_app import keys
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
 from fl_app.data.federated import DataSpec, federated_data
 from fl_app.engine.messages import set_message_id
-from fl_app.model_spec import ModelSpec
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.training import model_to_arrays, predict_proba
 from fl_app.privacy.mechanisms import probability_rows
-from fl_app.run import evaluation_stage
-from fl_app.training import model_to_arrays, predict_proba
-from fl_app.validation import ConfigError, validate_config
+from fl_app.run.server import evaluation_stage
 from strategies.dp_fedavg import DPFedAvgStrategy
 from strategies.fedavg import FedAvgStrategy
 from strategies.laplace_eval.privacy import (

@@ -22,13 +22,13 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from clients.nbafl import NBAFL_CLIP, NBAFL_MU, NBAFL_SIGMA_UP
 from fl_app import keys
-from fl_app.config import compose_config
-from fl_app.model_spec import ModelSpec
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.training import model_to_arrays
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian
 from fl_app.privacy.mechanisms import global_l2_norm
-from fl_app.training import model_to_arrays
-from fl_app.validation import ConfigError, validate_config
 from strategies.fedavg import FedAvgStrategy
 from strategies.nbafl import privacy as nbafl_cal
 from strategies.nbafl.strategy import NbAFLStrategy
@@ -214,7 +214,7 @@ def test_downlink_noise_is_zero_exactly_when_t_at_most_l_sqrt_n():
 
 
 def test_calculator_uses_k_random_formula(capsys):
-    from fl_app.calculator import main
+    from fl_app.report.calculator import main
 
     args = ["--epsilon", "5", "--delta", "0.01", "--clip", "1", "--m", "100", "--l", "5", "--t", "400"]
     args += ["--unit", "document_record", "--calibration", "classic", "--accountant", "rdp"]

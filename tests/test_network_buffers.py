@@ -18,17 +18,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import FAST, INLINE, build_run_context, count_trainings_from_cohorts, reply_to
+from conftest import FAST, INLINE, build_run_context, count_vectorised_trainings, reply_to
 from flwr.app import ArrayRecord, ConfigRecord
 from torch import nn
 
 from fl_app import keys
-from fl_app.config import compose_config
-from fl_app.config_checks import ConfigError
-from fl_app.models import private_state_refusal, running_statistics, state_buffers
-from fl_app.run_settings import RunSettings
-from fl_app.training import model_to_arrays
-from fl_app.validation import check_model, typed_settings
+from fl_app.config.checks import ConfigError
+from fl_app.config.compose import compose_config
+from fl_app.config.settings import RunSettings
+from fl_app.config.validation import check_model, typed_settings
+from fl_app.learning.models import private_state_refusal, running_statistics, state_buffers
+from fl_app.learning.training import model_to_arrays
 from strategies import STRATEGIES
 from strategies.arrays import mean_arrays
 from tests.test_reliability import assert_one_line, preflight_cli
@@ -271,7 +271,7 @@ def test_fedavg_server_momentum_steps_the_parameters_and_averages_the_buffers(tm
 
 
 def _record(values: dict[str, np.ndarray]) -> ArrayRecord:
-    from fl_app.training import state_to_arrays
+    from fl_app.learning.training import state_to_arrays
 
     return state_to_arrays(values)
 
@@ -281,8 +281,8 @@ def test_the_vectorised_trainer_asked_for_a_network_with_buffers_is_said_and_cli
 ) -> None:
     """``simulation.vectorise=true`` with a BatchNorm network: validation says in one warning that its
     clients train one by one; FedAvg's messages then train on their own (none from a cohort: the
-    cohort trainer trains parameters only) and reply what the per-message path replies, bit for bit."""
-    from test_cohort_execution import arrays_of, batch_of, replies_of
+    vectorised trainer trains parameters only) and reply what the per-message path replies, bit for bit."""
+    from test_vectorised import arrays_of, batch_of, replies_of
 
     with caplog.at_level(logging.WARNING):
         check_model(settings_for("fedavg", f"{HERE}:GroupNormNet", "simulation.vectorise=true"), FEDAVG)
@@ -292,7 +292,7 @@ def test_the_vectorised_trainer_asked_for_a_network_with_buffers_is_said_and_cli
     [record] = caplog.records
     assert "simulation.vectorise" in record.getMessage() and "bn.running_mean" in record.getMessage()
     assert "train one by one" in record.getMessage()
-    counted = count_trainings_from_cohorts(monkeypatch)
+    counted = count_vectorised_trainings(monkeypatch)
     jobs = batch_of("fedavg", tmp_path, [f"model={BATCH_NORM}"])
     together = replies_of(jobs, vectorise=True)
     alone = replies_of(jobs, vectorise=False)

@@ -11,8 +11,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's benchmarks, not opacus'
 
 from benchmarks import pfl_compare
-from fl_app.harness import run_context_for
-from fl_app.run import evaluation_arrays
+from fl_app.run.harness import run_context_for
+from fl_app.run.server import evaluation_arrays
 from strategies import STRATEGIES
 
 #: A small split of the bundled digits (no download): 12 clients, a 60-image evaluation subset.

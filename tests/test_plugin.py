@@ -19,7 +19,7 @@ from flwr.app import Array, ArrayRecord, Message, MetricRecord
 
 from clients.base import FederatedClient
 from fl_app import keys
-from fl_app.training import state_to_arrays
+from fl_app.learning.training import state_to_arrays
 from strategies import STRATEGIES, register_strategy, store_strategy_config
 from strategies.base import FederatedStrategy
 from strategies.contract import Declaration
@@ -97,8 +97,8 @@ def registered() -> Iterator[None]:
 
 
 def test_a_users_algorithm_runs_end_to_end_through_the_platform(simulate, tmp_path, registered):
-    from fl_app.config import compose_config
-    from fl_app.validation import ConfigError, validate_config
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import ConfigError, validate_config
     from strategies.contract import Strategy
     from tests.conftest import FAST, build_run_context
 

@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from fl_app.calculator import main
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import BinaryRandomizedResponse, RandomizedResponse, SampledGaussian
 from fl_app.privacy.rng import RandomSource, make_generator
+from fl_app.report.calculator import main
 from strategies.dpfl_bnn import privacy as bnn_cal
 from strategies.nbafl import privacy as nbafl_cal
 from strategies.privatekt import privacy as kt_cal
@@ -264,7 +264,7 @@ def test_the_calculator_answers_without_importing_torch():
     """Every command but ``bnn`` (whose bit count is the BNN's) is privacy arithmetic: it imports neither
     torch nor a strategy's server (an algorithm package's ``__init__`` imports nothing eagerly)."""
     probe = (
-        "import contextlib, io, json, sys; from fl_app.calculator import main\n"
+        "import contextlib, io, json, sys; from fl_app.report.calculator import main\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n"
         "    for argv in json.loads(sys.argv[1]):\n"
         "        assert main(argv) == 0, argv\n"

@@ -2,7 +2,7 @@
 
 ``tests/test_privacy_audit.py`` samples mechanism primitives with parameters it computes itself;
 it cannot see a strategy's calibration, its composition or its accountant. Here, for each private
-strategy, the platform builds the run (``fl_app.run.make_run_context``), the strategy calibrates
+strategy, the platform builds the run (``fl_app.run.server.make_run_context``), the strategy calibrates
 its noise, ``configure_train`` (or the evaluation stage's ``configure_evaluate``) sends its real
 messages, the real client (``clients/<name>.py``, through the ClientApp's dispatch) trains and
 answers, the server releases (``aggregate_train``) and accounts, and the strategy reports its
@@ -57,7 +57,7 @@ from algorithm_tests import declared
 from conftest import (
     InProcessGrid,
     client_for,
-    count_trainings_from_cohorts,
+    count_vectorised_trainings,
     dense_lower_toeplitz,
     error_reply,
     make_context,
@@ -75,14 +75,14 @@ from clients.privatekt import KT_LABELS, KT_LABELS_ARRAY, decode_labels
 from fl_app import keys
 from fl_app.data.federated import ClientDataset, federated_data
 from fl_app.engine.secagg import collect_reply, modular_integers
-from fl_app.model_spec import ModelSpec
-from fl_app.models import MODELS
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.models import MODELS
 from fl_app.privacy import calibration, composition, distributed
 from fl_app.privacy.audit import AuditResult, audit_epsilon
 from fl_app.privacy.rng import RandomSource
-from fl_app.roster import ClientInfo
-from fl_app.run import make_run_context
-from fl_app.run_context import RunContext
+from fl_app.run.context import RunContext
+from fl_app.run.roster import ClientInfo
+from fl_app.run.server import make_run_context
 from strategies import EVALUATION_STAGES, STRATEGIES
 from strategies.arrays import flat_vector, split_vector
 from strategies.dp_bandmf import strategy as bandmf_strategy
@@ -814,14 +814,14 @@ def test_one_round_of_each_private_strategy_meets_the_epsilon_it_reports(name, t
 def vectorised(monkeypatch: pytest.MonkeyPatch, held: dict[int, ClientDataset]) -> list[int]:
     """Every audited train message runs as an actor runs a batch with ``simulation.vectorise``:
     beside a second client (client 1, holding OTHERS) through the engine's ``run_jobs``, trained as
-    one computation (fl_app/cohort_execution.py) before each builds its own reply. :func:`repeat`'s
+    one computation (fl_app/engine/vectorised.py) before each builds its own reply. :func:`repeat`'s
     repetitions go :data:`CHUNK` at a time, each with its companion, in one batch (one cohort of
     2 x CHUNK members, as an actor trains its batch); a single message goes with its companion alone.
     Counts the trainings taken from the cohort (companions included)."""
     from fl_app.client_app import app
     from fl_app.engine.batching import run_jobs
 
-    taken = count_trainings_from_cohorts(monkeypatch)
+    taken = count_vectorised_trainings(monkeypatch)
 
     def chunk_in_a_batch(calls: Sequence[Call]) -> list[Message]:
         held.setdefault(1, OTHERS)
@@ -869,16 +869,16 @@ def test_audit_catches_a_wrong_sensitivity_on_the_vectorised_path(tmp_path, held
     assert not audited.holds, f"the audit missed a sensitivity of C instead of 2C: {audited}"
 
 
-# ------------------------------------------------------------------------------ cohort messages
+# ------------------------------------------------------------------------------ packed messages
 
 
 @pytest.fixture
 def cohort_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every audited central round goes as cohort messages (``simulation.cohort_messages``): the round's
-    messages packed (:func:`fl_app.cohort_messages.pack`), each answered where its members run
-    (:func:`~fl_app.cohort_messages.answer`: each member's update clipped there, summed), unpacked, and
-    the strategy aggregates the partial sums. Counts the members summed in cohort messages."""
-    from fl_app import cohort_messages
+    """Every audited central round goes as packed messages (``simulation.pack_messages``): the round's
+    messages packed (:func:`fl_app.engine.packed.pack`), each answered where its members run
+    (:func:`~fl_app.engine.packed.answer`: each member's update clipped there, summed), unpacked, and
+    the strategy aggregates the partial sums. Counts the members summed in packed messages."""
+    from fl_app.engine import packed as pack_messages
     from fl_app.engine.messages import set_message_id
 
     members: list[int] = []
@@ -894,14 +894,14 @@ def cohort_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             return reply_to(member, arrays=trained[client]), None
 
         partitions = {int(m.metadata.dst_node_id): int(m.metadata.dst_node_id) - 1000 for m in messages}
-        packed = cohort_messages.pack(messages, partitions=partitions, summand=strategy.summand(1))
+        packed = pack_messages.pack(messages, partitions=partitions, summand=strategy.summand(1))
         replies = []
         for index, cohort in enumerate(packed):
             set_message_id(cohort.message, f"cohort-{index}")
             node = int(cohort.message.metadata.dst_node_id)
             context = make_context(partition_id=node - 1000, num_partitions=2, node_id=node)
-            replies.append(cohort_messages.answer(cohort.message, context, run_member))
-        return cohort_messages.unpack(replies, packed, [f"cohort-{i}" for i in range(len(packed))])
+            replies.append(pack_messages.answer(cohort.message, context, run_member))
+        return pack_messages.unpack(replies, packed, [f"cohort-{i}" for i in range(len(packed))])
 
     monkeypatch.setattr(sys.modules[__name__], "central_replies", packed_replies)
     return members
@@ -909,7 +909,7 @@ def cohort_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 @pytest.mark.audit
 def test_dp_fedavg_as_cohort_messages_meets_the_epsilon_it_reports(tmp_path, held, cohort_path):
-    """DP-FedAvg's audit with the clipping and summing done in cohort messages."""
+    """DP-FedAvg's audit with the clipping and summing done in packed messages."""
     function, trials, power = AUDITS["dp_fedavg"]
     audited = function(tmp_path, held, trials)
     assert len(cohort_path) >= trials, f"the cohort path was not taken ({len(cohort_path)})"
@@ -919,8 +919,8 @@ def test_dp_fedavg_as_cohort_messages_meets_the_epsilon_it_reports(tmp_path, hel
 
 @pytest.mark.audit
 def test_audit_catches_cohort_messages_that_do_not_clip(tmp_path, held, cohort_path, monkeypatch):
-    """Mutant 6: cohort messages sum their members' updates unclipped (the bound sent, not applied)."""
-    from fl_app.reply_sums import ClippedUpdate
+    """Mutant 6: packed messages sum their members' updates unclipped (the bound sent, not applied)."""
+    from fl_app.learning.sums import ClippedUpdate
 
     real = ClippedUpdate.add_to
 
@@ -930,7 +930,7 @@ def test_audit_catches_cohort_messages_that_do_not_clip(tmp_path, held, cohort_p
     monkeypatch.setattr(ClippedUpdate, "add_to", unclipped)
     audited = dp_fedavg_audit(tmp_path, held, 1500)
     assert len(cohort_path) >= 1500
-    assert not audited.holds, f"the audit missed unclipped updates in cohort messages: {audited}"
+    assert not audited.holds, f"the audit missed unclipped updates in packed messages: {audited}"
 
 
 # ------------------------------------------------------------------------------ the audit catches bugs

@@ -24,21 +24,21 @@ import pytest
 from conftest import DP_FEDAVG_RUN, build_run_context, error_reply, reply_to, settings_of
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord
 
-from fl_app import calculator as cli
 from fl_app import keys
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
 from fl_app.data.federated import federated_data
-from fl_app.model_spec import ModelSpec
+from fl_app.learning.model_spec import ModelSpec
 from fl_app.privacy.rng import RandomSource
-from fl_app.results import OUTSIDE_GUARANTEE_NOTE, RunRecorder
-from fl_app.roster import ClientInfo
-from fl_app.run import (
+from fl_app.report import calculator as cli
+from fl_app.run.context import RunContext
+from fl_app.run.results import OUTSIDE_GUARANTEE_NOTE, RunRecorder
+from fl_app.run.roster import ClientInfo
+from fl_app.run.server import (
     diagnostics_enabled,
     make_run_context,
     noise_source,
 )
-from fl_app.run_context import RunContext
-from fl_app.validation import ConfigError, validate_config
 from strategies import STRATEGIES
 from strategies.arrays import flat_vector
 from strategies.dp_fedavg import DPFedAvgStrategy
@@ -50,7 +50,7 @@ DIGITS = ["dataset=digits", "num_clients=6", "clients_per_round=3", "num_rounds=
 
 
 def platform_run(overrides: list[str], tmp_path: Path, roster: list[ClientInfo] | None = None) -> RunContext:
-    """The RunContext the platform builds (``fl_app.run.make_run_context``) for ``overrides``."""
+    """The RunContext the platform builds (``fl_app.run.server.make_run_context``) for ``overrides``."""
     settings = settings_of(overrides)
     data = federated_data(settings.data)
     if roster is None:
@@ -365,7 +365,7 @@ MODEL_VALUES = ("accuracy", "loss")
 
 def _published(results: dict, output: Path) -> dict:
     """What two runs that differ only in their secret coins (and noise) must publish identically."""
-    from fl_app.run_log import NO_CLOCK_TIMES
+    from fl_app.run.log import NO_CLOCK_TIMES
 
     rounds = [{k: v for k, v in r.items() if k not in MODEL_VALUES} for r in results["rounds"]]
     final = {
@@ -501,7 +501,7 @@ def test_nothing_published_varies_with_the_secret_cohort(
     """
     from conftest import FAST
 
-    from fl_app.results import COHORT_FIELDS
+    from fl_app.run.results import COHORT_FIELDS
 
     common = [*FAST, "strategy=dp_fedavg", "num_rounds=4", "privacy.diagnostics=true", "tracking=tensorboard"]
     common.append(f"simulation.backend={backend}")
@@ -533,11 +533,11 @@ def failing_clients(monkeypatch) -> dict[tuple[int, int], bool]:
 
     So every round has a reply and no client fails in all its rounds (the run completes). Patches the
     ClientApp's client lookup (an inline run's clients run in this process): a plain message and a
-    cohort message's member fail alike. Returns, filled as the run goes, whether each ``(node, round)``
+    packed message's member fail alike. Returns, filled as the run goes, whether each ``(node, round)``
     failed.
     """
     from fl_app import client_app
-    from fl_app.engine.messages import config_record
+    from fl_app.learning.records import config_record
 
     real = client_app.client_for
     fails: dict[tuple[int, int], bool] = {}
@@ -602,7 +602,7 @@ def test_the_private_state_file_keeps_only_what_resuming_needs(tmp_path, name):
     """No cohort, failure or un-noised statistic of a finished round; owner-only; says what it holds."""
     import stat
 
-    from fl_app.checkpoint import CHECKPOINT_FILE, Checkpoint, load_checkpoint, save_checkpoint
+    from fl_app.run.checkpoint import CHECKPOINT_FILE, Checkpoint, load_checkpoint, save_checkpoint
 
     bands = ["strategy.bands=2"] if name == "dp_bandmf" else []
     run = build_run_context([*DIGITS, f"strategy={name}", "num_rounds=3", *bands], tmp_path)

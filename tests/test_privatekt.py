@@ -28,12 +28,12 @@ from clients.privatekt import (
     encode_labels,
 )
 from fl_app import keys
-from fl_app.config import compose_config
-from fl_app.message_sizes import array_payload_bytes
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError
+from fl_app.engine.message_sizes import array_payload_bytes
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import RandomizedResponse
 from fl_app.privacy.mechanisms import debias_label_average, randomized_response_labels
-from fl_app.validation import ConfigError
 from strategies.privatekt import knowledge
 from strategies.privatekt import strategy as pkt
 from strategies.privatekt.privacy import privatekt_epsilon_per_label, privatekt_keep_probability
@@ -210,7 +210,7 @@ def test_client_reply_holds_only_k_perturbed_labels(tmp_path):
     labels = decode_labels(array, k=5, num_classes=10)
     # epsilon 20 per label: the labels are the model's predictions (the client did not send them blindly).
     from fl_app.data.federated import federated_data
-    from fl_app.training import predict_proba
+    from fl_app.learning.training import predict_proba
 
     data = federated_data(strategy.run.settings.data)
     model = client.train_locally().model()
@@ -228,7 +228,7 @@ def test_client_reply_labels_are_randomized_at_low_epsilon(tmp_path):
     assert list(reply.content.keys()) == [KT_LABELS]
     assert array_payload_bytes(reply) == 100
     labels = decode_labels(reply.content.array_records[KT_LABELS][KT_LABELS_ARRAY], k=100, num_classes=10)
-    from fl_app.training import predict_proba
+    from fl_app.learning.training import predict_proba
 
     model = client.train_locally().model()
     predicted = predict_proba(model, strategy.public_x[strategy._kt[1]]).argmax(axis=1)
@@ -351,7 +351,7 @@ def test_aggregation_fine_tunes_and_rejects_malformed_reports(tmp_path):
     ],
 )
 def test_validation(override, key):
-    from fl_app.validation import validate_config
+    from fl_app.config.validation import validate_config
 
     with pytest.raises(ConfigError) as error:
         validate_config(compose_config([*DIGITS, override]), check_data=False)
@@ -434,7 +434,7 @@ def test_first_round_transfer_samples_follow_first_draw(tmp_path, first_draw):
 
 
 def test_model_auto_is_the_authors_cnn_on_28x28_images():
-    from fl_app.models import build_model
+    from fl_app.learning.models import build_model
 
     settings = settings_of(["strategy=privatekt", "dataset=fashion_mnist"])
     assert PrivateKTStrategy.declaration.model_name(settings, (1, 28, 28)) == "privatekt_cnn"
@@ -453,8 +453,8 @@ def test_model_auto_is_the_authors_cnn_on_28x28_images():
 def test_server_training_with_dropout_is_seeded_and_moves_the_weights():
     """With the authors' CNN, self-training on the model's own predictions moves the weights (dropout),
     and the same generator gives the same model (seeded masks)."""
-    from fl_app.models import build_model
-    from fl_app.training import model_to_arrays, predict_proba
+    from fl_app.learning.models import build_model
+    from fl_app.learning.training import model_to_arrays, predict_proba
 
     x = np.random.default_rng(0).random((40, 1, 28, 28), dtype=np.float32)
     results = []

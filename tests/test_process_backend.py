@@ -23,11 +23,11 @@ import pytest
 from conftest import make_context
 from flwr.app import ConfigRecord, Message, RecordDict
 
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
 from fl_app.engine.batching import AbandonedBatchError
 from fl_app.engine.processes import ClientWorkerDiedError, WorkerPool, worker_count
 from fl_app.privacy.rng import RandomSource
-from fl_app.validation import ConfigError, validate_config
 from tests.conftest import FAST, INLINE, TWO_ACTORS, wait_until
 from tests.test_reliability import GONE_WITHIN_S, RUN, Run, alive, interrupt, rounds_of
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from fl_app.config import compose_config
-from fl_app.validation import validate_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import validate_config
 from strategies import STRATEGIES
 
 QUICK = "+experiment=quick"

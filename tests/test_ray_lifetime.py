@@ -20,11 +20,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fl_app import lifecycle, ray_session
-from fl_app.config import compose_config
-from fl_app.lifecycle import RunInterrupted
-from fl_app.orphan_reaper import MARK_ENV, watch_owner
-from fl_app.validation import ConfigError, check_output_dir
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, check_output_dir
+from fl_app.engine import ray_session
+from fl_app.engine.orphan_reaper import MARK_ENV, watch_owner
+from fl_app.run import lifecycle
+from fl_app.run.lifecycle import RunInterrupted
 from tests.conftest import FAST, wait_until
 
 RUN = [*FAST, "num_rounds=2", "simulation.num_cpus=2", "strategy=fedavg"]
@@ -116,7 +117,7 @@ def test_an_abandoned_start_kills_what_it_started_and_nothing_else(tmp_path, mon
 
     The session folders looked at are this test's (a test process may hold a Ray instance of its own,
     for other tests, whose session folder also carries this process's id)."""
-    from fl_app import orphan_reaper
+    from fl_app.engine import orphan_reaper
 
     real = orphan_reaper.in_sessions_of
     inside_tmp = str(tmp_path) + os.sep

@@ -23,13 +23,13 @@ import pytest
 from conftest import settings_of
 from omegaconf import OmegaConf
 
-from fl_app.checkpoint import CHECKPOINT_FILE, load_checkpoint, read_header
-from fl_app.config import compose_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, check_output_dir, validate_config
 from fl_app.engine.batching import BatchingActor
-from fl_app.lifecycle import RunFailed
-from fl_app.round_loop import check_round
-from fl_app.run_log import one_line_console
-from fl_app.validation import ConfigError, check_output_dir, validate_config
+from fl_app.run.checkpoint import CHECKPOINT_FILE, load_checkpoint, read_header
+from fl_app.run.lifecycle import RunFailed
+from fl_app.run.log import one_line_console
+from fl_app.run.round_loop import check_round
 from strategies import STRATEGIES
 from tests.conftest import FAST, INLINE, TWO_ACTORS, build_run_context, wait_until
 
@@ -236,7 +236,7 @@ def test_console_shows_a_client_failure_as_one_line():
 
 
 def test_checkpoint_rebinds_clients_and_context_to_the_resumed_run(tmp_path):
-    from fl_app.checkpoint import Checkpoint, save_checkpoint
+    from fl_app.run.checkpoint import Checkpoint, save_checkpoint
 
     overrides = [*FAST, "strategy=fedavg_ldp"]  # its planned schedule holds roster entries
     run = build_run_context(overrides, tmp_path)
@@ -273,7 +273,7 @@ def test_checkpoint_size_does_not_grow_with_the_rounds(tmp_path):
     round must not grow with the run (it did: every round's cohort was pickled again)."""
     from flwr.app import ConfigRecord
 
-    from fl_app.checkpoint import Checkpoint, save_checkpoint
+    from fl_app.run.checkpoint import Checkpoint, save_checkpoint
 
     overrides = [*FAST, "strategy=fedavg", "num_rounds=40"]  # 3 clients every round (no Poisson draw)
     run = build_run_context(overrides, tmp_path)
@@ -425,7 +425,7 @@ def test_the_calculator_prints_strict_json_or_one_line():
 def test_a_gone_supernode_is_reported_as_that_client_failing():
     # The SuperLink answers a message for a vanished SuperNode itself (sender: the SuperLink).
     from fl_app.engine.messages import LINK_NODE_ID, set_message_id, set_reply_source
-    from fl_app.metering import attribute_link_errors
+    from fl_app.engine.metering import attribute_link_errors
     from tests.conftest import error_reply, make_message
 
     message = make_message({}, node_id=1005)
@@ -440,8 +440,8 @@ def test_a_gone_supernode_is_reported_as_that_client_failing():
 
 def test_a_resumed_run_saves_the_overrides_it_was_composed_from(tmp_path, monkeypatch):
     """Saving ``resume=DIR`` alone made a second resume of the same run compose the defaults."""
-    from fl_app import checkpoint
-    from fl_app.resume import checkpoint_overrides
+    from fl_app.run import checkpoint
+    from fl_app.run.resume import checkpoint_overrides
 
     header = {"overrides": ["strategy=fedavg", "seed=3", f"output_dir={tmp_path}"]}
     monkeypatch.setattr(checkpoint, "read_header", lambda directory: header)
@@ -455,8 +455,8 @@ def test_a_round_that_breaks_the_failure_rule_is_neither_recorded_nor_checkpoint
     degraded model and ended ``completed_with_failures`` (issue 42.3)."""
     from dataclasses import replace
 
-    from fl_app.results import RunRecorder
-    from fl_app.round_reporter import RoundReporter
+    from fl_app.run.reporter import RoundReporter
+    from fl_app.run.results import RunRecorder
 
     run = build_run_context([*FAST, "strategy=fedavg", "num_rounds=3"], tmp_path)
     strategy = STRATEGIES.get("fedavg")(run)
@@ -489,7 +489,7 @@ def test_a_round_that_breaks_the_failure_rule_is_neither_recorded_nor_checkpoint
 
 def test_a_second_run_into_a_claimed_output_dir_is_one_line_and_writes_nothing(tmp_path):
     """Two runs into one directory both passed the earlier-run check and wrote together (42.4)."""
-    from fl_app.output_claim import LOCK_FILE, claim_output_dir
+    from fl_app.run.output_claim import LOCK_FILE, claim_output_dir
 
     out = tmp_path / "run"
     with claim_output_dir(out, resume=False):  # a run that has not written a file yet
@@ -538,7 +538,7 @@ def test_an_interrupted_sweep_continues_into_its_directory(tmp_path):
 
 
 def test_a_sweep_job_directory_of_another_configuration_is_refused_and_an_empty_attempt_restarts(tmp_path):
-    from fl_app.sweep_resume import plan_sweep_job
+    from fl_app.run.sweep_resume import plan_sweep_job
 
     job = tmp_path / "0-fedavg"
     job.mkdir()
@@ -580,10 +580,10 @@ def test_a_full_disk_at_a_checkpoint_is_one_failure_and_keeps_the_previous_check
     """Disk full at a checkpoint gave two chained tracebacks and a partial .tmp file (42.7)."""
     import errno
 
-    from fl_app import files
-    from fl_app.checkpoint import Checkpoint, save_checkpoint
-    from fl_app.files import WriteFailed
-    from fl_app.results import write_json
+    from fl_app.run import files
+    from fl_app.run.checkpoint import Checkpoint, save_checkpoint
+    from fl_app.run.files import WriteFailed
+    from fl_app.run.results import write_json
 
     run = build_run_context([*FAST, "strategy=fedavg"], tmp_path)
     strategy = STRATEGIES.get("fedavg")(run)
@@ -674,7 +674,7 @@ def test_a_rounds_writes_do_not_grow_with_the_run_and_resume_restores_the_record
     checkpoint counts the records."""
     import pickle
 
-    from fl_app.results import METRICS_FILE, ROUNDS_FILE, RunRecorder
+    from fl_app.run.results import METRICS_FILE, ROUNDS_FILE, RunRecorder
 
     settings = settings_of([*FAST, "strategy=fedavg"])
     recorder = RunRecorder(tmp_path, settings)
@@ -713,9 +713,9 @@ def test_the_default_cohort_fits_any_population():
 
     The main job's cohort is unchanged: 0.3 of the default 100 clients is the 30 it always drew.
     """
-    from fl_app.config import compose_config
-    from fl_app.run_context import resolve_clients_per_round
-    from fl_app.validation import validate_config
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import validate_config
+    from fl_app.run.context import resolve_clients_per_round
 
     default = compose_config([])
     assert resolve_clients_per_round(default.clients_per_round, default.num_clients) == 30
@@ -780,7 +780,7 @@ def test_a_run_stopped_by_the_sweeps_stop_file_still_takes_its_own_first_signal(
     """A parallel sweep's worker often sees the stop file (its watcher thread) before the SIGTERM sent
     to the whole group reaches its main thread; that signal is the first, a stop request, not the
     second that exits at once (the worker died of it, -15, and the launcher raised)."""
-    from fl_app import lifecycle
+    from fl_app.run import lifecycle
 
     try:
         with lifecycle.stop_on_signals():

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fl_app.report import main
+from fl_app.report.sweep import main
 
 
 def spy_on_figures(monkeypatch) -> list:
     """The (figure, axes) of every ``plt.subplots`` call the report makes, in order."""
-    from fl_app import report
+    from fl_app.report import sweep as report
 
     made = []
     original = report.plt.subplots
@@ -214,7 +214,7 @@ def test_a_swept_setting_gets_a_column_and_its_own_line(tmp_path):
 
 
 def test_plot_lines_never_join_two_configurations(tmp_path):
-    from fl_app import report
+    from fl_app.report import sweep as report
 
     for k in (2, 4):
         for epsilon in (2.0, 8.0):
@@ -234,7 +234,7 @@ def test_an_arm_that_chooses_settings_per_budget_is_one_line(tmp_path):
     """``num_rounds: ${per_budget:...}`` (Hydra's saved config) joins the budgets into one line; a
     swept ``strategy.server_lr`` beside it still splits them, and without the saved rule the
     different round counts are different configurations."""
-    from fl_app import report
+    from fl_app.report import sweep as report
 
     rounds_for = {2.0: 30, 8.0: 100}
     for lr in (0.1, 0.3):
@@ -359,7 +359,7 @@ def test_epsilons_of_different_units_get_their_own_panels_with_the_chance_level(
 
 def test_panel_titles_and_axis_labels_of_long_units_do_not_overlap(tmp_path, monkeypatch):
     """The units' full sentences ran into the next panel's title and x label (seen in the comparison)."""
-    from fl_app import report
+    from fl_app.report import sweep as report
 
     units = (
         "one client's entire data set (add or remove one client), central DP",
@@ -420,7 +420,7 @@ def test_report_names_the_code_versions_its_rows_come_from(tmp_path):
     """Rows are comparable only from one code version: the report says which ones (``code``)."""
     import json as _json
 
-    from fl_app.code_version import code_version, describe
+    from fl_app.run.code_version import code_version, describe
 
     for seed in (1, 2, 3):
         fake_results(tmp_path / "one" / f"r{seed}", strategy="fedavg", epsilon=None, seed=seed, accuracy=0.8)
@@ -453,7 +453,7 @@ def test_report_names_the_code_versions_its_rows_come_from(tmp_path):
 
 
 def test_code_version_outside_a_git_checkout_is_the_package_alone(tmp_path, monkeypatch):
-    from fl_app import code_version as module
+    from fl_app.run import code_version as module
 
     monkeypatch.setattr(module, "ROOT", tmp_path)
     module.code_version.cache_clear()

@@ -84,38 +84,20 @@ def test_benchmarks_md_and_readme_results_are_generated_not_hand_edited():
 #: The core: privacy math, data, models, training and the algorithms' helpers. It must not import the
 #: app shell (run wiring, Flower apps, simulation, results, CLI, strategies, clients), so it can be
 #: tested and reused without Flower's or Hydra's machinery.
-CORE = (
-    "fl_app/privacy",
-    "fl_app/data",
-    "fl_app/models.py",
-    "fl_app/model_spec.py",
-    "fl_app/training.py",
-    "fl_app/keys.py",
-)
+CORE = ("fl_app/privacy", "fl_app/data", "fl_app/learning", "fl_app/keys.py")
 #: Entry points inside the core's folders (they start a shell tool).
 CORE_ENTRY_POINTS = ("fl_app/privacy/__main__.py",)
+#: The app shell: the entry points and the packages of configuration, runs, the engine and reports.
 SHELL = (
     "fl_app.__main__",
     "fl_app.api",
-    "fl_app.checkpoint",
-    "fl_app.calculator",
     "fl_app.cli",
     "fl_app.client_app",
-    "fl_app.config",
-    "fl_app.engine",
-    "fl_app.lifecycle",
-    "fl_app.metering",
-    "fl_app.report",
-    "fl_app.results",
-    "fl_app.resume",
-    "fl_app.roster",
-    "fl_app.round_loop",
-    "fl_app.run",
-    "fl_app.run_context",
     "fl_app.server_app",
-    "fl_app.simulation",
-    "fl_app.tracking",
-    "fl_app.validation",
+    "fl_app.config",
+    "fl_app.run",
+    "fl_app.engine",
+    "fl_app.report",
     "strategies",
     "clients",
 )
@@ -150,7 +132,7 @@ def test_the_core_imports_nothing_from_the_app_shell():
     ]
     assert arrows == []
     # the check sees function-level imports too (the way an arrow back up usually sneaks in)
-    assert "fl_app.simulation" in imported_modules(ROOT / "fl_app" / "api.py")  # inside run_experiment
+    assert "fl_app.engine.simulation" in imported_modules(ROOT / "fl_app" / "api.py")  # inside run_experiment
 
 
 @pytest.mark.subprocess
@@ -417,8 +399,8 @@ def test_every_algorithm_is_registered_where_the_platform_expects_it():
     or ``PRIVACY_AUDIT`` in its own test module), and an arm in exactly the comparisons it declares.
     Nothing else: suite rounds, checks, deployment settings all come from the declaration.
     """
-    from fl_app.config import compose_config
-    from fl_app.validation import typed_settings
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import typed_settings
     from strategies import STRATEGIES
     from strategies.contract import COMPARISONS
     from tests.test_privacy_end_to_end import AUDITS
@@ -453,20 +435,20 @@ def test_every_algorithm_is_registered_where_the_platform_expects_it():
 
 
 #: The modules that compose, validate and read the configuration (and the entry points that compose a
-#: job); everything else reads the typed :class:`fl_app.run_settings.RunSettings` (issue 56).
+#: job); everything else reads the typed :class:`fl_app.config.settings.RunSettings` (issue 56).
 CONFIG_MODULES = {
-    "fl_app/config.py",
-    "fl_app/validation.py",
-    "fl_app/config_checks.py",
-    "fl_app/run_settings.py",
-    "fl_app/overrides.py",
-    "fl_app/fingerprint.py",
-    "fl_app/conf_dir.py",
+    "fl_app/config/compose.py",
+    "fl_app/config/validation.py",
+    "fl_app/config/checks.py",
+    "fl_app/config/settings.py",
+    "fl_app/config/overrides.py",
+    "fl_app/config/fingerprint.py",
+    "fl_app/config/conf_dir.py",
     "fl_app/engine/hydra.py",
     "fl_app/__main__.py",
     "fl_app/api.py",
-    "fl_app/resume.py",
-    "fl_app/sweep_resume.py",
+    "fl_app/run/resume.py",
+    "fl_app/run/sweep_resume.py",
     "strategies/settings.py",
 }
 

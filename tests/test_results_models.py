@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import settings_of
 
-from fl_app.config import compose_config
-from fl_app.model_spec import ModelSpec
-from fl_app.models import MODELS, build_model, resolve_model_name
-from fl_app.registry import Registry
-from fl_app.results import RunRecorder, json_safe, load_model_arrays
-from fl_app.run_settings import RunSettings
-from fl_app.training import evaluate, load_arrays, model_to_arrays, predict_proba, train_local
+from fl_app.config.compose import compose_config
+from fl_app.config.registry import Registry
+from fl_app.config.settings import RunSettings
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.learning.models import MODELS, build_model, resolve_model_name
+from fl_app.learning.training import evaluate, load_arrays, model_to_arrays, predict_proba, train_local
+from fl_app.run.results import RunRecorder, json_safe, load_model_arrays
 
 
 def test_json_safe_makes_strict_json():
@@ -83,8 +83,8 @@ def test_recorder_writes_the_contract(tmp_path):
 
 
 def test_tracking_logs_the_finite_numbers_of_each_record_and_refuses_what_it_cannot_do(tmp_path, monkeypatch):
-    from fl_app.tracking import make_tracker, scalars
-    from fl_app.validation import ConfigError, validate_common
+    from fl_app.config.validation import ConfigError, validate_common
+    from fl_app.report.tracking import make_tracker, scalars
 
     assert scalars({"round": 3, "accuracy": 0.5, "epsilon": None, "ok": True, "x": math.nan, "n": 7}) == {
         "accuracy": 0.5,
@@ -153,8 +153,8 @@ def test_registry_discovers_and_names_the_options():
 
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_sgd_is_torch_optim_sgd_bit_for_bit(momentum: float) -> None:
-    """``fl_app.optim.SGD`` replaces ``torch.optim.SGD``: the same parameters after every step."""
-    from fl_app.optim import SGD
+    """``fl_app.learning.optim.SGD`` replaces ``torch.optim.SGD``: the same parameters after every step."""
+    from fl_app.learning.optim import SGD
 
     torch.manual_seed(0)
     ours = build_model("mlp", (8, 8), 10)
@@ -192,7 +192,7 @@ def _reference_train_local(
     model, x, y, *, epochs, batch_size, lr, momentum, rng, proximal_mu=0.0, reference=None
 ):
     """``train_local`` as it was written before its speed work: ``torch.optim.SGD`` after ``backward()``."""
-    from fl_app.training import seeded_dropout, to_tensor
+    from fl_app.learning.training import seeded_dropout, to_tensor
 
     model.train()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -228,7 +228,7 @@ def test_train_local_is_sgd_after_backward_bit_for_bit(
     """``train_local`` (gradients from ``torch.autograd.grad``, fused steps, a fixed model's modules found
     once) trains as ``torch.optim.SGD`` after ``backward()``: the same parameters and loss, with momentum,
     FedProx, dropout, a model left in eval mode and a frozen parameter."""
-    from fl_app.training import fix_state
+    from fl_app.learning.training import fix_state
 
     shape = (1, 16, 16) if name == "privatekt_cnn" else (1, 8, 8)
     rng = np.random.default_rng(3)
@@ -262,7 +262,7 @@ def test_a_fixed_model_loads_and_reads_as_any_model():
     ``unfix_state`` forgets it, its replaced tensors are found."""
     from flwr.app import Array, ArrayRecord
 
-    from fl_app.training import fix_state, model_state, unfix_state
+    from fl_app.learning.training import fix_state, model_state, unfix_state
 
     torch.manual_seed(0)
     fixed, plain = fix_state(build_model("mlp", (8, 8), 10)), build_model("mlp", (8, 8), 10)
@@ -301,9 +301,9 @@ def test_a_fixed_model_loads_and_reads_as_any_model():
 
 
 def test_adam_is_torch_optim_adam_bit_for_bit() -> None:
-    """``fl_app.optim.Adam`` replaces ``torch.optim.Adam`` (DPFL-BNN's clients): the same parameters and
+    """``fl_app.learning.optim.Adam`` replaces ``torch.optim.Adam`` (DPFL-BNN's clients): the same parameters,
     moments after every step, also when resumed from saved moments in a new optimizer."""
-    from fl_app.optim import Adam, AdamMoments
+    from fl_app.learning.optim import Adam, AdamMoments
 
     torch.manual_seed(0)
     ours = build_model("mlp", (8, 8), 10)
@@ -342,13 +342,13 @@ def test_local_training_does_not_import_torch_dynamo() -> None:
 
     code = (
         "import sys, numpy as np\n"
-        "from fl_app.models import build_model\n"
-        "from fl_app.training import train_local\n"
+        "from fl_app.learning.models import build_model\n"
+        "from fl_app.learning.training import train_local\n"
         "model = build_model('mlp', (8, 8), 10)\n"
         "x = np.random.default_rng(0).random((20, 8, 8)).astype('float32')\n"
         "train_local(model, x, np.arange(20) % 10, epochs=1, batch_size=8, lr=0.1, momentum=0.5,\n"
         "            rng=np.random.default_rng(1))\n"
-        "from fl_app.optim import Adam\n"  # DPFL-BNN's optimizer
+        "from fl_app.learning.optim import Adam\n"  # DPFL-BNN's optimizer
         "adam = Adam(model.parameters(), lr=0.1)\n"
         "model(__import__('torch').ones(1, 8, 8)).sum().backward()\n"
         "adam.step(); adam.zero_grad()\n"
@@ -360,7 +360,7 @@ def test_local_training_does_not_import_torch_dynamo() -> None:
 
 def test_a_label_is_a_one_line_name_or_nothing():
     """``label`` names an arm in reports; a number or an empty name is refused with one line."""
-    from fl_app.validation import ConfigError, validate_common
+    from fl_app.config.validation import ConfigError, validate_common
 
     assert validate_common(compose_config(["dataset=digits", "label=untuned"])) is None
     assert RunSettings.from_config(compose_config(["dataset=digits", "label=untuned"])).label == "untuned"

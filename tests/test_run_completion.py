@@ -22,7 +22,7 @@ from tests.test_reliability import GONE_WITHIN_S, RUN, Run, alive, group_process
 
 # --------------------------------------------------------------------------- 1. signals
 
-#: Seconds after a first stop signal within which a repeat is the same request (fl_app.lifecycle).
+#: Seconds after a first stop signal within which a repeat is the same request (fl_app.run.lifecycle).
 GRACE = "DPFL_SIGNAL_GRACE_S"
 
 
@@ -94,7 +94,7 @@ def test_a_repeat_within_the_grace_period_is_the_same_request_and_a_later_one_ex
     """The rule of every stop handler: a repeat within the grace period (DPFL_SIGNAL_GRACE_S, default
     2 s) is the first request again; one after it is the user's clear repeat. (SIGINT here: today's
     second SIGTERM would end the test process.)"""
-    from fl_app import lifecycle
+    from fl_app.run import lifecycle
 
     monkeypatch.setenv(GRACE, "1000")
     try:
@@ -110,7 +110,7 @@ def test_a_repeat_within_the_grace_period_is_the_same_request_and_a_later_one_ex
 
 
 def test_a_sweeps_command_takes_a_repeat_within_the_grace_period_as_the_same_request(tmp_path, monkeypatch):
-    from fl_app import lifecycle
+    from fl_app.run import lifecycle
 
     monkeypatch.setenv(GRACE, "1000")
     stop_file = tmp_path / "stop"
@@ -189,9 +189,9 @@ def test_a_parallel_sweep_under_timeout_stops_its_jobs_and_leaves_nothing(tmp_pa
 def test_resume_of_a_run_whose_rounds_are_all_done_is_accepted(tmp_path):
     """``resume=`` of a run stopped after its last round's checkpoint was refused with ``num_rounds=2:
     must be > 2`` (a number the user never gave), so its spent budget bought nothing (55.2)."""
-    from fl_app.checkpoint import Checkpoint, save_checkpoint
-    from fl_app.config import compose_config
-    from fl_app.validation import ConfigError, validate_config
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import ConfigError, validate_config
+    from fl_app.run.checkpoint import Checkpoint, save_checkpoint
     from strategies import STRATEGIES
     from tests.conftest import build_run_context
 
@@ -222,8 +222,8 @@ def test_resume_of_a_run_whose_rounds_are_all_done_is_accepted(tmp_path):
 def test_a_private_run_killed_before_its_results_is_finished_by_resume(tmp_path, simulate, monkeypatch):
     """The state kill -9 (or a second signal) leaves between the last round's checkpoint and
     results.json: ``resume=`` writes the results, equal to the uninterrupted run's (55.2)."""
-    from fl_app import run as run_module
-    from fl_app.checkpoint import CHECKPOINT_FILE
+    from fl_app.run import server as run_module
+    from fl_app.run.checkpoint import CHECKPOINT_FILE
 
     monkeypatch.setattr(run_module, "remove_checkpoint", lambda output_dir: None)
     reference = simulate([*FAST, "strategy=dp_fedavg", INLINE], name="run")
@@ -291,8 +291,8 @@ def corrupted_fashion_mnist(tmp_path: Path, row: int, label: int) -> Path:
 def test_a_label_out_of_range_is_one_line_naming_the_file_and_row_before_anything_starts(tmp_path):
     """One label byte set to 200: every round of the client holding it failed with ``IndexError:
     Target 200 is out of bounds`` and the run ended with exit status 0 (55.3)."""
-    from fl_app.config import compose_config
-    from fl_app.validation import ConfigError, validate_config
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import ConfigError, validate_config
     from tests.test_reliability import assert_one_line, preflight_cli
 
     folder = corrupted_fashion_mnist(tmp_path, row=1234, label=200)
@@ -358,7 +358,7 @@ def test_a_simulation_with_fewer_supernodes_than_num_clients_fails_at_once(monke
 
     from flwr.app import ConfigRecord
 
-    from fl_app import roster
+    from fl_app.run import roster
 
     clock = [0.0]
     fake = types.SimpleNamespace(
@@ -393,7 +393,7 @@ def test_a_serverapp_failure_under_flwr_run_is_one_line_without_flowers_tracebac
     from flwr.common import log
 
     import fl_app.server_app  # noqa: F401  (the ServerApp module: what flwr run loads)
-    from fl_app.lifecycle import RunFailed
+    from fl_app.run.lifecycle import RunFailed
 
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
@@ -419,9 +419,9 @@ def test_a_serverapp_failure_under_flwr_run_is_one_line_without_flowers_tracebac
 def test_the_folder_of_a_run_that_ended_before_its_first_round_is_reused_and_resume_says_so(tmp_path):
     """A folder holding only the run.log of a failed ``flwr run``: "holds an earlier run ... continue
     with resume=", and ``resume=`` then said it "holds no private_server_state.pkl" (55.5)."""
-    from fl_app.config import compose_config
-    from fl_app.output_claim import claim_output_dir
-    from fl_app.validation import ConfigError, check_output_dir
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import ConfigError, check_output_dir
+    from fl_app.run.output_claim import claim_output_dir
 
     out = tmp_path / "run"
     out.mkdir()
@@ -439,9 +439,9 @@ def test_the_folder_of_a_run_that_ended_before_its_first_round_is_reused_and_res
 def test_a_folder_in_use_names_the_process_and_resume_of_a_missing_folder_says_no_such_directory(tmp_path):
     """A folder in use by another run said "holds an earlier run"; ``resume=/nonexistent`` said there
     was no checkpoint (55.5)."""
-    from fl_app.config import compose_config
-    from fl_app.output_claim import LOCK_FILE
-    from fl_app.validation import ConfigError, check_output_dir
+    from fl_app.config.compose import compose_config
+    from fl_app.config.validation import ConfigError, check_output_dir
+    from fl_app.run.output_claim import LOCK_FILE
 
     out = tmp_path / "run"
     out.mkdir()
@@ -505,7 +505,7 @@ def test_the_calculator_says_why_a_positive_request_spends_exactly_zero():
 def test_the_quick_examples_are_reproducible_from_their_seed(name):
     """Their examples set ``privacy.secure_rng: true``, so the README's "at the default seed" numbers could
     not be reproduced (0.703 against 0.739 for dp_bandmf, 55.6)."""
-    from fl_app.config import compose_config
+    from fl_app.config.compose import compose_config
 
     cfg = compose_config(["+experiment=quick", f"strategy={name}"])
     assert cfg.privacy.secure_rng is False and cfg.privacy.noise_seed is None

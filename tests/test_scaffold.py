@@ -23,7 +23,7 @@ from flwr.app import ConfigRecord
 from clients.scaffold import CONTROL
 from fl_app import keys
 from fl_app.client_app import train
-from fl_app.training import array_values, local_steps, state_to_arrays, train_local
+from fl_app.learning.training import array_values, local_steps, state_to_arrays, train_local
 from strategies import STRATEGIES
 
 SHAPE = ["dataset=digits", "num_clients=6", "clients_per_round=3", "strategy=scaffold", "batch_size=16"]
@@ -173,20 +173,20 @@ def test_state_survives_packed_rounds_and_a_lost_state_changes_the_run(
 ) -> None:
     """Packed (16 clients a message, each member's ``c_i`` carried in and out) and plain rounds release
     the same models bit for bit; a store that forgets every state (a mutant) gives another run."""
-    from fl_app.client_states import ClientStates
+    from fl_app.engine.client_states import ClientStates
 
     common = [*RUN, "num_rounds=4", "simulation.backend=inline"]
-    packed = simulate([*common, "simulation.cohort_messages=true"], "packed")
-    plain = simulate([*common, "simulation.cohort_messages=false"], "plain")
+    packed = simulate([*common, "simulation.pack_messages=true"], "packed")
+    plain = simulate([*common, "simulation.pack_messages=false"], "plain")
     assert rounds_of(packed) == rounds_of(plain) and final_model(packed) == final_model(plain)
     monkeypatch.setattr(ClientStates, "keep", lambda self, client_id, records: None)
-    forgetful = simulate([*common, "simulation.cohort_messages=true"], "forgetful")
+    forgetful = simulate([*common, "simulation.pack_messages=true"], "forgetful")
     assert final_model(forgetful) != final_model(packed)
 
 
 def test_the_checkpoint_names_the_clients_state_as_private(tmp_path: Path) -> None:
     """What the interrupt line says the checkpoint holds: the clients' state between rounds, un-noised."""
-    from fl_app.run_text import private_state_text
+    from fl_app.run.text import private_state_text
 
     strategy = strategy_of(tmp_path)
     text = private_state_text(strategy, tmp_path, client_states=True)

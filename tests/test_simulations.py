@@ -22,8 +22,8 @@ import pytest
 from algorithm_tests import declared
 from conftest import INLINE
 
-from fl_app.config import compose_config
-from fl_app.results import COHORT_FIELDS
+from fl_app.config.compose import compose_config
+from fl_app.run.results import COHORT_FIELDS
 from strategies import STRATEGIES
 from strategies.contract import QuickExample
 

@@ -14,10 +14,10 @@ import pytest
 from conftest import settings_of
 from tracked import mlflow_run, mlflow_store, offline_wandb, wandb_run
 
-from fl_app.config import compose_config
-from fl_app.model_spec import ModelSpec
-from fl_app.results import RunRecorder
-from fl_app.tracking import TrackedRun, Trackers, make_tracker
+from fl_app.config.compose import compose_config
+from fl_app.learning.model_spec import ModelSpec
+from fl_app.report.tracking import TrackedRun, Trackers, make_tracker
+from fl_app.run.results import RunRecorder
 
 ROUNDS = [
     {"round": 1, "accuracy": 0.4, "loss": 1.5, "epsilon": 0.5, "upload_bytes": 700},
@@ -88,7 +88,7 @@ def test_mlflow_keeps_the_parameters_rounds_final_results_and_files_of_a_run(tmp
 def test_mlflow_puts_the_jobs_of_a_sweep_in_one_store_and_continues_a_resumed_run(
     tmp_path, tmp_path_factory, monkeypatch
 ):
-    from fl_app.tracking_mlflow import store_of
+    from fl_app.report.tracking_mlflow import store_of
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
@@ -149,7 +149,7 @@ def test_wandb_offline_writes_its_run_files_and_a_secret_cohorts_run_only_at_its
 
 
 def test_tracking_takes_several_trackers_and_refuses_what_it_cannot_do(monkeypatch):
-    from fl_app.validation import ConfigError, typed_settings, validate_common
+    from fl_app.config.validation import ConfigError, typed_settings, validate_common
 
     settings = typed_settings(compose_config(["dataset=digits", "tracking=[tensorboard,mlflow,mlflow]"]))
     assert settings.tracking == ("tensorboard", "mlflow")

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from fl_app.cli import overview
-from fl_app.config import compose_config
-from fl_app.validation import ConfigError, validate_config
+from fl_app.config.compose import compose_config
+from fl_app.config.validation import ConfigError, validate_config
 from strategies.reporting import SEEDED_NOTE, Randomness
 from tests.conftest import FAST
 
@@ -69,7 +69,7 @@ def test_the_seeded_header_line_is_one_short_line_and_the_details_stay_in_the_re
 def test_the_command_says_it_is_starting_ray_as_soon_as_the_configuration_is_valid(monkeypatch, capsys):
     """About 50 s passed on a loaded machine before a run's first line (Ray's start, the data)."""
     from fl_app import __main__ as command
-    from fl_app.ray_session import SESSION
+    from fl_app.engine.ray_session import SESSION
 
     begun = []
     monkeypatch.setattr(SESSION, "begin", lambda args, actors=None: begun.append(args))

@@ -70,7 +70,7 @@ class DataSpec:
 
     @classmethod
     def from_config(cls, composed: Mapping[str, Any]) -> DataSpec:
-        """Build the spec from a composed run configuration (read once, by :mod:`fl_app.run_settings`)."""
+        """Build the spec from a composed run configuration (read once, by :mod:`fl_app.config.settings`)."""
         evaluation = composed.get("evaluation") or {}
         validation = evaluation.get("split", "test") == "validation"
         dataset = dict(composed["dataset"])

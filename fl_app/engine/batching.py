@@ -27,14 +27,9 @@ from queue import Empty, Queue
 from typing import Any
 from uuid import uuid4
 
-from fl_app.engine.messages import (
-    client_app_error,
-    config_record,
-    log_client_error,
-    raised_in_client_app,
-    set_message_id,
-)
-from fl_app.keys import COHORT
+from fl_app.engine.messages import client_app_error, log_client_error, raised_in_client_app, set_message_id
+from fl_app.keys import PACKED
+from fl_app.learning.records import config_record
 
 #: How often a worker waiting for a batch looks whether the run has stopped (seconds).
 STOP_POLL_S = 0.5
@@ -131,9 +126,9 @@ class Batching:
         """Whether the engine or the run is stopping: batches in flight are abandoned.
 
         The engine stops when its ServerApp ended; the run when a signal asked it to
-        (:func:`fl_app.lifecycle.stop_requested`), which may also have ended the actors.
+        (:func:`fl_app.run.lifecycle.stop_requested`), which may also have ended the actors.
         """
-        from fl_app.lifecycle import stop_requested
+        from fl_app.run.lifecycle import stop_requested
 
         engine_stopping = self.stop_event is not None and self.stop_event.is_set()
         return engine_stopping or stop_requested() is not None
@@ -176,14 +171,14 @@ def run_jobs(client_app_fn: Callable[[], Any], jobs: list[Job]) -> list[Outcome]
 def cohort_hook(jobs: list[Job]) -> contextlib.AbstractContextManager[Any]:
     """What trains the batch's train messages as one computation before they run one by one.
 
-    :func:`fl_app.client_app.trained_as_cohorts` (``simulation.vectorise``); nothing where the
+    :func:`fl_app.client_app.trained_vectorised` (``simulation.vectorise``); nothing where the
     ClientApp's modules cannot be imported (that error is each message's, reported by the loop).
     """
     try:
-        from fl_app.client_app import trained_as_cohorts
+        from fl_app.client_app import trained_vectorised
     except Exception:
         return contextlib.nullcontext()
-    return trained_as_cohorts(jobs)
+    return trained_vectorised(jobs)
 
 
 def warm_up_client_process() -> None:
@@ -279,9 +274,9 @@ def take_batch(queue: Queue[Any], first: Any, limit: int) -> tuple[list[Any], An
     """``first`` and up to ``limit - 1`` more queued messages, each for a different node.
 
     Returns the batch and the message that stopped it because its node is already in the batch
-    or it is a cohort message (None if none did): the caller starts its next batch with it, so a
+    or it is a packed message (None if none did): the caller starts its next batch with it, so a
     node's messages keep their order and never share a task (each would need the Context the other
-    leaves), and a cohort message goes alone (:func:`is_cohort_message`).
+    leaves), and a packed message goes alone (:func:`is_cohort_message`).
     """
     batch, nodes = [first], {first.metadata.dst_node_id}
     while len(batch) < limit and not is_cohort_message(first):
@@ -297,14 +292,14 @@ def take_batch(queue: Queue[Any], first: Any, limit: int) -> tuple[list[Any], An
 
 
 def is_cohort_message(message: Any) -> bool:
-    """Whether ``message`` carries a block of clients (:mod:`fl_app.cohort_messages`): a task of its own.
+    """Whether ``message`` carries a block of clients (:mod:`fl_app.engine.packed`): a task of its own.
 
-    A cohort message is 16 clients' work: batched with others, a cross-device round of 7 of them went
+    A packed message is 16 clients' work: batched with others, a cross-device round of 7 of them went
     to two workers as 4 + 3 (64 and 36 clients, the round as long as the 64); one per task, the workers
     pull them as they free up (52 and 48). On forked workers one per task made the round 8-19 % shorter
     (docs/benchmarks/pfl_research.md); on Ray's actors it made no difference.
     """
-    return message.has_content() and config_record(message.content, COHORT) is not None
+    return message.has_content() and config_record(message.content, PACKED) is not None
 
 
 def process_batch(

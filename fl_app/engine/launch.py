@@ -6,7 +6,7 @@
 * :func:`start_ray` starts Ray with the arguments Flower's Ray backend would use (which then finds it
   running), so the driver can handle SIGTERM itself.
 * :func:`ray_session_folder`: where the instance this process started keeps its logs (Ray's private
-  ``_global_node``), which names its processes to :mod:`fl_app.orphan_reaper`.
+  ``_global_node``), which names its processes to :mod:`fl_app.engine.orphan_reaper`.
 * :func:`actor_limit` caps the actor pool (Flower sizes it from the whole Ray cluster).
 * :func:`watched_from_the_main_thread`: the engine runs on a helper thread, so that a stop signal's
   handler runs at once on the main thread.
@@ -14,7 +14,7 @@
   (``simulation.backend=inline``), :func:`~fl_app.engine.processes.process_backend` in worker
   processes forked from it (``simulation.backend=processes``);
 * :func:`ray_left_running` stops Flower's Ray backend from shutting Ray down when a run ends, so
-  that the jobs of a sweep share one Ray instance (:mod:`fl_app.ray_session` owns it).
+  that the jobs of a sweep share one Ray instance (:mod:`fl_app.engine.ray_session` owns it).
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ def start_ray(init_args: dict[str, Any]) -> None:
 
     ``RayBackend.init_ray`` (flwr 1.41) skips ``ray.init`` when Ray is already up; starting it
     here lets the caller keep its own SIGTERM handler (``ray.init`` replaces the driver's with one
-    that exits at once when it runs on the main thread; :mod:`fl_app.ray_session` runs it on its
+    that exits at once when it runs on the main thread; :mod:`fl_app.engine.ray_session` runs it on its
     own). Same arguments as Flower's: the backend's ``init_args``, no dashboard, and this process's
     ``sys.path`` as the workers' ``PYTHONPATH``.
     """

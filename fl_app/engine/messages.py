@@ -10,7 +10,7 @@
   ClientApp raised;
 * :func:`log_client_error`: a failing client's error and traceback, logged as Flower's worker logs them;
 * :func:`member_message`: a message built on the client side from another's metadata (a cohort
-  message's member, :mod:`fl_app.cohort_messages`; ``flwr.app.message.message.make_message``);
+  message's member, :mod:`fl_app.engine.packed`; ``flwr.app.message.message.make_message``);
 * :func:`task_identity`: messages built outside a run (tests, benchmarks) need the process's task
   identity that a ServerApp or ClientApp process has (``flwr.supercore.task_identity``);
 * :func:`over_the_wire`, :func:`stored_context`, :func:`restored_context`: a message as the other side
@@ -27,7 +27,7 @@ import contextlib
 import copy
 from collections.abc import Iterator
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, RecordDict
 from flwr.app.message.message import make_message
 from flwr.common.constant import FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE, SUPERLINK_NODE_ID
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
@@ -37,28 +37,6 @@ from flwr.supercore.task_identity import TaskIdentity
 MAX_ARRAY_CHUNK_BYTES: int = FLWR_PRIVATE_MAX_ARRAY_CHUNK_SIZE
 #: The sender of the error replies the SuperLink writes itself (a node that is gone).
 LINK_NODE_ID: int = SUPERLINK_NODE_ID
-
-
-def config_record(content: RecordDict, name: str) -> ConfigRecord | None:
-    """The ConfigRecord ``name`` of a message's content, or None when it has none of that name.
-
-    One dictionary lookup: Flower's ``content.config_records`` builds a new synchronised view of every
-    record on each access (about 7 us here), and a train message's path read it six times.
-    """
-    record = content.get(name)
-    return record if isinstance(record, ConfigRecord) else None
-
-
-def array_record(content: RecordDict, name: str) -> ArrayRecord | None:
-    """The ArrayRecord ``name`` of a message's content, or None (one lookup, as :func:`config_record`)."""
-    record = content.get(name)
-    return record if isinstance(record, ArrayRecord) else None
-
-
-def metric_record(content: RecordDict, name: str) -> MetricRecord | None:
-    """The MetricRecord ``name`` of a message's content, or None (one lookup, as :func:`config_record`)."""
-    record = content.get(name)
-    return record if isinstance(record, MetricRecord) else None
 
 
 def content_bytes(message: Message) -> int:
@@ -96,7 +74,7 @@ def log_client_error(reason: str, remote_traceback: str) -> None:
     """Log a failing client's error and traceback, as Flower's worker does, on the engine's behalf.
 
     Logged from this seam, so ``run.log`` withholds them when the cohort is secret
-    (:class:`fl_app.run_log.PublishedLogFilter`: their number and timing follow the cohort).
+    (:class:`fl_app.run.log.PublishedLogFilter`: their number and timing follow the cohort).
     """
     from logging import ERROR
 
@@ -119,7 +97,7 @@ def set_reply_source(reply: Message, node_id: int) -> None:
 def member_message(message: Message, *, node_id: int, message_id: str, content: RecordDict) -> Message:
     """A message as ``message`` but for node ``node_id``, with its own id and ``content``.
 
-    What a client of a cohort message receives (:mod:`fl_app.cohort_messages`): the metadata of the
+    What a client of a packed message receives (:mod:`fl_app.engine.packed`): the metadata of the
     message that reached the node (run, sender, round type, deadline), addressed to the member.
     """
     metadata = copy.copy(message.metadata)

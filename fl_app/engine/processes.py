@@ -16,7 +16,7 @@ workers are therefore forked from the main thread before the engine starts (the 
 no other thread that uses torch, Flower or logging), and a worker does nothing but run batches.
 A worker that dies (killed, out of memory) fails its batch's messages with
 :class:`ClientWorkerDiedError`, which stops the run as a dead Ray actor does
-(:func:`fl_app.round_loop.check_round`: a run that silently went on with fewer workers would run
+(:func:`fl_app.run.round_loop.check_round`: a run that silently went on with fewer workers would run
 slower and fail more); every worker is ended when the run ends. Generators are never
 inherited state that two workers could share: a client's noise comes from generators derived per
 message, or from fresh OS entropy (:mod:`fl_app.privacy.rng`).

@@ -7,6 +7,6 @@
 * :mod:`~fl_app.privacy.accountant` - per-client composition of recorded events;
 * :mod:`~fl_app.privacy.rng` - seeded or OS-entropy generators;
 * :mod:`~fl_app.privacy.audit` - empirical privacy-loss estimates for tests;
-* ``python -m fl_app.privacy`` - the budget calculator (:mod:`fl_app.calculator`, outside the core: it
+* ``python -m fl_app.privacy`` - the budget calculator (:mod:`fl_app.report.calculator`, outside the core: it
   also computes the algorithms' own calibrations).
 """

@@ -1,7 +1,7 @@
-"""``python -m fl_app.privacy``: the privacy budget calculator (an entry point: :mod:`fl_app.calculator`)."""
+"""``python -m fl_app.privacy``: the privacy budget calculator (:mod:`fl_app.report.calculator`)."""
 
 import sys
 
-from fl_app.calculator import main
+from fl_app.report.calculator import main
 
 sys.exit(main())

@@ -43,7 +43,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F  # noqa: N812 - the conventional name
 
-from fl_app.optim import SGD
+from fl_app.learning.optim import SGD
 from fl_app.privacy.events import Gaussian, Mechanism, SampledGaussian
 from fl_app.privacy.mechanisms import gaussian_mechanism
 
@@ -206,7 +206,9 @@ def dp_sgd_train(
         Local diagnostics (not differentially private: do not send them).
 
     """
-    from fl_app.training import to_tensor  # local import: fl_app.training imports no privacy code
+    from fl_app.learning.training import (
+        to_tensor,  # local import: fl_app.learning.training imports no privacy code
+    )
 
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")

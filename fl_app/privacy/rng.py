@@ -43,7 +43,7 @@ def derive_noise_seed(*, seed: int, fingerprint: str) -> int:
         The run seed (``seed``), >= 0.
     fingerprint : str
         A digest of the experiment's validated settings
-        (:meth:`fl_app.run_settings.RunSettings.fingerprint`).
+        (:meth:`fl_app.config.settings.RunSettings.fingerprint`).
 
     Returns
     -------

@@ -8,7 +8,7 @@ The algorithm's home (with ``conf/strategy/dp_bandmf.yaml``; its clients run ``c
   and the streaming noise it correlates.
 """
 
-from fl_app.registry import lazy_exports
+from fl_app.config.registry import lazy_exports
 
 __all__ = ["DPBandMFSettings", "DPBandMFStrategy"]
 #: The settings and the server, imported on first use (the registry imports the modules itself).

@@ -50,14 +50,14 @@ import numpy as np
 from flwr.app import ArrayRecord, MetricRecord
 from flwr.common import log
 
-from fl_app.config_checks import ConfigError, require_int
+from fl_app.config.checks import ConfigError, require_int
+from fl_app.config.settings import RunSettings
+from fl_app.learning.sums import ClippedUpdate
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
 from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, SampledGaussian
-from fl_app.reply_sums import ClippedUpdate
-from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext
-from fl_app.run_settings import RunSettings
+from fl_app.run.context import RunContext
+from fl_app.run.roster import ClientInfo
 from strategies import register_strategy
 from strategies.arrays import ServerMomentum, arrays_like
 from strategies.base import Replies

@@ -11,7 +11,7 @@ The mechanism itself (rotation, rounding, Skellam noise, its RDP and calibration
 :mod:`fl_app.privacy.distributed`; docs/algorithms/distributed_dp.md has the threat model.
 """
 
-from fl_app.registry import lazy_exports
+from fl_app.config.registry import lazy_exports
 
 __all__ = ["DPFedAvgSecAggSettings", "DPFedAvgSecAggStrategy"]
 #: The settings and the server, imported on first use (the registry imports the modules itself).

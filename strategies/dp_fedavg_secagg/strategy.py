@@ -57,7 +57,8 @@ from flwr.serverapp import Grid
 
 from clients.dp_fedavg_secagg import ECHOED, ROTATION_SEED, SECAGG_PLAN
 from fl_app import keys
-from fl_app.config_checks import ConfigError
+from fl_app.config.checks import ConfigError
+from fl_app.config.settings import RunSettings
 from fl_app.engine.secagg import RECORD_KEY_CONFIGS, Key
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.distributed import (
@@ -68,8 +69,7 @@ from fl_app.privacy.distributed import (
     rotation_signs,
 )
 from fl_app.privacy.events import PrivacyEvent
-from fl_app.run_context import RunContext
-from fl_app.run_settings import RunSettings
+from fl_app.run.context import RunContext
 from strategies import register_strategy
 from strategies.base import RecentRounds
 from strategies.cohorts import max_participations
@@ -114,9 +114,9 @@ def model_size(run: RunSettings) -> int:
     Needs the data set's shape: the data and its split are checked first (each a one-line
     ``ConfigError``; the split is built once per process and reused by the run's own check).
     """
+    from fl_app.config.validation import check_partitions, locate_data
     from fl_app.data.federated import federated_data
-    from fl_app.model_spec import ModelSpec
-    from fl_app.validation import check_partitions, locate_data
+    from fl_app.learning.model_spec import ModelSpec
 
     locate_data(run)
     check_partitions(run)

@@ -6,7 +6,7 @@ The algorithm's home (with ``clients/dp_ftrl.py`` and ``conf/strategy/dp_ftrl.ya
 * :mod:`~strategies.dp_ftrl.privacy`: the tree calibration for the schedule.
 """
 
-from fl_app.registry import lazy_exports
+from fl_app.config.registry import lazy_exports
 
 __all__ = ["DPFTRLSettings", "DPFTRLStrategy"]
 #: The settings and the server, imported on first use (the registry imports the modules itself).

@@ -67,15 +67,15 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.common import log
 
+from fl_app.learning.sums import ClippedUpdate
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import noise_multiplier_for_histories
 from fl_app.privacy.canaries import worst_client_patterns
 from fl_app.privacy.composition import History
 from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, TreeAggregation
 from fl_app.privacy.mechanisms import gaussian_mechanism, tree_prefix_nodes
-from fl_app.reply_sums import ClippedUpdate
-from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext
+from fl_app.run.context import RunContext
+from fl_app.run.roster import ClientInfo
 from strategies import register_strategy
 from strategies.base import Replies
 from strategies.contract import Declaration, QuickExample

@@ -7,7 +7,7 @@ The algorithm's home (with ``clients/dpfl_bnn.py`` and ``conf/strategy/dpfl_bnn.
   per-coordinate ledgers.
 """
 
-from fl_app.registry import lazy_exports
+from fl_app.config.registry import lazy_exports
 
 __all__ = ["DPFLBNNSettings", "DPFLBNNStrategy"]
 #: The settings and the server, imported on first use (the registry imports the modules itself).

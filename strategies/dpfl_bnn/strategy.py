@@ -4,7 +4,7 @@ Liu, Zhang, Song, Letaief, "Binary Federated Learning with Client-Level
 Differential Privacy", 2023: Algorithm 1 (server side: steps 4-5), Definition 3
 (RR_gamma), Lemma 3 (its Renyi DP), Theorem 1 (gamma for a target
 (epsilon, delta) over T rounds). The client side is :mod:`clients.dpfl_bnn`, the
-network :class:`fl_app.models.BinaryCNN` (``model=bnn_cnn``).
+network :class:`fl_app.learning.models.BinaryCNN` (``model=bnn_cnn``).
 
 Each round the selected clients train their BNN locally, apply RR_gamma to each
 of the d binary weights independently and upload the d bits packed 8 per byte.
@@ -68,11 +68,11 @@ from clients.dpfl_bnn import (
     unpack_signs,
 )
 from fl_app import keys
-from fl_app.config_checks import ConfigError
+from fl_app.config.checks import ConfigError
+from fl_app.config.settings import RunSettings
 from fl_app.engine.messages import content_bytes
-from fl_app.run_context import RunContext
-from fl_app.run_settings import RunSettings
-from fl_app.training import evaluate, load_arrays
+from fl_app.learning.training import evaluate, load_arrays
+from fl_app.run.context import RunContext
 from strategies import register_strategy
 from strategies.contract import Declaration, QuickExample
 from strategies.dpfl_bnn.privacy import CALIBRATIONS, CLIENT_UNIT, BinaryRRLedger, GammaPlan

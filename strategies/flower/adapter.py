@@ -37,7 +37,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 from flwr.serverapp import strategy as flower_strategies
 
 from fl_app import keys
-from fl_app.training import array_values
+from fl_app.learning.training import array_values
 
 #: What dpfl sets on every Flower strategy it builds: it samples the cohort (all of it goes to Flower's
 #: ``configure_train``), never waits for nodes, and evaluates centrally.

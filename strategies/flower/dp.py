@@ -70,17 +70,17 @@ from flwr.serverapp import (
 from flwr.serverapp import strategy as flower_strategies
 
 from clients.flower import CLIPPING_MOD, UNIFORM_WEIGHT
-from fl_app.config_checks import ConfigError, require_choice, require_positive, require_range
+from fl_app.config.checks import ConfigError, require_choice, require_positive, require_range
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
 from fl_app.privacy.events import Gaussian, PrivacyEvent
-from fl_app.run_context import resolve_clients_per_round
+from fl_app.run.context import resolve_clients_per_round
 from strategies.arrays import flat_vector
 from strategies.flower.adapter import build_flower_strategy, flower_class
 
 if TYPE_CHECKING:
-    from fl_app.run_context import RunContext
-    from fl_app.run_settings import RunSettings
+    from fl_app.config.settings import RunSettings
+    from fl_app.run.context import RunContext
 
 #: Flower's DP wrappers: name -> (clipping kind, the client mod a client-side one needs or None).
 WRAPPERS: dict[str, tuple[str, str | None]] = {

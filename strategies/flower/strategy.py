@@ -13,12 +13,12 @@ from flwr.common import log
 from flwr.serverapp import Grid, RdpAccountant
 
 from fl_app import keys
-from fl_app.config_checks import ConfigError
-from fl_app.lifecycle import RunFailed
+from fl_app.config.checks import ConfigError
+from fl_app.config.settings import RunSettings
 from fl_app.privacy.composition import EpsilonReport
-from fl_app.run_context import RunContext
-from fl_app.run_settings import RunSettings
-from fl_app.run_text import epsilon_text
+from fl_app.run.context import RunContext
+from fl_app.run.lifecycle import RunFailed
+from fl_app.run.text import epsilon_text
 from strategies import register_strategy
 from strategies.contract import Declaration, QuickExample
 from strategies.flower.adapter import FlowerRounds, build_flower_strategy, flower_class

@@ -6,7 +6,7 @@ The algorithm's home (with ``clients/kd_dp.py`` and ``conf/strategy/kd_dp.yaml``
 * :mod:`~strategies.kd_dp.privacy`: the budget split, the DP-SGD groups and the ledger.
 """
 
-from fl_app.registry import lazy_exports
+from fl_app.config.registry import lazy_exports
 
 __all__ = ["KDDPSettings", "KDDPStrategy"]
 #: The settings and the server, imported on first use (the registry imports the modules itself).

@@ -52,13 +52,13 @@ from clients.kd_dp import (
     SpecialPseudoClient,
 )
 from fl_app import keys
-from fl_app.config_checks import ConfigError, require_int
+from fl_app.config.checks import ConfigError, require_int
+from fl_app.config.settings import RunSettings
+from fl_app.learning.train_results import arrays_mismatch
+from fl_app.learning.training import load_arrays
 from fl_app.privacy.composition import EpsilonReport
-from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext
-from fl_app.run_settings import RunSettings
-from fl_app.train_results import arrays_mismatch
-from fl_app.training import load_arrays
+from fl_app.run.context import RunContext
+from fl_app.run.roster import ClientInfo
 from strategies import register_strategy
 from strategies.arrays import mean_arrays
 from strategies.base import RecentRounds

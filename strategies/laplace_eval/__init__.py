@@ -7,7 +7,7 @@ The algorithm's home (with ``clients/laplace_eval.py`` and ``conf/evaluation/lap
 * :mod:`~strategies.laplace_eval.clustering`: the scores (silhouette, Calinski-Harabasz).
 """
 
-from fl_app.registry import lazy_exports
+from fl_app.config.registry import lazy_exports
 
 __all__ = ["LaplaceEvalSettings", "LaplaceEvalStage"]
 #: The settings and the stage, imported on first use (the registry imports the modules itself).

@@ -58,11 +58,11 @@ from clients.laplace_eval import (
     reported_vectors,
 )
 from fl_app import keys
-from fl_app.config_checks import ConfigError
+from fl_app.config.checks import ConfigError
+from fl_app.config.settings import RunSettings
 from fl_app.privacy.accountant import LEDGER_FILE, PrivacyAccountant
 from fl_app.privacy.composition import EpsilonReport
-from fl_app.roster import ClientInfo
-from fl_app.run_settings import RunSettings
+from fl_app.run.roster import ClientInfo
 from strategies import register_evaluation_stage
 from strategies.base import base_train_config
 from strategies.contract import Strategy

@@ -7,7 +7,7 @@ The algorithm's home (with ``clients/nbafl.py`` and ``conf/strategy/nbafl.yaml``
 * :mod:`~strategies.nbafl.privacy`: the uplink and downlink calibration and the units.
 """
 
-from fl_app.registry import lazy_exports
+from fl_app.config.registry import lazy_exports
 
 __all__ = ["NbAFLSettings", "NbAFLStrategy"]
 #: The settings and the server, imported on first use (the registry imports the modules itself).

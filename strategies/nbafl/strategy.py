@@ -54,7 +54,9 @@ from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.common import log
 
 from clients.nbafl import NBAFL_CLIP, NBAFL_MU, NBAFL_SIGMA_UP
-from fl_app.config_checks import require_int, require_positive, require_range
+from fl_app.config.checks import require_int, require_positive, require_range
+from fl_app.config.settings import RunSettings
+from fl_app.learning.sums import Upload
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import (
     CLASSIC_GAUSSIAN_MAX_EPSILON,
@@ -63,10 +65,8 @@ from fl_app.privacy.calibration import (
 )
 from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.privacy.mechanisms import gaussian_mechanism
-from fl_app.reply_sums import Upload
-from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext
-from fl_app.run_settings import RunSettings
+from fl_app.run.context import RunContext
+from fl_app.run.roster import ClientInfo
 from strategies import register_strategy
 from strategies.arrays import arrays_like
 from strategies.base import Replies

@@ -8,7 +8,7 @@ The algorithm's home (with ``clients/privatekt.py`` and ``conf/strategy/privatek
 * :mod:`~strategies.privatekt.privacy`: the keep probability of Lemma 1 and the per-label budget.
 """
 
-from fl_app.registry import lazy_exports
+from fl_app.config.registry import lazy_exports
 
 __all__ = ["PrivateKTSettings", "PrivateKTStrategy"]
 #: The settings and the server, imported on first use (the registry imports the modules itself).

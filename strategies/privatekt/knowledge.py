@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - the conventional name
 
-from fl_app.optim import SGD
-from fl_app.training import seeded_dropout, to_tensor
+from fl_app.learning.optim import SGD
+from fl_app.learning.training import seeded_dropout, to_tensor
 
 #: Ways of turning the Eq. 3 estimate into targets (``strategy.knowledge``).
 KNOWLEDGE_MODES = ("argmax", "soft")

@@ -66,17 +66,17 @@ from clients.privatekt import (
     decode_labels,
 )
 from fl_app import keys
-from fl_app.config_checks import ConfigError
+from fl_app.config.checks import ConfigError
+from fl_app.config.settings import RunSettings
 from fl_app.data.federated import federated_data
-from fl_app.models import is_28x28_image
+from fl_app.learning.models import is_28x28_image
+from fl_app.learning.training import has_dropout, load_arrays, model_to_arrays, predict_proba
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import PrivacyEvent, RandomizedResponse
 from fl_app.privacy.mechanisms import debias_label_average
-from fl_app.roster import ClientInfo
-from fl_app.run_context import RunContext
-from fl_app.run_settings import RunSettings
-from fl_app.training import has_dropout, load_arrays, model_to_arrays, predict_proba
+from fl_app.run.context import RunContext
+from fl_app.run.roster import ClientInfo
 from strategies import register_strategy
 from strategies.base import RecentRounds
 from strategies.cohorts import SCHEDULES, max_participations
@@ -96,7 +96,7 @@ from strategies.settings import StrategySettings, between, flag, integer, one_of
 
 SELF_TRAIN_TARGETS = ("soft", "hard")
 FIRST_DRAWS = ("entropy", "uniform")
-#: ``model=auto`` on 28x28 images: the authors' CNN with dropout (``fl_app.models``).
+#: ``model=auto`` on 28x28 images: the authors' CNN with dropout (``fl_app.learning.models``).
 PRIVATEKT_MODEL = "privatekt_cnn"
 #: Self-training size when ``strategy.self_train`` is null: the authors' code's ratio of the public split.
 SELF_TRAIN_RATIO = 0.1

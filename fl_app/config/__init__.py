@@ -1,0 +1,1 @@
+"""Configuration: Hydra composition, one-line validation, the typed settings, the registries."""

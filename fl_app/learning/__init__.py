@@ -1,0 +1,1 @@
+"""Models, local training and what a client's training returns (the core: no Flower app)."""

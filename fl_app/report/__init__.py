@@ -1,0 +1,1 @@
+"""Reports on runs and sweeps, experiment trackers and the privacy budget calculator."""
