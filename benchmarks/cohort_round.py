@@ -6,8 +6,8 @@ Usage::
         --models mlp,cnn --rounds 5 [--paths cohort,loop] [--json OUT]
 
 What one round of DP-FedAvg (fixed clipping, Gaussian noise on the sum; McMahan et al. 2018) does
-once the engine trains a cohort with :func:`fl_app.engine.vectorised_training.train_vectorised`, timed by phase on
-one device:
+once the engine trains a cohort with ``train_vectorised`` (fl_app/engine/vectorised_training.py), timed
+by phase on one device:
 
 * **sample**: ``--cohort`` clients of the ``--population`` drawn without replacement (a seeded
   ``numpy`` generator; the benchmark's, not a secret one);

@@ -19,7 +19,7 @@ Two paths train the same clients on the same per-client example orders (each cli
   (``fl_app.learning.training`` imports Flower, so the loop is re-implemented here: per-epoch permutation,
   batches in that order, ``F.cross_entropy``, the single-tensor SGD update of ``fl_app.learning.optim.SGD``);
 * ``cohort``: :func:`fl_app.engine.vectorised_training.plan_from_generators` then
-  :func:`fl_app.engine.vectorised_training.train_vectorised` (per ``--schedules`` and ``--chunks``; 0 = the whole
+  ``fl_app.engine.vectorised_training.train_vectorised`` (per ``--schedules`` and ``--chunks``; 0: the whole
   cohort at once).
 
 Per repeat the paths run interleaved (loop, then each cohort variant); the table reports medians of

@@ -5,10 +5,10 @@ When the train config asks for it (``keys.VECTORISE``, from ``simulation.vectori
 and asks what its local training is (:meth:`clients.base.FederatedClient.local_sgd`). Every client
 whose class keeps the contract's own :meth:`~clients.base.FederatedClient.train_locally` and states a
 local SGD joins a group with the messages that share its global model, architecture and SGD settings;
-each group of two or more is trained by :func:`fl_app.engine.vectorised_training.train_vectorised` (a per-client
-gradient correction is stacked). Then the batch's messages run one by one through the ClientApp as
-before, and a client's ``train_locally()`` takes its message's result (:func:`served_training`) when
-it asks for exactly what was trained; everything else a client does (clipping, local noise,
+each group of two or more is trained by :func:`fl_app.engine.vectorised_training.train_vectorised`
+(a per-client gradient correction is stacked). Then the batch's messages run one by one through the
+ClientApp as before, and a client's ``train_locally()`` takes its message's result
+(:func:`served_training`) when it asks for exactly what was trained; everything else a client does (clipping, local noise,
 randomized response, its reply) still runs per message, with its own generators.
 
 Nothing here is the algorithm author's concern. A client class whose trained results go unused (it
