@@ -8,8 +8,9 @@ local SGD joins a group with the messages that share its global model, architect
 each group of two or more is trained by :func:`fl_app.engine.vectorised_training.train_vectorised`
 (a per-client gradient correction is stacked). Then the batch's messages run one by one through the
 ClientApp as before, and a client's ``train_locally()`` takes its message's result
-(:func:`served_training`) when it asks for exactly what was trained; everything else a client does (clipping, local noise,
-randomized response, its reply) still runs per message, with its own generators.
+(:func:`served_training`) when it asks for exactly what was trained; everything else a client does
+(clipping, local noise, randomized response, its reply) still runs per message, with its own
+generators.
 
 Nothing here is the algorithm author's concern. A client class whose trained results go unused (it
 asked for other settings, or never called ``train_locally``) is named once in the log, and its
