@@ -50,6 +50,11 @@ FLOWER_ENVIRONMENT: dict[str, str] = {
     # can abort in Ray's C++ teardown ("Mutex corrupt ... SIGABRT ... Fatal Python error:
     # Aborted", found in 2 of ~1000 session logs here, printed to the run's console).
     "RAY_prestart_worker_first_driver": "0",
+    # No C++ failure-signal handler in Ray's processes: the driver's (installed by ``ray.init`` in the
+    # thread that starts Ray) caught a SIGTERM to the command's group before dpfl's handler was back,
+    # printed Ray's "*** SIGTERM received ..." lines and stack, and Ray's workers printed theirs on the
+    # way down. dpfl stops on SIGINT/SIGTERM itself; a crash of Ray's C++ still ends its process.
+    "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",
     "RAY_max_direct_call_object_size": str(64 << 20),
     "RAY_task_rpc_inlined_bytes_limit": str(256 << 20),
     # One OpenBLAS thread for numpy (torch keeps its own threads). The server's numpy work is vector

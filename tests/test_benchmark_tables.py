@@ -758,7 +758,7 @@ def test_round_phases_charges_each_py_spy_sample_to_its_phase():
         "Flower: engine, records, messages": 0.5,
         round_phases.OTHER: 0.2,
     }
-    assert by_frame["local training", "fl_app/learning/training.py:204 train_local"] == 3.0
+    assert by_frame["local training", "learning/training.py:204 train_local"] == 3.0
     assert round_phases.parse_frame("Module._call_impl (/t/torch/nn/module.py:1775)") == (
         "/t/torch/nn/module.py",
         "Module._call_impl",

@@ -129,7 +129,7 @@ def test_sigterm_twice_between_two_runs_is_one_stop_of_the_command():
     ended the process at once (no line saying how to continue the sweep)."""
     script = (
         "import signal, sys\n"
-        "from fl_app import lifecycle\n"
+        "from fl_app.run import lifecycle\n"
         "try:\n"
         "    with lifecycle.sigterm_like_ctrl_c():\n"
         "        signal.raise_signal(signal.SIGTERM)\n"

@@ -36,8 +36,6 @@ installs them; the engine starts its dispatcher only after Ray is up, seconds la
 
 from __future__ import annotations
 
-import flwr
-
 #: The Flower release pyproject.toml pins (the private APIs this package uses were written against it).
 FLOWER_VERSION = "1.41.0"
 #: Releases checked to have the same private APIs: the suite passed on 1.42.0, whose changes
@@ -48,5 +46,7 @@ SIMULATION_ENGINE_MODULE = "flwr.server.superlink.fleet.vce.vce_api"
 
 
 def flower_version() -> str:
-    """The installed Flower release."""
+    """The installed Flower release (imported here: the engine's vectorised trainer needs no Flower)."""
+    import flwr
+
     return str(flwr.__version__)
