@@ -21,6 +21,8 @@ which wrote it from the runs' ``results.json`` files:
 * ``docs/benchmarks/pfl_research.md``: ``python -P benchmarks/pfl_compare.py table --out
   docs/benchmarks/pfl_research --write-doc``;
 * ``docs/benchmarks/distributed_dp.md``: ``python -P benchmarks/distributed_dp.py table --write-doc``;
+* ``docs/benchmarks/text.md``: ``python -P benchmarks/text_memory.py``, ``benchmarks/text_round.py`` and
+  ``benchmarks/text_presets.py``;
 * ``docs/benchmarks/<algorithm>.md``: each algorithm's benchmark script.
 
 This script types no number either. It does three things:
@@ -91,7 +93,7 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
             (
                 "distributed_dp",
                 "SecAgg+ with Skellam noise beside central DP-FedAvg on the same public schedule, per bit "
-                "width; masks from the whole key, before and after (issue 54).",
+                "width; masks from the whole key, before and after.",
             ),
             (
                 "compare_all",
@@ -150,6 +152,11 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
             ),
             ("hf_loader", "A Hugging Face data set of 100,000 rows, 3,500 users: first run and cache."),
             (
+                "text",
+                "Stack Overflow's shape (342,477 users): peak memory, the word LSTM's round at 100 clients "
+                "(loop and cohort trainer), and the published text presets checked and run for one round.",
+            ),
+            (
                 "pfl_research",
                 "The same cross-device DP-FedAvg task in Apple's pfl-research and in dpfl, interleaved: "
                 "round time, whole command, accuracy, the calibrated noise.",
@@ -158,13 +165,18 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
                 "cohort_training",
                 "A cohort as one torch.func computation against the per-client loop, on the CPU and "
                 "on an NVIDIA H200, a torch-only DP-FedAvg round on it, and the engine's "
-                "simulation.vectorise (issue 58).",
+                "simulation.vectorise.",
             ),
             (
                 "engine_gpu",
                 "dpfl's whole engine on one NVIDIA H200: rounds of 100 and 1000 clients, cohort against "
                 "loop, where a round's time goes (host and GPU), and why the per-message engine misses "
-                "issue 58's goals.",
+                "the goals of 0.1 s and 30 ms a round.",
+            ),
+            (
+                "bulk",
+                "A cohort in bulk (one message per worker): the engine's work per client at 1000 clients "
+                "per round, and the 1000-client MLP round on 2 cores against the tight loop.",
             ),
             (
                 "deployment_load",

@@ -1,4 +1,4 @@
-r"""A DP-FedAvg round with the cohort trained as one computation, torch and numpy only (issue 58).
+r"""A DP-FedAvg round with the cohort trained as one computation, torch and numpy only.
 
 Usage::
 

@@ -1,4 +1,4 @@
-r"""A cohort's local training: the per-client loop against one vectorised computation (issue 58).
+r"""A cohort's local training: the per-client loop against one vectorised computation.
 
 Usage::
 

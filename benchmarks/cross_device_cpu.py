@@ -1,4 +1,4 @@
-"""Issue 58's 2-core goal: the cross-device FedAvg task in pfl-research and in dpfl, interleaved, machine CPU.
+"""The 2-core CPU goal: the cross-device FedAvg task in pfl-research and in dpfl, interleaved, machine CPU.
 
 The task is ``benchmarks/pfl_compare.py``'s non-private one (Fashion-MNIST, Dirichlet(0.5) over
 N = 1000, 100 clients per round, the MLP, one local epoch of batch 32, lr 0.1, evaluation on 2,000
@@ -6,7 +6,7 @@ test images after every round; dpfl's own split exported for pfl). Per repeat, i
 
 * ``pfl``: pfl-research 0.6.0, one process, one torch thread (``pfl_compare.py pfl-run``, ``.venv-pfl``);
 * ``loop``: the tight single-process PyTorch loop, one torch thread (:func:`tight_rounds`: the same
-  rounds' work with nothing else, no messages; ``--loop-run``), the floor of issue 58's CPU goal;
+  rounds' work with nothing else, no messages; ``--loop-run``), the floor of the CPU goal;
 * ``loop-pair``: two copies of ``loop`` at once, one per core (what two busy cores cost each other on
   this machine: shared caches, memory bandwidth, the host's other guests); its CPU is per copy;
 * ``dpfl-inline``: ``python -m fl_app ... simulation.backend=inline`` from this checkout;
@@ -17,18 +17,22 @@ test images after every round; dpfl's own split exported for pfl). Per repeat, i
   one core beside the driver, to set against ``loop`` and ``loop-pair``;
 * ``dpfl-<backend>-before`` (``inline``, ``processes``, ``ray``): the same from ``--before TREE`` (another
   checkout, e.g. ``git worktree add``), only with ``--before``;
-* ``dpfl-<backend>-plain``, ``dpfl-<backend>-cohort`` (``inline``, ``ray``, ``processes``): the dpfl
-  commands with one message per client (``simulation.pack_messages=false``) and with one message per
-  16 clients (``true``, ``fl_app/engine/packed.py``); the default ``auto`` is the latter.
+* ``dpfl-<backend>-plain``, ``-cohort``, ``-bulk``, ``-bulk-vectorised`` (``inline``, ``ray``,
+  ``processes``): the dpfl commands with one message per client (``simulation.pack_messages=false``),
+  one message per 16 clients (``true``, ``simulation.bulk=false``: ``fl_app/engine/packed.py``), one
+  message per worker trained in bulk (``simulation.bulk=true``: ``fl_app/engine/bulk.py``; the default
+  ``auto`` for FedAvg), the same vectorised (``simulation.vectorise=true``).
 
 ``--rounds`` takes one number or several (``30,100``): every repeat runs every arm at each, and with
 two or more the table adds each arm's **CPU per round**, the machine's CPU between the shortest and
 the longest run divided by the rounds between them (start-up and the end of a run cancel out), for
-issue 58's goal of at most 1.6x the loop's.
+the goal of at most 1.6x the loop's.
 
 ``--arms`` picks some of them (default: all; the ``-before`` arms only with ``--before``);
 ``--dpfl-overrides`` adds overrides to every dpfl arm, e.g. another strategy whose aggregation is a sum
 (``'strategy=nbafl privacy.epsilon=50'``: then leave out ``pfl``, which runs FedAvg).
+``--task-overrides`` changes the task for the loops and the dpfl arms alike (``pfl`` is left out), e.g.
+the 1000-client round: ``'num_clients=10000 clients_per_round=1000 partition=iid'``.
 
 Each command is timed from outside; its CPU is the machine's busy time over the command from
 ``/proc/stat`` (Ray's processes escape ``getrusage``), so run it on a quiet machine. The round is the
@@ -36,7 +40,7 @@ median of rounds 2..R (dpfl: ``results.json``; pfl: its own ``results.json``). T
 the caller's environment minus ``OMP_NUM_THREADS`` (a user's shell has none)::
 
     python -P benchmarks/cross_device_cpu.py [--rounds 30[,100]] [--repeats 2] [--before TREE] \
-        [--arms A,B] [--out DIR] [--dpfl-overrides 'strategy=... ...']
+        [--arms A,B] [--out DIR] [--dpfl-overrides 'strategy=... ...'] [--task-overrides '...']
 
 Prints one JSON line per command and a Markdown table; writes ``rows.json`` under ``--out``.
 """
@@ -76,26 +80,37 @@ def dpfl_command(
     rounds: int,
     output: Path,
     backend: str,
-    cohort: bool | None = None,
+    cohort: str | None = None,
     overrides: Sequence[str] = (),
+    task: Sequence[str] = TASK,
 ) -> tuple[list[str], Path]:
-    """``python -m fl_app`` on the task from ``tree`` (with this checkout's ``.venv``).
+    """``python -m fl_app`` on ``task`` from ``tree`` (with this checkout's ``.venv``).
 
     ``backend``: ``ray`` (the default: no override), ``inline`` or ``processes``;
-    ``cohort``: ``simulation.pack_messages=true`` (True), ``false`` (False), the default (None);
+    ``cohort``: one of :data:`COHORT` (None: the defaults);
     ``overrides`` follow the task's (e.g. another strategy: ``--dpfl-overrides``).
     """
     extra = [*overrides, *([] if backend == "ray" else [f"simulation.backend={backend}"])]
-    extra += [] if cohort is None else [f"simulation.pack_messages={str(cohort).lower()}"]
-    command = [str(pfl_compare.DPFL_PYTHON), "-m", "fl_app", *TASK, f"num_rounds={rounds}", *extra]
+    extra += [] if cohort is None else list(COHORT[cohort])
+    command = [str(pfl_compare.DPFL_PYTHON), "-m", "fl_app", *task, f"num_rounds={rounds}", *extra]
     return [*command, f"output_dir={output}"], tree
 
 
-def loop_command(rounds: int, output: Path) -> tuple[list[str], Path]:
+def loop_command(rounds: int, output: Path, task_overrides: str = "") -> tuple[list[str], Path]:
     """The tight loop's run of the task (:func:`loop_run` in a process of its own, dpfl's interpreter)."""
     script = str(Path(__file__).resolve())
     command = [str(pfl_compare.DPFL_PYTHON), "-P", script, "--loop-run", str(output), "--rounds", str(rounds)]
-    return command, ROOT
+    return [*command, "--task-overrides", task_overrides], ROOT
+
+
+#: How a dpfl arm sends the cohort: one message per client, one per 16 clients (each member still
+#: its own client), or bulk (one message per worker, trained without a client per member).
+COHORT: dict[str, tuple[str, ...]] = {
+    "plain": ("simulation.pack_messages=false",),
+    "cohort": ("simulation.pack_messages=true", "simulation.bulk=false"),
+    "bulk": ("simulation.pack_messages=true", "simulation.bulk=true"),
+    "bulk-vectorised": ("simulation.pack_messages=true", "simulation.bulk=true", "simulation.vectorise=true"),
+}
 
 
 #: Arms that run several copies of one command at once: their CPU is divided by the copies.
@@ -107,14 +122,14 @@ PAIR_SCRIPT = "{} & first=$!; {} & second=$!; wait $first; a=$?; wait $second; b
 (``wait -n`` does not: it exits 127 when both ended before it is called)."""
 
 
-def loop_pair_command(rounds: int, output: Path) -> tuple[list[str], Path]:
+def loop_pair_command(rounds: int, output: Path, task_overrides: str = "") -> tuple[list[str], Path]:
     """Two :func:`loop_command` runs at once (``output`` and ``output``-2); the shell waits for both."""
-    first, _ = loop_command(rounds, output)
-    second, _ = loop_command(rounds, output.with_name(output.name + "-2"))
+    first, _ = loop_command(rounds, output, task_overrides)
+    second, _ = loop_command(rounds, output.with_name(output.name + "-2"), task_overrides)
     return ["bash", "-c", PAIR_SCRIPT.format(shlex.join(first), shlex.join(second))], ROOT
 
 
-def loop_run(rounds: int, output: Path) -> None:
+def loop_run(rounds: int, output: Path, task: Sequence[str] = TASK) -> None:
     """Run the task's rounds as :func:`tight_rounds`, one torch thread; write results.json.
 
     The results have dpfl's layout (``rounds[i].round_s``, ``final.accuracy``) plus each round's CPU.
@@ -122,7 +137,7 @@ def loop_run(rounds: int, output: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
-    times, cpu, accuracy = tight_rounds([*TASK, f"num_rounds={rounds}"])
+    times, cpu, accuracy = tight_rounds([*task, f"num_rounds={rounds}"])
     output.mkdir(parents=True, exist_ok=True)
     rows = [{"round_s": t, "cpu_s": c} for t, c in zip(times, cpu, strict=True)]
     (output / "results.json").write_text(json.dumps({"rounds": rows, "final": {"accuracy": accuracy}}))
@@ -259,21 +274,30 @@ def main() -> int:
         default="",
         help="overrides after the task's for every dpfl arm, e.g. 'strategy=nbafl privacy.epsilon=50'",
     )
+    parser.add_argument(
+        "--task-overrides",
+        default="",
+        help="overrides after the task's for the loop and every dpfl arm (not pfl), e.g. the 1000-client "
+        "round 'num_clients=10000 clients_per_round=1000 partition=iid'",
+    )
     parser.add_argument("--loop-run", type=Path, help=argparse.SUPPRESS)  # the loop arm's own process
     args = parser.parse_args()
     try:
         round_counts = sorted({int(part) for part in args.rounds.split(",")})
     except ValueError:
         raise SystemExit(f"--rounds: {args.rounds!r} is not a number or comma-separated numbers") from None
+    task = (*TASK, *shlex.split(args.task_overrides))
     if args.loop_run is not None:
-        loop_run(round_counts[-1], args.loop_run)
+        loop_run(round_counts[-1], args.loop_run, task)
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     data = args.out / "partition.npz"
     if not data.exists():
         export = [str(pfl_compare.DPFL_PYTHON), "-P", str(pfl_compare.SCRIPT), "export", "--data", str(data)]
         subprocess.run(export, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    arms = all_arms(data, args.before, shlex.split(args.dpfl_overrides))
+    arms = all_arms(data, args.before, shlex.split(args.dpfl_overrides), args.task_overrides)
+    if args.task_overrides:
+        arms.pop("pfl")  # pfl runs the exported task only
     if args.arms:
         wanted = args.arms.split(",")
         unknown = sorted(set(wanted) - set(arms))
@@ -294,24 +318,27 @@ COMMAND_LIMIT_S = 1800.0
 Arm = Callable[[int, Path], tuple[list[str], Path]]
 
 
-def all_arms(data: Path, before: Path | None, overrides: Sequence[str]) -> dict[str, Arm]:
+def all_arms(
+    data: Path, before: Path | None, overrides: Sequence[str], task_overrides: str = ""
+) -> dict[str, Arm]:
     """Every arm, by name (``-before`` arms only with ``before``)."""
-    task = functools.partial(dpfl_command, overrides=overrides)
+    overall = (*TASK, *shlex.split(task_overrides))
+    task = functools.partial(dpfl_command, overrides=overrides, task=overall)
     arms: dict[str, Arm] = {
         "pfl": lambda rounds, out: pfl_command(data, rounds, out),
-        "loop": loop_command,
-        "loop-pair": loop_pair_command,
+        "loop": functools.partial(loop_command, task_overrides=task_overrides),
+        "loop-pair": functools.partial(loop_pair_command, task_overrides=task_overrides),
     }
     for backend in ("inline", "processes", "ray"):
         arms[f"dpfl-{backend}"] = functools.partial(task, ROOT, backend=backend)
         if before is not None:
             arms[f"dpfl-{backend}-before"] = functools.partial(task, before.resolve(), backend=backend)
     arms["dpfl-processes-1"] = functools.partial(
-        dpfl_command, ROOT, backend="processes", overrides=[*overrides, "simulation.num_cpus=1"]
+        dpfl_command, ROOT, backend="processes", overrides=[*overrides, "simulation.num_cpus=1"], task=overall
     )
     for backend in ("inline", "ray", "processes"):
-        for kind, cohort in (("plain", False), ("cohort", True)):
-            arms[f"dpfl-{backend}-{kind}"] = functools.partial(task, ROOT, backend=backend, cohort=cohort)
+        for kind in COHORT:
+            arms[f"dpfl-{backend}-{kind}"] = functools.partial(task, ROOT, backend=backend, cohort=kind)
     return arms
 
 

@@ -46,7 +46,7 @@ DATASETS = {"mnist": "MNIST", "fashion_mnist": "Fashion-MNIST"}
 PARTITIONS = {100: "IID (alpha = 100)", 1: "non-IID (alpha = 1)"}
 GAMMAS = (0.1, 0.2, 0.3, 0.4)
 DELTA = 1e-5
-GOAL = 30.0  # the goal: the upload at least 30x smaller than float32 FedAvg
+GOAL = 30.0  # the goal: the upload at least 30x smaller than float32 FedAvg
 BEGIN, END = "<!-- BEGIN dpfl_bnn_tables.md -->", "<!-- END dpfl_bnn_tables.md -->"
 MNIST_BITS = 144 + 2304 + 784 * 100 + 1000  # BinaryCNN on 28x28 images, 10 classes
 

@@ -5,7 +5,7 @@ Runs the command in this process (``fl_app.__main__.main``, as ``python -m fl_ap
 device's own timings; no CPU operator events, which a 1000-client round would make by the million),
 then prints and writes (``--json``) the device time by kind (kernels, host-to-device and
 device-to-host copies, memsets), the 15 kernels that took longest, and the run's
-median round from its ``results.json``. Issue 58: a 1000-client cohort trained in the engine waited
+median round from its ``results.json``. Written when a 1000-client cohort trained in the engine waited
 0.37 s per round on the GPU where the torch-only benchmark trained one in milliseconds.
 
     python -P benchmarks/engine_cuda_profile.py --json out.json -- <overrides of python -m fl_app>

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 58's GPU rows in one call (a machine with torch + CUDA and numpy; no Flower, Ray or Hydra needed).
+# The vectorised trainer's GPU rows in one call (a machine with torch + CUDA and numpy; no Flower, Ray or Hydra needed).
 # Usage: OUT=folder bash benchmarks/gpu_cohort.sh   (each step bounded; the rows land in $OUT/*.json)
 set -u
 OUT=${OUT:-/tmp/gpu_cohort}

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 58's experiment on the GPU: the torch-only round with each step's vmap(grad(loss)) compiled
+# An experiment on the GPU: the torch-only round with each step's vmap(grad(loss)) compiled
 # (benchmarks/cohort_round.py --compile), cohorts of 100 and 1000 MLP clients. torch + CUDA + numpy only.
 # Usage: OUT=folder bash benchmarks/gpu_cohort_compile.sh
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 58's GPU rows of the torch-only round (benchmarks/cohort_round.py): the population's data kept
+# The GPU rows of the torch-only round (benchmarks/cohort_round.py): the population's data kept
 # on the device (and moved each round, --data host), cohorts of 1000 and 100, MLP and CNN (and the
 # per-client loop at 100; add --profile to a line for a torch.profiler table of one round's training). Needs torch with CUDA and numpy only.
 # Usage: OUT=folder bash benchmarks/gpu_cohort_round.sh

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 58: dpfl's whole engine (python -m fl_app, simulation.backend=inline) on a machine with one
+# dpfl's whole engine (python -m fl_app, simulation.backend=inline) on a machine with one
 # NVIDIA GPU that has torch with CUDA but neither Flower, Hydra nor Ray and no network.
 #
 # What travels with the checkout (both ignored by git, named in the call's carry):
@@ -11,7 +11,8 @@
 # written below answers the imports and raises on any use (so a run that reached Ray would fail).
 #
 # Usage: OUT=folder bash benchmarks/gpu_engine.sh            (on the GPU machine; ONLY="run names" for some;
-#        PROFILE=1 adds benchmarks/engine_cuda_profile.py's runs of the 1000-client cohort, ONLY=none alone)
+#        PROFILE=1 adds benchmarks/engine_cuda_profile.py's runs of the 1000-client cohort, ONLY=none alone;
+#        SWEEP=1 adds 8 runs of the 1000-client task at once on the one GPU, and one alone)
 #        LOCAL=1 OUT=folder bash benchmarks/gpu_engine.sh    (here: .venv's python, the CPU, fewer rounds)
 # Every run is bounded; the rows (round times, accuracy, CPU by phase) land in $OUT/engine_gpu.tgz
 # and one line per run on stdout.
@@ -85,13 +86,29 @@ one large_fedavg_cohort $((6 / SCALE)) $LARGE model=mlp strategy=fedavg $GPUS si
 one small_dp_cohort $((10 / SCALE)) $SMALL $DP $GPUS simulation.vectorise=true
 one small_dp_loop $((10 / SCALE)) $SMALL $DP $GPUS simulation.vectorise=false
 one large_cnn_cohort $((4 / SCALE)) $LARGE model=cnn strategy=fedavg $GPUS simulation.vectorise=true
-# the runs above send summed rounds as packed messages (simulation.pack_messages=auto: on), their members
-# trained as one computation per batch; the same with one message per client, as before 2026-11-27
+# FedAvg's and DP-FedAvg's rounds above go in bulk (simulation.bulk=auto: one message for the cohort,
+# trained as one computation, fl_app/engine/bulk.py); the same as packed messages of 16 clients
+one large_fedavg_packed $((6 / SCALE)) $LARGE model=mlp strategy=fedavg $GPUS simulation.vectorise=true simulation.bulk=false
+one small_fedavg_packed $((10 / SCALE)) $SMALL strategy=fedavg $GPUS simulation.vectorise=true simulation.bulk=false
+# and with one message per client, as before 2026-11-27
 one small_fedavg_cohort_permsg $((10 / SCALE)) $SMALL strategy=fedavg $GPUS simulation.vectorise=true simulation.pack_messages=false
 one large_fedavg_cohort_permsg $((6 / SCALE)) $LARGE model=mlp strategy=fedavg $GPUS simulation.vectorise=true simulation.pack_messages=false
 one small_dp_cohort_permsg $((10 / SCALE)) $SMALL $DP $GPUS simulation.vectorise=true simulation.pack_messages=false
 if [ "$GPU" = 1 ]; then  # the same process's CPU (16 cores), one client at a time
   one small_fedavg_cpu16 10 $SMALL strategy=fedavg simulation.client_gpus=0 simulation.client_cpus=16 simulation.vectorise=false
+fi
+if [ "${SWEEP:-0}" = 1 ]; then  # SWEEP=1: 8 runs of the 1000-client MLP task at once on the one GPU
+  started=$SECONDS
+  for k in 1 2 3 4 5 6 7 8; do
+    timeout 400 $PY -m fl_app $LARGE model=mlp strategy=fedavg $GPUS simulation.vectorise=true seed=$k \
+      simulation.backend=inline num_rounds=$((20 / SCALE)) output_dir="$RUNS/sweep_$k" > "$RUNS/sweep_$k.log" 2>&1 &
+  done
+  wait
+  echo "sweep of 8 x $((20 / SCALE)) rounds at once: $((SECONDS - started)) s"
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null | sed 's/^/  memory after: /'
+  started=$SECONDS
+  one sweep_alone $((20 / SCALE)) $LARGE model=mlp strategy=fedavg $GPUS simulation.vectorise=true seed=1
+  echo "one run alone: $((SECONDS - started)) s (the sweep's runs per hour against one at a time)"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then  # the GPU's own timings of the 1000-client cohort, pinned and pageable copies
   for repeat in 1 2; do

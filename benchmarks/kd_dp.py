@@ -114,7 +114,7 @@ def accuracy_table(dataset: str, methods: dict[str, dict[float, Run]]) -> list[s
     )
 
 
-#: The "traditional" DP-FL baselines the issue names, and the same-unit ablation.
+#: The "traditional" DP-FL baselines KD-DP's document names, and the same-unit ablation.
 TRADITIONAL = ("dp_fedavg", "nbafl")
 ABLATION = "fed_dp_sgd"
 

@@ -1,4 +1,4 @@
-"""KD-DP against its ablation in the document's population, seed by seed (issue 41).
+"""KD-DP against its ablation in the document's population, seed by seed.
 
 Usage (from the repository root)::
 

@@ -6,7 +6,7 @@ Usage::
     python benchmarks/privatekt_speed.py round [--data-dir DIR] [--rounds 4] [--out DIR] [--extra k=v ...]
     python benchmarks/privatekt_speed.py tables [--out DIR]
 
-The shape is ``+experiment=privatekt_demo`` on MNIST (issue 20): 40 clients per round, each training the
+The shape is ``+experiment=privatekt_demo`` on MNIST: 40 clients per round, each training the
 authors' CNN (``privatekt_cnn``, 1.68 M parameters, dropout 0.2) for 5 epochs of batch 32 on its 600
 images, then predicting its K = 2 KT samples; the server fine-tunes on the buffer (4 full-batch steps),
 predicts the 12,000-image public split twice (the self-training draw after fine-tuning, the next round's

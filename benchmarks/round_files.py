@@ -54,7 +54,7 @@ class RoundTracer:
         if not path.startswith(PACKAGES):
             return
         if not self.active:
-            if code.co_name == "play" and path.endswith("run.py"):
+            if code.co_name == "play" and path.endswith(("fl_app/run.py", "fl_app/run/server.py")):
                 self.active = True
             else:
                 return

@@ -1,4 +1,4 @@
-"""SecAgg+ masks from the whole key (issue 54): the generator's cost, and the distributed arm before/after.
+"""SecAgg+ masks from the whole key: the generator's cost, and the distributed arm before/after.
 
 Usage (from the repository root)::
 

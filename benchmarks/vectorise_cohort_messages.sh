@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 58: the cross-device FedAvg task (benchmarks/pfl_compare.py's: N = 1000, 100 per round, the MLP,
+# The cross-device FedAvg task (benchmarks/pfl_compare.py's: N = 1000, 100 per round, the MLP,
 # 30 rounds) with the per-client loop (simulation.vectorise=false) and the vectorised trainer (true), both
 # with packed messages (the default), inline and on Ray, interleaved; REPEATS=2 by default.
 # Prints one line per command: median round after the first, the command's wall time, the machine's

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # simulation.vectorise in the whole engine on this machine's CPU: the cross-device DP-FedAvg task
 # (Fashion-MNIST, 1000 clients, 100 per round, MLP, 1 epoch, 10 rounds, epsilon 8), 50 messages per Ray
-# task, the loop and the cohort path interleaved, twice (docs/benchmarks/cohort_training.md).
+# task, the loop and the vectorised path interleaved, twice (docs/benchmarks/cohort_training.md).
 # Usage: bash benchmarks/vectorise_engine_cpu.sh [OUT_PREFIX]
 set -u
 OUT=${1:-/tmp/vectorise}

@@ -33,6 +33,7 @@ from clients.node import NodeClient, parse_model_spec
 from fl_app import keys
 from fl_app.engine.client_states import state_of
 from fl_app.engine.vectorised import served_training
+from fl_app.learning.orders import client_seed, example_orders
 from fl_app.learning.records import array_record
 from fl_app.learning.train_results import TrainResult
 from fl_app.learning.training import (
@@ -226,6 +227,10 @@ class FederatedClient(NodeClient):
             return Trained(served.state, served.loss, steps, _client=self)
         model = self.global_model()
         reference = [p.detach().clone() for p in model.parameters()] if sgd.proximal_mu > 0 else None
+        seed, client, server_round = int(self.config.get(keys.SEED, 0)), self.client_id, self.server_round
+        order = example_orders(
+            seed=seed, clients=[client], server_round=server_round, sizes=[len(data)], epochs=sgd.epochs
+        )
         loss = train_local(
             model,
             data.x,
@@ -234,7 +239,8 @@ class FederatedClient(NodeClient):
             batch_size=sgd.batch_size,
             lr=sgd.lr,
             momentum=sgd.momentum,
-            rng=self.generator("data-order"),
+            order=order[0],
+            dropout_seed=client_seed(seed=seed, client=client, server_round=server_round),
             proximal_mu=sgd.proximal_mu,
             reference=reference,
             correction=sgd.corrections_for(model),

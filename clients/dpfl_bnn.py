@@ -16,7 +16,7 @@ Differential Privacy", 2023, Algorithm 1 (client side), Eq. (5)-(6), Definition 
 3. *Noise* (Definition 3): ``RR_gamma`` on every one of the d binary weights
    independently (keep with probability ``1/2 + gamma``), drawn from the
    client's privacy-noise generator (:func:`fl_app.privacy.mechanisms.binary_randomized_response`).
-4. *Upload*: the d noised bits packed 8 per byte (:mod:`fl_app.bits`), about
+4. *Upload*: the d noised bits packed 8 per byte (:func:`pack_signs`), about
    ``d / 8`` bytes, and nothing else: no training loss, no example count, no
    full-precision value.
 

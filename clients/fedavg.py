@@ -23,3 +23,21 @@ class FedAvgClient(FederatedClient):
         return TrainResult(
             trained.state, {keys.NUM_EXAMPLES: len(self.local_data()), keys.TRAIN_LOSS: trained.loss}
         )
+
+
+#: What a client does exactly as FedAvg's when it overrides none of these.
+FEDAVG_SURFACE = ("train", "train_result", "train_locally", "local_sgd")
+
+
+def plain_fedavg(client_class: type) -> bool:
+    """Whether clients of ``client_class`` do exactly what FedAvg's do: the engine may train them in bulk.
+
+    A :class:`FedAvgClient` (or subclass) that overrides none of :data:`FEDAVG_SURFACE` and keeps no state:
+    its round is the contract's local SGD from the train config on the received model, and its reply is
+    the trained model with its example count and loss (:mod:`fl_app.engine.bulk`).
+    """
+    if not isinstance(client_class, type) or not issubclass(client_class, FedAvgClient):
+        return False
+    if client_class.keeps_state:
+        return False
+    return all(getattr(client_class, name) is getattr(FedAvgClient, name) for name in FEDAVG_SURFACE)

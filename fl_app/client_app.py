@@ -43,7 +43,7 @@ def warm_up() -> None:
 
 
 def trained_vectorised(jobs: Sequence[tuple[Message, Context]]) -> AbstractContextManager[int]:
-    """Train an actor batch's cohort-form train messages as one computation first (the engine's hook).
+    """Train an actor batch's vectorisable train messages as one computation first (the engine's hook).
 
     :func:`fl_app.engine.vectorised.trained_vectorised`, imported here, with torch, only when a batch
     runs (a device's roster answer imports no torch).
@@ -77,7 +77,11 @@ def _with_members(jobs: Sequence[tuple[Message, Context]]) -> list[tuple[Message
         config = config_record(message.content, keys.CONFIG)
         vectorised = config is not None and bool(config.get(keys.VECTORISE, False))
         if vectorised and config_record(message.content, keys.PACKED) is not None:
+            from fl_app.engine import bulk
             from fl_app.engine.packed import member_jobs
+
+            if bulk.is_bulk(message):
+                continue  # a bulk share trains its members itself
 
             with contextlib.suppress(Exception):
                 expanded.extend(member_jobs(message, context))
@@ -105,7 +109,11 @@ def train(message: Message, context: Context) -> Message:
     if config_record(message.content, RECORD_KEY_CONFIGS) is not None:
         return secure_aggregation_mod(message, context, lambda inner, node: client_for(inner, node).train())
     if config_record(message.content, keys.PACKED) is not None:
+        from fl_app.engine import bulk
         from fl_app.engine.packed import answer
+
+        if bulk.is_bulk(message):
+            return bulk.answer(message, context)
 
         return answer(
             message, context, lambda member, node: train_outcome(client_for(member, node)), trained_vectorised

@@ -44,6 +44,7 @@ from flwr.common import log
 from flwr.serverapp import Grid
 
 from fl_app import keys
+from fl_app.engine.messages import Broadcast
 from fl_app.learning.sums import PartialSum, Summand, blocks_of, summed
 from fl_app.learning.training import evaluate, load_arrays, model_to_arrays, torch_seed
 from fl_app.privacy.composition import EpsilonReport
@@ -222,9 +223,7 @@ class FederatedStrategy:
         self.replies.record_selected(server_round, clients)
         content = RecordDict(dict(self.records_for_clients(server_round, arrays)))
         content[keys.CONFIG] = self.train_config(server_round, config)
-        return [
-            Message(content=content, dst_node_id=c.node_id, message_type=MessageType.TRAIN) for c in clients
-        ]
+        return Broadcast(content, [c.node_id for c in clients], MessageType.TRAIN)
 
     @property
     def round_global(self) -> ArrayRecord:

@@ -112,12 +112,3 @@ def max_participations(schedule: dict[int, list[ClientInfo]]) -> int:
     """Rounds the most-selected client of ``schedule`` takes part in."""
     counts = Counter(info.client_id for clients in schedule.values() for info in clients)
     return max(counts.values()) if counts else 0
-
-
-def rounds_by_client(schedule: dict[int, list[ClientInfo]]) -> dict[int, set[int]]:
-    """Client id -> the rounds ``schedule`` gives it."""
-    rounds: dict[int, set[int]] = {}
-    for server_round, cohort in schedule.items():
-        for info in cohort:
-            rounds.setdefault(info.client_id, set()).add(server_round)
-    return rounds

@@ -119,6 +119,9 @@ class Declaration:
     min_clients : int
         The fewest clients a round needs (its check refuses smaller cohorts): one with more than two
         is deployed by a test of its own, not on the two-SuperNode federation.
+    sequences : str | None
+        None when it trains next-token networks on the text data sets (``dataset=shakespeare``,
+        ``stackoverflow``); else why not (completes "does not run on dataset=<name>: ...").
 
     """
 
@@ -142,6 +145,7 @@ class Declaration:
     comparisons: tuple[str, ...] = ()
     deploy: tuple[str, ...] = ()
     min_clients: int = 1
+    sequences: str | None = None
 
     def __post_init__(self) -> None:
         unknown = sorted(set(self.comparisons) - set(COMPARISONS))
@@ -152,15 +156,20 @@ class Declaration:
         """Whether a run of this algorithm with ``settings`` claims a finite epsilon."""
         return self.private(settings) if self.private is not None else self.unit != "none"
 
-    def model_name(self, settings: RunSettings, input_shape: tuple[int, ...]) -> str:
-        """The network to train: ``model`` unless ``auto``, then the algorithm's own or the default."""
+    def model_name(
+        self, settings: RunSettings, input_shape: tuple[int, ...], num_classes: int | None = None
+    ) -> str:
+        """The network to train: ``model`` unless ``auto``, then the algorithm's own or the default.
+
+        ``num_classes``: the data's (a text data set's vocabulary: ``auto`` picks a network by it).
+        """
         from fl_app.learning.models import resolve_model_name
 
         if settings.model == "auto" and self.model is not None:
             own = self.model(settings, input_shape)
             if own is not None:
                 return own
-        return resolve_model_name(settings.model, input_shape)
+        return resolve_model_name(settings.model, input_shape, num_classes)
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ and the privacy report's hooks: :meth:`epsilon`, :meth:`privacy_summary`, :meth:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -58,7 +59,7 @@ class PrivateStrategy(FederatedStrategy):
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
-    ) -> list[Message]:
+    ) -> Iterable[Message]:
         """The usual round's messages; before the first, the canaries (when asked for and supported)."""
         count = self.run.settings.privacy.canaries
         if self._initial_vector is None and count and self.declaration.canaries is None:
@@ -70,7 +71,7 @@ class PrivateStrategy(FederatedStrategy):
                 randomness=self.run.randomness,
                 patterns=self.canary_patterns(count),
             )
-        return list(super().configure_train(server_round, arrays, config, grid))
+        return super().configure_train(server_round, arrays, config, grid)
 
     def ledgers(self) -> dict[str, dict[str, JSON]]:
         """``privacy_ledger.json``: the accountant's events (none when the run is not private)."""

@@ -28,7 +28,7 @@ def test_run_experiment_returns_the_results_it_wrote(tmp_path: Path) -> None:
     assert results["config"]["strategy"]["name"] == "dp_fedavg"
     from fl_app.run.code_version import code_version
 
-    assert results["code"] == code_version() and results["code"]["package"]  # which code ran (issue 41)
+    assert results["code"] == code_version() and results["code"]["package"]  # which code ran
 
 
 def test_a_bad_value_raises_before_anything_is_written(tmp_path: Path) -> None:
@@ -48,7 +48,7 @@ def test_unknown_attribute_of_the_package_is_an_attribute_error() -> None:
 
 
 def test_config_error_is_importable_from_the_package_as_the_readme_shows():
-    """``from fl_app import ConfigError`` failed although the README shows it (42.9)."""
+    """``from fl_app import ConfigError`` works, as the README shows."""
     from fl_app import ConfigError, run_experiment
     from fl_app.config.checks import ConfigError as DefinedError
 

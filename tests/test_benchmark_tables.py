@@ -532,7 +532,7 @@ def test_privatekt_speed_tables_without_measurements_says_so(tmp_path):
 
 def test_the_recorded_authors_log_is_theirs_every_round():
     log = privatekt.authors_log()
-    # the rounds the issue and docs/algorithms/privatekt.md quote from their notebook
+    # rounds quoted from their notebook (docs/benchmarks/privatekt.md's demo table)
     quoted = {10: 0.298, 20: 0.473, 30: 0.610, 50: 0.761, 100: 0.894, 200: 0.929, 500: 0.951}
     assert all(abs(log[r] - value) <= 5e-4 + 1e-9 for r, value in quoted.items()), {r: log[r] for r in quoted}
     assert min(log) == 1 and max(log) == 500 and len(log) == 496  # 466-469 missing from their output
@@ -794,7 +794,7 @@ def test_cross_device_cpu_loop_pair_runs_two_loops_at_once_each_with_its_output(
 
 
 def test_cross_device_cpu_per_round_is_the_cpu_between_two_round_counts() -> None:
-    """Issue 58's CPU goal: (CPU at R2 - CPU at R1) / (R2 - R1) per arm, and its multiple of the loop's."""
+    """The CPU per round: (CPU at R2 - CPU at R1) / (R2 - R1) per arm, and its multiple of the loop's."""
     from benchmarks import cross_device_cpu
 
     def row(arm: str, repeat: int, rounds: int, cpu: float) -> dict[str, Any]:

@@ -20,17 +20,13 @@ from fl_app.config.validation import ConfigError, validate_config
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.composition import RDP_ORDERS, compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent, SampledGaussian, TreeAggregation
-from fl_app.privacy.mechanisms import sum_clipped_updates, tree_node, tree_prefix_nodes
+from fl_app.privacy.mechanisms import tree_node, tree_prefix_nodes
 from strategies.dp_fedavg_adaptive import (
     DPFedAvgAdaptiveStrategy,
     adaptive_clipping_effective_noise_multiplier,
     adaptive_clipping_update_noise_multiplier,
 )
-from strategies.dp_ftrl.privacy import (
-    tree_aggregation_epsilon,
-    tree_aggregation_noise_multiplier,
-    tree_sensitivity_increments,
-)
+from strategies.dp_ftrl.privacy import tree_sensitivity_increments
 from strategies.dp_ftrl.strategy import DPFTRLStrategy
 
 DIGITS = ["dataset=digits", "partition=iid", "num_clients=6", "clients_per_round=3"]
@@ -95,14 +91,6 @@ def test_tree_aggregation_event_is_dp_accountings_tree_event():
     assert (
         replayed.epsilon(delta=delta, client=0).epsilon == accountant.epsilon(delta=delta, client=0).epsilon
     )
-
-
-def test_tree_aggregation_calibration_meets_the_target_tightly():
-    trees = [4, 4, 2]
-    z = tree_aggregation_noise_multiplier(epsilon=2.0, delta=1e-5, tree_steps=trees)
-    spent = tree_aggregation_epsilon(noise_multiplier=z, tree_steps=trees, delta=1e-5)
-    assert 1.99 < spent <= 2.0
-    assert tree_aggregation_epsilon(noise_multiplier=0.999 * z, tree_steps=trees, delta=1e-5) > 2.0
 
 
 def test_tree_nodes_and_exact_sensitivity_of_several_participations():
@@ -297,18 +285,6 @@ def test_adaptive_server_momentum_step_without_noise(tmp_path):
         expected = np.float32(weights) + 0.7 * velocity
         weights = _vector(arrays)
         assert np.allclose(weights, expected, atol=1e-5)
-
-
-def test_sum_clipped_updates_clips_each_update_jointly():
-    like = [np.zeros((2, 2)), np.zeros(3)]
-    updates = [[np.full((2, 2), 3.0), np.full(3, 4.0)], [np.full((2, 2), 0.1), np.zeros(3)]]
-    total, norms = sum_clipped_updates(updates=updates, like=like, max_norm=1.0)
-    assert norms == pytest.approx([math.sqrt(4 * 9 + 3 * 16), 0.2])
-    first = np.concatenate([np.full(4, 3.0), np.full(3, 4.0)]) / norms[0]
-    assert np.allclose(
-        np.concatenate([t.ravel() for t in total]), first + np.concatenate([np.full(4, 0.1), np.zeros(3)])
-    )
-    assert all(t.dtype == np.float64 for t in total)
 
 
 # ----------------------------------------------------------------------------- DP-FTRL

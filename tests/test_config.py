@@ -19,6 +19,7 @@ from fl_app.config.compose import (
     overrides_to_run_config,
 )
 from fl_app.config.validation import ConfigError, validate_config
+from fl_app.data.examples import TEXT_DATASETS
 from strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,6 +39,8 @@ def test_every_option_of_every_group_composes_and_validates(group):
             overrides.append("dataset.path=flwrlabs/femnist")  # required (the presets set it)
         if group == "partition" and option == "natural":
             overrides += ["dataset=femnist", "partition.column=writer_id"]  # users: only dataset=hf has them
+        if group == "dataset" and option in TEXT_DATASETS:
+            overrides = text_dataset_overrides(overrides)
         cfg = compose_config(overrides)
         validate_config(cfg, check_data=False)
         own = OmegaConf.load(CONF_DIR / group / f"{option}.yaml")
@@ -45,6 +48,29 @@ def test_every_option_of_every_group_composes_and_validates(group):
         assert not missing, f"{group}={option}: keys of the file not in the composed config: {missing}"
         if "name" in own:
             assert cfg[group].name == own.name
+
+
+def refused(overrides: list[str], key: str) -> None:
+    """Validating ``overrides`` fails in one line naming ``key``."""
+    with pytest.raises(ConfigError) as error:
+        validate_config(compose_config(overrides), check_data=False)
+    assert error.value.key == key, (overrides, str(error.value))
+    assert "\n" not in str(error.value)
+
+
+def text_dataset_overrides(overrides: list[str]) -> list[str]:
+    """A text data set's run: its users are the clients, and it reads a file the user names.
+
+    Each requirement is checked to be one: without ``partition=natural`` validation names
+    ``partition.name``; without a path (the file conf leaves it null), ``dataset.path``.
+    """
+    path = ["dataset.path=/data/corpus.parquet"]
+    refused([*overrides, *path], "partition.name")
+    overrides = [*overrides, "partition=natural"]
+    if compose_config(overrides).dataset.path is None:
+        refused(overrides, "dataset.path")
+        overrides += path
+    return overrides
 
 
 def test_every_strategy_declares_exactly_the_keys_of_its_conf_file():
@@ -75,6 +101,11 @@ def _leaves(node: object, prefix: str = "") -> list[tuple[str, object]]:
 def test_every_experiment_preset_composes_validates_and_sets_its_values():
     for option in options("experiment"):
         cfg = compose_config([f"+experiment={option}"])
+        supplied = set()  # keys the command line sets: a text preset's corpus is named by its user
+        if cfg.dataset.name in TEXT_DATASETS and cfg.dataset.path is None:
+            refused([f"+experiment={option}"], "dataset.path")
+            cfg = compose_config([f"+experiment={option}", "dataset.path=/data/corpus.sqlite"])
+            supplied.add("dataset.path")
         validate_config(cfg, check_data=False)
         own = yaml.safe_load((CONF_DIR / "experiment" / f"{option}.yaml").read_text())
         defaults = own.get("defaults", [])
@@ -93,7 +124,7 @@ def test_every_experiment_preset_composes_validates_and_sets_its_values():
         checked = 0
         for key, value in _leaves(settings):
             key = key.rstrip(".")
-            if key in later or (isinstance(value, str) and "${" in value):
+            if key in later | supplied or (isinstance(value, str) and "${" in value):
                 continue  # set by a later arm, or a rule such as ${per_budget:...} resolved per job
             assert OmegaConf.select(cfg, key) == value, (option, key)
             checked += 1

@@ -1,4 +1,4 @@
-"""The documents cite files that exist, and stay short enough to read (issue 56).
+"""The documents cite files that exist, and stay short enough to read.
 
 Every Markdown link of README.md, BENCHMARKS.md and docs/**/*.md (the kept runs below
 docs/benchmarks/**/runs/ excepted) must resolve, against the citing file, to a file or folder of the

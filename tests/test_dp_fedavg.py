@@ -13,7 +13,7 @@ def check_quick_example(results: dict[str, Any], example: Any) -> None:
     """What its quick example's run must show beyond the common checks (tests/test_simulations.py)."""
     privacy = results["privacy"]
     assert privacy["unit"].startswith("one client")
-    # Poisson cohorts, seeded as every simulation's (reproducible from the published config, issue 55;
+    # Poisson cohorts, seeded as every simulation's (reproducible from the published config;
     # the epsilon describes a deployment in which the coins are secret)
     assert privacy["sampling"] == "poisson" and privacy["sampling_rate"] == pytest.approx(0.1)
     assert privacy["randomness"]["source"] == "seeded"

@@ -16,4 +16,4 @@ def check_quick_example(results: dict[str, Any], example: Any) -> None:
     assert rounds[0]["clip_norm"] == pytest.approx(privacy["initial_clip"]) == pytest.approx(0.1)
     assert privacy["final_clip"] != pytest.approx(privacy["initial_clip"])  # the clip followed the quantile
     assert privacy["bit_noise"] == pytest.approx(example.clients_per_round / 20)  # the paper's m / 20
-    assert privacy["randomness"]["source"] == "seeded"  # reproducible from the published config (issue 55)
+    assert privacy["randomness"]["source"] == "seeded"  # reproducible from the published config

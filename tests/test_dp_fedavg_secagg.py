@@ -402,7 +402,7 @@ def test_a_fraction_of_the_clients_per_round_is_a_cohort_of_that_size(tmp_path):
     assert all(len(cohort) == 6 for cohort in strategy.cohorts.planned.values())
 
 
-# ------------------------------------------------------------------ what a curious server can open (issue 54)
+# ------------------------------------------------------------------ what a curious server can open
 
 
 def folded_twin(secret: bytes) -> bytes:

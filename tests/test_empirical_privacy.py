@@ -104,7 +104,7 @@ def test_canaries_are_sampled_at_the_rate_or_follow_their_patterns():
 
 @pytest.mark.parametrize("restart", ["epoch", "none"])
 def test_dp_ftrl_canaries_take_part_as_the_accounted_client(tmp_path, restart):
-    """Issue 38.4: a DP-FTRL canary follows a worst client's schedule, never a worse one.
+    """A DP-FTRL canary follows a worst client's schedule, never a worse one.
 
     Before, canaries joined rounds by coin flip capped only by their total count: 19.5 % of them had a
     tree sensitivity above the worst real client's (15 against 9).
@@ -190,7 +190,7 @@ def test_noise_switched_off_is_caught_far_above_the_claim(tmp_path, monkeypatch)
 
 @pytest.mark.audit
 def test_noise_off_by_two_is_caught(tmp_path, monkeypatch):
-    """The bug a user would care about: half the noise the accountant records (issue 38.4).
+    """The bug a user would care about: half the noise the accountant records.
 
     The mutant divides DP-FedAvg's noise draw by 2 while the accountant still records the calibrated
     noise (true epsilon 5.1 against the claim 2). CANARIES_FOR_2X canaries catch it (the whole

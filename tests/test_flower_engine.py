@@ -293,12 +293,14 @@ def test_mean_arrays_is_bitwise_the_sequential_float64_mean() -> None:
 def test_results_equal_the_code_before_the_speed_work(
     shared_simulation: Any, name: str, overrides: list[str], backend: str
 ) -> None:
-    """Round by round, the same accuracy, epsilon and bytes as commit 48fef10 (tests/data).
+    """Round by round, the per-message path's accuracy and loss, and commit 48fef10's epsilon and bytes.
 
-    On Ray's client actors, with the clients in the driver (``simulation.backend=inline``) and in
-    worker processes forked from it (``processes``): where a client runs changes nothing it
-    computes. The loss is compared to 1e-6: that code summed the replies in the order they arrived,
-    which varies from run to run in the last bits of a float; replies are now summed by client id.
+    ``tests/data/golden_rounds.json``: the accuracy and loss of one message per client, nothing
+    packed or vectorised, in the driver; the epsilon and bytes as the code before the speed work
+    (commit 48fef10) gave them. On Ray's client actors, with the clients in the driver
+    (``simulation.backend=inline``) and in worker processes forked from it (``processes``), with the
+    default fast paths: where a client runs and how its round is sent changes nothing it computes.
+    The loss is compared to 1e-6 (float sums in another association).
     """
     golden = json.loads(GOLDEN.read_text())["runs"][name]
     fast = [item for item in FAST if not item.startswith("num_rounds=")]
@@ -542,7 +544,7 @@ def test_take_batch_never_puts_two_messages_of_one_node_together() -> None:
     assert [m.metadata.dst_node_id for m in batch] == [1, 2] and carried is None and queue.qsize() == 3
 
 
-def test_take_batch_sends_each_cohort_message_alone() -> None:
+def test_take_batch_sends_each_packed_message_alone() -> None:
     from flwr.app import ConfigRecord
 
     from fl_app import keys

@@ -94,8 +94,9 @@ def test_a_supernode_port_taken_before_it_binds_is_replaced(tmp_path: Path, monk
 
 
 def test_stop_superlink_stops_only_this_users_superlink_of_this_home_by_pid(tmp_path: Path) -> None:
-    """scripts/stop-superlink.sh ended processes by a command-line pattern (42.9): on a shared machine
-    it could end another user's. Now: this user's `flower-superlink` of this Flower home, by pid."""
+    """scripts/stop-superlink.sh ends this user's `flower-superlink` of this Flower home, by pid.
+
+    Never by a command-line pattern: on a shared machine that could end another user's."""
     import subprocess
 
     deployment = _script()
@@ -130,7 +131,7 @@ def test_stop_superlink_stops_only_this_users_superlink_of_this_home_by_pid(tmp_
 
 
 def test_status_answers_with_exit_status_zero_when_nothing_runs(tmp_path: Path, capsys) -> None:
-    """`dpfl deploy status` exited 1 when nothing ran (42.9)."""
+    """`dpfl deploy status` exits 0 when nothing runs."""
     assert _script().main(["status", "--dir", str(tmp_path)]) == 0
     assert capsys.readouterr().out.startswith("not running")
 

@@ -244,7 +244,7 @@ def _run_rounds(strategy: NbAFLStrategy, rounds: int, *, fail_first: bool = Fals
 
 @pytest.mark.parametrize("unit", ["client", "document_record"])
 def test_the_run_epsilon_is_client_level_and_the_record_reading_is_beside_it(tmp_path, unit):
-    """Issue 38.2: the headline is the client-level epsilon (sensitivity 2C, proven for multi-step SGD).
+    """The headline is the client-level epsilon (sensitivity 2C, proven for multi-step SGD).
 
     The document's record-level reading (2C/m) is composed beside it by name, whichever unit
     privacy.epsilon was calibrated for.

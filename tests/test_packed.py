@@ -39,26 +39,39 @@ from fl_app.learning.train_results import TrainResult
 from strategies import STRATEGIES
 
 FORTY = ["dataset=digits", "num_clients=40", "clients_per_round=40", "partition=dirichlet"]
-#: Every strategy whose aggregation is a sum of per-client terms, with what it needs to run here.
-SUMMED = {
-    "fedavg": [],
-    "dp_fedavg": ["strategy.sampling=fixed", "privacy.noise_seed=3"],
-    "dp_fedavg_adaptive": ["privacy.noise_seed=3"],
-    "dp_ftrl": ["privacy.noise_seed=3"],
-    "dp_bandmf": ["privacy.noise_seed=3"],
-    "dp_flower": ["privacy.noise_seed=3"],
-    "fedavg_ldp": ["privacy.noise_seed=3"],
-    "nbafl": ["privacy.noise_seed=3"],
-    "scaffold": [],
-}
 
 
-def test_every_strategy_with_a_summand_is_checked_here() -> None:
-    """A strategy whose aggregation is its declared sum (so its rounds may be packed) is listed above."""
+def needs(name: str) -> list[str]:
+    """What a strategy needs to run here: the same noise in both runs when it is private, and every
+    client every round (so three blocks) where it samples by default."""
+    from fl_app.config.compose import compose_config
+
+    strategy = compose_config([*FAST, *FORTY, f"strategy={name}"]).strategy
+    private = STRATEGIES.get(name).declaration.unit != "none"
+    return [
+        *(["privacy.noise_seed=3"] if private else []),
+        *(["strategy.sampling=fixed"] if "sampling" in strategy else []),
+    ]
+
+
+def summed_strategies() -> dict[str, list[str]]:
+    """Every registered strategy whose aggregation is its declared sum, with what it needs to run here."""
     from fl_app.run.round_loop import aggregates_its_sum
 
-    named = {name for name in STRATEGIES.names() if aggregates_its_sum(STRATEGIES.get(name))}
-    assert named == set(SUMMED)
+    names = sorted(n for n in STRATEGIES.names() if aggregates_its_sum(STRATEGIES.get(n)))
+    return {name: needs(name) for name in names}
+
+
+#: Derived from the registry: a new algorithm whose aggregation is a sum is checked here unasked.
+SUMMED = summed_strategies()
+
+
+def test_the_summed_strategies_include_the_baselines() -> None:
+    """The derivation finds the sums it must (a registry or ``summand`` that broke would empty it)."""
+    assert {"fedavg", "dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "dp_bandmf", "nbafl"} <= set(SUMMED)
+    assert (
+        SUMMED["dp_fedavg"] == ["privacy.noise_seed=3", "strategy.sampling=fixed"] and SUMMED["fedavg"] == []
+    )
 
 
 def strategy_of(name: str, tmp_path: Path) -> Any:
@@ -98,7 +111,7 @@ def cohort_replies(messages: list[Message], strategy: Any) -> list[Message]:
 
 @pytest.mark.parametrize("name", sorted(SUMMED))
 @pytest.mark.parametrize("failing", [False, True])
-def test_cohort_messages_release_what_plain_messages_release(
+def test_packed_messages_release_what_plain_messages_release(
     name: str, failing: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same model bit for bit, the same failures; with client 17 failing in round 1, too."""
@@ -256,31 +269,53 @@ def only_client_5_fails(tmp_path: Path) -> str:
 
 @pytest.mark.simulation
 @pytest.mark.parametrize("strategy", ["fedavg", "dp_fedavg", "nbafl"])
-def test_a_simulation_gives_the_same_rounds_with_cohort_messages(strategy: str, simulate: Any) -> None:
+def test_a_simulation_gives_the_same_rounds_with_packed_messages(strategy: str, simulate: Any) -> None:
     """Inline, 40 clients, client 3 failing in round 2: every round's accuracy, loss, epsilon, bytes and
-    failures, and the un-noised diagnostics, equal with one message per client and with packed messages."""
+    failures, and the un-noised diagnostics, equal with one message per client, with packed messages,
+    and in bulk (FedAvg's client: one message for the round, no client object per member; NbAFL's
+    client noises its upload itself, so its round stays packed)."""
+    from fl_app.engine import bulk
+
     overrides = [*FAST, *FORTY, "num_rounds=3", INLINE, f"strategy={strategy}", "privacy.diagnostics=true"]
-    results, answered = {}, []
-    real_answer = pack_messages.answer
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(INJECT_FAILURES_ENV, "3@2")
-        patch.setattr(pack_messages, "answer", lambda *a, **k: answered.append(1) or real_answer(*a, **k))
-        for cohort in ("false", "true"):
-            run = simulate([*overrides, f"simulation.pack_messages={cohort}"], name=cohort)
-            results[cohort] = run
-            assert len(answered) == (0 if cohort == "false" else 3 * 3), (cohort, len(answered))  # 3 rounds
+    arms = {
+        "plain": ["simulation.pack_messages=false"],
+        "packed": ["simulation.pack_messages=true", "simulation.bulk=false"],
+        "bulk": ["simulation.pack_messages=true", "simulation.bulk=true"],
+    }
+    in_bulk = strategy != "nbafl"
+    expected = {"plain": (0, 0), "packed": (3 * 3, 0), "bulk": (0, 3) if in_bulk else (3 * 3, 0)}
+    results = {}
+    for arm, switches in arms.items():
+        answered = {"packed": 0, "bulk": 0}
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(INJECT_FAILURES_ENV, "3@2")
+            patch.setattr(pack_messages, "answer", _counted(pack_messages.answer, answered, "packed"))
+            patch.setattr(bulk, "answer", _counted(bulk.answer, answered, "bulk"))
+            results[arm] = simulate([*overrides, *switches], name=arm)
+        assert (answered["packed"], answered["bulk"]) == expected[arm], (arm, answered)  # 3 rounds
     timing = {"wall_s", "round_s", "secret_cohort_round_s"}
 
     def rounds(run: dict[str, Any]) -> list[dict[str, Any]]:
         return [{k: v for k, v in r.items() if k not in timing} for r in run["rounds"]]
 
-    assert rounds(results["true"]) == rounds(results["false"])
-    outside = [results[c].get("outside_guarantee", {}).get("rounds", []) for c in ("false", "true")]
-    assert _without_timing(outside[0]) == _without_timing(outside[1])
+    outside = {arm: run.get("outside_guarantee", {}).get("rounds", []) for arm, run in results.items()}
+    for arm in ("packed", "bulk"):
+        assert rounds(results[arm]) == rounds(results["plain"]), arm
+        assert _without_timing(outside[arm]) == _without_timing(outside["plain"]), arm
     # DP-FedAvg's Poisson cohort is secret: its size and failures are published outside the guarantee
-    published = outside[1] if strategy == "dp_fedavg" else results["true"]["rounds"]
+    published = outside["bulk"] if strategy == "dp_fedavg" else results["bulk"]["rounds"]
     assert [r.get("failures", r.get("secret_cohort_failures")) for r in published] == [0, 1, 0]
-    assert strategy == "fedavg" or all("update_norm_median" in r for r in outside[1])
+    assert strategy == "fedavg" or all("update_norm_median" in r for r in outside["bulk"])
+
+
+def _counted(function: Any, counts: dict[str, int], key: str) -> Any:
+    """``function``, each call counted in ``counts[key]``."""
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        counts[key] += 1
+        return function(*args, **kwargs)
+
+    return counting
 
 
 def _without_timing(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -412,14 +447,14 @@ def test_chunks_that_only_look_alike_are_not_taken_for_one() -> None:
     ("backend", "value", "sends"),
     [("inline", "auto", True), ("ray", "auto", True), ("inline", "false", False), ("ray", "true", True)],
 )
-def test_cohort_messages_are_on_unless_switched_off(backend: str, value: str, sends: bool) -> None:
+def test_packed_messages_are_on_unless_switched_off(backend: str, value: str, sends: bool) -> None:
     """``auto`` is on with either backend: measured faster on both (docs/benchmarks/pfl_research.md)."""
     settings = settings_of([f"simulation.backend={backend}", f"simulation.pack_messages={value}"])
     assert settings.simulation.packs_messages is sends
 
 
 @pytest.mark.parametrize("name", ["fedavg", "dp_fedavg", "nbafl"])
-def test_a_batch_of_cohort_messages_trains_all_its_members_as_one_computation(
+def test_a_batch_of_packed_messages_trains_all_its_members_as_one_computation(
     name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With ``simulation.vectorise``, the three packed messages of a batch (40 members) train as one
@@ -428,12 +463,12 @@ def test_a_batch_of_cohort_messages_trains_all_its_members_as_one_computation(
     tolerance."""
     from conftest import count_vectorised_trainings
 
-    from fl_app.engine import vectorised as cohort_execution
+    from fl_app.engine import vectorised as vectorised_engine
 
     sizes: list[int] = []
-    real_group = cohort_execution._train_group
+    real_group = vectorised_engine._train_group
     monkeypatch.setattr(
-        cohort_execution, "_train_group", lambda group: sizes.append(len(group.members)) or real_group(group)
+        vectorised_engine, "_train_group", lambda group: sizes.append(len(group.members)) or real_group(group)
     )
     taken = count_vectorised_trainings(monkeypatch)
     released = []

@@ -1,4 +1,4 @@
-"""A user's algorithm, defined in this module, run end to end through the platform (issue 37).
+"""A user's algorithm, defined in this module, run end to end through the platform.
 
 What a user writes to add an algorithm, and nothing more: typed settings (a dataclass), a client (local
 work and the reply), a strategy (a :class:`~strategies.contract.Declaration` and ``aggregate_train``),

@@ -33,7 +33,7 @@ def test_rr_command(capsys):
 def test_dp_fedavg_and_dp_sgd_commands_against_dp_accounting(capsys, accountant):
     """The calculator's z reaches the target in an independent dp-accounting computation (its PLD or
     RDP accountant class, not the project's code path), and a slightly smaller z would not (the search
-    returns the smallest z to its tolerance). PLD is the default (issue 38.5)."""
+    returns the smallest z to its tolerance). PLD is the default."""
     import dp_accounting
     from dp_accounting.pld import PLDAccountant
     from dp_accounting.rdp import RdpAccountant
@@ -56,7 +56,7 @@ def test_dp_fedavg_and_dp_sgd_commands_against_dp_accounting(capsys, accountant)
         assert oracle(z, q, count) <= target * (1 + 1e-6)
         assert oracle(z * 0.995, q, count) > target
         assert answer["epsilon"] == pytest.approx(oracle(z, q, count), rel=1e-3)
-    if accountant == "pld":  # the issue's point: q = 0.1, 100 rounds, epsilon 8 -> 0.936, not RDP's 0.994
+    if accountant == "pld":  # PLD's gain: q = 0.1, 100 rounds, epsilon 8 -> 0.936, not RDP's 0.994
         assert fedavg["noise_multiplier"] == pytest.approx(0.936, abs=1e-3)
 
 

@@ -852,10 +852,10 @@ def vectorised(monkeypatch: pytest.MonkeyPatch, held: dict[int, ClientDataset]) 
 @pytest.mark.audit
 @pytest.mark.parametrize("name", ["fedavg_ldp", "nbafl"])
 def test_the_vectorised_path_meets_the_epsilon_it_reports(name, tmp_path, held, vectorised):
-    """The local-DP clients whose noise is added after a cohort-trained update: the same audit."""
+    """The local-DP clients whose noise is added after a vectorised-trained update: the same audit."""
     function, trials, power = AUDITS[name]
     audited = function(tmp_path, held, trials)
-    assert len(vectorised) >= 2 * trials, f"{name}: the cohort path was not taken ({len(vectorised)})"
+    assert len(vectorised) >= 2 * trials, f"{name}: the vectorised path was not taken ({len(vectorised)})"
     assert audited.holds, f"{name}: {audited}"
     assert audited.result.epsilon_lower_bound >= power * audited.reported, f"{name}: {audited}"
 
@@ -873,7 +873,7 @@ def test_audit_catches_a_wrong_sensitivity_on_the_vectorised_path(tmp_path, held
 
 
 @pytest.fixture
-def cohort_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def packed_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every audited central round goes as packed messages (``simulation.pack_messages``): the round's
     messages packed (:func:`fl_app.engine.packed.pack`), each answered where its members run
     (:func:`~fl_app.engine.packed.answer`: each member's update clipped there, summed), unpacked, and
@@ -896,29 +896,34 @@ def cohort_path(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         partitions = {int(m.metadata.dst_node_id): int(m.metadata.dst_node_id) - 1000 for m in messages}
         packed = pack_messages.pack(messages, partitions=partitions, summand=strategy.summand(1))
         replies = []
-        for index, cohort in enumerate(packed):
-            set_message_id(cohort.message, f"cohort-{index}")
-            node = int(cohort.message.metadata.dst_node_id)
+        for index, one in enumerate(packed):
+            set_message_id(one.message, f"packed-{index}")
+            node = int(one.message.metadata.dst_node_id)
             context = make_context(partition_id=node - 1000, num_partitions=2, node_id=node)
-            replies.append(pack_messages.answer(cohort.message, context, run_member))
-        return pack_messages.unpack(replies, packed, [f"cohort-{i}" for i in range(len(packed))])
+            replies.append(pack_messages.answer(one.message, context, run_member))
+        return pack_messages.unpack(replies, packed, [f"packed-{i}" for i in range(len(packed))])
 
     monkeypatch.setattr(sys.modules[__name__], "central_replies", packed_replies)
     return members
 
 
 @pytest.mark.audit
-def test_dp_fedavg_as_cohort_messages_meets_the_epsilon_it_reports(tmp_path, held, cohort_path):
+def test_dp_fedavg_as_packed_messages_meets_the_epsilon_it_reports(tmp_path, held, packed_path):
     """DP-FedAvg's audit with the clipping and summing done in packed messages."""
+    assert_dp_fedavg_audit_holds(tmp_path, held, packed_path)
+
+
+def assert_dp_fedavg_audit_holds(tmp_path: Path, held: Any, answered: list[int]) -> None:
+    """DP-FedAvg's audit holds at its power, every trial's round answered on the path under test."""
     function, trials, power = AUDITS["dp_fedavg"]
     audited = function(tmp_path, held, trials)
-    assert len(cohort_path) >= trials, f"the cohort path was not taken ({len(cohort_path)})"
+    assert len(answered) >= trials, f"the path answered {len(answered)} rounds of {trials} trials"
     assert audited.holds, f"dp_fedavg: {audited}"
     assert audited.result.epsilon_lower_bound >= power * audited.reported, f"dp_fedavg: {audited}"
 
 
 @pytest.mark.audit
-def test_audit_catches_cohort_messages_that_do_not_clip(tmp_path, held, cohort_path, monkeypatch):
+def test_audit_catches_packed_messages_that_do_not_clip(tmp_path, held, packed_path, monkeypatch):
     """Mutant 6: packed messages sum their members' updates unclipped (the bound sent, not applied)."""
     from fl_app.learning.sums import ClippedUpdate
 
@@ -929,8 +934,105 @@ def test_audit_catches_cohort_messages_that_do_not_clip(tmp_path, held, cohort_p
 
     monkeypatch.setattr(ClippedUpdate, "add_to", unclipped)
     audited = dp_fedavg_audit(tmp_path, held, 1500)
-    assert len(cohort_path) >= 1500
+    assert len(packed_path) >= 1500
     assert not audited.holds, f"the audit missed unclipped updates in packed messages: {audited}"
+
+
+# ------------------------------------------------------------------------------ bulk shares
+
+
+@pytest.fixture(params=["one-by-one", "stacked"])
+def bulk_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every audited central round goes as one bulk share (``simulation.bulk``): the round packed as
+    one message (:func:`fl_app.engine.packed.pack` with ``shares=1``) and answered by
+    :func:`fl_app.engine.bulk.answer`, whose members' training returns the audit's trained arrays:
+    one by one (each term added as it comes) or stacked (the share's terms added block by block, as
+    the vectorised trainer's results are). Client 0, when absent, fails before training. Counts the
+    members summed in bulk."""
+    from fl_app.engine import bulk, bulk_training
+    from fl_app.engine import packed as pack_messages
+    from fl_app.engine.messages import set_message_id
+    from fl_app.engine.vectorised_training import ConcatenatedRows
+
+    members: list[int] = []
+    world: dict[str, Any] = {}
+
+    def live_members(share: Any) -> bulk.Members:
+        live = []
+        for index, node in enumerate(share.nodes):
+            if node == 1000 and not world["present"]:
+                share._fail(node, RuntimeError("absent"))
+            else:
+                live.append(index)
+        ends = 9 * np.arange(1, len(live) + 1)
+        x, y = np.zeros((9 * len(live), 1, 8, 8), np.float32), np.zeros(9 * len(live), np.int64)
+        return bulk.Members(live, ConcatenatedRows(x, ends), ConcatenatedRows(y, ends))
+
+    def state_of(share: Any, index: int) -> dict[str, np.ndarray]:
+        members.append(share.partitions[index])
+        arrays = world["trained"][share.partitions[index]]
+        return {name: arrays[name].numpy() for name in share.global_arrays}
+
+    def one_by_one(share: Any, live: bulk.Members) -> Iterator[tuple[int, Any, float]]:
+        for index in live.live:
+            yield index, state_of(share, index), 0.0
+
+    def stacked(share: Any, live: bulk.Members) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+        if request.param != "stacked" or len(live.live) < 2:  # as the vectorised trainer declines one member
+            return None
+        states = [state_of(share, index) for index in live.live]
+        return {name: np.stack([s[name] for s in states]) for name in share.global_arrays}, np.zeros(
+            len(states)
+        )
+
+    monkeypatch.setattr(bulk.Share, "_live_members", live_members)
+    monkeypatch.setattr(bulk_training, "train_one_by_one", one_by_one)
+    monkeypatch.setattr(bulk_training, "train_stacked", stacked)
+
+    def bulk_replies(
+        strategy: Any, messages: list[Message], trained: dict[int, ArrayRecord], present: bool
+    ) -> list[Message]:
+        world.update(trained=trained, present=present)
+        partitions = {int(m.metadata.dst_node_id): int(m.metadata.dst_node_id) - 1000 for m in messages}
+        packed = pack_messages.pack(messages, partitions=partitions, summand=strategy.summand(1), shares=1)
+        if not messages:  # Poisson sampling chose nobody: nothing to send
+            assert packed == []
+            return []
+        assert len(packed) == 1 and bulk.is_bulk(packed[0].message)
+        set_message_id(packed[0].message, "bulk-0")
+        node = int(packed[0].message.metadata.dst_node_id)
+        context = make_context(partition_id=node - 1000, num_partitions=2, node_id=node)
+        reply = bulk.answer(packed[0].message, context)
+        return pack_messages.unpack([reply], packed, ["bulk-0"])
+
+    monkeypatch.setattr(sys.modules[__name__], "central_replies", bulk_replies)
+    return members
+
+
+@pytest.mark.audit
+def test_dp_fedavg_in_bulk_meets_the_epsilon_it_reports(tmp_path, held, bulk_path):
+    """DP-FedAvg's audit with the members' clipping and summing done in a bulk share."""
+    assert_dp_fedavg_audit_holds(tmp_path, held, bulk_path)
+
+
+@pytest.mark.audit
+def test_audit_catches_a_bulk_share_that_does_not_clip(tmp_path, held, bulk_path, monkeypatch):
+    """Mutant 7: a bulk share sums its members' updates unclipped, one by one and stacked."""
+    from fl_app.learning.sums import ClippedUpdate
+
+    real, real_stacked = ClippedUpdate.add_to, ClippedUpdate.add_stacked
+
+    def unclipped(self: ClippedUpdate, *args: Any) -> None:
+        real(ClippedUpdate(clip=1e9), *args)
+
+    def unclipped_stacked(self: ClippedUpdate, *args: Any) -> None:
+        real_stacked(ClippedUpdate(clip=1e9), *args)
+
+    monkeypatch.setattr(ClippedUpdate, "add_to", unclipped)
+    monkeypatch.setattr(ClippedUpdate, "add_stacked", unclipped_stacked)
+    audited = dp_fedavg_audit(tmp_path, held, 1500)
+    assert len(bulk_path) >= 1500
+    assert not audited.holds, f"the audit missed unclipped updates in a bulk share: {audited}"
 
 
 # ------------------------------------------------------------------------------ the audit catches bugs

@@ -1,4 +1,4 @@
-"""What the printed epsilon rests on (issue 13): secret randomness, nothing released outside it, defaults.
+"""What the printed epsilon rests on: secret randomness, nothing released outside it, defaults.
 
 1. DP-FedAvg's Poisson cohort comes from the privacy randomness (secret under
    ``privacy.secure_rng`` and on devices), and a seeded run says its cohort is public.
@@ -493,12 +493,12 @@ def _wandb_published(output: Path) -> dict:
 def test_nothing_published_varies_with_the_secret_cohort(
     simulate, backend, tmp_path, tmp_path_factory, monkeypatch
 ):
-    """Two DP-FedAvg runs whose secret Poisson cohorts differ in size publish the same (issue 38.1).
+    """Two DP-FedAvg runs whose secret Poisson cohorts differ in size publish the same.
 
     The cohort size, failures, bytes and durations of a round are functions of the secret coins:
     results.json, metrics.csv, run.log and every tracker (TensorBoard, MLflow, W&B) must not vary with
     them (they go to outside_guarantee only, with privacy.diagnostics=true), and no clock time may tell a
-    round's duration (issue 54: run.log's stamps, TensorBoard's wall times, MLflow's metric timestamps,
+    round's duration (run.log's stamps, TensorBoard's wall times, MLflow's metric timestamps,
     W&B's row timestamps, the files' modification times).
     """
     from conftest import FAST
@@ -572,7 +572,9 @@ def test_a_secret_cohort_run_publishes_no_size_that_tells_its_failures(simulate,
     from conftest import FAST, INLINE
 
     common = [*FAST, INLINE, "strategy=dp_fedavg", "num_rounds=6", "privacy.diagnostics=true"]
-    common.append("simulation.max_failure_fraction=1.0")
+    # one message per client, so the patched client lookup fails members (a bulk share builds no
+    # client: its failures and their weighing, tests/test_bulk.py)
+    common += ["simulation.max_failure_fraction=1.0", "simulation.bulk=false"]
     healthy = simulate(common, name="healthy")
     fails = failing_clients(monkeypatch)
     failing = simulate(common, name="failing")
@@ -588,7 +590,7 @@ def test_a_secret_cohort_run_publishes_no_size_that_tells_its_failures(simulate,
     assert sizes[0] == sizes[1] > 0, sizes
 
 
-# ------------------------------------------------ 3b. the server's private state on disk (issue 38.3)
+# ------------------------------------------------ 3b. the server's private state on disk
 
 
 def _rounds_on_constructed_replies(strategy, rounds: int) -> None:

@@ -451,8 +451,8 @@ def test_a_resumed_run_saves_the_overrides_it_was_composed_from(tmp_path, monkey
 
 
 def test_a_round_that_breaks_the_failure_rule_is_neither_recorded_nor_checkpointed(tmp_path, monkeypatch):
-    """The rule was checked after the round's checkpoint: a resumed run continued from the
-    degraded model and ended ``completed_with_failures`` (issue 42.3)."""
+    """The failure rule is checked before the round's checkpoint: a resumed run never continues from
+    a degraded model to end ``completed_with_failures``."""
     from dataclasses import replace
 
     from fl_app.run.reporter import RoundReporter
@@ -488,7 +488,7 @@ def test_a_round_that_breaks_the_failure_rule_is_neither_recorded_nor_checkpoint
 
 
 def test_a_second_run_into_a_claimed_output_dir_is_one_line_and_writes_nothing(tmp_path):
-    """Two runs into one directory both passed the earlier-run check and wrote together (42.4)."""
+    """A second run into a claimed directory stops with one line and never writes into it."""
     from fl_app.run.output_claim import LOCK_FILE, claim_output_dir
 
     out = tmp_path / "run"
@@ -508,7 +508,7 @@ def test_a_second_run_into_a_claimed_output_dir_is_one_line_and_writes_nothing(t
 
 @pytest.mark.simulation
 def test_an_interrupted_sweep_continues_into_its_directory(tmp_path):
-    """Running a stopped sweep again skips its completed jobs and resumes the stopped one (42.5);
+    """Running a stopped sweep again skips its completed jobs and resumes the stopped one;
     the stopped job is not counted as done, and the line to continue the sweep is printed."""
     sweep = tmp_path / "sweep"
     args = ["-m", *FAST, INLINE, "num_rounds=3", "strategy=fedavg", "seed=1,2", f"hydra.sweep.dir={sweep}"]
@@ -577,7 +577,7 @@ def test_ctrl_c_between_sweep_jobs_is_one_line_and_says_how_to_continue(tmp_path
 
 
 def test_a_full_disk_at_a_checkpoint_is_one_failure_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
-    """Disk full at a checkpoint gave two chained tracebacks and a partial .tmp file (42.7)."""
+    """Disk full at a checkpoint is one failure line, no traceback, no partial .tmp file."""
     import errno
 
     from fl_app.run import files
@@ -630,7 +630,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_failure_and_keeps_the_previous_check
 
 @pytest.mark.parametrize("epsilon", ["1e4", "1e300"])
 def test_a_huge_budget_builds_every_private_strategy(tmp_path, epsilon):
-    """privacy.epsilon of 1e4 passed validation, then PrivateKT failed with 'math range error' (42.7)."""
+    """Every private strategy builds at a huge privacy.epsilon, without PrivateKT's 'math range error'."""
     from strategies.privatekt.privacy import privatekt_keep_probability
 
     assert privatekt_keep_probability(epsilon=float(epsilon), k=2, num_classes=10) == 1.0
@@ -644,7 +644,7 @@ def test_a_huge_budget_builds_every_private_strategy(tmp_path, epsilon):
 
 
 def test_svhn_without_its_files_is_one_line(tmp_path):
-    """dataset=svhn offline printed a 31-line traceback (42.7)."""
+    """dataset=svhn offline without its files is one line, no traceback."""
     empty = tmp_path / "svhn"
     empty.mkdir()
     result = preflight_cli(
@@ -655,7 +655,7 @@ def test_svhn_without_its_files_is_one_line(tmp_path):
 
 @pytest.mark.simulation
 def test_sigterm_before_round_one_says_there_is_nothing_to_resume(tmp_path):
-    """It printed "continue with resume=DIR" for a directory without a checkpoint (42.7)."""
+    """No "continue with resume=DIR" for a directory without a checkpoint."""
     out = tmp_path / "early"
     run = Run([*RUN, "strategy=fedavg", f"output_dir={out}"], tmp_path, delay=5.0)  # round 1: >= 15 s
     run.wait_for("dpfl: strategy=fedavg")
@@ -664,14 +664,13 @@ def test_sigterm_before_round_one_says_there_is_nothing_to_resume(tmp_path):
     assert "nothing to resume (no round completed)" in run.output
     assert "resume=" not in run.output and "Traceback" not in run.output
     assert not (out / CHECKPOINT_FILE).exists()
-    # redirected output carries no colour codes, a non-private run no privacy-randomness banner (42.9)
+    # redirected output carries no colour codes, a non-private run no privacy-randomness banner
     assert "\x1b[" not in run.output and "privacy randomness" not in run.output
 
 
 def test_a_rounds_writes_do_not_grow_with_the_run_and_resume_restores_the_records(tmp_path):
-    """metrics.csv was rewritten whole and the checkpoint held every round's record: a long run's
-    writes grew with the square of its rounds (42.7). Now both files are appended to and the
-    checkpoint counts the records."""
+    """A long run's writes do not grow with the square of its rounds: metrics.csv is appended to,
+    not rewritten whole, and the checkpoint counts the records instead of holding every round's."""
     import pickle
 
     from fl_app.run.results import METRICS_FILE, ROUNDS_FILE, RunRecorder
@@ -703,13 +702,13 @@ def test_a_rounds_writes_do_not_grow_with_the_run_and_resume_restores_the_record
 
 
 def test_num_clients_below_clients_per_round_names_both_keys(tmp_path):
-    """num_clients=1 was refused with a message about clients_per_round alone (42.9)."""
+    """num_clients=1 below clients_per_round is refused with a line naming both keys."""
     result = preflight_cli("num_clients=1", "clients_per_round=30", cwd=tmp_path)
     assert_one_line(result, "clients_per_round=30", "num_clients=1", "at most 1")
 
 
 def test_the_default_cohort_fits_any_population():
-    """``clients_per_round`` defaults to a fraction (issue 56): num_clients=20 just runs, 6 per round.
+    """``clients_per_round`` defaults to a fraction: num_clients=20 just runs, 6 per round.
 
     The main job's cohort is unchanged: 0.3 of the default 100 clients is the 30 it always drew.
     """

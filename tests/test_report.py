@@ -297,8 +297,8 @@ def test_a_run_from_before_the_validation_split_joins_a_test_split_run(tmp_path)
 
 
 def test_only_completed_runs_are_reported_and_the_others_and_missing_jobs_are_listed(tmp_path, capsys):
-    """Interrupted runs were ordinary rows, and a job directory without results.json (kill -9) was
-    silently left out (issue 42.6)."""
+    """Interrupted runs are not ordinary rows, and a job directory without results.json (kill -9) is
+    listed, never silently left out."""
     fake_results(tmp_path / "0", strategy="dp_fedavg", epsilon=4.0, seed=1, accuracy=0.8)
     fake_results(
         tmp_path / "1", strategy="dp_fedavg", epsilon=4.0, seed=2, accuracy=0.3, status="interrupted"
@@ -386,7 +386,7 @@ def test_panel_titles_and_axis_labels_of_long_units_do_not_overlap(tmp_path, mon
 
 
 def test_upload_axis_labels_do_not_overlap(tmp_path, monkeypatch):
-    """Minor-tick labels of a log axis spanning about a decade ran into each other (issue 42.9)."""
+    """Minor-tick labels of a log axis spanning about a decade do not run into each other."""
 
     for index, upload in enumerate((1_200, 3_000, 20_000, 60_000)):  # four arms, one small panel each
         fake_results(

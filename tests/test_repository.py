@@ -224,7 +224,7 @@ def private_reaches(path: Path, homes: set[str], own: str) -> list[str]:
 
 
 def test_each_algorithm_has_one_bounded_home_and_reaches_into_no_other():
-    """Issue 37/56: an algorithm's server side, privacy math and helpers live in one home, capped as a whole.
+    """An algorithm's server side, privacy math and helpers live in one home, capped as a whole.
 
     One algorithm may build on another's public classes (``dp_flower`` on ``dp_fedavg``'s settings and
     strategy and on ``flower``'s adapter); it never takes another home's private names (a leading
@@ -279,7 +279,7 @@ def private_api_uses(path: Path) -> list[str]:
 
 
 def test_flower_and_hydra_internals_only_in_the_engine_seam():
-    """Issue 37: every private Flower/Hydra API (imports, private attributes) lives in fl_app/engine/."""
+    """Every private Flower/Hydra API (imports, private attributes) lives in fl_app/engine/."""
     folders = ("fl_app", "strategies", "clients", "benchmarks", "scripts", "tests")
     outside = {
         path.relative_to(ROOT).as_posix(): uses
@@ -375,7 +375,7 @@ def project_modules() -> dict[str, Path]:
 
 
 def test_no_import_cycles_among_the_projects_modules(tmp_path):
-    """Issue 37: no cycle, counting function-level imports and package ``__init__`` imports."""
+    """No cycle, counting function-level imports and package ``__init__`` imports."""
     modules = project_modules()
     assert len(modules) > 80
     assert import_cycles(import_graph(modules)) == []
@@ -435,11 +435,12 @@ def test_every_algorithm_is_registered_where_the_platform_expects_it():
 
 
 #: The modules that compose, validate and read the configuration (and the entry points that compose a
-#: job); everything else reads the typed :class:`fl_app.config.settings.RunSettings` (issue 56).
+#: job); everything else reads the typed :class:`fl_app.config.settings.RunSettings`.
 CONFIG_MODULES = {
     "fl_app/config/compose.py",
     "fl_app/config/validation.py",
     "fl_app/config/checks.py",
+    "fl_app/config/text_checks.py",
     "fl_app/config/settings.py",
     "fl_app/config/overrides.py",
     "fl_app/config/fingerprint.py",
@@ -474,10 +475,7 @@ def raw_config_reads(path: Path) -> list[str]:
 
 
 def test_nothing_reads_the_raw_configuration_after_validation(tmp_path):
-    """Issue 56: past composition and validation, code reads typed settings, never the ``DictConfig``.
-
-    (126 raw reads outside these modules before, by this check at commit d5874e7.)
-    """
+    """Past composition and validation, code reads typed settings, never the ``DictConfig``."""
     reads = {
         path.relative_to(ROOT).as_posix(): found
         for folder in ("fl_app", "strategies", "clients")

@@ -1,4 +1,4 @@
-"""Runs that always finish (issue 55): signals as schedulers send them, completion, checked data.
+"""Runs that always finish: signals as schedulers send them, completion, checked data.
 
 The simulations run ``python -m fl_app`` as a user or a batch system does (``test_reliability.Run``:
 a subprocess in its own process group), here also under GNU ``timeout``, which signals the command and
@@ -42,8 +42,8 @@ def stop_under_timeout(run: Run) -> tuple[int, list[psutil.Process]]:
 
 @pytest.mark.simulation
 def test_sigterm_from_timeout_to_the_process_group_writes_the_results_and_leaves_nothing(tmp_path):
-    """The command counted the group's copy of the signal as a second one and exited at once: no
-    results.json, no last line, Ray's processes orphaned (55.1)."""
+    """The group's copy of the signal is not a second one that exits at once (which would leave no
+    results.json, no last line and Ray's processes orphaned)."""
     out = tmp_path / "run"
     run = Run(
         [*RUN, "num_rounds=50", "strategy=fedavg", f"output_dir={out}"], tmp_path, prefix=("timeout", "600")
@@ -60,8 +60,8 @@ def test_sigterm_from_timeout_to_the_process_group_writes_the_results_and_leaves
 
 @pytest.mark.simulation
 def test_sigterm_to_the_command_then_to_its_group_is_one_stop_request(tmp_path, monkeypatch):
-    """A scheduler's pattern (the command, then every process of the job) made the group's copy, which
-    came after the first message, an "exit at once" (55.1). The grace period is set far above the time
+    """A scheduler's pattern (the command, then every process of the job): the group's copy, which
+    comes after the first message, is no "exit at once". The grace period is set far above the time
     this test takes to react to the message, so the test does not depend on it. The clients run
     inline (the subject is the command's count of signals; Ray's processes under the group's signal
     are the test above's)."""
@@ -151,8 +151,8 @@ def test_sigterm_twice_between_two_runs_is_one_stop_of_the_command():
 
 @pytest.mark.simulation
 def test_a_parallel_sweep_under_timeout_stops_its_jobs_and_leaves_nothing(tmp_path):
-    """``timeout 75`` on a joblib sweep ended in ``TerminatedWorkerError``: a worker that was setting a
-    job up died of the group's SIGTERM and the launcher killed the others (55.1). Signalled when the
+    """``timeout 75`` on a joblib sweep ends without ``TerminatedWorkerError``: a worker that is setting
+    a job up must not die of the group's SIGTERM, nor the launcher kill the others. Signalled when the
     first job is done: its worker is then setting its next job up. The jobs run their clients inline
     (the subject is the launcher's workers; six Ray sessions cost a minute of CPU): a run's Ray
     processes under ``timeout`` are checked by the single-run test above."""
@@ -187,8 +187,8 @@ def test_a_parallel_sweep_under_timeout_stops_its_jobs_and_leaves_nothing(tmp_pa
 
 
 def test_resume_of_a_run_whose_rounds_are_all_done_is_accepted(tmp_path):
-    """``resume=`` of a run stopped after its last round's checkpoint was refused with ``num_rounds=2:
-    must be > 2`` (a number the user never gave), so its spent budget bought nothing (55.2)."""
+    """``resume=`` of a run stopped after its last round's checkpoint is accepted, not refused with
+    ``num_rounds=2: must be > 2`` (a number the user never gave), so its spent budget is not lost."""
     from fl_app.config.compose import compose_config
     from fl_app.config.validation import ConfigError, validate_config
     from fl_app.run.checkpoint import Checkpoint, save_checkpoint
@@ -221,7 +221,7 @@ def test_resume_of_a_run_whose_rounds_are_all_done_is_accepted(tmp_path):
 @pytest.mark.simulation
 def test_a_private_run_killed_before_its_results_is_finished_by_resume(tmp_path, simulate, monkeypatch):
     """The state kill -9 (or a second signal) leaves between the last round's checkpoint and
-    results.json: ``resume=`` writes the results, equal to the uninterrupted run's (55.2)."""
+    results.json: ``resume=`` writes the results, equal to the uninterrupted run's."""
     from fl_app.run import server as run_module
     from fl_app.run.checkpoint import CHECKPOINT_FILE
 
@@ -241,8 +241,8 @@ def test_a_private_run_killed_before_its_results_is_finished_by_resume(tmp_path,
 
 @pytest.mark.simulation
 def test_a_sweep_finishes_a_job_stopped_before_its_results_and_counts_only_written_results(tmp_path):
-    """Re-running the sweep refused the job with ``num_rounds=2: must be > 2``, said ``2/2 jobs done``
-    and the report left the job out (55.2)."""
+    """Re-running the sweep finishes the job (no ``num_rounds=2: must be > 2``), counts only jobs with
+    results (no ``2/2 jobs done`` before they exist), and the report includes the job."""
     sweep = tmp_path / "sweep"
     args = ["-m", *FAST, INLINE, "strategy=fedavg", "seed=1,2", f"hydra.sweep.dir={sweep}"]
     first = Run(args, tmp_path, delay=0.0)
@@ -289,8 +289,8 @@ def corrupted_fashion_mnist(tmp_path: Path, row: int, label: int) -> Path:
 
 
 def test_a_label_out_of_range_is_one_line_naming_the_file_and_row_before_anything_starts(tmp_path):
-    """One label byte set to 200: every round of the client holding it failed with ``IndexError:
-    Target 200 is out of bounds`` and the run ended with exit status 0 (55.3)."""
+    """One label byte set to 200 is refused in one line before the run starts, not found as an
+    ``IndexError: Target 200 is out of bounds`` in every round of its client with exit status 0."""
     from fl_app.config.compose import compose_config
     from fl_app.config.validation import ConfigError, validate_config
     from tests.test_reliability import assert_one_line, preflight_cli
@@ -321,8 +321,8 @@ def test_device_data_with_nan_is_one_line():
 def test_a_client_that_fails_every_round_is_named_on_the_last_line_and_the_exit_status_is_1(
     tmp_path, monkeypatch
 ):
-    """A client failing in every round ended ``completed_with_failures`` with exit status 0 and a last
-    line (``finished 2 rounds ... final accuracy 0.7311``) without a word of failures (55.3). With
+    """A client failing in every round ends ``completed_with_failures`` with exit status 1 and a last
+    line that names it, not ``finished 2 rounds ... final accuracy 0.7311`` alone. With
     DP-FedAvg's secret cohort, run.log (published) still says nothing of them."""
     monkeypatch.setenv("DPFL_INJECT_FAILURES", "1")
     out = tmp_path / "run"
@@ -351,8 +351,9 @@ def test_a_client_that_fails_every_round_is_named_on_the_last_line_and_the_exit_
 
 
 def test_a_simulation_with_fewer_supernodes_than_num_clients_fails_at_once(monkeypatch):
-    """``flwr run`` with ``num-supernodes=4`` and ``num_clients=5`` printed ``Waiting for SuperNodes: 4 of
-    5 (num_clients) connected; giving up in 3599 s`` (55.4): a simulation's nodes all register at once.
+    """``flwr run`` with ``num-supernodes=4`` and ``num_clients=5`` fails at once, not after ``Waiting for
+    SuperNodes: 4 of 5 (num_clients) connected; giving up in 3599 s``: a simulation's nodes all
+    register at once.
     The clock is simulated: the test measures the time the roster would have waited."""
     import types
 
@@ -384,8 +385,8 @@ def test_a_simulation_with_fewer_supernodes_than_num_clients_fails_at_once(monke
 
 
 def test_a_serverapp_failure_under_flwr_run_is_one_line_without_flowers_traceback():
-    """Under ``flwr run`` ``privacy.delta=2`` printed a 20-line traceback and Flower's four-line exit
-    message after dpfl's one line (55.4). Flower's own calls, as ``flwr-simulation`` makes them."""
+    """Under ``flwr run`` ``privacy.delta=2`` is dpfl's one line, without a 20-line traceback and
+    Flower's four-line exit message after it. Flower's own calls, as ``flwr-simulation`` makes them."""
     import io
     import logging
     from logging import ERROR
@@ -417,8 +418,9 @@ def test_a_serverapp_failure_under_flwr_run_is_one_line_without_flowers_tracebac
 
 
 def test_the_folder_of_a_run_that_ended_before_its_first_round_is_reused_and_resume_says_so(tmp_path):
-    """A folder holding only the run.log of a failed ``flwr run``: "holds an earlier run ... continue
-    with resume=", and ``resume=`` then said it "holds no private_server_state.pkl" (55.5)."""
+    """A folder holding only the run.log of a failed ``flwr run`` may take a new run; ``resume=`` of it
+    says the run ended before its first round (not "holds an earlier run ... continue with resume=",
+    then "holds no private_server_state.pkl")."""
     from fl_app.config.compose import compose_config
     from fl_app.config.validation import ConfigError, check_output_dir
     from fl_app.run.output_claim import claim_output_dir
@@ -437,8 +439,8 @@ def test_the_folder_of_a_run_that_ended_before_its_first_round_is_reused_and_res
 
 @pytest.mark.subprocess
 def test_a_folder_in_use_names_the_process_and_resume_of_a_missing_folder_says_no_such_directory(tmp_path):
-    """A folder in use by another run said "holds an earlier run"; ``resume=/nonexistent`` said there
-    was no checkpoint (55.5)."""
+    """A folder in use by another run names the process (not "holds an earlier run");
+    ``resume=/nonexistent`` says no such directory (not that there is no checkpoint)."""
     from fl_app.config.compose import compose_config
     from fl_app.config.validation import ConfigError, check_output_dir
     from fl_app.run.output_claim import LOCK_FILE
@@ -470,8 +472,8 @@ def test_a_folder_in_use_names_the_process_and_resume_of_a_missing_folder_says_n
 
 @pytest.mark.simulation
 def test_a_run_into_output_dir_leaves_no_hydra_folder_and_a_nan_loss_is_said_at_once(tmp_path):
-    """Every run given ``output_dir=`` left an empty ``outputs/<date>/<time>-<strategy>/.hydra`` in the
-    current directory; a NaN loss showed as ``loss -`` with no word of why (55.6)."""
+    """A run given ``output_dir=`` leaves no empty ``outputs/<date>/<time>-<strategy>/.hydra`` in the
+    current directory; a NaN loss is said at once, not shown as ``loss -`` with no word of why."""
     out = tmp_path / "elsewhere" / "run"
     run = Run(
         [*FAST, INLINE, "strategy=fedavg", "lr=1e6", f"output_dir={out}"],
@@ -490,8 +492,8 @@ def test_a_run_into_output_dir_leaves_no_hydra_folder_and_a_nan_loss_is_said_at_
 
 
 def test_the_calculator_says_why_a_positive_request_spends_exactly_zero():
-    """``dp-fedavg --epsilon 1e-6`` answered ``"epsilon": 0.0``, read as a positive epsilon rounded to 0
-    (55.6): the accountant proves (0, delta) at that noise, and the answer says so."""
+    """``dp-fedavg --epsilon 1e-6`` answers ``"epsilon": 0.0``, which reads as a positive epsilon
+    rounded to 0: the accountant proves (0, delta) at that noise, and the answer says so."""
     from tests.test_reliability import cli
 
     args = ("dp-fedavg", "--epsilon", "1e-6", "--delta", "1e-5", "--rate", "0.1", "--rounds", "10")

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import build_run_context, make_context, reply_to
+from conftest import build_run_context, count_vectorised_trainings, make_context, reply_to
 from flwr.app import ConfigRecord
 
 from clients.scaffold import CONTROL
@@ -199,3 +199,34 @@ def check_quick_example(results: dict[str, Any], example: Any) -> None:
     assert all(r["clients"] == example.clients_per_round for r in results["rounds"])
     assert results["final"]["accuracy"] > results["initial"]["accuracy"]
     assert json.dumps(results["config"]["strategy"]["server_lr"]) == "1.0"
+
+
+def test_the_vectorised_trainer_applies_each_clients_correction(tmp_path: Path, monkeypatch: Any) -> None:
+    """Random server and client control variates (zero ones would make the correction vanish, and a
+    trainer that ignored it would pass): the six replies trained as one computation equal the loop's."""
+    import copy
+
+    from test_vectorised import arrays_of, batch_of, replies_of
+
+    from fl_app.engine import vectorised as vectorised_engine
+
+    monkeypatch.setattr(vectorised_engine, "_declined", set())
+    loads = count_vectorised_trainings(monkeypatch)
+    rng = np.random.default_rng(5)
+
+    def random_controls(strategy: Any, jobs: list[tuple[Any, Any]]) -> None:
+        if not jobs:
+            strategy.control = {
+                n: rng.normal(0, 0.02, v.shape).astype(np.float32) for n, v in strategy.control.items()
+            }
+        for _, context in jobs:
+            own = {n: rng.normal(0, 0.02, v.shape).astype(np.float32) for n, v in strategy.control.items()}
+            context.state[CONTROL] = state_to_arrays(own)
+
+    jobs = batch_of("scaffold", tmp_path, prepare=random_controls)
+    together = replies_of(copy.deepcopy(jobs), vectorise=True)
+    assert len(loads) == 6, f"{len(loads)} of 6 messages trained in their cohort"
+    alone = replies_of(copy.deepcopy(jobs), vectorise=False)
+    for a, b in zip(together, alone, strict=True):
+        for key, value in arrays_of(a).items():
+            np.testing.assert_allclose(value, arrays_of(b)[key], rtol=1e-4, atol=2e-5, err_msg=key)

@@ -36,8 +36,10 @@ from torch import nn
 
 from fl_app.engine.vectorised_training import (
     BatchPlan,
+    ConcatenatedRows,
     VectorisedResult,
     plan_batches,
+    plan_for_clients,
     plan_from_generators,
     stack_params,
     train_vectorised,
@@ -182,6 +184,62 @@ def test_plan_visits_batches_as_train_local_does() -> None:
     np.testing.assert_array_equal(plan.counts[2].numpy(), [7, 7] + [0] * 8)
     assert not plan.step_mask[1].any() and not plan.example_mask[1].any()
     assert (plan.index[~plan.example_mask] == 0).all()
+
+
+@given(
+    sizes=st.lists(st.integers(0, 7), min_size=1, max_size=12),
+    epochs=st.integers(1, 3),
+    batch_size=st.integers(1, 5),
+)
+@settings(max_examples=40, deadline=None)
+def test_the_cohort_plan_equals_the_plan_of_its_clients_orders(
+    sizes: list[int], epochs: int, batch_size: int
+) -> None:
+    """``plan_for_clients`` (the orders drawn at once) plans what ``plan_batches`` plans from them."""
+    from fl_app.learning.orders import example_orders
+
+    clients = [3 * c + 1 for c in range(len(sizes))]
+    drawn = dict(seed=5, clients=clients, server_round=2, sizes=sizes, epochs=epochs)
+    fast = plan_for_clients(**drawn, batch_size=batch_size)
+    slow = plan_batches(sizes, list(example_orders(**drawn)), epochs=epochs, batch_size=batch_size)
+    for field in ("index", "example_mask", "step_mask"):
+        assert torch.equal(getattr(fast, field), getattr(slow, field)), field
+
+
+@pytest.mark.parametrize("ends", [[0, 3, 3, 9, 20], [2, 4, 10], [20]])
+def test_clients_in_one_array_train_as_clients_in_their_own(ends: list[int]) -> None:
+    """Clients as consecutive rows of one array (``ConcatenatedRows``, taken without a copy) train as the
+    same examples in one array per client do; rows that do not end where they should are refused."""
+    model = build_model("logreg", (1, 4, 4), 3)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 255, (20, 1, 4, 4)).astype(np.uint8)
+    y = rng.integers(0, 3, 20)
+    sizes = np.diff(ends, prepend=0).tolist()
+    plan = plan_for_clients(
+        seed=1, clients=range(len(sizes)), server_round=1, sizes=sizes, epochs=2, batch_size=3
+    )
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    joined = train_vectorised(
+        model, start, ConcatenatedRows(x, ends), ConcatenatedRows(y, ends), plan, lr=0.1
+    )
+    xs, ys = ConcatenatedRows(x, ends), ConcatenatedRows(y, ends)
+    copied = train_vectorised(
+        model,
+        start,
+        [xs[c].copy() for c in range(len(xs))],
+        [ys[c].copy() for c in range(len(ys))],
+        plan,
+        lr=0.1,
+    )
+    for name in joined.params:
+        assert torch.equal(joined.params[name], copied.params[name]), name
+    np.testing.assert_array_equal(joined.losses, copied.losses)
+    with pytest.raises(ValueError, match="examples"):
+        train_vectorised(
+            model, start, ConcatenatedRows(x, [e - 1 if e else 0 for e in ends]), ys, plan, lr=0.1
+        )
+    with pytest.raises(ValueError, match="ends"):
+        ConcatenatedRows(x, [5, 3])
 
 
 def test_plan_refuses_orders_that_are_not_permutations() -> None:

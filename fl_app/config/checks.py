@@ -76,3 +76,20 @@ def _bounds_text(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f" <= {maximum}"
     return ""
+
+
+def require_text(key: str, value: object, what: str) -> str:
+    """A non-empty one-line string."""
+    if not isinstance(value, str) or not value.strip() or "\n" in value:
+        raise ConfigError(key, value, f"must be {what}")
+    return value
+
+
+def validate_split_keys(dataset: Any) -> None:
+    """A hub-style data set's ``split``, ``test_split`` (null or a name) and ``test_fraction`` in (0, 1)."""
+    require_text("dataset.split", dataset.get("split"), "the training split's name")
+    if dataset.get("test_split") is not None:
+        require_text("dataset.test_split", dataset.test_split, "null or the test split's name")
+    require_range(
+        "dataset.test_fraction", dataset.get("test_fraction"), 0.0, 1.0, low_open=True, high_open=True
+    )

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, is_dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -68,6 +68,9 @@ class SimulationSettings:
     vectorise: str = "auto"
     #: ``true``: a round of a summed aggregation goes as packed messages (:mod:`fl_app.engine.packed`).
     pack_messages: str = "auto"
+    #: ``true``: with packing, a round of plain FedAvg clients goes as one bulk message per worker
+    #: (:mod:`fl_app.engine.bulk`).
+    bulk: str = "auto"
     #: ``ray``: client actors on a Ray instance; ``inline``: the clients run in the command's own
     #: process, one after another (:mod:`fl_app.engine.inline`); ``processes``: in worker processes
     #: forked from it (:mod:`fl_app.engine.processes`).
@@ -98,6 +101,11 @@ class SimulationSettings:
         (docs/benchmarks/pfl_research.md). The results are the same bit for bit either way.
         """
         return self.pack_messages != "false"
+
+    @property
+    def sends_bulk(self) -> bool:
+        """Whether a packed round of plain FedAvg clients goes in bulk, one message per worker."""
+        return self.packs_messages and self.bulk != "false"
 
 
 def cohort_size(clients_per_round: int | float, num_clients: int) -> int:
@@ -177,11 +185,6 @@ class RunSettings:
         cls, cfg: DictConfig, *, strategy_settings: Any = None, stage_settings: Any = None
     ) -> RunSettings:
         """Read ``cfg`` (composed and validated) into typed fields; the algorithm's and stage's settings."""
-
-        def optional(value: Any, kind: type) -> Any:
-            return None if value is None else kind(value)
-
-        privacy, evaluation, simulation = cfg.privacy, cfg.evaluation, cfg.simulation
         per_round = cfg.clients_per_round
         config = OmegaConf.to_container(cfg, resolve=True)
         assert isinstance(config, dict)
@@ -199,40 +202,13 @@ class RunSettings:
             lr_decay=float(cfg.lr_decay),
             model=str(cfg.model),
             seed=int(cfg.seed),
-            output_dir=optional(cfg.get("output_dir"), str),
-            resume=optional(cfg.get("resume"), str),
+            output_dir=_optional(cfg.get("output_dir"), str),
+            resume=_optional(cfg.get("resume"), str),
             tracking=tracker_names(cfg.get("tracking", "none")),
-            label=optional(cfg.get("label"), str),
-            privacy=PrivacySettings(
-                epsilon=float(privacy.epsilon),
-                delta=float(privacy.delta),
-                accountant=str(privacy.accountant),
-                secure_rng=bool(privacy.secure_rng),
-                noise_seed=optional(privacy.noise_seed, int),
-                budget_scope=str(privacy.budget_scope),
-                diagnostics=bool(privacy.get("diagnostics", False)),
-                canaries=int(privacy.get("canaries", 0) or 0),
-            ),
-            evaluation=EvaluationSettings(
-                every=int(evaluation.every),
-                test_subset=optional(evaluation.test_subset, int),
-                federated_fraction=float(evaluation.federated_fraction),
-                split=str(evaluation.get("split", "test")),
-                stage=optional(evaluation.get("stage"), str),
-            ),
-            simulation=SimulationSettings(
-                num_cpus=optional(simulation.num_cpus, int),
-                client_cpus=float(simulation.client_cpus),
-                client_gpus=float(simulation.get("client_gpus", 0.0)),
-                ray_address=str(simulation.ray_address) if simulation.ray_address else None,
-                max_concurrent_clients=optional(simulation.get("max_concurrent_clients"), int),
-                messages_per_task=int(simulation.get("messages_per_task", 8)),
-                timeout=float(simulation.timeout),
-                max_failure_fraction=float(simulation.get("max_failure_fraction", 0.5)),
-                vectorise=str(simulation.get("vectorise", "auto")).lower(),
-                pack_messages=str(simulation.get("pack_messages", "auto")).lower(),
-                backend=str(simulation.get("backend", "ray")),
-            ),
+            label=_optional(cfg.get("label"), str),
+            privacy=privacy_settings(cfg.privacy),
+            evaluation=evaluation_settings(cfg.evaluation),
+            simulation=simulation_settings(cfg.simulation),
             data=DataSpec.from_config(cfg),
             strategy_settings=strategy_settings,
             stage_settings=stage_settings,
@@ -291,9 +267,53 @@ class RunSettings:
             cfg, strategy_settings=self.strategy_settings, stage_settings=self.stage_settings
         )
 
-    def with_strategy(self, strategy_settings: Any) -> RunSettings:
-        """These settings with the algorithm's own."""
-        return replace(self, strategy_settings=strategy_settings)
+
+def privacy_settings(privacy: DictConfig) -> PrivacySettings:
+    """The validated ``privacy`` group, typed."""
+    return PrivacySettings(
+        epsilon=float(privacy.epsilon),
+        delta=float(privacy.delta),
+        accountant=str(privacy.accountant),
+        secure_rng=bool(privacy.secure_rng),
+        noise_seed=_optional(privacy.noise_seed, int),
+        budget_scope=str(privacy.budget_scope),
+        diagnostics=bool(privacy.get("diagnostics", False)),
+        canaries=int(privacy.get("canaries", 0) or 0),
+    )
+
+
+def evaluation_settings(evaluation: DictConfig) -> EvaluationSettings:
+    """The validated ``evaluation`` group, typed."""
+    return EvaluationSettings(
+        every=int(evaluation.every),
+        test_subset=_optional(evaluation.test_subset, int),
+        federated_fraction=float(evaluation.federated_fraction),
+        split=str(evaluation.get("split", "test")),
+        stage=_optional(evaluation.get("stage"), str),
+    )
+
+
+def simulation_settings(simulation: DictConfig) -> SimulationSettings:
+    """The validated ``simulation`` group, typed (its keys' defaults where a configuration lacks them)."""
+    return SimulationSettings(
+        num_cpus=_optional(simulation.num_cpus, int),
+        client_cpus=float(simulation.client_cpus),
+        client_gpus=float(simulation.get("client_gpus", 0.0)),
+        ray_address=str(simulation.ray_address) if simulation.ray_address else None,
+        max_concurrent_clients=_optional(simulation.get("max_concurrent_clients"), int),
+        messages_per_task=int(simulation.get("messages_per_task", 8)),
+        timeout=float(simulation.timeout),
+        max_failure_fraction=float(simulation.get("max_failure_fraction", 0.5)),
+        vectorise=str(simulation.get("vectorise", "auto")).lower(),
+        pack_messages=str(simulation.get("pack_messages", "auto")).lower(),
+        bulk=str(simulation.get("bulk", "auto")).lower(),
+        backend=str(simulation.get("backend", "ray")),
+    )
+
+
+def _optional(value: Any, kind: type) -> Any:
+    """None, or ``value`` converted to ``kind``."""
+    return None if value is None else kind(value)
 
 
 def tracker_names(value: Any) -> tuple[str, ...]:

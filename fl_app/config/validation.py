@@ -22,9 +22,13 @@ from fl_app.config.checks import (
     require_int,
     require_positive,
     require_range,
+    require_text,
+    validate_split_keys,
 )
 from fl_app.config.settings import RunSettings
+from fl_app.config.text_checks import check_text_model, refuse_on_text, validate_text_options
 from fl_app.data import PARTITION_SCHEMES
+from fl_app.data.examples import TEXT_DATASETS
 from fl_app.data.sources import (
     DATASET_NAMES,
     IDX_DATASETS,
@@ -56,6 +60,21 @@ def cuda_available() -> bool:
 
 def validate_common(cfg: DictConfig) -> None:
     """Check the keys every run has (not the strategy's own ones)."""
+    validate_cohort_size(cfg)
+    validate_training(cfg)
+    validate_privacy_options(cfg.privacy)
+    validate_evaluation(cfg.evaluation)
+    validate_simulation(cfg.simulation)
+    validate_tracking(cfg)
+    label = cfg.get("label")
+    if label is not None and (not isinstance(label, str) or not label.strip() or "\n" in label):
+        raise ConfigError("label", label, "must be null or a one-line name")
+
+    validate_data_options(cfg)
+
+
+def validate_cohort_size(cfg: DictConfig) -> None:
+    """Check ``num_clients`` and ``clients_per_round`` (a whole number of clients or a fraction)."""
     num_clients = require_int("num_clients", cfg.num_clients, minimum=1)
     per_round = cfg.clients_per_round
     allowed = "must be a whole number of clients >= 1 or a fraction of num_clients in (0, 1] (e.g. 0.3)"
@@ -72,6 +91,10 @@ def validate_common(cfg: DictConfig) -> None:
                 f"more clients per round than num_clients={num_clients}: set clients_per_round to at "
                 f"most {num_clients} (or a fraction in (0, 1])",
             )
+
+
+def validate_training(cfg: DictConfig) -> None:
+    """Check the local-training keys (rounds, epochs, batch size, learning rate, seed) and ``model``."""
     require_int("num_rounds", cfg.num_rounds, minimum=1)
     require_int("local_epochs", cfg.local_epochs, minimum=1)
     require_int("batch_size", cfg.batch_size, minimum=1)
@@ -90,7 +113,9 @@ def validate_common(cfg: DictConfig) -> None:
         else:
             require_choice("model", cfg.model, ["auto", *sorted(MODELS), "<module>:<Class>"])
 
-    privacy = cfg.privacy
+
+def validate_privacy_options(privacy: DictConfig) -> None:
+    """Check the ``privacy`` keys every run has (budget, accountant, noise source, canaries)."""
     require_positive("privacy.epsilon", privacy.epsilon)
     require_range("privacy.delta", privacy.delta, 0.0, 1.0, low_open=True, high_open=True)
     require_choice("privacy.accountant", privacy.accountant, METHODS)
@@ -111,7 +136,9 @@ def validate_common(cfg: DictConfig) -> None:
             "privacy.canaries", canaries, "must be 0 (off) or >= 2 (the estimate fits two Gaussians)"
         )
 
-    evaluation = cfg.evaluation
+
+def validate_evaluation(evaluation: DictConfig) -> None:
+    """Check the ``evaluation`` keys (split, validation fraction, cadence, subsets)."""
     require_choice("evaluation.split", evaluation.get("split", "test"), EVALUATION_SPLITS)
     if evaluation.get("split", "test") == "validation":
         require_range(
@@ -127,7 +154,9 @@ def validate_common(cfg: DictConfig) -> None:
         require_int("evaluation.test_subset", evaluation.test_subset, minimum=1)
     require_range("evaluation.federated_fraction", evaluation.federated_fraction, 0.0, 1.0)
 
-    simulation = cfg.simulation
+
+def validate_simulation(simulation: DictConfig) -> None:
+    """Check the ``simulation`` keys (backend, resources, batching, timeouts)."""
     require_positive("simulation.client_cpus", simulation.client_cpus)
     backend = require_choice("simulation.backend", simulation.get("backend", "ray"), SIMULATION_BACKENDS)
     if backend == "processes" and not sys.platform.startswith("linux"):
@@ -136,6 +165,31 @@ def validate_common(cfg: DictConfig) -> None:
             backend,
             f"needs Linux (its workers are forked, which is not safe on {sys.platform}); use ray or inline",
         )
+    validate_client_gpus(simulation, backend)
+    if simulation.num_cpus is not None:
+        require_int("simulation.num_cpus", simulation.num_cpus, minimum=1)
+    if simulation.get("max_concurrent_clients") is not None:
+        require_int("simulation.max_concurrent_clients", simulation.max_concurrent_clients, minimum=1)
+    require_int("simulation.messages_per_task", simulation.get("messages_per_task", 8), minimum=1)
+    vectorise = simulation.get("vectorise", "auto")
+    if not isinstance(vectorise, bool):
+        require_choice("simulation.vectorise", vectorise, ("auto", "true", "false"))
+    for key in ("pack_messages", "bulk"):
+        value = simulation.get(key, "auto")
+        if not isinstance(value, bool):
+            require_choice(f"simulation.{key}", value, ("auto", "true", "false"))
+    if backend != "ray" and simulation.ray_address:
+        raise ConfigError(
+            "simulation.ray_address",
+            simulation.ray_address,
+            f"must be null with simulation.backend={backend} (the clients run on this machine, not on Ray)",
+        )
+    require_positive("simulation.timeout", simulation.timeout)
+    require_range("simulation.max_failure_fraction", simulation.get("max_failure_fraction", 0.5), 0.0, 1.0)
+
+
+def validate_client_gpus(simulation: DictConfig, backend: str) -> None:
+    """Check ``simulation.client_gpus``: a fraction of a GPU, only where the backend and machine have one."""
     gpus = require_range("simulation.client_gpus", simulation.get("client_gpus", 0.0), 0.0, 1.0)
     if gpus > 0 and backend == "processes":
         raise ConfigError(
@@ -150,32 +204,6 @@ def validate_common(cfg: DictConfig) -> None:
             gpus,
             "must be 0 on this machine: torch finds no CUDA device (torch.cuda.is_available() is false)",
         )
-    if simulation.num_cpus is not None:
-        require_int("simulation.num_cpus", simulation.num_cpus, minimum=1)
-    if simulation.get("max_concurrent_clients") is not None:
-        require_int("simulation.max_concurrent_clients", simulation.max_concurrent_clients, minimum=1)
-    require_int("simulation.messages_per_task", simulation.get("messages_per_task", 8), minimum=1)
-    vectorise = simulation.get("vectorise", "auto")
-    if not isinstance(vectorise, bool):
-        require_choice("simulation.vectorise", vectorise, ("auto", "true", "false"))
-    pack_messages = simulation.get("pack_messages", "auto")
-    if not isinstance(pack_messages, bool):
-        require_choice("simulation.pack_messages", pack_messages, ("auto", "true", "false"))
-    if backend != "ray" and simulation.ray_address:
-        raise ConfigError(
-            "simulation.ray_address",
-            simulation.ray_address,
-            f"must be null with simulation.backend={backend} (the clients run on this machine, not on Ray)",
-        )
-    require_positive("simulation.timeout", simulation.timeout)
-    require_range("simulation.max_failure_fraction", simulation.get("max_failure_fraction", 0.5), 0.0, 1.0)
-
-    validate_tracking(cfg)
-    label = cfg.get("label")
-    if label is not None and (not isinstance(label, str) or not label.strip() or "\n" in label):
-        raise ConfigError("label", label, "must be null or a one-line name")
-
-    validate_data_options(cfg)
 
 
 def validate_tracking(cfg: DictConfig) -> None:
@@ -202,7 +230,7 @@ def validate_tracking(cfg: DictConfig) -> None:
 def validate_data_options(cfg: DictConfig) -> None:
     """Check the dataset and partition groups (without loading the data)."""
     dataset = cfg.dataset
-    name = require_choice("dataset.name", dataset.name, DATASET_NAMES)
+    name = require_choice("dataset.name", dataset.name, (*DATASET_NAMES, *TEXT_DATASETS))
     require_range("dataset.public_fraction", dataset.get("public_fraction", 0.0), 0.0, 1.0, high_open=True)
     if name == "digits":
         require_range("dataset.test_fraction", dataset.test_fraction, 0.0, 1.0, low_open=True, high_open=True)
@@ -212,6 +240,9 @@ def validate_data_options(cfg: DictConfig) -> None:
         require_positive("dataset.class_sep", dataset.class_sep)
     if name == "hf":
         validate_hf_options(dataset)
+    if name in TEXT_DATASETS:
+        validate_text_options(cfg)
+        return
     with_files = (*IDX_DATASETS, "svhn")
     if name in with_files and dataset.data_dir is not None and not isinstance(dataset.data_dir, str):
         raise ConfigError("dataset.data_dir", dataset.data_dir, "must be a folder path or null")
@@ -250,25 +281,13 @@ def validate_hf_options(dataset: DictConfig) -> None:
         dataset.get("path"),
         "a Hugging Face data set name (flwrlabs/femnist), a save_to_disk folder or parquet file(s)",
     )
-    require_text("dataset.split", dataset.get("split"), "the training split's name")
-    if dataset.get("test_split") is not None:
-        require_text("dataset.test_split", dataset.test_split, "null or the test split's name")
-    require_range(
-        "dataset.test_fraction", dataset.get("test_fraction"), 0.0, 1.0, low_open=True, high_open=True
-    )
+    validate_split_keys(dataset)
     require_text("dataset.image_column", dataset.get("image_column"), "the column of images")
     require_text("dataset.label_column", dataset.get("label_column"), "the column of class labels")
     if dataset.get("num_classes") is not None:
         require_int("dataset.num_classes", dataset.num_classes, minimum=2)
     if dataset.get("revision") is not None:
         require_text("dataset.revision", dataset.revision, "null or a hub revision (branch, tag, commit)")
-
-
-def require_text(key: str, value: object, what: str) -> str:
-    """A non-empty one-line string."""
-    if not isinstance(value, str) or not value.strip() or "\n" in value:
-        raise ConfigError(key, value, f"must be {what}")
-    return value
 
 
 def locate_data(settings: RunSettings) -> None:
@@ -301,7 +320,7 @@ def check_partitions(settings: RunSettings) -> None:
     try:
         data = federated_data(spec)
     except (DataFileError, DataNotFoundError) as error:
-        if spec.dataset["name"] == "hf":
+        if spec.dataset["name"] in ("hf", *TEXT_DATASETS):
             raise keyed_error(str(error), spec) from None
         raise ConfigError(
             "dataset.data_dir", spec.dataset.get("data_dir"), " ".join(str(error).split())
@@ -346,6 +365,9 @@ def check_model(settings: RunSettings, declaration: Declaration) -> None:
     from fl_app.learning.training import to_tensor
 
     data = federated_data(settings.data)
+    if settings.data.dataset["name"] in TEXT_DATASETS:
+        check_text_model(settings, declaration, data)
+        return
     name = declaration.model_name(settings, data.input_shape)
     try:
         network = check_model_fits(name, data.arrays.x_train[:1], data.num_classes)
@@ -414,6 +436,8 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> RunSettings:
 
     require_choice("strategy.name", cfg.strategy.name, STRATEGIES.names())
     validate_common(cfg)
+    if cfg.dataset.name in TEXT_DATASETS:  # before the strategy's own checks: the reason comes first
+        refuse_on_text(cfg, STRATEGIES.get(cfg.strategy.name).declaration)
     settings = typed_settings(cfg)
     declaration = STRATEGIES.get(settings.strategy).declaration
     declaration.check(settings)

@@ -16,10 +16,12 @@ import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from fl_app.data.examples import DEFAULT_USER_COLUMNS, TEXT_DATASETS, ClientDataset
 from fl_app.data.hf import HFSource, load_hf_dataset
 from fl_app.data.natural import natural_split
 from fl_app.data.partition_cache import load_rows, partition_key, store_rows
@@ -27,17 +29,6 @@ from fl_app.data.sources import ArrayDataset, load_dataset
 
 #: The partition whose clients are the data set's own users (``partition.column``).
 NATURAL = "natural"
-
-
-@dataclass(frozen=True)
-class ClientDataset:
-    """One client's labelled examples."""
-
-    x: np.ndarray
-    y: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.y)
 
 
 @dataclass(frozen=True)
@@ -74,11 +65,16 @@ class DataSpec:
         evaluation = composed.get("evaluation") or {}
         validation = evaluation.get("split", "test") == "validation"
         dataset = dict(composed["dataset"])
-        if dataset.get("name") == "hf" and dataset.get("path"):
+        if dataset.get("name") in ("hf", *TEXT_DATASETS) and dataset.get("path"):
             dataset["path"] = absolute_if_local(str(dataset["path"]))
+        if dataset.get("name") in TEXT_DATASETS and dataset.get("vocabulary"):
+            dataset["vocabulary"] = str(Path(str(dataset["vocabulary"])).expanduser().resolve())
+        partition = dict(composed["partition"])
+        if dataset.get("name") in TEXT_DATASETS and partition.get("column") is None:
+            partition["column"] = DEFAULT_USER_COLUMNS[str(dataset["name"])]
         return cls(
             dataset=dataset,
-            partition=dict(composed["partition"]),
+            partition=partition,
             num_clients=int(composed["num_clients"]),
             seed=int(composed["seed"]),
             validation_fraction=float(evaluation["validation_fraction"]) if validation else 0.0,
@@ -144,6 +140,11 @@ class FederatedData:
         """Whether every client is one user of the data set (``partition=natural``)."""
         return self.arrays.groups_train is not None
 
+    @property
+    def uncounted_targets(self) -> tuple[int, ...] | None:
+        """None: a classification data set (a text data set's targets that accuracy leaves out)."""
+        return None
+
     def client_sizes(self) -> list[int]:
         """Number of examples of every client."""
         return [len(rows) for rows in self.client_rows]
@@ -180,6 +181,16 @@ def build_federated_data(spec: DataSpec, *, use_cache: bool = True) -> Federated
     another process (or an earlier run) computed them, else they are computed and stored there;
     ``use_cache=False`` always computes them and stores nothing.
     """
+    if spec.dataset["name"] in TEXT_DATASETS:  # token arrays on disk, users by offset: no row lists
+        from fl_app.data.text import build_text_data
+
+        return build_text_data(  # type: ignore[return-value]  # the same interface (TextData)
+            spec.dataset,
+            spec.partition,
+            num_clients=spec.num_clients,
+            seed=spec.seed,
+            validation_fraction=spec.validation_fraction,
+        )
     arrays = load_arrays(spec)
     key = partition_key(spec.to_json(), arrays.y_train, arrays.groups_train) if use_cache else None
     cached = load_rows(key) if key is not None else None

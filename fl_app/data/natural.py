@@ -48,14 +48,8 @@ def natural_split(
 
     """
     ids, rows = group_rows(groups)
-    if len(ids) < num_clients:
-        raise ValueError(
-            f"{column} has {len(ids)} distinct users in the training split, fewer than "
-            f"num_clients={num_clients}: set num_clients to at most {len(ids)}"
-        )
-    order = np.random.default_rng([seed, 0x0A7A]).permutation(len(ids))
-    clients = np.sort(order[:num_clients])
-    rest = list(order[num_clients:])
+    clients, order = draw_client_users(len(ids), num_clients=num_clients, seed=seed, column=column)
+    rest = list(order)
     total = len(groups)
     public = take_users(
         rest, rows, round(public_fraction * total), "dataset.public_fraction", public_fraction
@@ -64,6 +58,22 @@ def natural_split(
         rest, rows, round(validation_fraction * total), "evaluation.validation_fraction", validation_fraction
     )
     return public, tuple(rows[i] for i in clients), validation
+
+
+def draw_client_users(
+    users: int, *, num_clients: int, seed: int, column: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """The client users (sorted numbers) of ``users`` and the others in a seeded order.
+
+    ``ValueError`` (one line naming ``column``) for fewer users than ``num_clients``.
+    """
+    if users < num_clients:
+        raise ValueError(
+            f"{column} has {users} distinct users in the training split, fewer than "
+            f"num_clients={num_clients}: set num_clients to at most {users}"
+        )
+    order = np.random.default_rng([seed, 0x0A7A]).permutation(users)
+    return np.sort(order[:num_clients]), order[num_clients:]
 
 
 def take_users(rest: list[int], rows: list[np.ndarray], target: int, key: str, value: float) -> np.ndarray:

@@ -276,22 +276,22 @@ def take_batch(queue: Queue[Any], first: Any, limit: int) -> tuple[list[Any], An
     Returns the batch and the message that stopped it because its node is already in the batch
     or it is a packed message (None if none did): the caller starts its next batch with it, so a
     node's messages keep their order and never share a task (each would need the Context the other
-    leaves), and a packed message goes alone (:func:`is_cohort_message`).
+    leaves), and a packed message goes alone (:func:`is_packed_message`).
     """
     batch, nodes = [first], {first.metadata.dst_node_id}
-    while len(batch) < limit and not is_cohort_message(first):
+    while len(batch) < limit and not is_packed_message(first):
         try:
             message = queue.get_nowait()
         except Empty:
             break
-        if message.metadata.dst_node_id in nodes or is_cohort_message(message):
+        if message.metadata.dst_node_id in nodes or is_packed_message(message):
             return batch, message
         batch.append(message)
         nodes.add(message.metadata.dst_node_id)
     return batch, None
 
 
-def is_cohort_message(message: Any) -> bool:
+def is_packed_message(message: Any) -> bool:
     """Whether ``message`` carries a block of clients (:mod:`fl_app.engine.packed`): a task of its own.
 
     A packed message is 16 clients' work: batched with others, a cross-device round of 7 of them went

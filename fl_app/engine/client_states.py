@@ -11,7 +11,7 @@ records the client kept back out of its reply (:meth:`ClientStates.take_from`) b
 the metering sees it; the checkpoint holds them, so ``resume=`` continues exactly.
 
 Privacy: the records never reach the strategy; they sit in the simulation's server process, as the
-clients' data does, and in the server's private checkpoint file (its ``private_state`` says so).
+clients' data does, and in the server's private checkpoint file (:mod:`fl_app.run.checkpoint`).
 """
 
 from __future__ import annotations
@@ -41,11 +41,6 @@ def state_of(message: Message, context: Context) -> RecordDict:
     return RecordDict(
         {name[len(PREFIX) :]: record for name, record in message.content.items() if name.startswith(PREFIX)}
     )
-
-
-def state_records(state: RecordDict, *, prefix: str = PREFIX) -> dict[str, Any]:
-    """A client's state as records to put in its reply (names prefixed)."""
-    return {f"{prefix}{name}": record for name, record in state.items()}
 
 
 def carry(content: RecordDict, records: Mapping[str, Any]) -> RecordDict:

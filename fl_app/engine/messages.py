@@ -17,6 +17,9 @@
   of a deployment reads it, and a node's Context as a SuperNode keeps it between ClientApp processes
   (Flower's protobuf, ``flwr.common.serde`` and ``flwr.proto``): tests answer devices in process so.
 
+:class:`Broadcast` is the messages of one content to many nodes, built only when someone reads them (the
+engine reads the content and the node ids: a cohort packed or sent in bulk builds no message per client).
+
 :func:`config_record` uses only the public ``Mapping`` API of a ``RecordDict``; it lives here with the
 other message helpers of the per-message path.
 """
@@ -25,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import overload
 
 from flwr.app import Context, Message, RecordDict
 from flwr.app.message.message import make_message
@@ -104,6 +108,46 @@ def member_message(message: Message, *, node_id: int, message_id: str, content: 
     metadata.__dict__["_dst_node_id"] = int(node_id)
     metadata.__dict__["_message_id"] = message_id
     return make_message(metadata, content)
+
+
+class Broadcast(Sequence[Message]):
+    """The messages of type ``message_type`` with one ``content`` to each of ``node_ids``, in order.
+
+    A sequence of Flower ``Message`` objects, built on the first read (then the same objects each
+    time: Flower sets their ids when it pushes them). The engine reads :attr:`content` and
+    :attr:`node_ids` instead, so a round it packs or sends in bulk builds none per client.
+    """
+
+    def __init__(self, content: RecordDict, node_ids: Sequence[int], message_type: str) -> None:
+        self.content = content
+        self.node_ids = [int(node) for node in node_ids]
+        self.message_type = message_type
+        self._messages: list[Message] | None = None
+
+    def _built(self) -> list[Message]:
+        if self._messages is None:
+            self._messages = [
+                Message(content=self.content, dst_node_id=node, message_type=self.message_type)
+                for node in self.node_ids
+            ]
+        return self._messages
+
+    def __len__(self) -> int:
+        return len(self.node_ids)
+
+    @overload
+    def __getitem__(self, index: int) -> Message: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Message]: ...
+    def __getitem__(self, index: int | slice) -> Message | list[Message]:
+        return self._built()[index]
+
+    def __iter__(self) -> Iterator[Message]:
+        return iter(self._built())
+
+    def to(self, node_ids: Sequence[int]) -> Broadcast:
+        """The same content to ``node_ids`` (a share of the nodes), built on its own first read."""
+        return Broadcast(self.content, node_ids, self.message_type)
 
 
 @contextlib.contextmanager

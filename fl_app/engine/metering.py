@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from flwr.app import Message
@@ -25,7 +25,7 @@ from fl_app.engine.dispatch import (
     simulated_partitions,
 )
 from fl_app.engine.message_sizes import array_payload_bytes, message_bytes
-from fl_app.engine.messages import LINK_NODE_ID, set_reply_source
+from fl_app.engine.messages import LINK_NODE_ID, Broadcast, set_reply_source
 from fl_app.engine.packed import metered, pack, packable, unpack
 from fl_app.learning.sums import Summand, is_partial_sum
 from fl_app.run.lifecycle import raise_if_stopped
@@ -36,7 +36,7 @@ PULL_WINDOW = 128
 FULL_PULL_S = 0.5
 
 
-def attribute_link_errors(outgoing: list[Message], replies: list[Message]) -> list[Message]:
+def attribute_link_errors(outgoing: Sequence[Message], replies: list[Message]) -> list[Message]:
     """Credit the SuperLink's error replies to the node the message was for.
 
     When a SuperNode is gone (killed, disconnected), the SuperLink answers its message itself
@@ -46,10 +46,12 @@ def attribute_link_errors(outgoing: list[Message], replies: list[Message]) -> li
     in time". Flower's ``Metadata`` has no setter for the sender
     (:func:`fl_app.engine.messages.set_reply_source`).
     """
-    destination = {message.metadata.message_id: message.metadata.dst_node_id for message in outgoing}
+    destination: dict[str, int] | None = None  # built only when the link answered for a node
     for reply in replies:
         metadata = reply.metadata
         if metadata.src_node_id == LINK_NODE_ID and reply.has_error():
+            if destination is None:
+                destination = {m.metadata.message_id: m.metadata.dst_node_id for m in outgoing}
             node = destination.get(metadata.reply_to_message_id)
             if node is not None:
                 set_reply_source(reply, node)
@@ -67,6 +69,8 @@ class MeteredGrid:
         self._counts: dict[str, float] = defaultdict(float)
         #: The stateful clients' records, carried in their messages (a simulation; None: none kept).
         self.client_states: ClientStates | None = None
+        #: Bulk messages a packable round goes as (one per worker; 0: packed messages of one block).
+        self.bulk_shares = 0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._grid, name)
@@ -84,16 +88,8 @@ class MeteredGrid:
         simulation sends the round as packed messages (:meth:`_exchange_in_memory`); the messages and
         replies are counted as the plain ones would weigh.
         """
-        outgoing = list(messages)
-        sizes: dict[int, tuple[int, int]] = {}
-        for message in outgoing:
-            category = message.metadata.message_type.split(".")[0]
-            key = id(message.content)
-            if key not in sizes:
-                sizes[key] = (message_bytes(message), array_payload_bytes(message))
-            self._counts[f"{category}_download_bytes"] += sizes[key][0]
-            self._counts[f"{category}_download_array_bytes"] += sizes[key][1]
-            self._counts[f"{category}_messages"] += 1
+        outgoing = messages if isinstance(messages, Broadcast) else list(messages)
+        self._count_outgoing(outgoing)
         if not outgoing:
             return []
         if is_in_memory_grid(self._grid):
@@ -103,6 +99,26 @@ class MeteredGrid:
             for reply in replies:
                 self._count_reply(reply)
         return attribute_link_errors(outgoing, replies)
+
+    def _count_outgoing(self, outgoing: Sequence[Message]) -> None:
+        """Count the messages and their bytes (a content sent to many nodes weighed once)."""
+        if isinstance(outgoing, Broadcast):  # every message weighs what the first one does
+            if outgoing:
+                probe = outgoing.to(outgoing.node_ids[:1])[0]
+                category = outgoing.message_type.split(".")[0]
+                self._counts[f"{category}_download_bytes"] += message_bytes(probe) * len(outgoing)
+                self._counts[f"{category}_download_array_bytes"] += array_payload_bytes(probe) * len(outgoing)
+                self._counts[f"{category}_messages"] += len(outgoing)
+            return
+        sizes: dict[int, tuple[int, int]] = {}
+        for message in outgoing:
+            category = message.metadata.message_type.split(".")[0]
+            key = id(message.content)
+            if key not in sizes:
+                sizes[key] = (message_bytes(message), array_payload_bytes(message))
+            self._counts[f"{category}_download_bytes"] += sizes[key][0]
+            self._counts[f"{category}_download_array_bytes"] += sizes[key][1]
+            self._counts[f"{category}_messages"] += 1
 
     def _carrying(self, messages: list[Message], partitions: dict[int, int] | None) -> list[Message]:
         """``messages``, each with its client's state records when the run keeps client states."""
@@ -132,7 +148,7 @@ class MeteredGrid:
         """Count a reply; a packed message's reply as its members' plain replies (:func:`metered`).
 
         ``<category>_replies`` and ``_upload_bytes`` count every reply, error replies included;
-        ``_ok_replies`` and ``_ok_upload_bytes`` only the replies with content (a cohort reply's
+        ``_ok_replies`` and ``_ok_upload_bytes`` only the replies with content (a packed reply's
         members that succeeded: its failed members come as error replies of their own).
         """
         category = reply.metadata.message_type.split(".")[0]
@@ -155,12 +171,16 @@ class MeteredGrid:
         Packed (:func:`fl_app.engine.packed.pack`) when there is a ``summand``, the messages can
         go together (:func:`~fl_app.engine.packed.packable`) and the engine's node numbering is
         known; the replies, counted after :func:`~fl_app.engine.packed.unpack`, weigh what the
-        members' plain replies would have.
+        members' plain replies would have. With :attr:`bulk_shares` (a client that does exactly what
+        FedAvg's does, no state kept) the round goes as that many bulk messages (:mod:`fl_app.engine.bulk`).
         """
         partitions = simulated_partitions(self._grid)
         if summand is None or partitions is None or not packable(messages):
             return self._exchange(self._carrying(messages, partitions), timeout, partitions=partitions)[1]
-        packed = pack(messages, partitions=partitions, summand=summand, states=self.client_states)
+        shares = self.bulk_shares if self.client_states is None else 0
+        packed = pack(
+            messages, partitions=partitions, summand=summand, states=self.client_states, shares=shares
+        )
         pushed, replies = self._exchange([c.message for c in packed], timeout, count=False)
         replies = unpack(replies, packed, pushed)
         for reply in replies:

@@ -51,7 +51,13 @@ from flwr.common import MessageType
 from fl_app import keys
 from fl_app.engine.client_states import CARRIED, PREFIX, REPORTED, ClientStates, carried, carry, state_of
 from fl_app.engine.message_sizes import array_payload_bytes, message_bytes, result_bytes
-from fl_app.engine.messages import log_client_error, member_message, raised_in_client_app, set_message_id
+from fl_app.engine.messages import (
+    Broadcast,
+    log_client_error,
+    member_message,
+    raised_in_client_app,
+    set_message_id,
+)
 from fl_app.learning.records import config_record
 from fl_app.learning.sums import BLOCK, BLOCK_INDEX, PartialSum, Summand, summand_of
 from fl_app.learning.train_results import TrainResult
@@ -61,6 +67,8 @@ PACKING_RECORDS = frozenset({keys.PACKED, CARRIED})
 #: The packed record's keys: the members' node ids and partition ids.
 NODES = "nodes"
 PARTITIONS = "partitions"
+#: The packed record's flag of a share of the cohort trained in bulk (:mod:`fl_app.engine.bulk`).
+BULK = "bulk"
 #: The reply record with what the members' plain replies would have weighed (metering).
 METERING = "packed-metering"
 
@@ -75,16 +83,21 @@ class PackedMessage:
     """A packed message and the plain messages it stands for (in the order its members run)."""
 
     message: Message
-    members: list[Message]
+    members: Sequence[Message]
 
 
 def packable(messages: Sequence[Message]) -> bool:
     """Whether ``messages`` can be packed: train messages sharing one content (model, config, records)."""
     if len(messages) < 2:
         return False
-    content = messages[0].content
-    if any(m.metadata.message_type != MessageType.TRAIN or m.content is not content for m in messages):
-        return False
+    if isinstance(messages, Broadcast):
+        content = messages.content
+        if messages.message_type != MessageType.TRAIN:
+            return False
+    else:
+        content = messages[0].content
+        if any(m.metadata.message_type != MessageType.TRAIN or m.content is not content for m in messages):
+            return False
     return (
         keys.ARRAYS in content.array_records
         and config_record(content, keys.CONFIG) is not None
@@ -98,8 +111,12 @@ def pack(
     partitions: dict[int, int],
     summand: Summand,
     states: ClientStates | None = None,
+    shares: int = 0,
 ) -> list[PackedMessage]:
     """``messages`` as packed messages: in client order, one per block of ``BLOCK`` clients.
+
+    ``shares`` > 0: as that many bulk messages instead (:mod:`fl_app.engine.bulk`), each a run of
+    whole blocks of the cohort in client order (the members of one worker's share).
 
     ``partitions`` maps each node to its partition id, the client id of a simulated node (the
     engine's numbering); ``summand`` is the strategy's per-client term, which the members' replies
@@ -107,20 +124,25 @@ def pack(
     keeps none). Each packed message goes to its first member's node and holds the block the
     server sums its plain replies in (:func:`fl_app.learning.sums.blocks_of`), so both give the same sum.
     """
-    ordered = sorted(messages, key=lambda m: partitions[int(m.metadata.dst_node_id)])
+    same = messages if isinstance(messages, Broadcast) else None
+    ordered = sorted(same.node_ids if same else messages, key=lambda m: partitions[_node(m)])
+    blocks = -(-len(ordered) // BLOCK)
+    per_message = max(1, -(-blocks // shares)) if shares > 0 else 1
     packed = []
-    for block, start in enumerate(range(0, len(ordered), BLOCK)):
-        members = ordered[start : start + BLOCK]
-        nodes = [int(m.metadata.dst_node_id) for m in members]
+    for first in range(0, blocks, per_message):
+        share = ordered[first * BLOCK : (first + per_message) * BLOCK]
+        nodes = [_node(m) for m in share]
+        members = same.to(nodes) if same else share
         content = RecordDict(
             {
-                **dict(members[0].content.items()),  # the model, the config, the strategy's records
+                **dict((same.content if same else share[0].content).items()),  # model, config, records
                 keys.PACKED: ConfigRecord(
                     {
                         NODES: nodes,
                         PARTITIONS: [partitions[n] for n in nodes],
-                        BLOCK_INDEX: block,
+                        BLOCK_INDEX: first,
                         keys.REPLY_SUM: summand.to_config(),
+                        BULK: shares > 0,
                     }
                 ),
             }
@@ -132,6 +154,11 @@ def pack(
         message = Message(content=content, dst_node_id=nodes[0], message_type=MessageType.TRAIN)
         packed.append(PackedMessage(message, members))
     return packed
+
+
+def _node(member: Message | int) -> int:
+    """A member's node: its message's destination, or the node id itself."""
+    return member if isinstance(member, int) else int(member.metadata.dst_node_id)
 
 
 def unpack(

@@ -33,7 +33,7 @@ import torch
 from flwr.common import log
 
 from fl_app import keys
-from fl_app.engine.vectorised_training import has_dropout, plan_from_generators, train_vectorised
+from fl_app.engine.vectorised_training import has_dropout, plan_for_clients, train_vectorised
 from fl_app.learning.records import config_record
 from fl_app.learning.training import LocalSGD
 
@@ -226,9 +226,11 @@ def _train_group(group: Group) -> list[str]:
         model = first.global_model()
         global_params = {n: p.detach().clone() for n, p in model.named_parameters()}
         datasets = [client.local_data() for _, client, _ in members]
-        plan = plan_from_generators(
-            [client.generator("data-order") for _, client, _ in members],
-            np.array([len(data) for data in datasets], dtype=np.int64),
+        plan = plan_for_clients(
+            seed=int(first.config.get(keys.SEED, 0)),
+            clients=[client.client_id for _, client, _ in members],
+            server_round=first.server_round,
+            sizes=[len(data) for data in datasets],
             epochs=sgd.epochs,
             batch_size=sgd.batch_size,
             dropout=has_dropout(model),

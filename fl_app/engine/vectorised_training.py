@@ -1,4 +1,4 @@
-"""A cohort of clients trained as one computation (issue 58): vmapped SGD over stacked parameters.
+"""Many clients trained as one computation: vmapped SGD over stacked parameters.
 
 :func:`fl_app.learning.training.train_local` trains one client with a Python loop: mini-batch SGD over
 ``epochs``, a fresh permutation of the client's examples per epoch, batches of ``batch_size`` in that
@@ -91,7 +91,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -100,6 +100,9 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn import functional as F  # noqa: N812 - the conventional name
+
+from fl_app.data.text_tokens import PAD
+from fl_app.learning.orders import client_seed, concatenated_orders
 
 Schedule = Literal["prefix", "pad", "bucket"]
 SCHEDULES: tuple[str, ...] = ("prefix", "pad", "bucket")
@@ -111,6 +114,29 @@ _OTHER_DROPOUTS = (nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn
 # --------------------------------------------------------------------------------------
 # The step plan
 # --------------------------------------------------------------------------------------
+
+
+class ConcatenatedRows(Sequence[np.ndarray]):
+    """Clients' arrays stored one after another in one array: client ``c`` has rows ``ends[c-1]:ends[c]``.
+
+    What :func:`train_vectorised` takes as ``xs`` or ``ys`` without copying them again (a worker's
+    gathered share of the cohort, :mod:`fl_app.engine.bulk`); indexing gives a client's view.
+    """
+
+    def __init__(self, values: np.ndarray, ends: Sequence[int] | np.ndarray) -> None:
+        self.values = values
+        self.ends = np.asarray(ends, dtype=np.int64)
+        if len(self.ends) and (
+            np.any(np.diff(self.ends) < 0) or self.ends[0] < 0 or self.ends[-1] > len(values)
+        ):
+            raise ValueError(f"ends must rise within the {len(values)} rows, got {self.ends.tolist()}")
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, client: int) -> np.ndarray:  # type: ignore[override]
+        start = int(self.ends[client - 1]) if client > 0 else 0
+        return self.values[start : int(self.ends[client])]
 
 
 @dataclass(frozen=True)
@@ -209,6 +235,47 @@ def plan_batches(
         orders, or an order that is not a permutation of its client's examples.
 
     """
+    sizes_np = _checked_sizes(
+        sizes, orders, epochs=epochs, batch_size=batch_size, dropout_seeds=dropout_seeds
+    )
+    values = _checked_orders(sizes_np, orders, epochs=epochs, check_orders=check_orders)
+    return _plan(sizes_np, values, epochs=epochs, batch_size=batch_size, dropout_seeds=dropout_seeds)
+
+
+def _plan(
+    sizes: np.ndarray,
+    values: np.ndarray,
+    *,
+    epochs: int,
+    batch_size: int,
+    dropout_seeds: Sequence[int | None] | None,
+) -> BatchPlan:
+    """The plan of the clients' concatenated orders ``values`` (:func:`_batch_slots`)."""
+    index, mask = _batch_slots(sizes, values, epochs=epochs, batch_size=batch_size)
+    return BatchPlan(
+        index=torch.from_numpy(index),
+        example_mask=torch.from_numpy(mask),
+        step_mask=torch.from_numpy(mask.any(axis=2)),
+        sizes=sizes,
+        epochs=int(epochs),
+        batch_size=int(batch_size),
+        dropout_seeds=None if dropout_seeds is None else tuple(dropout_seeds),
+    )
+
+
+def _checked_sizes(
+    sizes: Sequence[int],
+    orders: Sized,
+    *,
+    epochs: int,
+    batch_size: int,
+    dropout_seeds: Sequence[int | None] | None,
+) -> np.ndarray:
+    """The clients' sizes as ``int64``, after checking them and the counts of orders (or clients) and seeds.
+
+    Raises ``ValueError`` for non-positive ``epochs`` or ``batch_size``, as many orders or dropout
+    seeds as another number of clients, or a negative size.
+    """
     if epochs < 1 or batch_size < 1:
         raise ValueError(f"epochs and batch_size must be positive, got {epochs} and {batch_size}")
     sizes_np = np.asarray(sizes, dtype=np.int64).reshape(-1)
@@ -218,32 +285,32 @@ def plan_batches(
         raise ValueError(f"{len(dropout_seeds)} dropout seeds for {len(sizes_np)} clients")
     if (sizes_np < 0).any():
         raise ValueError(f"client sizes must be non-negative, got {sizes_np.min()}")
-    per_epoch = -(-sizes_np // batch_size)
+    return sizes_np
+
+
+def _batch_slots(
+    sizes: np.ndarray, values: np.ndarray, *, epochs: int, batch_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``int64`` example index and ``bool`` example mask, ``[clients, steps, batch_size]`` each.
+
+    ``values`` are the clients' orders concatenated (:func:`_checked_orders`); every epoch of a client
+    starts a new batch, so its last batch of an epoch may be partly masked.
+    """
+    per_epoch = -(-sizes // batch_size)
     steps = int((epochs * per_epoch).max(initial=0))
-    clients = len(sizes_np)
-    values = _checked_orders(sizes_np, orders, epochs=epochs, check_orders=check_orders)
+    clients = len(sizes)
     # Entry j of client c's concatenated epochs is epoch j // size, position j % size: slot
     # epoch * batches * batch_size + position of the client's [steps * batch_size] row.
-    repeat = epochs * sizes_np
+    repeat = epochs * sizes
     client_of = np.repeat(np.arange(clients), repeat)
     within = np.arange(len(values)) - np.repeat(np.cumsum(repeat) - repeat, repeat)
-    size_of = np.repeat(sizes_np, repeat)
+    size_of = np.repeat(sizes, repeat)
     slot = (within // size_of) * np.repeat(per_epoch, repeat) * batch_size + within % size_of
     index = np.zeros((clients, steps * batch_size), dtype=np.int64)
     mask = np.zeros((clients, steps * batch_size), dtype=bool)
     index[client_of, slot] = values
     mask[client_of, slot] = True
-    index = index.reshape(clients, steps, batch_size)
-    mask = mask.reshape(clients, steps, batch_size)
-    return BatchPlan(
-        index=torch.from_numpy(index),
-        example_mask=torch.from_numpy(mask),
-        step_mask=torch.from_numpy(mask.any(axis=2)),
-        sizes=sizes_np,
-        epochs=int(epochs),
-        batch_size=int(batch_size),
-        dropout_seeds=None if dropout_seeds is None else tuple(dropout_seeds),
-    )
+    return index.reshape(clients, steps, batch_size), mask.reshape(clients, steps, batch_size)
 
 
 def _checked_orders(
@@ -269,6 +336,34 @@ def _checked_orders(
                 raise ValueError(f"client {client}, epoch {epoch}: the order is not a permutation of {size}")
             parts.append(order_np)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def plan_for_clients(
+    *,
+    seed: int,
+    clients: Sequence[int],
+    server_round: int,
+    sizes: Sequence[int],
+    epochs: int,
+    batch_size: int,
+    dropout: bool = False,
+) -> BatchPlan:
+    """Plan the clients' batches from their example orders and dropout seeds, as ``train_local`` gets them.
+
+    The orders of :func:`fl_app.learning.orders.example_orders` and the seeds of
+    :func:`fl_app.learning.orders.client_seed`: a client trained here visits its examples exactly as it
+    does trained on its own (:meth:`clients.base.FederatedClient.train_locally`).
+    """
+    seeds = (
+        [client_seed(seed=seed, client=int(c), server_round=server_round) for c in clients]
+        if dropout
+        else None
+    )
+    sizes_np = _checked_sizes(sizes, clients, epochs=epochs, batch_size=batch_size, dropout_seeds=seeds)
+    values = concatenated_orders(
+        seed=seed, clients=clients, server_round=server_round, sizes=sizes_np, epochs=epochs
+    )
+    return _plan(sizes_np, values, epochs=epochs, batch_size=batch_size, dropout_seeds=seeds)
 
 
 def plan_from_generators(
@@ -443,10 +538,14 @@ class VectorisedResult:
 
 
 def _as_inputs(x: np.ndarray | torch.Tensor) -> torch.Tensor:
-    """Float input as ``fl_app.learning.training.to_tensor`` makes it: ``uint8`` to [0, 1], else float32."""
+    """As the loop makes input: ``uint8`` images in [0, 1], token ids (other integers) int64, else float."""
+    if isinstance(x, np.ndarray) and x.dtype != np.uint8 and np.issubdtype(x.dtype, np.integer):
+        return torch.from_numpy(x.astype(np.int64))  # token ids (uint16 memory maps among them)
     tensor = _as_tensor(x)
     if tensor.dtype == torch.uint8:
         return tensor.float().div_(255.0)
+    if not tensor.is_floating_point() and tensor.dtype != torch.bool:
+        return tensor.to(torch.int64)
     return tensor.to(torch.float32)
 
 
@@ -494,7 +593,11 @@ def _per_client_loss(
         # -log_softmax at the label is F.cross_entropy's value and gradient exactly; under vmap it avoids
         # nll_loss's Python decomposition (a third of a step's dispatch time for the MLP).
         picked = F.log_softmax(logits, dim=-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
-        loss = (-picked * weight).sum() / count
+        if picked.dim() > 1:  # next-token scores: the mean over the real examples' non-pad targets
+            valid = (y != PAD).to(picked.dtype) * weight.unsqueeze(-1)
+            loss = (-picked * valid).sum() / valid.sum().clamp(min=1.0)
+        else:
+            loss = (-picked * weight).sum() / count
         if proximal_mu > 0:
             prox = sum(torch.sum((params[n] - reference[n]) ** 2) for n in names)
             loss = loss + 0.5 * proximal_mu * prox
@@ -543,6 +646,8 @@ def train_vectorised(
     (``b <- g`` on the first step, ``b <- momentum * b + g`` after; ``w <- w - lr * b``; no dampening,
     Nesterov or weight decay). All clients of a chunk take their ``s``-th step together, as one
     ``vmap(grad(loss))`` over their stacked parameters and batches.
+
+    Long because: most of it is the numpy-style Parameters/Returns/Raises of this public entry point.
 
     Parameters
     ----------
@@ -598,14 +703,18 @@ def train_vectorised(
         record=chunk == "auto",
     )
     trainer.corrections = _checked_corrections(corrections, trainer, plan.clients)
-    out = {
-        n: value.unsqueeze(0).repeat(plan.clients, *([1] * value.dim())).contiguous()
-        for n, value in trainer.reference.items()
-    }
+    out = {n: value.new_empty((plan.clients, *value.shape)) for n, value in trainer.reference.items()}
     losses = np.full(plan.clients, np.nan)
+    trained = np.zeros(plan.clients, dtype=bool)
     chunk_size = _chunk_size(chunk, trainer)
     for members, sorted_desc in _groups(plan, schedule, max(chunk_size, 1)):
-        _train_group(trainer, members, sorted_desc, out, losses)
+        trained[members] = _train_group(trainer, members, sorted_desc, out, losses)
+    untouched = torch.from_numpy(~trained)
+    for n, value in trainer.reference.items():
+        if n not in trainer.trainable:
+            out[n].copy_(value.expand_as(out[n]))
+        elif untouched.any():
+            out[n][untouched.to(value.device)] = value
     return VectorisedResult(params=out, losses=losses)
 
 
@@ -661,7 +770,7 @@ def _check_arguments(
 
 
 @dataclass
-class _CohortTrainer:
+class _VectorisedTrainer:
     """What every group of clients of one :func:`train_vectorised` call trains with.
 
     Attributes
@@ -740,7 +849,7 @@ def _prepare(
     momentum: float,
     proximal_mu: float,
     record: bool,
-) -> _CohortTrainer:
+) -> _VectorisedTrainer:
     """What the groups of a cohort share: the global model and inputs on ``target``, the step function.
 
     Parameters
@@ -754,7 +863,7 @@ def _prepare(
 
     Returns
     -------
-    _CohortTrainer
+    _VectorisedTrainer
         The shared state, before any step.
 
     """
@@ -762,7 +871,7 @@ def _prepare(
     reference = {n: global_params[n].detach().to(target) for n, _ in model.named_parameters()}
     flat_x, flat_y, offsets = _flattened_inputs(xs, ys, plan, target)
     step_fn, layers, activations = _step_function(model, reference, flat_x, proximal_mu, record=record)
-    return _CohortTrainer(
+    return _VectorisedTrainer(
         plan=plan,
         model_name=type(model).__name__,
         target=target,
@@ -781,7 +890,7 @@ def _prepare(
 
 
 def _checked_corrections(
-    corrections: Mapping[str, torch.Tensor] | None, trainer: _CohortTrainer, clients: int
+    corrections: Mapping[str, torch.Tensor] | None, trainer: _VectorisedTrainer, clients: int
 ) -> dict[str, torch.Tensor]:
     """``corrections`` on the trainer's device (``ValueError`` unless ``[clients, *shape]`` per parameter)."""
     if corrections is None:
@@ -828,22 +937,40 @@ def _flattened_inputs(
 
     """
     sizes = plan.sizes
-    for client, (x, y) in enumerate(zip(xs, ys, strict=True)):
-        if len(x) != sizes[client] or len(y) != sizes[client]:
-            raise ValueError(
-                f"client {client}: {len(x)} examples and {len(y)} labels, the plan {sizes[client]}"
-            )
+    _check_sizes(xs, ys, sizes)
     nonempty = [c for c in range(plan.clients) if sizes[c] > 0]
     offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
     if not nonempty:
         return None, None, offsets
     # Concatenated as stored (uint8 stays 4x smaller), moved, then converted where the cohort trains.
-    raw = [_as_tensor(xs[c]) for c in nonempty]
+    if isinstance(xs, ConcatenatedRows) and isinstance(ys, ConcatenatedRows):
+        flat_x = _as_inputs(_as_tensor(xs.values[: xs.ends[-1]]).to(target))
+        return flat_x, _as_tensor(ys.values[: ys.ends[-1]]).to(target, torch.int64), offsets
+    flat_x = _as_inputs(_joined([xs[c] for c in nonempty], target))
+    labels = _joined([ys[c] for c in nonempty], target).to(torch.int64)
+    return flat_x, labels, offsets
+
+
+def _check_sizes(xs: _Arrays, ys: _Arrays, sizes: np.ndarray) -> None:
+    """``ValueError`` unless every client has as many examples and labels as the plan says."""
+    if isinstance(xs, ConcatenatedRows) and isinstance(ys, ConcatenatedRows):
+        x_sizes, y_sizes = np.diff(xs.ends, prepend=0), np.diff(ys.ends, prepend=0)
+    else:
+        x_sizes, y_sizes = np.asarray([len(x) for x in xs]), np.asarray([len(y) for y in ys])
+    if len(x_sizes) != len(sizes) or len(y_sizes) != len(sizes):
+        raise ValueError(f"{len(x_sizes)} clients' examples and {len(y_sizes)} labels, the plan {len(sizes)}")
+    wrong = np.flatnonzero((x_sizes != sizes) | (y_sizes != sizes))
+    if wrong.size:
+        c = int(wrong[0])
+        raise ValueError(f"client {c}: {x_sizes[c]} examples and {y_sizes[c]} labels, the plan {sizes[c]}")
+
+
+def _joined(arrays: Sequence[np.ndarray | torch.Tensor], target: torch.device) -> torch.Tensor:
+    """The clients' arrays as one tensor on ``target`` (uint8 kept; a mixture converted to float32)."""
+    raw = [_as_tensor(a) for a in arrays]
     if len({t.dtype for t in raw}) > 1:
         raw = [_as_inputs(t) for t in raw]
-    flat_x = _as_inputs(_concatenated(raw, target))
-    labels = _concatenated([_as_tensor(ys[c]).to(torch.int64) for c in nonempty], target)
-    return flat_x, labels, offsets
+    return _concatenated(raw, target)
 
 
 def _concatenated(tensors: Sequence[torch.Tensor], target: torch.device) -> torch.Tensor:
@@ -909,14 +1036,14 @@ def _step_function(
     return step_fn, layers, activations
 
 
-def _chunk_size(chunk: int | Literal["auto"] | None, trainer: _CohortTrainer) -> int:
+def _chunk_size(chunk: int | Literal["auto"] | None, trainer: _VectorisedTrainer) -> int:
     """Clients per group: ``chunk``, all of them (None), or :func:`auto_chunk`'s choice ("auto").
 
     Parameters
     ----------
     chunk : int, "auto" or None
         :func:`train_vectorised`'s argument.
-    trainer : _CohortTrainer
+    trainer : _VectorisedTrainer
         The cohort (its plan, model size, activations and device).
 
     Returns
@@ -971,58 +1098,62 @@ class _Group:
     total: torch.Tensor
     generators: list[torch.Generator]
     corrections: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Per step, the most real examples any member's batch has (the batch is cut to that width).
+    widths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def _train_group(
-    trainer: _CohortTrainer,
+    trainer: _VectorisedTrainer,
     members: np.ndarray,
     sorted_desc: bool,
     out: dict[str, torch.Tensor],
     losses: np.ndarray,
-) -> None:
-    """Train one group of clients from their values in ``out``; write back their parameters and losses.
+) -> bool:
+    """Train one group of clients from the global model; write their parameters and losses.
 
     Parameters
     ----------
-    trainer : _CohortTrainer
+    trainer : _VectorisedTrainer
         The cohort.
     members : np.ndarray
         ``int64``: the group's clients (a :func:`_groups` entry).
     sorted_desc : bool
         Whether they are sorted by steps, longest first.
     out : dict[str, torch.Tensor]
-        Every client's parameters, stacked; the members' rows are replaced by their trained values.
+        Every client's parameters, stacked; the members' rows of the trainable ones are written.
     losses : np.ndarray
         Every client's mean loss; the members' entries are set (NaN for a client without a step).
+
+    Returns
+    -------
+    bool
+        Whether the members' rows were written (False: no member takes a step).
 
     """
     group_steps = trainer.client_steps[members]
     if len(members) == 0 or group_steps.max() == 0:
-        return
-    group = _stack_group(trainer, members, sorted_desc, out)
+        return False
+    group = _stack_group(trainer, members, sorted_desc)
     for step in range(int(group_steps.max())):
         _train_step(trainer, group, step)
     mean = (group.total / torch.from_numpy(group_steps).to(trainer.target)).cpu().numpy()
     for n in trainer.trainable:
         out[n][group.members] = group.params[n].to(out[n].device)
     losses[members] = np.where(group_steps > 0, mean, np.nan)
+    return True
 
 
-def _stack_group(
-    trainer: _CohortTrainer, members: np.ndarray, sorted_desc: bool, out: Mapping[str, torch.Tensor]
-) -> _Group:
-    """The group's batches, its members' parameters from ``out`` and fresh buffers, on ``trainer.target``.
+def _stack_group(trainer: _VectorisedTrainer, members: np.ndarray, sorted_desc: bool) -> _Group:
+    """The group's batches, its members' parameters (the global model's) and fresh buffers, on the target.
 
     Parameters
     ----------
-    trainer : _CohortTrainer
+    trainer : _VectorisedTrainer
         The cohort.
     members : np.ndarray
         ``int64``: the group's clients.
     sorted_desc : bool
         Whether they are sorted by steps, longest first.
-    out : Mapping[str, torch.Tensor]
-        Every client's parameters, stacked (the members' starting values).
 
     Returns
     -------
@@ -1037,8 +1168,13 @@ def _stack_group(
     shift = torch.from_numpy(trainer.offsets[members])[:, None, None]
     index = torch.where(real, plan.index[members_t] + shift, 0).to(target)
     weight = real.to(device=target, dtype=torch.float32)
-    count = trainer.counts[members_t].clamp(min=1).to(device=target, dtype=torch.float32)
-    params = {n: out[n][members_t].to(target) for n in trainer.trainable}
+    real_counts = trainer.counts[members_t]
+    widths = real_counts.max(dim=0).values.clamp(min=1).numpy() if len(members) else np.zeros(0, np.int64)
+    count = real_counts.clamp(min=1).to(device=target, dtype=torch.float32)
+    params = {
+        n: trainer.reference[n].unsqueeze(0).expand(len(members), *trainer.reference[n].shape).clone()
+        for n in trainer.trainable
+    }
     return _Group(
         members=members_t,
         steps=trainer.client_steps[members],
@@ -1046,6 +1182,7 @@ def _stack_group(
         index=index,
         weight=weight,
         count=count,
+        widths=widths,
         params=params,
         buffers={n: torch.zeros_like(params[n]) for n in trainer.trainable} if trainer.momentum != 0 else {},
         total=torch.zeros(len(members), dtype=torch.float64, device=target),
@@ -1054,12 +1191,12 @@ def _stack_group(
     )
 
 
-def _dropout_generators(trainer: _CohortTrainer, members: np.ndarray) -> list[torch.Generator]:
+def _dropout_generators(trainer: _VectorisedTrainer, members: np.ndarray) -> list[torch.Generator]:
     """The members' dropout generators, seeded from the plan.
 
     Parameters
     ----------
-    trainer : _CohortTrainer
+    trainer : _VectorisedTrainer
         The cohort.
     members : np.ndarray
         ``int64``: the group's clients.
@@ -1076,12 +1213,12 @@ def _dropout_generators(trainer: _CohortTrainer, members: np.ndarray) -> list[to
     return [torch.Generator().manual_seed(int(seeds[c] or 0)) for c in members.tolist()]
 
 
-def _train_step(trainer: _CohortTrainer, group: _Group, step: int) -> None:
+def _train_step(trainer: _VectorisedTrainer, group: _Group, step: int) -> None:
     """The group's ``step``-th step: every member that still has a step takes it, in one computation.
 
     Parameters
     ----------
-    trainer : _CohortTrainer
+    trainer : _VectorisedTrainer
         The cohort.
     group : _Group
         The group; its parameters, buffers and summed losses are updated in place.
@@ -1096,14 +1233,18 @@ def _train_step(trainer: _CohortTrainer, group: _Group, step: int) -> None:
     else:
         width = len(group.members)
         valid = None if active_np.all() else torch.from_numpy(active_np).to(trainer.target)
-    rows = group.index[:width, step]
+    # the batch cut to the widest real batch of the step: the columns after it are padding only
+    # (weight 0), so small clients do not pay for batch_size rows each
+    cut = int(group.widths[step])
+    rows = group.index[:width, step, :cut]
     masks: tuple[torch.Tensor, ...] = ()
     if trainer.dropout:
         counts = trainer.counts[group.members[:width], step]
         masks = _stacked_masks(group.generators[:width], trainer.layers, counts, trainer.plan, trainer.target)
+        masks = tuple(mask[:, :cut] for mask in masks)
     current = {n: group.params[n][:width] for n in trainer.trainable}
     grads, loss = _step_gradients(
-        trainer, current, rows, group.weight[:width, step], group.count[:width, step], masks
+        trainer, current, rows, group.weight[:width, step, :cut], group.count[:width, step], masks
     )
     for name, shift in group.corrections.items():
         grads[name] = grads[name] + shift[:width]
@@ -1112,7 +1253,7 @@ def _train_step(trainer: _CohortTrainer, group: _Group, step: int) -> None:
 
 
 def _step_gradients(
-    trainer: _CohortTrainer,
+    trainer: _VectorisedTrainer,
     current: dict[str, torch.Tensor],
     rows: torch.Tensor,
     weight: torch.Tensor,
@@ -1123,7 +1264,7 @@ def _step_gradients(
 
     Parameters
     ----------
-    trainer : _CohortTrainer
+    trainer : _VectorisedTrainer
         The cohort (its step function, frozen parameters, reference and flattened inputs).
     current : dict[str, torch.Tensor]
         The active clients' trainable parameters, ``[width, ...]``.

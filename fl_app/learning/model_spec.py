@@ -16,26 +16,51 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Which architecture to build, for which input and number of classes."""
+    """Which architecture to build, for which input and number of classes.
+
+    ``uncounted``: None for a classifier; for a next-token network (the text data sets: ``num_classes``
+    is the vocabulary's size, ``input_shape`` the sequence length), the target ids its accuracy leaves
+    out (:class:`fl_app.learning.sequence.NextToken`).
+    """
 
     name: str
     input_shape: tuple[int, ...]
     num_classes: int
+    uncounted: tuple[int, ...] | None = None
 
     def to_json(self) -> str:
-        """Serialise for a ConfigRecord."""
-        return json.dumps(
-            {"name": self.name, "input_shape": list(self.input_shape), "num_classes": self.num_classes}
-        )
+        """Serialise for a ConfigRecord (a classifier's text is what it was before next-token networks)."""
+        raw: dict[str, object] = {
+            "name": self.name,
+            "input_shape": list(self.input_shape),
+            "num_classes": self.num_classes,
+        }
+        if self.uncounted is not None:
+            raw["next_token_uncounted"] = list(self.uncounted)
+        return json.dumps(raw)
 
     @classmethod
     def from_json(cls, text: str) -> ModelSpec:
         """Inverse of :meth:`to_json`."""
         raw = json.loads(text)
-        return cls(raw["name"], tuple(raw["input_shape"]), int(raw["num_classes"]))
+        uncounted = raw.get("next_token_uncounted")
+        return cls(
+            raw["name"],
+            tuple(raw["input_shape"]),
+            int(raw["num_classes"]),
+            None if uncounted is None else tuple(int(t) for t in uncounted),
+        )
 
     def build(self) -> nn.Module:
-        """Instantiate the (randomly initialised) network (:func:`fl_app.learning.models.build_model`)."""
+        """Instantiate the (randomly initialised) network (:func:`fl_app.learning.models.build_model`).
+
+        A next-token network is given its task (:func:`fl_app.learning.sequence.mark_next_token`).
+        """
         from fl_app.learning.models import build_model
 
-        return build_model(self.name, self.input_shape, self.num_classes)
+        network = build_model(self.name, self.input_shape, self.num_classes)
+        if self.uncounted is not None:
+            from fl_app.learning.sequence import mark_next_token
+
+            mark_next_token(network, self.uncounted)
+        return network

@@ -27,6 +27,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from fl_app.learning.probe import forward_probe, probe_failure
+from fl_app.learning.text_models import TEXT_MODELS, auto_text_model
+
 ModelFactory = Callable[[tuple[int, ...], int], nn.Module]
 MODELS: dict[str, ModelFactory] = {}
 
@@ -43,11 +46,22 @@ def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
     return decorator
 
 
-def resolve_model_name(name: str, input_shape: tuple[int, ...]) -> str:
-    """Turn ``auto`` into a concrete model name for ``input_shape``."""
+def resolve_model_name(name: str, input_shape: tuple[int, ...], num_classes: int | None = None) -> str:
+    """Turn ``auto`` into a concrete model name for ``input_shape``.
+
+    Token sequences (``input_shape`` is ``(length,)``, ``num_classes`` the vocabulary's size): the char
+    LSTM for a vocabulary of characters, the word LSTM otherwise
+    (:func:`fl_app.learning.text_models.auto_text_model`).
+    """
     if name != "auto":
         return name
+    if len(input_shape) == 1:
+        return auto_text_model(num_classes if num_classes is not None else CHARACTERS_UNKNOWN)
     return "cnn" if is_28x28_image(input_shape) else "mlp"
+
+
+#: The vocabulary assumed when ``resolve_model_name`` is not told one (a word vocabulary).
+CHARACTERS_UNKNOWN = 10**6
 
 
 def is_28x28_image(input_shape: tuple[int, ...]) -> bool:
@@ -121,15 +135,11 @@ def check_model_fits(name: str, example: np.ndarray, num_classes: int) -> nn.Mod
         batch /= 255.0  # as training sees it
     try:
         network = build_model(name, shape, num_classes)
-        network.eval()
-        with torch.no_grad():
-            output = network(batch)
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
-        message = " ".join(str(error).split())[:200]
         raise ValueError(
-            f"the network {name!r} does not take this data's examples of shape {shape} with {num_classes} "
-            f"classes: {type(error).__name__}: {message}"
+            probe_failure(name, f"examples of shape {shape} with {num_classes} classes", error)
         ) from None
+    output = forward_probe(network, batch, name, f"examples of shape {shape} with {num_classes} classes")
     if not isinstance(output, torch.Tensor) or tuple(output.shape) != (1, num_classes):
         got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
         raise ValueError(
@@ -249,8 +259,30 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class LogisticRegression(nn.Module):
+    """Multinomial logistic regression: one linear layer from the flattened input to the class logits.
+
+    The network whose local training costs least: what a benchmark of the engine's own work per
+    client runs (``benchmarks/host_per_client.py``).
+    """
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int) -> None:
+        super().__init__()
+        features = 1
+        for dim in input_shape:
+            features *= dim
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(features, num_classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Return class logits."""
+        return self.net(x)
+
+
 register_model("cnn")(SmallCNN)
 register_model("mlp")(MLP)
+register_model("logreg")(LogisticRegression)
+for _text_name, _text_network in TEXT_MODELS.items():
+    register_model(_text_name)(_text_network)
 
 
 class PrivateKTCNN(nn.Module):

@@ -1,15 +1,16 @@
-"""What a strategy whose aggregation is a sum of per-client terms needs from each reply (issue 58).
+"""What a strategy whose aggregation is a sum of per-client terms needs from each reply.
 
 FedAvg averages ``sum_k n_k w_k / sum_k n_k``; DP-FedAvg and its adaptive, FTRL and banded-MF
 relatives add noise to ``sum_k clip(w_k - w_t, C)``; FedAvg+LDP and NbAFL average the clients'
 locally noised uploads, ``sum_k u_k / K``. Such a strategy names its per-client term, a
-:class:`Summand` (``reply_summand``); a simulation that sends the cohort as a few messages
-(``simulation.pack_messages``, :mod:`fl_app.engine.packed`) names it in each message's cohort
-record (:data:`fl_app.keys.REPLY_SUM`) and applies the summand to each member's train result
-where the member ran and returns one :class:`PartialSum` per message, which the strategy adds up
-instead of the replies. The server sees the sum over a message's members, a function of what it
-would have received; every step a client's privacy depends on (local training, clipping on the
-client, local noise) still runs per member with the member's generators.
+:class:`Summand` (:meth:`strategies.base.FederatedStrategy.summand`); a simulation that packs
+several clients into one message (``simulation.pack_messages``, :mod:`fl_app.engine.packed`) names
+it in each packed message's record (:data:`fl_app.keys.REPLY_SUM`) and applies the summand to
+each member's train result where the member ran and returns one :class:`PartialSum` per message,
+which the strategy adds up instead of the replies. The server sees the sum over a message's
+members, a function of what it would have received; every step a client's privacy depends on
+(local training, clipping on the client, local noise) still runs per member with the member's
+generators.
 
 A summand is a pure function of a reply's arrays and metrics (a
 :class:`~fl_app.learning.train_results.TrainResult`: the reply decoded, or a member's result before encoding)
@@ -155,20 +156,39 @@ class PartialSum:
 
 
 def _sum_metrics(reply: Message) -> MetricRecord:
-    """A cohort reply's :data:`PARTIAL_SUM_METRICS` record, in one lookup.
+    """A packed reply's :data:`PARTIAL_SUM_METRICS` record, in one lookup.
 
     Flower's ``content.metric_records`` builds a view of every record on each access (about 15 us),
-    and the server reads it once per member of every cohort reply.
+    and the server reads it once per member of every packed reply.
     """
     record = metric_record(reply.content, PARTIAL_SUM_METRICS)
     if record is None:
-        raise KeyError(f"a cohort reply without its {PARTIAL_SUM_METRICS!r} metric record")
+        raise KeyError(f"a packed reply without its {PARTIAL_SUM_METRICS!r} metric record")
     return record
 
 
 def is_partial_sum(reply: Message) -> bool:
     """Whether ``reply`` answers a packed message (it carries a :class:`PartialSum`)."""
     return reply.has_content() and PARTIAL_SUM in reply.content
+
+
+@dataclass(frozen=True)
+class Stacked:
+    """Several clients' train results stacked: each array ``[clients, *shape]``, their examples and losses.
+
+    ``blocks``: each row's block of the round's cohort (:func:`blocks_of`), non-decreasing.
+    """
+
+    nodes: list[int]
+    arrays: dict[str, np.ndarray]
+    examples: np.ndarray
+    losses: np.ndarray
+    blocks: np.ndarray
+
+    def block_rows(self) -> list[slice]:
+        """The rows of each block, in block order (contiguous: the rows are in client order)."""
+        starts = np.flatnonzero(np.r_[True, self.blocks[1:] != self.blocks[:-1]]).tolist()
+        return [slice(a, b) for a, b in zip(starts, [*starts[1:], len(self.blocks)], strict=True)]
 
 
 class Summand:
@@ -190,8 +210,26 @@ class Summand:
         """
         raise NotImplementedError
 
+    def add_stacked(self, total: PartialSum, stacked: Stacked, global_arrays: ArrayRecord) -> None:
+        """Add the terms of several clients whose results are stacked (one row per client, in order).
+
+        The same terms as :meth:`add_to` per client, each block of the cohort summed as one vectorised
+        computation and the blocks added in order (float64; equal to the per-client sums to float
+        tolerance). The default adds them one by one, each block from zero.
+        """
+        for block in np.unique(stacked.blocks):
+            part = PartialSum.zeros_like(global_arrays, total.summand)
+            for row in np.flatnonzero(stacked.blocks == block):
+                arrays = {name: values[row] for name, values in stacked.arrays.items()}
+                metrics = {
+                    keys.NUM_EXAMPLES: int(stacked.examples[row]),
+                    keys.TRAIN_LOSS: float(stacked.losses[row]),
+                }
+                self.add_to(part, stacked.nodes[row], TrainResult(arrays, metrics), global_arrays)
+            total.add(part)
+
     def to_config(self) -> str:
-        """The summand as a cohort record's :data:`fl_app.keys.REPLY_SUM` value."""
+        """The summand as a packed record's :data:`fl_app.keys.REPLY_SUM` value."""
         return json.dumps({"name": self.name, **self.parameters()}, sort_keys=True)
 
 
@@ -229,6 +267,17 @@ class WeightedModel(Summand):
         for record, values in result.records.items():
             total.add_record(record, values, weight)
         total.add_member(node_id, {"weight": weight, "examples": examples, "example_loss": examples * loss})
+
+    def add_stacked(self, total: PartialSum, stacked: Stacked, global_arrays: ArrayRecord) -> None:
+        """``sum_k weight_k w_k`` as one product per array, and the scalars' sums."""
+        examples = stacked.examples.astype(np.float64)
+        weights = np.ones_like(examples) if self.weighting == "uniform" else examples
+        for rows in stacked.block_rows():  # each block's weighted sum in float64, the blocks in order
+            for name, values in stacked.arrays.items():
+                total.arrays[name] += np.tensordot(weights[rows], values[rows].astype(np.float64), axes=1)
+        _add_members(
+            total, stacked.nodes, weight=weights, examples=examples, example_loss=examples * stacked.losses
+        )
 
 
 class ClippedUpdate(Summand):
@@ -270,6 +319,25 @@ class ClippedUpdate(Summand):
             total.arrays[name] += values * scale
         total.add_member(node_id, {}, {"norm": norm})
 
+    def add_stacked(self, total: PartialSum, stacked: Stacked, global_arrays: ArrayRecord) -> None:
+        """Every row's update, its norm over all arrays, ``min(1, C / norm)``, the scaled updates' sum."""
+        start = self.start(global_arrays)
+        norms = []
+        for rows in stacked.block_rows():  # a block's updates at a time: [16, model] in float64
+            updates = {
+                name: values[rows].astype(np.float64) - start[name] for name, values in stacked.arrays.items()
+            }
+            squares = sum(np.square(u).reshape(len(u), -1).sum(axis=1) for u in updates.values())
+            block_norms = np.sqrt(np.asarray(squares, dtype=np.float64))
+            safe = np.where(block_norms > 0, block_norms, 1.0)
+            scales = np.where(block_norms > 0, np.minimum(1.0, self.clip / safe), 1.0)
+            for name, update in updates.items():
+                total.arrays[name] += np.tensordot(scales, update, axes=1)
+            norms.append(block_norms)
+        _add_members(
+            total, stacked.nodes, norm=np.concatenate(norms) if norms else np.zeros(0), per_member=True
+        )
+
 
 class Upload(Summand):
     """Local DP's term: the client's upload as it came (already clipped and noised on the client).
@@ -291,6 +359,18 @@ class Upload(Summand):
 
 
 SUMMANDS: dict[str, type[Summand]] = {cls.name: cls for cls in (WeightedModel, ClippedUpdate, Upload)}
+
+
+def _add_members(
+    total: PartialSum, nodes: list[int], *, per_member: bool = False, **values: np.ndarray
+) -> None:
+    """Count ``nodes`` as members of ``total``: ``values`` summed into its scalars, or kept per member."""
+    for name, column in values.items():
+        if per_member:
+            total.per_member.setdefault(name, []).extend(float(v) for v in column)
+        else:
+            total.scalars[name] = total.scalars.get(name, 0.0) + float(np.sum(column))
+    total.members.extend(int(node) for node in nodes)
 
 
 def summand_of(config: Mapping[str, Any] | ConfigRecord | None) -> Summand | None:
@@ -327,8 +407,12 @@ def summed(
     """
     expected = summand.to_config()
     sums: dict[int, PartialSum] = {}
+    read: set[int] = set()  # the partial sums read (one reply stands for each of its members)
     for node_id, reply in replies:
+        if id(reply) in read:
+            continue
         if is_partial_sum(reply):
+            read.add(id(reply))
             block = PartialSum.block_of(reply)
             if block not in sums:
                 sums[block] = PartialSum.of_reply(reply)

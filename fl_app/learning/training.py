@@ -6,7 +6,7 @@ import ast
 import contextlib
 import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812 - the conventional name
 
 from fl_app.learning.optim import SGD
+from fl_app.learning.sequence import evaluate_next_token, next_token_task, token_tensor
 
 #: Inference batch (evaluation, predictions). 256 rather than 1024: the same outputs (checked on the
 #: MLP and both CNNs), and on a 2-core CPU the CNNs' inference is 1.2-1.6x faster (measured by
@@ -28,6 +29,20 @@ def to_tensor(x: np.ndarray) -> torch.Tensor:
     if x.dtype == np.uint8:
         return torch.from_numpy(x).float().div_(255.0)
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+
+
+def model_input(model: nn.Module, x: np.ndarray) -> torch.Tensor:
+    """``x`` as ``model`` takes it: token ids (``int64``) for a next-token network, else :func:`to_tensor`."""
+    return token_tensor(x) if next_token_task(model) is not None else to_tensor(x)
+
+
+def loss_function(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The training loss of ``model``: ``F.cross_entropy`` for a classifier, its task's for a next-token one.
+
+    (:class:`fl_app.learning.sequence.NextToken`: the mean over the positions whose target is not the pad.)
+    """
+    task = next_token_task(model)
+    return F.cross_entropy if task is None else task.loss
 
 
 _NPY_MAGIC = b"\x93NUMPY"
@@ -265,18 +280,23 @@ def has_dropout(model: nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def seeded_dropout(model: nn.Module, rng: np.random.Generator) -> Iterator[None]:
-    """Seed torch's generator from ``rng`` while training a model that has dropout layers.
+def seeded_dropout(
+    model: nn.Module, rng: np.random.Generator | None, seed: int | None = None
+) -> Iterator[None]:
+    """Seed torch's generator (``seed``, else one drawn from ``rng``) while training a model with dropout.
 
-    Dropout masks come from torch's global generator; seeding it from the run's generator keeps a
-    seeded simulation reproducible. A model without dropout draws nothing from ``rng`` (its results
-    stay exactly what they were before models with dropout existed).
+    Dropout masks come from torch's global generator; seeding it keeps a seeded simulation
+    reproducible. A model without dropout draws nothing from ``rng``.
     """
     if not has_dropout(model):
         yield
         return
+    if seed is None:
+        if rng is None:
+            raise ValueError("a model with dropout needs a dropout seed or a generator")
+        seed = int(rng.integers(2**62))
     with torch.random.fork_rng():
-        torch.manual_seed(int(rng.integers(2**62)))
+        torch.manual_seed(int(seed))
         yield
 
 
@@ -327,13 +347,17 @@ def train_local(
     epochs: int,
     batch_size: int,
     lr: float,
-    rng: np.random.Generator,
+    rng: np.random.Generator | None = None,
+    order: np.ndarray | None = None,
+    dropout_seed: int | None = None,
     momentum: float = 0.0,
     proximal_mu: float = 0.0,
     reference: Sequence[torch.Tensor] | None = None,
     correction: Sequence[torch.Tensor] | None = None,
 ) -> float:
     """Train ``model`` in place with mini-batch SGD; return the mean training loss.
+
+    Long because: most of it is the numpy-style Parameters of this public entry point.
 
     Parameters
     ----------
@@ -342,9 +366,15 @@ def train_local(
     x, y : np.ndarray
         Examples and integer labels.
     epochs, batch_size, lr, momentum : int, int, float, float
-        SGD settings; batches follow a fresh permutation per epoch from ``rng``.
-    rng : np.random.Generator
-        Order of the examples.
+        SGD settings; each epoch visits the examples in a fresh order, in batches of ``batch_size``.
+    rng : np.random.Generator, optional
+        Where each epoch's order (a permutation) and the dropout seed are drawn from, when ``order``
+        and ``dropout_seed`` are not given.
+    order : np.ndarray, optional
+        ``[epochs, n]``: each epoch's order (:func:`fl_app.learning.orders.example_orders`).
+    dropout_seed : int, optional
+        Where the dropout masks start, for a model with dropout layers
+        (:func:`fl_app.learning.orders.client_seed`).
     proximal_mu : float
         FedProx term ``mu/2 ||w - reference||^2`` (0 disables it).
     reference : Sequence[torch.Tensor], optional
@@ -358,34 +388,65 @@ def train_local(
         return math.nan
     if proximal_mu > 0 and reference is None:
         raise ValueError("proximal_mu > 0 needs the reference parameters")
+    orders = _epoch_orders(order, rng, epochs, len(y))
     if not all(module.training for module in _model_modules(model)):  # model.train(): 20 us a client
         model.train()
     trained = [p for p in model_parameters(model) if p.requires_grad]
-    shift = _correction_for(trained, correction)
-    optimizer = SGD(trained, lr=lr, momentum=momentum)
+    step = _Step(model, trained, SGD(trained, lr=lr, momentum=momentum), _correction_for(trained, correction))
     device = model_device(model)
-    inputs = to_tensor(x).to(device)
+    inputs = model_input(model, x).to(device)
     targets = torch.from_numpy(np.asarray(y, dtype=np.int64)).to(device)
-    total, batches = 0.0, 0
-    with seeded_dropout(model, rng):
-        for _ in range(epochs):
-            order = torch.from_numpy(rng.permutation(len(y))).to(device)
+    with seeded_dropout(model, rng, dropout_seed):
+        for epoch in range(epochs):
+            visit = torch.from_numpy(orders(epoch)).to(device)
             for start in range(0, len(y), batch_size):
-                index = order[start : start + batch_size]
-                loss = F.cross_entropy(model(inputs[index]), targets[index])
-                if proximal_mu > 0 and reference is not None:
-                    prox = sum(
-                        torch.sum((p - r) ** 2) for p, r in zip(model.parameters(), reference, strict=True)
-                    )
-                    loss = loss + 0.5 * proximal_mu * prox
-                # the gradients backward() would leave in .grad, without storing them there
-                grads = torch.autograd.grad(loss, trained, allow_unused=True)
-                if shift is not None:
-                    grads = tuple(s if g is None else g + s for g, s in zip(grads, shift, strict=True))
-                optimizer.apply(grads)
-                total += float(loss.detach())
-                batches += 1
-    return total / max(batches, 1)
+                index = visit[start : start + batch_size]
+                step(inputs[index], targets[index], proximal_mu, reference)
+    return step.total / max(step.batches, 1)
+
+
+def _epoch_orders(
+    order: np.ndarray | None, rng: np.random.Generator | None, epochs: int, n: int
+) -> Callable[[int], np.ndarray]:
+    """Each epoch's example order: a row of ``order``, else a permutation drawn from ``rng``."""
+    if order is not None:
+        if order.shape != (epochs, n):
+            raise ValueError(f"example orders of shape {order.shape} for {epochs} epochs of {n} examples")
+        return lambda epoch: order[epoch]
+    if rng is None:
+        raise ValueError("train_local needs the example orders or a generator to draw them")
+    return lambda epoch: rng.permutation(n)
+
+
+class _Step:
+    """One SGD step on a batch (the proximal term and the correction included), its loss summed."""
+
+    def __init__(
+        self, model: nn.Module, trained: list[torch.Tensor], optimizer: SGD, shift: list[torch.Tensor] | None
+    ) -> None:
+        self.model, self.trained, self.optimizer, self.shift = model, trained, optimizer, shift
+        self.total, self.batches = 0.0, 0
+
+    def __call__(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        proximal_mu: float,
+        reference: Sequence[torch.Tensor] | None,
+    ) -> None:
+        loss = loss_function(self.model)(self.model(inputs), targets)
+        if proximal_mu > 0 and reference is not None:
+            prox = sum(
+                torch.sum((p - r) ** 2) for p, r in zip(self.model.parameters(), reference, strict=True)
+            )
+            loss = loss + 0.5 * proximal_mu * prox
+        # the gradients backward() would leave in .grad, without storing them there
+        grads = torch.autograd.grad(loss, self.trained, allow_unused=True)
+        if self.shift is not None:
+            grads = tuple(s if g is None else g + s for g, s in zip(grads, self.shift, strict=True))
+        self.optimizer.apply(grads)
+        self.total += float(loss.detach())
+        self.batches += 1
 
 
 def _correction_for(
@@ -424,9 +485,16 @@ def predict_proba(model: nn.Module, x: np.ndarray, *, batch_size: int = EVAL_BAT
 def evaluate(
     model: nn.Module, x: np.ndarray, y: np.ndarray, *, batch_size: int = EVAL_BATCH
 ) -> tuple[float, float]:
-    """Mean cross-entropy loss and accuracy of ``model`` on ``(x, y)``."""
+    """Mean cross-entropy loss and accuracy of ``model`` on ``(x, y)``.
+
+    A next-token network's are its task's (:func:`fl_app.learning.sequence.evaluate_next_token`: the
+    loss over non-pad targets, the accuracy over counted ones).
+    """
     if len(y) == 0:
         return math.nan, math.nan
+    task = next_token_task(model)
+    if task is not None:
+        return evaluate_next_token(model, task, x, y, batch_size=batch_size)
     model.eval()
     device = model_device(model)
     inputs = to_tensor(x).to(device)

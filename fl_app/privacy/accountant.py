@@ -102,13 +102,6 @@ class PrivacyAccountant:
         ]
         return max(reports, key=lambda report: report.epsilon)
 
-    def epsilon_by_client(self, *, delta: float) -> dict[int, float]:
-        """Epsilon of every client of the population."""
-        return {
-            client: compose_epsilon(self.history(client), delta=delta, method=self.method).epsilon
-            for client in self.population
-        }
-
     def basic_epsilon(self, client: int | None = None) -> float | None:
         """Basic-composition epsilon (worst client by default), or None if not all pure."""
         keys = [history_key(self.history(client))] if client is not None else self._distinct_histories()

@@ -450,28 +450,18 @@ def noise_multiplier_for_histories(
     require_positive("epsilon", epsilon)
     require_probability("delta", delta)
 
-    def eps_of_method(chosen: str) -> Callable[[float], float]:
-        def eps_of(z: float) -> float:
-            spent = [compose_epsilon(h, delta=delta, method=chosen).epsilon for h in histories_of(z)]
-            if not spent:
-                raise ValueError("histories_of returned no history")
-            return max(spent)
-
-        return eps_of
-
     def search() -> float:
-        rdp = smallest_noise_multiplier(eps_of_method("rdp"), epsilon=epsilon)
+        rdp = smallest_noise_multiplier(_worst_epsilon(histories_of, delta, "rdp"), epsilon=epsilon)
         if method == "rdp":
             return rdp
-        return smallest_noise_multiplier(eps_of_method(method), epsilon=epsilon, start=rdp)
+        return smallest_noise_multiplier(
+            _worst_epsilon(histories_of, delta, method), epsilon=epsilon, start=rdp
+        )
 
     def meets(z: float) -> bool:
-        return eps_of_method(method)(z) <= epsilon
+        return _worst_epsilon(histories_of, delta, method)(z) <= epsilon
 
-    schedule = tuple(
-        tuple(sorted(repr(sorted(history.items(), key=repr)) for history in histories_of(z)))
-        for z in HISTORY_REFERENCE_NOISE
-    )
+    schedule = _history_schedule(histories_of)
     key = (float(epsilon), float(delta), method, schedule)
     stored = _HISTORIES_CACHE.get(key)
     if stored is not None and passes(meets, stored):
@@ -487,3 +477,25 @@ def noise_multiplier_for_histories(
         _HISTORIES_CACHE.clear()
     _HISTORIES_CACHE[key] = answer
     return answer
+
+
+def _worst_epsilon(
+    histories_of: Callable[[float], Iterable[History]], delta: float, method: str
+) -> Callable[[float], float]:
+    """``z ->`` the largest epsilon (at ``delta``, by ``method``) of the histories ``histories_of(z)``."""
+
+    def eps_of(z: float) -> float:
+        spent = [compose_epsilon(h, delta=delta, method=method).epsilon for h in histories_of(z)]
+        if not spent:
+            raise ValueError("histories_of returned no history")
+        return max(spent)
+
+    return eps_of
+
+
+def _history_schedule(histories_of: Callable[[float], Iterable[History]]) -> tuple[tuple[str, ...], ...]:
+    """What names a schedule in the caches: its sorted histories at :data:`HISTORY_REFERENCE_NOISE`."""
+    return tuple(
+        tuple(sorted(repr(sorted(history.items(), key=repr)) for history in histories_of(z)))
+        for z in HISTORY_REFERENCE_NOISE
+    )

@@ -30,7 +30,9 @@ client's epsilon meets the budget.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 
 import numpy as np
@@ -180,38 +182,19 @@ def plan_skellam(
     if participations < 1:
         raise ValueError(f"participations must be >= 1, got {participations!r}")
 
-    def variance_for(scale: float) -> tuple[float, float, float]:
-        l2 = rounded_l2_norm_bound(l2_norm=clip * scale, beta=beta, dim=dim)
-        l1 = rounded_l1_norm_bound(l2_bound=l2, dim=dim)
-
-        def eps_of(z: float) -> float:
-            mechanism = Skellam(variance=(z * l2) ** 2, l1_sensitivity=l1, l2_sensitivity=l2)
-            return compose_epsilon({mechanism: participations}, delta=delta, method="rdp").epsilon
-
-        z = smallest_noise_multiplier(eps_of, epsilon=epsilon, relative_width=1e-6)
-        return (z * l2) ** 2, l1, l2
-
-    def fits(log_scale: float) -> bool:
-        scale = math.exp(log_scale)
-        aggregate, _, _ = variance_for(scale)
-        need = bits_needed(
-            clip=clip, scale=scale, local_variance=aggregate / survivors, cohort=cohort, dim=dim, k=k
-        )
-        return need <= bits
-
-    low, high = math.log(1e-3 / clip), math.log(2.0**bits / clip)
-    if not fits(low):
-        aggregate, _, _ = variance_for(math.exp(low))
-        least = bits_needed(
-            clip=clip, scale=math.exp(low), local_variance=aggregate / survivors, cohort=cohort, dim=dim, k=k
-        )
-        raise ValueError(
-            f"{bits} bits cannot hold the sum of {cohort} vectors of dimension {dim} with the noise "
-            f"epsilon={epsilon:g} needs: at least {math.ceil(least)} bits (or a smaller cohort)"
-        )
-    log_scale = bisect(fits, bad=high, good=low, done=lambda bad, good: abs(bad - good) < 1e-4)
-    scale = math.exp(log_scale)
-    aggregate, l1, l2 = variance_for(scale)
+    noise_at = functools.partial(
+        skellam_variance_at,
+        clip=clip,
+        beta=beta,
+        dim=dim,
+        epsilon=epsilon,
+        delta=delta,
+        participations=participations,
+    )
+    scale = largest_skellam_scale(
+        noise_at, bits=bits, clip=clip, survivors=survivors, cohort=cohort, dim=dim, k=k, epsilon=epsilon
+    )
+    aggregate, l1, l2 = noise_at(scale)
     plan = SkellamPlan(
         clip=clip,
         bits=int(bits),
@@ -227,6 +210,67 @@ def plan_skellam(
     )
     spent = compose_epsilon({plan.mechanism: participations}, delta=delta, method="rdp").epsilon
     return replace(plan, epsilon=spent)
+
+
+def largest_skellam_scale(
+    noise_at: Callable[[float], tuple[float, float, float]],
+    *,
+    bits: int,
+    clip: float,
+    survivors: int,
+    cohort: int,
+    dim: int,
+    k: float,
+    epsilon: float,
+) -> float:
+    """The largest scale ``s`` whose noised sum of ``cohort`` vectors fits in ``bits`` (bisects ``log s``).
+
+    ``noise_at(s)`` is :func:`skellam_variance_at` at ``s`` for the budget (``epsilon`` only names it
+    in the error); :func:`bits_needed` of the local variance over ``survivors`` must be ``<= bits``.
+    Raises ``ValueError`` when even the smallest scale does not fit.
+    """
+
+    def bits_at(scale: float) -> float:
+        aggregate, _, _ = noise_at(scale)
+        return bits_needed(
+            clip=clip, scale=scale, local_variance=aggregate / survivors, cohort=cohort, dim=dim, k=k
+        )
+
+    def fits(log_scale: float) -> bool:
+        return bits_at(math.exp(log_scale)) <= bits
+
+    low, high = math.log(1e-3 / clip), math.log(2.0**bits / clip)
+    if not fits(low):
+        least = bits_at(math.exp(low))
+        raise ValueError(
+            f"{bits} bits cannot hold the sum of {cohort} vectors of dimension {dim} with the noise "
+            f"epsilon={epsilon:g} needs: at least {math.ceil(least)} bits (or a smaller cohort)"
+        )
+    return math.exp(bisect(fits, bad=high, good=low, done=lambda bad, good: abs(bad - good) < 1e-4))
+
+
+def skellam_variance_at(
+    scale: float, *, clip: float, beta: float, dim: int, epsilon: float, delta: float, participations: int
+) -> tuple[float, float, float]:
+    """The aggregate Skellam variance at scale ``s`` that meets the budget, with ``Delta_1`` and ``Delta_2``.
+
+    Returns
+    -------
+    tuple[float, float, float]
+        ``(z Delta_2)^2`` for the smallest ``z`` whose ``participations`` uses of
+        ``Skellam((z Delta_2)^2, Delta_1, Delta_2)`` compose (RDP) to at most ``epsilon`` at
+        ``delta``, then ``Delta_1`` and ``Delta_2`` of the rounded, scaled update.
+
+    """
+    l2 = rounded_l2_norm_bound(l2_norm=clip * scale, beta=beta, dim=dim)
+    l1 = rounded_l1_norm_bound(l2_bound=l2, dim=dim)
+
+    def eps_of(z: float) -> float:
+        mechanism = Skellam(variance=(z * l2) ** 2, l1_sensitivity=l1, l2_sensitivity=l2)
+        return compose_epsilon({mechanism: participations}, delta=delta, method="rdp").epsilon
+
+    z = smallest_noise_multiplier(eps_of, epsilon=epsilon, relative_width=1e-6)
+    return (z * l2) ** 2, l1, l2
 
 
 # ----------------------------------------------------------------------------- the client's encoding

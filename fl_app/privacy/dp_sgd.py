@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn import functional as F  # noqa: N812 - the conventional name
 
 from fl_app.learning.optim import SGD
+from fl_app.learning.sequence import next_token_task, token_tensor
 from fl_app.privacy.events import Gaussian, Mechanism, SampledGaussian
 from fl_app.privacy.mechanisms import gaussian_mechanism
 
@@ -119,8 +120,12 @@ def per_example_gradients(
     params = {name: p.detach() for name, p in model.named_parameters()}
     buffers = {name: b.detach() for name, b in model.named_buffers()}
 
+    task = next_token_task(model)  # a next-token network: one example is one sequence, its task's loss
+
     def loss_of(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
         logits = functional_call(model, (p, buffers), (xi.unsqueeze(0),))
+        if task is not None:
+            return task.loss(logits, yi.unsqueeze(0))
         return F.cross_entropy(logits, yi.unsqueeze(0))
 
     batched = vmap(grad_and_value(loss_of), in_dims=(None, 0, 0))
@@ -206,10 +211,27 @@ def dp_sgd_train(
         Local diagnostics (not differentially private: do not send them).
 
     """
-    from fl_app.learning.training import (
-        to_tensor,  # local import: fl_app.learning.training imports no privacy code
-    )
+    _check_mechanism(rng, noise_multiplier, sampling_rate, steps)
+    _check_training(model, x, y, lr, momentum)
+    count = len(y)
+    inputs, targets = _as_tensors(x, y)
+    optimizer = SGD(list(model.parameters()), lr=lr, momentum=momentum)
+    sigma, denominator = noise_multiplier * clip, sampling_rate * count
+    model.train()
+    tally = _Tally()
+    for _ in range(int(steps)):
+        rows = np.flatnonzero(rng.random(count) < sampling_rate)
+        summed = _clipped_batch_sum(model, inputs, targets, rows, clip=clip, chunk=chunk, tally=tally)
+        optimizer.zero_grad(set_to_none=True)
+        _set_noisy_gradients(optimizer.params, summed, sigma=sigma, denominator=denominator, rng=rng)
+        optimizer.step()
+    return tally.stats(int(steps))
 
+
+def _check_mechanism(
+    rng: np.random.Generator, noise_multiplier: float, sampling_rate: float, steps: int
+) -> None:
+    """Refuse a privacy generator, noise multiplier, sampling rate or step count outside its range."""
     if not isinstance(rng, np.random.Generator):
         raise TypeError(f"rng must be a numpy.random.Generator, got {type(rng).__name__}")
     if not (isinstance(noise_multiplier, int | float) and math.isfinite(noise_multiplier)):
@@ -220,6 +242,10 @@ def dp_sgd_train(
         raise ValueError(f"sampling_rate must be in (0, 1], got {sampling_rate!r}")
     if isinstance(steps, bool) or int(steps) != steps or steps < 1:
         raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+
+
+def _check_training(model: nn.Module, x: np.ndarray, y: np.ndarray, lr: float, momentum: float) -> None:
+    """Refuse a learning rate, momentum, data set or model that DP-SGD cannot train with."""
     if not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr must be a finite number > 0, got {lr!r}")
     if not 0.0 <= momentum < 1.0:
@@ -228,34 +254,75 @@ def dp_sgd_train(
     if count < 1 or len(x) != count:
         raise ValueError(f"need at least one example and as many inputs as labels, got {len(x)}, {count}")
     _check_model(model)
-    inputs, targets = to_tensor(x), torch.from_numpy(np.asarray(y, dtype=np.int64))
-    parameters = list(model.parameters())
-    optimizer = SGD(parameters, lr=lr, momentum=momentum)
-    denominator = sampling_rate * count
-    sigma = noise_multiplier * clip
-    model.train()
-    batch_sizes, loss_sum, loss_count, clipped, seen = [], 0.0, 0, 0, 0
-    for _ in range(int(steps)):
-        rows = np.flatnonzero(rng.random(count) < sampling_rate)
-        batch_sizes.append(len(rows))
-        summed = [torch.zeros(p.shape, dtype=torch.float64) for p in parameters]
-        for start in range(0, len(rows), chunk):  # bounded memory: clip and sum chunk by chunk
-            index = torch.from_numpy(rows[start : start + chunk])
-            grads, losses = per_example_gradients(model, inputs[index], targets[index], chunk=chunk)
-            part, norms = clipped_gradient_sum(grads, clip=clip)
-            summed = [total + piece for total, piece in zip(summed, part, strict=True)]
-            loss_sum += float(losses.sum())
-            loss_count += len(index)
-            clipped += int((norms > clip).sum())
-            seen += len(index)
-        optimizer.zero_grad(set_to_none=True)
-        for p, total in zip(parameters, summed, strict=True):
-            noisy = gaussian_mechanism(values=total.numpy(), sigma=sigma, rng=rng)
-            p.grad = torch.from_numpy(np.asarray(noisy / denominator)).to(p.dtype)
-        optimizer.step()
-    return DPSGDStats(
-        steps=int(steps),
-        mean_batch=float(np.mean(batch_sizes)),
-        mean_loss=loss_sum / loss_count if loss_count else math.nan,
-        clipped_fraction=clipped / seen if seen else math.nan,
+
+
+def _as_tensors(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The examples as model inputs (``uint8`` scaled to [0, 1]) and the labels as int64."""
+    from fl_app.learning.training import (
+        to_tensor,  # local import: fl_app.learning.training imports no privacy code
     )
+
+    if x.dtype != np.uint8 and np.issubdtype(x.dtype, np.integer):  # token ids of a next-token network
+        return token_tensor(x), torch.from_numpy(np.asarray(y, dtype=np.int64))
+    return to_tensor(x), torch.from_numpy(np.asarray(y, dtype=np.int64))
+
+
+@dataclass
+class _Tally:
+    """Running local diagnostics of one :func:`dp_sgd_train` call (*not* private)."""
+
+    batch_sizes: list[int] = field(default_factory=list)
+    loss_sum: float = 0.0
+    clipped: int = 0
+    seen: int = 0
+
+    def stats(self, steps: int) -> DPSGDStats:
+        """The diagnostics of ``steps`` steps."""
+        return DPSGDStats(
+            steps=steps,
+            mean_batch=float(np.mean(self.batch_sizes)),
+            mean_loss=self.loss_sum / self.seen if self.seen else math.nan,
+            clipped_fraction=self.clipped / self.seen if self.seen else math.nan,
+        )
+
+
+def _clipped_batch_sum(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    rows: np.ndarray,
+    *,
+    clip: float,
+    chunk: int,
+    tally: _Tally,
+) -> list[torch.Tensor]:
+    """Sum of the clipped per-example gradients of the batch ``rows`` (float64, one per parameter).
+
+    Clips and sums ``chunk`` examples at a time (bounded memory) and adds the
+    batch's size, losses and clipped count to ``tally``.
+    """
+    tally.batch_sizes.append(len(rows))
+    summed = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
+    for start in range(0, len(rows), chunk):
+        index = torch.from_numpy(rows[start : start + chunk])
+        grads, losses = per_example_gradients(model, inputs[index], targets[index], chunk=chunk)
+        part, norms = clipped_gradient_sum(grads, clip=clip)
+        summed = [total + piece for total, piece in zip(summed, part, strict=True)]
+        tally.loss_sum += float(losses.sum())
+        tally.clipped += int((norms > clip).sum())
+        tally.seen += len(index)
+    return summed
+
+
+def _set_noisy_gradients(
+    parameters: Sequence[torch.Tensor],
+    summed: Sequence[torch.Tensor],
+    *,
+    sigma: float,
+    denominator: float,
+    rng: np.random.Generator,
+) -> None:
+    """Set every parameter's gradient to its noisy clipped sum ``(sum + N(0, sigma^2)) / denominator``."""
+    for p, total in zip(parameters, summed, strict=True):
+        noisy = gaussian_mechanism(values=total.numpy(), sigma=sigma, rng=rng)
+        p.grad = torch.from_numpy(np.asarray(noisy / denominator)).to(p.dtype)

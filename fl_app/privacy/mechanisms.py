@@ -10,7 +10,7 @@ told the same facts through :mod:`fl_app.privacy.events`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -271,44 +271,6 @@ def clip_l2(*, arrays: Sequence[np.ndarray], max_norm: float) -> tuple[list[np.n
     norm = global_l2_norm(arrays)
     scale = min(1.0, max_norm / norm) if norm > 0 else 1.0
     return [np.asarray(a) * scale for a in arrays], norm
-
-
-def sum_clipped_updates(
-    *, updates: Iterable[Sequence[np.ndarray]], like: Sequence[np.ndarray], max_norm: float
-) -> tuple[list[np.ndarray], list[float]]:
-    """Clip every update to joint L2 norm ``max_norm`` (:func:`clip_l2`) and sum them in float64.
-
-    The sum is what central-DP FL adds noise to: adding or removing one update
-    changes it by at most ``max_norm`` in L2 (replacing one: ``2 max_norm``).
-
-    Parameters
-    ----------
-    updates : Iterable[Sequence[np.ndarray]]
-        Each client's update as a list of arrays shaped like ``like``.
-    like : Sequence[np.ndarray]
-        Arrays giving the shapes of the sum (zeros when there are no updates).
-    max_norm : float
-        ``C > 0``.
-
-    Returns
-    -------
-    tuple[list[np.ndarray], list[float]]
-        The float64 sum of the clipped updates and each update's norm before clipping.
-
-    """
-    require_positive("max_norm", max_norm)
-    total = [np.zeros(np.shape(a), dtype=np.float64) for a in like]
-    norms: list[float] = []
-    for update in updates:
-        if len(update) != len(total):
-            raise ValueError(f"an update has {len(update)} arrays, expected {len(total)}")
-        clipped, norm = clip_l2(arrays=update, max_norm=max_norm)
-        norms.append(norm)
-        for t, c in zip(total, clipped, strict=True):
-            if np.shape(c) != t.shape:
-                raise ValueError(f"update array of shape {np.shape(c)} where {t.shape} was expected")
-            t += c
-    return total, norms
 
 
 # --------------------------------------------------------------------------------------

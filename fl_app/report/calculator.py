@@ -67,7 +67,26 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_OneLineParser)
+    _add_noise_multiplier_commands(commands)
+    rr = commands.add_parser("rr", help="PrivateKT keep probability beta")
+    rr.add_argument("--epsilon", type=float, required=True, help="per-report epsilon (K labels)")
+    rr.add_argument("--k", type=int, required=True, help="labels per report (KT samples)")
+    rr.add_argument("--classes", type=int, required=True, help="number of classes C")
+    _add_bnn_command(commands)
+    _add_nbafl_command(commands)
+    laplace = commands.add_parser("laplace", help="Laplace scale or tail epsilon")
+    laplace.add_argument("--epsilon", type=float)
+    laplace.add_argument("--tau", type=float)
+    laplace.add_argument("--prob", type=float)
+    laplace.add_argument(
+        "--sensitivity", type=float, default=2.0, help="L1 sensitivity (2 for probability vectors)"
+    )
+    _add_compose_command(commands)
+    return parser
 
+
+def _add_noise_multiplier_commands(commands: Any) -> None:
+    """Add ``dp-fedavg`` and ``dp-sgd``: the noise multiplier of T sampled Gaussian uses."""
     for name, count, meaning, what in (
         ("dp-fedavg", "rounds", "rounds T", "DP-FedAvg noise multiplier (client level, Poisson cohorts)"),
         ("dp-sgd", "steps", "DP-SGD steps", "DP-SGD noise multiplier (record level)"),
@@ -81,11 +100,9 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument(f"--{count}", type=int, required=True, help=meaning)
         command.add_argument("--accountant", choices=("rdp", "pld"), default="pld")
 
-    rr = commands.add_parser("rr", help="PrivateKT keep probability beta")
-    rr.add_argument("--epsilon", type=float, required=True, help="per-report epsilon (K labels)")
-    rr.add_argument("--k", type=int, required=True, help="labels per report (KT samples)")
-    rr.add_argument("--classes", type=int, required=True, help="number of classes C")
 
+def _add_bnn_command(commands: Any) -> None:
+    """Add ``bnn``: DPFL-BNN's gamma from epsilon or epsilon from gamma, and the unit they count."""
     bnn = commands.add_parser("bnn", help="DPFL-BNN gamma <-> epsilon")
     target = bnn.add_mutually_exclusive_group(required=True)
     target.add_argument("--epsilon", type=float)
@@ -108,6 +125,9 @@ def _parser() -> argparse.ArgumentParser:
     bnn.add_argument("--input-shape", default="1x28x28", help="channels x height x width (default 1x28x28)")
     bnn.add_argument("--classes", type=int, default=10, help="number of classes (default 10)")
 
+
+def _add_nbafl_command(commands: Any) -> None:
+    """Add ``nbafl``: NbAFL's uplink and downlink noise for a target epsilon."""
     nbafl = commands.add_parser("nbafl", help="NbAFL uplink/downlink noise")
     nbafl.add_argument("--epsilon", type=float, required=True)
     nbafl.add_argument("--delta", type=float, required=True)
@@ -132,14 +152,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     nbafl.add_argument("--accountant", choices=("rdp", "pld"), default="pld")
 
-    laplace = commands.add_parser("laplace", help="Laplace scale or tail epsilon")
-    laplace.add_argument("--epsilon", type=float)
-    laplace.add_argument("--tau", type=float)
-    laplace.add_argument("--prob", type=float)
-    laplace.add_argument(
-        "--sensitivity", type=float, default=2.0, help="L1 sensitivity (2 for probability vectors)"
-    )
 
+def _add_compose_command(commands: Any) -> None:
+    """Add ``compose``: the epsilon of N uses of one mechanism."""
     compose = commands.add_parser("compose", help="compose a mechanism N times")
     compose.add_argument("--mechanism", required=True, choices=("rr", "binary_rr", "laplace", "gaussian"))
     compose.add_argument("--epsilon", type=float, help="rr / laplace: per-use epsilon")
@@ -157,7 +172,6 @@ def _parser() -> argparse.ArgumentParser:
         default="pld",
         help="pld also reports epsilon_pld (rdp is always reported)",
     )
-    return parser
 
 
 def _require(args: argparse.Namespace, *names: str) -> None:
@@ -221,74 +235,14 @@ ZERO_EPSILON_NOTE = (
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Execute one calculator command and return its JSON-ready answer."""
     if args.command in ("dp-fedavg", "dp-sgd"):
-        uses = args.rounds if args.command == "dp-fedavg" else args.steps
-        common = {"sampling_rate": args.rate, "rounds": uses, "delta": args.delta, "method": args.accountant}
-        z = calibration.dp_fedavg_noise_multiplier(epsilon=args.epsilon, **common)
-        spent = calibration.gaussian_epsilon(noise_multiplier=z, **common)
-        answer = {"noise_multiplier": z, "epsilon": spent, "delta": args.delta, "accountant": args.accountant}
-        if spent == 0.0:  # not a rounding: the accountant proves epsilon 0 at this delta
-            answer["epsilon_note"] = ZERO_EPSILON_NOTE
-        return answer
+        return _noise_multiplier_answer(args)
     if args.command == "rr":
         beta = kt_cal.privatekt_keep_probability(epsilon=args.epsilon, k=args.k, num_classes=args.classes)
         return {"beta": beta, "epsilon_per_label": args.epsilon / args.k}
     if args.command == "bnn":
-        # here, not at the top: the package imports its strategy and torch (3 s), which no other
-        # command (nor a refused argument) should wait for
-        from strategies.dpfl_bnn import privacy as bnn_cal
-
-        bits, unit = _bnn_bits(args)
-        context = {"bits_per_round": bits, "uses": args.rounds * bits, "unit": unit}
-        if args.epsilon is not None:
-            gamma = bnn_cal.bnn_gamma(
-                epsilon=args.epsilon, delta=args.delta, rounds=args.rounds, bits_per_round=bits
-            )
-            return {"gamma": gamma, **context}
-        epsilon = bnn_cal.binary_rr_epsilon(
-            gamma=args.gamma, delta=args.delta, rounds=args.rounds, bits_per_round=bits
-        )
-        return {"epsilon": epsilon, **context}
+        return _bnn_answer(args)
     if args.command == "nbafl":
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", calibration.ClassicGaussianRangeWarning)
-            sigma_up = nbafl_cal.nbafl_uplink_sigma(
-                epsilon=args.epsilon,
-                delta=args.delta,
-                clip=args.clip,
-                min_dataset_size=args.m,
-                exposures=args.l,
-                calibration=args.calibration,
-                method=args.accountant,
-                unit=args.unit,
-            )
-        sigma_down = nbafl_cal.nbafl_downlink_sigma(
-            epsilon=args.epsilon,
-            delta=args.delta,
-            clip=args.clip,
-            min_dataset_size=args.m if args.unit == "document_record" else 1,
-            exposures=args.l,
-            num_rounds=args.t,
-            num_clients=args.n,
-            clients_per_round=args.k,
-            amplification=args.amplification,
-        )
-        record = sigma_up / nbafl_cal.nbafl_sensitivity(clip=args.clip, min_dataset_size=args.m)
-        client = sigma_up / nbafl_cal.nbafl_client_sensitivity(clip=args.clip)
-        answer: dict[str, Any] = {
-            "sigma_up": sigma_up,
-            "sigma_down": sigma_down,
-            "epsilon_record": compose_epsilon(
-                {Gaussian(record): args.l}, delta=args.delta, method=args.accountant
-            ).epsilon,
-            "epsilon_client": compose_epsilon(
-                {Gaussian(client): args.l}, delta=args.delta, method=args.accountant
-            ).epsilon,
-            "note": "epsilon_client: the guarantee of NbAFL's multi-step local SGD; epsilon_record is "
-            "the document's reading (valid only if an upload averaged per-record terms)",
-        }
-        if caught:
-            answer["warning"] = str(caught[0].message)
-        return answer
+        return _nbafl_answer(args)
     if args.command == "laplace":
         if args.epsilon is not None:
             return {"scale": laplace_cal.laplace_scale(sensitivity=args.sensitivity, epsilon=args.epsilon)}
@@ -298,6 +252,86 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tau=args.tau, probability=args.prob, sensitivity=args.sensitivity
             )
         }
+    return _compose_answer(args)
+
+
+def _noise_multiplier_answer(args: argparse.Namespace) -> dict[str, Any]:
+    """``dp-fedavg`` / ``dp-sgd``: the calibrated noise multiplier and the epsilon it spends."""
+    uses = args.rounds if args.command == "dp-fedavg" else args.steps
+    common = {"sampling_rate": args.rate, "rounds": uses, "delta": args.delta, "method": args.accountant}
+    z = calibration.dp_fedavg_noise_multiplier(epsilon=args.epsilon, **common)
+    spent = calibration.gaussian_epsilon(noise_multiplier=z, **common)
+    answer = {"noise_multiplier": z, "epsilon": spent, "delta": args.delta, "accountant": args.accountant}
+    if spent == 0.0:  # not a rounding: the accountant proves epsilon 0 at this delta
+        answer["epsilon_note"] = ZERO_EPSILON_NOTE
+    return answer
+
+
+def _bnn_answer(args: argparse.Namespace) -> dict[str, Any]:
+    """``bnn``: gamma for a target epsilon, or the epsilon a gamma spends, with the unit it protects."""
+    # here, not at the top: the package imports its strategy and torch (3 s), which no other
+    # command (nor a refused argument) should wait for
+    from strategies.dpfl_bnn import privacy as bnn_cal
+
+    bits, unit = _bnn_bits(args)
+    context = {"bits_per_round": bits, "uses": args.rounds * bits, "unit": unit}
+    if args.epsilon is not None:
+        gamma = bnn_cal.bnn_gamma(
+            epsilon=args.epsilon, delta=args.delta, rounds=args.rounds, bits_per_round=bits
+        )
+        return {"gamma": gamma, **context}
+    epsilon = bnn_cal.binary_rr_epsilon(
+        gamma=args.gamma, delta=args.delta, rounds=args.rounds, bits_per_round=bits
+    )
+    return {"epsilon": epsilon, **context}
+
+
+def _nbafl_answer(args: argparse.Namespace) -> dict[str, Any]:
+    """``nbafl``: the uplink and downlink noise, and the client- and record-level epsilons of L uploads."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", calibration.ClassicGaussianRangeWarning)
+        sigma_up = nbafl_cal.nbafl_uplink_sigma(
+            epsilon=args.epsilon,
+            delta=args.delta,
+            clip=args.clip,
+            min_dataset_size=args.m,
+            exposures=args.l,
+            calibration=args.calibration,
+            method=args.accountant,
+            unit=args.unit,
+        )
+    sigma_down = nbafl_cal.nbafl_downlink_sigma(
+        epsilon=args.epsilon,
+        delta=args.delta,
+        clip=args.clip,
+        min_dataset_size=args.m if args.unit == "document_record" else 1,
+        exposures=args.l,
+        num_rounds=args.t,
+        num_clients=args.n,
+        clients_per_round=args.k,
+        amplification=args.amplification,
+    )
+    record = sigma_up / nbafl_cal.nbafl_sensitivity(clip=args.clip, min_dataset_size=args.m)
+    client = sigma_up / nbafl_cal.nbafl_client_sensitivity(clip=args.clip)
+    answer: dict[str, Any] = {
+        "sigma_up": sigma_up,
+        "sigma_down": sigma_down,
+        "epsilon_record": compose_epsilon(
+            {Gaussian(record): args.l}, delta=args.delta, method=args.accountant
+        ).epsilon,
+        "epsilon_client": compose_epsilon(
+            {Gaussian(client): args.l}, delta=args.delta, method=args.accountant
+        ).epsilon,
+        "note": "epsilon_client: the guarantee of NbAFL's multi-step local SGD; epsilon_record is "
+        "the document's reading (valid only if an upload averaged per-record terms)",
+    }
+    if caught:
+        answer["warning"] = str(caught[0].message)
+    return answer
+
+
+def _compose_answer(args: argparse.Namespace) -> dict[str, Any]:
+    """``compose``: the epsilon of ``--count`` uses of one mechanism, by each accountant asked for."""
     report = compose_epsilon({_mechanism(args): args.count}, delta=args.delta, method=args.accountant)
     answer = {"epsilon_rdp": report.rdp, "rdp_order": report.rdp_order, "delta": args.delta}
     if report.basic is not None:

@@ -318,54 +318,7 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
     for run in runs:
         groups[run.group_key()].append(run)
     varying = varying_keys([members[0] for members in groups.values()])
-    rows = []
-    for members in groups.values():
-        first = members[0].results
-        own = members[0].settings()
-        accuracies = [
-            float(m.results["final"]["accuracy"])
-            for m in members
-            if m.results["final"]["accuracy"] is not None
-        ]
-        epsilons = [m.results["final"]["epsilon"] for m in members]
-        finite = [float(e) for e in epsilons if e is not None]
-        uploads = [u for u in (m.upload_per_client_round() for m in members) if u is not None]
-        empirical = [m.results["privacy"].get("empirical_epsilon") for m in members]
-        estimates = [e for e in empirical if e]
-        private = bool(finite) and len(finite) == len(epsilons)
-        per_budget = members[0].budget_rules()
-        shown = [k for k in varying if k in own and k != "label"]  # the label is in the algorithm column
-        statuses = [m.status for m in members]
-        chances = [m.results["final"].get("chance_accuracy") for m in members]
-        rows.append(
-            {
-                "algorithm": first["strategy"] + (f" ({own['label']})" if own["label"] else ""),
-                "status": status_text(statuses),
-                "dataset": first["dataset"],
-                "partition": first.get("partition", ""),
-                "settings": ", ".join(f"{k}={own[k]}" for k in shown),
-                # the arm: its settings but those it chooses per budget (one line in the plots)
-                "arm_settings": ", ".join(f"{k}={own[k]}" for k in shown if k not in per_budget),
-                "per_budget": ", ".join(k for k in per_budget if k in varying),
-                "clients": first["config"].get("num_clients"),
-                "rounds": len(first["rounds"]),
-                "epsilon_target": first["config"].get("privacy", {}).get("epsilon") if private else None,
-                "epsilon": max(finite) if private else None,
-                "epsilon_unit": epsilon_unit(first),
-                # the largest estimate over seeds, with its interval: compared with the largest claim
-                **_largest_estimate(estimates),
-                "delta": first["final"].get("delta"),
-                "evaluated_on": first["final"].get("evaluated_on", "test"),
-                "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
-                "accuracy_std": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else None,
-                "chance_accuracy": float(np.mean(chances)) if None not in chances else None,
-                "diverged": sum(m.diverged for m in members),
-                "seeds": len({m.config.get("seed") for m in members}),
-                "upload_bytes_per_client_round": float(np.mean(uploads)) if uploads else None,
-                "wall_s": float(np.mean([m.results["final"].get("wall_s") or 0.0 for m in members])),
-                "runs": [str(m.path.parent) for m in members],
-            }
-        )
+    rows = [group_row(members, varying) for members in groups.values()]
     rows.sort(
         key=lambda r: (
             r["dataset"],
@@ -376,6 +329,55 @@ def summarise(runs: Sequence[Run]) -> list[dict[str, Any]]:
         )
     )
     return rows
+
+
+def group_row(members: Sequence[Run], varying: Sequence[str]) -> dict[str, Any]:
+    """The summary row of one group of runs that differ only in their seed.
+
+    ``varying``: the settings that differ between the groups (shown in the ``settings`` column).
+    """
+    first = members[0].results
+    own = members[0].settings()
+    accuracies = [
+        float(m.results["final"]["accuracy"]) for m in members if m.results["final"]["accuracy"] is not None
+    ]
+    epsilons = [m.results["final"]["epsilon"] for m in members]
+    finite = [float(e) for e in epsilons if e is not None]
+    uploads = [u for u in (m.upload_per_client_round() for m in members) if u is not None]
+    empirical = [m.results["privacy"].get("empirical_epsilon") for m in members]
+    estimates = [e for e in empirical if e]
+    private = bool(finite) and len(finite) == len(epsilons)
+    per_budget = members[0].budget_rules()
+    shown = [k for k in varying if k in own and k != "label"]  # the label is in the algorithm column
+    statuses = [m.status for m in members]
+    chances = [m.results["final"].get("chance_accuracy") for m in members]
+    return {
+        "algorithm": first["strategy"] + (f" ({own['label']})" if own["label"] else ""),
+        "status": status_text(statuses),
+        "dataset": first["dataset"],
+        "partition": first.get("partition", ""),
+        "settings": ", ".join(f"{k}={own[k]}" for k in shown),
+        # the arm: its settings but those it chooses per budget (one line in the plots)
+        "arm_settings": ", ".join(f"{k}={own[k]}" for k in shown if k not in per_budget),
+        "per_budget": ", ".join(k for k in per_budget if k in varying),
+        "clients": first["config"].get("num_clients"),
+        "rounds": len(first["rounds"]),
+        "epsilon_target": first["config"].get("privacy", {}).get("epsilon") if private else None,
+        "epsilon": max(finite) if private else None,
+        "epsilon_unit": epsilon_unit(first),
+        # the largest estimate over seeds, with its interval: compared with the largest claim
+        **_largest_estimate(estimates),
+        "delta": first["final"].get("delta"),
+        "evaluated_on": first["final"].get("evaluated_on", "test"),
+        "accuracy_mean": float(np.mean(accuracies)) if accuracies else None,
+        "accuracy_std": float(np.std(accuracies, ddof=1)) if len(accuracies) > 1 else None,
+        "chance_accuracy": float(np.mean(chances)) if None not in chances else None,
+        "diverged": sum(m.diverged for m in members),
+        "seeds": len({m.config.get("seed") for m in members}),
+        "upload_bytes_per_client_round": float(np.mean(uploads)) if uploads else None,
+        "wall_s": float(np.mean([m.results["final"].get("wall_s") or 0.0 for m in members])),
+        "runs": [str(m.path.parent) for m in members],
+    }
 
 
 def status_text(statuses: Sequence[str]) -> str:

@@ -16,10 +16,10 @@ run's (node ids change between simulations; client ids do not).
 
 The file is the server's *private* state, named for it: some strategies must carry un-noised
 aggregates to continue exactly (DP-FTRL: the running sum of the current tree's clipped updates;
-:meth:`~strategies.base.FederatedStrategy.private_state` says what a strategy keeps). It is not a
+the strategy is stored as :meth:`~strategies.base.FederatedStrategy.for_checkpoint` returns it). It is not a
 result to publish: the report, tensorboard and the benchmark exports read named result files only,
 the interrupt line says what it holds, and it is removed when a private run completes (such a run
-cannot be extended: see :func:`fl_app.run.resume.resume_overrides`). A run of an earlier version wrote
+cannot be extended: see :func:`fl_app.run.resume.validate_resume`). A run of an earlier version wrote
 ``checkpoint.pkl`` (:data:`LEGACY_FILE`), which is still read.
 """
 

@@ -1,6 +1,6 @@
 """Which code a run ran: the package version and, in a git checkout, the commit and whether it was edited.
 
-A comparison's rows are comparable only if they come from one code version (issue 41). Every
+A comparison's rows are comparable only if they come from one code version. Every
 ``results.json`` records :func:`code_version` under ``"code"``, and ``python -m fl_app.report`` says
 below its tables which versions its rows come from. A deployed app (a FAB installed by a SuperLink)
 has no git checkout: its record is the package version alone.

@@ -39,10 +39,12 @@ def run_context_for(overrides: Sequence[str], output_dir: Path) -> RunContext:
     settings = typed_settings(compose_config(list(overrides)))
     data = federated_data(settings.data)
     roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
+    declaration = STRATEGIES.get(settings.strategy).declaration
     model_spec = ModelSpec(
-        STRATEGIES.get(settings.strategy).declaration.model_name(settings, data.input_shape),
+        declaration.model_name(settings, data.input_shape, data.num_classes),
         data.input_shape,
         data.num_classes,
+        data.uncounted_targets,
     )
     return RunContext(
         settings=settings,

@@ -132,17 +132,6 @@ class Outcome:
     #: Why the run can never be continued (no checkpoint was written), or None.
     not_resumable: str | None = None
 
-    def resume_hint(self) -> str:
-        """Where the results are and how to continue, or that there is nothing to continue."""
-        if self.not_resumable is not None:
-            return f"results in {self.output_dir}; it cannot be resumed: {self.not_resumable}"
-        if self.private_state is None:
-            return f"results in {self.output_dir}; nothing to resume (no round completed)"
-        return (
-            f"results in {self.output_dir}; continue with: python -m fl_app resume={self.output_dir} "
-            f"({self.private_state})"
-        )
-
 
 _outcome: list[Outcome] = []
 #: Set while ``python -m fl_app`` drives the run: it turns the outcome into an exit status.

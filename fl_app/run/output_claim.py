@@ -1,7 +1,7 @@
 """A run's exclusive claim on its output directory.
 
-Two runs started into one directory both passed the "holds an earlier run" check before either
-had written a file, then wrote into it together (issue 42.4). A run therefore takes an exclusive
+Without a claim, two runs started into one directory could both pass the "holds an earlier run"
+check before either had written a file, then write into it together. A run therefore takes an exclusive
 ``flock`` on ``<output_dir>/.dpfl.lock`` before it checks the directory, and holds it to its end;
 the kernel releases it when the process ends however it ends (kill -9 too), so a stale lock file
 never blocks a later run. The lock file stays (removing it would let a third run lock a new file

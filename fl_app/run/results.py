@@ -86,7 +86,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import ArrayRecord
@@ -99,6 +99,9 @@ from fl_app.report.tracking import RoundTracker
 from fl_app.run.code_version import code_version
 from fl_app.run.files import write_atomically, writing
 from fl_app.run.lifecycle import diverged
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 SCHEMA_VERSION = 1
 #: Per-round fields that are functions of the round's cohort. With a secret cohort (amplification by
@@ -161,8 +164,16 @@ def load_model_arrays(path: Path) -> tuple[ModelSpec, dict[str, np.ndarray]]:
     return spec, arrays
 
 
-def chance_accuracy(labels: np.ndarray) -> float:
-    """The accuracy of always predicting the most frequent label (the chance level of a split)."""
+def chance_accuracy(labels: np.ndarray, uncounted: tuple[int, ...] | None = None) -> float:
+    """The accuracy of always predicting the most frequent label (the chance level of a split).
+
+    Next-token targets (``uncounted``: the targets accuracy leaves out): the unigram baseline, always
+    predicting the most frequent counted target.
+    """
+    if uncounted is not None:
+        from fl_app.learning.sequence import NextToken
+
+        return NextToken(tuple(uncounted)).baseline_accuracy(labels)
     counts = np.bincount(np.asarray(labels, dtype=np.int64))
     return float(counts.max() / counts.sum()) if counts.size else 0.0
 
@@ -290,6 +301,39 @@ class RunRecorder:
         wall_s: float,
     ) -> dict[str, Any]:
         """Write results.json, the plots, the model and the privacy ledger; return the results."""
+        results = {
+            "schema": SCHEMA_VERSION,
+            "status": status,
+            "code": self.code,
+            "strategy": strategy,
+            "dataset": self.settings.dataset,
+            "partition": describe_partition(self.settings.data.partition),
+            "client": describe_client(self.settings.data),
+            "config": copy.deepcopy(dict(self.settings.config)),
+            "initial": self.initial,
+            "rounds": self.rounds,
+            "final": self._final_summary(final_extras, wall_s=wall_s),
+            "privacy": privacy,
+        }
+        if self.stopped is not None:
+            results["stopped"] = self.stopped
+        if self.diagnostics:
+            results["outside_guarantee"] = {"note": OUTSIDE_GUARANTEE_NOTE, "rounds": self.outside}
+            if self.outside_final:
+                results["outside_guarantee"]["final"] = self.outside_final
+        if arrays is not None:
+            save_model(self.output_dir / MODEL_FILE, arrays, model_spec)
+        if ledger is not None:
+            write_json(self.output_dir / LEDGER_FILE, ledger)
+        self.plot(unit=str(privacy.get("unit", "client")), status=status)
+        write_json(self.output_dir / RESULTS_FILE, results)
+        if self.tracker is not None:
+            self.tracker.log_results(results, self.output_dir)
+            self.tracker.close()
+        return results
+
+    def _final_summary(self, final_extras: dict[str, Any], *, wall_s: float) -> dict[str, Any]:
+        """results.json's ``final``: the last evaluation, the best round, the epsilon spent, divergence."""
         evaluated = [r for r in self.rounds if r.get("accuracy") is not None]
         last = self.rounds[-1] if self.rounds else {}
         best = max(evaluated, key=lambda r: r["accuracy"]) if evaluated else None
@@ -310,36 +354,7 @@ class RunRecorder:
         # an evaluated round without a loss had a NaN or infinite one (strict JSON holds neither)
         final_loss = math.nan if evaluated and final["loss"] is None else final["loss"]
         final["diverged"] = diverged(self.initial.get("loss"), final_loss)
-        results = {
-            "schema": SCHEMA_VERSION,
-            "status": status,
-            "code": self.code,
-            "strategy": strategy,
-            "dataset": self.settings.dataset,
-            "partition": describe_partition(self.settings.data.partition),
-            "client": describe_client(self.settings.data),
-            "config": copy.deepcopy(dict(self.settings.config)),
-            "initial": self.initial,
-            "rounds": self.rounds,
-            "final": final,
-            "privacy": privacy,
-        }
-        if self.stopped is not None:
-            results["stopped"] = self.stopped
-        if self.diagnostics:
-            results["outside_guarantee"] = {"note": OUTSIDE_GUARANTEE_NOTE, "rounds": self.outside}
-            if self.outside_final:
-                results["outside_guarantee"]["final"] = self.outside_final
-        if arrays is not None:
-            save_model(self.output_dir / MODEL_FILE, arrays, model_spec)
-        if ledger is not None:
-            write_json(self.output_dir / LEDGER_FILE, ledger)
-        self.plot(unit=str(privacy.get("unit", "client")), status=status)
-        write_json(self.output_dir / RESULTS_FILE, results)
-        if self.tracker is not None:
-            self.tracker.log_results(results, self.output_dir)
-            self.tracker.close()
-        return results
+        return final
 
     def plot(self, *, unit: str = "client", status: str = "completed") -> None:
         """accuracy_loss.png and epsilon.png from the rounds so far.
@@ -351,6 +366,11 @@ class RunRecorder:
         import matplotlib
 
         matplotlib.use("Agg")
+        self._plot_accuracy_loss(status)
+        self._plot_epsilon(unit)
+
+    def _plot_accuracy_loss(self, status: str) -> None:
+        """accuracy_loss.png: accuracy and loss of every evaluated round, round 0 the initial model."""
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
 
@@ -373,30 +393,14 @@ class RunRecorder:
         figure.savefig(self.output_dir / "accuracy_loss.png", dpi=110)
         plt.close(figure)
 
+    def _plot_epsilon(self, unit: str) -> None:
+        """epsilon.png: the cumulative epsilon of every round, or a note that the run is not private."""
+        import matplotlib.pyplot as plt
+
         figure, axis = plt.subplots(figsize=(6.4, 4))
         private = [r for r in self.rounds if r.get("epsilon") is not None]
-        delta = self.settings.privacy.delta
         if private:
-            spent = [r["epsilon"] for r in private]
-            axis.plot([r["round"] for r in private], spent, "o-", ms=3, label=f"spent per {short_unit(unit)}")
-            for key, label in SECONDARY_EPSILONS.items():
-                values = [r.get(key) for r in private]
-                if all(v is not None for v in values):
-                    axis.plot([r["round"] for r in private], values, "^:", ms=3, label=label)
-            if self.settings.privacy.budget_scope == "total":
-                target = self.settings.privacy.epsilon
-                axis.axhline(target, color="tab:gray", ls="--", lw=1, label=f"privacy.epsilon = {target:g}")
-            axis.set_xlabel("round")
-            axis.set_ylabel(f"cumulative epsilon (delta = {delta:g})")
-            axis.xaxis.set_major_locator(MaxNLocator(integer=True))
-            legend_at = "lower right"
-            if max(spent) > 50 * self.settings.privacy.epsilon:
-                axis.set_yscale("log")  # a headline epsilon far above a target stated in another unit
-                legend_at = "center right"
-            else:
-                axis.set_ylim(bottom=0)
-            axis.legend(fontsize=8, loc=legend_at)
-            axis.set_title(f"{self.settings.strategy}: privacy spent per {short_unit(unit)}", fontsize=10)
+            self._draw_epsilon(axis, private, unit)
         else:
             axis.set_axis_off()
             axis.text(
@@ -410,6 +414,32 @@ class RunRecorder:
         figure.tight_layout()
         figure.savefig(self.output_dir / "epsilon.png", dpi=110)
         plt.close(figure)
+
+    def _draw_epsilon(self, axis: Axes, private: list[dict[str, Any]], unit: str) -> None:
+        """The epsilon curves (headline and secondary accountants) and the total budget, on ``axis``."""
+        from matplotlib.ticker import MaxNLocator
+
+        delta = self.settings.privacy.delta
+        spent = [r["epsilon"] for r in private]
+        axis.plot([r["round"] for r in private], spent, "o-", ms=3, label=f"spent per {short_unit(unit)}")
+        for key, label in SECONDARY_EPSILONS.items():
+            values = [r.get(key) for r in private]
+            if all(v is not None for v in values):
+                axis.plot([r["round"] for r in private], values, "^:", ms=3, label=label)
+        if self.settings.privacy.budget_scope == "total":
+            target = self.settings.privacy.epsilon
+            axis.axhline(target, color="tab:gray", ls="--", lw=1, label=f"privacy.epsilon = {target:g}")
+        axis.set_xlabel("round")
+        axis.set_ylabel(f"cumulative epsilon (delta = {delta:g})")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+        legend_at = "lower right"
+        if max(spent) > 50 * self.settings.privacy.epsilon:
+            axis.set_yscale("log")  # a headline epsilon far above a target stated in another unit
+            legend_at = "center right"
+        else:
+            axis.set_ylim(bottom=0)
+        axis.legend(fontsize=8, loc=legend_at)
+        axis.set_title(f"{self.settings.strategy}: privacy spent per {short_unit(unit)}", fontsize=10)
 
 
 #: Per-round epsilons in a second unit that a strategy may calibrate for, plotted beside the headline.

@@ -39,6 +39,7 @@ from fl_app.engine.client_states import ClientStates
 from fl_app.engine.dispatch import is_in_memory_grid, simulated_partitions
 from fl_app.engine.logs import colour_only_at_a_terminal, console_filter
 from fl_app.engine.metering import MeteredGrid
+from fl_app.engine.processes import worker_count
 from fl_app.learning.model_spec import ModelSpec
 from fl_app.privacy.canaries import HEADER_NOTE as CANARY_HEADER
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
@@ -323,19 +324,15 @@ def prepare(
     """The data, the roster, the settings in force, the strategy (or its checkpoint), the recorder."""
     started = time.monotonic()
     mark("server_app")
-    log(
-        INFO,
-        "dpfl: strategy=%s dataset=%s partition=%s, output in %s",
-        settings.strategy,
-        settings.dataset,
-        settings.partition,
-        output_dir,
-    )
+    log_start(settings, output_dir)
     data = federated_data(settings.data)
     mark("data")
     declaration = STRATEGIES.get(settings.strategy).declaration
     model_spec = ModelSpec(
-        declaration.model_name(settings, data.input_shape), data.input_shape, data.num_classes
+        declaration.model_name(settings, data.input_shape, data.num_classes),
+        data.input_shape,
+        data.num_classes,
+        data.uncounted_targets,
     )
     metered = MeteredGrid(grid)
     roster, setup_bytes = federation(metered, grid, settings, data)
@@ -348,6 +345,9 @@ def prepare(
     if resumed is not None:
         restore_rng_states(resumed.rng)  # the process's generators, as the interrupted run left them
     metered.client_states = client_states(declaration, grid, resumed)
+    metered.bulk_shares = (
+        shares_for(settings, CLIENTS.get(declaration.client)) if is_in_memory_grid(grid) else 0
+    )
     strategy = resumed.strategy if resumed is not None else build_strategy(run, stage)
     randomness = strategy.randomness()
     published.secret_cohort = randomness.secret_cohort  # run.log then withholds what depends on the cohort
@@ -372,6 +372,36 @@ def prepare(
         setup_bytes,
         y_test,
     )
+
+
+def log_start(settings: RunSettings, output_dir: Path) -> None:
+    """The run's first line: its algorithm, data set, partition and output directory."""
+    log(
+        INFO,
+        "dpfl: strategy=%s dataset=%s partition=%s, output in %s",
+        settings.strategy,
+        settings.dataset,
+        settings.partition,
+        output_dir,
+    )
+
+
+def shares_for(settings: RunSettings, client_class: type) -> int:
+    """How many bulk messages a packed round goes as (:mod:`fl_app.engine.bulk`): one per worker; 0: none.
+
+    None unless the run allows it (``simulation.bulk``, with packing) and ``client_class`` does exactly
+    what FedAvg's client does (:func:`clients.fedavg.plain_fedavg`). One worker inline; the forked
+    processes or Ray's actors, as many as the CPUs hold (:func:`fl_app.engine.processes.worker_count`).
+    """
+    from clients.fedavg import plain_fedavg
+
+    simulation = settings.simulation
+    if not simulation.sends_bulk or not plain_fedavg(client_class):
+        return 0
+    if simulation.backend == "inline":
+        return 1
+    limit = simulation.max_concurrent_clients
+    return worker_count(num_cpus=simulation.num_cpus, client_cpus=simulation.client_cpus, limit=limit)
 
 
 def client_states(declaration: Declaration, grid: Grid, resumed: Checkpoint | None) -> ClientStates | None:
@@ -627,7 +657,7 @@ def write_results(prepared: Prepared, ending: Ending, run_report: RunReport) -> 
     final_extras = {
         **run_report.final,
         "epsilon_training": report.total.per_stage.get("training"),
-        "chance_accuracy": chance_accuracy(prepared.y_test),
+        "chance_accuracy": chance_accuracy(prepared.y_test, prepared.run.model_spec.uncounted),
         "setup_bytes": prepared.setup_bytes,
         **traffic,
     }

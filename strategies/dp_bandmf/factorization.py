@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,45 +134,16 @@ def optimal_banded_toeplitz(*, rounds: int, bands: int, momentum: float = 0.0) -
     """
     require_positive_int("rounds", rounds)
     require_positive_int("bands", bands)
-    import torch  # the server has torch for the model anyway; imported on first use
-
     bands = min(bands, rounds)
     a = workload_coefficients(rounds=rounds, momentum=momentum)
     identity = factorization_loss(coefficients=np.ones(1), rounds=rounds, momentum=momentum)
     if bands == 1:
         return BandedToeplitz((1.0,), rounds, 1, float(momentum), identity, identity)
     start = square_root_coefficients(a)[:bands]
-    weights = torch.as_tensor(rounds - np.arange(rounds), dtype=torch.float64)
-    workload = torch.as_tensor(a, dtype=torch.float64)
-    index = torch.arange(rounds)
-    lag = index[:, None] - index[None, :]
-    inside = (lag >= 0) & (lag < bands)
-    unit = torch.zeros(rounds, 1, dtype=torch.float64)
-    unit[0, 0] = 1.0
-
-    def loss_of(theta: torch.Tensor) -> torch.Tensor:
-        c = theta / torch.linalg.vector_norm(theta)
-        matrix = torch.where(inside, c[lag.clamp(0, bands - 1)], torch.zeros((), dtype=torch.float64))
-        r = torch.linalg.solve_triangular(matrix, unit, upper=False)[:, 0]
-        # (a * r)_k for k < n: the first column of A C^{-1}
-        effect = torch.nn.functional.conv1d(
-            torch.nn.functional.pad(r, (rounds - 1, 0))[None, None, :], workload.flip(0)[None, None, :]
-        )[0, 0]
-        return torch.sum(weights * effect**2)
-
-    def value_and_gradient(values: np.ndarray) -> tuple[float, np.ndarray]:
-        theta = torch.tensor(values, dtype=torch.float64, requires_grad=True)
-        value = loss_of(theta)
-        if not torch.isfinite(value):  # C^{-1} overflows (|c_j / c_0| too large): a wall, not a step
-            return 1e300, np.zeros_like(values)
-        value.backward()
-        assert theta.grad is not None
-        return float(value.detach()), theta.grad.numpy().copy()
-
     import scipy.optimize  # here: 0.14 s of every start-up that imports the registry
 
     found = scipy.optimize.minimize(
-        value_and_gradient,
+        banded_loss_and_gradient(a, bands=bands),
         start,
         jac=True,
         method="L-BFGS-B",
@@ -186,6 +158,59 @@ def optimal_banded_toeplitz(*, rounds: int, bands: int, momentum: float = 0.0) -
     if not loss <= min(initial, identity) * (1 + 1e-9):
         raise RuntimeError(f"banded Toeplitz optimisation diverged: loss {loss} > start {initial}")
     return BandedToeplitz(tuple(float(v) for v in c), rounds, bands, float(momentum), loss, identity)
+
+
+def banded_loss_and_gradient(
+    workload: np.ndarray, *, bands: int
+) -> Callable[[np.ndarray], tuple[float, np.ndarray]]:
+    """The objective of :func:`optimal_banded_toeplitz` and its gradient, for ``scipy.optimize.minimize``.
+
+    Parameters
+    ----------
+    workload : np.ndarray
+        ``a``, the first column of the lower-triangular Toeplitz workload ``A`` (one entry per round).
+    bands : int
+        ``b``: the candidate ``theta`` holds the ``b`` coefficients of ``C`` before normalisation.
+
+    Returns
+    -------
+    Callable[[np.ndarray], tuple[float, np.ndarray]]
+        ``theta -> (loss, gradient)``: ``||A C^{-1}||_F^2 = sum_k (n - k) (a * r)_k^2`` for the ``C``
+        of ``theta / ||theta||``, in float64 by torch's autograd; ``(1e300, 0)`` where ``C^{-1}``
+        overflows.
+
+    """
+    import torch  # the server has torch for the model anyway; imported on first use
+
+    rounds = len(workload)
+    weights = torch.as_tensor(rounds - np.arange(rounds), dtype=torch.float64)
+    a = torch.as_tensor(workload, dtype=torch.float64)
+    index = torch.arange(rounds)
+    lag = index[:, None] - index[None, :]
+    inside = (lag >= 0) & (lag < bands)
+    unit = torch.zeros(rounds, 1, dtype=torch.float64)
+    unit[0, 0] = 1.0
+
+    def loss_of(theta: torch.Tensor) -> torch.Tensor:
+        c = theta / torch.linalg.vector_norm(theta)
+        matrix = torch.where(inside, c[lag.clamp(0, bands - 1)], torch.zeros((), dtype=torch.float64))
+        r = torch.linalg.solve_triangular(matrix, unit, upper=False)[:, 0]
+        # (a * r)_k for k < n: the first column of A C^{-1}
+        effect = torch.nn.functional.conv1d(
+            torch.nn.functional.pad(r, (rounds - 1, 0))[None, None, :], a.flip(0)[None, None, :]
+        )[0, 0]
+        return torch.sum(weights * effect**2)
+
+    def value_and_gradient(values: np.ndarray) -> tuple[float, np.ndarray]:
+        theta = torch.tensor(values, dtype=torch.float64, requires_grad=True)
+        value = loss_of(theta)
+        if not torch.isfinite(value):  # C^{-1} overflows (|c_j / c_0| too large): a wall, not a step
+            return 1e300, np.zeros_like(values)
+        value.backward()
+        assert theta.grad is not None
+        return float(value.detach()), theta.grad.numpy().copy()
+
+    return value_and_gradient
 
 
 class CorrelatedNoise:

@@ -36,7 +36,7 @@ coins come from the privacy randomness (``run.noise``), as DP-FedAvg's; the grou
 
 Released: the models only; the matrix ``C`` and the schedule of groups are public. The clients'
 train losses and update norms stay on the server. The last ``b - 1`` noise vectors and the
-momentum are private server state (:meth:`private_state`).
+momentum are private server state (kept in the private checkpoint, never released).
 """
 
 from __future__ import annotations

@@ -1,60 +1,18 @@
-"""DP-FTRL's calibration: tree aggregation noise for a public schedule (Kairouz et al., ICML 2021)."""
+"""DP-FTRL's tree sensitivity for a public schedule (Kairouz et al., ICML 2021).
+
+The strategy calibrates its noise from these increments with the accountant's composition
+(:func:`fl_app.privacy.calibration.noise_multiplier_for_histories`).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fl_app.privacy.calibration import noise_multiplier_for_histories
-from fl_app.privacy.checks import require_positive, require_positive_int
-from fl_app.privacy.composition import History, compose_epsilon
-from fl_app.privacy.events import (
-    TreeAggregation,
-)
+from fl_app.privacy.checks import require_positive_int
 
 # --------------------------------------------------------------------------------------
 # Tree aggregation (DP-FTRL, Kairouz, McMahan, Song, Thakkar, Thakurta, Xu, ICML 2021)
 # --------------------------------------------------------------------------------------
-
-
-def tree_aggregation_epsilon(
-    *, noise_multiplier: float, tree_steps: Sequence[int], delta: float, method: str = "rdp"
-) -> float:
-    """Epsilon of one participation in each tree of ``tree_steps`` leaves (TreeRestart composition)."""
-    require_positive("noise_multiplier", noise_multiplier)
-    if not tree_steps:
-        raise ValueError("tree_steps must name at least one tree")
-    history: dict[TreeAggregation, int] = {}
-    for steps in tree_steps:
-        require_positive_int("tree_steps", steps)
-        mechanism = TreeAggregation(noise_multiplier, int(steps))
-        history[mechanism] = history.get(mechanism, 0) + 1
-    return compose_epsilon(history, delta=delta, method=method).epsilon
-
-
-def tree_aggregation_noise_multiplier(
-    *, epsilon: float, delta: float, tree_steps: Sequence[int], method: str = "rdp"
-) -> float:
-    """Smallest per-node noise multiplier whose trees (one participation each) meet (epsilon, delta).
-
-    DP-FTRL (Kairouz et al. 2021): a participant contributing to at most one
-    leaf of each tree of ``tree_steps`` leaves. Searched against the
-    accountant's composition (:func:`noise_multiplier_for_histories`).
-    """
-    if not tree_steps:
-        raise ValueError("tree_steps must name at least one tree")
-    for steps in tree_steps:
-        require_positive_int("tree_steps", steps)
-
-    def histories_of(z: float) -> list[History]:
-        history: dict[TreeAggregation, int] = {}
-        for steps in tree_steps:
-            mechanism = TreeAggregation(z, int(steps))
-            history[mechanism] = history.get(mechanism, 0) + 1
-        return [history]
-
-    return noise_multiplier_for_histories(
-        epsilon=epsilon, delta=delta, histories_of=histories_of, method=method
-    )
 
 
 def tree_sensitivity_increments(*, leaves: Sequence[int], steps: int) -> list[int]:

@@ -44,7 +44,7 @@ Choquette-Choo et al. 2023 for several participations). Accounting:
 * ``restart=none``: a client may be in several leaves of the one tree; its S is
   computed exactly from its scheduled leaves and charged as it accrues: each
   round adds ``Gaussian(z / sqrt(dS))`` with dS the growth of S that round
-  (:func:`fl_app.privacy.calibration.tree_sensitivity_increments`), which
+  (:func:`strategies.dp_ftrl.privacy.tree_sensitivity_increments`), which
   composes (RDP and PLD alike) to the Gaussian with ``z / sqrt(S)``.
 
 Events name every *scheduled* client, failures included. Unless

@@ -15,7 +15,7 @@ text and step 2 make clear that the noised bits are aggregated; the mean keeps
 accuracy is measured with the binarized global model ``Sign(W~)``.
 
 Privacy (local DP: every upload is randomized on the client, the server is not
-trusted and there is no secure aggregation), in :mod:`fl_app.privacy.bnn`: the
+trusted and there is no secure aggregation), in :mod:`strategies.dpfl_bnn.privacy`: the
 headline epsilon charges a participating client d uses of RR_gamma per round
 (its data set decides all d bits); the document's Theorem 1 accounting (one use
 per round, ``epsilon_per_coordinate``) is kept beside it and is *not* a
@@ -24,7 +24,7 @@ guarantee for a client's data set.
 gamma is ``strategy.gamma``, or is calibrated from ``privacy.epsilon`` and
 ``privacy.delta`` over ``num_rounds`` (each client uploads at most once per
 round) for the accounting named by ``strategy.calibration`` with
-:func:`fl_app.privacy.calibration.bnn_gamma` (Theorem 1 with the Renyi order
+:func:`strategies.dpfl_bnn.privacy.bnn_gamma` (Theorem 1 with the Renyi order
 optimised and the order's ``1/delta`` corrected to ``log(1/delta)``). The
 default, ``client_level``, calibrates for all d bits of every upload, so the
 headline epsilon (the unit the results name) is the requested one;
@@ -170,6 +170,10 @@ class DPFLBNNStrategy(PrivateStrategy):
         ),
         comparisons=("comparison",),
         deploy=("model=bnn_cnn", "num_rounds=2"),
+        sequences=(
+            "it trains its binary CNN (every parameter a +-1 weight sent as randomized-response bits), an "
+            "image network: a binary LSTM is not in the paper"
+        ),
     )
     settings: DPFLBNNSettings
     ROUND_STATE = (*PrivateStrategy.ROUND_STATE, "_local_accuracy")  # un-noised: never checkpointed

@@ -1,6 +1,6 @@
 """KD-DP's accounting: per-client DP-SGD plans, the two ledgers, and how they compose.
 
-Tan, Xu, Wang, Luo, Computer Science 51(6A), 2024, 230600002 (the design: ``strategies/kd_dp.py``;
+Tan, Xu, Wang, Luo, Computer Science 51(6A), 2024, 230600002 (the design: ``strategies/kd_dp/strategy.py``;
 the reading: ``docs/algorithms/kd_dp.md``). Two units, never mixed:
 
 * **one training example of a federated client** (add or remove; record-level DP): each client's

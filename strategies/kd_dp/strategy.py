@@ -21,7 +21,7 @@ listed with its reason in ``docs/algorithms/kd_dp.md``.
    student (from the teacher or from the run's initial model, ``student_init``)
    with local DP-SGD; the server averages them and the special client's model.
 
-Accounting (:mod:`fl_app.privacy.kd_dp`): one unit, one training example of a federated
+Accounting (:mod:`strategies.kd_dp.privacy`): one unit, one training example of a federated
 client; the budget split ``epsilon_teacher = privacy.epsilon - epsilon_special``; each
 client's DP-SGD calibrated for the rounds of the seeded schedule it takes part in; a
 large-data client charged ``epsilon_teacher + epsilon_special``; the run's epsilon the
@@ -192,6 +192,11 @@ class KDDPStrategy(PrivateStrategy):
         ),
         comparisons=("comparison", "record_level"),
         deploy=("strategy.teacher_rounds=1", "num_rounds=2"),
+        sequences=(
+            "its special client releases one pseudo-label per public example by k-ary randomized response "
+            "over the classes, and its students learn from those labels; a text example has a next token "
+            "at every position (its DP-SGD itself takes next-token networks: fl_app/privacy/dp_sgd.py)"
+        ),
     )
     settings: KDDPSettings
 

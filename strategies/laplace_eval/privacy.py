@@ -3,7 +3,7 @@
 MindSpore Federated documentation, "Horizontal Federated-Local Differential Privacy Inference
 Result Protection": each evaluated device uploads the softmax vector of every local example with
 i.i.d. Laplace noise ``Lap(b)`` per coordinate, ``b = sensitivity / eps``. Two probability vectors
-differ by up to 2 in L1 (:data:`~fl_app.privacy.calibration.PROBABILITY_VECTOR_L1_SENSITIVITY`;
+differ by up to 2 in L1 (:data:`PROBABILITY_VECTOR_L1_SENSITIVITY`;
 the document's 1 understates it), so a report is ``2 / b``-DP whatever sensitivity was configured,
 and that is what is charged (``docs/algorithms/laplace_eval.md``).
 

@@ -16,7 +16,7 @@ document's ``Delta f = 1``; ``evaluation.sensitivity`` defaults to 2, the docume
 accepted with a warning, and the epsilon charged is always the one the noise really gives,
 ``2 / b`` with ``b = sensitivity / eps``.
 
-Privacy (:mod:`fl_app.privacy.laplace_eval`): the stage's own figure (``cluster_eval_epsilon``)
+Privacy (:mod:`strategies.laplace_eval.privacy`): the stage's own figure (``cluster_eval_epsilon``)
 is in the document's unit, one local example's softmax vector; ``rounds[].epsilon`` is the
 *total* per client in the training strategy's unit, each evaluation charging a client ``n_c``
 uses of ``Laplace(2 / b)`` (its data set decides all ``n_c`` of its vectors) composed with the
@@ -31,7 +31,7 @@ The stage is selected by ``evaluation.stage=laplace_eval`` (``conf/evaluation/
 laplace_eval.yaml``) and wraps the built strategy (:class:`strategies.stage.EvaluationStage`
 forwards every other hook): its evaluate messages join the strategy's own (if any), and replies
 are routed back by the id of the message they answer. The noise plan and both ledgers are in
-:mod:`fl_app.privacy.laplace_eval`, the scores in :mod:`fl_app.clustering`.
+:mod:`strategies.laplace_eval.privacy`, the scores in :mod:`strategies.laplace_eval.clustering`.
 """
 
 from __future__ import annotations

@@ -185,32 +185,7 @@ class NbAFLStrategy(PrivateStrategy):
         self.record_sensitivity = nbafl_sensitivity(clip=self.clip, min_dataset_size=self.min_dataset_size)
         self.per_exposure_epsilon = self.epsilon_target / self.exposures
         self.classic_bound_holds = self.per_exposure_epsilon < CLASSIC_GAUSSIAN_MAX_EPSILON
-        self.range_warning: str | None = None
-        if settings.sigma_up is not None:
-            self.sigma_up = settings.sigma_up
-            self.sigma_up_source = "strategy.sigma_up (set by hand)"
-        else:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", ClassicGaussianRangeWarning)
-                self.sigma_up = nbafl_uplink_sigma(
-                    epsilon=self.epsilon_target,
-                    delta=run.settings.privacy.delta,
-                    clip=self.clip,
-                    min_dataset_size=self.min_dataset_size,
-                    exposures=self.exposures,
-                    calibration=self.calibration,
-                    method=self.run.settings.privacy.accountant,
-                    unit=self.unit,
-                )
-            self.sigma_up_source = f"calibration={self.calibration}, unit={self.unit}"
-            if caught:
-                self.range_warning = (
-                    f"epsilon/L = {self.epsilon_target:g}/{self.exposures} = {self.per_exposure_epsilon:.4g} "
-                    ">= 1 per upload: the classic Gaussian bound (sigma = c Delta s / epsilon, Dwork & Roth "
-                    "Theorem A.1) is not proven here, so the document's (epsilon, delta) claim is not a "
-                    "guarantee; the accountant's epsilon is. strategy.calibration=analytic (exact Gaussian "
-                    "per upload) or accountant (L-fold composition meets epsilon) calibrate soundly"
-                )
+        self._set_uplink_sigma(settings)
         self.downlink_threshold = nbafl_downlink_threshold(
             epsilon=self.epsilon_target,
             exposures=self.exposures,
@@ -218,31 +193,72 @@ class NbAFLStrategy(PrivateStrategy):
             clients_per_round=self.k,
             amplification=self.amplification,
         )
+        self._set_downlink_sigma(settings)
+        self._open_accountants()
+        self._uploads: dict[int, int] = {}
+        self._sigma_down_used: dict[int, float] = {}
+        self._log_setup()
+
+    def _set_uplink_sigma(self, settings: NbAFLSettings) -> None:
+        """``sigma_U``: set by hand, or calibrated for ``strategy.unit`` (warns outside its proven range)."""
+        self.range_warning: str | None = None
+        if settings.sigma_up is not None:
+            self.sigma_up = settings.sigma_up
+            self.sigma_up_source = "strategy.sigma_up (set by hand)"
+            return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ClassicGaussianRangeWarning)
+            self.sigma_up = nbafl_uplink_sigma(
+                epsilon=self.epsilon_target,
+                delta=self.run.settings.privacy.delta,
+                clip=self.clip,
+                min_dataset_size=self.min_dataset_size,
+                exposures=self.exposures,
+                calibration=self.calibration,
+                method=self.run.settings.privacy.accountant,
+                unit=self.unit,
+            )
+        self.sigma_up_source = f"calibration={self.calibration}, unit={self.unit}"
+        if caught:
+            self.range_warning = (
+                f"epsilon/L = {self.epsilon_target:g}/{self.exposures} = {self.per_exposure_epsilon:.4g} "
+                ">= 1 per upload: the classic Gaussian bound (sigma = c Delta s / epsilon, Dwork & Roth "
+                "Theorem A.1) is not proven here, so the document's (epsilon, delta) claim is not a "
+                "guarantee; the accountant's epsilon is. strategy.calibration=analytic (exact Gaussian "
+                "per upload) or accountant (L-fold composition meets epsilon) calibrate soundly"
+            )
+
+    def _set_downlink_sigma(self, settings: NbAFLSettings) -> None:
+        """``sigma_D``: set by hand, or the document's theorem for the unit's sensitivity."""
         if settings.sigma_down is not None:
             self.sigma_down = settings.sigma_down
             self.sigma_down_source = "strategy.sigma_down (set by hand)"
-        else:
-            self.sigma_down = nbafl_downlink_sigma(
-                epsilon=self.epsilon_target,
-                delta=run.settings.privacy.delta,
-                clip=self.clip,
-                # Theorem 1's 2C/m is the unit's sensitivity: 2C (m = 1) for the client unit
-                min_dataset_size=self.min_dataset_size if self.unit == "document_record" else 1,
-                exposures=self.exposures,
-                num_rounds=self.num_rounds,
-                num_clients=run.num_clients,
-                clients_per_round=self.k,
-                amplification=self.amplification,
-            )
-            self.sigma_down_source = f"the document's theorem (amplification={self.amplification})"
+            return
+        self.sigma_down = nbafl_downlink_sigma(
+            epsilon=self.epsilon_target,
+            delta=self.run.settings.privacy.delta,
+            clip=self.clip,
+            # Theorem 1's 2C/m is the unit's sensitivity: 2C (m = 1) for the client unit
+            min_dataset_size=self.min_dataset_size if self.unit == "document_record" else 1,
+            exposures=self.exposures,
+            num_rounds=self.num_rounds,
+            num_clients=self.run.num_clients,
+            clients_per_round=self.k,
+            amplification=self.amplification,
+        )
+        self.sigma_down_source = f"the document's theorem (amplification={self.amplification})"
+
+    def _open_accountants(self) -> None:
+        """The client-level accountant (the headline) and the document's record-level reading beside it."""
         #: The document's record-level reading (not a guarantee of this run), beside the headline.
         self.document_accountant: PrivacyAccountant | None = None
         if self.sigma_up > 0:
+            method = self.run.settings.privacy.accountant
             self.accountant = PrivacyAccountant(
-                population=run.client_ids, unit=CLIENT_UNIT, method=self.run.settings.privacy.accountant
+                population=self.run.client_ids, unit=CLIENT_UNIT, method=method
             )
             self.document_accountant = PrivacyAccountant(
-                population=run.client_ids, unit=RECORD_UNIT, method=self.run.settings.privacy.accountant
+                population=self.run.client_ids, unit=RECORD_UNIT, method=method
             )
         if self.unit == "document_record":
             log(
@@ -252,9 +268,6 @@ class NbAFLStrategy(PrivateStrategy):
                 "the client-level one of the same noise (see the round lines and results.json)",
                 self.epsilon_target,
             )
-        self._uploads: dict[int, int] = {}
-        self._sigma_down_used: dict[int, float] = {}
-        self._log_setup()
 
     # ------------------------------------------------------------------ configuration
 

@@ -15,17 +15,29 @@ from fl_app.privacy.events import keep_probability
 # --------------------------------------------------------------------------------------
 
 
-def privatekt_keep_probability(*, epsilon: float, k: int, num_classes: int) -> float:
-    """``beta = (e^(eps/K) - 1) / (e^(eps/K) - 1 + C)`` (PrivateKT Lemma 1, Eq. 6).
+def check_report(*, epsilon: float, k: int, num_classes: int) -> None:
+    """Refuse a report budget, a number of labels per report or of classes PrivateKT cannot use.
 
-    With this beta, each of the K reported labels is ``eps/K``-LDP and the
-    whole report of K labels is ``eps``-LDP (basic composition over K).
+    Raises
+    ------
+    ValueError
+        ``epsilon`` not a finite number > 0, ``k`` not a positive integer, or fewer than 2 classes.
+
     """
     require_positive("epsilon", epsilon)
     require_positive_int("k", k)
     require_positive_int("num_classes", num_classes)
     if num_classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+
+
+def privatekt_keep_probability(*, epsilon: float, k: int, num_classes: int) -> float:
+    """``beta = (e^(eps/K) - 1) / (e^(eps/K) - 1 + C)`` (PrivateKT Lemma 1, Eq. 6).
+
+    With this beta, each of the K reported labels is ``eps/K``-LDP and the
+    whole report of K labels is ``eps``-LDP (basic composition over K).
+    """
+    check_report(epsilon=epsilon, k=k, num_classes=num_classes)
     return keep_probability(epsilon=epsilon / k, num_classes=num_classes)  # finite for any epsilon
 
 
@@ -73,11 +85,7 @@ def privatekt_epsilon_per_label(
         Accountant method, ``"rdp"`` or ``"pld"`` (``total`` only).
 
     """
-    require_positive("epsilon", epsilon)
-    require_positive_int("k", k)
-    require_positive_int("num_classes", num_classes)
-    if num_classes < 2:
-        raise ValueError(f"num_classes must be >= 2, got {num_classes}")
+    check_report(epsilon=epsilon, k=k, num_classes=num_classes)
     if budget_scope == "per_round":
         return epsilon / k
     if budget_scope != "total":

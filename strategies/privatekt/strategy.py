@@ -49,7 +49,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from logging import INFO, WARNING
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
@@ -93,6 +93,9 @@ from strategies.privatekt.knowledge import (
 )
 from strategies.privatekt.privacy import privatekt_epsilon_per_label
 from strategies.settings import StrategySettings, between, flag, integer, one_of
+
+if TYPE_CHECKING:
+    from torch import nn
 
 SELF_TRAIN_TARGETS = ("soft", "hard")
 FIRST_DRAWS = ("entropy", "uniform")
@@ -189,6 +192,11 @@ class PrivateKTStrategy(PrivateStrategy):
             ),
         ),
         comparisons=("comparison", "cross_device"),
+        sequences=(
+            "its clients transfer knowledge as one class label per public example (k-ary randomized "
+            "response over the classes, sent as uint8); a text example has a next token at every position "
+            "over a vocabulary of up to 10,004 tokens, which it has no label for"
+        ),
     )
     settings: PrivateKTSettings
 
@@ -222,6 +230,13 @@ class PrivateKTStrategy(PrivateStrategy):
             )
         )
         self.max_participations = max_participations(self.cohorts.planned)
+        self._calibrate_reports()
+        self._kt: dict[int, np.ndarray] = RecentRounds()
+        self._stats: dict[int, dict[str, Any]] = RecentRounds()
+        self._log_setup()
+
+    def _calibrate_reports(self) -> None:
+        """The per-label randomized response for the budget scope, its keep probability and accountant."""
         self.budget_scope = self.run.settings.privacy.budget_scope
         self.method = self.run.settings.privacy.accountant
         self.epsilon_per_label = privatekt_epsilon_per_label(
@@ -230,20 +245,20 @@ class PrivateKTStrategy(PrivateStrategy):
             num_classes=self.num_classes,
             budget_scope=self.budget_scope,
             max_participations=max(self.max_participations, 1),
-            delta=run.settings.privacy.delta,
+            delta=self.run.settings.privacy.delta,
             method=self.method,
         )
         self.mechanism = RandomizedResponse(self.epsilon_per_label, self.num_classes)
         self.beta = self.mechanism.keep_probability
         self.epsilon_per_round = compose_epsilon(
-            {self.mechanism: self.k}, delta=run.settings.privacy.delta, method=self.method
+            {self.mechanism: self.k}, delta=self.run.settings.privacy.delta, method=self.method
         ).epsilon
         self.accountant = PrivacyAccountant(
-            population=run.client_ids, unit=self.privacy_unit, method=self.method
+            population=self.run.client_ids, unit=self.privacy_unit, method=self.method
         )
 
-        self._kt: dict[int, np.ndarray] = RecentRounds()
-        self._stats: dict[int, dict[str, Any]] = RecentRounds()
+    def _log_setup(self) -> None:
+        """One line with the round's shape and the privacy calibration."""
         log(
             INFO,
             "PrivateKT: K=%d, B=%d, M=%d, C=%d, %s budget: epsilon per label %.4g (beta %.4g), "
@@ -318,16 +333,7 @@ class PrivateKTStrategy(PrivateStrategy):
         """Eq. 3, the knowledge buffer, fine-tuning and self-training (Algorithm 1, lines 16-18)."""
         valid, _ = self.replies.split(server_round, replies)
         global_arrays = self.round_global
-        assert self.accountant is not None
-        self.accountant.record(
-            PrivacyEvent(
-                server_round,
-                self.mechanism,
-                count=self.k,
-                participants=tuple(c.client_id for c in self.replies.selected(server_round)),
-                label="perturbed KT labels",
-            )
-        )
+        self._record_reports(server_round)
         reports = [labels for info, reply in valid if (labels := self.parse_report(info, reply)) is not None]
         stats: dict[str, Any] = {"reports": len(reports), "kt_indices": self._kt[server_round].tolist()}
         self._stats[server_round] = stats
@@ -345,7 +351,6 @@ class PrivateKTStrategy(PrivateStrategy):
 
         model = self.run.model_spec.build()
         load_arrays(model, global_arrays)
-        lr = self.run.settings.lr
         rows, targets = self.buffer.fetch()
         finetune_loss = fit_targets(
             model,
@@ -353,34 +358,53 @@ class PrivateKTStrategy(PrivateStrategy):
             targets,
             steps=self.settings.server_steps,
             batch_size=None,
-            lr=lr,
+            lr=self.run.settings.lr,
             rng=rng,
         )
-        self_train_loss = math.nan
-        if self.self_train > 0:
-            probabilities = predict_proba(model, self.public_x)
-            weights = sampling_weights(prediction_entropy(probabilities), sign=-1.0)
-            chosen = draw_weighted(weights, self.self_train, rng=rng)
-            pseudo = probabilities[chosen]
-            if self.settings.self_train_targets == "hard":
-                pseudo = np.eye(self.num_classes)[pseudo.argmax(axis=1)]
-            batch = self.run.settings.batch_size
-            self_train_loss = fit_targets(
-                model,
-                self.public_x[chosen],
-                pseudo,
-                steps=math.ceil(self.self_train / batch),
-                batch_size=batch,
-                lr=lr,
-                rng=rng,
-                input_dropout=self.self_train_dropout,
-            )
+        self_train_loss = self._self_train(model, rng) if self.self_train > 0 else math.nan
         stats.update(
             buffer_rounds=len(self.buffer),
             finetune_loss=finetune_loss,
             self_train_loss=self_train_loss,
         )
         return model_to_arrays(model), MetricRecord({"reports": len(reports)})
+
+    def _record_reports(self, server_round: int) -> None:
+        """One event: every selected client (failures included) sent K perturbed labels."""
+        assert self.accountant is not None
+        self.accountant.record(
+            PrivacyEvent(
+                server_round,
+                self.mechanism,
+                count=self.k,
+                participants=tuple(c.client_id for c in self.replies.selected(server_round)),
+                label="perturbed KT labels",
+            )
+        )
+
+    def _self_train(self, model: nn.Module, rng: np.random.Generator) -> float:
+        """Eq. 5: fit ``model`` to its own predictions on M public rows drawn with weight ``exp(-entropy)``.
+
+        Returns the self-training loss; the targets are the predicted distributions (``soft``) or
+        their argmax (``hard``, ``strategy.self_train_targets``).
+        """
+        probabilities = predict_proba(model, self.public_x)
+        weights = sampling_weights(prediction_entropy(probabilities), sign=-1.0)
+        chosen = draw_weighted(weights, self.self_train, rng=rng)
+        pseudo = probabilities[chosen]
+        if self.settings.self_train_targets == "hard":
+            pseudo = np.eye(self.num_classes)[pseudo.argmax(axis=1)]
+        batch = self.run.settings.batch_size
+        return fit_targets(
+            model,
+            self.public_x[chosen],
+            pseudo,
+            steps=math.ceil(self.self_train / batch),
+            batch_size=batch,
+            lr=self.run.settings.lr,
+            rng=rng,
+            input_dropout=self.self_train_dropout,
+        )
 
     # ------------------------------------------------------------------ reporting
 
