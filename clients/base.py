@@ -20,7 +20,6 @@ statements and never needs a hook of the client's.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -45,7 +44,9 @@ from fl_app.learning.training import (
     local_steps,
     model_parameters,
     model_state,
+    threads_as_environment_says,
     train_local,
+    training_device,
     unfix_state,
 )
 
@@ -140,9 +141,7 @@ class FederatedClient(NodeClient):
     keeps_state: ClassVar[bool] = False
 
     def __init__(self, message: Message, context: Context) -> None:
-        threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
-        if threads > 0 and torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        threads_as_environment_says()
         super().__init__(message, context)
         self._state: RecordDict | None = None
 
@@ -151,8 +150,7 @@ class FederatedClient(NodeClient):
     @property
     def device(self) -> torch.device:
         """Where this client trains: CUDA when the server asked for it, the client can and torch sees one."""
-        wanted = str(self.config.get(keys.DEVICE, "cpu")) == "cuda"
-        return torch.device("cuda" if wanted and self.uses_gpu and torch.cuda.is_available() else "cpu")
+        return training_device(self.config, may_use_gpu=self.uses_gpu)
 
     def incoming_arrays(self) -> ArrayRecord:
         """The ArrayRecord the server sent as the model (``KeyError`` when it sent none)."""
@@ -203,12 +201,7 @@ class FederatedClient(NodeClient):
 
         Return None for a client that trains its own way (it never calls :meth:`train_locally`).
         """
-        return LocalSGD(
-            epochs=int(self.config[keys.LOCAL_EPOCHS]),
-            batch_size=int(self.config[keys.BATCH_SIZE]),
-            lr=float(self.config[keys.LR]),
-            momentum=float(self.config.get(keys.MOMENTUM, 0.0)),
-        )
+        return LocalSGD.from_config(self.config)
 
     def train_locally(self) -> Trained:
         """:meth:`local_sgd` run on the received model and this client's data; the trained state.

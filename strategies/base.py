@@ -201,6 +201,13 @@ class FederatedStrategy:
         """Algorithm-specific hyperparameters for the clients (override)."""
         return {}
 
+    def _begin_round(self, server_round: int, arrays: ArrayRecord) -> list[ClientInfo]:
+        """Keep the round's global model (:attr:`round_global`), select the cohort and record it."""
+        self._round_global = arrays
+        clients = self.select_clients(server_round)
+        self.replies.record_selected(server_round, clients)
+        return clients
+
     def select_clients(self, server_round: int) -> list[ClientInfo]:
         """The round's cohort (override; default: the planned schedule, else a seeded sample)."""
         return self.cohorts.select(server_round)
@@ -218,9 +225,7 @@ class FederatedStrategy:
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """Select the cohort and send each client the global arrays, its records and the train config."""
-        self._round_global = arrays
-        clients = self.select_clients(server_round)
-        self.replies.record_selected(server_round, clients)
+        clients = self._begin_round(server_round, arrays)
         content = RecordDict(dict(self.records_for_clients(server_round, arrays)))
         content[keys.CONFIG] = self.train_config(server_round, config)
         return Broadcast(content, [c.node_id for c in clients], MessageType.TRAIN)

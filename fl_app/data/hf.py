@@ -142,9 +142,14 @@ def fingerprint(source: HFSource) -> str:
         files = sorted(p for p in local.parent.glob(local.name) if p.is_file())
     digest = hashlib.sha256(str(local.resolve()).encode())
     for file in files:
-        stat = file.stat()
-        digest.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}\n".encode())
+        digest.update(f"{file_stamp(file)}\n".encode())
     return f"local:{digest.hexdigest()}"
+
+
+def file_stamp(file: Path) -> str:
+    """A file's resolved path, size and modification time: what tells a changed file from its cache."""
+    stat = file.stat()
+    return f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
 def cache_key(source: HFSource) -> str:
@@ -368,16 +373,19 @@ def open_split(source: HFSource, split: str, *, key: str) -> Any:
             ) from None
         return pick_split(loaded, split, key=key, where=source.path)
     if looks_like_a_path(source.path):  # a path, not a hub name: the hub is no answer
-        what = "matches no file" if any(ch in source.path for ch in "*?[") else "does not exist"
-        raise DataNotFoundError(
-            f"dataset.path={source.path!r}: {Path(source.path).expanduser()} {what}; {LOCAL_FORMS}"
-        )
+        raise missing_path(source.path, LOCAL_FORMS)
     return hub_split(source, split, key=key)
 
 
 def looks_like_a_path(path: str) -> bool:
     """Whether ``path`` is written as a file system path (``/``, ``./``, ``../``, ``~``), not a hub name."""
     return path.startswith(("/", "./", "../", "~"))
+
+
+def missing_path(path: str, forms: str) -> DataNotFoundError:
+    """The one line for a ``dataset.path`` written as a path that names nothing; ``forms``: what it may be."""
+    what = "matches no file" if any(ch in path for ch in "*?[") else "does not exist"
+    return DataNotFoundError(f"dataset.path={path!r}: {Path(path).expanduser()} {what}; {forms}")
 
 
 def hub_split(source: HFSource, split: str, *, key: str) -> Any:

@@ -47,7 +47,7 @@ from typing import Any, BinaryIO, overload
 import numpy as np
 
 from fl_app.data.examples import DEFAULT_USER_COLUMNS, ClientDataset
-from fl_app.data.hf import fingerprint
+from fl_app.data.hf import file_stamp, fingerprint
 from fl_app.data.natural import draw_client_users
 from fl_app.data.sources import ArrayDataset, DataFileError, DataNotFoundError, data_home
 from fl_app.data.text_sources import TextSource, UserTexts, open_reader, test_split_of
@@ -81,9 +81,7 @@ def file_fingerprint(path: str | None) -> str | None:
     """The vocabulary file's name, size and modification time (None: no file named)."""
     if path is None:
         return None
-    file = Path(path).expanduser()
-    stat = file.stat()
-    return f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return file_stamp(Path(path).expanduser())
 
 
 def cache_key(source: TextSource) -> str:

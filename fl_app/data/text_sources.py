@@ -32,6 +32,7 @@ from fl_app.data.hf import (
     column_error,
     describe_feature,
     looks_like_a_path,
+    missing_path,
     open_split,
     quiet_datasets,
 )
@@ -217,9 +218,7 @@ class DatasetsReader:
 
         local = self.source.local_path()
         if local is None and looks_like_a_path(self.source.path):
-            what = "matches no file" if any(ch in self.source.path for ch in "*?[") else "does not exist"
-            where = Path(self.source.path).expanduser()
-            raise DataNotFoundError(f"dataset.path={self.source.path!r}: {where} {what}; {TEXT_FORMS}")
+            raise missing_path(self.source.path, TEXT_FORMS)
         if not self.single_file or local is None:
             return open_split(self.source.as_hf(), split, key=key)
         if split != self.source.split:

@@ -60,7 +60,7 @@ def answer(message: Message, context: Context) -> Message:
     summand = summand_of(packing)
     if packing is None or config is None or summand is None:
         raise ValueError("not a bulk message: it needs a config and a packed record naming a summand")
-    share = Share.of(message, packing, config)
+    share = Share(message, packing, config)
     total = share.sum_terms(summand)
     content = RecordDict(total.records())
     content[keys.PACKED_FAILURES] = ConfigRecord(share.failed)
@@ -97,20 +97,10 @@ class Share:
         self.first_block = int(packing[BLOCK_INDEX])  # type: ignore[arg-type]
         self.server_round = int(config.get(keys.SERVER_ROUND, 0))
         self.seed = int(config.get(keys.SEED, 0))
-        self.sgd = LocalSGD(
-            epochs=int(config[keys.LOCAL_EPOCHS]),
-            batch_size=int(config[keys.BATCH_SIZE]),
-            lr=float(config[keys.LR]),
-            momentum=float(config.get(keys.MOMENTUM, 0.0)),
-        )
+        self.sgd = LocalSGD.from_config(config)
         self.failed: dict[str, list[Any]] = {NODES: [], "codes": [], "reasons": [], "tracebacks": []}
         self.weighed = {"upload-bytes": 0, "upload-array-bytes": 0, "replies": 0}
         self._sizes: dict[int, tuple[int, int]] = {}
-
-    @classmethod
-    def of(cls, message: Message, packing: ConfigRecord, config: ConfigRecord) -> Share:
-        """The share a bulk message carries."""
-        return cls(message, packing, config)
 
     def sum_terms(self, summand: Summand) -> PartialSum:
         """The members' terms summed in blocks of :data:`BLOCK` (client order), the blocks in order.

@@ -9,17 +9,23 @@ model allows it; a model it refuses trains member by member).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from fl_app import keys
 from fl_app.engine.vectorised_training import plan_for_clients, train_vectorised
 from fl_app.learning.orders import client_seed, example_orders
-from fl_app.learning.training import has_dropout, load_arrays, model_parameters, model_state, train_local
+from fl_app.learning.training import (
+    has_dropout,
+    load_arrays,
+    model_parameters,
+    model_state,
+    threads_as_environment_says,
+    train_local,
+    training_device,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -38,29 +44,21 @@ def train_stacked(share: Share, members: Members) -> tuple[dict[str, np.ndarray]
     """
     if not bool(share.config.get(keys.VECTORISE, False)) or len(members.live) < 2:
         return None
-    _threads()
+    threads_as_environment_says()
     return _vectorised(share, _model(share), members)
 
 
 def train_one_by_one(share: Share, members: Members) -> Iterator[Trained]:
     """Each live member trained on this process's model in turn; yield its index, state (views) and loss."""
-    _threads()
+    threads_as_environment_says()
     yield from _one_by_one(share, _model(share), members)
-
-
-def _threads() -> None:
-    """Torch's threads as ``OMP_NUM_THREADS`` says (the engine's workers set it per client process)."""
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
-    if threads > 0 and torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
 
 
 def _model(share: Share) -> nn.Module:
     """The round's network (this process's instance), on the device the train config asks for."""
     from clients.base import process_model
 
-    wanted = str(share.config.get(keys.DEVICE, "cpu")) == "cuda" and torch.cuda.is_available()
-    return process_model(str(share.config[keys.MODEL_SPEC]), torch.device("cuda" if wanted else "cpu"))
+    return process_model(str(share.config[keys.MODEL_SPEC]), training_device(share.config))
 
 
 def _one_by_one(share: Share, model: nn.Module, members: Members) -> Iterator[Trained]:

@@ -6,8 +6,10 @@ import ast
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,6 +17,7 @@ from flwr.app import Array, ArrayRecord
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - the conventional name
 
+from fl_app import keys
 from fl_app.learning.optim import SGD
 from fl_app.learning.sequence import evaluate_next_token, next_token_task, token_tensor
 
@@ -319,6 +322,16 @@ class LocalSGD:
     proximal_mu: float = 0.0
     correction: Mapping[str, np.ndarray] | None = field(default=None, compare=False)
 
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> LocalSGD:
+        """The SGD a train config asks for (its local epochs, batch, lr and momentum)."""
+        return cls(
+            epochs=int(config[keys.LOCAL_EPOCHS]),
+            batch_size=int(config[keys.BATCH_SIZE]),
+            lr=float(config[keys.LR]),
+            momentum=float(config.get(keys.MOMENTUM, 0.0)),
+        )
+
     def same_as(self, other: LocalSGD) -> bool:
         """Whether ``other`` trains exactly the same way (the correction compared value by value)."""
         if self != other or (self.correction is None) != (other.correction is None):
@@ -506,6 +519,19 @@ def evaluate(
         loss_sum += float(F.cross_entropy(logits, batch_targets, reduction="sum"))
         correct += int((logits.argmax(dim=1) == batch_targets).sum())
     return loss_sum / len(y), correct / len(y)
+
+
+def threads_as_environment_says() -> None:
+    """Torch's threads as ``OMP_NUM_THREADS`` says, when it is set (the engine sets it per worker)."""
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if threads > 0 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def training_device(config: Mapping[str, Any], *, may_use_gpu: bool = True) -> torch.device:
+    """Where a client trains: CUDA when the train config asks for it, it may and torch sees one."""
+    wanted = str(config.get(keys.DEVICE, "cpu")) == "cuda"
+    return torch.device("cuda" if wanted and may_use_gpu and torch.cuda.is_available() else "cpu")
 
 
 def torch_seed(rng: np.random.Generator) -> int:

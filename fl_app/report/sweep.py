@@ -49,6 +49,7 @@ from omegaconf import OmegaConf
 
 from fl_app.config.fingerprint import canonical_number
 from fl_app.config.settings import cohort_size
+from fl_app.report.tracking_common import flatten
 from fl_app.run.code_version import describe as describe_code
 from fl_app.run.lifecycle import (  # keeps COMPLETED unless --all
     COMPLETED_STATUSES,
@@ -209,18 +210,6 @@ def canonical(flat: dict[str, Any]) -> dict[str, Any]:
     per_round, clients = flat.get("clients_per_round"), flat.get("num_clients")
     if isinstance(per_round, int | float) and isinstance(clients, int) and not isinstance(per_round, bool):
         out["clients_per_round"] = float(cohort_size(per_round, clients))
-    return out
-
-
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{name}."))
-        else:
-            out[name] = value
     return out
 
 

@@ -19,12 +19,10 @@ from fl_app import keys
 from fl_app.config.compose import compose_config
 from fl_app.config.validation import typed_settings
 from fl_app.data.federated import federated_data
-from fl_app.learning.model_spec import ModelSpec
 from fl_app.privacy.rng import RandomSource
 from fl_app.run.context import RunContext
 from fl_app.run.roster import ClientInfo
-from fl_app.run.server import noise_source
-from strategies import STRATEGIES
+from fl_app.run.server import noise_source, run_model_spec
 from strategies.arrays import flat_vector, split_vector
 
 
@@ -39,13 +37,7 @@ def run_context_for(overrides: Sequence[str], output_dir: Path) -> RunContext:
     settings = typed_settings(compose_config(list(overrides)))
     data = federated_data(settings.data)
     roster = [ClientInfo(i, 1000 + i, size) for i, size in enumerate(data.client_sizes())]
-    declaration = STRATEGIES.get(settings.strategy).declaration
-    model_spec = ModelSpec(
-        declaration.model_name(settings, data.input_shape, data.num_classes),
-        data.input_shape,
-        data.num_classes,
-        data.uncounted_targets,
-    )
+    model_spec = run_model_spec(settings, data)
     return RunContext(
         settings=settings,
         roster=roster,

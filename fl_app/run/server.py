@@ -318,6 +318,14 @@ class Prepared:
     y_test: np.ndarray
 
 
+def run_model_spec(settings: RunSettings, data: Any) -> ModelSpec:
+    """The run's network as the clients build it: the algorithm's choice of model for the data."""
+    name = STRATEGIES.get(settings.strategy).declaration.model_name(
+        settings, data.input_shape, data.num_classes
+    )
+    return ModelSpec(name, data.input_shape, data.num_classes, data.uncounted_targets)
+
+
 def prepare(
     grid: Grid, settings: RunSettings, output_dir: Path, overrides: list[str], published: PublishedLogFilter
 ) -> Prepared:
@@ -328,12 +336,7 @@ def prepare(
     data = federated_data(settings.data)
     mark("data")
     declaration = STRATEGIES.get(settings.strategy).declaration
-    model_spec = ModelSpec(
-        declaration.model_name(settings, data.input_shape, data.num_classes),
-        data.input_shape,
-        data.num_classes,
-        data.uncounted_targets,
-    )
+    model_spec = run_model_spec(settings, data)
     metered = MeteredGrid(grid)
     roster, setup_bytes = federation(metered, grid, settings, data)
     settings = effective_settings(settings, roster)

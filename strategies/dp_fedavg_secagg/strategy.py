@@ -265,9 +265,7 @@ class DPFedAvgSecAggStrategy(PrivateStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """SecAgg+'s setup and key sharing with the cohort; then the collect stage's train messages."""
-        self._round_global = arrays
-        clients = self.select_clients(server_round)
-        self.replies.record_selected(server_round, clients)
+        clients = self._begin_round(server_round, arrays)
         settings = self.settings
         shares = min(settings.shares, len(clients))
         if shares < len(clients) and shares % 2 == 0:

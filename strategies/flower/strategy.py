@@ -144,9 +144,7 @@ class FlowerStrategy(PrivateStrategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         """The cohort and train config dpfl draws; the Flower strategy's messages."""
-        self._round_global = arrays
-        clients = self.select_clients(server_round)
-        self.replies.record_selected(server_round, clients)
+        clients = self._begin_round(server_round, arrays)
         return self.flower.configure(
             server_round,
             self.records_for_clients(server_round, arrays)[keys.ARRAYS],
