@@ -60,7 +60,7 @@ def charge_every_round(strategy: Any, rounds: int) -> None:
     """Charge each round to the strategy's accountant with its own ``_record_release``, as the run does.
 
     DP-BandMF charges every member of the round's group (at Stack Overflow's population, 342,477
-    clients a round: minutes of bookkeeping for a schedule of 2,048 rounds). Its members are charged
+    clients a round: minutes of bookkeeping for a schedule of 2,052 rounds). Its members are charged
     alike, so here its groups are cut to their first member and the accountant holds those: each is
     charged what every member of its group is, and the worst of them is the run's worst client.
     """
