@@ -27,6 +27,7 @@ from fl_app.client_app import app
 from fl_app.engine import packed
 from fl_app.engine.batching import run_jobs
 from fl_app.engine.messages import Broadcast, set_message_id
+from fl_app.learning import sums
 from fl_app.learning.sums import (
     BLOCK,
     ClippedUpdate,
@@ -204,12 +205,17 @@ def random_stacked(rows: int, seed: int) -> tuple[Stacked, ArrayRecord]:
     return stacked, like
 
 
+@pytest.mark.parametrize("chunk_bytes", [sums.CHUNK_BYTES, 8 * 16 * 3], ids=["one-chunk", "chunks-of-3"])
 @pytest.mark.parametrize("summand", [ClippedUpdate(clip=1.5), WeightedModel(weighting="num_examples"),
                                      WeightedModel(weighting="uniform")],
                          ids=["clipped", "weighted", "uniform"])  # fmt: skip
-def test_stacked_terms_equal_the_per_client_terms(summand: Any) -> None:
+def test_stacked_terms_equal_the_per_client_terms(
+    summand: Any, chunk_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``add_stacked`` against ``add_to`` per client, block by block (``Summand``'s own ``add_stacked``,
-    which adds the rows one by one): sums, scalars, per-member norms."""
+    which adds the rows one by one): sums, scalars, per-member norms; in one chunk of rows and in
+    chunks of 3 rows (the last one shorter), whose buffers are reused."""
+    monkeypatch.setattr(sums, "CHUNK_BYTES", chunk_bytes)
     stacked, like = random_stacked(13, seed=4)
     fast = PartialSum.zeros_like(like, summand.to_config())
     summand.add_stacked(fast, stacked, like)

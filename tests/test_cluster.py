@@ -37,8 +37,8 @@ class KillAfterRoundOne(importlib.abc.MetaPathFinder):
             run_module(module)
             save = module.save_checkpoint
 
-            def save_then_die(output_dir, checkpoint, run):
-                saved = save(output_dir, checkpoint, run)
+            def save_then_die(output_dir, checkpoint, run, writer=None):
+                saved = save(output_dir, checkpoint, run)  # written before it returns: then the kill
                 marker = Path(os.environ["DPFL_KILL_MARKER"])
                 mine = Path(output_dir).name == os.environ["DPFL_KILL_JOB"]
                 if mine and checkpoint.completed_round == 1 and not marker.exists():

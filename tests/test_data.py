@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from fl_app.data import PARTITION_SCHEMES, partition_cache, sources
+from fl_app.data.examples import concatenated_ranges
 from fl_app.data.federated import DataSpec, FederatedData, build_federated_data, federated_data
 from fl_app.data.local import load_local_dataset
 from fl_app.data.partition import partition_rows, split_public
@@ -159,6 +160,21 @@ def test_public_split_and_partitions_cover_disjoint_rows():
     assert min(data.client_sizes()) >= 2
     again = build_federated_data(spec)
     assert all(np.array_equal(a, b) for a, b in zip(data.client_rows, again.client_rows, strict=True))
+    chosen = [5, 0, 5, 3]  # any order, a client twice
+    rows, sizes = data.rows_of(chosen)
+    np.testing.assert_array_equal(rows, np.concatenate([data.client_rows[c] for c in chosen]))
+    assert sizes.tolist() == [len(data.client_rows[c]) for c in chosen]
+    assert data.rows_of([])[0].shape == (0,)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_concatenated_ranges_are_the_ranges_one_after_another(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    starts, sizes = rng.integers(0, 1000, 30), rng.integers(0, 6, 30)  # empty ranges among them
+    expected = np.concatenate([np.arange(a, a + n) for a, n in zip(starts, sizes, strict=True)])
+    got = concatenated_ranges(starts, sizes)
+    assert got.dtype == np.int64
+    np.testing.assert_array_equal(got, expected)
 
 
 def test_dirichlet_skews_labels_and_iid_does_not():

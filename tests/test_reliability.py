@@ -480,9 +480,11 @@ def test_a_round_that_breaks_the_failure_rule_is_neither_recorded_nor_checkpoint
         strategy, Grid(), recorder, test.x, test.y, num_rounds=3, every=1, max_failure_fraction=0.5
     )
     reporter(1, arrays)
+    reporter.checkpointer.settle()  # written while the next round runs: wait for it
     assert read_header(run.output_dir)["completed_round"] == 1
     with pytest.raises(RunFailed, match="3 of 4 clients failed"):
         reporter(2, arrays)
+    reporter.checkpointer.settle()
     assert read_header(run.output_dir)["completed_round"] == 1  # resume repeats round 2
     assert [r["round"] for r in recorder.rounds] == [1] and reporter.completed_round == 1
 

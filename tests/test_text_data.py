@@ -247,6 +247,9 @@ def test_clients_are_users_whole(tmp_path: Path) -> None:
         np.testing.assert_array_equal(got.y, rows[:, 1:])
         assert data.client_sizes()[client] == len(rows)
     assert len(set(data.client_users)) == 12
+    rows, sizes = data.rows_of([7, 2, 7])
+    np.testing.assert_array_equal(rows, np.concatenate([data.client_rows[c] for c in (7, 2, 7)]))
+    assert sizes.tolist() == [data.client_sizes()[c] for c in (7, 2, 7)]
     np.testing.assert_array_equal(data.test().x, np.asarray(corpus.test.tokens)[:, :-1])
 
 

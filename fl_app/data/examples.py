@@ -26,3 +26,14 @@ class ClientDataset:
 
     def __len__(self) -> int:
         return len(self.y)
+
+
+def concatenated_ranges(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``arange(starts[0], starts[0] + sizes[0])``, then the next range, ..., as one ``int64`` array.
+
+    Built in one pass (no array per range): the rows of many clients stored as ranges of one array.
+    """
+    starts, sizes = np.asarray(starts, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
+    ends = np.cumsum(sizes)
+    total = int(ends[-1]) if len(ends) else 0
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - sizes), sizes)

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fl_app.data.examples import DEFAULT_USER_COLUMNS, TEXT_DATASETS, ClientDataset
+from fl_app.data.examples import DEFAULT_USER_COLUMNS, TEXT_DATASETS, ClientDataset, concatenated_ranges
 from fl_app.data.hf import HFSource, load_hf_dataset
 from fl_app.data.natural import natural_split
 from fl_app.data.partition_cache import load_rows, partition_key, store_rows
@@ -134,6 +134,19 @@ class FederatedData:
         """Return the labelled examples of client ``partition_id``."""
         rows = self.client_rows[partition_id]
         return ClientDataset(self.arrays.x_train[rows], self.arrays.y_train[rows])
+
+    def rows_of(self, partitions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The training rows of ``partitions``, one client's after another's, and each client's count."""
+        flat, starts, sizes = self._stored_rows
+        chosen = np.asarray(partitions, dtype=np.int64)
+        return flat[concatenated_ranges(starts[chosen], sizes[chosen])], sizes[chosen]
+
+    @functools.cached_property
+    def _stored_rows(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every client's rows in one array, where each client's start and its count (built once)."""
+        sizes = np.asarray([len(rows) for rows in self.client_rows], dtype=np.int64)
+        flat = np.concatenate(self.client_rows) if self.client_rows else np.zeros(0, dtype=np.int64)
+        return flat.astype(np.int64, copy=False), np.cumsum(sizes) - sizes, sizes
 
     @property
     def natural(self) -> bool:

@@ -46,7 +46,7 @@ from typing import Any, BinaryIO, overload
 
 import numpy as np
 
-from fl_app.data.examples import DEFAULT_USER_COLUMNS, ClientDataset
+from fl_app.data.examples import DEFAULT_USER_COLUMNS, ClientDataset, concatenated_ranges
 from fl_app.data.hf import file_stamp, fingerprint
 from fl_app.data.natural import draw_client_users
 from fl_app.data.sources import ArrayDataset, DataFileError, DataNotFoundError, data_home
@@ -453,6 +453,13 @@ class TextData:
     def client_rows(self) -> ClientRows:
         """Each client's rows of the training split (computed when asked: no list of every client's rows)."""
         return ClientRows(self.corpus.train.offsets, self.client_users)
+
+    def rows_of(self, partitions: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """The training rows of ``partitions``' users, one client's after another's, and each one's count."""
+        users = self.client_users[np.asarray(partitions, dtype=np.int64)]
+        offsets = self.corpus.train.offsets
+        starts, sizes = offsets[users], offsets[users + 1] - offsets[users]
+        return concatenated_ranges(starts, sizes), sizes.astype(np.int64)
 
     def client_sizes(self) -> list[int]:
         """Number of sequences of every client."""

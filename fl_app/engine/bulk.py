@@ -108,7 +108,7 @@ class Share:
         A member's block is its position in the share // BLOCK (failed members keep their place), as
         the server assigns a round's cohort to blocks (:func:`fl_app.learning.sums.blocks_of`). Members
         trained one by one add their terms one by one (the plain messages' sums, bit for bit); members
-        trained as one computation add their stacked results block by block (to float tolerance).
+        trained as one computation add their stacked results in chunks of rows (to float tolerance).
         """
         from fl_app.engine.bulk_training import train_one_by_one, train_stacked
 
@@ -189,10 +189,10 @@ class Share:
     def _gathered(self, live: list[int]) -> Members:
         """The live members' examples, gathered in one indexing of the process's data set."""
         federated = federated_data_of(str(self.config[keys.DATA_SPEC]))
-        rows = [federated.client_rows[self.partitions[index]] for index in live]
-        everything = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
-        ends = np.cumsum([len(r) for r in rows], dtype=np.int64)
-        x, y = federated.arrays.x_train[everything], federated.arrays.y_train[everything]
+        rows, sizes = federated.rows_of([self.partitions[index] for index in live])
+        ends = np.cumsum(sizes, dtype=np.int64)
+        arrays = federated.arrays
+        x, y = np.take(arrays.x_train, rows, axis=0), np.take(arrays.y_train, rows, axis=0)
         return Members(live, ConcatenatedRows(x, ends), ConcatenatedRows(y, ends))
 
     def _fail(self, node: int, error: Exception) -> None:

@@ -22,7 +22,7 @@ sum bit for bit.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -185,10 +185,31 @@ class Stacked:
     losses: np.ndarray
     blocks: np.ndarray
 
-    def block_rows(self) -> list[slice]:
-        """The rows of each block, in block order (contiguous: the rows are in client order)."""
-        starts = np.flatnonzero(np.r_[True, self.blocks[1:] != self.blocks[:-1]]).tolist()
-        return [slice(a, b) for a, b in zip(starts, [*starts[1:], len(self.blocks)], strict=True)]
+
+#: Bytes of float64 rows :func:`float64_chunks` converts at a time (about a core's L2 cache).
+CHUNK_BYTES = 2 << 20
+
+
+def float64_chunks(arrays: Mapping[str, np.ndarray]) -> Iterator[tuple[slice, dict[str, np.ndarray]]]:
+    """Rows of stacked ``arrays`` (``[rows, *shape]`` each) in float64, about :data:`CHUNK_BYTES` at a time.
+
+    Yields each chunk's rows and the arrays' rows converted into buffers that are reused for the
+    next chunk (read them before the next one is yielded; a caller may change them in place). A
+    converted copy of the whole stack would be written to memory and read back; a chunk stays in
+    the cache.
+    """
+    if not arrays:
+        return
+    rows = len(next(iter(arrays.values())))
+    width = sum(int(np.prod(values.shape[1:])) for values in arrays.values())
+    step = max(1, CHUNK_BYTES // (8 * max(width, 1)))
+    buffers = {name: np.empty((min(step, rows), *values.shape[1:])) for name, values in arrays.items()}
+    for start in range(0, rows, step):
+        stop = min(start + step, rows)
+        chunk = {name: buffers[name][: stop - start] for name in arrays}
+        for name, values in arrays.items():
+            np.copyto(chunk[name], values[start:stop])
+        yield slice(start, stop), chunk
 
 
 class Summand:
@@ -213,9 +234,9 @@ class Summand:
     def add_stacked(self, total: PartialSum, stacked: Stacked, global_arrays: ArrayRecord) -> None:
         """Add the terms of several clients whose results are stacked (one row per client, in order).
 
-        The same terms as :meth:`add_to` per client, each block of the cohort summed as one vectorised
-        computation and the blocks added in order (float64; equal to the per-client sums to float
-        tolerance). The default adds them one by one, each block from zero.
+        The same terms as :meth:`add_to` per client, summed in float64 a cache-sized chunk of rows at
+        a time (:func:`float64_chunks`; equal to the per-client sums to float tolerance). The default
+        adds them one by one, each block of the cohort from zero.
         """
         for block in np.unique(stacked.blocks):
             part = PartialSum.zeros_like(global_arrays, total.summand)
@@ -272,9 +293,9 @@ class WeightedModel(Summand):
         """``sum_k weight_k w_k`` as one product per array, and the scalars' sums."""
         examples = stacked.examples.astype(np.float64)
         weights = np.ones_like(examples) if self.weighting == "uniform" else examples
-        for rows in stacked.block_rows():  # each block's weighted sum in float64, the blocks in order
-            for name, values in stacked.arrays.items():
-                total.arrays[name] += np.tensordot(weights[rows], values[rows].astype(np.float64), axes=1)
+        for rows, chunk in float64_chunks(stacked.arrays):
+            for name, values in chunk.items():
+                total.arrays[name] += np.tensordot(weights[rows], values, axes=1)
         _add_members(
             total, stacked.nodes, weight=weights, examples=examples, example_loss=examples * stacked.losses
         )
@@ -323,17 +344,16 @@ class ClippedUpdate(Summand):
         """Every row's update, its norm over all arrays, ``min(1, C / norm)``, the scaled updates' sum."""
         start = self.start(global_arrays)
         norms = []
-        for rows in stacked.block_rows():  # a block's updates at a time: [16, model] in float64
-            updates = {
-                name: values[rows].astype(np.float64) - start[name] for name, values in stacked.arrays.items()
-            }
+        for _, updates in float64_chunks(stacked.arrays):
+            for name, update in updates.items():
+                update -= start[name]
             squares = sum(np.square(u).reshape(len(u), -1).sum(axis=1) for u in updates.values())
-            block_norms = np.sqrt(np.asarray(squares, dtype=np.float64))
-            safe = np.where(block_norms > 0, block_norms, 1.0)
-            scales = np.where(block_norms > 0, np.minimum(1.0, self.clip / safe), 1.0)
+            chunk_norms = np.sqrt(np.asarray(squares, dtype=np.float64))
+            safe = np.where(chunk_norms > 0, chunk_norms, 1.0)
+            scales = np.where(chunk_norms > 0, np.minimum(1.0, self.clip / safe), 1.0)
             for name, update in updates.items():
                 total.arrays[name] += np.tensordot(scales, update, axes=1)
-            norms.append(block_norms)
+            norms.append(chunk_norms)
         _add_members(
             total, stacked.nodes, norm=np.concatenate(norms) if norms else np.zeros(0), per_member=True
         )

@@ -21,21 +21,28 @@ result to publish: the report, tensorboard and the benchmark exports read named 
 the interrupt line says what it holds, and it is removed when a private run completes (such a run
 cannot be extended: see :func:`fl_app.run.resume.validate_resume`). A run of an earlier version wrote
 ``checkpoint.pkl`` (:data:`LEGACY_FILE`), which is still read.
+
+A run pickles each round's checkpoint when the round ends and writes it (with ``fsync``) on a
+background thread while the next round runs (:class:`CheckpointWriter`): one write at a time, each
+round's after the previous one's. A process killed during a write keeps the previous round's
+checkpoint; a failed write (a full disk) ends the run at the next round's checkpoint or at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from flwr.app import Array, ArrayRecord
 
 from fl_app.run.context import RunContext
-from fl_app.run.files import write_atomically
+from fl_app.run.files import WriteFailed, write_atomically, write_failed
 from fl_app.run.roster import ClientInfo
 
 CHECKPOINT_FILE = "private_server_state.pkl"
@@ -123,9 +130,13 @@ def restore_rng_states(states: dict[str, Any]) -> None:
         torch.set_rng_state(states["torch"])
 
 
-def save_checkpoint(output_dir: Path, checkpoint: Checkpoint, run: RunContext) -> Path:
+def save_checkpoint(
+    output_dir: Path, checkpoint: Checkpoint, run: RunContext, *, writer: CheckpointWriter | None = None
+) -> Path:
     """Write the checkpoint atomically, readable by its owner only; return its path.
 
+    With a ``writer`` the checkpoint is pickled now and written on the writer's thread
+    (:meth:`CheckpointWriter.settle` waits for it); without one it is written before this returns.
     When the write fails (a full disk) the previous checkpoint stays and
     :class:`~fl_app.run.files.WriteFailed` ends the run with one line.
 
@@ -140,10 +151,67 @@ def save_checkpoint(output_dir: Path, checkpoint: Checkpoint, run: RunContext) -
     if keep is not None:
         content["strategy"] = keep()
     _Pickler(stream, run).dump(content)
-    path = output_dir / CHECKPOINT_FILE
-    write_atomically(path, stream.getvalue(), mode=FILE_MODE, sync=True)  # a full disk: WriteFailed
-    (output_dir / LEGACY_FILE).unlink(missing_ok=True)  # a resumed run of an earlier version
-    return path
+    own = writer or CheckpointWriter()
+    own.write(output_dir, stream.getvalue())
+    if writer is None:
+        own.settle()
+    return output_dir / CHECKPOINT_FILE
+
+
+class CheckpointWriter:
+    """Writes a run's checkpoints on a background thread, one at a time and in order.
+
+    :meth:`write` first waits for the write before it (and raises its failure), so a round's
+    checkpoint is written while the next round runs and never overtakes the previous one.
+    """
+
+    #: Every writer with a write in flight (what :meth:`settle_all` waits for).
+    _busy: ClassVar[set[CheckpointWriter]] = set()
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._failure: WriteFailed | None = None
+
+    def write(self, output_dir: Path, data: bytes) -> None:
+        """Start writing ``data`` as ``output_dir``'s checkpoint, once the previous write is done."""
+        self.settle()
+        self._thread = threading.Thread(
+            target=self._write, args=(output_dir, data), name="dpfl-checkpoint", daemon=False
+        )
+        CheckpointWriter._busy.add(self)
+        self._thread.start()
+
+    def settle(self) -> None:
+        """Wait for the write in flight; raise its :class:`~fl_app.run.files.WriteFailed` if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        CheckpointWriter._busy.discard(self)
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
+
+    @classmethod
+    def settle_all(cls) -> None:
+        """Wait for every writer's write in flight (the first failure raised after all are done)."""
+        failures = []
+        for writer in list(cls._busy):
+            try:
+                writer.settle()
+            except WriteFailed as failure:
+                failures.append(failure)
+        if failures:
+            raise failures[0]
+
+    def _write(self, output_dir: Path, data: bytes) -> None:
+        path = output_dir / CHECKPOINT_FILE
+        try:
+            write_atomically(path, data, mode=FILE_MODE, sync=True)
+            (output_dir / LEGACY_FILE).unlink(missing_ok=True)  # a resumed run of an earlier version
+        except WriteFailed as failure:  # a full disk: raised by the next settle
+            self._failure = failure
+        except OSError as error:
+            self._failure = write_failed(output_dir / LEGACY_FILE, error)
 
 
 def state_path(output_dir: Path) -> Path:
@@ -183,6 +251,8 @@ def load_checkpoint(output_dir: Path, run: RunContext) -> Checkpoint:
 
 
 def remove_checkpoint(output_dir: Path) -> None:
-    """Delete the checkpoint of a completed run."""
+    """Delete the checkpoint of a completed run (after any write of it in flight)."""
+    with contextlib.suppress(WriteFailed):  # the file goes anyway
+        CheckpointWriter.settle_all()
     (output_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
     (output_dir / LEGACY_FILE).unlink(missing_ok=True)

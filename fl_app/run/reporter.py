@@ -10,6 +10,7 @@ completed round) and the results' :class:`~fl_app.run.results.RunRecorder`.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from logging import INFO
 from typing import Any
@@ -20,7 +21,7 @@ from flwr.common import log
 
 from fl_app.engine.client_states import ClientStates
 from fl_app.engine.metering import MeteredGrid
-from fl_app.run.checkpoint import Checkpoint, rng_states, save_checkpoint
+from fl_app.run.checkpoint import Checkpoint, CheckpointWriter, rng_states, save_checkpoint
 from fl_app.run.log import withheld_from_file
 from fl_app.run.results import RunRecorder, write_json
 from fl_app.run.round_loop import check_round
@@ -102,21 +103,22 @@ class ClientTally:
     """Per client: the rounds it was selected for and failed in (never published)."""
 
     def __init__(self) -> None:
-        #: Client id -> [rounds it was selected for, rounds it failed in], over this session's rounds
-        #: (a resumed run counts from its resume on).
-        self.client_rounds: dict[int, list[int]] = {}
+        #: Client id -> rounds it was selected for / failed in, over this session's rounds (a resumed
+        #: run counts from its resume on).
+        self.selected: Counter[int] = Counter()
+        self.failed: Counter[int] = Counter()
 
     def tally(self, selected: Sequence[int], failed: Sequence[int]) -> None:
         """Count a round for each selected client, and a failure for each failed one."""
-        for client in selected:
-            counts = self.client_rounds.setdefault(client, [0, 0])
-            counts[0] += 1
-            counts[1] += client in failed
+        self.selected.update(selected)
+        self.failed.update(failed)
 
     def never_contributed(self) -> list[int]:
         """Clients selected in :data:`SILENT_ROUNDS` rounds or more that failed in every one of them."""
-        counts = self.client_rounds.items()
-        return sorted(c for c, (rounds, failed) in counts if rounds >= SILENT_ROUNDS and failed == rounds)
+        silent = (
+            c for c, rounds in self.selected.items() if rounds >= SILENT_ROUNDS and self.failed[c] == rounds
+        )
+        return sorted(silent)
 
 
 class Checkpointer:
@@ -140,9 +142,14 @@ class Checkpointer:
         self.client_states = client_states
         #: Why the run can never be resumed (then no checkpoint, the server's private state, is written).
         self.not_resumable: str | None = None
+        self.writer = CheckpointWriter()
 
     def save(self, server_round: int, arrays: ArrayRecord) -> None:
-        """The ledgers, then the checkpoint of ``server_round`` (a run that can be resumed)."""
+        """The ledgers, then the checkpoint of ``server_round`` (a run that can be resumed).
+
+        The checkpoint is written while the next round runs
+        (:class:`~fl_app.run.checkpoint.CheckpointWriter`).
+        """
         run = self.strategy.run
         for name, ledger in self.strategy.ledgers().items():
             write_json(run.output_dir / name, ledger)
@@ -161,7 +168,11 @@ class Checkpointer:
             rng=rng_states(),
             client_states=self.client_states,
         )
-        save_checkpoint(run.output_dir, checkpoint, run)
+        save_checkpoint(run.output_dir, checkpoint, run, writer=self.writer)
+
+    def settle(self) -> None:
+        """Wait until the last checkpoint is written (``WriteFailed``: it could not be)."""
+        self.writer.settle()
 
 
 class RoundReporter:
@@ -217,6 +228,7 @@ class RoundReporter:
         """Called before round 1 (round 0), then after every round (by the round loop)."""
         if server_round == 0:
             return self.initial(arrays)
+        self.checkpointer.settle()  # the last round's checkpoint written before this round counts
         report = self.strategy.report_round(server_round)
         self.check(server_round, report)
         loss, accuracy = self.evaluate(server_round, arrays)

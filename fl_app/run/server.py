@@ -44,7 +44,13 @@ from fl_app.learning.model_spec import ModelSpec
 from fl_app.privacy.canaries import HEADER_NOTE as CANARY_HEADER
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
 from fl_app.report.tracking import TrackedRun, make_tracker
-from fl_app.run.checkpoint import Checkpoint, load_checkpoint, remove_checkpoint, restore_rng_states
+from fl_app.run.checkpoint import (
+    Checkpoint,
+    CheckpointWriter,
+    load_checkpoint,
+    remove_checkpoint,
+    restore_rng_states,
+)
 from fl_app.run.context import RunContext, output_path
 from fl_app.run.files import WriteFailed, one_modification_time, write_failed
 from fl_app.run.lifecycle import (
@@ -279,6 +285,8 @@ def execute(
         before_first_round(as_requested_stop(stopped), settings, output_dir)
         return None
     finally:
+        with contextlib.suppress(WriteFailed):  # raised and reported where the run ended
+            CheckpointWriter.settle_all()  # no file of the run changes after this returns
         flower_logger.propagate = propagate
         flower_logger.removeHandler(handler)
         handler.close()
@@ -559,8 +567,13 @@ def play(prepared: Prepared) -> Ending:
             timeout=settings.simulation.timeout,
             after_round=reporter,
         )
+        reporter.checkpointer.settle()
     except RunStopped as stopped:
         stop = as_requested_stop(stopped)  # workers killed by the group's signal: still the stop
+        try:
+            reporter.checkpointer.settle()  # the last checkpoint on disk before a stop names it
+        except WriteFailed as failed:
+            stop = failed
         note_stop(prepared, str(stop))
         assert reporter.last_arrays is not None
         return Ending(stop.status, str(stop), stop.exit_code, reporter.last_arrays)
@@ -605,7 +618,7 @@ def finish(prepared: Prepared, ending: Ending) -> dict[str, Any] | None:
         remove_checkpoint(output_dir)  # a private run cannot be extended; keep no server secrets
     exit_code, reason = ending.exit_code, ending.reason
     if silent:  # every round ran, but some client's data never reached the model: the command exits 1
-        exit_code, reason = 1, silent_text(silent, prepared.reporter.clients.client_rounds)
+        exit_code, reason = 1, silent_text(silent, prepared.reporter.clients.selected)
     stopped = prepared.recorder.stopped or {}
     record_outcome(
         Outcome(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import sys
+from collections.abc import Mapping
 from logging import WARNING
 from pathlib import Path
 from typing import Any
@@ -59,9 +60,9 @@ def finished_line(results: dict[str, Any], privacy: str, output_dir: Path, failu
     )
 
 
-def silent_text(clients: list[int], client_rounds: dict[int, list[int]]) -> str:
+def silent_text(clients: list[int], selected: Mapping[int, int]) -> str:
     """Which clients failed in every round they were selected for (``ClientTally.never_contributed``)."""
-    shown = ", ".join(f"{c} ({client_rounds[c][0]} of {client_rounds[c][0]})" for c in clients[:5])
+    shown = ", ".join(f"{c} ({selected[c]} of {selected[c]})" for c in clients[:5])
     more = f" and {len(clients) - 5} more" if len(clients) > 5 else ""
     return (
         f"client {shown}{more} failed in every round it was selected for: its data never reached the "
