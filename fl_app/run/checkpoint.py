@@ -170,7 +170,7 @@ class CheckpointWriter:
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
-        self._failure: WriteFailed | None = None
+        self._failure: Exception | None = None
 
     def write(self, output_dir: Path, data: bytes) -> None:
         """Start writing ``data`` as ``output_dir``'s checkpoint, once the previous write is done."""
@@ -182,7 +182,7 @@ class CheckpointWriter:
         self._thread.start()
 
     def settle(self) -> None:
-        """Wait for the write in flight; raise its :class:`~fl_app.run.files.WriteFailed` if it failed."""
+        """Wait for the write in flight; raise its failure (``WriteFailed``: a full disk)."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -212,6 +212,8 @@ class CheckpointWriter:
             self._failure = failure
         except OSError as error:
             self._failure = write_failed(output_dir / LEGACY_FILE, error)
+        except Exception as error:  # a bug: raised where the run waits for the write, not lost here
+            self._failure = error
 
 
 def state_path(output_dir: Path) -> Path:
