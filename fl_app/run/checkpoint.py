@@ -30,13 +30,12 @@ checkpoint; a failed write (a full disk) ends the run at the next round's checkp
 
 from __future__ import annotations
 
-import contextlib
 import io
 import pickle
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from flwr.app import Array, ArrayRecord
@@ -151,11 +150,17 @@ def save_checkpoint(
     if keep is not None:
         content["strategy"] = keep()
     _Pickler(stream, run).dump(content)
-    own = writer or CheckpointWriter()
-    own.write(output_dir, stream.getvalue())
     if writer is None:
-        own.settle()
+        write_checkpoint(output_dir, stream.getvalue())
+    else:
+        writer.write(output_dir, stream.getvalue())
     return output_dir / CHECKPOINT_FILE
+
+
+def write_checkpoint(output_dir: Path, data: bytes) -> None:
+    """Write a pickled checkpoint atomically with ``fsync`` (a full disk: ``WriteFailed``)."""
+    write_atomically(output_dir / CHECKPOINT_FILE, data, mode=FILE_MODE, sync=True)
+    (output_dir / LEGACY_FILE).unlink(missing_ok=True)  # a resumed run of an earlier version
 
 
 class CheckpointWriter:
@@ -164,9 +169,6 @@ class CheckpointWriter:
     :meth:`write` first waits for the write before it (and raises its failure), so a round's
     checkpoint is written while the next round runs and never overtakes the previous one.
     """
-
-    #: Every writer with a write in flight (what :meth:`settle_all` waits for).
-    _busy: ClassVar[set[CheckpointWriter]] = set()
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
@@ -178,7 +180,6 @@ class CheckpointWriter:
         self._thread = threading.Thread(
             target=self._write, args=(output_dir, data), name="dpfl-checkpoint", daemon=False
         )
-        CheckpointWriter._busy.add(self)
         self._thread.start()
 
     def settle(self) -> None:
@@ -186,31 +187,16 @@ class CheckpointWriter:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        CheckpointWriter._busy.discard(self)
         failure, self._failure = self._failure, None
         if failure is not None:
             raise failure
 
-    @classmethod
-    def settle_all(cls) -> None:
-        """Wait for every writer's write in flight (the first failure raised after all are done)."""
-        failures = []
-        for writer in list(cls._busy):
-            try:
-                writer.settle()
-            except WriteFailed as failure:
-                failures.append(failure)
-        if failures:
-            raise failures[0]
-
     def _write(self, output_dir: Path, data: bytes) -> None:
-        path = output_dir / CHECKPOINT_FILE
         try:
-            write_atomically(path, data, mode=FILE_MODE, sync=True)
-            (output_dir / LEGACY_FILE).unlink(missing_ok=True)  # a resumed run of an earlier version
+            write_checkpoint(output_dir, data)
         except WriteFailed as failure:  # a full disk: raised by the next settle
             self._failure = failure
-        except OSError as error:
+        except OSError as error:  # the earlier version's file could not be removed
             self._failure = write_failed(output_dir / LEGACY_FILE, error)
         except Exception as error:  # a bug: raised where the run waits for the write, not lost here
             self._failure = error
@@ -253,8 +239,6 @@ def load_checkpoint(output_dir: Path, run: RunContext) -> Checkpoint:
 
 
 def remove_checkpoint(output_dir: Path) -> None:
-    """Delete the checkpoint of a completed run (after any write of it in flight)."""
-    with contextlib.suppress(WriteFailed):  # the file goes anyway
-        CheckpointWriter.settle_all()
+    """Delete the checkpoint of a completed run (its writer settled: no write of it in flight)."""
     (output_dir / CHECKPOINT_FILE).unlink(missing_ok=True)
     (output_dir / LEGACY_FILE).unlink(missing_ok=True)

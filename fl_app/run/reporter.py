@@ -111,7 +111,7 @@ class ClientTally:
     def tally(self, selected: Sequence[int], failed: Sequence[int]) -> None:
         """Count a round for each selected client, and a failure for each failed one."""
         self.selected.update(selected)
-        self.failed.update(failed)
+        self.failed.update(set(failed).intersection(selected))  # at most one failure a round
 
     def never_contributed(self) -> list[int]:
         """Clients selected in :data:`SILENT_ROUNDS` rounds or more that failed in every one of them."""

@@ -44,13 +44,7 @@ from fl_app.learning.model_spec import ModelSpec
 from fl_app.privacy.canaries import HEADER_NOTE as CANARY_HEADER
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
 from fl_app.report.tracking import TrackedRun, make_tracker
-from fl_app.run.checkpoint import (
-    Checkpoint,
-    CheckpointWriter,
-    load_checkpoint,
-    remove_checkpoint,
-    restore_rng_states,
-)
+from fl_app.run.checkpoint import Checkpoint, load_checkpoint, remove_checkpoint, restore_rng_states
 from fl_app.run.context import RunContext, output_path
 from fl_app.run.files import WriteFailed, one_modification_time, write_failed
 from fl_app.run.lifecycle import (
@@ -277,6 +271,7 @@ def execute(
     # something also configures the root logger (seen under `flwr run`: every line
     # again as "INFO:flwr:..."), so keep Flower's records off the root while we run.
     propagate, flower_logger.propagate = flower_logger.propagate, False
+    prepared: Prepared | None = None
     try:
         with console_filter(one_line_console):
             prepared = prepare(grid, settings, output_dir, list(overrides), published)
@@ -285,8 +280,9 @@ def execute(
         before_first_round(as_requested_stop(stopped), settings, output_dir)
         return None
     finally:
-        with contextlib.suppress(WriteFailed):  # raised and reported where the run ended
-            CheckpointWriter.settle_all()  # no file of the run changes after this returns
+        if prepared is not None:  # no file of the run changes after this returns
+            with contextlib.suppress(WriteFailed):  # raised and reported where the run ended
+                prepared.reporter.checkpointer.settle()
         flower_logger.propagate = propagate
         flower_logger.removeHandler(handler)
         handler.close()
