@@ -20,6 +20,10 @@ which wrote it from the runs' ``results.json`` files:
 * ``docs/benchmarks/startup.md``: ``python benchmarks/startup.py breakdown|sweep|population|commands ...``;
 * ``docs/benchmarks/pfl_research.md``: ``python -P benchmarks/pfl_compare.py table --out
   docs/benchmarks/pfl_research --write-doc``;
+* ``docs/benchmarks/pfl_crosscheck.md``: ``python -P benchmarks/pfl_crosscheck.py --full`` (its record
+  and plots kept in ``docs/benchmarks/pfl_crosscheck/``);
+* ``docs/benchmarks/pfl_privacy.md``: ``python -P benchmarks/pfl_privacy_check.py --write-doc``;
+* ``docs/benchmarks/published_numbers.md``: ``python -P benchmarks/published_numbers.py --write-doc``;
 * ``docs/benchmarks/distributed_dp.md``: ``python -P benchmarks/distributed_dp.py table --write-doc``;
 * ``docs/benchmarks/text.md``: ``python -P benchmarks/text_memory.py``, ``benchmarks/text_round.py`` and
   ``benchmarks/text_presets.py``;
@@ -88,7 +92,8 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
             (
                 "banded_mf",
                 "The central arms' earlier run, on an earlier commit, with the tuning of banded MF and the "
-                "arithmetic of its band choice.",
+                "arithmetic of its band choice; its noise state and checkpoint at the word LSTM's size "
+                "beside BLT's, and the accountant at Stack Overflow's population.",
             ),
             (
                 "distributed_dp",
@@ -130,6 +135,11 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
                 "Does the silhouette score of Laplace-protected softmax vectors follow the clear one, and "
                 "down to which epsilon.",
             ),
+            (
+                "blt",
+                "BLT-correlated DP-FTRL against jax_privacy 2.0.0: the optimised BLT's loss and max error, "
+                "its sensitivity, streaming noise and epsilon, in 10 settings up to so_blt's 2052 rounds.",
+            ),
         ),
     ),
     (
@@ -160,6 +170,24 @@ ORDER: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
                 "pfl_research",
                 "The same cross-device DP-FedAvg task in Apple's pfl-research and in dpfl, interleaved: "
                 "round time, whole command, accuracy, the calibrated noise.",
+            ),
+            (
+                "pfl_crosscheck",
+                "dpfl against pfl-research's own code on the field's tasks: the same Stack Overflow token "
+                "ids (and TFF's), networks, metric, epsilons, learning curves and the cost of a "
+                "language-model round.",
+            ),
+            (
+                "pfl_privacy",
+                "dpfl's accountant beside pfl-research's on DP-FedAvg, adaptive clipping and banded MF "
+                "(pfl's LM and image configurations), sampling as each code samples, and the large-cohort "
+                "convention (strategy.noise_cohort_size).",
+            ),
+            (
+                "published_numbers",
+                "The published numbers beside the text presets (DP-FTRL's README and figures, the "
+                "multi-epoch MF figure) and the Gboard deployments' epsilons, with dpfl's accountant on "
+                "the same parameters.",
             ),
             (
                 "cohort_training",

@@ -82,7 +82,10 @@ class Trained:
     """The result of :meth:`FederatedClient.train_locally`: the trained model's state, its loss, its steps.
 
     ``state`` holds every array of the model by name (views: use them before the process trains its
-    next client); ``steps`` is the number of SGD steps taken (SCAFFOLD's ``K``).
+    next client); ``steps`` is the number of SGD steps taken (SCAFFOLD's ``K``). A later
+    :meth:`FederatedClient.global_model` of the same message loads the received arrays into the model
+    whose tensors ``state`` views: the state is copied out first (:meth:`release_model`), so it keeps the
+    trained values whatever the client calls after training.
     """
 
     state: dict[str, np.ndarray]
@@ -90,6 +93,18 @@ class Trained:
     steps: int
     _client: FederatedClient | None = field(default=None, repr=False)
     _model: nn.Module | None = field(default=None, repr=False)
+    _views_model: bool = field(default=False, repr=False)
+
+    def release_model(self) -> None:
+        """Keep the trained values apart from the model, which is about to hold other arrays.
+
+        Copies :attr:`state` when it views the model's tensors and forgets the model:
+        :meth:`model` loads the state into a model again when asked.
+        """
+        if self._views_model:
+            self.state = {name: np.array(values, copy=True) for name, values in self.state.items()}
+            self._views_model = False
+        self._model = None
 
     def model(self) -> nn.Module:
         """A model holding the trained state (this process's instance: use it for this message only)."""
@@ -101,6 +116,7 @@ class Trained:
                 for name, value in model.state_dict().items():
                     value.copy_(torch.from_numpy(np.asarray(self.state[name])))
             self._model = model
+            self._client._holding_model = self
         return self._model
 
     def update(self, start: ArrayRecord) -> dict[str, np.ndarray]:
@@ -144,6 +160,7 @@ class FederatedClient(NodeClient):
         threads_as_environment_says()
         super().__init__(message, context)
         self._state: RecordDict | None = None
+        self._holding_model: Trained | None = None  # the result whose values the process model holds
 
     # ------------------------------------------------------------------ what the server sent
 
@@ -167,9 +184,15 @@ class FederatedClient(NodeClient):
         """The server's model: this process's instance of the architecture with the received arrays.
 
         The instance is shared by the messages this process serves one after
-        another (:func:`process_model`): use it for this message only.
+        another (:func:`process_model`): use it for this message only. :meth:`train_locally` trains the
+        same instance, so a model taken before it holds the trained values afterwards; a call after it
+        leaves the :class:`Trained` result's ``state`` as trained (copied out of the model first) and
+        makes its :meth:`Trained.model` load that state again when asked.
         """
         self.model_spec()  # a device refuses a network its operator did not allow (check_device_model)
+        if self._holding_model is not None:
+            self._holding_model.release_model()
+            self._holding_model = None
         model = process_model(str(self.config[keys.MODEL_SPEC]), self.device)
         load_arrays(model, self.incoming_arrays())
         for parameter in model_parameters(model):
@@ -238,7 +261,9 @@ class FederatedClient(NodeClient):
             reference=reference,
             correction=sgd.corrections_for(model),
         )
-        return Trained(model_state(model), loss, steps, _client=self, _model=model)
+        trained = Trained(model_state(model), loss, steps, _client=self, _model=model, _views_model=True)
+        self._holding_model = trained
+        return trained
 
     # ------------------------------------------------------------------ entry points
 
@@ -271,9 +296,20 @@ def trains_by_the_contract(client: FederatedClient) -> bool:
     A class with its own ``train_locally`` (the engine could not know what it does) or whose
     ``local_sgd()`` is None (it trains its own way) is never trained in a vectorised cohort.
     """
-    if type(client).train_locally is not FederatedClient.train_locally:
+    if own_local_training(type(client)) is not None:
         return False
     try:
         return client.local_sgd() is not None
     except Exception:  # the message's own run reports it
         return False
+
+
+def own_local_training(client_class: type) -> str | None:
+    """Why the engine never trains ``client_class``'s clients for them, in words; None: it may.
+
+    It may when the class keeps the contract's :meth:`FederatedClient.train_locally` (and a client
+    states a local SGD: :func:`trains_by_the_contract`).
+    """
+    if getattr(client_class, "train_locally", None) is not FederatedClient.train_locally:
+        return f"{client_class.__name__} does not train through the contract's train_locally"
+    return None

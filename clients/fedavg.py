@@ -36,8 +36,15 @@ def plain_fedavg(client_class: type) -> bool:
     its round is the contract's local SGD from the train config on the received model, and its reply is
     the trained model with its example count and loss (:mod:`fl_app.engine.bulk`).
     """
+    return fedavg_difference(client_class) is None
+
+
+def fedavg_difference(client_class: type) -> str | None:
+    """What ``client_class`` does beyond FedAvg's client, in words; None: nothing (:func:`plain_fedavg`)."""
+    name = getattr(client_class, "__name__", repr(client_class))
     if not isinstance(client_class, type) or not issubclass(client_class, FedAvgClient):
-        return False
+        return f"{name} is not FedAvg's client"
     if client_class.keeps_state:
-        return False
-    return all(getattr(client_class, name) is getattr(FedAvgClient, name) for name in FEDAVG_SURFACE)
+        return f"{name} keeps state"
+    changed = [m for m in FEDAVG_SURFACE if getattr(client_class, m) is not getattr(FedAvgClient, m)]
+    return f"{name} has its own {', '.join(changed)}" if changed else None

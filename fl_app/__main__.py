@@ -203,6 +203,15 @@ class SweepState:
         digest = hashlib.sha256(json.dumps(run_overrides).encode()).hexdigest()[:32]
         return self.directory / "jobs" / f"{digest}.pickle"
 
+    def keep_swept(self, keys: list[str]) -> None:
+        """Remember the keys the sweep varies (its jobs' tracker names show their values)."""
+        (self.directory / "swept").write_text(json.dumps(keys))
+
+    def swept(self) -> list[str]:
+        """The keys :meth:`keep_swept` remembered (none outside a sweep)."""
+        path = self.directory / "swept"
+        return list(json.loads(path.read_text())) if path.is_file() else []
+
     def keep_config(self, overrides: list[str], cfg: DictConfig, settings: RunSettings) -> None:
         """Keep a job's composed configuration and its validated settings for the job itself."""
         path = self._job_file(overrides)
@@ -258,6 +267,10 @@ def preflight(argv: list[str], *, on_valid: Callable[[RunSettings, int], None] |
     from fl_app.config.validation import validate_config  # torch, Flower and every strategy: 2-3 s
 
     state = SweepState.create(len(jobs) if multirun else 1)
+    if multirun:
+        from fl_app.run.sweep_names import swept_keys
+
+        state.keep_swept(swept_keys([[o for o in job if not is_hydra_override(o)] for job in jobs]))
     errors: list[str] = []
     first: RunSettings | None = None
     for job in jobs:
@@ -282,15 +295,17 @@ def _one_line(error: BaseException) -> str:
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name=CONFIG_NAME, version_base="1.3")
-def _job(_: DictConfig) -> None:
-    """One Hydra job, then the sweep's progress line.
+def _job(_: DictConfig) -> str | None:
+    """One Hydra job, then the sweep's progress line; returns the job's output directory (None: none).
 
     A job is done when its results are written (a failed run's too): not when a signal stopped it, its
-    directory was refused, or it raised before writing them.
+    directory was refused, or it raised before writing them. The directory returned is what a launcher
+    that runs the job elsewhere (submitit) reports the job's results by.
     """
     finished = True
     try:
         finished = _run_job()
+        return str(_JOB_DIRS[-1]) if _JOB_DIRS else None
     except SystemExit as exit_:
         finished = exit_.code in (0, None)
         raise
@@ -340,9 +355,15 @@ def _run_job() -> bool:
     if command_stop_requested() is not None:  # a parallel sweep stopped: no job starts any more
         _discard_if_empty(job.output_dir)
         return False
-    if not _settle_job(job):  # a sweep run again into its directory: this job was done before
+    settled = _settle_job(job)
+    _JOB_DIRS.append(job.output_dir)
+    if not settled:  # a sweep run again into its directory: this job was done before
         return True
     return _simulate_job(job)
+
+
+#: The output directories of the jobs this process settled (the last: the current job's).
+_JOB_DIRS: list[Path] = []
 
 
 @dataclass
@@ -511,7 +532,7 @@ def _simulate_job(job: _Job) -> bool:
     try:
         with claim_output_dir(job.output_dir, resume=job.settings.resume is not None):
             _RUNS_BEGUN.append(job.output_dir)
-            outcome = run_in_simulation(job.settings, job.overrides, job.output_dir)
+            outcome = run_in_simulation(tracked_as(job), job.overrides, job.output_dir)
     except ConfigError as error:  # another run holds the directory, or wrote there meanwhile
         _refuse_job(job, error)
     except RunFailed as error:
@@ -521,6 +542,17 @@ def _simulate_job(job: _Job) -> bool:
         _job_failed(job, _one_line(error), _write_traceback(job.output_dir), exit_code=1)
         return (job.output_dir / "results.json").is_file()  # done only when its results are written
     return _outcome_done(job, outcome)
+
+
+def tracked_as(job: _Job) -> RunSettings:
+    """The job's settings; a sweep's job named in the trackers by its number and swept values."""
+    from fl_app.run.sweep_names import named_in_sweep
+
+    assert job.settings is not None
+    if not job.multirun:
+        return job.settings
+    swept = job.state.swept() if job.state is not None else []
+    return named_in_sweep(job.settings, job.overrides, swept, HydraConfig.get().job.num)
 
 
 def _write_traceback(output_dir: Path) -> str:
@@ -675,11 +707,15 @@ def starting_ray_text(settings: RunSettings) -> str:
 _RUNS_BEGUN: list[Path] = []
 
 
-def interrupted_line(signum: int, *, run_began: bool) -> str:
-    """The line for Ctrl-C or SIGTERM outside a run: before it, between a sweep's jobs, in parallel sweeps."""
+def interrupted_line(signum: int, *, run_began: bool, doing: str = "") -> str:
+    """The line for Ctrl-C or SIGTERM outside a run: before it, between a sweep's jobs, in parallel sweeps.
+
+    ``doing``: what the command was doing when a stop before the run came (said in brackets).
+    """
     name = signal.Signals(signum).name
     if not run_began:
-        return f"dpfl: stopped by {name} before the run began: nothing ran, nothing to resume"
+        during = f" ({doing})" if doing else ""
+        return f"dpfl: stopped by {name} before the run began{during}: nothing ran, nothing to resume"
     how = "interrupted (a second Ctrl-C stops at once)"
     if signum != signal.SIGINT:
         how = f"stopped by {name} (a second one stops at once)"
@@ -687,6 +723,25 @@ def interrupted_line(signum: int, *, run_began: bool) -> str:
         f"dpfl: {how}: a run continues from its last checkpoint with "
         "python -m fl_app resume=<its output directory>"
     )
+
+
+def stopped_before_the_runs(stop: KeyboardInterrupt) -> int:
+    """Ctrl-C or SIGTERM while the command checked its jobs: one line, Ray and the sweep state ended.
+
+    The line names what was abandoned (the notes the stop gathered on its way: a text conversion's).
+    Returns the command's exit status (128 + the signal's number).
+    """
+    from fl_app.engine.ray_session import SESSION
+
+    signum = getattr(stop, "signum", signal.SIGINT)
+    doing = "; ".join(getattr(stop, "__notes__", ()))
+    print(interrupted_line(signum, run_began=False, doing=doing), file=sys.stderr, flush=True)
+    SESSION.end()
+    SESSION.keep, SESSION.jobs_left = False, 0
+    state = SweepState.current()
+    if state is not None:
+        state.remove()
+    return 128 + signum
 
 
 def exit_now(code: int | str | None) -> None:
@@ -728,7 +783,11 @@ def main() -> int:
     from fl_app.engine.ray_session import SESSION
 
     mark("imports")
-    errors = preflight(sys.argv[1:], on_valid=begin_ray_early(sys.argv[1:]))
+    with sigterm_like_ctrl_c():  # a stop while the jobs are checked (a data set's conversion): one line
+        try:
+            errors = preflight(sys.argv[1:], on_valid=begin_ray_early(sys.argv[1:]))
+        except KeyboardInterrupt as stop:  # (a repeat within the grace period is still this stop)
+            return stopped_before_the_runs(stop)
     mark("preflight")
     state = SweepState.current()
     try:

@@ -329,6 +329,7 @@ class FederatedStrategy:
                 per_stage={"training": None if total is None else total.epsilon},
                 covers=("training: the released models (and, under local DP, every client's upload)",),
                 not_covered=NOT_COVERED + (SECRET_COHORT_NOT_COVERED if secret else ()),
+                holds_for=self._epsilon_holds_for(),
             ),
             empirical_epsilon=self._empirical_privacy(final),
         )
@@ -384,6 +385,9 @@ class FederatedStrategy:
 
     def _privacy_summary(self) -> dict[str, JSON]:
         return {"unit": self.privacy_unit, "mechanism": self.mechanism_name, "accountant": "none"}
+
+    def _epsilon_holds_for(self) -> str | None:
+        return None
 
     def _cohort_randomness(self) -> str:
         return (

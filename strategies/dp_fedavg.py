@@ -35,6 +35,19 @@ Unless ``strategy.noise_multiplier`` is set, ``z`` is calibrated with the same
 accountant so that the worst client's epsilon after ``num_rounds`` is at most
 ``privacy.epsilon``.
 
+**The large-cohort convention** (``strategy.noise_cohort_size=M``, pfl-research's
+``noise_cohort_size``): the run simulates a deployment that samples secret Poisson cohorts of expected
+size ``M`` from ``P`` clients (``strategy.noise_population``, default ``num_clients``; ``q = M / P``),
+adds ``N(0, z^2 C^2 I)`` to the sum of their clipped updates and divides by ``M``. The run itself
+draws public fixed-size cohorts of ``m = clients_per_round < M`` (``strategy.sampling=fixed``), adds
+noise of std ``z C m / M`` to their sum (:func:`~fl_app.privacy.calibration.large_cohort_noise_multiplier`)
+and divides by ``m``: its average carries the deployment's noise ``z C / M``, at a fraction of its
+cost. ``z`` is calibrated for the deployment and the accountant records its ``SampledGaussian(z, q)``
+per round for every client, so the epsilon holds for that deployment, not for this run's model, and
+every place that prints it says so (:meth:`DPFedAvgStrategy.epsilon_holds_for`). Secret Poisson cohorts
+are refused with it: the run would keep a secret cohort and its amplification for an epsilon that is
+not its own. Real devices are refused: their cohort is the deployment.
+
 Released: the noised model only. The clients' train losses stay on the server,
 and the update norms (a tuning aid for ``C``) are un-noised: they go to
 ``outside_guarantee`` with ``privacy.diagnostics=true`` in a simulation, nowhere
@@ -50,7 +63,7 @@ themselves are the same operations, taken from :mod:`fl_app.privacy`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from logging import INFO
 from typing import Any
 
@@ -58,22 +71,30 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, MetricRecord
 from flwr.common import log
 
+from fl_app.config.checks import ConfigError, require_int
+from fl_app.config.settings import RunSettings
 from fl_app.learning.sums import ClippedUpdate
 from fl_app.learning.training import array_values
 from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
+from fl_app.privacy.calibration import dp_fedavg_noise_multiplier, large_cohort_noise_multiplier
 from fl_app.privacy.events import Gaussian, PrivacyEvent, SampledGaussian
+from fl_app.privacy.fixed_noise import FixedNoise
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.run.context import RunContext
-from fl_app.run.roster import ClientInfo
+from fl_app.run.roster import ClientInfo, on_devices
 from strategies import register_strategy
 from strategies.base import RecentRounds, Replies
 from strategies.cohorts import max_participations
 from strategies.contract import Declaration, QuickExample
 from strategies.private import PrivateStrategy
-from strategies.settings import StrategySettings, one_of, positive
+from strategies.settings import CHECK, StrategySettings, one_of, positive
 
 SAMPLINGS = ("poisson", "fixed", "balanced")
+
+
+def _optional_count(key: str, value: Any) -> int | None:
+    """Null, or an integer >= 2 (a cohort, a population)."""
+    return None if value is None else require_int(key, value, minimum=2)
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,116 @@ class DPFedAvgSettings(StrategySettings):
     clip: float = positive()
     noise_multiplier: float | None = positive(optional=True)
     sampling: str = one_of(SAMPLINGS)
+    # keyword-only, with defaults: a subclass's settings may add keys without defaults after them
+    noise_cohort_size: int | None = field(default=None, kw_only=True, metadata={CHECK: _optional_count})
+    noise_population: int | None = field(default=None, kw_only=True, metadata={CHECK: _optional_count})
+
+    def check(self, run: RunSettings) -> None:
+        """The large-cohort convention's constraints (:func:`check_large_cohort`)."""
+        check_large_cohort(self, run)
+
+
+def check_large_cohort(settings: DPFedAvgSettings, run: RunSettings) -> None:
+    """``strategy.noise_cohort_size``: fixed cohorts smaller than it, a population that holds it.
+
+    Raises :class:`ConfigError` naming the key, the value and what is allowed.
+    """
+    size, population = settings.noise_cohort_size, settings.noise_population
+    if size is None:
+        if population is not None:
+            raise ConfigError(
+                "strategy.noise_population",
+                population,
+                "is the population of strategy.noise_cohort_size's "
+                "deployment: set strategy.noise_cohort_size too, or leave it null",
+            )
+        return
+    if settings.sampling != "fixed":
+        raise ConfigError(
+            "strategy.noise_cohort_size",
+            size,
+            f"needs strategy.sampling=fixed (got {settings.sampling}): "
+            "the run simulates a deployment with cohorts of this size, so its own cohorts are public and "
+            "fixed-size; with secret Poisson cohorts it would keep a secrecy and an amplification for an "
+            "epsilon that is not its own",
+        )
+    if size <= run.cohort:
+        raise ConfigError(
+            "strategy.noise_cohort_size",
+            size,
+            f"must exceed the simulated cohort (clients_per_round gives "
+            f"{run.cohort}): it is the larger cohort the noise is calibrated for",
+        )
+    if run.privacy.canaries:
+        raise ConfigError(
+            "privacy.canaries",
+            run.privacy.canaries,
+            "must be 0 with strategy.noise_cohort_size: the canaries measure this run's model, whose "
+            "release the deployment's epsilon does not cover (its noise is smaller by cohort / "
+            "noise_cohort_size)",
+        )
+    deployed = population if population is not None else run.num_clients
+    if size > deployed:
+        key, value = (
+            ("strategy.noise_population", population) if population is not None else ("num_clients", deployed)
+        )
+        raise ConfigError(
+            key,
+            value,
+            f"must hold a cohort of strategy.noise_cohort_size={size} (set "
+            "strategy.noise_population, the deployment's clients, to at least that)",
+        )
+
+
+@dataclass(frozen=True)
+class SimulatedDeployment:
+    """The deployment a run with ``strategy.noise_cohort_size`` stands for (the large-cohort convention).
+
+    Attributes
+    ----------
+    cohort : int
+        ``m``: this run's fixed cohort.
+    noise_cohort_size : int
+        ``M``: the deployment's expected (Poisson) cohort.
+    population : int
+        ``P``: the deployment's clients.
+
+    """
+
+    cohort: int
+    noise_cohort_size: int
+    population: int
+
+    @property
+    def rate(self) -> float:
+        """``q = M / P``: the deployment's sampling rate."""
+        return self.noise_cohort_size / self.population
+
+    def statement(self) -> str:
+        """What every place that prints the run's epsilon says about it."""
+        return (
+            f"simulates a deployment with cohorts of {self.noise_cohort_size}: the epsilon holds for that "
+            "deployment, not for this run's model"
+        )
+
+    def as_dict(self, *, noise_multiplier: float) -> dict[str, Any]:
+        """The results' ``privacy.simulated_deployment`` object."""
+        on_sum = large_cohort_noise_multiplier(
+            noise_multiplier=noise_multiplier, cohort=self.cohort, noise_cohort_size=self.noise_cohort_size
+        )
+        return {
+            "statement": self.statement(),
+            "noise_cohort_size": self.noise_cohort_size,
+            "population": self.population,
+            "sampling": f"secret Poisson cohorts, q = {self.noise_cohort_size}/{self.population}",
+            "sampling_rate": self.rate,
+            "noise_multiplier": noise_multiplier,
+            "this_run": (
+                f"public fixed cohorts of {self.cohort}, noise multiplier z x {self.cohort}/"
+                f"{self.noise_cohort_size} = {on_sum:.6g} on their sum: no epsilon of this run covers "
+                "its model"
+            ),
+        }
 
 
 @register_strategy("dp_fedavg")
@@ -121,21 +252,34 @@ class DPFedAvgStrategy(PrivateStrategy):
         settings = self.settings
         self.clip = settings.clip
         self.sampling = settings.sampling
+        self.deployment = simulated_deployment(settings, run)
         self.rate = run.clients_per_round / run.num_clients
         rounds = self.run.settings.num_rounds
         if self.sampling == "balanced":
             self.cohorts.plan(self.cohorts.seeded_schedule(rounds, balanced=True))
             rounds = max_participations(self.cohorts.planned)
+        #: The worst client's accounted releases over the planned rounds (what the noise is calibrated for).
+        self.accounted_rounds = rounds
         if settings.noise_multiplier is not None:
             self.noise_multiplier = settings.noise_multiplier
         else:
             self.noise_multiplier = dp_fedavg_noise_multiplier(
                 epsilon=self.run.settings.privacy.epsilon,
                 delta=run.settings.privacy.delta,
-                sampling_rate=self.rate if self.sampling == "poisson" else 1.0,
+                sampling_rate=self.accounted_rate,
                 rounds=rounds,
                 method=self.run.settings.privacy.accountant,
             )
+        #: The noise multiplier on the sum of this run's cohort (``z``; ``z m / M`` for a deployment).
+        self.sum_noise_multiplier = (
+            self.noise_multiplier
+            if self.deployment is None
+            else large_cohort_noise_multiplier(
+                noise_multiplier=self.noise_multiplier,
+                cohort=run.clients_per_round,
+                noise_cohort_size=self.deployment.noise_cohort_size,
+            )
+        )
         self.denominator = (
             self.rate * run.num_clients if self.sampling == "poisson" else float(run.clients_per_round)
         )
@@ -152,6 +296,27 @@ class DPFedAvgStrategy(PrivateStrategy):
             self.sampling,
             self.rate,
         )
+        if self.deployment is not None:
+            log(
+                INFO,
+                "DP-FedAvg: z for the deployment's Poisson cohorts of %d of %d clients (q=%.4g); noise "
+                "multiplier z x %d/%d = %.4g on the sum of this run's cohort of %d; %s",
+                self.deployment.noise_cohort_size,
+                self.deployment.population,
+                self.deployment.rate,
+                run.clients_per_round,
+                self.deployment.noise_cohort_size,
+                self.sum_noise_multiplier,
+                run.clients_per_round,
+                self.deployment.statement(),
+            )
+
+    @property
+    def accounted_rate(self) -> float:
+        """The sampling rate the accountant credits: q (Poisson), the deployment's, else 1 (none)."""
+        if self.deployment is not None:
+            return self.deployment.rate
+        return self.rate if self.sampling == "poisson" else 1.0
 
     def select_clients(self, server_round: int) -> list[ClientInfo]:
         """Poisson sampling (each client w.p. q, secret coins from ``run.noise``), fixed-size or planned."""
@@ -172,7 +337,7 @@ class DPFedAvgStrategy(PrivateStrategy):
             replies, max_norm=self.clip, server_round=server_round
         )
         rng = self.run.noise.generator("central-noise", server_round=server_round)
-        sigma = self.noise_multiplier * self.clip
+        sigma = self.sum_noise_multiplier * self.clip
         noised = [gaussian_mechanism(values=t, sigma=sigma, rng=rng) for t in total]
         new = {
             n: Array(np.asarray(r + s / self.denominator, dtype=array_values(global_arrays[n]).dtype))
@@ -186,7 +351,17 @@ class DPFedAvgStrategy(PrivateStrategy):
 
     def _record_release(self, server_round: int) -> None:
         assert self.accountant is not None
-        if self.sampling == "poisson":
+        if self.deployment is not None:  # the deployment's Poisson cohort: every client, each round
+            rate = self.deployment.rate
+            event = PrivacyEvent(
+                server_round,
+                Gaussian(self.noise_multiplier)
+                if rate >= 1.0
+                else SampledGaussian(self.noise_multiplier, rate),
+                participants=None,
+                label=f"central release (a deployment's cohorts of {self.deployment.noise_cohort_size})",
+            )
+        elif self.sampling == "poisson":
             event = PrivacyEvent(
                 server_round,
                 SampledGaussian(self.noise_multiplier, self.rate),
@@ -220,8 +395,8 @@ class DPFedAvgStrategy(PrivateStrategy):
         )
 
     def privacy_summary(self) -> dict[str, Any]:
-        """Unit, mechanism, accountant and the calibrated noise."""
-        return {
+        """Unit, mechanism, accountant and the calibrated noise (and the simulated deployment)."""
+        summary = {
             **super().privacy_summary(),
             "noise_multiplier": self.noise_multiplier,
             "clip": self.clip,
@@ -229,3 +404,44 @@ class DPFedAvgStrategy(PrivateStrategy):
             "sampling_rate": self.rate,
             "denominator": self.denominator,
         }
+        if self.deployment is not None:
+            summary["simulated_deployment"] = self.deployment.as_dict(noise_multiplier=self.noise_multiplier)
+        return summary
+
+    def fixed_noise(self) -> FixedNoise | None:
+        """``strategy.noise_multiplier`` set: the epsilon its planned rounds reach (None: calibrated)."""
+        if self.settings.noise_multiplier is None:
+            return None
+        return self.planned_gaussian(
+            "strategy.noise_multiplier",
+            noise_multiplier=self.noise_multiplier,
+            sampling_rate=self.accounted_rate,
+            participations=self.accounted_rounds,
+        )
+
+    def epsilon_holds_for(self) -> str | None:
+        """The large-cohort convention's statement (None: the epsilon is this run's)."""
+        return None if self.deployment is None else self.deployment.statement()
+
+    def budget_text(self) -> str:
+        """The budget asked for, and with ``strategy.noise_cohort_size`` whose epsilon it is."""
+        text = super().budget_text()
+        return text if self.deployment is None else f"{text}; {self.deployment.statement()}"
+
+
+def simulated_deployment(settings: DPFedAvgSettings, run: RunContext) -> SimulatedDeployment | None:
+    """The deployment ``strategy.noise_cohort_size`` describes (None: not set); refused on real devices."""
+    if settings.noise_cohort_size is None:
+        return None
+    if on_devices(run.roster):
+        raise ConfigError(
+            "strategy.noise_cohort_size",
+            settings.noise_cohort_size,
+            "is a simulation convention: on real devices the cohort is the deployment's own, and noise "
+            "scaled down for a larger one would leave it under-noised; leave it null",
+        )
+    return SimulatedDeployment(
+        cohort=run.clients_per_round,
+        noise_cohort_size=settings.noise_cohort_size,
+        population=settings.noise_population or run.num_clients,
+    )

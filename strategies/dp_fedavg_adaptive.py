@@ -81,6 +81,7 @@ from fl_app.privacy.events import (
     PrivacyEvent,
     SampledGaussian,
 )
+from fl_app.privacy.fixed_noise import FixedNoise
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.run.context import RunContext
 from fl_app.run.roster import ClientInfo
@@ -263,6 +264,17 @@ class DPFedAvgAdaptiveStrategy(PrivateStrategy):
             self.plan.sampling_rate,
             self.clip,
             self.settings.target_quantile,
+        )
+
+    def fixed_noise(self) -> FixedNoise | None:
+        """``strategy.noise_multiplier`` set: the epsilon its planned rounds reach (None: calibrated)."""
+        if self.settings.noise_multiplier is None:
+            return None
+        return self.planned_gaussian(
+            "strategy.noise_multiplier",
+            noise_multiplier=self.plan.noise_multiplier,
+            sampling_rate=self.plan.sampling_rate,
+            participations=self.run.settings.num_rounds,
         )
 
     def select_clients(self, server_round: int) -> list[ClientInfo]:

@@ -48,6 +48,7 @@ from fl_app.privacy.calibration import local_gaussian_noise_multiplier, local_ga
 from fl_app.privacy.canaries import worst_client_patterns
 from fl_app.privacy.composition import compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent
+from fl_app.privacy.fixed_noise import FixedNoise
 from fl_app.privacy.mechanisms import clip_l2, local_gaussian_update
 from fl_app.run.context import RunContext
 from fl_app.run.roster import ClientInfo
@@ -143,6 +144,17 @@ class FedAvgLDPStrategy(PrivateStrategy):
             self.sigma,
             self.budget_scope,
             self.max_participations,
+        )
+
+    def fixed_noise(self) -> FixedNoise | None:
+        """``strategy.noise_multiplier`` set: the busiest client's epsilon over the planned rounds."""
+        if self.settings.noise_multiplier is None:
+            return None
+        return self.planned_gaussian(
+            "strategy.noise_multiplier",
+            noise_multiplier=self.noise_multiplier,
+            sampling_rate=1.0,
+            participations=self.max_participations,
         )
 
     def canary_patterns(self, count: int) -> list[frozenset[int]]:

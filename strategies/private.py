@@ -13,7 +13,9 @@
   with the clients' (:meth:`canary_uploads`), the one-shot estimate from the final model;
 
 and the privacy report's hooks: :meth:`epsilon`, :meth:`privacy_summary`, :meth:`cohort_randomness`,
-:meth:`budget_text`, :meth:`cohort_text`. Central DP's first step, the sum of clipped updates, is
+:meth:`budget_text`, :meth:`cohort_text`, :meth:`fixed_noise` (noise a setting fixes instead of the
+calibration to ``privacy.epsilon``: the header and ``privacy.fixed_noise`` then say so, with the epsilon
+the planned rounds reach). Central DP's first step, the sum of clipped updates, is
 :meth:`clipped_update_sum`.
 """
 
@@ -31,6 +33,7 @@ from fl_app.learning.training import array_values
 from fl_app.privacy.accountant import LEDGER_FILE, PrivacyAccountant
 from fl_app.privacy.canaries import CanaryPopulation
 from fl_app.privacy.composition import EpsilonReport
+from fl_app.privacy.fixed_noise import FixedNoise
 from fl_app.privacy.mechanisms import clip_l2
 from fl_app.run.context import RunContext
 from strategies.arrays import flat_vector, split_vector
@@ -173,9 +176,59 @@ class PrivateStrategy(FederatedStrategy):
             )
         return super()._cohort_text()
 
-    def budget_text(self) -> str:
-        """The budget asked for, for the run's header (override where it is not in the unit)."""
+    def epsilon_holds_for(self) -> str | None:
+        """Whose epsilon :meth:`epsilon` is when not this run's (``privacy.total.holds_for``; None: it is).
+
+        A run that simulates a larger deployment (its noise calibrated for cohorts it does not draw)
+        returns the sentence every place that prints its epsilon says with it.
+        """
+        return None
+
+    def fixed_noise(self) -> FixedNoise | None:
+        """The noise a setting fixes instead of the calibration to ``privacy.epsilon`` (None: calibrated).
+
+        An algorithm with such a setting returns it with the epsilon its planned rounds reach
+        (:meth:`planned_noise` computes it once, before round 1).
+        """
+        return None
+
+    def planned_gaussian(
+        self,
+        setting: str,
+        *,
+        noise_multiplier: float,
+        sampling_rate: float,
+        participations: int,
+        value: float | None = None,
+    ) -> FixedNoise:
+        """:meth:`FixedNoise.gaussian` over this run's planned rounds, at its delta and accountant."""
         privacy = self.run.settings.privacy
+        return FixedNoise.gaussian(
+            setting,
+            noise_multiplier=noise_multiplier,
+            sampling_rate=sampling_rate,
+            participations=participations,
+            rounds=self.run.settings.num_rounds,
+            delta=privacy.delta,
+            method=privacy.accountant,
+            value=value,
+        )
+
+    def planned_noise(self) -> FixedNoise | None:
+        """:meth:`fixed_noise`, computed once (the header's, before round 1; results.json's the same)."""
+        if not hasattr(self, "_planned_noise"):
+            self._planned_noise = self.fixed_noise()
+        return self._planned_noise
+
+    def budget_text(self) -> str:
+        """The budget asked for, for the run's header (override where it is not in the unit).
+
+        Noise fixed by a setting is said instead, with the epsilon the planned rounds reach.
+        """
+        privacy = self.run.settings.privacy
+        fixed = self.planned_noise()
+        if fixed is not None:
+            return fixed.text(epsilon=privacy.epsilon, delta=privacy.delta)
         return (
             f"budget epsilon={privacy.epsilon:g} delta={privacy.delta:g} "
             f"(privacy.budget_scope={privacy.budget_scope})"
@@ -188,7 +241,13 @@ class PrivateStrategy(FederatedStrategy):
         return self.empirical_privacy(final)
 
     def _privacy_summary(self) -> dict[str, Any]:
-        return self.privacy_summary()
+        fixed = self.planned_noise()
+        if fixed is None:
+            return self.privacy_summary()
+        return {
+            **self.privacy_summary(),
+            "fixed_noise": fixed.as_dict(epsilon=self.run.settings.privacy.epsilon),
+        }
 
     def _cohort_randomness(self) -> str:
         return self.cohort_randomness()
@@ -198,3 +257,6 @@ class PrivateStrategy(FederatedStrategy):
 
     def _budget_text(self) -> str:
         return self.budget_text()
+
+    def _epsilon_holds_for(self) -> str | None:
+        return self.epsilon_holds_for()

@@ -82,8 +82,9 @@ SECRET_COHORT_NOT_COVERED = (
     "the run's total wall time (final.wall_s, the last line of run.log) and whether any sampled client "
     "failed (status completed_with_failures): both depend on the secret cohorts; nothing per round does "
     "(each round's cohort size, failures, bytes and duration are written only to outside_guarantee; "
-    "run.log's lines carry no clock time after the header, TensorBoard's events one wall time, and the "
-    "run's files one modification time, set when the run ends)",
+    "run.log's lines carry no clock time after the header, TensorBoard's events one wall time, the "
+    "run's files one modification time, set when the run ends, and none of them is created while the "
+    "rounds run)",
     "the output folder's files while the run writes them: a reader watching them during the run sees "
     "when each round ends (publish them after the run)",
 )
@@ -109,6 +110,9 @@ class PrivacyTotal:
         What the epsilon covers.
     not_covered : tuple[str, ...]
         What no epsilon of the run covers.
+    holds_for : str | None
+        When the epsilon is not this run's but a deployment's it simulates (a larger cohort's noise:
+        ``strategy.noise_cohort_size``), the sentence that says so; None: the epsilon is this run's.
 
     """
 
@@ -119,10 +123,11 @@ class PrivacyTotal:
     per_stage: Mapping[str, float | None]
     covers: tuple[str, ...]
     not_covered: tuple[str, ...] = NOT_COVERED
+    holds_for: str | None = None
 
     def as_dict(self) -> dict[str, JSON]:
-        """The results' ``privacy.total`` object."""
-        return {
+        """The results' ``privacy.total`` object (``holds_for`` only when the epsilon is a deployment's)."""
+        total = {
             "epsilon": self.epsilon,
             "delta": self.delta,
             "method": self.method,
@@ -132,6 +137,9 @@ class PrivacyTotal:
             "covers": list(self.covers),
             "not_covered": list(self.not_covered),
         }
+        if self.holds_for is not None:
+            total["holds_for"] = self.holds_for
+        return total
 
 
 SEEDED_NOTE = (

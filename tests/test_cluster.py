@@ -6,11 +6,13 @@ process per job, the results pickled back) without a cluster.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import FAST, INLINE
@@ -114,3 +116,61 @@ def test_a_submitit_sweep_writes_each_jobs_results_and_its_killed_job_resumes_wh
     for job in ("0-fedavg", "1-fedavg"):
         results = json.loads((sweep / job / "results.json").read_text())
         assert results["status"] == "completed" and [r["round"] for r in results["rounds"]] == [1, 2, 3]
+
+
+@pytest.mark.subprocess
+def test_ctrl_c_on_a_submitit_sweep_ends_each_job_interrupted_with_its_results_and_no_traceback(tmp_path):
+    """Ctrl-C (SIGINT to the command's process group, as a terminal sends it) once both jobs are past
+    round 2: each job writes its results as ``interrupted``, the command says so for each and how to
+    continue the sweep; submitit's controllers print no traceback and kill no job while it writes."""
+    import glob
+    import signal
+    import time
+
+    import psutil
+
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "-m", "fl_app", "-m", *FAST, INLINE, "num_rounds=1000", "seed=1,2"]
+    command += ["hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep}"]
+    env = {**os.environ, "DPFL_INJECT_DELAY": "0.05"}  # rounds of about 0.2 s: many before the stop
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+    def past_round_two() -> int:
+        logs = [Path(name).read_text() for name in glob.glob(str(sweep / ".submitit" / "*" / "*_log.err"))]
+        return sum("dpfl round 2/1000" in log for log in logs)
+
+    started: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while past_round_two() < 2 and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.2)
+        assert past_round_two() == 2, "the jobs did not reach round 2 in 300 s"
+        started = psutil.Process(process.pid).children(recursive=True)
+        os.killpg(process.pid, signal.SIGINT)
+        output, _ = process.communicate(timeout=180)
+        _, left = psutil.wait_procs(started, timeout=30)  # the jobs and their controllers have ended
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        for child in started:  # the jobs' sessions are their own: nothing of theirs may be left
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if child.is_running():
+                    child.kill()
+    assert process.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert "out of memory" not in output and "error:" not in output, output[-3000:]
+    assert left == [], [child.cmdline()[:4] for child in left]
+    for number, job in enumerate(("0-fedavg", "1-fedavg")):
+        results = json.loads((sweep / job / "results.json").read_text())
+        after = results["stopped"]["after_round"]
+        assert results["status"] == "interrupted" and after >= 2 and len(results["rounds"]) == after
+        assert (sweep / job / "private_server_state.pkl").exists()  # resume= continues it
+        (line,) = [line for line in output.splitlines() if line.startswith(f"dpfl sweep: job {number} ")]
+        assert f"interrupted after round {after}: results in {sweep / job} (its log: " in line
+    lines = output.strip().splitlines()
+    assert lines[-2] == "dpfl: sweep stopped by SIGINT"
+    assert lines[-1].startswith("dpfl sweep: stopped with 0 of 2 jobs done; continue it")
+    assert lines[-1].endswith(f"seed=1,2 hydra/launcher=submitit_local hydra.sweep.dir={sweep}")

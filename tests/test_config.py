@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -311,8 +312,11 @@ def test_a_multirun_composes_and_validates_each_job_once(tmp_path, monkeypatch):
         # the job's own overrides, composed by the preflight (which also saw the hydra.* ones)
         assert overrides == [item for item in composed_for if not item.startswith("hydra.")]
         assert cfg == compose_config(overrides) and OmegaConf.is_readonly(cfg)
-        # the job runs the settings the preflight validated (kept across processes: equal, not the same)
-        assert typed == settings[ran.index((typed, overrides))]
+        # the job runs the settings the preflight validated (kept across processes: equal, not the same),
+        # named for its trackers within the sweep
+        validated_settings = settings[ran.index((typed, overrides))]
+        assert typed.tracker.run_name == f"fedavg seed {typed.seed} [job {typed.seed - 1}]"
+        assert typed == dataclasses.replace(validated_settings, tracker=typed.tracker)
 
 
 BAD_VALUES = [

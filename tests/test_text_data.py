@@ -81,12 +81,12 @@ def expected_words(
 ) -> tuple[list[str], dict[str, np.ndarray], dict[str, np.ndarray]]:
     users_per_word: Counter[str] = Counter()
     for texts in train.values():
-        users_per_word.update({w for t in texts for w in t.lower().split()})
+        users_per_word.update({w for t in texts for w in t.split(" ") if w})
     vocabulary = [w for w, _ in sorted(users_per_word.items(), key=lambda kv: (-kv[1], kv[0]))][:size]
     oov, bos, eos = size + 1, size + 2, size + 3
 
     def sequence(text: str) -> list[int]:
-        words = text.lower().split()[:LENGTH]
+        words = text.split(" ")[:LENGTH]
         ids = [vocabulary.index(w) + 1 if w in vocabulary else oov for w in words]
         ids = [bos, *ids] + ([eos] if len(words) < LENGTH else [])
         return ids + [0] * (LENGTH + 1 - len(ids))
@@ -152,7 +152,7 @@ def test_a_vocabulary_file_gives_the_words(tmp_path: Path) -> None:
     first = corpus.train.rows(0)[0]
     held = held_out_oracle(rows, 0.25)
     user_text = grouped(rows)[next(u for u in grouped(rows) if u not in held)][0]
-    expected = [{"w5": 1, "w1": 2, "w44": 3}.get(w, 4) for w in user_text.lower().split()[:LENGTH]]
+    expected = [{"w5": 1, "w1": 2, "w44": 3}.get(w, 4) for w in user_text.split(" ")[:LENGTH]]
     np.testing.assert_array_equal(first[1 : 1 + len(expected)], expected)
 
 

@@ -163,7 +163,9 @@ def text_cohort(vocabulary: int, length: int, sizes: list[int]) -> tuple[list[np
     return [r[:, :-1] for r in rows], [r[:, 1:] for r in rows]
 
 
-@pytest.mark.parametrize("name", ["char_lstm", "word_lstm", "causal_transformer"])
+@pytest.mark.parametrize(
+    "name", ["char_lstm", "word_lstm", "causal_transformer", "pfl_transformer", "pfl_lstm"]
+)
 def test_cohort_trainer_equals_the_loop(name: str) -> None:
     """torch.func batches the unrolled LSTM and the attention: the cohort's result is the loop's."""
     from tests.test_vectorised_training import run_both

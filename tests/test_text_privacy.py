@@ -33,6 +33,7 @@ from test_privacy_end_to_end import (  # noqa: F401 - audit_setup: the audits' f
 
 from clients.base import FederatedClient
 from fl_app import keys
+from fl_app.config.data_choices import decide_vocabulary
 from fl_app.data.federated import ClientDataset, federated_data
 from fl_app.data.synthetic_text import write_token_corpus
 from fl_app.learning.model_spec import ModelSpec
@@ -83,6 +84,7 @@ def text_run(tmp_path: Path, overrides: list[str]) -> RunContext:
             *overrides,
         ]
     )
+    settings = decide_vocabulary(settings, STRATEGIES.get("dp_fedavg").declaration)  # as validation does
     data = federated_data(settings.data)
     assert data.num_classes == 10
     spec = ModelSpec("causal_transformer", data.input_shape, data.num_classes, data.uncounted_targets)

@@ -24,8 +24,8 @@ def styled_rows(
 ) -> list[Row]:
     """Sentences of ``users`` users: each favours ``favourites`` words (70 % of its words), else Zipf.
 
-    Upper-case letters appear now and then (the conversion lower-cases); sentence lengths 1..25 words
-    (some longer than a sequence of 20).
+    Upper-case letters appear now and then (the conversion keeps the case, as TFF's); sentence lengths
+    1..25 words (some longer than a sequence of 20).
     """
     rng = np.random.default_rng(seed)
     vocabulary = [f"w{i}" for i in range(words)]
@@ -156,7 +156,11 @@ def encode_example(features: dict[str, list[bytes] | list[float] | list[int]]) -
 
 
 def write_tff_sqlite(splits: dict[str, Sequence[Row]], path: Path, *, text_feature: str = "tokens") -> Path:
-    """TFF's SQLite client data: tables ``examples`` and ``client_metadata`` (its schema and indexes)."""
+    """TFF's SQLite client data: tables ``examples`` and ``client_metadata`` (its schema and indexes).
+
+    Each row's ``tf.train.Example`` has Stack Overflow's six features (``creation_date``, ``score``,
+    ``tags``, ``title``, ``type`` and the text), as TFF's file and pfl-research's reader expect.
+    """
     connection = sqlite3.connect(path)
     with connection:
         connection.execute(
@@ -178,6 +182,8 @@ def write_tff_sqlite(splits: dict[str, Sequence[Row]], path: Path, *, text_featu
                         "title": [b"a title"],
                         "score": [3],
                         "creation_date": [b"2010-01-01"],
+                        "tags": [b"python|numpy"],
+                        "type": [b"answer"],
                     }
                 )
                 connection.execute("INSERT INTO examples VALUES (?, ?, ?)", (split, user, blob))

@@ -75,7 +75,7 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
     load_plugins()  # a user's algorithm stores its strategy config when imported (DPFL_PLUGINS)
     run_overrides = [item for item in expand_resume(overrides) if not is_hydra_override(item)]
     try:
-        maybe_quick = any("quick" in item for item in run_overrides)  # +experiment=quick (cheap test first)
+        maybe_quick = any(selects_quick(item) for item in run_overrides)  # +experiment=quick
         cfg = _compose(run_overrides, with_hydra=maybe_quick)
         quick = quick_example_overrides(cfg) if maybe_quick else []
         if quick:  # the example's settings first: the command line wins over them
@@ -96,6 +96,16 @@ def compose_config(overrides: Sequence[str] = ()) -> DictConfig:
 
 
 _MISSING = object()
+
+
+def selects_quick(item: str) -> bool:
+    """Whether an override may select the quick example (``+experiment=quick``, ``example=quick``).
+
+    Only the ``experiment`` and ``example`` groups are looked at: a value such as an output folder
+    named ``quick`` is not a choice of the example.
+    """
+    key, _, value = item.partition("=")
+    return key.lstrip("+~") in ("experiment", "example") and "quick" in value
 
 
 def quick_example_overrides(cfg: DictConfig) -> list[str]:

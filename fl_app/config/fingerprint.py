@@ -33,13 +33,15 @@ FINGERPRINT_IGNORES: tuple[str, ...] = (
 
 #: Settings that are not the experiment (left out of :func:`experiment_fingerprint`): those of
 #: :data:`FINGERPRINT_IGNORES`, the run's name in reports (``label``), what it logs and where
-#: (``tracking``, ``tracker``) and whether missing data files may be downloaded (``dataset.download``).
+#: (``tracking``, ``tracker``), whether missing data files may be downloaded (``dataset.download``) and
+#: the text vocabulary validation derives (a DP release from OS entropy differs from run to run).
 NOT_THE_EXPERIMENT: tuple[str, ...] = (
     *FINGERPRINT_IGNORES,
     "label",
     "tracking",
     "tracker",
     "data.dataset.download",
+    "data.dataset.vocabulary_choice",  # derived by validation from the others (fl_app.config.data_choices)
 )
 
 

@@ -18,6 +18,7 @@ the fingerprint that checkpoints and derived noise seeds are tied to digests the
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from fl_app.config.fingerprint import canonical_number, experiment_fingerprint
+from fl_app.data.examples import TEXT_DATASETS
 from fl_app.data.federated import DataSpec
 
 
@@ -88,9 +90,16 @@ class SimulationSettings:
         ``auto``: where clients train on CUDA (``client_gpus > 0``); on the CPU the per-client loop
         is as fast or faster (docs/benchmarks/cohort_training.md).
         """
-        if self.vectorise == "auto":
-            return self.client_gpus > 0
-        return self.vectorise == "true"
+        return self.vectorising[0]
+
+    @property
+    def vectorising(self) -> tuple[bool, str]:
+        """:attr:`vectorises`, and why in words (the run's header reports both)."""
+        if self.vectorise != "auto":
+            return self.vectorise == "true", f"simulation.vectorise={self.vectorise}"
+        if self.client_gpus > 0:
+            return True, "simulation.vectorise=auto with GPU clients"
+        return False, "simulation.vectorise=auto with CPU clients"
 
     @property
     def packs_messages(self) -> bool:
@@ -116,12 +125,15 @@ def cohort_size(clients_per_round: int | float, num_clients: int) -> int:
 
 
 def dataset_label(dataset: Mapping[str, Any]) -> str:
-    """The data set's name in results and reports: ``dataset.name``, or ``hf:<path>`` for ``dataset=hf``.
+    """The data set's name in results and reports: ``dataset.name``, or ``<name>:<dataset.path>``.
 
-    Two Hugging Face data sets are two data sets in a report (tables, chance levels).
+    The path is named for the data sets read from one (``hf:flwrlabs/femnist``,
+    ``stackoverflow:/data/stackoverflow.sqlite``): two Hugging Face data sets, or two text corpora
+    (TFF's file, a generated one, a local copy), are two data sets in a report (tables, chance
+    levels, plots).
     """
     name = str(dataset["name"])
-    return f"hf:{dataset['path']}" if name == "hf" else name
+    return f"{name}:{dataset['path']}" if name in ("hf", *TEXT_DATASETS) else name
 
 
 @dataclass(frozen=True)
@@ -137,12 +149,16 @@ class TrackerSettings:
         The MLflow experiment and the W&B project.
     wandb_mode : str
         ``offline`` (files under ``<output dir>/wandb``, ``wandb sync`` later) or ``online``.
+    run_name : str or None
+        The run's name in MLflow and W&B; None: ``<strategy> (<label>) seed <seed>``. Not a
+        configuration key: a sweep's job sets it (:func:`fl_app.run.sweep_names.named_in_sweep`).
 
     """
 
     mlflow_uri: str | None = None
     experiment: str = "dpfl"
     wandb_mode: str = "offline"
+    run_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -263,9 +279,14 @@ class RunSettings:
                 node = node[part]
             node[leaf] = value
         cfg = OmegaConf.create(config)
-        return RunSettings.from_config(
+        settings = RunSettings.from_config(
             cfg, strategy_settings=self.strategy_settings, stage_settings=self.stage_settings
         )
+        derived = {k: v for k, v in self.data.dataset.items() if k not in settings.data.dataset}
+        if not derived:  # else what validation added to the spec (a text run's vocabulary) is kept
+            return settings
+        dataset = {**settings.data.dataset, **derived}
+        return dataclasses.replace(settings, data=dataclasses.replace(settings.data, dataset=dataset))
 
 
 def privacy_settings(privacy: DictConfig) -> PrivacySettings:

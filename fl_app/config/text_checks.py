@@ -3,8 +3,9 @@
 Each problem is one :class:`~fl_app.config.checks.ConfigError` naming the key, found before anything
 starts: the ``dataset`` keys (:func:`validate_text_options`), the partition (the users are the
 clients: ``partition=natural``), an algorithm or evaluation stage that cannot train or evaluate a
-next-token network (:func:`refuse_on_text`), and a network that does not take the data's sequences
-or does not give one score per vocabulary entry (:func:`check_text_model`).
+next-token network (:func:`refuse_on_text`), a network of the wrong kind or one that does not take
+the configured sequences, before the data is converted (:func:`check_model_kind`), and a network
+that does not give one score per vocabulary entry of the converted data (:func:`check_text_model`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def validate_text_options(cfg: DictConfig) -> None:
     if dataset.get("max_sequences_per_user") is not None:
         require_int("dataset.max_sequences_per_user", dataset.max_sequences_per_user, minimum=1)
     require_bool("dataset.accuracy_without_oov", dataset.get("accuracy_without_oov", False))
+    require_bool("dataset.accuracy_without_eos", dataset.get("accuracy_without_eos", True))
     validate_vocabulary_file(dataset, level)
     if cfg.partition.name != "natural":
         raise ConfigError(
@@ -81,7 +83,10 @@ def validate_text_options(cfg: DictConfig) -> None:
 
 
 def validate_vocabulary_file(dataset: DictConfig, level: str) -> None:
-    """``dataset.vocabulary``: null, or an existing word count file (words only)."""
+    """``dataset.vocabulary``: null, or an existing word count file (words only); the vocabulary keys."""
+    from fl_app.config.data_choices import validate_vocabulary_keys
+
+    validate_vocabulary_keys(dataset)
     vocabulary = dataset.get("vocabulary")
     if vocabulary is None:
         return
@@ -110,19 +115,106 @@ def refuse_on_text(cfg: DictConfig, declaration: Declaration) -> None:
         raise ConfigError("evaluation.stage", stage, f"does not run on dataset={dataset}: {why}")
 
 
-def check_text_model(settings: RunSettings, declaration: Declaration, data: Any) -> Any:
-    """Build the run's network, run one of the data's sequences through it (``ConfigError``: ``model``)."""
-    from fl_app.learning.models import MODELS, build_model, private_state_refusal
-    from fl_app.learning.text_models import TEXT_MODELS, check_text_model_fits
+def check_model_kind(settings: RunSettings, declaration: Declaration) -> None:
+    """The run's network against the kind of data set, before any data is read, downloaded or converted.
 
-    name = declaration.model_name(settings, data.input_shape, data.num_classes)
+    On a text data set an image network is refused by name, and a ``module:Class`` network must take
+    one sequence of ``dataset.sequence_length`` ids and give a score vector per position (built for
+    the vocabulary the settings imply: its exact size is checked by :func:`check_text_model` once the
+    data is converted). On an image data set a next-token network is refused by name.
+    """
+    from fl_app.data.examples import TEXT_DATASETS
+    from fl_app.learning.text_models import TEXT_MODELS
+
+    dataset = settings.data.dataset
+    if dataset["name"] not in TEXT_DATASETS:
+        if settings.model in TEXT_MODELS:
+            raise ConfigError(
+                "model",
+                settings.model,
+                f"is a network of token sequences (dataset=shakespeare, stackoverflow); on "
+                f"dataset={dataset['name']} use auto, {', '.join(image_networks())} or <module>:<Class>",
+            )
+        return
+    length, vocabulary = int(dataset["sequence_length"]), implied_vocabulary(dataset)
+    name = declaration.model_name(settings, (length,), vocabulary)
+    refuse_image_network(name, settings)
+    if ":" in name:
+        probe_sequence_network(name, settings, declaration, length, vocabulary)
+
+
+def image_networks() -> list[str]:
+    """The registered networks that are not next-token networks."""
+    from fl_app.learning.models import MODELS
+    from fl_app.learning.text_models import TEXT_MODELS
+
+    return sorted(name for name in MODELS if name not in TEXT_MODELS)
+
+
+def implied_vocabulary(dataset: Any) -> int:
+    """The vocabulary's size the settings imply: the 86 characters or ``vocab_size`` words, + 4 tokens.
+
+    A counted vocabulary can hold fewer words (a corpus with fewer distinct words); a converted folder
+    named by ``dataset.path`` has its own.
+    """
+    from fl_app.data.text_tokens import CHAR_VOCAB
+
+    words = len(CHAR_VOCAB) if dataset.get("level") == "char" else int(dataset["vocab_size"])
+    return words + 4
+
+
+def refuse_image_network(name: str, settings: RunSettings) -> None:
+    """``ConfigError`` (``model``) for a registered image network on a text data set."""
+    from fl_app.learning.models import MODELS
+    from fl_app.learning.text_models import TEXT_MODELS
+
     if name in MODELS and name not in TEXT_MODELS:
         raise ConfigError(
             "model",
             settings.model,
-            f"{name} is an image network; on dataset={settings.dataset} use auto, {', '.join(TEXT_MODELS)} "
-            "or <module>:<Class> (a network of token sequences)",
+            f"{name} is an image network; on dataset={settings.data.dataset['name']} use auto, "
+            f"{', '.join(TEXT_MODELS)} or <module>:<Class> (a network of token sequences)",
         )
+
+
+def probe_sequence_network(
+    name: str, settings: RunSettings, declaration: Declaration, length: int, vocabulary: int
+) -> None:
+    """A ``module:Class`` network built for ``(length,)`` and ``vocabulary``: one sequence through it."""
+    import torch
+
+    from fl_app.learning.models import build_model, private_state_refusal
+    from fl_app.learning.probe import forward_probe
+
+    try:
+        network = build_model(name, (length,), vocabulary)
+        batch = torch.zeros((1, length), dtype=torch.long)
+        output = forward_probe(network, batch, name, f"token sequences of length {length}")
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise ConfigError("model", settings.model, " ".join(str(error).split())) from None
+    if not isinstance(output, torch.Tensor) or output.dim() != 3 or tuple(output.shape[:2]) != (1, length):
+        got = tuple(output.shape) if isinstance(output, torch.Tensor) else type(output).__name__
+        raise ConfigError(
+            "model",
+            settings.model,
+            f"the network {name!r} gives {got} for one sequence of {length} tokens; it must give next-token "
+            f"scores of shape (1, {length}, vocabulary)",
+        )
+    if declaration.is_private(settings):
+        refusal = private_state_refusal(
+            network, torch.zeros((2, length), dtype=torch.long), settings.strategy
+        )
+        if refusal is not None:
+            raise ConfigError("model", settings.model, refusal)
+
+
+def check_text_model(settings: RunSettings, declaration: Declaration, data: Any) -> Any:
+    """Build the run's network, run one of the data's sequences through it (``ConfigError``: ``model``)."""
+    from fl_app.learning.models import build_model, private_state_refusal
+    from fl_app.learning.text_models import check_text_model_fits
+
+    name = declaration.model_name(settings, data.input_shape, data.num_classes)
+    refuse_image_network(name, settings)
     example = data.test().x[:1]
     try:
         network = build_model(name, data.input_shape, data.num_classes)

@@ -26,7 +26,12 @@ from fl_app.config.checks import (
     validate_split_keys,
 )
 from fl_app.config.settings import RunSettings
-from fl_app.config.text_checks import check_text_model, refuse_on_text, validate_text_options
+from fl_app.config.text_checks import (
+    check_model_kind,
+    check_text_model,
+    refuse_on_text,
+    validate_text_options,
+)
 from fl_app.data import PARTITION_SCHEMES
 from fl_app.data.examples import TEXT_DATASETS
 from fl_app.data.sources import (
@@ -343,6 +348,16 @@ def check_partitions(settings: RunSettings) -> None:
     _CHECKED_SPLITS.add(key)
 
 
+def with_vocabulary(settings: RunSettings, declaration: Declaration) -> RunSettings:
+    """A text run's settings with its vocabulary decided (:mod:`fl_app.config.data_choices`)."""
+    from fl_app.config.data_choices import decide_vocabulary
+
+    try:
+        return decide_vocabulary(settings, declaration)
+    except (DataFileError, DataNotFoundError) as error:
+        raise keyed_error(str(error), settings.data) from None
+
+
 def keyed_error(message: str, spec: DataSpec) -> ConfigError:
     """A data error whose message starts ``key='value': ...`` as the ConfigError of that key."""
     head, _, rest = " ".join(message.split()).partition(": ")
@@ -432,6 +447,7 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> RunSettings:
     The one validation of a job (before any simulation starts); ``check_data=False`` skips the data.
     Returns the run's typed settings: nothing after this reads ``cfg``.
     """
+    from fl_app.config.data_choices import check_declared_classes
     from strategies import STRATEGIES
 
     require_choice("strategy.name", cfg.strategy.name, STRATEGIES.names())
@@ -455,8 +471,11 @@ def validate_config(cfg: DictConfig, *, check_data: bool = True) -> RunSettings:
 
         validate_resume(settings, is_private=declaration.is_private(settings))
     if check_data:
+        check_model_kind(settings, declaration)  # before a download or a conversion
         locate_data(settings)
+        settings = with_vocabulary(settings, declaration)
         check_partitions(settings)
+        check_declared_classes(settings, declaration)
         check_model(settings, declaration)
     return settings
 

@@ -342,8 +342,11 @@ def quiet_datasets() -> Iterator[None]:
             datasets.utils.logging.enable_progress_bar()
 
 
-def open_split(source: HFSource, split: str, *, key: str) -> Any:
-    """The ``datasets.Dataset`` of ``split`` (raises :class:`DataNotFoundError` naming ``key``)."""
+def open_split(source: HFSource, split: str, *, key: str, cache: Path | None = None) -> Any:
+    """The ``datasets.Dataset`` of ``split`` (raises :class:`DataNotFoundError` naming ``key``).
+
+    ``cache``: the dpfl cache the caller keeps its conversion in (:func:`hub_split`).
+    """
     import datasets
 
     local = source.local_path()
@@ -374,7 +377,7 @@ def open_split(source: HFSource, split: str, *, key: str) -> Any:
         return pick_split(loaded, split, key=key, where=source.path)
     if looks_like_a_path(source.path):  # a path, not a hub name: the hub is no answer
         raise missing_path(source.path, LOCAL_FORMS)
-    return hub_split(source, split, key=key)
+    return hub_split(source, split, key=key, cache=cache)
 
 
 def looks_like_a_path(path: str) -> bool:
@@ -388,8 +391,12 @@ def missing_path(path: str, forms: str) -> DataNotFoundError:
     return DataNotFoundError(f"dataset.path={path!r}: {Path(path).expanduser()} {what}; {forms}")
 
 
-def hub_split(source: HFSource, split: str, *, key: str) -> Any:
-    """``split`` of the hub data set ``source.path`` (the Hugging Face cache first when offline)."""
+def hub_split(source: HFSource, split: str, *, key: str, cache: Path | None = None) -> Any:
+    """``split`` of the hub data set ``source.path`` (the Hugging Face cache first when offline).
+
+    ``cache``: the dpfl cache its conversion is kept in (named when it cannot be loaded; default
+    :func:`cache_folder`).
+    """
     import datasets
 
     try:
@@ -397,19 +404,20 @@ def hub_split(source: HFSource, split: str, *, key: str) -> Any:
     except ValueError as error:
         if "split" in str(error).lower():
             raise DataNotFoundError(f"{key}={split!r}: {source.path} has no such split") from None
-        raise DataNotFoundError(not_found(source, error)) from None
+        raise DataNotFoundError(not_found(source, error, cache)) from None
     except OSError as error:  # ConnectionError (offline), FileNotFoundError (no such data set)
-        raise DataNotFoundError(not_found(source, error)) from None
+        raise DataNotFoundError(not_found(source, error, cache)) from None
 
 
-def not_found(source: HFSource, error: BaseException) -> str:
-    """The one line for a data set that is neither local nor loadable from the hub."""
+def not_found(source: HFSource, error: BaseException, cache: Path | None = None) -> str:
+    """The one line for a data set that is neither local nor loadable from the hub (``cache``: dpfl's)."""
     import datasets
 
     hf_cache = datasets.config.HF_DATASETS_CACHE
+    dpfl_cache = cache_folder() if cache is None else cache
     return (
         f"dataset.path={source.path!r}: not a local folder or file ({Path(source.path).expanduser()}), "
-        f"not in the dpfl cache ({cache_folder()}) or the Hugging Face cache ({hf_cache}), and the hub "
+        f"not in the dpfl cache ({dpfl_cache}) or the Hugging Face cache ({hf_cache}), and the hub "
         f"failed ({first_line(error)}); {HOW_TO_PROVIDE}"
     )
 

@@ -113,6 +113,7 @@ def write_token_corpus(
     import json
 
     from fl_app.data.text import CONVERTER_VERSION, META_FILE
+    from fl_app.data.text_cache import file_records
     from fl_app.data.text_tokens import Vocabulary
 
     rng = np.random.default_rng(seed)
@@ -142,6 +143,7 @@ def write_token_corpus(
         "dtype": vocabulary.dtype().str,
         "vocabulary": list(vocabulary.tokens),
         **counts,
+        "files": file_records(folder),
     }
     (folder / META_FILE).write_text(json.dumps(meta))
     return counts

@@ -10,12 +10,17 @@ and kept in ``$DPFL_DATA_HOME/text/<key>/``:
   that user trains;
 * ``train_offsets.npy`` and ``test_offsets.npy``: where each user's rows start (``int64``, one more
   than the users);
-* ``meta.json``: the vocabulary, the counts, the shapes and what the arrays were built from.
+* ``meta.json``: the vocabulary, the counts, the shapes, what the arrays were built from and each
+  array file's size and SHA-256;
+* ``verified.json``: the files' ``stat`` when their last check passed (:mod:`fl_app.data.text_cache`).
 
 The key covers the source (path and files' fingerprint as :func:`fl_app.data.hf.fingerprint` takes it,
-splits, columns) and the task (level, vocabulary size or file, sequence length, the cap per user), so
-another setting is converted again and the same one never is. The folder is written under a
-temporary name and renamed: a reader never sees half of it.
+splits, columns) and the task (level, vocabulary size, file or DP release, sequence length, the cap
+per user), so another setting is converted again and the same one never is. The folder is written under a
+temporary name and renamed: a reader never sees half of it, and a stopped conversion leaves nothing
+(a killed one's folder is removed by a later run). A cached folder that fails its check (sizes,
+checksums, token ids: :func:`fl_app.data.text_cache.check_arrays`) is converted again, with one line
+saying why.
 
 Users are the natural partition: the test users are the source's test split when it has one (TFF's
 Stack Overflow ``test``), else the held-out users, a fixed ``dataset.test_fraction`` of the users
@@ -38,7 +43,7 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,6 +55,16 @@ from fl_app.data.examples import DEFAULT_USER_COLUMNS, ClientDataset, concatenat
 from fl_app.data.hf import file_stamp, fingerprint
 from fl_app.data.natural import draw_client_users
 from fl_app.data.sources import ArrayDataset, DataFileError, DataNotFoundError, data_home
+from fl_app.data.text_cache import (
+    META_FILE,
+    CacheCheckError,
+    check_arrays,
+    file_records,
+    record_verified,
+    remove_abandoned,
+    staging_folder,
+    stat_record,
+)
 from fl_app.data.text_sources import TextSource, UserTexts, open_reader, test_split_of
 from fl_app.data.text_tokens import (
     CHAR_VOCAB,
@@ -60,10 +75,11 @@ from fl_app.data.text_tokens import (
     top_words,
     user_sequences,
 )
+from fl_app.data.text_vocabulary import count_bounded_words, read_counts, read_release, write_counts
 
-#: Bump when the conversion changes: corpora of another version are converted again.
-CONVERTER_VERSION = 1
-META_FILE = "meta.json"
+#: Bump when the conversion changes: corpora of another version are converted again (2: words split on
+#: single spaces, case kept, as TFF splits them).
+CONVERTER_VERSION = 2
 
 
 def user_column(dataset: dict[str, Any], partition: dict[str, Any]) -> str:
@@ -94,6 +110,8 @@ def cache_key(source: TextSource) -> str:
     }
     if source.level == "char":
         del fields["vocab_size"]  # the characters are TFF's fixed 86
+    if source.release is None:
+        del fields["release"]  # the keys of corpora converted before DP releases existed
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
 
 
@@ -147,27 +165,55 @@ class TextCorpus:
 
 
 def open_corpus(folder: Path) -> TextCorpus | None:
-    """The corpus kept in ``folder``; None when it is absent, of another version or unreadable."""
+    """The corpus kept in ``folder``; None when it is absent, of another version or fails its check."""
+    try:
+        return read_corpus(folder)
+    except CacheCheckError:
+        return None
+
+
+def read_corpus(folder: Path, *, require_checksums: bool = True) -> TextCorpus:
+    """The corpus kept in ``folder``, checked (:func:`fl_app.data.text_cache.check_arrays`).
+
+    Raises
+    ------
+    CacheCheckError
+        Why it cannot be read, in one line: a file missing or unreadable, another version, a file
+        of the wrong size or checksum, a token id outside the vocabulary.
+
+    """
     try:
         meta = json.loads((folder / META_FILE).read_text())
         if meta.get("version") != CONVERTER_VERSION:
-            return None
+            raise CacheCheckError(f"converted by another dpfl version ({meta.get('version')})")
+        offsets = {
+            name: np.load(folder / f"{name}_offsets.npy", allow_pickle=False) for name in ("train", "test")
+        }
+        rows = {name: int(split_offsets[-1]) for name, split_offsets in offsets.items()}
+        check_arrays(folder, meta, rows, require_checksums=require_checksums)
         width = int(meta["sequence_length"]) + 1
         dtype = np.dtype(meta["dtype"])
         splits = {}
         for name in ("train", "test"):
-            offsets = np.load(folder / f"{name}_offsets.npy", allow_pickle=False)
-            rows = int(offsets[-1])
             tokens = (
-                np.memmap(folder / f"{name}.tokens", dtype=dtype, mode="r", shape=(rows, width))
-                if rows
+                np.memmap(folder / f"{name}.tokens", dtype=dtype, mode="r", shape=(rows[name], width))
+                if rows[name]
                 else np.zeros((0, width), dtype=dtype)
             )
-            splits[name] = Split(tokens, offsets, folder / f"{name}.tokens")
-    except (OSError, KeyError, ValueError):
-        return None
-    vocabulary = Vocabulary(tuple(meta["vocabulary"]))
+            splits[name] = Split(tokens, offsets[name], folder / f"{name}.tokens")
+        vocabulary = Vocabulary(tuple(meta["vocabulary"]))
+    except (OSError, KeyError, ValueError, TypeError, IndexError, AttributeError) as error:
+        raise CacheCheckError(unreadable(error)) from None
     return TextCorpus(splits["train"], splits["test"], vocabulary, int(meta["sequence_length"]), meta)
+
+
+def unreadable(error: Exception) -> str:
+    """Why a converted folder's files could not be read, in a few words."""
+    if isinstance(error, FileNotFoundError) and error.filename:
+        return f"{Path(error.filename).name} is missing"
+    if isinstance(error, KeyError):
+        return f"{META_FILE} lacks {error}"
+    return f"a file cannot be read ({type(error).__name__}: {' '.join(str(error).split())[:120]})"
 
 
 def load_text_corpus(source: TextSource) -> TextCorpus:
@@ -184,15 +230,36 @@ def load_text_corpus(source: TextSource) -> TextCorpus:
     if local is not None and (local / META_FILE).is_file():  # a converted corpus, named as it is
         return converted_folder(source, local)
     folder = corpus_path(source)
-    corpus = open_corpus(folder)
-    if corpus is None:
-        convert(source, folder)
-        corpus = open_corpus(folder)
-        if corpus is None:
-            raise DataFileError(
-                f"dataset.path={source.path!r}: the converted arrays in {folder} cannot be read"
+    remove_leftovers(folder.parent)
+    if folder.exists():
+        try:
+            return read_corpus(folder)
+        except CacheCheckError as problem:
+            print(
+                f"dpfl: the converted {source.path} in {folder} fails its check ({problem}): converting "
+                "it again",
+                file=sys.stderr,
+                flush=True,
             )
-    return corpus
+    convert(source, folder)
+    try:
+        return read_corpus(folder)
+    except CacheCheckError as problem:
+        raise DataFileError(
+            f"dataset.path={source.path!r}: the converted arrays in {folder} cannot be read ({problem})"
+        ) from None
+
+
+def remove_leftovers(cache: Path) -> None:
+    """Remove the partial conversions killed processes left in ``cache`` (one line if any)."""
+    removed = remove_abandoned(cache)
+    if removed:
+        print(
+            f"dpfl: removed {len(removed)} partial conversion(s) that stopped processes left in {cache} "
+            f"({', '.join(folder.name for folder in removed[:3])}{', ...' if len(removed) > 3 else ''})",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def converted_folder(source: TextSource, folder: Path) -> TextCorpus:
@@ -200,12 +267,13 @@ def converted_folder(source: TextSource, folder: Path) -> TextCorpus:
 
     Its sequence length must be the configured one (its vocabulary is its own).
     """
-    corpus = open_corpus(folder)
-    if corpus is None:
+    try:
+        corpus = read_corpus(folder, require_checksums=False)
+    except CacheCheckError as problem:
         raise DataFileError(
-            f"dataset.path={source.path!r}: a converted corpus that cannot be read (another dpfl version?); "
-            "convert the data set again"
-        )
+            f"dataset.path={source.path!r}: a converted corpus that fails its check ({problem}); convert "
+            "the data set again"
+        ) from None
     if corpus.sequence_length != source.sequence_length:
         raise DataFileError(
             f"dataset.sequence_length={source.sequence_length}: the converted corpus {folder} holds "
@@ -236,23 +304,14 @@ def held_out_users(users: list[str], fraction: float) -> set[str]:
 
 def convert(source: TextSource, folder: Path) -> None:
     """Read ``source`` (every check first), build the vocabulary, write the token arrays into ``folder``."""
-    reader = open_reader(source)
-    test_split = test_split_of(reader, source)
-    probe(reader, source, test_split)
-    held = (
-        set()
-        if test_split is not None
-        else held_out_users(reader.user_ids(source.split), source.test_fraction)
-    )
+    reader, test_split, held = open_training_side(source)
     vocabulary = build_vocabulary(reader, source, held)
     print(
         f"dpfl: reading {source.path} ({source.split}) and converting it to token sequences, once: later "
         f"runs read {folder}",
         flush=True,
     )
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    try:
+    with staging_folder(folder) as staging, abandoned_on_stop(source):
         counts = write_splits(reader, source, test_split, held, vocabulary, staging)
         meta = {
             "version": CONVERTER_VERSION,
@@ -262,13 +321,70 @@ def convert(source: TextSource, folder: Path) -> None:
             "dtype": vocabulary.dtype().str,
             "vocabulary": list(vocabulary.tokens),
             **counts,
+            "files": file_records(staging),
         }
         (staging / META_FILE).write_text(json.dumps(meta))
         with contextlib.suppress(OSError):
-            shutil.rmtree(folder)  # an unreadable earlier conversion
+            shutil.rmtree(folder)  # an earlier conversion that failed its check
         os.replace(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    record_verified(folder, stat_record(folder))
+
+
+@contextlib.contextmanager
+def abandoned_on_stop(source: TextSource) -> Iterator[None]:
+    """Note on a stop (Ctrl-C, SIGTERM as the command raises it) that the conversion was abandoned."""
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        stop.add_note(f"converting {source.path}: its partial arrays were removed")
+        raise
+
+
+def open_training_side(source: TextSource) -> tuple[Any, str | None, set[str]]:
+    """The reader of ``source``, its test split and its held-out users (none with a test split).
+
+    Each split's first user is read first (:func:`probe`): a missing split or column fails at once.
+    """
+    reader = open_reader(source)
+    test_split = test_split_of(reader, source)
+    probe(reader, source, test_split)
+    held = (
+        set()
+        if test_split is not None
+        else held_out_users(reader.user_ids(source.split), source.test_fraction)
+    )
+    return reader, test_split, held
+
+
+def training_word_counts(source: TextSource, words_per_user: int) -> dict[str, int]:
+    """Each word's number of training users among whose ``words_per_user`` most used words it is.
+
+    The bounded contributions a DP vocabulary is released from
+    (:func:`fl_app.data.text_vocabulary.count_bounded_words`; every sentence of a user, test users
+    left out). Kept under a key of the source, its files' fingerprint and ``words_per_user``
+    (:func:`fl_app.data.text_vocabulary.counts_path`): a sweep's releases count once.
+    """
+    fields = {
+        key: value
+        for key, value in asdict(source).items()
+        if key in ("path", "split", "test_split", "test_fraction", "user_column", "text_column", "revision")
+    }
+    fields |= {
+        "fingerprint": fingerprint(source.as_hf()),
+        "words_per_user": words_per_user,
+        "version": CONVERTER_VERSION,
+    }
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+    kept = read_counts(key)
+    if kept is not None:
+        return kept
+    reader, _, held = open_training_side(source)
+    print(f"dpfl: counting the training users' words of {source.path} for a DP vocabulary, once", flush=True)
+    counts = count_bounded_words(
+        (user.texts for user in training_users(reader, source, held)), words_per_user
+    )
+    write_counts(key, counts)
+    return counts
 
 
 def training_users(reader: Any, source: TextSource, held: set[str]) -> Iterator[UserTexts]:
@@ -301,6 +417,8 @@ def build_vocabulary(reader: Any, source: TextSource, held: set[str]) -> Vocabul
     """TFF's 86 characters; or the ``vocab_size`` words used by the most training users (or a file's)."""
     if source.level == "char":
         return Vocabulary(CHAR_VOCAB)
+    if source.release is not None:  # a DP release (fl_app.config.data_choices chose it)
+        return Vocabulary(read_release(source.release)[0])
     if source.vocabulary is not None:
         try:
             with Path(source.vocabulary).expanduser().open(encoding="utf-8") as lines:
@@ -417,11 +535,24 @@ class TextData:
     """
 
     def __init__(
-        self, corpus: TextCorpus, users: tuple[np.ndarray, np.ndarray, np.ndarray], uncounted: tuple[int, ...]
+        self,
+        corpus: TextCorpus,
+        users: tuple[np.ndarray, np.ndarray, np.ndarray],
+        uncounted: tuple[int, ...],
+        *,
+        requested_words: int | None = None,
     ) -> None:
         self.corpus = corpus
         self.public_users, self.client_users, self.validation_users = users
         self.uncounted_targets = uncounted
+        self.requested_words = requested_words
+
+    def vocabulary_shortfall(self) -> tuple[int, int] | None:
+        """``(words, asked)`` when the vocabulary holds fewer words than ``dataset.vocab_size`` asked for."""
+        words = len(self.corpus.vocabulary.tokens)
+        if self.requested_words is None or words >= self.requested_words:
+            return None
+        return words, self.requested_words
 
     @property
     def num_classes(self) -> int:
@@ -527,8 +658,16 @@ def text_source(dataset: dict[str, Any], partition: dict[str, Any]) -> TextSourc
 
 
 def uncounted_targets(dataset: dict[str, Any], vocabulary: Vocabulary) -> tuple[int, ...]:
-    """What accuracy leaves out: pad and end of sentence, and out of vocabulary when the data set says so."""
-    tokens = [PAD, vocabulary.eos]
+    """What accuracy leaves out: the pad; end of sentence and out of vocabulary as the data set says.
+
+    ``dataset.accuracy_without_eos`` (default true: TFF's ``accuracy_no_oov_or_eos``, what the DP-FTRL
+    and matrix-factorization papers report) and ``dataset.accuracy_without_oov``; both false counts
+    every non-pad target, as pfl-research's ``accuracy`` does (its ``accuracy wo unk``: only the
+    out-of-vocabulary one true).
+    """
+    tokens = [PAD]
+    if dataset.get("accuracy_without_eos", True):
+        tokens.append(vocabulary.eos)
     if dataset.get("accuracy_without_oov", False):
         tokens.append(vocabulary.oov)
     return tuple(sorted(tokens))
@@ -553,4 +692,5 @@ def build_text_data(
         seed=seed,
         column=f"partition.column={source.user_column!r}",
     )
-    return TextData(corpus, users, uncounted_targets(dataset, corpus.vocabulary))
+    asked = source.vocab_size if source.level == "word" else None
+    return TextData(corpus, users, uncounted_targets(dataset, corpus.vocabulary), requested_words=asked)

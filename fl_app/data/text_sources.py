@@ -36,8 +36,9 @@ from fl_app.data.hf import (
     open_split,
     quiet_datasets,
 )
-from fl_app.data.sources import DataFileError, DataNotFoundError
+from fl_app.data.sources import DataFileError, DataNotFoundError, data_home
 from fl_app.data.text_tokens import Level
+from fl_app.data.text_vocabulary import CHOICE_KEY
 from fl_app.data.tf_example import ExampleError, example_features
 
 #: ``datasets`` builders by file suffix (a data file is one split, the training split).
@@ -72,6 +73,8 @@ class TextSource:
     sequence_length: int
     max_sequences_per_user: int | None
     revision: str | None = None
+    #: The key of a DP vocabulary release (:mod:`fl_app.data.text_vocabulary`); None: no release.
+    release: str | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], *, user_column: str) -> TextSource:
@@ -97,6 +100,7 @@ class TextSource:
             sequence_length=int(options["sequence_length"]),
             max_sequences_per_user=None if limit is None else int(limit),
             revision=optional("revision"),
+            release=(options.get(CHOICE_KEY) or {}).get("release"),
         )
 
     def as_hf(self) -> HFSource:
@@ -220,7 +224,8 @@ class DatasetsReader:
         if local is None and looks_like_a_path(self.source.path):
             raise missing_path(self.source.path, TEXT_FORMS)
         if not self.single_file or local is None:
-            return open_split(self.source.as_hf(), split, key=key)
+            # the text cache (fl_app.data.text.cache_folder) is named when the hub is out of reach
+            return open_split(self.source.as_hf(), split, key=key, cache=data_home() / "text")
         if split != self.source.split:
             raise DataNotFoundError(f"{key}={split!r}: {self.source.path} is one data file: one split")
         suffix = next((s for s in FILE_BUILDERS if local.name.endswith(s)), ".parquet")

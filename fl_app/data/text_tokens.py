@@ -5,11 +5,12 @@ stackoverflow_word_prediction.py``, ``get_special_tokens``; ``utils/datasets/sha
 ``0`` is the pad, the ``K`` words (or characters) are ``1..K``, then out of vocabulary ``K + 1``,
 beginning of sentence ``K + 2`` and end of sentence ``K + 3``: ``K + 4`` tokens in all.
 
-* **Words** (:func:`word_sequence`, Stack Overflow): the sentence lower-cased and split on
-  whitespace, cut to ``length`` words, each word's id (out of vocabulary when it is not one of the
-  ``K``), end of sentence appended when the sentence had fewer than ``length`` words, beginning of
-  sentence put in front, padded to ``length + 1``: one sequence per sentence, the input its first
-  ``length`` tokens, the target its last ``length``.
+* **Words** (:func:`word_sequence`, Stack Overflow): the sentence split on single spaces
+  (:func:`words_of`: TFF's ``tf.strings.split(sentence, sep=' ')``, case kept, so two spaces in a row
+  give an empty word, out of vocabulary), cut to ``length`` words, each word's id (out of vocabulary
+  when it is not one of the ``K``), end of sentence appended when the sentence had fewer than
+  ``length`` words, beginning of sentence put in front, padded to ``length + 1``: one sequence per
+  sentence, the input its first ``length`` tokens, the target its last ``length``.
 * **Characters** (:func:`character_sequences`, TFF's Shakespeare snippets): beginning of sentence,
   the characters' ids, end of sentence, padded to a multiple of ``length + 1`` and cut into sequences
   of ``length + 1``.
@@ -81,7 +82,7 @@ def count_user_words(texts: Iterable[str], counts: dict[str, int]) -> None:
     """Add one user's words to ``counts``: each word once per user who uses it."""
     seen: set[str] = set()
     for text in texts:
-        seen.update(text.lower().split())
+        seen.update(word for word in words_of(text) if word)
     for word in seen:
         counts[word] = counts.get(word, 0) + 1
 
@@ -98,9 +99,19 @@ def read_word_counts(lines: Iterable[str], size: int) -> tuple[str, ...]:
     return tuple(words)
 
 
+def words_of(text: str) -> list[str]:
+    """A sentence's words as TFF's Stack Overflow task splits them: on every single space, case kept.
+
+    google-research/federated ``utils/datasets/stackoverflow_word_prediction.py``, ``build_to_ids_fn``:
+    ``tf.strings.split(sentence, sep=' ')``. TFF's sentences are lower-cased, space-separated tokens
+    already; a tab or any other whitespace stays inside a word, and the empty sentence is one empty word.
+    """
+    return text.split(" ")
+
+
 def word_sequence(text: str, ids: dict[str, int], vocabulary: Vocabulary, length: int) -> np.ndarray:
     """One sentence as ``length + 1`` ids: bos, its first ``length`` words, eos if it was shorter, pads."""
-    words = text.lower().split()[:length]
+    words = words_of(text)[:length]
     row = np.full(length + 1, PAD, dtype=np.int64)
     row[0] = vocabulary.bos
     row[1 : 1 + len(words)] = [ids.get(word, vocabulary.oov) for word in words]

@@ -9,7 +9,9 @@ is one line and nothing is written. What it needs beyond Hydra's public API:
 * :func:`sweep_jobs`: the override list of every job of a multirun, as Hydra's basic sweeper
   makes them (``hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments``);
 * :func:`submitit_jobs_reported`: a job of Hydra's submitit launcher that left no result is one line
-  (``submitit.core.core.Job.results`` is wrapped while the launcher waits).
+  (``submitit.core.core.Job.results`` is wrapped while the launcher waits), and ``submitit_local``
+  starts each job in a session of its own (``submitit.local.local.start_controller``), so a Ctrl-C
+  reaches the command only, which stops its jobs through their stop file.
 
 A Hydra upgrade must revisit this module; nothing else in dpfl imports Hydra's internals
 (``tests/test_repository.py``).
@@ -17,6 +19,7 @@ A Hydra upgrade must revisit this module; nothing else in dpfl imports Hydra's i
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -94,7 +97,7 @@ def launcher_names() -> list[str]:
 
 @contextmanager
 def submitit_jobs_reported(
-    failed: Callable[[str, Path | None], None], done: Callable[[str], None]
+    failed: Callable[[str, Path | None], None], done: Callable[[str, Path, Any], None]
 ) -> Iterator[None]:
     """While in the block, a submitit launcher's job that ends without a result is one line, not a traceback.
 
@@ -104,13 +107,19 @@ def submitit_jobs_reported(
     and the sweep's other results were not waited for. In the block, such a job is reported with
     ``failed(line, sweep_dir)`` (its number, overrides, what submitit saw, its log file; the sweep's
     directory, None if unreadable) and the launcher goes on with the next job; a job that returned is
-    reported with ``done(line)``.
+    reported with ``done(name, log, value)`` (its number and overrides, its log file, what the job's
+    function returned).
+
+    ``submitit_local`` starts each job in a session of its own (:func:`_in_own_session`): a Ctrl-C in
+    the terminal then reaches the command only, whose stop file stops the jobs, and no longer submitit's
+    controller, which printed a traceback and killed its job while the job wrote its results.
     """
     from hydra.core.utils import JobReturn, JobStatus
     from submitit.core.core import Job
     from submitit.core.utils import UncompletedJobError
+    from submitit.local import local
 
-    original = Job.results
+    original, start_controller = Job.results, local.start_controller
 
     def results(job: Job) -> list[JobReturn]:
         try:
@@ -120,14 +129,51 @@ def submitit_jobs_reported(
             placeholder = JobReturn()
             placeholder.status, placeholder.return_value = JobStatus.COMPLETED, None
             return [placeholder]
-        done(f"job {_job_name(job)} ended (its log: {job.paths.stderr})")
+        first = returned[0] if returned else None
+        value = first.return_value if first is not None and first.status == JobStatus.COMPLETED else None
+        done(_job_name(job), Path(job.paths.stderr), value)
         return returned
 
     Job.results = results  # type: ignore[method-assign]
+    local.start_controller = _in_own_session(start_controller)
     try:
         yield
     finally:
         Job.results = original  # type: ignore[method-assign]
+        local.start_controller = start_controller
+
+
+class _SessionOfItsOwn:
+    """``subprocess`` as submitit's ``start_controller`` sees it: its ``Popen`` starts a new session."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen[Any]:  # noqa: N802 (subprocess's name)
+        """``subprocess.Popen`` in a session (and process group) of its own."""
+        return subprocess.Popen(*args, **{**kwargs, "start_new_session": True})
+
+
+def _in_own_session(start_controller: Callable[..., Any]) -> Callable[..., Any]:
+    """``start_controller`` of submitit 1.5.4, its controller process in a session of its own.
+
+    In the command's process group, the controller (``python -m submitit.local._local``) and its job
+    get the terminal's Ctrl-C: the controller raises ``KeyboardInterrupt`` (a traceback on the command's
+    console), then sends its job SIGINT and, a second later, SIGKILL, while the job writes its results.
+    In a session of their own they get no signal from the terminal; the command's stop file
+    (:data:`fl_app.run.lifecycle.STOP_FILE_ENV`, in their environment) stops the job's run.
+    """
+    from submitit.local import local
+
+    def started(*args: Any, **kwargs: Any) -> Any:
+        local.subprocess = _SessionOfItsOwn()  # type: ignore[assignment]
+        try:
+            return start_controller(*args, **kwargs)
+        finally:
+            local.subprocess = subprocess
+
+    return started
 
 
 def _sweep_dir(job: Any) -> Path | None:

@@ -36,6 +36,7 @@ from fl_app.engine.batching import (
     Outcome,
     run_jobs,
 )
+from fl_app.engine.workers import record_workers
 
 
 def _reduce_memoryview(view: memoryview) -> tuple[Any, ...]:
@@ -79,6 +80,9 @@ class InlineBackend:
     backend for dpfl's batched workers (``BATCHING_FLAG``), which call :attr:`Batching.send`.
     """
 
+    #: ``simulation.backend``'s name for it (:mod:`fl_app.engine.workers`).
+    kind = "inline"
+
     def __init__(self, backend_config: dict[str, Any]) -> None:
         self.backend_config = backend_config
         self.app_fn: Callable[[], Any] | None = None
@@ -91,6 +95,7 @@ class InlineBackend:
         batching = Batching(None, slots=self.num_workers)
         batching.send = self._sender(batching)
         setattr(self, BATCHING_FLAG, batching)
+        record_workers(self.kind, self.num_workers)
 
     def _sender(self, batching: Batching) -> Callable[[list[Job]], list[Outcome]]:
         def send(jobs: list[Job]) -> list[Outcome]:

@@ -4,7 +4,9 @@
   function ``flwr-simulation`` calls: the public ``run_simulation`` passes an empty run config, and
   dpfl's overrides travel in the run config.
 * :func:`start_ray` starts Ray with the arguments Flower's Ray backend would use (which then finds it
-  running), so the driver can handle SIGTERM itself.
+  running), so the driver can handle SIGTERM itself, and with start-up timeouts a loaded machine needs
+  (:data:`RAY_START_TIMEOUT_S`: Ray's own settings, and its 30-s wait for the raylet to register,
+  ``ray._private.services.get_node``, made patient: :func:`raylet_registration_wait`).
 * :func:`ray_session_folder`: where the instance this process started keeps its logs (Ray's private
   ``_global_node``), which names its processes to :mod:`fl_app.engine.orphan_reaper`.
 * :func:`actor_limit` caps the actor pool (Flower sizes it from the whole Ray cluster).
@@ -20,8 +22,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from fl_app.engine import batching
@@ -30,6 +34,7 @@ from fl_app.engine.dispatch import forget_node_partitions, install_fast_dispatch
 from fl_app.engine.inline import client_threads, inline_backend
 from fl_app.engine.pool import install_pipelined_pool
 from fl_app.engine.processes import process_backend, worker_count
+from fl_app.engine.workers import forget_workers
 
 
 def install_engine_patches(*, ray: bool = True) -> None:
@@ -131,6 +136,7 @@ def run_simulation_engine(
     batching.set_messages_per_task(messages_per_task)
     install_engine_patches(ray=backend == "ray")
     forget_node_partitions()  # this run's engine records its own
+    forget_workers()
     with client_backend(backend, backend_config, max_actors, keep_ray):  # forks before the engine's threads
         watched_from_the_main_thread(
             lambda: _run_simulation(
@@ -195,6 +201,50 @@ def watched_from_the_main_thread(run: Callable[[], None]) -> None:
         raise raised[0]
 
 
+#: The longest Ray may take to start here (seconds): what a 2-core machine at a load of 15-20 needs
+#: (Ray's own defaults: 30 s for the raylet to register, 60 s for a GCS request or a worker to register).
+RAY_START_TIMEOUT_S = 300.0
+#: Ray's start-up timeouts read from the environment (Ray 2.55; its processes inherit them), in seconds.
+RAY_TIMEOUT_VARIABLES = ("RAY_gcs_server_request_timeout_seconds", "RAY_worker_register_timeout_seconds")
+#: Seconds between two asks for the raylet's registration while Ray starts.
+REGISTRATION_POLL_S = 0.5
+
+
+def ray_start_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """Ray's start-up timeouts to set: :data:`RAY_START_TIMEOUT_S` for each one ``environ`` leaves unset."""
+    value = str(int(RAY_START_TIMEOUT_S))
+    return {name: value for name in RAY_TIMEOUT_VARIABLES if not environ.get(name)}
+
+
+@contextlib.contextmanager
+def raylet_registration_wait(timeout_s: float) -> Iterator[None]:
+    """While in the block, Ray's start waits up to ``timeout_s`` for the raylet to register (not 30 s).
+
+    ``ray._private.node.Node`` (Ray 2.55) asks ``ray._private.services.get_node`` until it answers and
+    gives up after a fixed 30 s ("The current node timed out during startup"), too short on a loaded
+    machine. In the block each ask retries for the rest of ``timeout_s`` before it fails.
+    """
+    from ray._private import services
+
+    original = services.get_node
+    deadline = time.monotonic() + timeout_s
+
+    def patient(*args: Any, **kwargs: Any) -> Any:
+        while True:
+            try:
+                return original(*args, **kwargs)
+            except RuntimeError:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(REGISTRATION_POLL_S)
+
+    services.get_node = patient
+    try:
+        yield
+    finally:
+        services.get_node = original
+
+
 def start_ray(init_args: dict[str, Any]) -> None:
     """Start (or join) Ray exactly as Flower's Ray backend would, before the engine does.
 
@@ -202,9 +252,9 @@ def start_ray(init_args: dict[str, Any]) -> None:
     here lets the caller keep its own SIGTERM handler (``ray.init`` replaces the driver's with one
     that exits at once when it runs on the main thread; :mod:`fl_app.engine.ray_session` runs it on its
     own). Same arguments as Flower's: the backend's ``init_args``, no dashboard, and this process's
-    ``sys.path`` as the workers' ``PYTHONPATH``.
+    ``sys.path`` as the workers' ``PYTHONPATH``. Ray's start-up timeouts are :data:`RAY_START_TIMEOUT_S`
+    unless the environment sets them (:func:`ray_start_environment`, :func:`raylet_registration_wait`).
     """
-    import os
     import sys
 
     import ray
@@ -215,9 +265,11 @@ def start_ray(init_args: dict[str, Any]) -> None:
     if os.environ.get("PYTHONPATH"):
         pythonpath = f"{pythonpath}{os.pathsep}{os.environ['PYTHONPATH']}"
     os.environ["PYTHONPATH"] = pythonpath
-    ray.init(
-        runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **{"include_dashboard": False, **init_args}
-    )
+    os.environ.update(ray_start_environment(os.environ))
+    with raylet_registration_wait(RAY_START_TIMEOUT_S):
+        ray.init(
+            runtime_env={"env_vars": {"PYTHONPATH": pythonpath}}, **{"include_dashboard": False, **init_args}
+        )
 
 
 def ray_session_folder() -> str | None:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fl_app.engine.batching import BATCHING_FLAG, Batching, batching_actor_type, ray_batch_sender
+from fl_app.engine.workers import record_workers
 
 #: Messages each Ray actor may hold at once (1 is Flower's own behaviour).
 PIPELINE_DEPTH = 2
@@ -180,6 +181,7 @@ def install_pipelined_pool(depth: int = PIPELINE_DEPTH) -> None:
         raybackend.ClientAppActor = batching_actor_type()  # the actor class Flower's build creates
         with prestarted_actors_first(self.client_resources):
             original_build(self, app_fn)
+        record_workers("ray", self.pool.num_actors)  # the actors, before pipelining lends each `depth` times
         pipeline_pool(self.pool, depth)
         batching = Batching(None, slots=self.pool.num_actors)
         batching.send = ray_batch_sender(self, stopped=batching.stopped)

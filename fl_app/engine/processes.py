@@ -193,6 +193,7 @@ class ProcessBackend(InlineBackend):
     """
 
     pool: WorkerPool
+    kind = "processes"
 
     def build(self, app_fn: Callable[[], Any]) -> None:
         """As the inline backend's, with dpfl's ClientApp loader by reference (it travels with each batch)."""

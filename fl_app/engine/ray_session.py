@@ -29,14 +29,17 @@ from typing import Any
 import psutil
 
 from fl_app.config.settings import RunSettings
-from fl_app.engine.launch import import_ray_modules, ray_session_folder, start_ray
+from fl_app.engine.launch import RAY_START_TIMEOUT_S, import_ray_modules, ray_session_folder, start_ray
 from fl_app.engine.orphan_reaper import OwnerWatch, watch_owner
 from fl_app.engine.pool import end_prestarted_actors, prestart_actors
 from fl_app.run.lifecycle import RunFailed, RunInterrupted, restore_signal_dispositions, stop_requested
 from fl_app.run.timeline import mark
 
-#: Longest wait for Ray to start (a busy machine took 12 s; Ray's own timeouts are longer).
-START_TIMEOUT_S = 120.0
+#: Longest wait for Ray to start (a busy machine took 12 s; a 2-core one at a load of 15-20 more than Ray's
+#: own 30-s limit, which :func:`fl_app.engine.launch.start_ray` lifts to the same), and a little more.
+START_TIMEOUT_S = RAY_START_TIMEOUT_S + 30.0
+#: What a failure of Ray's start says besides its reason: the backend that needs no Ray.
+WITHOUT_RAY = "simulation.backend=processes runs the clients without Ray"
 
 
 def client_resources(settings: RunSettings) -> dict[str, Any]:
@@ -161,12 +164,13 @@ class RaySession:
             if signum is not None:
                 raise RunInterrupted(signum)
             if time.monotonic() > deadline:
-                raise RunFailed(f"Ray did not start within {START_TIMEOUT_S:.0f} s")
+                raise RunFailed(f"Ray did not start within {START_TIMEOUT_S:.0f} s; {WITHOUT_RAY}")
         if start.error is not None:
             signum = stop_requested()  # the group's signal killed Ray's processes: the start failed of it
             if signum is not None:
                 raise RunInterrupted(signum) from start.error
-            raise RunFailed(f"Ray did not start: {' '.join(str(start.error).split())}") from start.error
+            reason = " ".join(str(start.error).split())
+            raise RunFailed(f"Ray did not start: {reason}; {WITHOUT_RAY}") from start.error
 
     def after_job(self) -> None:
         """A job ended: stop Ray unless it is kept for the command's next job (whose actors start now)."""

@@ -64,3 +64,19 @@ class ModelSpec:
 
             mark_next_token(network, self.uncounted)
         return network
+
+    def parameter_count(self) -> int:
+        """The network's number of parameters, built on torch's meta device (no memory, no initialisation).
+
+        A network that cannot be built there is built as :meth:`build` builds it.
+        """
+        import torch
+
+        from fl_app.learning.models import build_model
+
+        try:
+            with torch.device("meta"):
+                network = build_model(self.name, self.input_shape, self.num_classes)
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            network = build_model(self.name, self.input_shape, self.num_classes)
+        return sum(parameter.numel() for parameter in network.parameters())

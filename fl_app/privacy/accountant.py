@@ -7,6 +7,15 @@ list count for every client), and composes a client's history with
 :func:`~fl_app.privacy.composition.compose_epsilon`. The epsilon it reports for
 a run is the worst client's: the guarantee every client gets.
 
+Clients with identical histories are charged and stored once: each client holds
+the index of its history class (one numpy array over the population), an event
+moves every class among its participants to the class of that history plus the
+event (a handful of classes per event, not one update per member), and the
+worst epsilon composes each distinct class once. The events share one copy of
+each distinct participant tuple (a public group charged every ``b`` rounds, the
+whole population charged every round), so a pickled accountant (a run's
+checkpoint) stores each such tuple once.
+
 The unit of privacy (what a neighbouring pair is: one record, one client's data
 set, one report) is stated by the strategy and carried in :attr:`unit`; the
 accountant's arithmetic does not depend on it because every mechanism
@@ -15,14 +24,19 @@ descriptor is normalised by the sensitivity for that unit.
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
+
+import numpy as np
 
 from fl_app.privacy.composition import METHODS, EpsilonReport, basic_epsilon, compose_epsilon, history_key
 from fl_app.privacy.events import Mechanism, PrivacyEvent
 
 _STATE_VERSION = 1
+#: A history in hashable form (:func:`~fl_app.privacy.composition.history_key`).
+HistoryKey = tuple[tuple[Mechanism, int], ...]
 #: The file a run's main accountant writes its events to (its output directory).
 LEDGER_FILE = "privacy_ledger.json"
 
@@ -47,15 +61,42 @@ class PrivacyAccountant:
         if not population:
             raise ValueError("population must not be empty")
         self.population: tuple[int, ...] = tuple(int(c) for c in population)
-        self._members = frozenset(self.population)
+        self._index_population()
         if len(self._members) != len(self.population):
             raise ValueError("population ids must be unique")
         self.unit = unit
         self.method = method
         self.events: list[PrivacyEvent] = []
         self._common: Counter[Mechanism] = Counter()
-        self._personal: dict[int, Counter[Mechanism]] = {}
-        self._rounds: dict[int, set[int]] = {}
+        size = len(self.population)
+        #: Each client's history class (by population position): an index into ``_classes``.
+        self._class = np.zeros(size, dtype=np.int32)
+        #: The personal part of each class's history (class 0: nothing personal), and its index.
+        self._classes: list[HistoryKey] = [()]
+        self._class_ids: dict[HistoryKey, int] = {(): 0}
+        self._moves: dict[tuple[int, Mechanism, int], int] = {}
+        #: Distinct rounds each client was named in, and the last of them (-1: none yet).
+        self._round_count = np.zeros(size, dtype=np.int32)
+        self._last_round = np.full(size, -1, dtype=np.int32)
+        #: False once an event names a client in a round before one it was already named in.
+        self._rounds_in_order = True
+        #: Each distinct participant tuple the events hold: its one shared instance and, once it is named
+        #: again, its population positions (the population's own tuple: everyone, in order).
+        self._participant_sets: dict[tuple[int, ...], list[Any]] = {}
+        self._know_population()
+
+    def _know_population(self) -> None:
+        """The population's own tuple among the participant tuples, with its positions."""
+        self._participant_sets[self.population] = [self.population, np.arange(len(self.population))]
+
+    def _index_population(self) -> None:
+        """The lookups derived from :attr:`population` (rebuilt when unpickled, never stored)."""
+        self._members = frozenset(self.population)
+        # device node ids are unsigned 64-bit (above int64's range); simulated client ids are small
+        self._id_dtype = np.uint64 if min(self.population) >= 0 else np.int64
+        ids = np.asarray(self.population, dtype=self._id_dtype)
+        self._order = np.argsort(ids, kind="stable")
+        self._sorted_ids = ids[self._order]
 
     # ----------------------------------------------------------------- recording
 
@@ -64,14 +105,9 @@ class PrivacyAccountant:
         if event.participants is None:
             self._common[event.mechanism] += event.count
         else:
-            unknown = set(event.participants) - self._members
-            if unknown:
-                raise ValueError(f"event names clients outside the population: {sorted(unknown)[:5]}")
-            if len(set(event.participants)) != len(event.participants):
-                raise ValueError("event lists a participant twice")
-            for client in event.participants:
-                self._personal.setdefault(client, Counter())[event.mechanism] += event.count
-                self._rounds.setdefault(client, set()).add(event.server_round)
+            event, positions = self._located(event)
+            self._charge(positions, event.mechanism, event.count)
+            self._count_round(positions, event.server_round)
         self.events.append(event)
 
     def record_all(self, events: Iterable[PrivacyEvent]) -> None:
@@ -79,17 +115,96 @@ class PrivacyAccountant:
         for event in events:
             self.record(event)
 
+    def _positions(self, participants: tuple[int, ...]) -> np.ndarray:
+        """Population positions of ``participants``; ValueError for strangers or a repeated id."""
+        if not self._members.issuperset(participants):
+            unknown = sorted({int(c) for c in participants} - self._members)
+            raise ValueError(f"event names clients outside the population: {unknown[:5]}")
+        ids = np.fromiter(participants, dtype=self._id_dtype, count=len(participants))
+        positions = self._order[np.searchsorted(self._sorted_ids, ids)]
+        if np.unique(positions).size != positions.size:
+            raise ValueError("event lists a participant twice")
+        return positions
+
+    def _located(self, event: PrivacyEvent) -> tuple[PrivacyEvent, np.ndarray]:
+        """``event`` holding the shared instance of its participant tuple, and their positions.
+
+        A tuple seen for the first time is validated (ValueError before anything changes); one named
+        again keeps its positions.
+        """
+        assert event.participants is not None
+        known = self._participant_sets.get(event.participants)
+        if known is None:
+            positions = self._positions(event.participants)
+            self._participant_sets[event.participants] = [event.participants, None]
+            return event, positions
+        shared, positions = known
+        if positions is None:
+            positions = known[1] = self._positions(shared)
+        if shared is not event.participants:
+            event = copy.copy(event)
+            object.__setattr__(event, "participants", shared)  # equal content, one instance for all events
+        return event, positions
+
+    def _charge(self, positions: np.ndarray, mechanism: Mechanism, count: int) -> None:
+        """Move the named clients' classes to their history plus ``count`` uses of ``mechanism``."""
+        named = self._class[positions]
+        if named.size and named.min() == named.max():  # one class (a group charged together)
+            self._class[positions] = self._moved(int(named[0]), mechanism, count)
+            return
+        classes, inverse = np.unique(named, return_inverse=True)
+        moved = np.fromiter(
+            (self._moved(int(c), mechanism, count) for c in classes), dtype=np.int32, count=classes.size
+        )
+        self._class[positions] = moved[inverse]
+
+    def _moved(self, current: int, mechanism: Mechanism, count: int) -> int:
+        """The class of class ``current``'s history plus ``count`` uses of ``mechanism``."""
+        move = (current, mechanism, count)
+        if move not in self._moves:
+            personal = Counter(dict(self._classes[current]))
+            personal[mechanism] += count
+            key = history_key(personal)
+            if key not in self._class_ids:
+                self._class_ids[key] = len(self._classes)
+                self._classes.append(key)
+            self._moves[move] = self._class_ids[key]
+        return self._moves[move]
+
+    def _count_round(self, positions: np.ndarray, server_round: int) -> None:
+        """Count ``server_round`` for the named clients that were not yet named in it."""
+        last = self._last_round[positions]
+        if (last > server_round).any():
+            self._rounds_in_order = False  # counted from the events from now on (rounds_participated)
+        self._round_count[positions] += last < server_round
+        self._last_round[positions] = np.maximum(last, server_round)
+
     # ----------------------------------------------------------------- queries
 
     def history(self, client: int) -> dict[Mechanism, int]:
         """How many times each mechanism touched ``client``'s data."""
         merged = Counter(self._common)
-        merged.update(self._personal.get(int(client), Counter()))
+        position = self._position(client)
+        if position is not None:
+            merged.update(dict(self._classes[int(self._class[position])]))
         return dict(merged)
 
     def rounds_participated(self, client: int) -> int:
         """Number of distinct rounds in which ``client`` was named in an event."""
-        return len(self._rounds.get(int(client), ()))
+        position = self._position(client)
+        if position is None:
+            return 0
+        if self._rounds_in_order:
+            return int(self._round_count[position])
+        client = int(client)
+        return len({e.server_round for e in self.events if e.participants and client in e.participants})
+
+    def _position(self, client: int) -> int | None:
+        """``client``'s position in :attr:`population` (None: not a member)."""
+        if int(client) not in self._members:
+            return None
+        slot = int(np.searchsorted(self._sorted_ids, np.asarray(int(client), dtype=self._id_dtype)))
+        return int(self._order[slot])
 
     def epsilon(self, *, delta: float, client: int | None = None) -> EpsilonReport:
         """Epsilon of one client, or of the worst client when ``client`` is None."""
@@ -108,13 +223,41 @@ class PrivacyAccountant:
         values = [basic_epsilon(dict(key)) for key in keys]
         return None if any(v is None for v in values) else max(v for v in values if v is not None)
 
-    def _distinct_histories(self) -> list[tuple[tuple[Mechanism, int], ...]]:
-        keys = {history_key(self.history(client)) for client in self._personal}
-        if len(self._personal) < len(self.population):
-            keys.add(history_key(dict(self._common)))
+    def _distinct_histories(self) -> list[HistoryKey]:
+        """The distinct whole histories of the population's clients (one per class in use)."""
+        used = np.flatnonzero(np.bincount(self._class, minlength=len(self._classes)))
+        keys = set()
+        for index in used:
+            merged = Counter(self._common)
+            merged.update(dict(self._classes[int(index)]))
+            keys.add(history_key(merged))
         return sorted(keys, key=repr)
 
     # ----------------------------------------------------------------- state
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The pickled state: the lookups derived from the population are rebuilt, not stored."""
+        state = dict(self.__dict__)
+        for derived in ("_members", "_id_dtype", "_order", "_sorted_ids", "_class_ids", "_moves"):
+            del state[derived]
+        state["_participant_sets"] = list(self._participant_sets)  # the shared tuples, once each
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild the lookups :meth:`__getstate__` left out (an earlier version's state: its events)."""
+        if "_class" not in state:  # per-client counters of an earlier version: replay its events
+            replayed = PrivacyAccountant(
+                population=state["population"], unit=state["unit"], method=state["method"]
+            )
+            replayed.record_all(state["events"])
+            state = replayed.__getstate__()
+        shared = state.pop("_participant_sets")
+        self.__dict__.update(state)
+        self._index_population()
+        self._participant_sets = {group: [group, None] for group in shared}
+        self._know_population()
+        self._class_ids = {key: index for index, key in enumerate(self._classes)}
+        self._moves = {}
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready state: configuration plus the event ledger."""

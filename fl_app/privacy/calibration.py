@@ -233,6 +233,23 @@ def dp_fedavg_noise_multiplier(
     )
 
 
+def large_cohort_noise_multiplier(*, noise_multiplier: float, cohort: int, noise_cohort_size: int) -> float:
+    """The noise multiplier on the sum of a simulated cohort of ``m`` that stands for cohorts of ``M``.
+
+    ``z m / M``: the simulation adds noise of std ``z C m / M`` to the sum of its ``m`` clipped
+    updates, so that their average carries the noise ``z C / M`` of a deployment that sums ``M``
+    (pfl-research's ``noise_cohort_size``: its accountant's ``noise_scale = cohort / noise_cohort``).
+    The epsilon of ``z`` describes that deployment; the simulated model carries ``M / m`` times
+    less noise than its own cohort would need.
+    """
+    require_positive("noise_multiplier", noise_multiplier)
+    require_positive_int("cohort", cohort)
+    require_positive_int("noise_cohort_size", noise_cohort_size)
+    if noise_cohort_size <= cohort:
+        raise ValueError(f"noise_cohort_size must exceed the cohort ({cohort}), got {noise_cohort_size}")
+    return noise_multiplier * cohort / noise_cohort_size
+
+
 def randomized_response_epsilon_per_label(
     *, total_epsilon: float, delta: float, labels: int, num_classes: int, method: str = "rdp"
 ) -> float:

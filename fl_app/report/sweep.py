@@ -9,7 +9,9 @@ that differ only in their seed, and writes into ``<dir>`` (or ``--out``):
   a sweep over K), target and reported cumulative epsilon, delta, final accuracy as mean +- standard
   deviation over seeds (the standard deviation only with at least two seeds), upload bytes per client
   per round, wall time, number of seeds. ``report.md`` has one table per privacy unit, under a
-  heading naming it (epsilons in different units are not comparable);
+  heading naming it (epsilons in different units are not comparable); a run whose epsilon is a
+  simulated deployment's (``strategy.noise_cohort_size``) has its own table and plot panel, whose
+  heading says that the epsilon holds for that deployment, not for the run's model;
 * ``accuracy_vs_epsilon.png`` (final accuracy against the reported cumulative epsilon, one line per
   arm: algorithm, data set and varying settings but the budget, never joining two configurations;
   settings an arm's conf chooses per budget (``${per_budget:...}``, read from Hydra's saved
@@ -110,12 +112,17 @@ def epsilon_unit(results: dict[str, Any]) -> str:
     """The run's privacy unit, saying so when a client is one user (``partition=natural``).
 
     A user-level epsilon and an epsilon per drawn share of rows are not the same unit: their rows go
-    into separate tables.
+    into separate tables. Nor is an epsilon that holds for a simulated deployment, not for the run's
+    model (``privacy.total.holds_for``), nor one that rests on an assumption the user declared (a text
+    vocabulary declared public, ``privacy.vocabulary.assumption``): the unit then says so.
     """
     unit = str(results["privacy"].get("unit", ""))
     if unit and unit != "none" and str(results.get("client", "")).startswith("one user"):
-        return f"{unit}; a client is one user (partition=natural)"
-    return unit
+        unit = f"{unit}; a client is one user (partition=natural)"
+    holds_for = results["privacy"].get("total", {}).get("holds_for")
+    unit = f"{unit}; {holds_for}" if holds_for else unit
+    assumption = (results["privacy"].get("vocabulary") or {}).get("assumption")
+    return f"{unit}; ASSUMED: {assumption}" if assumption else unit
 
 
 @dataclass
@@ -937,7 +944,7 @@ def plot_epsilon_vs_round(rows: Sequence[dict[str, Any]], runs: Iterable[Run], o
     for axis, unit in zip(axes.flat, units, strict=True):
         members = [row for row in private if row["epsilon_unit"] == unit]
         _epsilon_panel(axis, members, runs_by_dir, styles, datasets)
-        title = textwrap.shorten(f"privacy unit: {unit}", width=130, placeholder="…")
+        title = textwrap.shorten(f"privacy unit: {unit}", width=200, placeholder="…")
         axis.set_title(textwrap.fill(title, width=70), fontsize=8)
     figure.tight_layout()
     figure.savefig(out / "epsilon_vs_round.png", dpi=110)

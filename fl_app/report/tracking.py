@@ -9,7 +9,10 @@ what the run's results publish (docs/tracking.md):
   as the step, the initial model as step 0;
 * the resolved configuration (TensorBoard: as text; MLflow and W&B: as the run's parameters);
 * MLflow and W&B: the final results (``results.json``'s ``final`` and the total epsilon), the status,
-  and the run's files (``results.json``, ``metrics.csv``, ``config.yaml``, the plots).
+  and the run's files (``results.json``, ``metrics.csv``, ``config.yaml``, the plots);
+* every tracker, with the final results: when the epsilon is a simulated deployment's, not the run's
+  (``strategy.noise_cohort_size``), the sentence that says so (``privacy.total.holds_for``: TensorBoard's
+  ``final`` text, an MLflow tag, a W&B summary field).
 
 Statistics outside the guarantee (``privacy.diagnostics``) are never tracked as metrics: they exist
 only in ``results.json``'s marked ``outside_guarantee`` block. A run whose cohorts are secret also gives
@@ -32,7 +35,7 @@ from typing import Any, Protocol
 from flwr.common import log
 
 from fl_app.config.settings import TrackerSettings, tracker_names
-from fl_app.report.tracking_common import TrackedRun, final_values, scalars
+from fl_app.report.tracking_common import TrackedRun, epsilon_holds_for, final_values, scalars
 
 #: The trackers ``tracking`` names (``none``: no tracker).
 TRACKERS = ("none", "tensorboard", "mlflow", "wandb")
@@ -95,6 +98,8 @@ class TensorBoardTracker:
     def log_results(self, results: dict[str, Any], output_dir: Path) -> None:
         """The final results as text (the curves are the rounds' scalars)."""
         lines = [f"{key}: {value:g}" for key, value in final_values(results).items()]
+        holds_for = epsilon_holds_for(results)
+        lines += [f"privacy.total.holds_for: {holds_for}"] if holds_for else []
         text = "\n".join([f"status: {results.get('status')}", *lines])
         self.writer.add_text("final", f"```\n{text}\n```", walltime=self.wall_time)
 

@@ -62,6 +62,16 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def epsilon_holds_for(results: dict[str, Any]) -> str | None:
+    """Whose epsilon the run's is when not its own (``privacy.total.holds_for``; None: the run's own).
+
+    A run that simulates a larger deployment (``strategy.noise_cohort_size``) says that its epsilon
+    holds for that deployment, not for its model; every tracker records the sentence with the epsilon.
+    """
+    holds_for = results.get("privacy", {}).get("total", {}).get("holds_for")
+    return str(holds_for) if holds_for else None
+
+
 def final_values(results: dict[str, Any]) -> dict[str, float]:
     """The numbers a tracker keeps as the run's final results: ``final``'s, and the total epsilon.
 

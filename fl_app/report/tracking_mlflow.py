@@ -9,9 +9,12 @@ with a lock file beside it, so the parallel jobs of a sweep share it safely.
 
 An MLflow run gets the resolved configuration as its parameters (dotted keys), each round's record as
 metrics (the round as the step), and at the end ``final.*`` and ``privacy.total.epsilon`` as metrics,
-the status, unit and mechanism as tags, and the run's files as artifacts. With a secret cohort every
-metric carries one timestamp, the moment the tracker was made. A resumed run continues its MLflow
-run (its id is kept in ``<output dir>/mlflow_run.json``).
+the status, unit and mechanism (and ``privacy.total.holds_for``, when the epsilon is a simulated
+deployment's) as tags, and the run's files as artifacts. With a secret cohort every
+metric carries one timestamp, the moment the tracker was made, and the rounds' metrics are written to
+the store when the run ends, not as they come: a file store creates a metric's file when the metric is
+first logged (``epsilon`` at round 1), and its creation time would date that round. A resumed run
+continues its MLflow run (its id is kept in ``<output dir>/mlflow_run.json``).
 """
 
 from __future__ import annotations
@@ -28,7 +31,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from fl_app.report.tracking_common import RUN_FILES, TrackedRun, final_values, flatten, scalars
+from fl_app.report.tracking_common import (
+    RUN_FILES,
+    TrackedRun,
+    epsilon_holds_for,
+    final_values,
+    flatten,
+    scalars,
+)
 
 #: The file, in the run's output directory, that names its MLflow run (for a resumed run).
 RUN_ID_FILE = "mlflow_run.json"
@@ -86,6 +96,8 @@ class MlflowTracker:
         self.uri, self.lock_file, artifacts = store_of(run.settings.mlflow_uri)
         #: The timestamp (ms) of every metric, or None: the time it is logged.
         self.time_ms = int(time.time() * 1000) if constant_time else None
+        #: The rounds' metrics (key, value, timestamp, step) kept for the run's end (a secret cohort's run).
+        self.pending: list[tuple[str, float, int, int]] = []
         self.finished = False
         # MLflow announces a new store's tables at INFO, and SQLAlchemy warns about MLflow's own code
         logging.getLogger("mlflow").setLevel(logging.WARNING)
@@ -150,11 +162,21 @@ class MlflowTracker:
                 self.client.log_batch(self.run_id, metrics=metrics[start : start + MAX_METRICS])
 
     def log_round(self, record: dict[str, Any]) -> None:
-        """The round's finite numbers as metrics at step ``round``."""
+        """The round's finite numbers as metrics at step ``round`` (a secret cohort's: at the run's end)."""
+        if self.time_ms is not None:
+            stamp, step = self.time_ms, int(record["round"])
+            self.pending += [(key, value, stamp, step) for key, value in scalars(record).items()]
+            return
         self._metrics(scalars(record), int(record["round"]))
 
     def log_results(self, results: dict[str, Any], output_dir: Path) -> None:
-        """The final numbers, the run's description as tags, its files as artifacts; the run ends."""
+        """The rounds' metrics kept so far, the final numbers, tags, the run's files; the run ends."""
+        from mlflow.entities import Metric
+
+        pending, self.pending = [Metric(*row) for row in self.pending], []
+        with self._locked():
+            for start in range(0, len(pending), MAX_METRICS):
+                self.client.log_batch(self.run_id, metrics=pending[start : start + MAX_METRICS])
         self._metrics(final_values(results), len(results.get("rounds", [])))
         privacy = results.get("privacy", {})
         tags = {
@@ -163,6 +185,8 @@ class MlflowTracker:
             "dpfl.privacy.unit": str(privacy.get("unit", "")),
             "dpfl.privacy.mechanism": str(privacy.get("mechanism", "")),
         }
+        if epsilon_holds_for(results):
+            tags["dpfl.privacy.holds_for"] = str(epsilon_holds_for(results))
         with self._locked():
             for key, value in tags.items():
                 self.client.set_tag(self.run_id, key, value[:MAX_VALUE])

@@ -5,9 +5,10 @@ the default: nothing leaves the machine until ``wandb sync <that folder>``); ``t
 sends them as the run goes (a W&B account, ``wandb login``). The project is ``tracker.experiment``.
 
 A W&B run gets the resolved configuration as its config, each round's record as a row of its history
-(the round as the step), and at the end ``final.*``, ``privacy.total.epsilon`` and the status in its
-summary, the plots as images and the run's files. W&B collects nothing else: no console output, no
-system metrics, no git state or code.
+(the round as the step), and at the end ``final.*``, ``privacy.total.epsilon`` (with
+``privacy.total.holds_for`` when it is a simulated deployment's) and the status in its summary, the
+plots as images and the run's files. W&B collects nothing else: no console output, no system metrics,
+no git state or code.
 
 W&B stamps every history row with its own clock (``_runtime``, seconds since the run began), which
 would tell each round's duration. A run whose cohorts are secret therefore gives W&B the whole run at
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fl_app.report.tracking_common import RUN_FILES, TrackedRun, final_values, scalars
+from fl_app.report.tracking_common import RUN_FILES, TrackedRun, epsilon_holds_for, final_values, scalars
 
 #: The file, in the run's output directory, that names its W&B run (for a resumed run).
 RUN_ID_FILE = "wandb_run.json"
@@ -99,6 +100,8 @@ class WandbTracker:
             extra = {"_timestamp": self.stamp} if self.at_the_end else {}
             self.run.log({**present, **extra}, step=self.last_step)
         self.run.summary.update({**final_values(results), "status": str(results.get("status"))})
+        if epsilon_holds_for(results):
+            self.run.summary["privacy.total.holds_for"] = epsilon_holds_for(results)
         for name in RUN_FILES:  # the run's folder of files: W&B keeps (and syncs) what is in it at the end
             if (output_dir / name).is_file():
                 shutil.copyfile(output_dir / name, Path(self.run.dir) / name)

@@ -26,6 +26,8 @@ A run pickles each round's checkpoint when the round ends and writes it (with ``
 background thread while the next round runs (:class:`CheckpointWriter`): one write at a time, each
 round's after the previous one's. A process killed during a write keeps the previous round's
 checkpoint; a failed write (a full disk) ends the run at the next round's checkpoint or at the end.
+A run whose cohorts are secret writes it into a spare created before round 1, exchanged with the
+file (:class:`~fl_app.run.files.UndatedFiles`): no file of such a run is born while its rounds run.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 from flwr.app import Array, ArrayRecord
 
 from fl_app.run.context import RunContext
-from fl_app.run.files import WriteFailed, write_atomically, write_failed
+from fl_app.run.files import UndatedFiles, WriteFailed, write_atomically, write_failed
 from fl_app.run.roster import ClientInfo
 
 CHECKPOINT_FILE = "private_server_state.pkl"
@@ -52,6 +54,8 @@ FILE_MODE = 0o600
 FORMAT = 1
 #: The checkpoint fields readable without the run (:func:`read_header`).
 HEADER_KEYS = ("completed_round", "num_rounds", "overrides", "fingerprint", "status")
+#: The header's key naming the plug-in module that holds the strategy (:func:`plugin_of`), if one does.
+PLUGIN_KEY = "plugin"
 
 
 @dataclass
@@ -143,6 +147,7 @@ def save_checkpoint(
     :func:`read_header` reads without touching the rest, then the whole checkpoint.
     """
     header = {"format": FORMAT, **{key: getattr(checkpoint, key) for key in HEADER_KEYS}}
+    header[PLUGIN_KEY] = plugin_of(checkpoint.strategy)
     stream = io.BytesIO()
     pickle.dump(header, stream, protocol=pickle.HIGHEST_PROTOCOL)
     content = dict(checkpoint.__dict__)
@@ -157,9 +162,15 @@ def save_checkpoint(
     return output_dir / CHECKPOINT_FILE
 
 
-def write_checkpoint(output_dir: Path, data: bytes) -> None:
-    """Write a pickled checkpoint atomically with ``fsync`` (a full disk: ``WriteFailed``)."""
-    write_atomically(output_dir / CHECKPOINT_FILE, data, mode=FILE_MODE, sync=True)
+def write_checkpoint(output_dir: Path, data: bytes, files: UndatedFiles | None = None) -> None:
+    """Write a pickled checkpoint atomically with ``fsync`` (a full disk: ``WriteFailed``).
+
+    ``files``: the run's files, when they are created before round 1 (a secret cohort's run).
+    """
+    if files is not None and files.active:
+        files.rewrite(output_dir / CHECKPOINT_FILE, data, mode=FILE_MODE, sync=True)
+    else:
+        write_atomically(output_dir / CHECKPOINT_FILE, data, mode=FILE_MODE, sync=True)
     (output_dir / LEGACY_FILE).unlink(missing_ok=True)  # a resumed run of an earlier version
 
 
@@ -170,7 +181,9 @@ class CheckpointWriter:
     checkpoint is written while the next round runs and never overtakes the previous one.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, files: UndatedFiles | None = None) -> None:
+        #: The run's files (a secret cohort's: the checkpoint's spares were made before round 1).
+        self.files = files
         self._thread: threading.Thread | None = None
         self._failure: Exception | None = None
 
@@ -193,7 +206,7 @@ class CheckpointWriter:
 
     def _write(self, output_dir: Path, data: bytes) -> None:
         try:
-            write_checkpoint(output_dir, data)
+            write_checkpoint(output_dir, data, self.files)
         except WriteFailed as failure:  # a full disk: raised by the next settle
             self._failure = failure
         except OSError as error:  # the earlier version's file could not be removed
@@ -228,7 +241,24 @@ def read_header(output_dir: Path) -> dict[str, Any]:
             raise ValueError(f"{path} is not a readable dpfl checkpoint ({type(error).__name__})") from error
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dpfl checkpoint of format {FORMAT}")
-    return {key: header[key] for key in HEADER_KEYS}
+    return {key: header[key] for key in HEADER_KEYS} | {PLUGIN_KEY: header.get(PLUGIN_KEY)}
+
+
+def plugin_of(strategy: Any) -> dict[str, Any] | None:
+    """The plug-in module that holds ``strategy``'s class, and every module ``DPFL_PLUGINS`` named.
+
+    None for a strategy of the app's own packages that no plug-in module holds. A resumed run needs
+    the module again (:func:`fl_app.run.resume.expand_resume` says so when it is missing).
+    """
+    from fl_app.config.registry import PLUGIN_PACKAGES, plugin_modules
+
+    inner = getattr(strategy, "inner", strategy)  # an evaluation stage's training strategy
+    module, loaded = type(inner).__module__, plugin_modules()
+    named = any(module == name or module.startswith(f"{name}.") for name in loaded)
+    if not named and module.split(".")[0] in PLUGIN_PACKAGES:
+        return None
+    declaration = getattr(inner, "declaration", None)
+    return {"strategy": getattr(declaration, "name", None), "module": module, "modules": loaded}
 
 
 def load_checkpoint(output_dir: Path, run: RunContext) -> Checkpoint:

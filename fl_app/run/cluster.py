@@ -4,7 +4,10 @@
 Hydra's submitit launcher plugin (``hydra-submitit-launcher``); ``hydra/launcher=submitit_local`` runs
 the same code path on this machine (each job in its own process, all at once). The command waits for the
 jobs; each job writes its run into its directory of the sweep as with any launcher, and its console
-output goes to ``<sweep dir>/.submitit/<job id>/<job id>_0_log.err`` (docs/cluster.md).
+output goes to ``<sweep dir>/.submitit/<job id>/<job id>_0_log.err`` (docs/cluster.md). The command
+prints one line per job as it collects it, with how its run ended (:func:`job_end_line`); Ctrl-C stops
+every job through the sweep's stop file (the local jobs run in sessions of their own:
+:func:`fl_app.engine.hydra.submitit_jobs_reported`).
 
 This module checks ``hydra/launcher=`` with the rest of the command (:func:`launcher_error`: a name no
 installed plugin provides, or Slurm's launcher where Slurm's commands are missing, is one line) and
@@ -21,9 +24,10 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from fl_app.config.checks import ConfigError
+from fl_app.run.output_claim import read_results
 
 #: The launcher key on the command line.
 LAUNCHER_KEY = "hydra/launcher"
@@ -103,11 +107,30 @@ def jobs_reported(argv: Sequence[str], log: FailureLog | None) -> Iterator[None]
             if sweep_dir is not None:  # the jobs note it where they reach this process's files, not on nodes
                 log.note_sweep_dir(sweep_dir)
 
-    def done(line: str) -> None:
-        print(f"dpfl sweep: {line}", file=sys.stderr, flush=True)
+    def done(name: str, log_file: Path, output_dir: Any) -> None:
+        print(f"dpfl sweep: {job_end_line(name, log_file, output_dir)}", file=sys.stderr, flush=True)
 
     with submitit_jobs_reported(failed, done):
         yield
+
+
+def job_end_line(name: str, log_file: Path, output_dir: Any) -> str:
+    """How a submitit job that returned ended: its status and results, as its run's results.json says.
+
+    ``output_dir``: what the job returned (its output directory; None: it ran no run, the sweep having
+    been stopped before it began). An interrupted job's line says after which round; the sweep's last
+    line says how to continue it.
+    """
+    log = f"its log: {log_file}"
+    if not isinstance(output_dir, str):
+        return f"job {name} ran nothing: the sweep was stopped before it began ({log})"
+    results = read_results(Path(output_dir))
+    if results is None:
+        return f"job {name} ended without results in {output_dir} ({log})"
+    status = str(results.get("status"))
+    after = (results.get("stopped") or {}).get("after_round")
+    when = f" after round {after}" if status in ("interrupted", "failed") and after is not None else ""
+    return f"job {name} {status}{when}: results in {output_dir} ({log})"
 
 
 def left_no_result(failures: Sequence[str]) -> bool:

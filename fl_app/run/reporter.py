@@ -21,7 +21,14 @@ from flwr.common import log
 
 from fl_app.engine.client_states import ClientStates
 from fl_app.engine.metering import MeteredGrid
-from fl_app.run.checkpoint import Checkpoint, CheckpointWriter, rng_states, save_checkpoint
+from fl_app.run.checkpoint import (
+    CHECKPOINT_FILE,
+    FILE_MODE,
+    Checkpoint,
+    CheckpointWriter,
+    rng_states,
+    save_checkpoint,
+)
 from fl_app.run.log import withheld_from_file
 from fl_app.run.results import RunRecorder, write_json
 from fl_app.run.round_loop import check_round
@@ -142,7 +149,7 @@ class Checkpointer:
         self.client_states = client_states
         #: Why the run can never be resumed (then no checkpoint, the server's private state, is written).
         self.not_resumable: str | None = None
-        self.writer = CheckpointWriter()
+        self.writer = CheckpointWriter(recorder.files)
 
     def save(self, server_round: int, arrays: ArrayRecord) -> None:
         """The ledgers, then the checkpoint of ``server_round`` (a run that can be resumed).
@@ -152,7 +159,7 @@ class Checkpointer:
         """
         run = self.strategy.run
         for name, ledger in self.strategy.ledgers().items():
-            write_json(run.output_dir / name, ledger)
+            write_json(run.output_dir / name, ledger, files=self.recorder.files)
         if self.not_resumable is not None:
             return
         checkpoint = Checkpoint(
@@ -169,6 +176,14 @@ class Checkpointer:
             client_states=self.client_states,
         )
         save_checkpoint(run.output_dir, checkpoint, run, writer=self.writer)
+
+    def prepare_files(self) -> None:
+        """Before round 1: the ledgers' and the checkpoint's spares (a secret cohort's run: see files)."""
+        output_dir, files = self.strategy.run.output_dir, self.recorder.files
+        for name in self.strategy.ledgers():
+            files.prepare(output_dir / name)
+        if self.not_resumable is None:
+            files.prepare(output_dir / CHECKPOINT_FILE, mode=FILE_MODE)
 
     def settle(self) -> None:
         """Wait until the last checkpoint is written (``WriteFailed``: it could not be)."""

@@ -21,6 +21,9 @@
                   "randomness": {"source": "seeded"|"os_entropy", "noise_seed": int|null,
                                  "cohort": str, "note": str, ...},
                   "total": {"epsilon": float|null, "unit": str, "per_stage": {...}, ...}, ...},
+      "engine": {"messages": "per_client"|"packed"|"bulk", "why": str, "vectorised": bool,
+                 "vectorised_why": str, "backend": "ray"|"processes"|"inline"|"devices",
+                 "workers": int|null},  # how the rounds ran (fl_app.run.round_path)
       "stopped": {"reason": str, "after_round": int, "resume": str, ...},  # only if it stopped early
       "outside_guarantee": {...}      # only with privacy.diagnostics=true, never on devices
     }
@@ -74,7 +77,8 @@ Also written: ``metrics.csv`` and ``rounds.jsonl`` (one row / JSON line per roun
 the run goes),
 ``accuracy_loss.png``, ``epsilon.png``, ``final_model.npz`` (arrays plus the
 model spec), ``config.yaml``, ``run.log`` and, for a private run (one with an accountant),
-``privacy_ledger.json`` (the accountant's events).
+``privacy_ledger.json`` (the accountant's events), with a stage's own ledger beside it (a DP text
+vocabulary's ``privacy_ledger_vocabulary.json``, whose release ``privacy.vocabulary`` describes).
 """
 
 from __future__ import annotations
@@ -97,7 +101,7 @@ from fl_app.learning.model_spec import ModelSpec
 from fl_app.privacy.accountant import LEDGER_FILE
 from fl_app.report.tracking import RoundTracker
 from fl_app.run.code_version import code_version
-from fl_app.run.files import write_atomically, writing
+from fl_app.run.files import UndatedFiles, write_atomically, writing
 from fl_app.run.lifecycle import diverged
 
 if TYPE_CHECKING:
@@ -144,10 +148,13 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write strict JSON atomically (temporary file, then rename)."""
-    text = json.dumps(json_safe(data), indent=2, allow_nan=False)
-    write_atomically(path, (text + "\n").encode())
+def write_json(path: Path, data: Any, *, files: UndatedFiles | None = None) -> None:
+    """Write strict JSON atomically (temporary file, then rename; ``files``: as they rewrite it)."""
+    text = (json.dumps(json_safe(data), indent=2, allow_nan=False) + "\n").encode()
+    if files is None:
+        write_atomically(path, text)
+    else:
+        files.rewrite(path, text)
 
 
 def save_model(path: Path, arrays: ArrayRecord, spec: ModelSpec) -> None:
@@ -192,8 +199,11 @@ class RunRecorder:
         *,
         diagnostics: bool = False,
         tracker: RoundTracker | None = None,
+        secret_cohort: bool = False,
     ) -> None:
         self.output_dir = output_dir
+        #: The files the rounds write; with a secret cohort all created before round 1 (UndatedFiles).
+        self.files = UndatedFiles(active=secret_cohort)
         self.settings = settings
         self.tracker = tracker  # gets exactly the rounds' records (fl_app.report.tracking)
         self.rounds: list[dict[str, Any]] = []
@@ -203,6 +213,8 @@ class RunRecorder:
         #: The run's statistics outside the guarantee (``outside_guarantee.final``).
         self.outside_final: dict[str, Any] = {}
         self.stopped: dict[str, Any] | None = None
+        #: How the rounds ran (``engine``: :mod:`fl_app.run.round_path`), once the run has begun.
+        self.engine: dict[str, Any] | None = None
         #: Failed train replies over the run (published as ``final.failures`` unless the cohorts are secret).
         self.failures = 0
         self._columns: list[str] = []  # metrics.csv's header
@@ -236,8 +248,13 @@ class RunRecorder:
         self.failures = int(state.get("failures", 0))
         # both files may hold a round recorded after the checkpoint's: back to the checkpoint's
         text = "".join(json.dumps(row, allow_nan=False) + "\n" for row in self.rounds)
-        write_atomically(self.output_dir / ROUNDS_FILE, text.encode())
-        self._rewrite_metrics()
+        self.files.cut_back(self.output_dir / ROUNDS_FILE, text.encode())
+        self._rewrite_metrics(cut_back=True)
+
+    def prepare_files(self) -> None:
+        """Before round 1: create the files the rounds append to and rewrite (secret cohort: see files)."""
+        self.files.prepare(self.output_dir / ROUNDS_FILE)  # appended, and rewritten by a resume
+        self.files.prepare(self.output_dir / METRICS_FILE)
 
     def add_initial(self, values: dict[str, Any]) -> None:
         """The initial model's evaluation (round 0)."""
@@ -257,6 +274,7 @@ class RunRecorder:
             self.tracker.log_round(self.rounds[-1])
         row = self.rounds[-1]
         journal = self.output_dir / ROUNDS_FILE
+        self.files.appendable(journal)
         with writing(journal), journal.open("a") as stream:
             stream.write(json.dumps(row, allow_nan=False) + "\n")
         path = self.output_dir / METRICS_FILE
@@ -266,7 +284,7 @@ class RunRecorder:
             return
         self._rewrite_metrics()
 
-    def _rewrite_metrics(self) -> None:
+    def _rewrite_metrics(self, *, cut_back: bool = False) -> None:
         columns: list[str] = []
         for row in self.rounds:
             columns += [key for key in row if key not in columns]
@@ -275,7 +293,8 @@ class RunRecorder:
         writer.writeheader()
         for row in self.rounds:
             writer.writerow(_csv_row(row, columns))
-        write_atomically(self.output_dir / METRICS_FILE, text.getvalue().encode())
+        write = self.files.cut_back if cut_back else self.files.rewrite
+        write(self.output_dir / METRICS_FILE, text.getvalue().encode())
         self._columns = columns
 
     def add_diagnostics(self, server_round: int, values: dict[str, Any]) -> None:
@@ -315,6 +334,8 @@ class RunRecorder:
             "final": self._final_summary(final_extras, wall_s=wall_s),
             "privacy": privacy,
         }
+        if self.engine is not None:
+            results["engine"] = self.engine
         if self.stopped is not None:
             results["stopped"] = self.stopped
         if self.diagnostics:

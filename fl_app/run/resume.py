@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fl_app.config.checks import ConfigError
 from fl_app.config.overrides import override_key
@@ -83,8 +83,30 @@ def expand_resume(overrides: Sequence[str]) -> list[str]:
         raise ConfigError(RESUME_KEY, str(directory), no_checkpoint_text(directory)) from None
     except (OSError, ValueError) as error:
         raise ConfigError(RESUME_KEY, str(directory), " ".join(str(error).split())) from None
+    missing_plugin(header.get("plugin"), directory)
     saved = [o for o in header["overrides"] if override_key(o) not in (RESUME_KEY, "output_dir")]
     return [*saved, *given, f"output_dir={directory}", f"{RESUME_KEY}={directory}"]
+
+
+def missing_plugin(plugin: dict[str, Any] | None, directory: Path) -> None:
+    """Refuse to resume a plug-in's run in a process that has not imported the plug-in's module.
+
+    ``plugin``: the checkpoint header's (:func:`fl_app.run.checkpoint.plugin_of`). Raises
+    :class:`~fl_app.config.checks.ConfigError`, one line naming the module and ``DPFL_PLUGINS``.
+    """
+    import sys
+
+    from fl_app.config.registry import PLUGINS_ENV
+
+    if not plugin or plugin["module"] in sys.modules:  # loaded (DPFL_PLUGINS, imported before this)
+        return
+    modules = ",".join(plugin["modules"]) or plugin["module"]
+    raise ConfigError(
+        "strategy",
+        plugin["strategy"],
+        f"is in the plugin module {plugin['module']} that the run in {directory} loaded: set "
+        f"{PLUGINS_ENV}={modules} to resume it",
+    )
 
 
 def no_checkpoint_text(directory: Path) -> str:

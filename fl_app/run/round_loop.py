@@ -73,11 +73,23 @@ def packing_summand(strategy: Any, server_round: int) -> Any:
     (``simulation.pack_messages``) and the sum is what the strategy aggregates
     (:func:`aggregates_its_sum`); None otherwise (plain messages; an evaluation stage, a Flower strategy).
     """
-    summand = getattr(strategy, "summand", None)
+    return None if packing_refusal(strategy) is not None else strategy.summand(server_round)
+
+
+def packing_refusal(strategy: Any) -> str | None:
+    """Why ``strategy``'s rounds go as one message per client, in words; None: they may be packed.
+
+    The rule :func:`packing_summand` applies; the run's header reports it (:mod:`fl_app.run.round_path`).
+    """
+    name = type(strategy).__name__
     run = getattr(strategy, "run", None)
-    if summand is None or run is None or not run.settings.simulation.packs_messages:
-        return None
-    return summand(server_round) if aggregates_its_sum(type(strategy)) else None
+    if getattr(strategy, "summand", None) is None or run is None:
+        return f"{name} declares no sum of per-client terms: it reads every reply"
+    if not run.settings.simulation.packs_messages:
+        return "simulation.pack_messages=false"
+    if not aggregates_its_sum(type(strategy)):
+        return f"{name} reads every reply: its aggregation is not a sum of per-client terms it declares"
+    return None
 
 
 def aggregates_its_sum(cls: type) -> bool:

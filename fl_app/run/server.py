@@ -46,7 +46,7 @@ from fl_app.privacy.rng import RandomSource, derive_noise_seed
 from fl_app.report.tracking import TrackedRun, make_tracker
 from fl_app.run.checkpoint import Checkpoint, load_checkpoint, remove_checkpoint, restore_rng_states
 from fl_app.run.context import RunContext, output_path
-from fl_app.run.files import WriteFailed, one_modification_time, write_failed
+from fl_app.run.files import WriteFailed, one_modification_time, remove_spares, write_failed
 from fl_app.run.lifecycle import (
     Outcome,
     RunFailed,
@@ -71,6 +71,8 @@ from fl_app.run.results import (
 from fl_app.run.resume import checkpoint_overrides
 from fl_app.run.roster import ClientInfo, discover_roster, on_devices
 from fl_app.run.round_loop import run_rounds
+from fl_app.run.round_path import announce_round_path, bulk_refusal, round_path
+from fl_app.run.sweep_names import run_name
 from fl_app.run.text import (
     epsilon_text,
     finished_line,
@@ -78,9 +80,12 @@ from fl_app.run.text import (
     private_state_text,
     resume_text,
     silent_text,
+    subset_text,
+    vocabulary_text,
     warn_if_diverged,
 )
 from fl_app.run.timeline import mark
+from fl_app.run.vocabulary import stage_for
 from strategies import EVALUATION_STAGES, STRATEGIES
 from strategies.contract import Declaration, Strategy
 from strategies.reporting import Randomness, RunReport
@@ -89,9 +94,13 @@ LOG_FILE = "run.log"
 
 
 def evaluation_stage(settings: RunSettings) -> Any | None:
-    """The evaluation stage class ``evaluation.stage`` names (checked by validation), or None."""
+    """The evaluation stage class ``evaluation.stage`` names (checked by validation), or None.
+
+    A text run (which validation refuses any evaluation stage) gets its vocabulary's stage
+    (:mod:`fl_app.run.vocabulary`: a DP vocabulary charged with the training, or its assumption stated).
+    """
     name = settings.evaluation.stage
-    return None if name is None else EVALUATION_STAGES.get(name)
+    return stage_for(settings) if name is None else EVALUATION_STAGES.get(name)
 
 
 def run_federation(grid: Grid, context: Context, settings: RunSettings | None = None) -> None:
@@ -159,7 +168,8 @@ def evaluation_arrays(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The server's evaluation examples: the test split, or the validation split when the spec has one.
 
-    ``subset`` keeps a fixed seeded subset of that many examples (``evaluation.test_subset``).
+    ``subset`` keeps a fixed seeded subset of that many examples (``evaluation.test_subset``); a
+    larger one than the split keeps it whole and says so.
     """
     split = data.evaluation()
     if data.evaluation_split == "validation":
@@ -173,7 +183,19 @@ def evaluation_arrays(
     if subset is not None and subset < len(y):
         rows = np.sort(randomness.generator("test-subset").choice(len(y), size=int(subset), replace=False))
         x, y = x[rows], y[rows]
+    elif subset is not None and subset > len(y):
+        unit = "sequences" if len(data.input_shape) == 1 else "examples"
+        log(WARNING, subset_text(subset, data.evaluation_split, len(y), unit))
     return x, y
+
+
+def note_vocabulary(data: Any, model: ModelSpec) -> None:
+    """A WARNING line when a text data set's vocabulary holds fewer words than ``dataset.vocab_size``."""
+    shortfall = data.vocabulary_shortfall() if hasattr(data, "vocabulary_shortfall") else None
+    if shortfall is None:
+        return
+    asked = dataclasses.replace(model, num_classes=shortfall[1] + 4)
+    log(WARNING, vocabulary_text(shortfall, model.name, (model.parameter_count(), asked.parameter_count())))
 
 
 def noise_source(settings: RunSettings) -> RandomSource:
@@ -286,6 +308,7 @@ def execute(
         flower_logger.propagate = propagate
         flower_logger.removeHandler(handler)
         handler.close()
+        remove_spares(output_dir)  # what a secret cohort's rewrites went through
         if published.secret_cohort:  # the files' times would say when each round ended
             one_modification_time(output_dir, when=time.time())
 
@@ -341,6 +364,7 @@ def prepare(
     mark("data")
     declaration = STRATEGIES.get(settings.strategy).declaration
     model_spec = run_model_spec(settings, data)
+    note_vocabulary(data, model_spec)
     metered = MeteredGrid(grid)
     roster, setup_bytes = federation(metered, grid, settings, data)
     settings = effective_settings(settings, roster)
@@ -365,7 +389,17 @@ def prepare(
     )
     reporter = make_reporter(strategy, metered, recorder, (x_test, y_test), settings, overrides, started)
     reporter.checkpointer.not_resumable = not_resumable(declaration, roster)
+    recorder.prepare_files()  # a secret cohort's run: every file its rounds write is created now
+    reporter.checkpointer.prepare_files()
     arrays, first_round = begin(strategy, reporter, recorder, resumed, settings, output_dir)
+    path = round_path(
+        strategy,
+        settings,
+        CLIENTS.get(declaration.client),
+        simulated=is_in_memory_grid(grid),
+        bulk_shares=metered.bulk_shares,
+    )
+    recorder.engine = announce_round_path(path)
     return Prepared(
         settings,
         run,
@@ -397,13 +431,11 @@ def shares_for(settings: RunSettings, client_class: type) -> int:
     """How many bulk messages a packed round goes as (:mod:`fl_app.engine.bulk`): one per worker; 0: none.
 
     None unless the run allows it (``simulation.bulk``, with packing) and ``client_class`` does exactly
-    what FedAvg's client does (:func:`clients.fedavg.plain_fedavg`). One worker inline; the forked
+    what FedAvg's client does (:func:`fl_app.run.round_path.bulk_refusal`). One worker inline; the forked
     processes or Ray's actors, as many as the CPUs hold (:func:`fl_app.engine.processes.worker_count`).
     """
-    from clients.fedavg import plain_fedavg
-
     simulation = settings.simulation
-    if not simulation.sends_bulk or not plain_fedavg(client_class):
+    if bulk_refusal(settings, client_class) is not None:
         return 0
     if simulation.backend == "inline":
         return 1
@@ -501,9 +533,8 @@ def announce(strategy: Strategy, settings: RunSettings, randomness: Randomness) 
 
 def make_recorder(settings: RunSettings, output_dir: Path, randomness: Randomness) -> RunRecorder:
     """The run's recorder, with its trackers (TensorBoard, MLflow, W&B) when asked for."""
-    label = f" ({settings.label})" if settings.label else ""
     tracked = TrackedRun(
-        name=f"{settings.strategy}{label} seed {settings.seed}",
+        name=settings.tracker.run_name or run_name(settings),
         config=dict(settings.config),
         settings=settings.tracker,
         resumed=settings.resume is not None,
@@ -516,7 +547,9 @@ def make_recorder(settings: RunSettings, output_dir: Path, randomness: Randomnes
         run=tracked,
     )
     diagnostics = diagnostics_enabled(settings, devices=randomness.devices)
-    return RunRecorder(output_dir, settings, diagnostics=diagnostics, tracker=tracker)
+    return RunRecorder(
+        output_dir, settings, diagnostics=diagnostics, tracker=tracker, secret_cohort=randomness.secret_cohort
+    )
 
 
 def begin(
@@ -570,6 +603,7 @@ def play(prepared: Prepared) -> Ending:
             reporter.checkpointer.settle()  # the last checkpoint on disk before a stop names it
         except WriteFailed as failed:
             stop = failed
+        mark("rounds_stopped")
         note_stop(prepared, str(stop))
         assert reporter.last_arrays is not None
         return Ending(stop.status, str(stop), stop.exit_code, reporter.last_arrays)
@@ -730,15 +764,17 @@ def log_stopped(prepared: Prepared, status: str, reason: str) -> None:
 def log_finished(prepared: Prepared, results: dict[str, Any], run_report: RunReport, reason: str) -> None:
     """The last line of a run whose every round ran (failures on the console only, for secret cohorts)."""
     randomness, output_dir = prepared.randomness, prepared.run.output_dir
+    note = (
+        "privacy randomness from OS entropy"
+        if randomness.secure
+        else "seeded simulation: reproducible from the published config"
+    )
+    holds_for = run_report.privacy.total.holds_for  # a simulated deployment's epsilon says so
     spent = epsilon_text(
         results["final"]["epsilon"],
         prepared.settings.privacy.delta,
         per=short_unit(run_report.privacy.total.unit),
-        note=(
-            "privacy randomness from OS entropy"
-            if randomness.secure
-            else "seeded simulation: reproducible from the published config"
-        ),
+        note=f"{note}; {holds_for}" if holds_for else note,
     )
     failures = prepared.recorder.failures
     why = reason or "their errors: the lines above"

@@ -96,6 +96,29 @@ def warn_if_diverged(results: dict[str, Any]) -> None:
         )
 
 
+def vocabulary_text(shortfall: tuple[int, int], model: str, parameters: tuple[int, int]) -> str:
+    """The line of a word vocabulary smaller than ``dataset.vocab_size`` asked for, and its network's size.
+
+    ``shortfall``: the words held and asked for; ``parameters``: the network's parameters with this
+    vocabulary and with the one asked for.
+    """
+    words, asked = shortfall
+    now, full = parameters
+    return (
+        f"dpfl: the vocabulary holds {words:,} words, fewer than dataset.vocab_size={asked}: {words + 4:,} "
+        f"tokens with the special ones, so {model} has {now:,} parameters, not the {full:,} it has with "
+        f"{asked + 4:,} tokens"
+    )
+
+
+def subset_text(subset: int, split: str, size: int, unit: str) -> str:
+    """The line of an ``evaluation.test_subset`` larger than the split it samples."""
+    return (
+        f"dpfl: evaluation.test_subset={subset} but the {split} split holds {size:,} {unit}: evaluating on "
+        "all of them"
+    )
+
+
 def private_state_text(strategy: Strategy, output_dir: Path, *, client_states: bool = False) -> str:
     """What the interrupt line and ``stopped.private_state`` say about the checkpoint file."""
     held = strategy.declaration.checkpoint_holds

@@ -9,8 +9,10 @@ every round's sum gets the correlated noise ``(C^{-1} z)_t``:
     ``x^_t = x_t + y_t``,  ``C y = z``,  i.e.  ``y_t = (z_t - sum_{j=1}^{b-1} c_j y_{t-j}) / c_0``
 
 for a lower-triangular **banded Toeplitz** ``C`` with coefficients ``c_0 .. c_{b-1}`` (``b`` bands:
-``C[t, s] = c_{t-s}`` for ``0 <= t - s < b``, else 0). Streaming needs only the last ``b - 1`` noise
-vectors (:class:`CorrelatedNoise`).
+``C[t, s] = c_{t-s}`` for ``0 <= t - s < b``, else 0). Streaming needs the last ``b - 1`` noise
+vectors, or, since ``C^{-1}`` is not banded, every earlier ``z_s`` drawn again from a stream that
+can draw any round again (a secret key's counter-based generator, or the noise seed's; see
+:class:`CorrelatedNoise` and :mod:`fl_app.privacy.keyed_noise`).
 
 **Why banded Toeplitz.** Choquette-Choo, Ganesh, McKenna, McMahan, Rush, Thakurta, Xu,
 "(Amplified) Banded Matrix Factorization: A unified approach to private training" (NeurIPS 2023):
@@ -42,10 +44,14 @@ import functools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from fl_app.privacy.checks import require_positive_int
+
+if TYPE_CHECKING:
+    from fl_app.privacy.keyed_noise import NoiseStream
 
 
 def workload_coefficients(*, rounds: int, momentum: float = 0.0) -> np.ndarray:
@@ -216,15 +222,37 @@ def banded_loss_and_gradient(
 class CorrelatedNoise:
     """The streaming noise ``y = C^{-1} z`` of a banded Toeplitz ``C`` (``z ~ N(0, sigma^2 I)``).
 
-    ``draw(like, rng)`` returns round t's noise ``y_t = (z_t - sum_{j=1}^{b-1} c_j y_{t-j}) / c_0``
-    shaped like ``like`` and keeps the last ``b - 1`` of them: they are the run's secret (with
-    the models they reveal the un-noised sums), so they live only in the server's private state.
+    Round t's noise is ``y_t = (z_t - sum_{j=1}^{b-1} c_j y_{t-j}) / c_0``, drawn one of two ways:
+
+    * :meth:`draw`: ``z_t`` from the caller's generator; the last ``b - 1`` outputs are kept
+      (:attr:`history`, pickled with the object) because ``z`` cannot be drawn again;
+    * :meth:`at_round`: ``z_t`` from a :class:`~fl_app.privacy.keyed_noise.NoiseStream`, a pure
+      function of the run's noise source (a secret key, or the noise seed) and the round, so no
+      vector needs keeping. While the last
+      ``b - 1`` outputs fit ``keep_bytes`` they are kept in memory (never pickled: after a resume
+      the recursion is replayed from round 1, giving the same vectors bit for bit); beyond it each
+      round's ``y_t = sum_{s<=t} r_{t-s} z_s`` (``r``: the coefficients of ``C^{-1}``, not banded)
+      is formed from ``t`` draws again, with no vector kept (``t`` draws a round against ``b - 1``
+      stored vectors: time for memory).
+
+    The outputs and the stream's key are the run's secret: with the models they reveal the
+    un-noised sums, so they live only in the server's private state.
     """
 
     def __init__(self, coefficients: tuple[float, ...], *, sigma: float) -> None:
         self.coefficients = tuple(float(c) for c in coefficients)
         self.sigma = float(sigma)
         self.history: deque[list[np.ndarray]] = deque(maxlen=max(len(self.coefficients) - 1, 1))
+        self._kept: deque[np.ndarray] = deque(maxlen=max(len(self.coefficients) - 1, 1))
+        self._kept_round = 0
+        self._inverse = np.zeros(0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without :meth:`at_round`'s kept outputs (replayed from the stream when needed)."""
+        state = dict(self.__dict__)
+        state["_kept"] = deque(maxlen=self._kept.maxlen)
+        state["_kept_round"] = 0
+        return state
 
     def draw(self, like: list[np.ndarray], rng: np.random.Generator) -> list[np.ndarray]:
         """The next round's noise (float64 arrays shaped like ``like``)."""
@@ -241,3 +269,66 @@ class CorrelatedNoise:
         if len(c) > 1:
             self.history.append(noise)
         return noise
+
+    def at_round(
+        self, like: list[np.ndarray], stream: NoiseStream, server_round: int, *, keep_bytes: float
+    ) -> list[np.ndarray]:
+        """Round ``server_round``'s noise ``y_t`` (float64 arrays shaped like ``like``) from ``stream``.
+
+        ``z_t = sigma * stream.normals(t)``; the same as :meth:`draw` fed those ``z_t`` round after
+        round: bit for bit while the last ``b - 1`` outputs fit ``keep_bytes`` (bytes of float64), to
+        float rounding when they are drawn again instead.
+        """
+        size = sum(int(np.prod(np.shape(x))) for x in like)
+        if self.sigma <= 0:
+            flat = np.zeros(size)
+        elif (len(self.coefficients) - 1) * size * 8 <= keep_bytes:
+            flat = self._recursive(stream, server_round, size)
+        else:
+            flat = self._regenerated(stream, server_round, size)
+        return split_like(flat, like)
+
+    def _recursive(self, stream: NoiseStream, server_round: int, size: int) -> np.ndarray:
+        """``y_t`` by the recursion on the kept outputs, replayed from round 1 when they are missing."""
+        stale = self._kept_round != server_round - 1 or (self._kept and self._kept[-1].size != size)
+        if stale and len(self.coefficients) > 1:  # one band: y_t = z_t / c_0 needs no earlier output
+            self._kept.clear()
+            self._kept_round = 0
+            for earlier in range(1, server_round):
+                self._step(stream, earlier, size)
+        return self._step(stream, server_round, size)
+
+    def _step(self, stream: NoiseStream, server_round: int, size: int) -> np.ndarray:
+        """One round of the recursion on the kept outputs (the operations of :meth:`draw`)."""
+        c = self.coefficients
+        noise = self.sigma * stream.normals(server_round, size)
+        for j, past in enumerate(reversed(self._kept), start=1):
+            if j >= len(c):
+                break
+            noise = noise - c[j] * past
+        noise = noise / c[0]
+        if len(c) > 1:
+            self._kept.append(noise)
+        self._kept_round = server_round
+        return noise
+
+    def _regenerated(self, stream: NoiseStream, server_round: int, size: int) -> np.ndarray:
+        """``y_t = sum_{s<=t} sigma r_{t-s} z_s``, every ``z_s`` drawn again (nothing kept)."""
+        if self._inverse.size < server_round:
+            self._inverse = inverse_coefficients(
+                self.coefficients, length=max(server_round, 2 * self._inverse.size)
+            )
+        r = self._inverse
+        terms = [(s, self.sigma * float(r[server_round - s])) for s in range(1, server_round + 1)]
+        return stream.weighted_sum(terms, size)
+
+
+def split_like(flat: np.ndarray, like: list[np.ndarray]) -> list[np.ndarray]:
+    """``flat`` cut into arrays shaped like ``like`` (views, in order)."""
+    parts, start = [], 0
+    for x in like:
+        shape = np.shape(x)
+        count = int(np.prod(shape))
+        parts.append(flat[start : start + count].reshape(shape))
+        start += count
+    return parts

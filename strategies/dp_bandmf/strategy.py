@@ -16,7 +16,10 @@ therefore takes part only in rounds ``g + 1, g + 1 + b, ...``: at least ``b`` ro
 (``strategy.clip``), sums them (``x_t``), and adds the correlated noise of the banded Toeplitz
 ``C`` optimised for the run's workload (``num_rounds`` rounds, the server momentum):
 ``x^_t = x_t + y_t``, ``y_t = (z_t - sum_{j=1}^{b-1} c_j y_{t-j}) / c_0``, ``z_t ~ N(0, (z C)^2 I)``
-with noise multiplier ``z``. The server step is heavy-ball momentum on the average:
+with noise multiplier ``z``, drawn from the run's noise stream, which can draw any round again
+(:mod:`fl_app.privacy.keyed_noise`): the last ``b - 1`` noise vectors are kept in memory while they
+fit ``strategy.noise_memory_gib``, else every earlier ``z_s`` is drawn again; none is checkpointed.
+The server step is heavy-ball momentum on the average:
 ``v_t = beta v_{t-1} + x^_t / m``, ``w_{t+1} = w_t + eta v_t`` (``strategy.server_momentum``,
 ``strategy.server_lr``). With one band (``C = I``) and ``beta = 0, eta = 1`` this is DP-FedAvg
 with Poisson sampling exactly (``strategy=dp_fedavg``).
@@ -56,6 +59,8 @@ from fl_app.learning.sums import ClippedUpdate
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import dp_fedavg_noise_multiplier
 from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, SampledGaussian
+from fl_app.privacy.fixed_noise import FixedNoise
+from fl_app.privacy.keyed_noise import NoiseStream, noise_stream
 from fl_app.run.context import RunContext
 from fl_app.run.roster import ClientInfo
 from strategies import register_strategy
@@ -78,6 +83,7 @@ class DPBandMFSettings(StrategySettings):
     noise_multiplier: float | None = positive(optional=True)
     server_lr: float = positive()
     server_momentum: float = between(0.0, 1.0, high_open=True)
+    noise_memory_gib: float = between(0.0, math.inf, high_open=True, default=1.0)
 
     budget_scopes = ("total",)  # calibrated for the whole run
 
@@ -179,8 +185,9 @@ class DPBandMFStrategy(PrivateStrategy):
         client="fedavg",  # plain local training: clipping and noise run on the server
         settings=DPBandMFSettings,
         checkpoint_holds=(
-            "DP-BandMF's last bands - 1 noise vectors and its momentum (with the released models they "
-            "reveal the un-noised sums of clipped updates)"
+            "DP-BandMF's noise key (under privacy.secure_rng; a seeded run's noise follows from its "
+            "configuration) and its momentum (with the released models the key gives back the noise and "
+            "the un-noised sums of clipped updates); no noise vector"
         ),
         canaries=None,
         check=check,
@@ -237,6 +244,9 @@ class DPBandMFStrategy(PrivateStrategy):
                 method=run.settings.privacy.accountant,
             )
         self.noise = CorrelatedNoise(self.matrix.coefficients, sigma=self.noise_multiplier * settings.clip)
+        #: The stream of ``z_t`` (:func:`~fl_app.privacy.keyed_noise.noise_stream` of the run's privacy
+        #: randomness: a key from OS entropy, or the noise seed), made at the first release.
+        self.noise_stream: NoiseStream | None = None
         self.accountant = PrivacyAccountant(
             population=run.client_ids, unit=self.privacy_unit, method=run.settings.privacy.accountant
         )
@@ -253,6 +263,17 @@ class DPBandMFStrategy(PrivateStrategy):
             settings.clip,
             self.steps,
             self.matrix.loss / self.matrix.identity_loss,
+        )
+
+    def fixed_noise(self) -> FixedNoise | None:
+        """``strategy.noise_multiplier`` set: the epsilon its planned rounds reach (None: calibrated)."""
+        if self.settings.noise_multiplier is None:
+            return None
+        return self.planned_gaussian(
+            "strategy.noise_multiplier",
+            noise_multiplier=self.noise_multiplier,
+            sampling_rate=self.rate,
+            participations=self.steps,
         )
 
     # ------------------------------------------------------------------ schedule
@@ -303,14 +324,26 @@ class DPBandMFStrategy(PrivateStrategy):
         _, reference, total, _ = self.clipped_update_sum(
             replies, max_norm=self.settings.clip, server_round=server_round
         )
-        rng = self.run.noise.generator("bandmf-noise", server_round=server_round)
-        noise = self.noise.draw(total, rng)
+        noise = self._round_noise(total, server_round)
         m = float(self.run.clients_per_round)
         average = [(s + n) / m for s, n in zip(total, noise, strict=True)]
         new = arrays_like(self.server_optimizer.step(reference, average), global_arrays)
         self._record_release(server_round)
         # No train loss (nor anything else computed from the clients' data) in the metrics.
         return new, MetricRecord()
+
+    def _round_noise(self, like: list[np.ndarray], server_round: int) -> list[np.ndarray]:
+        """Round t's correlated noise, its ``z`` from the run's noise stream (any round drawn again).
+
+        The last ``b - 1`` noise vectors stay in memory while they fit ``strategy.noise_memory_gib``;
+        beyond, each round draws every earlier ``z_s`` again (no vector kept).
+        """
+        if self.noise.history:  # a checkpoint of an earlier version kept its noise vectors: continue them
+            return self.noise.draw(like, self.run.noise.generator("bandmf-noise", server_round=server_round))
+        if self.noise_stream is None:
+            self.noise_stream = noise_stream(self.run.noise, "bandmf-noise")
+        keep = self.settings.noise_memory_gib * 2**30
+        return self.noise.at_round(like, self.noise_stream, server_round, keep_bytes=keep)
 
     def mechanism(self) -> Mechanism:
         """What one round charges each member of its group."""

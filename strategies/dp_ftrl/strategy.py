@@ -71,8 +71,9 @@ from fl_app.learning.sums import ClippedUpdate
 from fl_app.privacy.accountant import PrivacyAccountant
 from fl_app.privacy.calibration import noise_multiplier_for_histories
 from fl_app.privacy.canaries import worst_client_patterns
-from fl_app.privacy.composition import History
+from fl_app.privacy.composition import History, compose_epsilon
 from fl_app.privacy.events import Gaussian, Mechanism, PrivacyEvent, TreeAggregation
+from fl_app.privacy.fixed_noise import FixedNoise
 from fl_app.privacy.mechanisms import gaussian_mechanism, tree_prefix_nodes
 from fl_app.run.context import RunContext
 from fl_app.run.roster import ClientInfo
@@ -246,6 +247,16 @@ class DPFTRLStrategy(PrivateStrategy):
             return float(sum(self._increments(client)))
 
         return {client: load(client) for client in self._leaves}
+
+    def fixed_noise(self) -> FixedNoise | None:
+        """``strategy.noise_multiplier`` set: the worst client's epsilon over the planned rounds."""
+        if self.settings.noise_multiplier is None:
+            return None
+        delta = self.run.settings.privacy.delta
+        histories = self._worst_histories()(self.noise_multiplier)
+        reached = max(compose_epsilon(h, delta=delta, method=self.method).epsilon for h in histories)
+        setting = f"strategy.noise_multiplier={self.noise_multiplier:g}"
+        return FixedNoise(setting, reached, self.num_rounds)
 
     def _worst_histories(self) -> Callable[[float], list[History]]:
         """``z -> histories`` of the clients with the largest squared sensitivity (the worst ones)."""

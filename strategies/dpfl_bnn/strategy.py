@@ -72,6 +72,7 @@ from fl_app.config.checks import ConfigError
 from fl_app.config.settings import RunSettings
 from fl_app.engine.messages import content_bytes
 from fl_app.learning.training import evaluate, load_arrays
+from fl_app.privacy.fixed_noise import FixedNoise
 from fl_app.run.context import RunContext
 from strategies import register_strategy
 from strategies.contract import Declaration, QuickExample
@@ -222,10 +223,17 @@ class DPFLBNNStrategy(PrivateStrategy):
         """RR_gamma's gamma (None: the noise-free baseline)."""
         return None if self.ledger is None else self.ledger.plan.gamma
 
+    def fixed_noise(self) -> FixedNoise | None:
+        """``strategy.gamma`` set: the client-level epsilon of the planned rounds (None: calibrated)."""
+        if self.settings.gamma is None or self.ledger is None:
+            return None
+        plan = self.ledger.plan
+        return FixedNoise(f"strategy.gamma={plan.gamma:g}", plan.client_level, self.rounds)
+
     def budget_text(self) -> str:
         """The budget asked for; under ``calibration=per_coordinate`` it is not in the headline unit."""
         text = super().budget_text()
-        if self.settings.calibration != "per_coordinate" or self.ledger is None:
+        if self.settings.calibration != "per_coordinate" or self.ledger is None or self.planned_noise():
             return text
         return (
             f"{text} PER WEIGHT COORDINATE (strategy.calibration=per_coordinate, the document's reading); "

@@ -72,7 +72,7 @@ from flwr.serverapp import strategy as flower_strategies
 from clients.flower import CLIPPING_MOD, UNIFORM_WEIGHT
 from fl_app.config.checks import ConfigError, require_choice, require_positive, require_range
 from fl_app.privacy.accountant import PrivacyAccountant
-from fl_app.privacy.composition import EpsilonReport
+from fl_app.privacy.composition import EpsilonReport, compose_epsilon
 from fl_app.privacy.events import Gaussian, PrivacyEvent
 from fl_app.run.context import resolve_clients_per_round
 from strategies.arrays import flat_vector
@@ -441,6 +441,22 @@ class WrapperRun:
         if self.kind == "fixed":
             return self.accountant.epsilon(delta=delta)
         return dataclasses.replace(self.accountant.epsilon(delta=delta * (1 - TAIL_SHARE)), delta=delta)
+
+    def planned_epsilon(self, participations: int) -> float | None:
+        """The epsilon dpfl proves for a client in ``participations`` releases that every reply reached.
+
+        What :meth:`record` and :meth:`epsilon` give such a client; None when dpfl proves no bound.
+        """
+        if self.accountant is None or participations < 1:
+            return None
+        delta, method = self.run.settings.privacy.delta, self.run.settings.privacy.accountant
+        if self.kind == "fixed":
+            history = {Gaussian(self.wrapper.noise_multiplier): participations}
+            return compose_epsilon(history, delta=delta, method=method).epsilon
+        count = Gaussian(float(self.wrapper.clipped_count_stddev))
+        release = Gaussian(self.wrapper.noise_multiplier * self.norm_ratio_floor(self.m))
+        history = {count: participations, release: participations}
+        return compose_epsilon(history, delta=delta * (1 - TAIL_SHARE), method=method).epsilon
 
     def flower_epsilon(self) -> float | None:
         """The epsilon Flower's accountant reports (None: the wrapper has none)."""

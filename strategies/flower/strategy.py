@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copyreg
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from logging import INFO, WARNING
@@ -16,6 +17,7 @@ from fl_app import keys
 from fl_app.config.checks import ConfigError
 from fl_app.config.settings import RunSettings
 from fl_app.privacy.composition import EpsilonReport
+from fl_app.privacy.fixed_noise import FixedNoise
 from fl_app.run.context import RunContext
 from fl_app.run.lifecycle import RunFailed
 from fl_app.run.text import epsilon_text
@@ -209,10 +211,17 @@ class FlowerStrategy(PrivateStrategy):
                 log(WARNING, "dpfl: no epsilon dpfl can prove: %s", self.dp.why_no_epsilon())
         return report
 
-    def budget_text(self) -> str:
-        """A DP wrapper's noise is set by ``strategy.dp``, not calibrated to ``privacy.epsilon``."""
-        assert self.dp is not None
-        return f"noise from strategy.dp (z={self.dp.given_noise_multiplier:g}); privacy.epsilon is not used"
+    def fixed_noise(self) -> FixedNoise | None:
+        """A DP wrapper's noise is ``strategy.dp``'s, never calibrated: what dpfl proves for the plan.
+
+        The busiest client of the planned cohorts (seeded: known before round 1), every reply arriving.
+        """
+        if self.dp is None:
+            return None
+        rounds = self.run.settings.num_rounds
+        taken = Counter(c.client_id for t in range(1, rounds + 1) for c in self.cohorts.select(t))
+        setting = f"strategy.dp.noise_multiplier={self.dp.given_noise_multiplier:g}"
+        return FixedNoise(setting, self.dp.planned_epsilon(max(taken.values(), default=0)), rounds)
 
     def describe(self) -> None:
         """The run's header: the settings that apply, and what the Flower object runs with."""

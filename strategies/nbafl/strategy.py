@@ -64,6 +64,7 @@ from fl_app.privacy.calibration import (
     classic_gaussian_constant,
 )
 from fl_app.privacy.events import Gaussian, PrivacyEvent
+from fl_app.privacy.fixed_noise import FixedNoise
 from fl_app.privacy.mechanisms import gaussian_mechanism
 from fl_app.run.context import RunContext
 from fl_app.run.roster import ClientInfo
@@ -419,6 +420,18 @@ class NbAFLStrategy(PrivateStrategy):
             "uploads_max": max(uploads.values()),
             "weights": "uniform p_i = 1/K over the received uploads",
         }
+
+    def fixed_noise(self) -> FixedNoise | None:
+        """``strategy.sigma_up`` set: the busiest client's epsilon over its L uploads (None: calibrated)."""
+        if self.settings.sigma_up is None:
+            return None
+        return self.planned_gaussian(
+            "strategy.sigma_up",
+            noise_multiplier=self.sigma_up / self.client_sensitivity,
+            sampling_rate=1.0,
+            participations=self.exposures,
+            value=self.sigma_up,
+        )
 
     def _claim_status(self) -> str:
         """What ``privacy.epsilon`` amounts to for this run's unit and calibration."""
