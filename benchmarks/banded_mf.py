@@ -14,8 +14,9 @@ from the repository alone. ``losses`` prints the noise reduction of the optimise
 matrices (``||A C^{-1}||_F^2`` against independent noise, prefix sums); ``auto`` prints the band count
 ``strategy.bands=auto`` picks in the cross-device shape (N = 1000, 100 per round) and the models' noise
 variance of each band count relative to one band (DP-FedAvg's noise); ``plot`` draws the kept runs' arms
-on one axis (``fl_app.report.sweep`` gives each privacy unit its own panel, and the three arms' units differ
-only in the neighbouring relation: a client's data set, central DP), every seed as a dot.
+on one axis (``fl_app.report.sweep`` gives each privacy unit its own panel, and the central arms' units
+differ only in the neighbouring relation: a client's data set, central DP), every seed as a dot, the
+runs' code versions in the title.
 """
 
 from __future__ import annotations
@@ -163,6 +164,18 @@ def write_gaps(runs_dir: Path, page: Path) -> int:
     return 0
 
 
+def code_versions(runs: list) -> str:
+    """The completed runs' code versions in words: ``code a53bc25`` or ``code a53bc25 (99 runs), ...``."""
+    from collections import Counter
+
+    from fl_app.run.code_version import describe
+
+    counts = Counter(describe(run.results.get("code")) for run in runs if run.completed)
+    if len(counts) == 1:
+        return f"code {next(iter(counts))}"
+    return "code " + ", ".join(f"{name} ({count} runs)" for name, count in counts.most_common())
+
+
 def plot(runs_dir: Path, out: Path) -> int:
     """One panel: final test accuracy against epsilon for every arm of the kept runs, seeds as dots."""
     import matplotlib
@@ -233,7 +246,7 @@ def plot(runs_dir: Path, out: Path) -> int:
     axis.set_ylabel("final test accuracy")
     dashed = " dashed: untuned;" if any(label for _, label in by_arm) else ""
     axis.set_title(
-        f"central-DP arms, one command, one code version\n(dots: seeds;{dashed} T rounds, b bands)",
+        f"central-DP arms, {code_versions(runs)}\n(dots: seeds;{dashed} T rounds, b bands)",
         fontsize=9,
     )
     axis.grid(alpha=0.3)

@@ -672,6 +672,16 @@ def image_run_command(args: argparse.Namespace) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------
 
 
+def trained_sentences(metrics: Any) -> float | None:
+    """The round's ``number of data points`` (the sentences the cohort trained on) from pfl's metrics."""
+    from pfl.metrics import get_overall_value
+
+    for name, value in metrics:
+        if str(name).endswith("number of data points"):
+            return float(get_overall_value(value))
+    return None
+
+
 def lm_round_command(args: argparse.Namespace) -> dict[str, Any]:
     """``lm-round``: rounds of pfl-research's LM configuration on an HDF5, their wall and CPU time.
 
@@ -744,7 +754,7 @@ def lm_round_command(args: argparse.Namespace) -> dict[str, Any]:
                 contexts = tuple(dataclasses.replace(c, do_evaluation=False) for c in contexts)
             return contexts, model_, metrics
 
-    history: dict[str, list[float]] = {"round_s": [], "round_cpu_s": []}
+    history: dict[str, list[float]] = {"round_s": [], "round_cpu_s": [], "sentences": []}
 
     class Recorder(TrainingProcessCallback):
         def on_train_begin(self, *, model: Any) -> Metrics:
@@ -756,6 +766,7 @@ def lm_round_command(args: argparse.Namespace) -> dict[str, Any]:
         ) -> Any:
             history["round_s"].append(time.perf_counter() - self.last)
             history["round_cpu_s"].append(time.process_time() - self.cpu)
+            history["sentences"].append(trained_sentences(aggregate_metrics))
             self.last, self.cpu = time.perf_counter(), time.process_time()
             return False, Metrics()
 

@@ -636,8 +636,9 @@ def test_central_gaps_in_the_cross_device_page_rebuild_from_the_kept_runs():
     by_arm, _, reference = banded_mf.group_arms(load_runs(root / "cross_device" / "runs")[0])
     lines = banded_mf.gaps_table(by_arm)
     assert with_generated_block(page, lines, begin=banded_mf.GAPS_BEGIN, end=banded_mf.GAPS_END) == page
-    # every central arm, tuned and untuned, at every budget, 3 seeds each; the reference apart
-    assert len(lines) == 2 + 4 * 4 and sum("(3) | " in line for line in lines) == 16
+    # every central arm (DP-FedAvg, adaptive clipping, DP-FTRL, banded MF, DP-BLT), tuned and untuned,
+    # at every budget, 3 seeds each; the reference apart
+    assert len(lines) == 2 + 5 * 4 and sum("(3) | " in line for line in lines) == 20
     assert all(line.count("(3)") == 2 for line in lines[2:]) and len(reference) == 3
 
 

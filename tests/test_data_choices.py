@@ -227,3 +227,47 @@ def test_a_private_run_declares_its_number_of_classes(
     run(folders["integers"], "strategy=dp_fedavg", "dataset.num_classes=4")
     run(folders["integers"], "strategy=fedavg")  # not private: the labels may say
     run(folders["declared"], "strategy=dp_fedavg")  # the schema declares it
+
+
+@pytest.mark.simulation
+def test_a_resumed_secure_run_keeps_the_vocabulary_it_released(
+    corpora: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``privacy.secure_rng`` a new draw would be a second, different release: a resumed run reads
+    the release its checkpoint records and trains on those words (the charge is the first part's)."""
+    import signal
+
+    from fl_app.run import lifecycle
+    from fl_app.run.reporter import RoundReporter
+
+    monkeypatch.setenv("DPFL_DATA_HOME", str(tmp_path / "home"))
+    overrides = [o for o in RUN if not o.startswith("privacy.noise_seed")]
+    overrides = [*overrides, "num_rounds=2", "privacy.secure_rng=true", f"dataset.path={corpora[0]}"]
+    after_round = RoundReporter.__call__
+
+    def stop_after_round_one(self, server_round, arrays):
+        metrics = after_round(self, server_round, arrays)
+        if server_round == 1:
+            lifecycle.request_stop(signal.SIGINT)
+        return metrics
+
+    monkeypatch.setattr(RoundReporter, "__call__", stop_after_round_one)
+    output = tmp_path / "run"
+    try:
+        stopped = simulate_in_process(overrides, output, None)
+    finally:
+        lifecycle.STOP.clear()
+        lifecycle._signal_received.clear()
+    monkeypatch.setattr(RoundReporter, "__call__", after_round)
+    assert stopped["status"] == "interrupted"
+    released = stopped["privacy"]["vocabulary"]["release"]
+
+    def drawn_again(*args, **kwargs):
+        raise AssertionError("a resumed run drew its vocabulary again")
+
+    monkeypatch.setattr("fl_app.config.data_choices.dp_release", drawn_again)
+    resumed = simulate_in_process([f"resume={output}"], output, None)
+    assert resumed["status"] == "completed" and [r["round"] for r in resumed["rounds"]] == [1, 2]
+    assert resumed["privacy"]["vocabulary"]["release"] == released
+    ledger = json.loads((output / resumed["privacy"]["vocabulary"]["ledger"]).read_text())
+    assert [e["server_round"] for e in ledger["events"]] == [0]  # charged once, by the first part

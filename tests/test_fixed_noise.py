@@ -145,3 +145,55 @@ def test_a_flower_dp_wrappers_noise_is_said_fixed_with_what_dpfl_proves_for_the_
         messages = list(strategy.configure_train(t, arrays, ConfigRecord(), grid))
         arrays = strategy.aggregate_train(t, grid.send_and_receive(messages))[0] or arrays
     assert strategy.epsilon().epsilon == pytest.approx(fixed.planned_epsilon, rel=1e-9)
+
+
+def test_a_per_report_epsilon_set_by_hand_is_said_with_what_the_planned_evaluations_reach(tmp_path, caplog):
+    """``evaluation.laplace_eval_eps`` fixes the clustering evaluation's noise: the stage's header names it
+    with the epsilon the largest client's reports reach over the planned evaluations (basic composition),
+    ``privacy.evaluation`` carries it, and the evaluation's ledger never exceeds it."""
+    import logging
+
+    from strategies.dp_fedavg import DPFedAvgStrategy
+    from strategies.laplace_eval.stage import LaplaceEvalStage
+
+    overrides = [
+        *DIGITS,
+        "num_rounds=3",
+        "evaluation=laplace_eval",
+        "strategy=dp_fedavg",
+        "strategy.noise_multiplier=1.0",
+        "evaluation.cluster_client_num=6",
+        "evaluation.laplace_eval_eps=3",
+    ]
+    stage = LaplaceEvalStage(DPFedAvgStrategy(build_run_context(overrides, tmp_path)))
+    largest = max(info.num_examples for info in stage.run.roster)
+    planned = 3.0 * largest * stage.evaluation_rounds
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        stage.describe()
+    said = (
+        f"noise fixed by evaluation.laplace_eval_eps=3, not calibrated to privacy.epsilon=8: the "
+        f"{stage.evaluation_rounds} planned evaluations reach epsilon={planned:.4g}"
+    )
+    assert said in caplog.text
+    assert stage.evaluation_summary()["planned_epsilon_fixed_noise"] == pytest.approx(planned)
+    arrays = stage.initial_arrays()
+    for server_round in range(1, 4):
+        list(stage.configure_train(server_round, arrays, ConfigRecord(), grid=None))
+        stage.aggregate_train(server_round, [])
+        messages = list(stage.configure_evaluate(server_round, arrays, ConfigRecord(), grid=None))
+        stage.aggregate_evaluate(server_round, [reply_to(m) for m in messages])
+    assert 0 < stage.ledger.client_epsilon() <= planned + 1e-6
+
+
+def test_a_calibrated_evaluation_says_no_fixed_noise(tmp_path, caplog):
+    import logging
+
+    from strategies.dp_fedavg import DPFedAvgStrategy
+    from strategies.laplace_eval.stage import LaplaceEvalStage
+
+    overrides = [*DIGITS, "evaluation=laplace_eval", "strategy=dp_fedavg", "evaluation.cluster_client_num=6"]
+    stage = LaplaceEvalStage(DPFedAvgStrategy(build_run_context(overrides, tmp_path)))
+    with caplog.at_level(logging.INFO, logger="flwr"):
+        stage.describe()
+    assert "noise fixed by evaluation.laplace_eval_eps" not in caplog.text
+    assert stage.evaluation_summary()["planned_epsilon_fixed_noise"] is None

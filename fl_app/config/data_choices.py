@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from fl_app.config.checks import ConfigError, require_bool, require_int, require_range
 from fl_app.data.examples import TEXT_DATASETS
+from fl_app.data.sources import DataFileError
 from fl_app.data.text_vocabulary import CHOICE_KEY, VocabularyChoice, read_release, write_release
 from fl_app.privacy.rng import RandomSource, derive_noise_seed
 
@@ -99,6 +100,10 @@ def vocabulary_choice(settings: RunSettings, declaration: Declaration, *, privat
     from fl_app.data.text import META_FILE, text_source
 
     dataset = settings.data.dataset
+    if private and settings.resume is not None:
+        resumed = resumed_release(settings.resume)
+        if resumed is not None:
+            return resumed
     source = text_source(dataset, settings.data.partition)
     local = source.local_path()
     if local is not None and (local / META_FILE).is_file():
@@ -111,6 +116,32 @@ def vocabulary_choice(settings: RunSettings, declaration: Declaration, *, privat
     if not private:
         return VocabularyChoice("counted")
     return dp_release(settings, declaration, source)
+
+
+def resumed_release(directory: str) -> VocabularyChoice | None:
+    """The DP vocabulary the run in ``directory`` released, from its checkpoint (None: none released).
+
+    A resumed run trains on the words its first part released and was charged for: it never draws
+    them again (under ``privacy.secure_rng`` a new draw would differ, and be a second release).
+    """
+    from fl_app.run.checkpoint import read_header
+
+    try:
+        recorded = read_header(Path(directory)).get(CHOICE_KEY)
+    except (OSError, ValueError):
+        return None  # validate_resume names what is wrong with the folder
+    choice = None if recorded is None else VocabularyChoice.from_json(recorded)
+    if choice is None or choice.origin != "dp" or choice.release is None:
+        return None
+    try:
+        read_release(choice.release)
+    except DataFileError as error:
+        raise ConfigError(
+            "resume",
+            directory,
+            f"the run's DP vocabulary is not kept on this machine ({error}): resume it where it was released",
+        ) from None
+    return choice
 
 
 def converted_choice(folder: Path, dataset: Any) -> VocabularyChoice:
@@ -179,7 +210,7 @@ def release_randomness(settings: RunSettings, budget: dict[str, Any]) -> RandomS
 
 
 def refuse_dp_release(settings: RunSettings, declaration: Declaration) -> None:
-    """A DP vocabulary needs central DP, a total budget, and a run that can draw it again (resume)."""
+    """A DP vocabulary needs central DP and a total budget."""
     if not declaration.unit.endswith(CENTRAL_DP):
         raise ConfigError(
             "dataset.vocabulary",
@@ -194,13 +225,6 @@ def refuse_dp_release(settings: RunSettings, declaration: Declaration) -> None:
             settings.privacy.budget_scope,
             "must be total for a DP vocabulary (it takes dataset.vocabulary_budget_fraction of the run's "
             f"budget); or {PUBLIC_FILE_HINT}",
-        )
-    if settings.resume is not None and settings.privacy.secure_rng:
-        raise ConfigError(
-            "resume",
-            settings.resume,
-            "a privacy.secure_rng=true run with a DP vocabulary cannot be resumed: its vocabulary was drawn "
-            "from OS entropy and would be drawn again; start a new run",
         )
 
 

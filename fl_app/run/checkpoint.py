@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from flwr.app import Array, ArrayRecord
 
+from fl_app.data.text_vocabulary import CHOICE_KEY
 from fl_app.run.context import RunContext
 from fl_app.run.files import UndatedFiles, WriteFailed, write_atomically, write_failed
 from fl_app.run.roster import ClientInfo
@@ -148,6 +149,7 @@ def save_checkpoint(
     """
     header = {"format": FORMAT, **{key: getattr(checkpoint, key) for key in HEADER_KEYS}}
     header[PLUGIN_KEY] = plugin_of(checkpoint.strategy)
+    header[CHOICE_KEY] = run.settings.data.dataset.get(CHOICE_KEY)  # a resumed run keeps its vocabulary
     stream = io.BytesIO()
     pickle.dump(header, stream, protocol=pickle.HIGHEST_PROTOCOL)
     content = dict(checkpoint.__dict__)
@@ -223,7 +225,7 @@ def state_path(output_dir: Path) -> Path:
 
 
 def read_header(output_dir: Path) -> dict[str, Any]:
-    """The checkpoint's plain fields (:data:`HEADER_KEYS`), without reading the strategy.
+    """The checkpoint's plain fields (:data:`HEADER_KEYS`, the plug-in, the vocabulary), not the strategy.
 
     Raises
     ------
@@ -241,7 +243,10 @@ def read_header(output_dir: Path) -> dict[str, Any]:
             raise ValueError(f"{path} is not a readable dpfl checkpoint ({type(error).__name__})") from error
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ValueError(f"{path} is not a dpfl checkpoint of format {FORMAT}")
-    return {key: header[key] for key in HEADER_KEYS} | {PLUGIN_KEY: header.get(PLUGIN_KEY)}
+    return {key: header[key] for key in HEADER_KEYS} | {
+        PLUGIN_KEY: header.get(PLUGIN_KEY),
+        CHOICE_KEY: header.get(CHOICE_KEY),
+    }
 
 
 def plugin_of(strategy: Any) -> dict[str, Any] | None:

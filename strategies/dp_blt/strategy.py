@@ -158,6 +158,7 @@ class DPBLTStrategy(PrivateStrategy):
                 "10 public groups (each client every 10th round), 100 rounds; strategy.buffers=auto"
             ),
         ),
+        comparisons=("cross_device",),
     )
     settings: DPBLTSettings
 

@@ -194,6 +194,26 @@ class LaplaceReportPlan:
             budget=budget,
         )
 
+    def planned_epsilon(self, *, largest_client: int, rounds: int) -> float:
+        """The client-level epsilon the largest client's reports reach over ``rounds`` evaluations.
+
+        Basic composition of its ``largest_client`` reports per evaluation at :attr:`epsilon_per_report`
+        (the bound :meth:`calibrated` spends): the evaluation's cost beside the training's.
+        """
+        return self.epsilon_per_report * largest_client * rounds
+
+    def fixed_text(self, *, largest_client: int, rounds: int, epsilon: float) -> str | None:
+        """For a per-report epsilon set by hand, the header's words on what it fixes (None: calibrated)."""
+        if self.budget is not None:
+            return None
+        reached = self.planned_epsilon(largest_client=largest_client, rounds=rounds)
+        return (
+            f"noise fixed by evaluation.laplace_eval_eps={self.configured_epsilon:g}, not calibrated to "
+            f"privacy.epsilon={epsilon:g}: the {rounds} planned evaluations reach epsilon={reached:.4g} "
+            f"(the largest client's {largest_client} reports each, basic composition), on top of the "
+            "training's"
+        )
+
     def understated(self) -> str | None:
         """What the noise gives when the configured sensitivity is below the true one, else None."""
         if self.sensitivity >= PROBABILITY_VECTOR_L1_SENSITIVITY:

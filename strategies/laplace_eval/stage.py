@@ -142,11 +142,12 @@ class LaplaceEvalStage(EvaluationStage):
         self.num_rounds = run.settings.num_rounds
         self.clients_per_evaluation = min(settings.cluster_client_num, run.num_clients)
         self.evaluation_rounds = sum(1 for t in range(1, self.num_rounds + 1) if self.evaluates(t))
+        self.largest_client = max(1, max(info.num_examples for info in run.roster))
         self.plan = LaplaceReportPlan.for_settings(
             laplace=settings.privacy_eval_type == LAPLACE,
             epsilon=settings.laplace_eval_eps,
             budget=settings.budget(run.settings),
-            largest_client=max(1, max(info.num_examples for info in run.roster)),
+            largest_client=self.largest_client,
             rounds=self.evaluation_rounds,
             sensitivity=settings.sensitivity,
         )
@@ -199,6 +200,17 @@ class LaplaceEvalStage(EvaluationStage):
             if plan is None
             else f", scale {plan.scale:.3g}, epsilon {plan.epsilon_per_report:.6g} per report",
         )
+        fixed = (
+            None
+            if plan is None
+            else plan.fixed_text(
+                largest_client=self.largest_client,
+                rounds=self.evaluation_rounds,
+                epsilon=self.run.settings.privacy.epsilon,
+            )
+        )
+        if fixed is not None:
+            log(INFO, "\t└──> %s", fixed)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -417,6 +429,9 @@ class LaplaceEvalStage(EvaluationStage):
             if plan is None or plan.budget is None
             else self.run.settings.privacy.epsilon,
             "evaluation_rounds": self.evaluation_rounds,
+            "planned_epsilon_fixed_noise": None
+            if plan is None or plan.budget is not None
+            else plan.planned_epsilon(largest_client=self.largest_client, rounds=self.evaluation_rounds),
             **self.ledger.summary(),
             "ledger": None if plan is None else EVALUATION_LEDGER_FILE,
         }
