@@ -83,7 +83,8 @@ def group_arms(
     """The completed runs' final accuracies by arm and budget, their annotations, and the reference.
 
     An arm is a strategy and its label (``label=untuned``: settings fixed before validation was seen,
-    ``""`` for the tuned row); a run without epsilon (non-private FedAvg) is the reference.
+    ``""`` for the tuned row); a run without epsilon (non-private FedAvg) is the reference. An
+    annotation is the run's rounds ``T``, with banded MF's bands ``b`` and DP-BLT's buffers ``d``.
     """
     by_arm: dict[Arm, dict[float, list[float]]] = {}
     labels: dict[tuple[str, str, float], str] = {}
@@ -97,7 +98,12 @@ def group_arms(
         epsilon = float(run.config["privacy"]["epsilon"])
         by_arm.setdefault(arm, {}).setdefault(epsilon, []).append(accuracy)
         bands = run.results["privacy"].get("bands")
-        labels[(*arm, epsilon)] = f"T={len(run.results['rounds'])}" + (f", b={bands}" if bands else "")
+        buffers = run.results["privacy"].get("strategy_matrix", {}).get("buffers")  # DP-BLT's
+        labels[(*arm, epsilon)] = (
+            f"T={len(run.results['rounds'])}"
+            + (f", b={bands}" if bands else "")
+            + (f", d={buffers}" if buffers is not None else "")
+        )
     return by_arm, labels, reference
 
 
@@ -111,18 +117,21 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
-def gaps_table(by_arm: dict[Arm, dict[float, list[float]]], *, against: str = "dp_bandmf") -> list[str]:
+def gaps_table(
+    by_arm: dict[Arm, dict[float, list[float]]], *, against: tuple[str, ...] = ("dp_bandmf", "dp_blt")
+) -> list[str]:
     """Markdown lines: each central arm's tuned and untuned mean per budget, and ``against`` beside them.
 
     Columns per budget: the tuned row's mean over seeds, the untuned row's, what the tuning bought
-    (tuned minus untuned, points), and the tuned ``against`` arm minus this arm's tuned row (points).
+    (tuned minus untuned, points), and for each arm of ``against`` that has a tuned row, its tuned
+    mean minus this arm's tuned row (points).
     """
     from benchmarks.tables import markdown_table
 
+    references = {name: by_arm[(name, "")] for name in against if (name, "") in by_arm}
     rows = []
     for strategy in sorted({strategy for strategy, _ in by_arm}):
         tuned, untuned = by_arm.get((strategy, ""), {}), by_arm.get((strategy, "untuned"), {})
-        reference = by_arm.get((against, ""), {})
         for epsilon in sorted(set(tuned) | set(untuned)):
             a, b = tuned.get(epsilon), untuned.get(epsilon)
             rows.append(
@@ -132,9 +141,12 @@ def gaps_table(by_arm: dict[Arm, dict[float, list[float]]], *, against: str = "d
                     f"{_mean(a):.3f} ({len(a)})" if a else "-",
                     f"{_mean(b):.3f} ({len(b)})" if b else "-",
                     f"{100 * (_mean(a) - _mean(b)):+.1f}" if a and b else "-",
-                    "-"
-                    if strategy == against or not a or epsilon not in reference
-                    else f"{100 * (_mean(reference[epsilon]) - _mean(a)):+.1f}",
+                    *(
+                        "-"
+                        if strategy == name or not a or epsilon not in reference
+                        else f"{100 * (_mean(reference[epsilon]) - _mean(a)):+.1f}"
+                        for name, reference in references.items()
+                    ),
                 ]
             )
     header = [
@@ -143,7 +155,7 @@ def gaps_table(by_arm: dict[Arm, dict[float, list[float]]], *, against: str = "d
         "tuned (seeds)",
         "untuned (seeds)",
         "tuning bought (points)",
-        f"{against} minus this arm (points)",
+        *(f"{name} minus this arm (points)" for name in references),
     ]
     return markdown_table(header, rows)
 
@@ -245,10 +257,12 @@ def plot(runs_dir: Path, out: Path) -> int:
     axis.set_xlabel("epsilon per client (delta 1e-5; central DP; log scale)")
     axis.set_ylabel("final test accuracy")
     dashed = " dashed: untuned;" if any(label for _, label in by_arm) else ""
-    axis.set_title(
-        f"central-DP arms, {code_versions(runs)}\n(dots: seeds;{dashed} T rounds, b bands)",
-        fontsize=9,
+    keys = " T rounds" + "".join(
+        text
+        for mark, text in ((", b=", ", b bands"), (", d=", ", d BLT buffers"))
+        if any(mark in note for note in labels.values())
     )
+    axis.set_title(f"central-DP arms, {code_versions(runs)}\n(dots: seeds;{dashed}{keys})", fontsize=9)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))  # outside: no point hidden
     figure.tight_layout()

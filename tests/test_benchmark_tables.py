@@ -623,6 +623,17 @@ def test_central_gaps_table_gives_what_tuning_bought_and_banded_mf_against_each_
         "| dp_fedavg | 1 | 0.710 (2) | 0.420 (2) | +29.0 | +3.0 |",
         "| dp_fedavg | 8 | 0.800 (1) | - | - | -1.0 |",
     ]
+    # with a DP-BLT arm, a column of its own beside banded MF's (BLT at 8 only: "-" at 1)
+    by_arm[("dp_blt", "")] = {8.0: [0.82, 0.84]}
+    table = banded_mf.gaps_table(by_arm)
+    assert table[0].endswith("| dp_bandmf minus this arm (points) | dp_blt minus this arm (points) |")
+    assert table[2:] == [
+        "| dp_bandmf | 1 | 0.740 (1) | - | - | - | - |",
+        "| dp_bandmf | 8 | 0.790 (1) | - | - | - | +4.0 |",
+        "| dp_blt | 8 | 0.830 (2) | - | - | -4.0 | - |",
+        "| dp_fedavg | 1 | 0.710 (2) | 0.420 (2) | +29.0 | +3.0 | - |",
+        "| dp_fedavg | 8 | 0.800 (1) | - | - | -1.0 | +3.0 |",
+    ]
 
 
 def test_central_gaps_in_the_cross_device_page_rebuild_from_the_kept_runs():

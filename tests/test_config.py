@@ -430,7 +430,7 @@ def test_cli_exits_2_with_one_line_and_writes_nothing(override, tmp_path):
 
 
 def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
-    """Two tables, one command each: the central arms' 96 jobs (4 arms and their untuned rows x 4
+    """Two tables, one command each: the central arms' 120 jobs (5 arms and their untuned rows x 4
     budgets x 3 seeds) and the 36 of the arms whose epsilon holds against the server (distributed and
     local DP); each arm's rule (cohort, rounds, schedule) survives the preset's shape, every job
     validates, privacy randomness is secret, and each job has its own dir."""
@@ -442,7 +442,7 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         multirun=True,
     )
     jobs = central + untrusted_server
-    tuned_on_validation = {"dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "dp_bandmf"}
+    tuned_on_validation = {"dp_fedavg", "dp_fedavg_adaptive", "dp_ftrl", "dp_bandmf", "dp_blt"}
     untuned = {f"{arm}_untuned" for arm in tuned_on_validation}
     assert sweep_grid(central) == budget_seed_grid("cross_device", tuned_on_validation | untuned)
     assert sweep_grid(untrusted_server) == budget_seed_grid(
@@ -481,6 +481,16 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         4: (100, 5, "auto"),
         8: (200, 5, "auto"),
     }
+    arm = ["+experiment=compare_cross_device", "cross_device=dp_blt"]
+    blt = {e: compose_config([*arm, f"privacy.epsilon={e}"]) for e in (1, 2, 4, 8)}
+    rules_blt = {e: (c.num_rounds, c.local_epochs, c.strategy.server_lr) for e, c in blt.items()}
+    assert {(c.strategy.server_momentum, c.strategy.buffers) for c in blt.values()} == {(0.9, "auto")}
+    assert rules_blt == {
+        1: (100, 5, 0.05),
+        2: (200, 5, 0.05),
+        4: (200, 5, 0.05),
+        8: (200, 5, 0.1),
+    }
     for job in (j for j in jobs if "seed=1" in j and "privacy.epsilon=1" in j):
         cfg = compose_config(job)
         validate_config(cfg, check_data=False)
@@ -512,12 +522,13 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         "dp_fedavg_adaptive": (100, 100, None),
         "dp_ftrl": (100, 100, None),
         "dp_bandmf": (100, 50, None),  # Poisson within public groups (strategy.bands=auto)
+        "dp_blt": (100, 100, None),  # public cyclic groups of 100 (no sampling)
         "dp_fedavg_secagg": (100, 30, None),  # its balanced schedule is built in (no key)
         "fedavg_ldp": (10, 100, "balanced"),  # one report per client: the whole budget on it
         "privatekt": (10, 100, "balanced"),
         **{arm: (100, 200, None) for arm in untuned},
     }
-    assert (len(central), len(untrusted_server)) == (96, 36)
+    assert (len(central), len(untrusted_server)) == (120, 36)
     assert len({tuple(j) for j in jobs}) == len(jobs)
     reference = expand_jobs(
         ["+experiment=compare_cross_device", "cross_device=fedavg", "privacy.epsilon=8"], multirun=True

@@ -64,7 +64,8 @@ REQUIRED_FIELDS = ("strategy", "dataset", "config", "rounds", "final", "privacy"
 RUN_MARKERS = (".hydra", "run.log")
 #: Keys that never make two runs different experiments: the seed, run-local paths, and where and how a
 #: run executes or what it logs (results are the same on a cluster, on GPUs, with fewer concurrent
-#: clients or with a tracker; a run made before such a key existed lacks it).
+#: clients, in Ray's actors or another backend, in bulk or one message per client, or with a tracker;
+#: a run made before such a key existed lacks it).
 IGNORED_KEYS = {
     "seed",
     "output_dir",
@@ -75,6 +76,10 @@ IGNORED_KEYS = {
     "simulation.client_gpus",
     "simulation.max_concurrent_clients",
     "simulation.messages_per_task",
+    "simulation.backend",
+    "simulation.vectorise",
+    "simulation.pack_messages",
+    "simulation.bulk",
     "tracking",
     "tracker.mlflow_uri",
     "tracker.experiment",
