@@ -24,7 +24,11 @@ Subcommands (each prints one JSON object as its last line):
 * ``hdf5-from-tokens``: a converted dpfl corpus folder (raw token files, read with numpy) as the HDF5
   layout of ``download_preprocess.py``.
 * ``image-run``: DP-FedAvg with pfl-research's image configuration (cohort, noise cohort, clip, epsilon,
-  local training) on an exported partition, through pfl's ``SimulatedBackend``.
+  local training) on an exported partition, through pfl's ``SimulatedBackend`` (``--mechanism``:
+  clipping without noise, or neither, for experiments).
+* ``image-update``: one client's local update by pfl's own SGD, for given clients and example orders.
+* ``lm-round``: rounds of pfl-research's LM configuration on an HDF5, their times and trained
+  sentences (``--progress``: a line appended at each round's end, where the harness reads the CPU).
 """
 
 from __future__ import annotations
@@ -593,11 +597,11 @@ def image_run_command(args: argparse.Namespace) -> dict[str, Any]:
 
     training = FederatedDataset(make_user, get_user_sampler("random", list(users)))
     mechanism = parse_mechanism(
-        mechanism_name="gaussian_moments_accountant",
+        mechanism_name=args.mechanism,
         clipping_bound=args.clip,
         epsilon=args.epsilon,
         delta=args.delta,
-        order=None,
+        order=2,
         cohort_size=args.cohort,
         noise_cohort_size=args.noise_cohort,
         num_epochs=args.rounds,
@@ -667,18 +671,78 @@ def image_run_command(args: argparse.Namespace) -> dict[str, Any]:
     return {"final_accuracy": history["accuracy"][-1], "rounds": args.rounds}
 
 
+def image_update_command(args: argparse.Namespace) -> dict[str, Any]:
+    """``image-update``: one local update per named client by pfl's own SGD (its ``sgd_bridge``).
+
+    The exported partition's network and initial weights; each client's examples in the order
+    ``numpy.random.default_rng(client).permutation(n)``; one epoch of SGD (``--lr``, ``--batch``) as
+    pfl's ``FederatedAveraging.train_one_user`` runs it; the updates (trained minus initial) to ``--out``.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    use_benchmarks(args.pfl_research)
+    from model.pytorch.metrics import image_classification_loss, image_classification_metrics
+    from pfl.data.dataset import Dataset
+    from pfl.hyperparam import NNTrainHyperParams
+    from pfl.internal.bridge import FrameworkBridgeFactory
+    from pfl.model.pytorch import PyTorchModel
+
+    archive = np.load(args.data)
+    x_all = archive["x"].astype(np.float32) / np.float32(255.0)
+    y_all = archive["y"].astype(np.int64)
+    offsets = archive["offsets"]
+    names = [str(n) for n in archive["param_names"]]
+    network = torch.nn.Sequential()
+    network.add_module(
+        "net",
+        torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(x_all[0].size, 128),
+            torch.nn.ReLU(),
+            torch.nn.Linear(128, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 10),
+        ),
+    )
+    network.load_state_dict(
+        {name: torch.from_numpy(archive[f"param_{k}"].copy()) for k, name in enumerate(names)}
+    )
+    network.loss = types.MethodType(image_classification_loss, network)
+    network.metrics = types.MethodType(image_classification_metrics, network)
+    model = PyTorchModel(
+        model=network,
+        local_optimizer_create=torch.optim.SGD,
+        central_optimizer=torch.optim.SGD(network.parameters(), lr=1.0),
+    )
+    params = NNTrainHyperParams(local_learning_rate=args.lr, local_num_epochs=1, local_batch_size=args.batch)
+    updates: dict[str, np.ndarray] = {}
+    for client in args.clients:
+        x, y = x_all[offsets[client] : offsets[client + 1]], y_all[offsets[client] : offsets[client + 1]]
+        order = np.random.default_rng(client).permutation(len(y))
+        initial = model.get_parameters()
+        FrameworkBridgeFactory.sgd_bridge().do_sgd(model, Dataset(raw_data=[x[order], y[order]]), params)
+        for name, values in model.get_model_difference(initial, clone=True).items():
+            updates[f"{client}/{name}"] = values.detach().numpy()
+        model.set_parameters(initial)
+    np.savez(args.out, **updates)
+    return {"clients": list(args.clients), "out": str(args.out)}
+
+
 # --------------------------------------------------------------------------------------------------
 # One language-model round, for its cost
 # --------------------------------------------------------------------------------------------------
 
 
 def trained_sentences(metrics: Any) -> float | None:
-    """The round's ``number of data points`` (the sentences the cohort trained on) from pfl's metrics."""
-    from pfl.metrics import get_overall_value
+    """The sentences the round's cohort trained on: pfl's ``number of data points``, summed over users.
 
+    pfl keeps it as a ``Weighted`` (each user's count with weight 1), whose overall value is the mean
+    per user; the sum is its weighted value.
+    """
     for name, value in metrics:
         if str(name).endswith("number of data points"):
-            return float(get_overall_value(value))
+            return float(getattr(value, "weighted_value", value))
     return None
 
 
@@ -689,7 +753,8 @@ def lm_round_command(args: argparse.Namespace) -> dict[str, Any]:
     its ``lm_transformer``; its ``parse_mechanism``), pfl's ``FederatedAveraging`` with central Adam
     (lr 0.1, eps 0.01, betas 0.9/0.99), ``WeightByUser``, one torch thread, one process. Unlike
     pfl-research's ``lm/pytorch/train.py``, no user is evaluated before and after its training and
-    there is no central evaluation: what a round must do, as dpfl's round.
+    there is no central evaluation: what a round must do, as dpfl's round. Records each round's wall
+    and CPU time and the sentences its cohort trained on; ``--progress`` gets a line at each round's end.
     """
     import dataclasses
 
@@ -767,6 +832,9 @@ def lm_round_command(args: argparse.Namespace) -> dict[str, Any]:
             history["round_s"].append(time.perf_counter() - self.last)
             history["round_cpu_s"].append(time.process_time() - self.cpu)
             history["sentences"].append(trained_sentences(aggregate_metrics))
+            if args.progress is not None:  # a line per round: the harness reads every process's CPU there
+                with args.progress.open("a") as handle:
+                    handle.write(json.dumps({"round": central_iteration + 1}) + "\n")
             self.last, self.cpu = time.perf_counter(), time.process_time()
             return False, Metrics()
 
@@ -826,6 +894,13 @@ def main(argv: list[str] | None = None) -> int:
     tokens.add_argument("--folder", type=Path, required=True)
     tokens.add_argument("--test-users", type=int, default=200)
     tokens.add_argument("--out", type=Path, required=True)
+    update = sub.add_parser("image-update")
+    update.add_argument("--pfl-research", type=Path, required=True)
+    update.add_argument("--data", type=Path, required=True)
+    update.add_argument("--clients", type=int, nargs="+", required=True)
+    update.add_argument("--lr", type=float, default=0.1)
+    update.add_argument("--batch", type=int, default=10)
+    update.add_argument("--out", type=Path, required=True)
     rounds = sub.add_parser("lm-round")
     rounds.add_argument("--pfl-research", type=Path, required=True)
     rounds.add_argument("--hdf5", type=Path, required=True)
@@ -833,12 +908,19 @@ def main(argv: list[str] | None = None) -> int:
     rounds.add_argument("--rounds", type=int, required=True)
     rounds.add_argument("--seed", type=int, default=0)
     rounds.add_argument("--out", type=Path, required=True)
+    rounds.add_argument("--progress", type=Path, default=None, help="a line appended at each round's end")
     image = parsers["image-run"]
     image.add_argument("--data", type=Path, required=True)
     image.add_argument("--out", type=Path, required=True)
     image.add_argument("--rounds", type=int, required=True)
     image.add_argument("--every", type=int, default=5)
     image.add_argument("--seed", type=int, default=0)
+    image.add_argument(
+        "--mechanism",
+        choices=["gaussian_moments_accountant", "norm_clipping_only", "none"],
+        default="gaussian_moments_accountant",
+        help="pfl-research's central mechanism (the others: clipping without noise, neither)",
+    )
     for key, kind, default in (
         ("cohort", int, 50),
         ("noise-cohort", int, 1000),
@@ -859,6 +941,7 @@ def main(argv: list[str] | None = None) -> int:
         "init": init_command,
         "hdf5-from-tokens": hdf5_from_tokens_command,
         "image-run": image_run_command,
+        "image-update": image_update_command,
         "lm-round": lm_round_command,
     }
     print(json.dumps(commands[args.command](args)), flush=True)

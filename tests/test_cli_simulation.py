@@ -155,8 +155,9 @@ LAUNCHERS = {
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_failed_job_is_reported_and_the_others_run(tmp_path, launcher):
     sweep = tmp_path / "sweep"
-    # Job 0: the clients cannot answer within 1 ms, so its first round fails at run time (it passes
-    # validation): none replied; job 1 runs normally.
+    # Job 0: its deadline is 1 ms and no reply can come before 1 s (each client is made to take
+    # 1 s more, DPFL_INJECT_DELAY), so its first round fails at run time whatever the machine's
+    # speed (it passes validation): none replied; job 1 waits for its clients and runs normally.
     process = subprocess.run(
         [
             sys.executable,
@@ -174,6 +175,7 @@ def test_failed_job_is_reported_and_the_others_run(tmp_path, launcher):
         text=True,
         cwd=tmp_path,
         timeout=600,
+        env={**os.environ, "DPFL_INJECT_DELAY": "1"},
     )
     assert process.returncode == 1, process.stderr[-2000:]
     assert "job failed" in process.stderr

@@ -22,7 +22,7 @@ from typing import Any
 import dp_accounting as dpa
 import numpy as np
 import pytest
-from conftest import build_run_context, dense_lower_toeplitz, error_reply, reply_to
+from conftest import build_run_context, dense_lower_toeplitz, reply_to
 from flwr.app import Array, ArrayRecord, ConfigRecord
 
 from fl_app import keys
@@ -370,12 +370,9 @@ def dp_blt_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) ->
         GAUSSIAN_DELTA,
         UNIFORM,
         ZEROS,
-        Audited,
-        audit,
         audit_run,
-        reseeded,
+        correlated_audit,
         run_client,
-        shifted,
         zero_model,
     )
 
@@ -397,34 +394,20 @@ def dp_blt_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int) ->
     update = flat_vector(run_client(message, first, 2).content.array_records[keys.ARRAYS]) - flat_vector(
         start
     )
-    direction = update / np.linalg.norm(update)
     assert strategy.schema == ParticipationSchema(3, 2, 2)
     matrix = dense_lower_toeplitz(strategy.blt.coefficients(3), 3)
     signature = matrix @ np.array([1.0, 0.0, 1.0])
 
-    def released(fresh: DPBLTStrategy, present: bool) -> float:
-        current, sums = start, []
-        for t in range(1, 4):
-            replies = []
-            for m in fresh.configure_train(t, current, ConfigRecord(), grid=None):
-                if int(m.metadata.dst_node_id) - 1000 == first:
-                    moved = shifted(current, update)
-                    replies.append(reply_to(m, arrays=moved) if present else error_reply(m, "absent"))
-                else:
-                    replies.append(reply_to(m, arrays=current))
-            new, _ = fresh.aggregate_train(t, replies)
-            assert new is not None
-            sums.append((flat_vector(new) - flat_vector(current)) @ direction)
-            current = new
-        return float((matrix @ np.asarray(sums)) @ signature)
-
-    outputs = [
-        np.asarray([released(reseeded(DPBLTStrategy(run), 2 * k + w), w == 0) for k in range(trials)])
-        for w in range(2)
-    ]
-    reporter = reseeded(DPBLTStrategy(run), 99_999)
-    released(reporter, True)
-    return Audited(audit(*outputs, delta=run.settings.privacy.delta), float(reporter.epsilon().epsilon))
+    return correlated_audit(
+        lambda: DPBLTStrategy(run),
+        run=run,
+        start=start,
+        first=first,
+        update=update,
+        matrix=matrix,
+        signature=signature,
+        trials=trials,
+    )
 
 
 #: (its one-round audit, rounds per input, the least fraction of the reported epsilon it must find)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.pfl_crosscheck import overlap
+from benchmarks.pfl_crosscheck import QUICK, arm_rounds, overlap, overlap_false_alarm
 from fl_app.config.compose import selects_quick
 from fl_app.data.text import uncounted_targets
 from fl_app.data.text_tokens import Vocabulary, word_sequence, words_of
@@ -124,6 +125,43 @@ def test_curves_overlap_within_the_seeds_spread() -> None:
     assert near["overlap"]  # the first evaluated round is not judged
     far = overlap(runs([[0.1, 0.30, 0.40], [0.2, 0.31, 0.41]]), runs([[0.1, 0.40, 0.42], [0.1, 0.41, 0.43]]))
     assert not far["overlap"] and [r["within"] for r in far["rounds"]] == [True, False, False]
+
+
+def test_a_round_whose_seeds_happen_to_agree_is_judged_by_the_curves_spread() -> None:
+    def runs(curves: list[list[float]]) -> list[dict]:
+        return [{"round": [5, 10, 15, 20], "accuracy": c} for c in curves]
+
+    # round 10: each side's three seeds within 0.004, the means 0.03 apart; the curve's seeds spread 0.06
+    dpfl = runs([[0.2, 0.520, 0.55, 0.60], [0.3, 0.518, 0.61, 0.66], [0.25, 0.516, 0.58, 0.63]])
+    pfl = runs([[0.2, 0.550, 0.60, 0.61], [0.3, 0.548, 0.54, 0.67], [0.25, 0.546, 0.57, 0.64]])
+    result = overlap(dpfl, pfl)
+    assert result["pooled_spread"] == pytest.approx((0.004 + 0.06 + 0.06) / 3)
+    assert result["overlap"] and [r["judged"] for r in result["rounds"]] == [False, True, True, True]
+    shifted = overlap(
+        dpfl, runs([[0.2, 0.620, 0.60, 0.61], [0.3, 0.618, 0.54, 0.67], [0.25, 0.616, 0.57, 0.64]])
+    )
+    assert not shifted["overlap"] and [r["within"] for r in shifted["rounds"][1:]] == [False, True, True]
+
+
+def test_the_overlap_criterion_rarely_fails_alike_curves_and_catches_shifted_ones() -> None:
+    alike = overlap_false_alarm(seeds=3, spreads=[2.0, 1.3, 1.0], trials=20000)
+    assert 0.005 < alike["round"] < 0.03 and 0.02 < alike["curve"] < 0.08
+    assert overlap_false_alarm(seeds=3, spreads=[2.0, 1.3, 1.0], shift=3.0, trials=20000)["curve"] > 0.85
+    two_seeds = overlap_false_alarm(seeds=2, spreads=[1.0, 1.0, 1.0], trials=20000)
+    assert two_seeds["curve"] > 0.2  # why two seeds a side cannot judge an overlap
+
+
+def test_cost_per_round_comes_from_the_round_marks() -> None:
+    sizes = replace(QUICK, cost_rounds=5)
+    marks = [  # the end of rounds 1..5: every process's CPU then (the command's pid is the lowest)
+        {"at_s": 10.0 + 3 * i, "cpu_s": {"100": 8.0 + 0.1 * i, "101": 1.0 + 1.5 * i, "102": 1.0 + 1.5 * i}}
+        for i in range(5)
+    ]
+    row = {"arm": "dpfl", "exit": 0, "marks": marks}
+    assert arm_rounds(row, sizes) == pytest.approx({"cpu_s": 3.1, "wall_s": 3.0, "driver_s": 0.1})
+    loop = {"arm": "loop", "exit": 0, "cpu_s": [9.0, 3.0, 3.2, 3.4, 9.0], "round_s": [1, 2, 3, 4, 5]}
+    assert arm_rounds(loop, sizes) == pytest.approx({"cpu_s": 3.2, "wall_s": 3, "driver_s": None})
+    assert arm_rounds({**row, "marks": marks[:3]}, sizes)["cpu_s"] is None  # a run that stopped early
 
 
 def test_pfl_central_adam_steps_as_torch_adam_with_the_warm_up(monkeypatch: pytest.MonkeyPatch) -> None:

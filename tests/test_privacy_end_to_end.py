@@ -463,15 +463,46 @@ def dp_bandmf_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int)
     message = next(m for m in strategy.configure_train(1, start, ConfigRecord(), grid=None))
     trained = flat_vector(run_client(message, first, 2).content.array_records[keys.ARRAYS])
     update = trained - flat_vector(start)
-    direction = update / np.linalg.norm(update)
     rounds = [t for t in range(1, 4) if first in {i.client_id for i in strategy.group_of_round(t)}]
     assert rounds == [1, 3]
     matrix = dense_lower_toeplitz(strategy.matrix.coefficients, 3)
     signature = matrix @ np.array([1.0 if t in rounds else 0.0 for t in range(1, 4)])
 
+    return correlated_audit(
+        lambda: STRATEGIES.get("dp_bandmf")(run),
+        run=run,
+        start=start,
+        first=first,
+        update=update,
+        matrix=matrix,
+        signature=signature,
+        trials=trials,
+    )
+
+
+def correlated_audit(
+    make: Callable[[], Any],
+    *,
+    run: RunContext,
+    start: ArrayRecord,
+    first: int,
+    update: np.ndarray,
+    matrix: np.ndarray,
+    signature: np.ndarray,
+    trials: int,
+) -> Audited:
+    """The audit of a correlated-noise strategy over ``len(matrix)`` rounds (banded MF, BLT).
+
+    Each repetition runs a fresh strategy from ``make`` with fresh privacy randomness; client
+    ``first`` replies ``update`` (present) or fails (absent), every other client replies the model
+    it received. The statistic: the per-round noisy sums along the update's direction, whitened by
+    the public ``matrix`` and projected on ``signature`` (``matrix`` times the client's rounds).
+    """
+    direction = update / np.linalg.norm(update)
+
     def released(fresh: Any, present: bool) -> float:
         current, sums = start, []
-        for t in range(1, 4):
+        for t in range(1, len(matrix) + 1):
             replies = []
             for m in fresh.configure_train(t, current, ConfigRecord(), grid=None):
                 if int(m.metadata.dst_node_id) - 1000 == first:
@@ -486,12 +517,9 @@ def dp_bandmf_audit(tmp_path: Path, held: dict[int, ClientDataset], trials: int)
         return float((matrix @ np.asarray(sums)) @ signature)
 
     outputs = [
-        np.asarray(
-            [released(reseeded(STRATEGIES.get("dp_bandmf")(run), 2 * k + w), w == 0) for k in range(trials)]
-        )
-        for w in range(2)
+        np.asarray([released(reseeded(make(), 2 * k + w), w == 0) for k in range(trials)]) for w in range(2)
     ]
-    reporter = reseeded(STRATEGIES.get("dp_bandmf")(run), 99_999)
+    reporter = reseeded(make(), 99_999)
     released(reporter, True)
     return Audited(audit(*outputs, delta=run.settings.privacy.delta), float(reporter.epsilon().epsilon))
 

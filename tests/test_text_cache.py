@@ -20,7 +20,7 @@ import pytest
 
 from fl_app.data.sources import DataFileError
 from fl_app.data.text import corpus_path, load_text_corpus, text_source
-from tests.text_corpora import styled_rows, write_rows
+from tests.text_corpora import styled_rows, words_options, write_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 #: A bound only: how long the held command may take to import, check and reach the held conversion.
@@ -33,27 +33,6 @@ def data_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "home"
     monkeypatch.setenv("DPFL_DATA_HOME", str(home))
     return home
-
-
-def words_options(path: Path, **extra: object) -> dict:
-    options = {
-        "name": "stackoverflow",
-        "path": str(path),
-        "split": "train",
-        "test_split": None,
-        "test_fraction": 0.25,
-        "text_column": "tokens",
-        "target_column": None,
-        "level": "word",
-        "vocab_size": 25,
-        "vocabulary": None,
-        "sequence_length": 20,
-        "max_sequences_per_user": None,
-        "accuracy_without_oov": True,
-        "revision": None,
-    }
-    options.update(extra)
-    return options
 
 
 def converted(tmp_path: Path, users: int = 12, seed: int = 0) -> tuple[object, Path, np.ndarray]:

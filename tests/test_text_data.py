@@ -26,6 +26,7 @@ from tests.text_corpora import (
     encode_example,
     styled_rows,
     windows,
+    words_options,
     write_rows,
     write_tff_sqlite,
 )
@@ -39,27 +40,6 @@ def data_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     home = tmp_path / "home"
     monkeypatch.setenv("DPFL_DATA_HOME", str(home))
     return home
-
-
-def words_options(path: Path, **extra: object) -> dict:
-    options = {
-        "name": "stackoverflow",
-        "path": str(path),
-        "split": "train",
-        "test_split": None,
-        "test_fraction": 0.25,
-        "text_column": "tokens",
-        "target_column": None,
-        "level": "word",
-        "vocab_size": 25,
-        "vocabulary": None,
-        "sequence_length": LENGTH,
-        "max_sequences_per_user": None,
-        "accuracy_without_oov": True,
-        "revision": None,
-    }
-    options.update(extra)
-    return options
 
 
 def held_out_oracle(rows: list[tuple[str, str]], fraction: float) -> set[str]:

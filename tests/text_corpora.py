@@ -226,3 +226,25 @@ def text_networks() -> tuple[type, type]:
 
 
 TenTokens, EightTokensLong = text_networks()
+
+
+def words_options(path: Path, **extra: object) -> dict:
+    """The word-level text data set options of a corpus file at ``path``, updated by ``extra``."""
+    options = {
+        "name": "stackoverflow",
+        "path": str(path),
+        "split": "train",
+        "test_split": None,
+        "test_fraction": 0.25,
+        "text_column": "tokens",
+        "target_column": None,
+        "level": "word",
+        "vocab_size": 25,
+        "vocabulary": None,
+        "sequence_length": 20,
+        "max_sequences_per_user": None,
+        "accuracy_without_oov": True,
+        "revision": None,
+    }
+    options.update(extra)
+    return options
