@@ -91,3 +91,18 @@ def test_progress_bars_only_for_a_person_at_a_terminal(monkeypatch):
             assert progress.failures() == ["job failed (seed=2): boom"]
         finally:
             progress.remove()
+
+
+def test_an_accuracy_no_target_counted_is_not_called_divergence_and_no_best_round_is_said_so():
+    from fl_app.run.text import accuracy_text, finished_line
+
+    nan = float("nan")
+    assert accuracy_text(nan, 0.43) == "- (no target counted)"  # a vocabulary of no words
+    assert accuracy_text(nan, nan) == "nan (diverged?)"
+    assert accuracy_text(0.25, 1.2) == "0.25" and accuracy_text(None, None) == "-"
+    final = {"wall_s": 10, "accuracy": None, "best_accuracy": None, "best_round": None}
+    line = finished_line({"final": final, "rounds": [{}]}, "not private", Path("/out"), "")
+    assert "final accuracy - (no round gave an accuracy), not private" in line and "None" not in line
+    final = {"wall_s": 10, "accuracy": 0.5, "best_accuracy": 0.6, "best_round": 3}
+    line = finished_line({"final": final, "rounds": [{}] * 4}, "not private", Path("/out"), "")
+    assert "final accuracy 0.5 (best 0.6 in round 3), not private" in line

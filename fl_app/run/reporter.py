@@ -32,7 +32,7 @@ from fl_app.run.checkpoint import (
 from fl_app.run.log import withheld_from_file
 from fl_app.run.results import RunRecorder, write_json
 from fl_app.run.round_loop import check_round
-from fl_app.run.text import epsilon_text, fmt, format_duration, interactive, progress_bar
+from fl_app.run.text import accuracy_text, epsilon_text, fmt, format_duration, interactive, progress_bar
 from strategies.contract import Strategy
 from strategies.reporting import RoundReport
 
@@ -314,7 +314,7 @@ class RoundReporter:
         line = (
             f"dpfl round {server_round}/{total}: "
             f"{progress_bar(server_round, total) + ' ' if interactive() else ''}"
-            f"accuracy {fmt(record['accuracy'])}, loss {fmt(record['loss'])}, "
+            f"accuracy {accuracy_text(record['accuracy'], record['loss'])}, loss {fmt(record['loss'])}, "
             f"{epsilon_text(record['epsilon'], self.strategy.run.settings.privacy.delta)}"
         )
         remaining = self.clock.remaining(server_round, total)

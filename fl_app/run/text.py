@@ -34,6 +34,18 @@ def fmt(value: float | None, missing: str = "-") -> str:
     return f"{value:.4g}"
 
 
+def accuracy_text(accuracy: float | None, loss: float | None) -> str:
+    """An accuracy as :func:`fmt` says it; a NaN beside a finite loss is no counted target, not divergence.
+
+    A next-token evaluation counts no target when every test target is one its accuracy leaves out
+    (unknown or end of sentence: a vocabulary of no words), and its accuracy is then NaN.
+    """
+    nan = isinstance(accuracy, float) and math.isnan(accuracy)
+    if nan and loss is not None and not math.isnan(loss):
+        return "- (no target counted)"
+    return fmt(accuracy)
+
+
 def progress_bar(done: int, total: int, *, width: int = 20) -> str:
     """``[########------------]``: ``done`` of ``total`` as a bar of ``width`` cells."""
     filled = 0 if total <= 0 else min(width, round(width * done / total))
@@ -53,10 +65,14 @@ def format_duration(seconds: float) -> str:
 def finished_line(results: dict[str, Any], privacy: str, output_dir: Path, failures: str) -> str:
     """The last line of a completed run (``failures``: what to say about failed clients, or "")."""
     final = results["final"]
+    best = (
+        f" (best {fmt(final['best_accuracy'])} in round {final['best_round']})"
+        if final["best_round"] is not None
+        else " (no round gave an accuracy)"
+    )
     return (
         f"dpfl: finished {len(results['rounds'])} rounds in {format_duration(final['wall_s'])}{failures}; "
-        f"final accuracy {fmt(final['accuracy'])} (best {fmt(final['best_accuracy'])} in round "
-        f"{final['best_round']}), {privacy}; results in {output_dir}"
+        f"final accuracy {fmt(final['accuracy'])}{best}, {privacy}; results in {output_dir}"
     )
 
 
