@@ -171,6 +171,17 @@ def pfl_research_hdf5(sqlite: Path, words: list[str], length: int, folder: Path,
     return folder / "stackoverflow.hdf5"
 
 
+def write_metadata(h5: Any, ids: dict[str, int], length: int) -> None:
+    """``/metadata`` as ``download_preprocess.py`` writes it: words at ``ids`` (1..k), pad 0, unk k+1..."""
+    k = len(ids)
+    h5["/metadata/vocabulary_size"] = k + 4
+    h5["/metadata/unk_symbol"] = k + 1
+    h5["/metadata/pad_symbol"] = 0
+    h5["/metadata/max_sequence_length"] = length
+    for token, id_ in [("PAD", 0), *ids.items(), ("UNK", k + 1), ("BOS", k + 2), ("EOS", k + 3)]:
+        h5.create_dataset(f'/metadata/vocabulary/"{token}"', data=id_, dtype="int32")
+
+
 def independent_hdf5(sqlite: Path, words: list[str], length: int, folder: Path) -> Path:
     """The HDF5 of ``download_preprocess.py`` written by TFF's definition in plain Python (no TensorFlow).
 
@@ -186,18 +197,7 @@ def independent_hdf5(sqlite: Path, words: list[str], length: int, folder: Path) 
     folder.mkdir(parents=True, exist_ok=True)
     connection = sqlite3.connect(f"file:{sqlite}?mode=ro", uri=True)
     with h5py.File(path, "w") as h5:
-        h5["/metadata/vocabulary_size"] = k + 4
-        h5["/metadata/unk_symbol"] = k + 1
-        h5["/metadata/pad_symbol"] = 0
-        h5["/metadata/max_sequence_length"] = length
-        for token, id_ in [
-            ("PAD", 0),
-            *((w, i) for w, i in ids.items()),
-            ("UNK", k + 1),
-            ("BOS", k + 2),
-            ("EOS", k + 3),
-        ]:
-            h5.create_dataset(f'/metadata/vocabulary/"{token}"', data=id_, dtype="int32")
+        write_metadata(h5, ids, length)
         for split, users in split_users(sqlite).items():
             partition = "val" if split == "heldout" else split
             for user in users:
@@ -493,20 +493,8 @@ def hdf5_from_tokens_command(args: argparse.Namespace) -> dict[str, Any]:
 
     meta = json.loads((args.folder / "meta.json").read_text())
     words, length = meta["vocabulary"], int(meta["sequence_length"])
-    k = len(words)
     with h5py.File(args.out, "w") as h5:
-        h5["/metadata/vocabulary_size"] = k + 4
-        h5["/metadata/unk_symbol"] = k + 1
-        h5["/metadata/pad_symbol"] = 0
-        h5["/metadata/max_sequence_length"] = length
-        for token, id_ in [
-            ("PAD", 0),
-            *((w, i + 1) for i, w in enumerate(words)),
-            ("UNK", k + 1),
-            ("BOS", k + 2),
-            ("EOS", k + 3),
-        ]:
-            h5.create_dataset(f'/metadata/vocabulary/"{token}"', data=id_, dtype="int32")
+        write_metadata(h5, {w: i + 1 for i, w in enumerate(words)}, length)
         counts: dict[str, dict[str, int]] = {}
         for split, partitions in (("train", ("train",)), ("test", ("val", "test"))):
             offsets = np.load(args.folder / f"{split}_offsets.npy")
