@@ -63,7 +63,7 @@ def test_fixed_noise_is_said_with_the_epsilon_its_planned_rounds_reach(case, tmp
     fixed = strategy.planned_noise()  # what the header says, before round 1
     assert fixed is not None and fixed.rounds == 4
     text = strategy.budget_text()
-    assert text.startswith(f"noise fixed by {fixed.setting}, not calibrated to privacy.epsilon=8: ")
+    assert text.startswith(f"noise fixed by {fixed.setting}, not calibrated to the training's epsilon=8: ")
     assert f"the 4 planned rounds reach epsilon={fixed.planned_epsilon:.4g} at delta=1e-05" in text
     assert "budget epsilon" not in text
     run_rounds(strategy, 4)
@@ -115,7 +115,7 @@ def test_a_preset_with_fixed_noise_says_so_in_its_header_and_results(simulate):
     log = (Path(results["_output_dir"]) / "run.log").read_text()
     (header,) = [line for line in log.splitlines() if "└──> privacy:" in line]
     assert (
-        "noise fixed by strategy.noise_multiplier=0.067, not calibrated to privacy.epsilon=8: the 1 "
+        "noise fixed by strategy.noise_multiplier=0.067, not calibrated to the training's epsilon=8: the 1 "
         in header
     )
     assert f"planned rounds reach epsilon={fixed['planned_epsilon']:.4g}" in header

@@ -70,7 +70,7 @@ class FixedNoise:
             "no finite epsilon" if self.planned_epsilon is None else f"epsilon={self.planned_epsilon:.4g}"
         )
         return (
-            f"noise fixed by {self.setting}, not calibrated to privacy.epsilon={epsilon:g}: the "
+            f"noise fixed by {self.setting}, not calibrated to the training's epsilon={epsilon:g}: the "
             f"{self.rounds} planned rounds reach {reached} at delta={delta:g}"
         )
 
