@@ -12,7 +12,9 @@ which wrote it from the runs' ``results.json`` files:
   (the central arms' command and the reference, kept with ``benchmarks/keep_runs.py``), and its second
   table, ``docs/benchmarks/cross_device/untrusted/report.md`` (the distributed and local arms' command,
   kept in ``cross_device/untrusted/runs``), and ``docs/benchmarks/cross_device/blt_check/report.md``
-  (banded MF and DP-FTRL again on DP-BLT's code version, kept in ``cross_device/blt_check/runs``);
+  (banded MF and DP-FTRL again on DP-BLT's code version, kept in ``cross_device/blt_check/runs``), and
+  ``docs/benchmarks/cross_device/bandmf_server_lr1/report.md`` (banded MF's rows under its earlier rule,
+  DP-FedAvg's server step, kept in ``cross_device/bandmf_server_lr1/runs``);
 * ``docs/benchmarks/record_level.md`` with ``docs/benchmarks/record_level/report.md``:
   ``python -m fl_app.report <sweep dir> --out docs/benchmarks/record_level``;
 * ``docs/benchmarks/empirical_privacy.md`` with ``docs/benchmarks/empirical_privacy/report.md``:
@@ -232,11 +234,14 @@ HEADLINE_REPORTS = (PAGES / "cross_device" / "report.md", PAGES / "cross_device"
 HEADLINE_EPSILON = "8"
 #: Pages whose table ``python -m fl_app.report`` makes from the runs kept in ``<page>/runs``
 #: (benchmarks/keep_runs.py), with the number of jobs of the commands that made them (one command per
-#: page but the central arms': the preset's 96 jobs and the reference's 3 on a53bc25, DP-BLT's 24 on cf70b82).
+#: page but the central arms': the preset's 84 jobs and the reference's 3 on a53bc25, DP-BLT's 24 on cf70b82,
+#: banded MF's 12 on 7979a94 after its rule was tuned over DP-BLT's grid; its earlier 12 kept in
+#: ``cross_device/bandmf_server_lr1``).
 KEPT_RUN_PAGES = {
     "cross_device": 123,
     "cross_device/untrusted": 36,
     "cross_device/blt_check": 12,
+    "cross_device/bandmf_server_lr1": 12,
     "banded_mf": 36,
     "record_level": 36,
     "record_level/untuned": 24,
