@@ -907,12 +907,20 @@ def initial_weights(overrides: Sequence[str], path: Path) -> int:
 
 
 def lm_learning(
-    work: Path, sizes: Sizes, src: dict[str, Any], hdf5: Path, train_users: int
+    work: Path,
+    sizes: Sizes,
+    src: dict[str, Any],
+    hdf5: Path,
+    train_users: int,
+    seeds: Sequence[int] | None = None,
 ) -> dict[str, Any]:
-    """pfl-research's scaled LM configuration and dpfl's, interleaved per seed, from the same weights."""
+    """pfl-research's scaled LM configuration and dpfl's, interleaved per seed, from the same weights.
+
+    ``seeds``: default ``1..sizes.seeds``.
+    """
     corpus, runs = work / "corpus", work / "learning_lm"
     out: dict[str, Any] = {"pfl": [], "dpfl": [], "commands": {}}
-    for seed in range(1, sizes.seeds + 1):
+    for seed in seeds if seeds is not None else range(1, sizes.seeds + 1):
         overrides = lm_overrides(corpus, sizes, seed, train_users)
         init = runs / f"init-{seed}"
         init.mkdir(parents=True, exist_ok=True)
@@ -1180,6 +1188,54 @@ def image_seeds(args: argparse.Namespace) -> dict[str, Any]:
         KEPT.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(work / "image_seeds.png", KEPT / "image_seeds.png")
         (KEPT / "image_seeds.json").write_text(json.dumps(jsonable(result), indent=1))
+    return result
+
+
+#: The accuracy that marks an LM run's leaving the unigram plateau (0.05-0.06; both sides settle at 0.37).
+PLATEAU_EXIT = 0.2
+
+
+def lm_seeds(args: argparse.Namespace) -> dict[str, Any]:
+    """``lm-seeds``: the ``--full`` LM task over seeds 1..N (seeds 1-3 from the ``--full`` record).
+
+    Per seed and side, the first round both sides evaluate at which the accuracy is at or above
+    :data:`PLATEAU_EXIT`; the paired differences per round (:func:`paired_seeds`) and the overlap;
+    the plot with both bands.
+    """
+    work = (args.out or ROOT / "outputs" / "pfl_crosscheck" / "full").resolve()
+    record = json.loads((work / "record.json").read_text())
+    hdf5 = work / "pfl_so" / "stackoverflow.hdf5"
+    if not hdf5.exists():
+        raise SystemExit(f"{hdf5} is missing: run --full first (its tokens check writes it)")
+    src = sources(args, work)
+    known = record["learning"]["lm"]
+    train_users = len(sqlite_users(work / "corpus" / "so.sqlite").get("train", []))
+    more = lm_learning(work, FULL, src, hdf5, train_users, range(len(known["pfl"]) + 1, args.seeds + 1))
+    lm = {side: [*known[side], *more[side]] for side in ("pfl", "dpfl")}
+
+    common = set(lm["dpfl"][0]["round"]) & set(lm["pfl"][0]["round"])  # dpfl evaluates every 10th
+
+    def exit_round(run: dict[str, Any]) -> int | None:
+        pairs = zip(run["round"], run["accuracy"], strict=True)
+        return next((r for r, a in pairs if r in common and a >= PLATEAU_EXIT), None)
+
+    result = {
+        "seeds": args.seeds,
+        "plateau_exit": {side: [exit_round(run) for run in lm[side]] for side in ("pfl", "dpfl")},
+        "paired": paired_seeds(lm),
+        "overlap": overlap(lm["dpfl"], lm["pfl"]),
+    }
+    (work / "lm_seeds.json").write_text(json.dumps(jsonable(result), indent=1))
+    plot(
+        f"Stack Overflow-shaped LM, DP, {args.seeds} paired seeds",
+        lm,
+        work / "lm_seeds.png",
+        "next-word accuracy (pad and unknown left out)",
+    )
+    if args.write_doc:
+        KEPT.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(work / "lm_seeds.png", KEPT / "lm_seeds.png")
+        (KEPT / "lm_seeds.json").write_text(json.dumps(jsonable(result), indent=1))
     return result
 
 
@@ -1930,7 +1986,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "command", nargs="?", choices=["run", "fixtures", "doc", "image-seeds"], default="run"
+        "command", nargs="?", choices=["run", "fixtures", "doc", "image-seeds", "lm-seeds"], default="run"
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="a small corpus and short runs (minutes)")
@@ -1947,16 +2003,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--google-federated", type=Path, default=None, help="google-research/federated checkout or git dir"
     )
-    parser.add_argument("--seeds", type=int, default=16, help="image-seeds: paired seeds 1..N")
+    parser.add_argument("--seeds", type=int, default=16, help="image-seeds, lm-seeds: paired seeds 1..N")
     parser.add_argument("--rounds", type=int, default=20, help="image-seeds: rounds, each evaluated")
     parser.add_argument(
         "--write-doc",
         action="store_true",
-        help="image-seeds: keep its plot in docs/benchmarks/pfl_crosscheck/",
+        help="image-seeds, lm-seeds: keep the plot and summary in docs/benchmarks/pfl_crosscheck/",
     )
     args = parser.parse_args(argv)
     if args.command == "image-seeds":
         print(json.dumps(jsonable(image_seeds(args))))
+        return 0
+    if args.command == "lm-seeds":  # after a --full run: more seeds of its LM task
+        print(json.dumps(jsonable(lm_seeds(args))))
         return 0
     if args.command == "fixtures":
         print(json.dumps(fixtures()))
