@@ -475,11 +475,12 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         )
         for e in (1, 2, 4, 8)
     }
-    assert {e: (c.num_rounds, c.local_epochs, c.strategy.bands) for e, c in bandmf.items()} == {
-        1: (50, 5, "auto"),
-        2: (50, 5, "auto"),
-        4: (100, 5, "auto"),
-        8: (200, 5, "auto"),
+    assert {(c.strategy.server_momentum, c.strategy.bands) for c in bandmf.values()} == {(0.9, "auto")}
+    assert {e: (c.num_rounds, c.local_epochs, c.strategy.server_lr) for e, c in bandmf.items()} == {
+        1: (100, 5, 0.05),
+        2: (100, 5, 0.05),
+        4: (100, 5, 0.1),
+        8: (200, 5, 0.1),
     }
     arm = ["+experiment=compare_cross_device", "cross_device=dp_blt"]
     blt = {e: compose_config([*arm, f"privacy.epsilon={e}"]) for e in (1, 2, 4, 8)}
@@ -521,7 +522,7 @@ def test_compare_cross_device_sweeps_each_arm_by_its_own_rule():
         "dp_fedavg": (100, 30, None),
         "dp_fedavg_adaptive": (100, 100, None),
         "dp_ftrl": (100, 100, None),
-        "dp_bandmf": (100, 50, None),  # Poisson within public groups (strategy.bands=auto)
+        "dp_bandmf": (100, 100, None),  # Poisson within public groups (strategy.bands=auto)
         "dp_blt": (100, 100, None),  # public cyclic groups of 100 (no sampling)
         "dp_fedavg_secagg": (100, 30, None),  # its balanced schedule is built in (no key)
         "fedavg_ldp": (10, 100, "balanced"),  # one report per client: the whole budget on it
