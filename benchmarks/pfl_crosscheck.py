@@ -1208,6 +1208,7 @@ def lm_seeds(args: argparse.Namespace) -> dict[str, Any]:
     if not hdf5.exists():
         raise SystemExit(f"{hdf5} is missing: run --full first (its tokens check writes it)")
     src = sources(args, work)
+    os.environ["DPFL_DATA_HOME"] = str(work / "dpfl_home")  # conversions stay in the work folder
     known = record["learning"]["lm"]
     train_users = len(sqlite_users(work / "corpus" / "so.sqlite").get("train", []))
     more = lm_learning(work, FULL, src, hdf5, train_users, range(len(known["pfl"]) + 1, args.seeds + 1))

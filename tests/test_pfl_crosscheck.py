@@ -191,3 +191,17 @@ def test_pfl_central_adam_steps_as_torch_adam_with_the_warm_up(monkeypatch: pyte
         schedule.step()
         np.testing.assert_allclose(current, parameter.detach().numpy(), rtol=1e-5, atol=1e-7)
     assert not np.allclose(current, start)  # the first step is at rate 0, the others move
+
+
+def test_a_run_of_one_stage_keeps_the_other_stages_of_the_same_sizes(tmp_path: Path) -> None:
+    from dataclasses import asdict
+
+    from benchmarks.pfl_crosscheck import FULL, STAGES, earlier_stages
+
+    stages = {stage: {"equal": True, "of": stage} for stage in STAGES if stage != "cost"}
+    (tmp_path / "record.partial.json").write_text(json.dumps({"sizes": asdict(QUICK), **stages}))
+    kept = earlier_stages(tmp_path, QUICK, {"cost"})
+    assert kept == stages  # every stage but the one run again
+    assert earlier_stages(tmp_path, QUICK, {"cost", "learning"}).keys() == stages.keys() - {"learning"}
+    assert earlier_stages(tmp_path, FULL, {"cost"}) == {}  # another run's sizes: nothing taken
+    assert earlier_stages(tmp_path, QUICK, set(STAGES)) == {}  # a whole run takes nothing
