@@ -1240,6 +1240,84 @@ def lm_seeds(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def lm_update_check(args: argparse.Namespace) -> dict[str, Any]:
+    """``lm-update``: one local update of the LM task's first training users, pfl's SGD against dpfl's.
+
+    The ``--full`` run's seed-1 initial weights and HDF5; pfl-research's own training code
+    (``lm-update`` of the pfl side) and dpfl's ``train_local``, the same example order, dropout off on
+    both sides; per user the update's norm and the largest difference.
+    """
+    import torch
+
+    from fl_app.learning.models import build_model
+    from fl_app.learning.sequence import mark_next_token
+    from fl_app.learning.training import train_local
+
+    work = (args.out or ROOT / "outputs" / "pfl_crosscheck" / "full").resolve()
+    src = sources(args, work)
+    weights = work / "learning_lm" / "init-1" / "dpfl.npz"
+    theirs_path = work / "lm_updates_pfl.npz"
+    pfl_side(
+        "lm-update",
+        "--pfl-research",
+        str(src["pfl_research"]["benchmarks"]),
+        "--hdf5",
+        str(work / "pfl_so" / "stackoverflow.hdf5"),
+        "--weights",
+        str(weights),
+        "--users",
+        str(args.seeds),
+        "--out",
+        str(theirs_path),
+    )
+    theirs, start = np.load(theirs_path), np.load(weights)
+    torch.set_num_threads(1)
+    rows = []
+    for index in range(args.seeds):
+        tokens, order = theirs[f"{index}/rows"], theirs[f"{index}/order"]
+        network = build_model("pfl_transformer", (tokens.shape[1] - 1,), start["_embeddings.weight"].shape[0])
+        mark_next_token(network, ())  # the loss over non-pad targets, as a text run's network has it
+        for module in network.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        state = network.state_dict()
+        network.load_state_dict(
+            {k: torch.from_numpy(start[k]) if k in start.files else v for k, v in state.items()}
+        )
+        initial = {k: v.detach().clone() for k, v in network.state_dict().items()}
+        train_local(
+            network,
+            tokens[:, :-1],
+            tokens[:, 1:],
+            epochs=1,
+            batch_size=16,
+            lr=0.3,
+            order=order[None, :],
+            dropout_seed=0,
+        )
+        mine = {k: (v - initial[k]).numpy() for k, v in network.state_dict().items() if k in start.files}
+        names = [k for k in mine if f"{index}/update/{k}" in theirs.files]
+        norm = float(np.sqrt(sum(np.square(mine[k], dtype=np.float64).sum() for k in names)))
+        their_norm = float(
+            np.sqrt(sum(np.square(theirs[f"{index}/update/{k}"], dtype=np.float64).sum() for k in names))
+        )
+        rows.append(
+            {
+                "user": index,
+                "sentences": len(tokens),
+                "norm_dpfl": norm,
+                "norm_pfl": their_norm,
+                "max_difference": max(
+                    float(np.abs(mine[k] - theirs[f"{index}/update/{k}"]).max()) for k in names
+                ),
+                "compared": len(names),
+            }
+        )
+    result = {"users": rows, "max_difference": max(r["max_difference"] for r in rows)}
+    (work / "lm_update.json").write_text(json.dumps(jsonable(result), indent=1))
+    return result
+
+
 def bands(runs: Sequence[dict[str, Any]]) -> dict[int, list[float]]:
     """Each evaluated round's accuracies over the seeds (rounds every seed evaluated)."""
     per: dict[int, list[float]] = {}
@@ -1987,7 +2065,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "command", nargs="?", choices=["run", "fixtures", "doc", "image-seeds", "lm-seeds"], default="run"
+        "command",
+        nargs="?",
+        choices=["run", "fixtures", "doc", "image-seeds", "lm-seeds", "lm-update"],
+        default="run",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--quick", action="store_true", help="a small corpus and short runs (minutes)")
@@ -2014,6 +2095,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "image-seeds":
         print(json.dumps(jsonable(image_seeds(args))))
+        return 0
+    if args.command == "lm-update":  # after a --full run: one local update per user (--seeds users)
+        print(json.dumps(jsonable(lm_update_check(args))))
         return 0
     if args.command == "lm-seeds":  # after a --full run: more seeds of its LM task
         print(json.dumps(jsonable(lm_seeds(args))))

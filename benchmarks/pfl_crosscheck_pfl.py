@@ -27,6 +27,7 @@ Subcommands (each prints one JSON object as its last line):
   local training) on an exported partition, through pfl's ``SimulatedBackend`` (``--mechanism``:
   clipping without noise, or neither, for experiments).
 * ``image-update``: one client's local update by pfl's own SGD, for given clients and example orders.
+* ``lm-update``: the same for the LM task's training users, with dropout off on both sides.
 * ``lm-round``: rounds of pfl-research's LM configuration on an HDF5, their times and trained
   sentences (``--progress``: a line appended at each round's end, where the harness reads the CPU).
 """
@@ -717,6 +718,64 @@ def image_update_command(args: argparse.Namespace) -> dict[str, Any]:
     return {"clients": list(args.clients), "out": str(args.out)}
 
 
+def without_dropout(network: Any) -> Any:
+    """``network`` with every dropout off in training mode too (``nn.Dropout`` and attention's)."""
+    import torch
+
+    for module in network.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(module, torch.nn.MultiheadAttention):
+            module.dropout = 0.0
+    return network
+
+
+def lm_update_command(args: argparse.Namespace) -> dict[str, Any]:
+    """``lm-update``: one local update per named training user by pfl's own SGD, dropout off.
+
+    pfl-research's transformer holding ``--weights``; each user's rows (inputs and targets of the
+    HDF5) in the order ``numpy.random.default_rng(index).permutation(n)``; one epoch of SGD as pfl's
+    ``FederatedAveraging.train_one_user`` runs it (``--lr``, ``--batch``). Dropout is switched off so
+    that the two implementations' updates can be compared value by value. Writes each user's rows,
+    order and update to ``--out``.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    from pfl.data.dataset import Dataset
+    from pfl.hyperparam import NNTrainHyperParams
+    from pfl.internal.bridge import FrameworkBridgeFactory
+    from pfl.model.pytorch import PyTorchModel
+
+    meta = read_hdf5(args.hdf5)
+    network = pfl_networks(args.pfl_research, meta["vocabulary_size"], meta["max_sequence_length"])
+    network = without_dropout(network["pfl_transformer"])
+    weights, state = np.load(args.weights), network.state_dict()
+    for key in weights.files:
+        state[key] = torch.from_numpy(weights[key])
+    network.load_state_dict(state)
+    model = PyTorchModel(
+        model=network,
+        local_optimizer_create=torch.optim.SGD,
+        central_optimizer=torch.optim.SGD(network.parameters(), lr=1.0),
+    )
+    params = NNTrainHyperParams(local_learning_rate=args.lr, local_num_epochs=1, local_batch_size=args.batch)
+    users = sorted(meta["partitions"]["train"])[: args.users]
+    arrays: dict[str, np.ndarray] = {}
+    for index, user in enumerate(users):
+        rows = meta["partitions"]["train"][user]
+        order = np.random.default_rng(index).permutation(len(rows))
+        x, y = torch.from_numpy(rows[order, :-1]), torch.from_numpy(rows[order, 1:])
+        initial = model.get_parameters()
+        FrameworkBridgeFactory.sgd_bridge().do_sgd(model, Dataset(raw_data=[x, y]), params)
+        for name, values in model.get_model_difference(initial, clone=True).items():
+            arrays[f"{index}/update/{name}"] = values.detach().numpy()
+        arrays[f"{index}/rows"], arrays[f"{index}/order"] = rows, order
+        model.set_parameters(initial)
+    np.savez(args.out, **arrays)
+    return {"users": len(users), "out": str(args.out)}
+
+
 # --------------------------------------------------------------------------------------------------
 # One language-model round, for its cost
 # --------------------------------------------------------------------------------------------------
@@ -882,6 +941,14 @@ def main(argv: list[str] | None = None) -> int:
     tokens.add_argument("--folder", type=Path, required=True)
     tokens.add_argument("--test-users", type=int, default=200)
     tokens.add_argument("--out", type=Path, required=True)
+    lm_update = sub.add_parser("lm-update")
+    lm_update.add_argument("--pfl-research", type=Path, required=True)
+    lm_update.add_argument("--hdf5", type=Path, required=True)
+    lm_update.add_argument("--weights", type=Path, required=True)
+    lm_update.add_argument("--users", type=int, default=20)
+    lm_update.add_argument("--lr", type=float, default=0.3)
+    lm_update.add_argument("--batch", type=int, default=16)
+    lm_update.add_argument("--out", type=Path, required=True)
     update = sub.add_parser("image-update")
     update.add_argument("--pfl-research", type=Path, required=True)
     update.add_argument("--data", type=Path, required=True)
@@ -930,6 +997,7 @@ def main(argv: list[str] | None = None) -> int:
         "hdf5-from-tokens": hdf5_from_tokens_command,
         "image-run": image_run_command,
         "image-update": image_update_command,
+        "lm-update": lm_update_command,
         "lm-round": lm_round_command,
     }
     print(json.dumps(commands[args.command](args)), flush=True)
