@@ -159,6 +159,16 @@ def no_sweep_state_left() -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
+def no_stop_request_left() -> Iterator[None]:
+    """Clear the process's stop request after each test: one a test made (a signal it raised) would
+    otherwise decide what a later test in the same worker sees (its signal number, an early stop)."""
+    from fl_app.run import lifecycle
+
+    yield
+    lifecycle.clear_stop()
+
+
+@pytest.fixture(autouse=True)
 def task_identity() -> Iterator[None]:
     """Give this process a Flower task identity (as the simulation does) so Messages can be built."""
     with engine_task_identity(run_id=77):

@@ -178,6 +178,13 @@ def as_requested_stop(stop: RunStopped) -> RunStopped:
     return RunInterrupted(signum) if isinstance(stop, RunFailed) and signum is not None else stop
 
 
+def clear_stop() -> None:
+    """Forget any stop request and the signals taken (a new run in this process starts clean)."""
+    STOP.clear()
+    _signal_received.clear()
+    _signals_handled.clear()
+
+
 def request_stop(signum: int) -> None:
     """Ask the running simulation to stop (what the signal handler does)."""
     if not _signal_received:
@@ -219,9 +226,7 @@ def stop_on_signals() -> Iterator[None]:
     on_main = threading.current_thread() is threading.main_thread()
     previous: dict[int, Any] = {}
     if on_main:
-        STOP.clear()
-        _signal_received.clear()
-        _signals_handled.clear()
+        clear_stop()
         previous = {sig: signal.signal(sig, _handler) for sig in (signal.SIGINT, signal.SIGTERM)}
     DRIVER.set()
     done = threading.Event()
