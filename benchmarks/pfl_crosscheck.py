@@ -1107,6 +1107,30 @@ def paired_seeds(image: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def l2_norm(arrays: Sequence[np.ndarray]) -> float:
+    """The L2 norm of ``arrays`` taken as one vector (in float64)."""
+    return float(np.sqrt(sum(np.square(a, dtype=np.float64).sum() for a in arrays)))
+
+
+def keep_summary(
+    work: Path,
+    name: str,
+    result: dict[str, Any],
+    curves: dict[str, Any],
+    title: str,
+    ylabel: str,
+    *,
+    kept: bool,
+) -> None:
+    """``<work>/<name>.json`` and ``<name>.png`` (both sides' bands); with ``kept``, both beside the page."""
+    (work / f"{name}.json").write_text(json.dumps(jsonable(result), indent=1))
+    plot(title, curves, work / f"{name}.png", ylabel)
+    if kept:
+        KEPT.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(work / f"{name}.png", KEPT / f"{name}.png")
+        shutil.copyfile(work / f"{name}.json", KEPT / f"{name}.json")
+
+
 def local_update_check(work: Path, src: dict[str, Any], clients: Sequence[int]) -> dict[str, Any]:
     """One local update of each of ``clients`` by pfl and by dpfl's ``train_local``: the largest difference.
 
@@ -1150,9 +1174,7 @@ def local_update_check(work: Path, src: dict[str, Any], clients: Sequence[int]) 
             {
                 "client": client,
                 "examples": len(y),
-                "update_norm": float(
-                    np.sqrt(sum(np.square(v, dtype=np.float64).sum() for v in mine.values()))
-                ),
+                "update_norm": l2_norm(list(mine.values())),
                 "max_difference": max(float(np.abs(mine[n] - theirs[f"{client}/{n}"]).max()) for n in names),
             }
         )
@@ -1177,17 +1199,8 @@ def image_seeds(args: argparse.Namespace) -> dict[str, Any]:
         "overlap": overlap(image["dpfl"], image["pfl"]),
         "local_update": local_update_check(runs, src, clients),
     }
-    (work / "summary.json").write_text(json.dumps(jsonable(result), indent=1))
-    plot(
-        f"Fashion-MNIST, DP-FedAvg, {args.seeds} paired seeds, every round",
-        image,
-        work / "image_seeds.png",
-        "test accuracy",
-    )
-    if args.write_doc:  # the plot and the summary beside the page's other records
-        KEPT.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(work / "image_seeds.png", KEPT / "image_seeds.png")
-        (KEPT / "image_seeds.json").write_text(json.dumps(jsonable(result), indent=1))
+    title = f"Fashion-MNIST, DP-FedAvg, {args.seeds} paired seeds, every round"
+    keep_summary(work, "image_seeds", result, image, title, "test accuracy", kept=args.write_doc)
     return result
 
 
@@ -1226,17 +1239,9 @@ def lm_seeds(args: argparse.Namespace) -> dict[str, Any]:
         "paired": paired_seeds(lm),
         "overlap": overlap(lm["dpfl"], lm["pfl"]),
     }
-    (work / "lm_seeds.json").write_text(json.dumps(jsonable(result), indent=1))
-    plot(
-        f"Stack Overflow-shaped LM, DP, {args.seeds} paired seeds",
-        lm,
-        work / "lm_seeds.png",
-        "next-word accuracy (pad and unknown left out)",
-    )
-    if args.write_doc:
-        KEPT.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(work / "lm_seeds.png", KEPT / "lm_seeds.png")
-        (KEPT / "lm_seeds.json").write_text(json.dumps(jsonable(result), indent=1))
+    title = f"Stack Overflow-shaped LM, DP, {args.seeds} paired seeds"
+    ylabel = "next-word accuracy (pad and unknown left out)"
+    keep_summary(work, "lm_seeds", result, lm, title, ylabel, kept=args.write_doc)
     return result
 
 
@@ -1272,19 +1277,20 @@ def lm_update_check(args: argparse.Namespace) -> dict[str, Any]:
     )
     theirs, start = np.load(theirs_path), np.load(weights)
     torch.set_num_threads(1)
+    length = theirs["0/rows"].shape[1] - 1
+    network = build_model("pfl_transformer", (length,), start["_embeddings.weight"].shape[0])
+    mark_next_token(network, ())  # the loss over non-pad targets, as a text run's network has it
+    for module in network.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    initial = {
+        k: torch.from_numpy(start[k]) if k in start.files else v.detach().clone()
+        for k, v in network.state_dict().items()
+    }
     rows = []
     for index in range(args.seeds):
         tokens, order = theirs[f"{index}/rows"], theirs[f"{index}/order"]
-        network = build_model("pfl_transformer", (tokens.shape[1] - 1,), start["_embeddings.weight"].shape[0])
-        mark_next_token(network, ())  # the loss over non-pad targets, as a text run's network has it
-        for module in network.modules():
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
-        state = network.state_dict()
-        network.load_state_dict(
-            {k: torch.from_numpy(start[k]) if k in start.files else v for k, v in state.items()}
-        )
-        initial = {k: v.detach().clone() for k, v in network.state_dict().items()}
+        network.load_state_dict(initial)
         train_local(
             network,
             tokens[:, :-1],
@@ -1297,16 +1303,12 @@ def lm_update_check(args: argparse.Namespace) -> dict[str, Any]:
         )
         mine = {k: (v - initial[k]).numpy() for k, v in network.state_dict().items() if k in start.files}
         names = [k for k in mine if f"{index}/update/{k}" in theirs.files]
-        norm = float(np.sqrt(sum(np.square(mine[k], dtype=np.float64).sum() for k in names)))
-        their_norm = float(
-            np.sqrt(sum(np.square(theirs[f"{index}/update/{k}"], dtype=np.float64).sum() for k in names))
-        )
         rows.append(
             {
                 "user": index,
                 "sentences": len(tokens),
-                "norm_dpfl": norm,
-                "norm_pfl": their_norm,
+                "norm_dpfl": l2_norm([mine[k] for k in names]),
+                "norm_pfl": l2_norm([theirs[f"{index}/update/{k}"] for k in names]),
                 "max_difference": max(
                     float(np.abs(mine[k] - theirs[f"{index}/update/{k}"]).max()) for k in names
                 ),

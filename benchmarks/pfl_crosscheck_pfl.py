@@ -660,6 +660,35 @@ def image_run_command(args: argparse.Namespace) -> dict[str, Any]:
     return {"final_accuracy": history["accuracy"][-1], "rounds": args.rounds}
 
 
+def local_update(network: Any, *, lr: float, batch: int) -> Any:
+    """``update(x, y)``: one epoch of pfl's SGD from ``network``'s weights, trained minus initial.
+
+    As pfl's ``FederatedAveraging.train_one_user`` runs it (its ``sgd_bridge``); the weights are put
+    back after each update.
+    """
+    import torch
+    from pfl.data.dataset import Dataset
+    from pfl.hyperparam import NNTrainHyperParams
+    from pfl.internal.bridge import FrameworkBridgeFactory
+    from pfl.model.pytorch import PyTorchModel
+
+    model = PyTorchModel(
+        model=network,
+        local_optimizer_create=torch.optim.SGD,
+        central_optimizer=torch.optim.SGD(network.parameters(), lr=1.0),
+    )
+    params = NNTrainHyperParams(local_learning_rate=lr, local_num_epochs=1, local_batch_size=batch)
+
+    def update(x: Any, y: Any) -> dict[str, np.ndarray]:
+        initial = model.get_parameters()
+        FrameworkBridgeFactory.sgd_bridge().do_sgd(model, Dataset(raw_data=[x, y]), params)
+        difference = model.get_model_difference(initial, clone=True)
+        model.set_parameters(initial)
+        return {name: values.detach().numpy() for name, values in difference.items()}
+
+    return update
+
+
 def image_update_command(args: argparse.Namespace) -> dict[str, Any]:
     """``image-update``: one local update per named client by pfl's own SGD (its ``sgd_bridge``).
 
@@ -672,10 +701,6 @@ def image_update_command(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     use_benchmarks(args.pfl_research)
     from model.pytorch.metrics import image_classification_loss, image_classification_metrics
-    from pfl.data.dataset import Dataset
-    from pfl.hyperparam import NNTrainHyperParams
-    from pfl.internal.bridge import FrameworkBridgeFactory
-    from pfl.model.pytorch import PyTorchModel
 
     archive = np.load(args.data)
     x_all = archive["x"].astype(np.float32) / np.float32(255.0)
@@ -699,21 +724,13 @@ def image_update_command(args: argparse.Namespace) -> dict[str, Any]:
     )
     network.loss = types.MethodType(image_classification_loss, network)
     network.metrics = types.MethodType(image_classification_metrics, network)
-    model = PyTorchModel(
-        model=network,
-        local_optimizer_create=torch.optim.SGD,
-        central_optimizer=torch.optim.SGD(network.parameters(), lr=1.0),
-    )
-    params = NNTrainHyperParams(local_learning_rate=args.lr, local_num_epochs=1, local_batch_size=args.batch)
+    update = local_update(network, lr=args.lr, batch=args.batch)
     updates: dict[str, np.ndarray] = {}
     for client in args.clients:
         x, y = x_all[offsets[client] : offsets[client + 1]], y_all[offsets[client] : offsets[client + 1]]
         order = np.random.default_rng(client).permutation(len(y))
-        initial = model.get_parameters()
-        FrameworkBridgeFactory.sgd_bridge().do_sgd(model, Dataset(raw_data=[x[order], y[order]]), params)
-        for name, values in model.get_model_difference(initial, clone=True).items():
-            updates[f"{client}/{name}"] = values.detach().numpy()
-        model.set_parameters(initial)
+        for name, values in update(x[order], y[order]).items():
+            updates[f"{client}/{name}"] = values
     np.savez(args.out, **updates)
     return {"clients": list(args.clients), "out": str(args.out)}
 
@@ -742,10 +759,6 @@ def lm_update_command(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from pfl.data.dataset import Dataset
-    from pfl.hyperparam import NNTrainHyperParams
-    from pfl.internal.bridge import FrameworkBridgeFactory
-    from pfl.model.pytorch import PyTorchModel
 
     meta = read_hdf5(args.hdf5)
     network = pfl_networks(args.pfl_research, meta["vocabulary_size"], meta["max_sequence_length"])
@@ -754,24 +767,16 @@ def lm_update_command(args: argparse.Namespace) -> dict[str, Any]:
     for key in weights.files:
         state[key] = torch.from_numpy(weights[key])
     network.load_state_dict(state)
-    model = PyTorchModel(
-        model=network,
-        local_optimizer_create=torch.optim.SGD,
-        central_optimizer=torch.optim.SGD(network.parameters(), lr=1.0),
-    )
-    params = NNTrainHyperParams(local_learning_rate=args.lr, local_num_epochs=1, local_batch_size=args.batch)
+    update = local_update(network, lr=args.lr, batch=args.batch)
     users = sorted(meta["partitions"]["train"])[: args.users]
     arrays: dict[str, np.ndarray] = {}
     for index, user in enumerate(users):
         rows = meta["partitions"]["train"][user]
         order = np.random.default_rng(index).permutation(len(rows))
         x, y = torch.from_numpy(rows[order, :-1]), torch.from_numpy(rows[order, 1:])
-        initial = model.get_parameters()
-        FrameworkBridgeFactory.sgd_bridge().do_sgd(model, Dataset(raw_data=[x, y]), params)
-        for name, values in model.get_model_difference(initial, clone=True).items():
-            arrays[f"{index}/update/{name}"] = values.detach().numpy()
+        for name, values in update(x, y).items():
+            arrays[f"{index}/update/{name}"] = values
         arrays[f"{index}/rows"], arrays[f"{index}/order"] = rows, order
-        model.set_parameters(initial)
     np.savez(args.out, **arrays)
     return {"users": len(users), "out": str(args.out)}
 
