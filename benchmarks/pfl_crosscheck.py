@@ -800,6 +800,18 @@ def median_after_first(values: Sequence[float | None]) -> float | None:
 # --------------------------------------------------------------------------------------------------
 
 
+#: dpfl's DP-FedAvg around pfl-research's central Adam (lr 0.1, betas 0.9 / 0.99, eps 0.01), as its LM
+#: configuration steps the server (``benchmarks/pfl_central_adam.py``).
+PFL_SERVER_STEP = (
+    "strategy=dp_flower",
+    "strategy.flower=benchmarks.pfl_central_adam:PflCentralAdam",
+    "+strategy.kwargs.eta=0.1",
+    "+strategy.kwargs.beta_1=0.9",
+    "+strategy.kwargs.beta_2=0.99",
+    "+strategy.kwargs.tau=0.01",
+)
+
+
 def lm_overrides(corpus: Path, sizes: Sizes, seed: int, train_users: int) -> list[str]:
     """The overrides of dpfl's run of pfl-research's LM configuration, scaled (check 5 of the docstring)."""
     noise_cohort = round(sizes.lm_cohort * NOISE_COHORT_RATIO)
@@ -816,12 +828,7 @@ def lm_overrides(corpus: Path, sizes: Sizes, seed: int, train_users: int) -> lis
         f"num_clients={train_users}",
         f"clients_per_round={sizes.lm_cohort}",
         "model=pfl_transformer",
-        "strategy=dp_flower",
-        "strategy.flower=benchmarks.pfl_central_adam:PflCentralAdam",
-        "+strategy.kwargs.eta=0.1",
-        "+strategy.kwargs.beta_1=0.9",
-        "+strategy.kwargs.beta_2=0.99",
-        "+strategy.kwargs.tau=0.01",
+        *PFL_SERVER_STEP,
         f"+strategy.kwargs.warmup={warmup_rounds(sizes.lm_rounds)}",
         "strategy.sampling=fixed",
         "strategy.clip=1.0",
@@ -1586,12 +1593,7 @@ def dpfl_cost_command(folder: Path, users: int, sizes: Sizes, seed: int, out: Pa
         f"num_clients={users}",
         f"clients_per_round={sizes.cost_cohort}",
         "model=pfl_transformer",
-        "strategy=dp_flower",
-        "strategy.flower=benchmarks.pfl_central_adam:PflCentralAdam",
-        "+strategy.kwargs.eta=0.1",
-        "+strategy.kwargs.beta_1=0.9",
-        "+strategy.kwargs.beta_2=0.99",
-        "+strategy.kwargs.tau=0.01",
+        *PFL_SERVER_STEP,
         "strategy.sampling=fixed",
         "strategy.clip=1.0",
         f"strategy.noise_cohort_size={round(sizes.cost_cohort * NOISE_COHORT_RATIO)}",

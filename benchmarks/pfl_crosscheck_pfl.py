@@ -537,7 +537,6 @@ def image_run_command(args: argparse.Namespace) -> dict[str, Any]:
     np.random.seed(args.seed)  # noqa: NPY002 - pfl-research's samplers draw from numpy's global state
     torch.manual_seed(args.seed)
     use_benchmarks(args.pfl_research)
-    from model.pytorch.metrics import image_classification_loss, image_classification_metrics
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.aggregate.weighting import WeightByUser
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
@@ -556,28 +555,7 @@ def image_run_command(args: argparse.Namespace) -> dict[str, Any]:
     y_all = archive["y"].astype(np.int64)
     offsets = archive["offsets"]
     users = {str(i): (x_all[a:b], y_all[a:b]) for i, (a, b) in enumerate(itertools.pairwise(offsets))}
-    names = [str(n) for n in archive["param_names"]]
-    initial = {name: torch.from_numpy(archive[f"param_{k}"].copy()) for k, name in enumerate(names)}
-
-    class MLP(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Sequential(
-                torch.nn.Flatten(),
-                torch.nn.Linear(x_all[0].size, 128),
-                torch.nn.ReLU(),
-                torch.nn.Linear(128, 64),
-                torch.nn.ReLU(),
-                torch.nn.Linear(64, 10),
-            )
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.net(x)
-
-    network = MLP()
-    network.load_state_dict(initial)
-    network.loss = types.MethodType(image_classification_loss, network)
-    network.metrics = types.MethodType(image_classification_metrics, network)
+    network = partition_network(archive)
 
     def make_user(uid: str) -> Dataset:
         x, y = users[uid]
@@ -660,6 +638,35 @@ def image_run_command(args: argparse.Namespace) -> dict[str, Any]:
     return {"final_accuracy": history["accuracy"][-1], "rounds": args.rounds}
 
 
+def partition_network(archive: Any) -> Any:
+    """The exported partition's MLP (784-128-64-10) with its initial weights, pfl's image loss and metrics.
+
+    Its parameters are named as dpfl's ``mlp`` names them (``net.1.weight``, ...), as the archive has them.
+    """
+    import torch
+    from model.pytorch.metrics import image_classification_loss, image_classification_metrics
+
+    network = torch.nn.Sequential()
+    network.add_module(
+        "net",
+        torch.nn.Sequential(
+            torch.nn.Flatten(),
+            torch.nn.Linear(int(np.prod(archive["x"].shape[1:])), 128),
+            torch.nn.ReLU(),
+            torch.nn.Linear(128, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 10),
+        ),
+    )
+    names = [str(n) for n in archive["param_names"]]
+    network.load_state_dict(
+        {name: torch.from_numpy(archive[f"param_{k}"].copy()) for k, name in enumerate(names)}
+    )
+    network.loss = types.MethodType(image_classification_loss, network)
+    network.metrics = types.MethodType(image_classification_metrics, network)
+    return network
+
+
 def local_update(network: Any, *, lr: float, batch: int) -> Any:
     """``update(x, y)``: one epoch of pfl's SGD from ``network``'s weights, trained minus initial.
 
@@ -700,30 +707,12 @@ def image_update_command(args: argparse.Namespace) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     use_benchmarks(args.pfl_research)
-    from model.pytorch.metrics import image_classification_loss, image_classification_metrics
 
     archive = np.load(args.data)
     x_all = archive["x"].astype(np.float32) / np.float32(255.0)
     y_all = archive["y"].astype(np.int64)
     offsets = archive["offsets"]
-    names = [str(n) for n in archive["param_names"]]
-    network = torch.nn.Sequential()
-    network.add_module(
-        "net",
-        torch.nn.Sequential(
-            torch.nn.Flatten(),
-            torch.nn.Linear(x_all[0].size, 128),
-            torch.nn.ReLU(),
-            torch.nn.Linear(128, 64),
-            torch.nn.ReLU(),
-            torch.nn.Linear(64, 10),
-        ),
-    )
-    network.load_state_dict(
-        {name: torch.from_numpy(archive[f"param_{k}"].copy()) for k, name in enumerate(names)}
-    )
-    network.loss = types.MethodType(image_classification_loss, network)
-    network.metrics = types.MethodType(image_classification_metrics, network)
+    network = partition_network(archive)
     update = local_update(network, lr=args.lr, batch=args.batch)
     updates: dict[str, np.ndarray] = {}
     for client in args.clients:
