@@ -901,6 +901,18 @@ def pfl_lm_curve(run: Path) -> dict[str, Any]:
     }
 
 
+def completed_lm_runs(
+    pfl_dir: Path, dpfl_dir: Path, sizes: Sizes
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Both sides' curves of an LM seed whose two runs went through all their rounds, else None."""
+    if not (pfl_dir / "metrics.csv").exists() or not (dpfl_dir / "results.json").exists():
+        return None
+    pfl, dpfl = pfl_lm_curve(pfl_dir), dpfl_rounds(dpfl_dir)
+    if len(pfl["round"]) != sizes.lm_rounds or dpfl.get("status") != "completed":  # pfl evaluates every round
+        return None
+    return {"exit": 0, **pfl}, {"exit": 0, **dpfl}
+
+
 def initial_weights(overrides: Sequence[str], path: Path) -> int:
     """The initial model of ``overrides`` (``Strategy.initial_arrays``) as an ``.npz``; the clients."""
     from fl_app.run.harness import run_context_for
@@ -920,14 +932,23 @@ def lm_learning(
     hdf5: Path,
     train_users: int,
     seeds: Sequence[int] | None = None,
+    *,
+    reuse: bool = False,
 ) -> dict[str, Any]:
     """pfl-research's scaled LM configuration and dpfl's, interleaved per seed, from the same weights.
 
-    ``seeds``: default ``1..sizes.seeds``.
+    ``seeds``: default ``1..sizes.seeds``; ``reuse``: a seed whose two runs completed in ``work`` is
+    read back instead of run again.
     """
     corpus, runs = work / "corpus", work / "learning_lm"
     out: dict[str, Any] = {"pfl": [], "dpfl": [], "commands": {}}
     for seed in seeds if seeds is not None else range(1, sizes.seeds + 1):
+        pfl_dir, dpfl_dir = runs / f"pfl-{seed}", runs / f"dpfl-{seed}"
+        done = completed_lm_runs(pfl_dir, dpfl_dir, sizes) if reuse else None
+        if done is not None:
+            out["pfl"].append(done[0])
+            out["dpfl"].append(done[1])
+            continue
         overrides = lm_overrides(corpus, sizes, seed, train_users)
         init = runs / f"init-{seed}"
         init.mkdir(parents=True, exist_ok=True)
@@ -946,13 +967,11 @@ def lm_learning(
             "--out",
             str(init),
         )
-        pfl_dir = runs / f"pfl-{seed}"
         pfl_dir.mkdir(parents=True, exist_ok=True)
         command = pfl_lm_command(src["pfl_research"]["benchmarks"], hdf5, sizes, seed, init)
         env = {"PYTHONPATH": str(src["pfl_research"]["benchmarks"]), "OMP_NUM_THREADS": "1"}
         cost = measured(command, pfl_dir / "log.txt", cwd=pfl_dir, env=env)
         out["pfl"].append({**cost, **(pfl_lm_curve(pfl_dir) if cost["exit"] == 0 else {})})
-        dpfl_dir = runs / f"dpfl-{seed}"
         shutil.rmtree(dpfl_dir, ignore_errors=True)
         dpfl_command = [
             str(DPFL_PYTHON),
@@ -1216,23 +1235,20 @@ PLATEAU_EXIT = 0.2
 
 
 def lm_seeds(args: argparse.Namespace) -> dict[str, Any]:
-    """``lm-seeds``: the ``--full`` LM task over seeds 1..N (seeds 1-3 from the ``--full`` record).
+    """``lm-seeds``: the ``--full`` LM task over seeds 1..N (the seeds already run in its work folder reused).
 
     Per seed and side, the first round both sides evaluate at which the accuracy is at or above
     :data:`PLATEAU_EXIT`; the paired differences per round (:func:`paired_seeds`) and the overlap;
     the plot with both bands.
     """
     work = (args.out or ROOT / "outputs" / "pfl_crosscheck" / "full").resolve()
-    record = json.loads((work / "record.json").read_text())
     hdf5 = work / "pfl_so" / "stackoverflow.hdf5"
     if not hdf5.exists():
         raise SystemExit(f"{hdf5} is missing: run --full first (its tokens check writes it)")
     src = sources(args, work)
     os.environ["DPFL_DATA_HOME"] = str(work / "dpfl_home")  # conversions stay in the work folder
-    known = record["learning"]["lm"]
     train_users = len(sqlite_users(work / "corpus" / "so.sqlite").get("train", []))
-    more = lm_learning(work, FULL, src, hdf5, train_users, range(len(known["pfl"]) + 1, args.seeds + 1))
-    lm = {side: [*known[side], *more[side]] for side in ("pfl", "dpfl")}
+    lm = lm_learning(work, FULL, src, hdf5, train_users, range(1, args.seeds + 1), reuse=True)
 
     common = set(lm["dpfl"][0]["round"]) & set(lm["pfl"][0]["round"])  # dpfl evaluates every 10th
 
